@@ -1,0 +1,105 @@
+"""Every use of JAX internals, in one place.
+
+JAX gives no compatibility promise for the hooks a new primitive needs (batching
+rules, lowering through a host callback, the eager impl) nor for the hooks an
+array-like type needs to be passed to ``jit`` without its data. This module is the
+only one in the package that touches them. ``tests/test_compat.py`` checks every
+name listed in :data:`HOOKS`, so a JAX upgrade that moves one fails loudly there
+rather than somewhere deep in a user's program.
+
+Rules for this module: import each hook once, with the public location first and
+the private one as the fallback; keep a comment saying why the hook is needed;
+and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend.core import Primitive as Primitive
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
+
+JAX_VERSION: tuple[int, ...] = tuple(
+    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()
+)
+
+# --- the primitive -----------------------------------------------------------------
+
+ShapedArray = jax.core.ShapedArray
+register_lowering = _mlir.register_lowering
+primitive_jvps = _ad.primitive_jvps
+primitive_transposes = _ad.primitive_transposes
+
+# `jax.interpreters.mlir` re-exports `emit_python_callback` "temporarily" (jax 0.10);
+# the private home is the fallback for when the re-export goes away.
+try:
+    emit_python_callback: Callable[..., Any] = _mlir.emit_python_callback
+except AttributeError:  # pragma: no cover - depends on the JAX version
+    from jax._src.callback import emit_python_callback  # noqa: F401
+
+# The eager impl compiles the primitive alone and runs it, so eager calls take the
+# same lowering path (one host callback) as jitted ones.
+from jax._src.dispatch import apply_primitive as apply_primitive  # noqa: E402
+
+# Like `pure_callback_p`, the primitive needs devices while lowering so that the
+# callback can be placed in sharded (shard_map, pmap, NamedSharding) programs.
+from jax._src.dispatch import (  # noqa: E402
+    prim_requires_devices_during_lowering as prim_requires_devices_during_lowering,
+)
+
+# The op sharding that `pure_callback` uses: MAXIMAL on one device under automatic
+# sharding, MANUAL inside shard_map, none otherwise.
+from jax._src.callback import (  # noqa: E402
+    _callback_op_sharding as callback_op_sharding,  # noqa: F401
+)
+
+
+def register_batching_rule(prim: Primitive, rule: Callable[..., Any]) -> None:
+    """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
+
+    `jax.interpreters.batching.primitive_batchers` is a shim over the axis-data
+    aware table in jax 0.10; it still calls the classic signature.
+    """
+    _batching.primitive_batchers[prim] = rule
+
+
+def is_batching_rule_registered(prim: Primitive) -> bool:
+    from jax._src.interpreters import batching as _src_batching
+
+    return prim in _src_batching.fancy_primitive_batchers
+
+
+# --- checks --------------------------------------------------------------------------
+
+#: (module, attribute) pairs this package relies on; see tests/test_compat.py.
+HOOKS: list[tuple[str, str]] = [
+    ("jax.extend.core", "Primitive"),
+    ("jax.interpreters.batching", "primitive_batchers"),
+    ("jax._src.interpreters.batching", "fancy_primitive_batchers"),
+    ("jax.interpreters.mlir", "register_lowering"),
+    ("jax.interpreters.mlir", "emit_python_callback"),
+    ("jax.interpreters.ad", "primitive_jvps"),
+    ("jax.interpreters.ad", "primitive_transposes"),
+    ("jax._src.dispatch", "apply_primitive"),
+    ("jax._src.dispatch", "prim_requires_devices_during_lowering"),
+    ("jax._src.callback", "_callback_op_sharding"),
+]
+
+
+def missing_hooks() -> list[str]:
+    """Returns the hooks in :data:`HOOKS` that this JAX no longer provides."""
+    missing = []
+    for module_name, attr in HOOKS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(f"{module_name} (module)")
+            continue
+        if not hasattr(module, attr):
+            missing.append(f"{module_name}.{attr}")
+    return missing

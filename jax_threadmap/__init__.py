@@ -4,11 +4,17 @@ One flat, threaded map per host callback, however deeply it is ``vmap``-ed.
 """
 
 from ._api import threadmap as threadmap
+from ._errors import ExecutorError as ExecutorError
+from ._errors import KernelError as KernelError
+from ._errors import ThreadmapError as ThreadmapError
 from ._primitive import threadmap_p as threadmap_p
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ExecutorError",
+    "KernelError",
+    "ThreadmapError",
     "threadmap",
     "threadmap_p",
 ]

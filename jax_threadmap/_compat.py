@@ -31,6 +31,7 @@ JAX_VERSION: tuple[int, ...] = tuple(
 # --- the primitive -----------------------------------------------------------------
 
 ShapedArray = jax.core.ShapedArray
+JaxRuntimeError = jax.errors.JaxRuntimeError
 register_lowering = _mlir.register_lowering
 primitive_jvps = _ad.primitive_jvps
 primitive_transposes = _ad.primitive_transposes
@@ -44,18 +45,17 @@ except AttributeError:  # pragma: no cover - depends on the JAX version
 
 # The eager impl compiles the primitive alone and runs it, so eager calls take the
 # same lowering path (one host callback) as jitted ones.
+# The op sharding that `pure_callback` uses: MAXIMAL on one device under automatic
+# sharding, MANUAL inside shard_map, none otherwise.
+from jax._src.callback import (  # noqa: E402
+    _callback_op_sharding as callback_op_sharding,  # noqa: F401
+)
 from jax._src.dispatch import apply_primitive as apply_primitive  # noqa: E402
 
 # Like `pure_callback_p`, the primitive needs devices while lowering so that the
 # callback can be placed in sharded (shard_map, pmap, NamedSharding) programs.
 from jax._src.dispatch import (  # noqa: E402
     prim_requires_devices_during_lowering as prim_requires_devices_during_lowering,
-)
-
-# The op sharding that `pure_callback` uses: MAXIMAL on one device under automatic
-# sharding, MANUAL inside shard_map, none otherwise.
-from jax._src.callback import (  # noqa: E402
-    _callback_op_sharding as callback_op_sharding,  # noqa: F401
 )
 
 
@@ -103,3 +103,59 @@ def missing_hooks() -> list[str]:
         if not hasattr(module, attr):
             missing.append(f"{module_name}.{attr}")
     return missing
+
+
+# --- async arrays ----------------------------------------------------------------
+# An `AsyncArray` (jax_threadmap/_async.py) is passed to `jit` without its data:
+# tracing and compilation need only its abstract value, and the wait for the
+# data belongs at execution. JAX has no public hook for such a type, and since
+# jax 0.8 `__jax_array__` is no longer honoured during abstractification (it
+# raises), so three private tables are needed. They have no public location.
+
+# Type -> abstract value, read by `jax.typeof` / `shaped_abstractify` when `jit`
+# traces, so tracing and compiling never touch the data.
+from jax._src.core import pytype_aval_mappings as pytype_aval_mappings  # noqa: E402
+
+# Argument canonicalisation runs before sharding at execution; without a handler
+# an unknown type is rejected as "not a valid JAX type". `None` keeps the value
+# as it is, so that the sharding handler below receives it.
+from jax._src.dtypes import (  # noqa: E402
+    register_canonicalize_value_handler as register_canonicalize_value_handler,
+)
+
+# Type -> function that turns arguments into device buffers. `jit` calls it only
+# when the compiled program runs, after compilation: the place to wait. It
+# delegates to `shard_args`, so resharding and layouts work as for `jax.Array`.
+from jax._src.interpreters.pxla import (  # noqa: E402
+    shard_arg_handlers as shard_arg_handlers,
+)
+from jax._src.interpreters.pxla import shard_args as shard_args  # noqa: E402
+
+
+def register_array_like(
+    cls: type,
+    aval_of: Callable[[Any], Any],
+    arrays_of: Callable[[list[Any]], list[Any]],
+) -> None:
+    """Lets instances of ``cls`` be passed to ``jit`` before their data exists.
+
+    ``aval_of(x)`` returns the abstract value (used to trace and compile);
+    ``arrays_of(xs)`` returns one ``jax.Array`` per ``x`` and is called only when
+    a compiled program runs with them.
+    """
+    pytype_aval_mappings[cls] = aval_of
+    register_canonicalize_value_handler(cls, None)
+
+    def handler(xs, shardings, layouts, copy_semantics):
+        return shard_args(shardings, layouts, copy_semantics, arrays_of(list(xs)))
+
+    shard_arg_handlers[cls] = handler
+
+
+ASYNC_HOOKS: list[tuple[str, str]] = [
+    ("jax._src.core", "pytype_aval_mappings"),
+    ("jax._src.dtypes", "register_canonicalize_value_handler"),
+    ("jax._src.interpreters.pxla", "shard_arg_handlers"),
+    ("jax._src.interpreters.pxla", "shard_args"),
+]
+HOOKS += ASYNC_HOOKS

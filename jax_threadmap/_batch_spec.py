@@ -1,0 +1,76 @@
+"""The batch spec: which vmap levels a `threadmap` equation carries, and where.
+
+A `threadmap` equation starts unbatched. Each `vmap` level that reaches it adds
+one entry: the level's size goes in front of ``shape`` (so ``shape`` lists levels
+outermost first, like the output's leading axes), and every operand records the
+position of that level's axis in its own array, or ``None`` when the operand is
+not mapped at that level. Batched operands are never moved or tiled in the jaxpr;
+the host side reads them through strided (and, for missing levels, zero-stride)
+views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+Axes = tuple[int | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """Batch shape and per-operand batch axes of one `threadmap` equation.
+
+    Attributes:
+        shape: The batch shape, outermost vmap level first.
+        in_axes: One tuple per operand, one entry per level (aligned with
+            ``shape``): the axis of the operand's array that carries that level,
+            or ``None`` where the operand is unbatched at that level.
+    """
+
+    shape: tuple[int, ...]
+    in_axes: tuple[Axes, ...]
+
+    @classmethod
+    def unbatched(cls, num_operands: int) -> BatchSpec:
+        return cls((), ((),) * num_operands)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def grow(self, size: int, dims: Sequence[int | None]) -> BatchSpec:
+        """Returns the spec with one more (outermost) level of ``size``.
+
+        Args:
+            size: The size of the new vmap axis.
+            dims: For each operand, the position of the new axis in the operand
+                as the batching rule receives it (non-negative), or ``None``.
+        """
+        new_axes = []
+        for axes, d in zip(self.in_axes, dims, strict=True):
+            if d is None:
+                new_axes.append((None, *axes))
+            else:
+                shifted = tuple(None if a is None else a + (a >= d) for a in axes)
+                new_axes.append((d, *shifted))
+        return BatchSpec((size, *self.shape), tuple(new_axes))
+
+    def __str__(self) -> str:
+        # Short, readable form for `jax.make_jaxpr`: one entry per operand, ``-``
+        # where the operand is unbatched at that level.
+        def fmt(axes: Axes) -> str:
+            if all(a is None for a in axes):
+                return "-"
+            return "(" + ", ".join("-" if a is None else str(a) for a in axes) + ")"
+
+        ops = ", ".join(fmt(a) for a in self.in_axes)
+        return f"shape={self.shape}, in_axes=[{ops}]"
+
+    __repr__ = __str__

@@ -1,0 +1,162 @@
+"""``threadmap_p``: the primitive and its rules.
+
+One equation per call site, however many ``vmap`` levels wrap it: the batching
+rule rebinds ``threadmap_p`` with the batch spec grown by one level and never
+moves or tiles an operand. The lowering emits one host callback, which runs the
+flat map of :mod:`jax_threadmap._host` on the executor named in the params. The
+eager impl compiles the primitive alone, so both paths run the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from . import _compat
+from ._batch_spec import BatchSpec
+from ._host import FlatMap
+
+threadmap_p = _compat.Primitive("threadmap")
+threadmap_p.multiple_results = True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Kernel:
+    """A user kernel as a primitive param: equal and hashed by the function itself.
+
+    Two ``threadmap`` calls with the same function give equal params, so a jitted
+    function is not recompiled and eager calls hit the compilation cache.
+    """
+
+    fn: Callable[..., Any]
+    name: str
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Kernel) and other.fn is self.fn
+
+    def __hash__(self) -> int:
+        return hash(id(self.fn))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def kernel_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if name is None and isinstance(fn, functools.partial):
+        return f"partial({kernel_name(fn.func)})"
+    return name or type(fn).__name__
+
+
+def _threadmap_abstract_eval(
+    *avals, kernel, result_avals, in_tree, out_tree, spec, executor
+):
+    del kernel, in_tree, out_tree, executor
+    if len(avals) != len(spec.in_axes):
+        raise ValueError(
+            f"threadmap_p got {len(avals)} operands but its batch spec describes "
+            f"{len(spec.in_axes)}."
+        )
+    return [
+        _compat.ShapedArray(spec.shape + tuple(a.shape), a.dtype) for a in result_avals
+    ]
+
+
+_last_error = threading.local()
+
+
+def _threadmap_impl(*args, **params):
+    # On CPU the host callback runs on this thread; when it fails we re-raise its
+    # own exception (type, batch index, cause) instead of XLA's string copy of it.
+    _last_error.value = None
+    try:
+        return _compat.apply_primitive(threadmap_p, *args, **params)
+    except _compat.JaxRuntimeError:
+        err, _last_error.value = _last_error.value, None
+        if err is not None:
+            raise err from err.__cause__
+        raise
+
+
+def _threadmap_batching_rule(args, dims, *, spec: BatchSpec, **params):
+    size = None
+    norm_dims = []
+    for x, d in zip(args, dims, strict=True):
+        if d is None:
+            norm_dims.append(None)
+            continue
+        d = d % x.ndim
+        norm_dims.append(d)
+        size = x.shape[d]
+    assert size is not None  # the rule only runs with at least one batched operand
+    outs = threadmap_p.bind(*args, spec=spec.grow(size, norm_dims), **params)
+    return outs, [0] * len(outs)
+
+
+def _threadmap_lowering(
+    ctx, *args, kernel, result_avals, in_tree, out_tree, spec, executor
+):
+    flat_map = FlatMap(
+        kernel.fn,
+        kernel.name,
+        in_tree,
+        out_tree,
+        [(a.shape, a.dtype) for a in result_avals],
+        spec,
+    )
+
+    def callback(*operands):
+        try:
+            return flat_map(operands, executor)
+        except BaseException as e:
+            _last_error.value = e
+            raise
+
+    sharding = _compat.callback_op_sharding(
+        ctx.module_context.axis_context, None, ctx.avals_out
+    )
+    results, _, _ = _compat.emit_python_callback(
+        ctx,
+        callback,
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=False,
+        returns_token=False,
+        sharding=sharding,
+    )
+    return results
+
+
+def _no_derivative_rule(*args, kernel, **params):
+    del args, params
+    raise TypeError(
+        f"threadmap kernel {kernel.name!r} has no derivative rule, so jax.grad, "
+        "jax.jvp and friends cannot differentiate through it. Wrap the kernel with "
+        "jax_threadmap.kernel(result_shape_dtypes)(fn) and attach threaded "
+        "derivative kernels with .defjvp(...) and/or .defvjp(...), or wrap the call "
+        "in jax.custom_jvp / jax.custom_vjp."
+    )
+
+
+def _threadmap_jvp_rule(primals, tangents, **params):
+    del primals, tangents
+    _no_derivative_rule(**params)
+
+
+def _threadmap_transpose_rule(cts, *args, **params):
+    del cts, args
+    _no_derivative_rule(**params)
+
+
+threadmap_p.def_impl(_threadmap_impl)
+threadmap_p.def_abstract_eval(_threadmap_abstract_eval)
+_compat.register_batching_rule(threadmap_p, _threadmap_batching_rule)
+_compat.register_lowering(threadmap_p, _threadmap_lowering, cacheable=False)
+_compat.primitive_jvps[threadmap_p] = _threadmap_jvp_rule
+_compat.primitive_transposes[threadmap_p] = _threadmap_transpose_rule
+_compat.prim_requires_devices_during_lowering.add(threadmap_p)

@@ -1,0 +1,271 @@
+"""The public API: results, params, and every error a user can meet."""
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_threadmap
+from jax_threadmap import KernelError, threadmap, threadmap_p
+
+F32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def double(x):
+    return x * 2
+
+
+def vmapped(kernel, out=F32, **kw):
+    return jax.vmap(lambda x: threadmap(kernel, out, x, **kw))
+
+
+def test_unbatched_eager_and_jit_calls():
+    x = np.arange(4, dtype=np.float32)
+    out = jax.ShapeDtypeStruct((4,), jnp.float32)
+    np.testing.assert_array_equal(threadmap(np.cumsum, out, x), np.cumsum(x))
+    f = jax.jit(lambda x: threadmap(np.cumsum, out, x))
+    np.testing.assert_array_equal(f(x), np.cumsum(x))
+
+
+def test_kernel_sees_numpy_readonly_views_of_unbatched_shape():
+    seen = []
+
+    def k(x, s):
+        seen.append((type(x), x.shape, x.flags.writeable, type(s), s.shape))
+        return x.sum() + s
+
+    x = np.ones((3, 5, 4), np.float32)
+    jax.jit(
+        jax.vmap(jax.vmap(lambda x, s: threadmap(k, F32, x, s), (0, None)), (0, None))
+    )(x, np.float32(1))
+    assert len(seen) == 15
+    assert set(seen) == {(np.ndarray, (4,), False, np.ndarray, ())}
+
+
+def test_pytrees_of_args_kwargs_and_results():
+    def k(p, *, q):
+        return {"sum": p["a"] + p["b"][0] + q, "pair": (p["a"], q * 2)}
+
+    out = {
+        "sum": jax.ShapeDtypeStruct((2,), jnp.float32),
+        "pair": (jax.ShapeDtypeStruct((2,), jnp.float32), F32),
+    }
+
+    def f(p, q):
+        return threadmap(k, out, p, q=q)
+
+    a = np.arange(6, dtype=np.float32).reshape(3, 2)
+    b = np.arange(3, dtype=np.float32)
+    q = np.float32(5)
+    res = jax.jit(jax.vmap(f, in_axes=({"a": 0, "b": [0]}, None)))(
+        {"a": a, "b": [b]}, q
+    )
+    np.testing.assert_allclose(res["sum"], a + b[:, None] + q)
+    np.testing.assert_allclose(res["pair"][0], a)
+    np.testing.assert_allclose(res["pair"][1], np.full(3, 10.0))
+
+
+def test_python_scalars_and_casting_within_kind():
+    f = vmapped(lambda x: float(x) + 0.5)  # Python float into float32
+    np.testing.assert_allclose(f(jnp.arange(3.0)), [0.5, 1.5, 2.5])
+    g = vmapped(lambda x: int(x) * 3, out=jax.ShapeDtypeStruct((), jnp.int32))
+    np.testing.assert_array_equal(g(jnp.arange(3)), [0, 3, 6])
+
+
+def test_jaxpr_is_one_readable_equation():
+    f = jax.vmap(
+        jax.vmap(jax.vmap(lambda x, y: threadmap(double, F32, x + y)), (0, None)),
+        (None, 0),
+    )
+    text = str(jax.make_jaxpr(f)(np.ones((4, 5, 6)), np.ones((7, 5, 6))))
+    assert text.count("threadmap[") == 1
+    assert "kernel=double" in text
+    assert "shape=(7, 4, 5)" in text
+
+
+def test_params_hashable_and_no_recompilation():
+    def k(x):
+        return x + 1
+
+    f = jax.jit(jax.vmap(jax.vmap(lambda x: threadmap(k, F32, x))))
+    x = np.ones((3, 4), np.float32)
+    f(x)
+    before = f._cache_size()
+    f(x)
+    f(x + 1)
+    assert f._cache_size() == before == 1
+    g = jax.vmap(jax.vmap(lambda x: threadmap(k, F32, x)))
+    p1 = jax.make_jaxpr(g)(x).eqns[0].params
+    p2 = jax.make_jaxpr(g)(x).eqns[0].params
+    assert p1 == p2
+    assert hash(tuple(sorted(p1.items()))) == hash(tuple(sorted(p2.items())))
+
+
+def test_eager_calls_hit_the_compilation_cache(monkeypatch):
+    from jax_threadmap import _primitive
+
+    lowerings = []
+
+    class CountingFlatMap(_primitive.FlatMap):
+        def __init__(self, *args):
+            lowerings.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(_primitive, "FlatMap", CountingFlatMap)
+    calls = []
+
+    def k(x):
+        calls.append(1)
+        return x
+
+    g = vmapped(k)
+    g(jnp.arange(3.0))
+    g(jnp.arange(3.0) + 1)
+    assert len(lowerings) == 1
+    assert len(calls) == 6
+
+
+# --- errors ---------------------------------------------------------------------
+
+
+def fails_at_7(x):
+    if int(x) == 7:
+        raise ValueError("element seven is bad")
+    return x
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_kernel_exception_names_type_message_and_index(jit):
+    f = jax.vmap(jax.vmap(lambda x: threadmap(fails_at_7, F32, x)))
+    if jit:
+        f = jax.jit(f)
+    x = jnp.arange(12.0).reshape(3, 4)
+    with pytest.raises(Exception) as info:
+        f(x).block_until_ready()
+    msg = str(info.value)
+    assert "ValueError" in msg and "element seven is bad" in msg
+    assert "batch index (1, 3)" in msg
+    if not jit:  # eager calls re-raise the kernel error itself, cause chained
+        assert isinstance(info.value, KernelError)
+        assert info.value.index == (1, 3)
+        assert isinstance(info.value.__cause__, ValueError)
+    # The pool is healthy afterwards.
+    np.testing.assert_array_equal(f(x - 20.0), np.asarray(x) - 20.0)
+
+
+@pytest.mark.parametrize(
+    "result, expected_fragment",
+    [
+        (np.zeros(3, np.float32), "returned shape (3,) for output 0, expected ()"),
+        (np.complex64(1j), "returned dtype complex64 for output 0, expected float32"),
+        ((1.0, 2.0), "structure"),
+        ("text", "dtype <U4"),
+    ],
+)
+def test_wrong_result_names_expected_and_actual(result, expected_fragment):
+    f = vmapped(lambda x: result)
+    with pytest.raises(KernelError) as info:
+        f(jnp.arange(2.0))
+    assert expected_fragment in str(info.value)
+    assert "batch index (0,)" in str(info.value) or "batch index (1,)" in str(
+        info.value
+    )
+
+
+def test_wrong_result_under_jit_mentions_index():
+    f = jax.jit(
+        vmapped(lambda x: np.zeros(2), out=jax.ShapeDtypeStruct((3,), jnp.float32))
+    )
+    with pytest.raises(
+        Exception, match=r"returned shape \(2,\) for output 0, expected \(3,\)"
+    ):
+        f(jnp.arange(2.0)).block_until_ready()
+
+
+def test_float_result_for_int_output_is_rejected():
+    f = vmapped(lambda x: 1.5, out=jax.ShapeDtypeStruct((), jnp.int32))
+    with pytest.raises(KernelError, match="float64 for output 0, expected int32"):
+        f(jnp.arange(2))
+
+
+@pytest.mark.parametrize(
+    "call, exc, fragment",
+    [
+        (lambda: threadmap(3, F32, 1.0), TypeError, "kernel must be callable"),
+        (lambda: threadmap(double, (3,), 1.0), TypeError, "result_shape_dtypes[0]"),
+        (
+            lambda: threadmap(double, {"a": "f"}, 1.0),
+            TypeError,
+            "result_shape_dtypes['a']",
+        ),
+        (
+            lambda: threadmap(double, F32, "text"),
+            TypeError,
+            "positional argument 0 is a str",
+        ),
+        (
+            lambda: threadmap(double, F32, 1.0, opt={"k": object()}),
+            TypeError,
+            "keyword argument 'opt' (at ['k']) is a object",
+        ),
+        (lambda: threadmap(double, F32, 1.0, executor="many"), TypeError, "executor="),
+        (lambda: threadmap(double, F32, 1.0, executor=0), ValueError, "executor=0"),
+        (
+            lambda: threadmap(double, jax.ShapeDtypeStruct((), jnp.float64), 1.0),
+            ValueError,
+            "jax_enable_x64",
+        ),
+    ],
+)
+def test_bad_input_raises_before_anything_runs(call, exc, fragment):
+    with pytest.raises(exc) as info:
+        call()
+    assert fragment in str(info.value)
+
+
+def test_negative_dimension_in_result_shape():
+    class Bad:
+        shape = (-1,)
+        dtype = np.float32
+
+    with pytest.raises(ValueError, match="negative dimension"):
+        threadmap(double, Bad(), 1.0)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f: jax.grad(lambda x: f(x).sum()),
+        lambda f: lambda x: jax.jvp(f, (x,), (x,)),
+        lambda f: jax.jacrev(f),
+    ],
+)
+def test_derivatives_of_bare_threadmap_say_how_to_get_them(transform):
+    f = vmapped(np.sin)
+    with pytest.raises(TypeError) as info:
+        transform(f)(jnp.arange(3.0))
+    msg = str(info.value)
+    assert "no derivative rule" in msg
+    assert "defjvp" in msg and "defvjp" in msg and "custom_jvp" in msg
+
+
+def test_public_names():
+    assert threadmap_p.name == "threadmap"
+    assert isinstance(threadmap_p, jax.extend.core.Primitive)
+    for name in jax_threadmap.__all__:
+        assert getattr(jax_threadmap, name) is not None
+
+
+def test_executor_keyword_is_reserved_for_threadmap():
+    # `executor` never reaches the kernel: it configures threadmap.
+    seen = []
+
+    def k(x, **kw):
+        seen.append(sorted(kw))
+        return x
+
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        vmapped(k, executor=ex)(jnp.arange(3.0))
+    assert seen == [[], [], []]

@@ -1,0 +1,244 @@
+"""Property tests: any nesting of vmap folds into one equation and matches jax.numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import count_eqns
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jax_threadmap import threadmap
+
+DTYPES = ["float32", "float64", "int32", "bool", "complex64"]
+X_CORE, Z_CORE = (2,), (3,)
+
+
+def kernel(x, y, *, z):
+    # One element: x (2,), y {"a": ()}, z (3,). Same ops as `reference` below.
+    assert isinstance(x, np.ndarray) and x.shape == X_CORE
+    assert isinstance(y["a"], np.ndarray) and y["a"].shape == ()
+    assert isinstance(z, np.ndarray) and z.shape == Z_CORE
+    assert not x.flags.writeable
+    return np.add(x, y["a"]), {"s": np.multiply(x[0], z[1])}
+
+
+def reference(x, y, *, z):
+    return jnp.add(x, y["a"]), {"s": jnp.multiply(x[0], z[1])}
+
+
+def with_threadmap(x, y, z):
+    out = (
+        jax.ShapeDtypeStruct(X_CORE, x.dtype),
+        {"s": jax.ShapeDtypeStruct((), x.dtype)},
+    )
+    return threadmap(kernel, out, x, y, z=z)
+
+
+def with_jnp(x, y, z):
+    return reference(x, y, z=z)
+
+
+def random_values(rng, shape, dtype):
+    if dtype == "bool":
+        return rng.random(shape) < 0.5
+    if dtype == "int32":
+        return rng.integers(-50, 50, shape).astype(np.int32)
+    if dtype == "complex64":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(
+            np.complex64
+        )
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@st.composite
+def nestings(draw, max_depth=4):
+    depth = draw(st.integers(1, max_depth))
+    sizes = [draw(st.integers(1, 4)) for _ in range(depth)]
+    # ndims of x, y["a"], z inside the innermost level; grows outward as axes are added.
+    ndims = [len(X_CORE), 0, len(Z_CORE)]
+    out_ndims = [len(X_CORE), 0]
+    in_axes, out_axes = [], []
+    for _level in reversed(range(depth)):
+        axes = [draw(st.none() | st.integers(-(n + 1), n)) for n in ndims]
+        if all(a is None for a in axes):
+            k = draw(st.integers(0, 2))
+            axes[k] = draw(st.integers(-(ndims[k] + 1), ndims[k]))
+        outs = [draw(st.integers(-(m + 1), m)) for m in out_ndims]
+        in_axes.append(axes)
+        out_axes.append(outs)
+        ndims = [n + (a is not None) for n, a in zip(ndims, axes, strict=True)]
+        out_ndims = [m + 1 for m in out_ndims]
+    # in_axes/out_axes are listed innermost level first.
+    return sizes, in_axes, out_axes
+
+
+def build(fn, sizes, in_axes, out_axes):
+    depth = len(sizes)
+    for level in range(depth):  # innermost first
+        ax_x, ax_y, ax_z = in_axes[level]
+        o1, o2 = out_axes[level]
+        fn = jax.vmap(
+            fn,
+            in_axes=(ax_x, {"a": ax_y}, ax_z),
+            out_axes=(o1, {"s": o2}),
+            axis_size=sizes[depth - 1 - level],
+        )
+    return fn
+
+
+def make_inputs(rng, sizes, in_axes, dtype):
+    depth = len(sizes)
+    shapes = [list(X_CORE), [], list(Z_CORE)]
+    for level in range(depth):  # innermost first: insert its axis
+        size = sizes[depth - 1 - level]
+        for k, a in enumerate(in_axes[level]):
+            if a is not None:
+                n = len(shapes[k]) + 1
+                shapes[k].insert(a % n, size)
+    x, ya, z = (random_values(rng, tuple(s), dtype) for s in shapes)
+    return x, {"a": ya}, z
+
+
+def assert_trees_close(actual, expected, dtype):
+    la, ta = jax.tree_util.tree_flatten(actual)
+    le, te = jax.tree_util.tree_flatten(expected)
+    assert ta == te
+    for a, e in zip(la, le, strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, e.shape)
+        if dtype in ("int32", "bool"):
+            np.testing.assert_array_equal(a, e)
+        else:
+            np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    nesting=nestings(),
+    dtype=st.sampled_from(DTYPES),
+    jit=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_nested_vmap_matches_jnp(nesting, dtype, jit, seed):
+    sizes, in_axes, out_axes = nesting
+    prev = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", dtype == "float64")
+    try:
+        args = make_inputs(np.random.default_rng(seed), sizes, in_axes, dtype)
+        f = build(with_threadmap, sizes, in_axes, out_axes)
+        g = build(with_jnp, sizes, in_axes, out_axes)
+        if jit:
+            f = jax.jit(f)
+        jaxpr = jax.make_jaxpr(f)(*args)
+        assert count_eqns(jaxpr.jaxpr, "threadmap") == 1
+        # The unbatched operands are never broadcast in the jaxpr.
+        assert count_eqns(jaxpr.jaxpr, "broadcast_in_dim") == 0
+        assert_trees_close(f(*args), g(*args), dtype)
+    finally:
+        jax.config.update("jax_enable_x64", prev)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_eight_levels_fold_into_one_equation(jit):
+    sizes = (2,) * 8
+
+    def f(x, y):
+        return threadmap(lambda a, b: a * b, jax.ShapeDtypeStruct((), x.dtype), x, y)
+
+    fn = f
+    # Alternate which argument is mapped, and use negative axes.
+    for level in range(8):
+        fn = jax.vmap(fn, in_axes=(-1, None) if level % 2 else (0, -1))
+    x = np.random.default_rng(0).standard_normal(sizes).astype(np.float32)
+    y = np.arange(16, dtype=np.float32).reshape(2, 2, 2, 2)
+    g = jax.jit(fn) if jit else fn
+    text = str(jax.make_jaxpr(g)(x, y))
+    assert text.count("threadmap[") == 1
+    for forbidden in ("scan", "while", "pure_callback", "broadcast_in_dim"):
+        assert forbidden not in text
+    h = lambda a, b: a * b  # noqa: E731
+    for level in range(8):
+        h = jax.vmap(h, in_axes=(-1, None) if level % 2 else (0, -1))
+    expected = h(x, y)
+    np.testing.assert_allclose(np.asarray(g(x, y)), np.asarray(expected))
+
+
+def test_in_axes_out_axes_axis_size():
+    def f(x, c):
+        return threadmap(
+            lambda a, b: np.cumsum(a) + b, jax.ShapeDtypeStruct(a_shape, x.dtype), x, c
+        )
+
+    a_shape = (3,)
+    x = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # batch axes 0 and 2
+    c = np.float32(10.0)
+    fn = jax.vmap(jax.vmap(f, in_axes=(1, None), out_axes=1), in_axes=(0, None))
+    out = jax.jit(fn)(x, c)
+    ref = jax.vmap(
+        jax.vmap(lambda a, b: jnp.cumsum(a) + b, in_axes=(1, None), out_axes=1),
+        in_axes=(0, None),
+    )(x, c)
+    np.testing.assert_allclose(out, ref)
+    # axis_size with every argument unbatched at that level: vmap broadcasts outside.
+    h = jax.vmap(lambda c: f(x[0, :, 0], c), in_axes=None, axis_size=5)
+    np.testing.assert_allclose(h(c), np.broadcast_to(np.cumsum(x[0, :, 0]) + c, (5, 3)))
+
+
+def test_scan_and_cond_around_vmapped_threadmap():
+    def step(carry, x):
+        y = jax.vmap(
+            lambda v: threadmap(np.tanh, jax.ShapeDtypeStruct((), v.dtype), v)
+        )(x + carry)
+        return carry + y.sum(), y
+
+    xs = np.linspace(-1, 1, 5 * 3, dtype=np.float32).reshape(5, 3)
+    carry, ys = jax.jit(lambda xs: jax.lax.scan(step, 0.0, xs))(xs)
+
+    def ref_step(carry, x):
+        y = jnp.tanh(x + carry)
+        return carry + y.sum(), y
+
+    rc, rys = jax.lax.scan(ref_step, 0.0, xs)
+    np.testing.assert_allclose(ys, rys, rtol=1e-5)
+    np.testing.assert_allclose(carry, rc, rtol=1e-5)
+
+    def branchy(p, x):
+        return jax.lax.cond(
+            p,
+            lambda x: jax.vmap(
+                lambda v: threadmap(np.exp, jax.ShapeDtypeStruct((), v.dtype), v)
+            )(x),
+            lambda x: -x,
+            x,
+        )
+
+    g = jax.jit(branchy)
+    np.testing.assert_allclose(g(True, xs[0]), np.exp(xs[0]), rtol=1e-6)
+    np.testing.assert_allclose(g(False, xs[0]), -xs[0])
+    # cond under vmap turns into select: both branches run, still one threadmap.
+    v = jax.jit(jax.vmap(branchy))(np.array([True, False, True]), xs[:3])
+    np.testing.assert_allclose(v[0], np.exp(xs[0]), rtol=1e-6)
+    np.testing.assert_allclose(v[1], -xs[1])
+
+
+def test_zero_size_batch_never_calls_kernel():
+    calls = []
+
+    def k(x):
+        calls.append(x)
+        return x
+
+    f = jax.vmap(
+        jax.vmap(lambda x: threadmap(k, jax.ShapeDtypeStruct((2,), x.dtype), x))
+    )
+    for shape in [(0, 3, 2), (3, 0, 2)]:
+        out = jax.jit(f)(np.zeros(shape, np.float32))
+        assert out.shape == shape
+        out = f(np.zeros(shape, np.float32))
+        assert out.shape == shape
+    assert calls == []

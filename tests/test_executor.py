@@ -1,0 +1,246 @@
+"""Pools, thread bounds, nesting, concurrency, fork and shutdown."""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_threadmap import ExecutorError, _executor, threadmap
+
+F32 = jax.ShapeDtypeStruct((), jnp.float32)
+pytestmark = pytest.mark.timeout(120)
+
+
+class Recorder:
+    """A sleepy kernel that records its threads and how many run at once."""
+
+    def __init__(self, sleep=0.01):
+        self.sleep = sleep
+        self.lock = threading.Lock()
+        self.threads = set()
+        self.running = 0
+        self.max_running = 0
+
+    def __call__(self, x):
+        with self.lock:
+            self.threads.add(threading.current_thread())
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        time.sleep(self.sleep)
+        with self.lock:
+            self.running -= 1
+        return x * 2
+
+
+def run(kernel, x, executor=None, jit=True):
+    f = jax.vmap(jax.vmap(lambda v: threadmap(kernel, F32, v, executor=executor)))
+    if jit:
+        f = jax.jit(f)
+    return np.asarray(f(x))
+
+
+X = np.arange(24, dtype=np.float32).reshape(4, 6)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_env_var_sets_default_pool_size(monkeypatch, n):
+    monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(n))
+    rec = Recorder()
+    np.testing.assert_array_equal(run(rec, X), X * 2)
+    assert len(rec.threads) <= n
+    assert rec.max_running == n  # 24 sleepy elements fill the pool
+    assert threading.main_thread() not in rec.threads
+    assert all(t.name.startswith("jax_threadmap") for t in rec.threads)
+
+
+def test_env_var_rejects_garbage(monkeypatch):
+    monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", "lots")
+    with pytest.raises(Exception, match="JAX_THREADMAP_NUM_THREADS='lots'"):
+        run(np.negative, X, jit=False)
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_int_executor_is_a_hard_bound_and_reused(n):
+    rec = Recorder()
+    for _ in range(3):
+        np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
+    assert len(rec.threads) <= n
+    assert rec.max_running == n
+    assert _executor.get_pool(n).num_threads_started <= n
+
+
+def test_user_executor_runs_every_kernel():
+    rec = Recorder()
+    with concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="mine") as ex:
+        np.testing.assert_array_equal(run(rec, X, executor=ex), X * 2)
+    assert rec.threads and all(t.name.startswith("mine") for t in rec.threads)
+    assert rec.max_running <= 3
+
+
+def test_results_ordered_whatever_the_thread_count():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 9)).astype(np.float32)
+
+    def jittery(v):
+        time.sleep(rng.random() * 1e-3)  # finish out of order
+        return v + 1
+
+    expected = x + 1
+    for n in (1, 2, 7):
+        np.testing.assert_array_equal(run(jittery, x, executor=n), expected)
+
+
+def test_kernel_calling_jax_completes():
+    def k(v):
+        return np.asarray(jnp.sin(jnp.asarray(v)) + jnp.float32(1))
+
+    np.testing.assert_allclose(run(k, X, executor=2), np.sin(X) + 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("executor", [1, 2, None])
+def test_nested_threadmap_with_pool_smaller_than_batch(executor):
+    inner = jax.jit(
+        jax.vmap(lambda v: threadmap(lambda a: a * 3, F32, v, executor=executor))
+    )
+
+    def outer(v):
+        return np.asarray(inner(jnp.full(5, v))).sum()
+
+    np.testing.assert_allclose(run(outer, X, executor=executor), X * 15)
+
+
+def test_nested_threadmap_on_user_executor():
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        inner = jax.jit(
+            jax.vmap(lambda v: threadmap(lambda a: a + 1, F32, v, executor=ex))
+        )
+
+        def outer(v):
+            return np.asarray(inner(jnp.full(3, v))).sum()
+
+        np.testing.assert_allclose(run(outer, X, executor=ex), (X + 1) * 3)
+
+
+def test_many_python_threads_calling_at_once():
+    f = jax.jit(jax.vmap(lambda v: threadmap(lambda a: a * a, F32, v, executor=4)))
+    x = np.arange(8, dtype=np.float32)
+    f(x)
+    errors = []
+    baseline = threading.active_count()
+
+    def caller(seed):
+        try:
+            for i in range(100):
+                y = x + seed + i
+                np.testing.assert_array_equal(np.asarray(f(y)), y * y)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(s,)) for s in range(16)]
+    for t in threads:
+        t.start()
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, threading.active_count())
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    # 16 callers and at most 4 workers on top of what was running before.
+    assert peak <= baseline + 16 + 4
+
+
+def test_failure_cancels_work_not_started():
+    started = []
+
+    def k(v):
+        started.append(int(v))
+        if int(v) == 0:
+            raise RuntimeError("first element fails")
+        time.sleep(0.005)
+        return v
+
+    x = np.arange(400, dtype=np.float32)
+    f = jax.vmap(lambda v: threadmap(k, F32, v, executor=2))
+    with pytest.raises(Exception, match="first element fails"):
+        f(x)
+    assert len(started) < 100
+    np.testing.assert_array_equal(f(x + 1000), x + 1000)
+
+
+def test_shut_down_executor_is_a_clear_error():
+    ex = concurrent.futures.ThreadPoolExecutor(2)
+    ex.shutdown()
+    f = jax.vmap(lambda v: threadmap(np.negative, F32, v, executor=ex))
+    with pytest.raises(ExecutorError, match="refused new work"):
+        f(np.arange(3, dtype=np.float32))
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_pool_is_fresh_after_fork():
+    pool = _executor.get_pool(2)
+    out = np.zeros(10)
+
+    def fill(start, stop, job):
+        out[start:stop] = 1
+
+    pool.run(_executor.Job(10, fill))
+    pid = os.fork()
+    if pid == 0:  # child: the parent's workers do not exist here
+        code = 1
+        try:
+            child_pool = _executor.get_pool(2)
+            ok = child_pool is not pool and child_pool.num_threads_started == 0
+            res = np.zeros(10)
+
+            def fill_child(start, stop, job):
+                res[start:stop] = 2
+
+            child_pool.run(_executor.Job(10, fill_child))
+            code = 0 if ok and (res == 2).all() else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_interpreter_exit_is_clean():
+    code = (
+        "import jax, numpy as np\n"
+        "from jax_threadmap import threadmap\n"
+        "f = jax.jit(jax.vmap(lambda v: threadmap(np.sqrt, "
+        "jax.ShapeDtypeStruct((), v.dtype), v)))\n"
+        "print(float(f(np.arange(16.0, dtype=np.float32)).sum()))\n"
+    )
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert abs(float(proc.stdout) - np.sqrt(np.arange(16.0)).sum()) < 1e-3
+    assert time.perf_counter() - t < 60
+
+
+def test_job_of_pool_directly_reports_first_error():
+    pool = _executor.ThreadPool(3)
+
+    def fn(start, stop, job):
+        for i in range(start, stop):
+            if i == 5:
+                raise KeyError(i)
+
+    job = _executor.Job(50, fn)
+    pool.run(job)
+    assert isinstance(job.error, KeyError)
+    pool.shutdown()
+    pool.shutdown()  # twice is fine
+    with pytest.raises(ExecutorError, match="shut down"):
+        pool.run(_executor.Job(3, fn))

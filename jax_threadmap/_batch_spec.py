@@ -71,6 +71,6 @@ class BatchSpec:
             return "(" + ", ".join("-" if a is None else str(a) for a in axes) + ")"
 
         ops = ", ".join(fmt(a) for a in self.in_axes)
-        return f"shape={self.shape}, in_axes=[{ops}]"
+        return f"BatchSpec(shape={self.shape}, in_axes=[{ops}])"
 
     __repr__ = __str__

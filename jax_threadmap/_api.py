@@ -16,7 +16,7 @@ from ._primitive import Kernel, kernel_name, threadmap_p
 Executor = int | concurrent.futures.Executor | None
 
 #: Keyword arguments of ``threadmap`` itself; they never reach the kernel.
-RESERVED_KWARGS = ("executor",)
+RESERVED_KWARGS = ("executor", "progress")
 
 
 def check_executor(executor: Any, api: str = "threadmap") -> Executor:
@@ -114,6 +114,7 @@ def threadmap(
     result_shape_dtypes: Any,
     *args: Any,
     executor: Executor = None,
+    progress: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Calls a host kernel per element, as one threaded map under any ``vmap``.
@@ -139,8 +140,13 @@ def threadmap(
             :class:`concurrent.futures.Executor`: used as given. A pool's size is
             a hard bound on the kernels running at once and on the threads that
             ever run kernels.
-        **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The name
-            ``executor`` is reserved by ``threadmap`` and cannot reach the kernel.
+        progress: Show a progress bar (tqdm when installed, else lines on
+            stderr) for maps that run longer than about a second. ``None``: on
+            when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.
+            Costs nothing when off.
+        **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The names
+            ``executor`` and ``progress`` are reserved by ``threadmap`` and cannot
+            reach the kernel.
 
     Returns:
         A pytree of arrays with the structure of ``result_shape_dtypes``; under
@@ -173,6 +179,10 @@ def threadmap(
             "result_shape_dtypes, then the arguments."
         )
     executor = check_executor(executor)
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise TypeError(
+            f"threadmap: progress must be True, False or None. Got {progress=}."
+        )
     avals, out_tree = result_avals(result_shape_dtypes)
     leaves, in_tree = check_operands(args, kwargs)
     outs = threadmap_p.bind(
@@ -183,5 +193,6 @@ def threadmap(
         out_tree=out_tree,
         spec=BatchSpec.unbatched(len(leaves)),
         executor=executor,
+        progress=None if progress is None else bool(progress),
     )
     return jax.tree_util.tree_unflatten(out_tree, outs)

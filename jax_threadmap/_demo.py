@@ -50,5 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     ok = np.allclose(np.asarray(out), expected)
     print(f"result: shape {out.shape}, dtype {out.dtype}, matches NumPy: {ok}")
     print(f"out[0, 0, 0, :5] = {np.asarray(out[0, 0, 0, :5])}")
-    print(f"{out.shape[0] * out.shape[1] * out.shape[2]} kernel calls in {dt * 1e3:.1f} ms")
+    calls = out.shape[0] * out.shape[1] * out.shape[2]
+    print(f"{calls} kernel calls in {dt * 1e3:.1f} ms")
     return 0 if ok else 1

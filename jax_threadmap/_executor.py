@@ -20,9 +20,13 @@ import collections
 import concurrent.futures
 import logging
 import os
+import pickle
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from ._errors import ExecutorError
 
@@ -77,6 +81,7 @@ class Job:
         "done",
         "divisor",
         "min_chunk",
+        "completed",
     )
 
     def __init__(self, n: int, fn: ChunkFn, *, min_chunk: int = 1):
@@ -89,6 +94,7 @@ class Job:
         self.done = threading.Event()
         self.divisor = 2
         self.min_chunk = max(1, min_chunk)
+        self.completed = 0  # elements done, for progress bars
         if n == 0:
             self.done.set()
 
@@ -119,10 +125,17 @@ class Job:
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
 
-    def wait(self) -> None:
+    def wait(self, progress: Progress | None = None) -> None:
         # A timed wait keeps the waiting thread responsive to signals.
-        while not self.done.wait(0.5):
-            pass
+        if progress is None:
+            while not self.done.wait(0.5):
+                pass
+            return
+        try:
+            while not self.done.wait(progress.interval):
+                progress.update(self.completed)
+        finally:
+            progress.close(self.completed)
 
 
 _worker_of = threading.local()
@@ -153,7 +166,7 @@ class ThreadPool:
     def num_threads_started(self) -> int:
         return len(self._threads)
 
-    def run(self, job: Job, workers_wanted: int | None = None) -> None:
+    def run(self, job: Job, progress: Progress | None = None) -> None:
         """Runs ``job`` to completion (or first failure) and returns."""
         if job.n == 0:
             return
@@ -179,7 +192,7 @@ class ThreadPool:
                 if chunk is None:
                     break
                 self._run(job, chunk)
-        job.wait()
+        job.wait(progress)
 
     def _start_workers(self, wanted: int) -> None:
         missing = min(wanted - self._idle, self.max_workers - len(self._threads))
@@ -201,6 +214,7 @@ class ThreadPool:
     def _run(self, job: Job, chunk: tuple[int, int]) -> None:
         job.run_chunk(*chunk)
         with self._cond:
+            job.completed += chunk[1] - chunk[0]
             job.outstanding -= 1
             if job.outstanding == 0 and job.exhausted():
                 self._discard(job)
@@ -270,24 +284,130 @@ if hasattr(os, "register_at_fork"):
 atexit.register(_shutdown_all)
 
 
+# --- progress -------------------------------------------------------------------
+
+ENV_PROGRESS = "JAX_THREADMAP_PROGRESS"
+
+
+def progress_enabled(progress: bool | None) -> bool:
+    if progress is not None:
+        return bool(progress)
+    return os.environ.get(ENV_PROGRESS, "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    )
+
+
+class Progress:
+    """A progress bar that appears only once a map has run for ``delay`` seconds.
+
+    Uses tqdm when it is installed, else prints a line to stderr now and then.
+    """
+
+    interval = 0.1
+
+    def __init__(self, total: int, name: str, delay: float = 1.0):
+        self.total = total
+        self.name = name
+        self.start = time.perf_counter()
+        self.delay = delay
+        self.bar: Any = None
+        self._last_print = 0.0
+
+    def update(self, completed: int) -> None:
+        now = time.perf_counter()
+        if now - self.start < self.delay:
+            return
+        if self.bar is None:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(
+                    total=self.total, desc=f"threadmap {self.name}", unit="el"
+                )
+            else:
+                self.bar = False
+        if self.bar:
+            self.bar.update(completed - self.bar.n)
+        elif now - self._last_print >= 1.0:
+            self._last_print = now
+            print(
+                f"threadmap {self.name}: {completed}/{self.total} elements "
+                f"({100 * completed / max(self.total, 1):.0f}%)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self, completed: int) -> None:
+        if self.bar:
+            self.bar.update(completed - self.bar.n)
+            self.bar.close()
+
+
 # --- user executors -----------------------------------------------------------------
 
 _running_on = threading.local()
 
+#: Seconds of kernel work per task that amortise the per-task cost of an executor
+#: that pickles work (about 1 ms for a process pool or Dask).
+TASK_SECONDS_REMOTE = 0.05
+#: Tasks in flight when an executor does not say how many workers it has.
+UNKNOWN_WORKERS_IN_FLIGHT = 128
 
-def _executor_task(job: Job, start: int, stop: int, executor_ref) -> None:
+
+def known_workers(executor: concurrent.futures.Executor) -> int | None:
+    """The number of workers of ``executor``, where it tells."""
+    n = getattr(executor, "_max_workers", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
+    if client is not None:
+        try:
+            return max(1, sum(client.nthreads().values()))
+        except Exception:  # noqa: BLE001 - a client that cannot say: unknown
+            return None
+    return None
+
+
+def shares_memory(executor: concurrent.futures.Executor) -> bool:
+    """Whether the executor's workers are threads of this process."""
+    return isinstance(executor, concurrent.futures.ThreadPoolExecutor)
+
+
+def _puller(job: Job, lock: threading.Lock, executor_ref) -> None:
+    """A task of a thread executor: claims chunks of ``job`` until none are left."""
     _running_on.executor = executor_ref
     try:
-        if not job.failed:
-            job.run_chunk(start, stop)
+        while True:
+            with lock:
+                chunk = job.claim()
+            if chunk is None:
+                return
+            job.run_chunk(*chunk)
+            with lock:
+                job.completed += chunk[1] - chunk[0]
     finally:
         _running_on.executor = None
 
 
-def run_on_executor(executor: concurrent.futures.Executor, job: Job) -> None:
-    """Runs ``job`` as tasks of a user-supplied executor; returns when all ended."""
-    if job.n == 0:
-        return
+def _refused(executor, e: BaseException) -> ExecutorError:
+    err = ExecutorError(
+        f"The executor {executor!r} passed as executor= refused new work: "
+        f"{type(e).__name__}: {e}. Pass an executor that is running, or "
+        "executor=None for the shared pool."
+    )
+    err.__cause__ = e
+    return err
+
+
+def run_on_thread_executor(
+    executor: concurrent.futures.Executor, job: Job, progress: Progress | None = None
+) -> None:
+    """Runs ``job`` on a thread executor: one puller task per worker."""
     ref = weakref.ref(executor)
     current = getattr(_running_on, "executor", None)
     if current is not None and current() is executor:
@@ -295,35 +415,136 @@ def run_on_executor(executor: concurrent.futures.Executor, job: Job) -> None:
         # waiting on us, so run our chunks here.
         job.run_chunk(0, job.n)
         return
-    workers = getattr(executor, "_max_workers", None)
-    # An executor of unknown size gets one task per element up to 1024 tasks, so
-    # that slow elements all run at once however many workers it has.
-    num_tasks = min(job.n, 4 * workers if isinstance(workers, int) else 1024)
-    bounds = [job.n * k // num_tasks for k in range(num_tasks + 1)]
+    workers = known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT
+    job.divisor = 2 * workers
+    lock = threading.Lock()
     futures = []
     try:
-        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-            futures.append(executor.submit(_executor_task, job, start, stop, ref))
+        for _ in range(min(workers, job.n)):
+            futures.append(executor.submit(_puller, job, lock, ref))
     except RuntimeError as e:
-        for f in futures:
-            f.cancel()
-        raise ExecutorError(
-            f"The executor {executor!r} passed as executor= refused new work: {e}. "
-            "Pass an executor that is running, or executor=None for the shared pool."
-        ) from e
+        with lock:
+            job.fail(_refused(executor, e))
+    _wait_futures(futures, job, progress)
+
+
+def _wait_futures(futures, job: Job, progress: Progress | None) -> None:
     pending = set(futures)
     while pending:
         done, pending = concurrent.futures.wait(
-            pending, return_when=concurrent.futures.FIRST_EXCEPTION
+            pending,
+            timeout=None if progress is None else progress.interval,
+            return_when=concurrent.futures.FIRST_EXCEPTION,
         )
+        if progress is not None:
+            progress.update(job.completed)
         for f in done:
-            if f.cancelled():
-                continue
-            exc = f.exception()
-            if exc is not None:
-                job.fail(exc)
+            if not f.cancelled() and f.exception() is not None:
+                job.fail(f.exception())
         if job.failed:
             for f in pending:
                 f.cancel()
-            concurrent.futures.wait(pending)
-            break
+    if progress is not None:
+        progress.close(job.completed)
+
+
+def run_on_remote_executor(
+    executor: concurrent.futures.Executor,
+    job: Job,
+    prepared,
+    progress: Progress | None = None,
+) -> None:
+    """Runs ``job`` on an executor that pickles work (process pool, Dask).
+
+    Each task carries only its chunk's slices of the operands. Chunk sizes adapt
+    to the kernel's measured cost: the first tasks hold one element each (one per
+    worker, so slow elements all start at once); later ones hold about
+    ``TASK_SECONDS_REMOTE`` of kernel work.
+    """
+    workers = known_workers(executor)
+    in_flight_cap = 2 * workers if workers else UNKNOWN_WORKERS_IN_FLIGHT
+    first_wave = workers if workers else UNKNOWN_WORKERS_IN_FLIGHT
+    n = job.n
+    next_start = 0
+    pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
+    seconds_per_element: float | None = None
+
+    def submit(size: int) -> None:
+        nonlocal next_start
+        start, stop = next_start, min(n, next_start + size)
+        task = prepared.remote_task(start, stop)
+        try:
+            fut = executor.submit(task)
+        except RuntimeError as e:
+            raise _refused(executor, e) from None
+        except Exception as e:  # e.g. the kernel cannot be pickled
+            raise _cannot_ship(executor, prepared, e) from None
+        pending[fut] = (start, stop)
+        next_start = stop
+
+    try:
+        while next_start < n and len(pending) < min(first_wave, in_flight_cap):
+            submit(1)
+        while pending:
+            done, _ = concurrent.futures.wait(
+                list(pending),
+                timeout=None if progress is None else progress.interval,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+            for fut in done:
+                start, stop = pending.pop(fut)
+                try:
+                    outs, per_element = fut.result()
+                except (pickle.PicklingError, AttributeError, TypeError) as e:
+                    if "pickle" not in str(e).lower():
+                        raise
+                    raise _cannot_ship(executor, prepared, e) from None
+                prepared.store_remote(start, stop, outs)
+                job.completed += stop - start
+                seconds_per_element = (
+                    per_element
+                    if seconds_per_element is None
+                    else 0.5 * (seconds_per_element + per_element)
+                )
+            if progress is not None:
+                progress.update(job.completed)
+            while next_start < n and len(pending) < in_flight_cap:
+                remaining = n - next_start
+                size = 1
+                if seconds_per_element is not None:
+                    size = int(TASK_SECONDS_REMOTE / max(seconds_per_element, 1e-9))
+                size = max(1, min(size, -(-remaining // in_flight_cap)))
+                submit(size)
+    except BaseException as e:
+        job.fail(e)
+        for fut in pending:
+            fut.cancel()
+    finally:
+        if progress is not None:
+            progress.close(job.completed)
+
+
+def _cannot_ship(executor, prepared, e: BaseException) -> ExecutorError:
+    err = ExecutorError(
+        f"threadmap kernel {prepared.loop.name!r} could not be sent to the executor "
+        f"{executor!r}, which runs work in other processes and so pickles it: "
+        f"{type(e).__name__}: {e}. Define the kernel at module level (not a lambda "
+        "or closure), or use executor=None / a ThreadPoolExecutor."
+    )
+    err.__cause__ = e
+    return err
+
+
+def run_map(executor, prepared, *, name: str, progress: bool | None) -> Job:
+    """Runs every element of ``prepared`` on ``executor``; returns the finished job."""
+    job = Job(prepared.n, prepared.run_chunk)
+    if job.n == 0:
+        return job
+    bar = Progress(job.n, name) if progress_enabled(progress) else None
+    if executor is None or isinstance(executor, int):
+        get_pool(executor).run(job, bar)
+    elif shares_memory(executor):
+        run_on_thread_executor(executor, job, bar)
+    else:
+        run_on_remote_executor(executor, job, prepared, bar)
+    return job

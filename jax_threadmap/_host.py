@@ -9,21 +9,25 @@ shape and every element is written in place.
 
 Adjacent batch levels whose strides line up in every view are merged, so the usual
 case (all operands batched the same way, or unbatched) is indexed with a single
-integer per element.
+integer per element, and the element loop is specialised for the common kernel
+signatures so that its cost per element stays close to a bare Python loop.
+
+For executors that pickle work (process pools, Dask), :meth:`FlatMap.remote_task`
+packs one chunk's slices of the operands into a :class:`RemoteChunk`, which runs
+the same element loop in the worker and sends the chunk's outputs back.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _executor
 from ._batch_spec import BatchSpec
-from ._errors import ExecutorError, KernelError
+from ._errors import KernelError
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 
@@ -31,8 +35,8 @@ _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 def operand_view(x: np.ndarray, axes: Sequence[int | None], batch_shape) -> np.ndarray:
     """A read-only view of ``x`` with shape ``batch_shape + core_shape``."""
     x = np.asarray(x)
-    present = [a for a in axes if a is not None]
-    core_axes = [d for d in range(x.ndim) if d not in set(present)]
+    present = {a for a in axes if a is not None}
+    core_axes = [d for d in range(x.ndim) if d not in present]
     strides = tuple(0 if a is None else x.strides[a] for a in axes) + tuple(
         x.strides[d] for d in core_axes
     )
@@ -40,10 +44,11 @@ def operand_view(x: np.ndarray, axes: Sequence[int | None], batch_shape) -> np.n
     return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=False)
 
 
-def _merge_batch_dims(shape: tuple[int, ...], views: Sequence[np.ndarray]):
+def merge_batch_dims(shape: tuple[int, ...], views: Sequence[np.ndarray]):
     """Merges adjacent batch dims that every view can index as one.
 
-    Returns the merged shape and, for each view, a view with that batch shape.
+    Merging keeps the C-order flat index, so flat index ``i`` of the merged shape
+    is flat index ``i`` of ``shape``. Returns the merged shape and the views.
     """
     nb = len(shape)
     if nb <= 1:
@@ -67,8 +72,11 @@ def _merge_batch_dims(shape: tuple[int, ...], views: Sequence[np.ndarray]):
     return new_shape, merged
 
 
-class FlatMap:
-    """Everything one host call needs to run a kernel over a flat batch index.
+class ElementLoop:
+    """Calls a kernel per element and checks and stores its results.
+
+    Picklable (it holds the kernel, its tree structures and output declarations
+    only), so that process and Dask workers run the very same loop.
 
     Args:
         fn: The user's kernel.
@@ -76,88 +84,51 @@ class FlatMap:
         in_tree: Treedef of ``(args, kwargs)``.
         out_tree: Treedef of the kernel's result.
         out_core: ``(shape, dtype)`` of each output leaf for one element.
-        spec: The batch spec.
+        batch_shape: The (unmerged) batch shape, for batch indices in messages.
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        name: str,
-        in_tree,
-        out_tree,
-        out_core: Sequence[tuple[tuple[int, ...], np.dtype]],
-        spec: BatchSpec,
-    ):
+    def __init__(self, fn, name, in_tree, out_tree, out_core, batch_shape):
         self.fn = fn
         self.name = name
         self.in_tree = in_tree
         self.out_tree = out_tree
         self.out_core = [(tuple(s), np.dtype(d)) for s, d in out_core]
-        self.spec = spec
-        # Fast call path when every positional and keyword argument is one leaf.
+        self.batch_shape = tuple(batch_shape)
         args, kwargs = jax.tree_util.tree_unflatten(
             in_tree, list(range(in_tree.num_leaves))
         )
-        flat_args = all(isinstance(a, int) for a in args)
-        flat_kwargs = all(isinstance(v, int) for v in kwargs.values())
-        self.num_args = len(args) if flat_args and flat_kwargs else None
-        self.kw_names = tuple(kwargs) if self.num_args is not None else ()
+        flat = all(isinstance(a, int) for a in args) and all(
+            isinstance(v, int) for v in kwargs.values()
+        )
+        # When every argument is one leaf the kernel is called without unflattening.
+        self.num_args = len(args) if flat else None
+        self.kw_names = tuple(kwargs) if flat else ()
         self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
 
-    # -- running -----------------------------------------------------------------
+    # -- messages ----------------------------------------------------------------
 
-    def __call__(
-        self, operands: Sequence[np.ndarray], executor: Any
-    ) -> tuple[np.ndarray, ...]:
-        spec = self.spec
-        batch_shape = spec.shape
-        in_views = [
-            operand_view(x, axes, batch_shape)
-            for x, axes in zip(operands, spec.in_axes, strict=True)
-        ]
-        outs = [np.empty(batch_shape + s, d) for s, d in self.out_core]
-        n = spec.size
-        if n == 0:
-            return tuple(outs)
-        shape, views = _merge_batch_dims(batch_shape, in_views + outs)
-        in_v, out_v = views[: len(in_views)], views[len(in_views) :]
-        if len(shape) <= 1:
-            chunk = self._chunk_fn_1d(in_v, out_v, len(shape) == 0)
-        else:
-            chunk = self._chunk_fn_nd(in_v, out_v, shape)
-        if len(shape) == 0:
-            job = _executor.Job(1, chunk)
-            job.run_chunk(0, 1)  # one element: no pool round trip
-        else:
-            job = _executor.Job(n, chunk)
-            if executor is None or isinstance(executor, int):
-                _executor.get_pool(executor).run(job)
-            elif isinstance(executor, concurrent.futures.Executor):
-                _executor.run_on_executor(executor, job)
-            else:  # validated in the API; guard against direct binds
-                raise TypeError(f"Unsupported executor {executor!r}.")
-        if job.error is not None:
-            raise self._wrap_pool_error(job.error)
-        return tuple(outs)
+    def error(self, flat: int | None, what: str) -> KernelError:
+        index = None
+        where = ""
+        if flat is not None and self.batch_shape:
+            index = tuple(int(i) for i in np.unravel_index(flat, self.batch_shape))
+            where = f" at batch index {index} (batch shape {self.batch_shape})"
+        return KernelError(
+            f"threadmap kernel {self.name!r}{where} {what}",
+            index=index,
+            kernel_name=self.name,
+        )
 
-    def _wrap_pool_error(self, e: BaseException) -> BaseException:
-        if isinstance(e, (KernelError, KeyboardInterrupt, SystemExit)):
-            return e
-        if isinstance(e, concurrent.futures.BrokenExecutor):
-            err = ExecutorError(
-                f"The executor running threadmap kernel {self.name!r} broke while the "
-                f"map ran ({type(e).__name__}: {e}); a worker probably died. "
-                "The map was abandoned; the next call needs a working executor."
-            )
-        else:
-            err = ExecutorError(
-                f"threadmap kernel {self.name!r}: the executor failed with "
-                f"{type(e).__name__}: {e}"
-            )
-        err.__cause__ = e
-        return err
+    def kernel_raised(self, e: Exception, flat: int | None):
+        """Raises the error for a kernel that raised ``e``, chained to ``e``."""
+        if isinstance(e, KernelError) and e.kernel_name == self.name and e.index:
+            raise e  # already has its index (e.g. from a remote chunk)
+        msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise self.error(flat, f"raised {msg}") from e
 
-    def _call(self, leaves: list[Any]) -> Any:
+    # -- one element, general path -------------------------------------------------
+
+    def call(self, leaves: list[Any]) -> Any:
         if self.num_args is not None:
             if self.kw_names:
                 kw = dict(zip(self.kw_names, leaves[self.num_args :], strict=True))
@@ -166,12 +137,12 @@ class FlatMap:
         args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
         return self.fn(*args, **kwargs)
 
-    def _result_leaves(self, result: Any, flat: int | None) -> list[Any]:
+    def result_leaves(self, result: Any, flat: int | None) -> list[Any]:
         if self.single_leaf and isinstance(result, _LEAF_TYPES):
             return [result]
         leaves, tree = jax.tree_util.tree_flatten(result)
         if tree != self.out_tree:
-            raise self._error(
+            raise self.error(
                 flat,
                 f"returned a value of structure {tree}, but result_shape_dtypes has "
                 f"structure {self.out_tree}. Return a pytree with the same structure "
@@ -179,77 +150,166 @@ class FlatMap:
             )
         return leaves
 
-    def _store(self, out: np.ndarray, ii, value: Any, k: int, flat) -> None:
+    def store(self, out: np.ndarray, i, value: Any, k: int, flat) -> None:
+        """Checks one output leaf of one element and writes it at ``out[i]``."""
         shape, dtype = self.out_core[k]
         if type(value) is not np.ndarray:
             try:
                 value = np.asarray(value)
             except Exception as e:
-                raise self._error(
+                raise self.error(
                     flat,
                     f"returned a value of type {type(value).__name__} for output "
                     f"{k}, which is not convertible to an array of shape {shape} "
                     f"and dtype {dtype}.",
                 ) from e
         if value.shape != shape:
-            raise self._error(
+            raise self.error(
                 flat,
                 f"returned shape {value.shape} for output {k}, expected {shape} "
                 f"(dtype {dtype}). Return one element's result, without batch axes.",
             )
         if value.dtype != dtype and not np.can_cast(value.dtype, dtype, "same_kind"):
-            raise self._error(
+            raise self.error(
                 flat,
                 f"returned dtype {value.dtype} for output {k}, expected {dtype} "
                 f"(shape {shape}); {value.dtype} does not convert to {dtype} without "
                 "changing kind. Cast the result, or declare the dtype you return.",
             )
-        out[ii] = value
+        out[i] = value
 
-    def _error(self, flat: int | None, what: str) -> KernelError:
-        index = None
-        where = ""
-        if flat is not None and self.spec.shape:
-            index = tuple(int(i) for i in np.unravel_index(flat, self.spec.shape))
-            where = f" at batch index {index} (batch shape {self.spec.shape})"
-        return KernelError(
-            f"threadmap kernel {self.name!r}{where} {what}",
-            index=index,
-            kernel_name=self.name,
-        )
-
-    def _raise_from_kernel(self, e: Exception, flat: int | None):
-        msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise self._error(flat, f"raised {msg}") from e
-
-    def _element(self, in_v, out_v, ii, flat) -> None:
-        """Runs one element; ``ii`` indexes the (merged) views."""
+    def element(self, in_v, out_v, ii, flat) -> None:
+        """Runs one element; ``ii`` indexes the views."""
         try:
-            result = self._call([v[ii] for v in in_v])
+            result = self.call([v[ii] for v in in_v])
         except Exception as e:
-            self._raise_from_kernel(e, flat)
+            self.kernel_raised(e, flat)
         if self.single_leaf and isinstance(result, _LEAF_TYPES):
-            self._store(out_v[0], ii, result, 0, flat)
+            self.store(out_v[0], ii, result, 0, flat)
         else:
-            for k, val in enumerate(self._result_leaves(result, flat)):
-                self._store(out_v[k], ii, val, k, flat)
+            for k, val in enumerate(self.result_leaves(result, flat)):
+                self.store(out_v[k], ii, val, k, flat)
 
-    def _chunk_fn_1d(self, in_v, out_v, scalar: bool):
-        element = self._element
+    # -- loops ---------------------------------------------------------------------
+
+    def loop_1d(self, in_v, out_v, flat_of=None) -> Callable[[int, int, Any], None]:
+        """A chunk function over views with one (merged) batch dim.
+
+        ``flat_of[j]`` maps local index ``j`` to the flat batch index (for
+        messages), when the views hold a gathered subset of the batch.
+        """
+        fast = self._fast_loop_1d(in_v, out_v, flat_of)
+        if fast is not None:
+            return fast
+        element = self.element
 
         def chunk(start: int, stop: int, job) -> None:
-            if scalar:
-                element(in_v, out_v, (), None)
-                return
             for i in range(start, stop):
                 if job.failed:
                     return
-                element(in_v, out_v, (i, Ellipsis), i)
+                element(in_v, out_v, (i, Ellipsis), _flat(flat_of, i))
 
         return chunk
 
-    def _chunk_fn_nd(self, in_v, out_v, shape):
-        element = self._element
+    def _fast_loop_1d(self, in_v, out_v, flat_of):
+        # One output leaf, positional leaves only, at most two operands: the
+        # shapes of nearly every kernel. Each element costs the kernel call, one
+        # index per operand, a type check and the write.
+        if not (self.single_leaf and self.num_args is not None and not self.kw_names):
+            return None
+        if len(in_v) > 2:
+            return None
+        fn, out = self.fn, out_v[0]
+        shape, dtype = self.out_core[0]
+        # A result of exactly this type needs no conversion or check.
+        exact = dtype.type if shape == () else None
+        ndarray = np.ndarray
+        slow_store, kernel_raised = self.store, self.kernel_raised
+        result_leaves = self.result_leaves
+        # Operands with a core shape index with one int (a view); 0-d ones need
+        # `[i, ...]` to give a 0-d array rather than a NumPy scalar.
+        scalar_in = [v.ndim == 1 for v in in_v]
+
+        def check_store(r, i):
+            if type(r) is ndarray and r.dtype is dtype and r.shape == shape:
+                out[i] = r
+            else:
+                flat = _flat(flat_of, i)
+                (value,) = result_leaves(r, flat)  # checks containers' structure
+                slow_store(out, i, value, 0, flat)
+
+        if len(in_v) == 0:
+
+            def chunk(start, stop, job):
+                for i in range(start, stop):
+                    if job.failed:
+                        return
+                    try:
+                        r = fn()
+                    except Exception as e:
+                        kernel_raised(e, _flat(flat_of, i))
+                    if type(r) is exact:
+                        out[i] = r
+                    else:
+                        check_store(r, i)
+
+            return chunk
+
+        if len(in_v) == 1:
+            (a,) = in_v
+            if scalar_in[0]:
+
+                def chunk(start, stop, job):
+                    for i in range(start, stop):
+                        if job.failed:
+                            return
+                        try:
+                            r = fn(a[i, ...])
+                        except Exception as e:
+                            kernel_raised(e, _flat(flat_of, i))
+                        if type(r) is exact:
+                            out[i] = r
+                        else:
+                            check_store(r, i)
+
+            else:
+
+                def chunk(start, stop, job):
+                    for i in range(start, stop):
+                        if job.failed:
+                            return
+                        try:
+                            r = fn(a[i])
+                        except Exception as e:
+                            kernel_raised(e, _flat(flat_of, i))
+                        if type(r) is exact:
+                            out[i] = r
+                        else:
+                            check_store(r, i)
+
+            return chunk
+
+        a, b = in_v
+
+        def chunk(start, stop, job):
+            for i in range(start, stop):
+                if job.failed:
+                    return
+                ii = (i, Ellipsis)
+                try:
+                    r = fn(a[ii], b[ii])
+                except Exception as e:
+                    kernel_raised(e, _flat(flat_of, i))
+                if type(r) is exact:
+                    out[i] = r
+                else:
+                    check_store(r, i)
+
+        return chunk
+
+    def loop_nd(self, in_v, out_v, shape) -> Callable[[int, int, Any], None]:
+        """A chunk function over views whose batch dims could not be merged."""
+        element = self.element
 
         def chunk(start: int, stop: int, job) -> None:
             cols = [c.tolist() for c in np.unravel_index(np.arange(start, stop), shape)]
@@ -259,3 +319,134 @@ class FlatMap:
                 element(in_v, out_v, (*ii, Ellipsis), i)
 
         return chunk
+
+
+def _flat(flat_of, i):
+    return i if flat_of is None else int(flat_of[i])
+
+
+class _NeverFailed:
+    failed = False
+
+
+class RemoteChunk:
+    """One chunk of a map, packed for a worker that does not share our memory.
+
+    Holds only the chunk's slices of the batched operands (deduplicated: an
+    operand mapped at some levels only ships each of its elements once) and one
+    copy of each unbatched operand. Calling it runs the element loop and returns
+    ``(outputs, seconds_per_element)``.
+    """
+
+    def __init__(self, loop: ElementLoop, data, gathers, flat_index, length):
+        self.loop = loop
+        self.data = data  # per operand: array of its distinct elements
+        self.gathers = gathers  # per operand: None (one element) or local index
+        self.flat_index = flat_index  # flat batch index of each local element
+        self.length = length
+
+    def __call__(self):
+        loop, n = self.loop, self.length
+        views = []
+        for d, g in zip(self.data, self.gathers, strict=True):
+            if g is None:  # unbatched: one element, read with stride 0
+                views.append(
+                    np.lib.stride_tricks.as_strided(
+                        d, (n, *d.shape), (0, *d.strides), writeable=False
+                    )
+                )
+            elif isinstance(g, slice):
+                views.append(d)
+            else:
+                views.append(d[g])
+        for v in views:
+            v.flags.writeable = False
+        outs = [np.empty((n, *s), dt) for s, dt in loop.out_core]
+        t = time.perf_counter()
+        loop.loop_1d(views, outs, self.flat_index)(0, n, _NeverFailed)
+        return outs, (time.perf_counter() - t) / max(n, 1)
+
+
+class FlatMap:
+    """Everything one host call needs: the element loop and the batch layout."""
+
+    def __init__(self, loop: ElementLoop, spec: BatchSpec):
+        self.loop = loop
+        self.spec = spec
+
+    def prepare(self, operands: Sequence[np.ndarray]) -> PreparedMap:
+        spec = self.spec
+        in_views = [
+            operand_view(x, axes, spec.shape)
+            for x, axes in zip(operands, spec.in_axes, strict=True)
+        ]
+        outs = [np.empty(spec.shape + s, d) for s, d in self.loop.out_core]
+        return PreparedMap(self.loop, spec, in_views, outs)
+
+
+class PreparedMap:
+    """The views and output buffers of one host call, ready to run in chunks."""
+
+    def __init__(self, loop: ElementLoop, spec: BatchSpec, in_views, outs):
+        self.loop = loop
+        self.n = spec.size
+        self.outs = outs
+        batch = spec.shape if spec.shape else (1,)
+        if not spec.shape:  # one unbatched element: a batch of one
+            in_views = [v[None] for v in in_views]
+            outs = [o[None] for o in outs]
+            self.n = 1
+        shape, views = merge_batch_dims(batch, in_views + outs)
+        self.shape = shape
+        self.in_v = views[: len(in_views)]
+        self.out_v = views[len(in_views) :]
+        if len(shape) == 1:
+            self.run_chunk = loop.loop_1d(self.in_v, self.out_v)
+        else:
+            self.run_chunk = loop.loop_nd(self.in_v, self.out_v, shape)
+
+    def remote_task(self, start: int, stop: int) -> RemoteChunk:
+        """Packs elements ``[start, stop)`` for a worker in another process."""
+        nb = len(self.shape)
+        if nb == 1:
+            data, gathers = [], []
+            for v in self.in_v:
+                if v.strides[0] == 0:
+                    data.append(np.ascontiguousarray(v[0]))
+                    gathers.append(None)
+                else:
+                    data.append(np.ascontiguousarray(v[start:stop]))
+                    gathers.append(slice(None))
+            flat = np.arange(start, stop)
+            return RemoteChunk(self.loop, data, gathers, flat, stop - start)
+        cols = np.unravel_index(np.arange(start, stop), self.shape)
+        data, gathers = [], []
+        for v in self.in_v:
+            dims = [d for d in range(nb) if v.strides[d] != 0 and self.shape[d] > 1]
+            if not dims:
+                data.append(np.ascontiguousarray(v[(0,) * nb]))
+                gathers.append(None)
+                continue
+            key = np.ravel_multi_index(
+                tuple(cols[d] for d in dims), tuple(self.shape[d] for d in dims)
+            )
+            uniq, inverse = np.unique(key, return_inverse=True)
+            sub = np.unravel_index(uniq, tuple(self.shape[d] for d in dims))
+            index = [0] * nb
+            for d, s in zip(dims, sub, strict=True):
+                index[d] = s
+            data.append(np.ascontiguousarray(v[tuple(index)]))
+            gathers.append(inverse.reshape(-1))
+        return RemoteChunk(
+            self.loop, data, gathers, np.arange(start, stop), stop - start
+        )
+
+    def store_remote(self, start: int, stop: int, outs: list[np.ndarray]) -> None:
+        """Writes a chunk's outputs (from :meth:`remote_task`) in place."""
+        if len(self.shape) == 1:
+            for o, r in zip(self.out_v, outs, strict=True):
+                o[start:stop] = r
+            return
+        cols = np.unravel_index(np.arange(start, stop), self.shape)
+        for o, r in zip(self.out_v, outs, strict=True):
+            o[cols] = r

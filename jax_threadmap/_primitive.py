@@ -9,6 +9,7 @@ eager impl compiles the primitive alone, so both paths run the same code.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -17,7 +18,9 @@ from typing import Any
 
 from . import _compat
 from ._batch_spec import BatchSpec
-from ._host import FlatMap
+from ._errors import ExecutorError, KernelError
+from ._executor import run_map
+from ._host import ElementLoop, FlatMap
 
 threadmap_p = _compat.Primitive("threadmap")
 threadmap_p.multiple_results = True
@@ -52,9 +55,9 @@ def kernel_name(fn: Callable[..., Any]) -> str:
 
 
 def _threadmap_abstract_eval(
-    *avals, kernel, result_avals, in_tree, out_tree, spec, executor
+    *avals, kernel, result_avals, in_tree, out_tree, spec, executor, progress
 ):
-    del kernel, in_tree, out_tree, executor
+    del kernel, in_tree, out_tree, executor, progress
     if len(avals) != len(spec.in_axes):
         raise ValueError(
             f"threadmap_p got {len(avals)} operands but its batch spec describes "
@@ -97,20 +100,25 @@ def _threadmap_batching_rule(args, dims, *, spec: BatchSpec, **params):
 
 
 def _threadmap_lowering(
-    ctx, *args, kernel, result_avals, in_tree, out_tree, spec, executor
+    ctx, *args, kernel, result_avals, in_tree, out_tree, spec, executor, progress
 ):
-    flat_map = FlatMap(
+    loop = ElementLoop(
         kernel.fn,
         kernel.name,
         in_tree,
         out_tree,
         [(a.shape, a.dtype) for a in result_avals],
-        spec,
+        spec.shape,
     )
+    flat_map = FlatMap(loop, spec)
 
     def callback(*operands):
         try:
-            return flat_map(operands, executor)
+            prepared = flat_map.prepare(operands)
+            job = run_map(executor, prepared, name=kernel.name, progress=progress)
+            if job.error is not None:
+                raise _host_error(job.error, kernel.name)
+            return tuple(prepared.outs)
         except BaseException as e:
             _last_error.value = e
             raise
@@ -130,6 +138,25 @@ def _threadmap_lowering(
         sharding=sharding,
     )
     return results
+
+
+def _host_error(e: BaseException, name: str) -> BaseException:
+    """The error a failed map raises: kernel errors as they are, the rest wrapped."""
+    if isinstance(e, (KernelError, ExecutorError, KeyboardInterrupt, SystemExit)):
+        return e
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        err = ExecutorError(
+            f"The executor running threadmap kernel {name!r} broke while the map ran "
+            f"({type(e).__name__}: {e}); a worker probably died. The map was "
+            "abandoned; pass a working executor to the next call."
+        )
+    else:
+        err = ExecutorError(
+            f"threadmap kernel {name!r}: the executor failed with "
+            f"{type(e).__name__}: {e}"
+        )
+    err.__cause__ = e
+    return err
 
 
 def _no_derivative_rule(*args, kernel, **params):

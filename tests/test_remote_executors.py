@@ -1,0 +1,184 @@
+"""Executors that pickle work: process pools and a real Dask cluster."""
+
+import concurrent.futures
+import multiprocessing
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import worker_kernels
+
+from jax_threadmap import ExecutorError, KernelError, _executor, threadmap
+
+pytestmark = pytest.mark.timeout(180)
+
+OUT = {
+    "value": jax.ShapeDtypeStruct((3,), jnp.float32),
+    "pid": jax.ShapeDtypeStruct((), jnp.int32),
+}
+
+
+def nested_call(executor):
+    def f(x, y, s):
+        return threadmap(
+            worker_kernels.scaled_with_pid, OUT, x, y, scale=s, executor=executor
+        )
+
+    # x batched at both levels, y at the inner one only, s unbatched.
+    return jax.jit(jax.vmap(jax.vmap(f, in_axes=(0, 0, None)), in_axes=(0, None, None)))
+
+
+def check_nested(executor):
+    x = np.arange(5 * 4 * 3, dtype=np.float32).reshape(5, 4, 3)
+    y = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) * 10
+    res = nested_call(executor)(x, y, np.float32(2))
+    np.testing.assert_allclose(res["value"], (x + y[None]) * 2)
+    return set(np.asarray(res["pid"]).ravel().tolist())
+
+
+@pytest.fixture(scope="module")
+def spawn_pool():
+    with concurrent.futures.ProcessPoolExecutor(
+        2, mp_context=multiprocessing.get_context("spawn")
+    ) as ex:
+        yield ex
+
+
+def test_process_pool_runs_elements_in_workers(spawn_pool):
+    pids = check_nested(spawn_pool)
+    assert os.getpid() not in pids
+    assert pids  # some worker ran them
+
+
+def test_remote_chunks_ship_only_their_slices():
+    # A map whose operand is batched at the outer level only: each chunk carries
+    # the distinct elements it needs, never the whole array.
+    big = np.arange(64 * 1000, dtype=np.float32).reshape(64, 1000)
+    from jax_threadmap._batch_spec import BatchSpec
+    from jax_threadmap._host import ElementLoop, FlatMap
+
+    tree = jax.tree_util.tree_structure(((0, 0), {}))
+    loop = ElementLoop(
+        np.add,
+        "add",
+        tree,
+        jax.tree_util.tree_structure(0),
+        [((1000,), np.float32)],
+        (64, 8),
+    )
+    spec = BatchSpec((64, 8), ((0, None), (None, 0)))
+    prepared = FlatMap(loop, spec).prepare([big, np.ones((8, 1000), np.float32)])
+    task = prepared.remote_task(10, 30)  # spans rows 1..3 of the outer level
+    assert task.data[0].shape == (3, 1000)  # three distinct rows, not 20
+    assert task.data[1].shape == (8, 1000)  # the inner operand's 8 rows
+    outs, _ = task()
+    prepared.store_remote(10, 30, outs)
+    expected = np.broadcast_to(big[:, None] + 1, (64, 8, 1000)).reshape(-1, 1000)
+    np.testing.assert_allclose(
+        prepared.outs[0].reshape(-1, 1000)[10:30], expected[10:30]
+    )
+
+
+def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):
+    f = jax.vmap(
+        lambda x: threadmap(
+            worker_kernels.raises_at_five,
+            jax.ShapeDtypeStruct((), jnp.float32),
+            x,
+            executor=spawn_pool,
+        )
+    )
+    with pytest.raises(KernelError) as info:
+        f(np.arange(8, dtype=np.float32))
+    assert "batch index (5,)" in str(info.value) and "KeyError" in str(info.value)
+    assert info.value.index == (5,)
+    np.testing.assert_array_equal(f(np.arange(3, dtype=np.float32)), np.arange(3))
+
+
+def test_unpicklable_kernel_is_a_clear_error(spawn_pool):
+    f = jax.vmap(
+        lambda x: threadmap(
+            lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x, executor=spawn_pool
+        )
+    )
+    with pytest.raises(ExecutorError, match="module level"):
+        f(np.arange(4, dtype=np.float32))
+
+
+def test_worker_killed_mid_map_is_an_error_not_a_hang():
+    ex = concurrent.futures.ProcessPoolExecutor(
+        2, mp_context=multiprocessing.get_context("spawn")
+    )
+    f = jax.vmap(
+        lambda x: threadmap(
+            worker_kernels.dies_at_three,
+            jax.ShapeDtypeStruct((), jnp.float32),
+            x,
+            executor=ex,
+        )
+    )
+    with pytest.raises(ExecutorError, match="worker probably died"):
+        f(np.arange(8, dtype=np.float32))
+    # The executor is broken now; a new call says so instead of hanging.
+    with pytest.raises(ExecutorError):
+        f(np.arange(2, dtype=np.float32))
+    ex.shutdown()
+
+
+def test_dask_local_cluster_runs_elements_in_worker_processes():
+    distributed = pytest.importorskip("distributed")
+    with (
+        distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=40,
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        ex = client.get_executor()
+        assert _executor.known_workers(ex) == 2
+        pids = check_nested(ex)
+        worker_pids = set(client.run(os.getpid).values())
+        assert pids and pids <= worker_pids
+        assert os.getpid() not in pids
+
+
+class OpaqueExecutor(concurrent.futures.Executor):
+    """A thread executor that does not say how many workers it has."""
+
+    def __init__(self, n):
+        self._inner = concurrent.futures.ThreadPoolExecutor(n)
+
+    def submit(self, fn, /, *args, **kwargs):
+        return self._inner.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait=True, **kw):
+        self._inner.shutdown(wait)
+
+
+def test_unknown_size_executor_runs_slow_elements_at_once():
+    import time
+
+    ex = OpaqueExecutor(64)
+    assert _executor.known_workers(ex) is None
+
+    def slow(v):
+        time.sleep(0.5)
+        return v
+
+    # Not a module-level kernel: an opaque executor is treated as one that pickles,
+    # but threads do not really pickle, so a closure is fine here.
+    f = jax.vmap(
+        lambda x: threadmap(slow, jax.ShapeDtypeStruct((), jnp.float32), x, executor=ex)
+    )
+    x = np.arange(64, dtype=np.float32)
+    f(x[:1])
+    t = time.perf_counter()
+    np.testing.assert_array_equal(f(x), x)
+    # 64 elements of 0.5 s on 64 workers: about 0.5 s, far from 32 s or 2 x 0.5 s.
+    assert time.perf_counter() - t < 0.95
+    ex.shutdown()

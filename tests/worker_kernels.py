@@ -1,0 +1,27 @@
+"""Kernels importable by worker processes (spawned pools, Dask workers).
+
+conftest.py puts this folder on PYTHONPATH so that child processes import it.
+"""
+
+import os
+import time
+
+import numpy as np
+
+
+def scaled_with_pid(x, y, *, scale):
+    """One element: (x + y) * scale, and the id of the process that ran it."""
+    return {"value": (x + y) * scale, "pid": np.int32(os.getpid())}
+
+
+def dies_at_three(x):
+    if float(x) == 3:
+        os._exit(1)  # a worker that is killed mid-map
+    time.sleep(0.05)
+    return x
+
+
+def raises_at_five(x):
+    if float(x) == 5:
+        raise KeyError("five")
+    return x

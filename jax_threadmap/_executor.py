@@ -99,7 +99,9 @@ class Job:
             self.done.set()
 
     def exhausted(self) -> bool:
-        return self.next >= self.n
+        # `failed` counts too: `fail` runs without the pool lock, and a claim racing
+        # with it may move `next` back below `n`.
+        return self.failed or self.next >= self.n
 
     def claim(self) -> tuple[int, int] | None:
         """Claims the next chunk (guided scheduling). Caller holds the pool lock."""

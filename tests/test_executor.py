@@ -244,3 +244,32 @@ def test_job_of_pool_directly_reports_first_error():
     pool.shutdown()  # twice is fine
     with pytest.raises(ExecutorError, match="shut down"):
         pool.run(_executor.Job(3, fn))
+
+
+def test_concurrent_failing_maps_never_hang():
+    def k(v):
+        if int(v) % 7 == 3:
+            raise ValueError("bad")
+        return v
+
+    f = jax.jit(jax.vmap(lambda v: threadmap(k, F32, v, executor=3)))
+    f(np.zeros(4, np.float32))
+    outcomes = []
+
+    def caller(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(40):
+            x = rng.integers(0, 50, 64).astype(np.float32)
+            try:
+                out = np.asarray(f(x))
+                outcomes.append(np.array_equal(out, x) and not (x % 7 == 3).any())
+            except Exception as e:  # noqa: BLE001
+                outcomes.append("ValueError: bad" in str(e) and (x % 7 == 3).any())
+
+    threads = [threading.Thread(target=caller, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=100)
+    assert not any(t.is_alive() for t in threads), "a map hung"
+    assert len(outcomes) == 320 and all(outcomes)

@@ -308,7 +308,14 @@ class ElementLoop:
         return chunk
 
     def loop_nd(self, in_v, out_v, shape) -> Callable[[int, int, Any], None]:
-        """A chunk function over views whose batch dims could not be merged."""
+        """A chunk function over views whose batch dims could not be merged.
+
+        Runs the (fast) 1-D loop along the last batch dim, one row at a time, when
+        rows are long enough to pay for setting up the row; else indexes each
+        element with a tuple.
+        """
+        if shape[-1] >= 16:
+            return self._loop_rows(in_v, out_v, shape)
         element = self.element
 
         def chunk(start: int, stop: int, job) -> None:
@@ -317,6 +324,25 @@ class ElementLoop:
                 if job.failed:
                     return
                 element(in_v, out_v, (*ii, Ellipsis), i)
+
+        return chunk
+
+    def _loop_rows(self, in_v, out_v, shape):
+        row = shape[-1]
+        prefix_shape = shape[:-1]
+
+        def chunk(start: int, stop: int, job) -> None:
+            while start < stop and not job.failed:
+                r, j = divmod(start, row)
+                end = min(stop - r * row, row)
+                prefix = tuple(int(p) for p in np.unravel_index(r, prefix_shape))
+                run = self.loop_1d(
+                    [v[prefix] for v in in_v],
+                    [o[prefix] for o in out_v],
+                    range(r * row, (r + 1) * row),
+                )
+                run(j, end, job)
+                start = r * row + end
 
         return chunk
 

@@ -8,7 +8,7 @@ from conftest import count_eqns
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jax_threadmap import threadmap
+from jax_threadmap import KernelError, threadmap
 
 DTYPES = ["float32", "float64", "int32", "bool", "complex64"]
 X_CORE, Z_CORE = (2,), (3,)
@@ -242,3 +242,50 @@ def test_zero_size_batch_never_calls_kernel():
         out = f(np.zeros(shape, np.float32))
         assert out.shape == shape
     assert calls == []
+
+
+@pytest.mark.parametrize("executor", [1, 3])
+@pytest.mark.parametrize("sizes", [(5, 20), (3, 17, 18)])
+def test_unmergeable_layouts_with_long_rows(sizes, executor):
+    # An outer product: each operand is batched at different levels, so the batch
+    # dims cannot be merged and the map runs row by row.
+    def f(*vs):
+        return threadmap(
+            lambda *a: sum(a[1:], a[0]) * 2,
+            jax.ShapeDtypeStruct((), jnp.float32),
+            *vs,
+            executor=executor,
+        )
+
+    vs = [np.arange(n, dtype=np.float32) * 10**k for k, n in enumerate(sizes)]
+    fn = f
+    for level in reversed(range(len(sizes))):
+        fn = jax.vmap(
+            fn, in_axes=tuple(0 if k == level else None for k in range(len(sizes)))
+        )
+    out = np.asarray(jax.jit(fn)(*vs))
+    grids = np.meshgrid(*vs, indexing="ij")
+    np.testing.assert_array_equal(out, sum(grids[1:], grids[0]) * 2)
+
+    def bad(*a):
+        middle_zero = all(float(m) == 0 for m in a[1:-1])
+        if (
+            float(a[0]) == 1
+            and middle_zero
+            and float(a[-1]) == 10 ** (len(sizes) - 1) * 17
+        ):
+            raise ValueError("this one")
+        return a[0]
+
+    def g(*vs):
+        return threadmap(
+            bad, jax.ShapeDtypeStruct((), jnp.float32), *vs, executor=executor
+        )
+
+    for level in reversed(range(len(sizes))):
+        g = jax.vmap(
+            g, in_axes=tuple(0 if k == level else None for k in range(len(sizes)))
+        )
+    with pytest.raises(KernelError) as info:
+        g(*vs)
+    assert info.value.index == (1, *[0] * (len(sizes) - 2), 17)

@@ -4,6 +4,9 @@ One flat, threaded map per host callback, however deeply it is ``vmap``-ed.
 """
 
 from ._api import threadmap as threadmap
+from ._async import AsyncArray as AsyncArray
+from ._async import async_call as async_call
+from ._async import deferred_call as deferred_call
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
@@ -12,9 +15,12 @@ from ._primitive import threadmap_p as threadmap_p
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AsyncArray",
     "ExecutorError",
     "KernelError",
     "ThreadmapError",
+    "async_call",
+    "deferred_call",
     "threadmap",
     "threadmap_p",
 ]

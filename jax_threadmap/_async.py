@@ -1,0 +1,831 @@
+"""Arrays whose values a background call is still computing.
+
+``async_call(fn, result_shape_dtypes, *args)`` starts ``fn(*args)`` on a small
+shared pool and returns at once a pytree of :class:`AsyncArray`. An
+``AsyncArray`` knows its shape and dtype, so ``jax.jit`` traces and compiles with
+it while ``fn`` still runs; the wait happens only when the compiled program needs
+the buffer (through the argument-sharding hook in :mod:`._compat`).
+
+One :class:`_Task` backs all the arrays of one call: ``fn`` runs exactly once, and
+its outcome (the placed ``jax.Array`` leaves, or the exception) is shared.
+
+Thread bounds: the pool has :func:`default_async_threads` workers at most, however
+many calls are pending. A thread that needs a value whose call has not started
+yet runs that call itself instead of waiting on work queued behind it, so a call
+that waits on another call's arrays cannot deadlock a full pool.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _compat
+
+logger = logging.getLogger(__name__)
+
+ENV_ASYNC_THREADS = "JAX_THREADMAP_ASYNC_THREADS"
+
+
+def default_async_threads() -> int:
+    """The number of worker threads of the pool that runs ``async_call``.
+
+    ``JAX_THREADMAP_ASYNC_THREADS`` when set, else ``min(32, cpus + 4)``: the
+    calls are mostly I/O (network, disk) or native code that releases the GIL,
+    so a few more threads than cores pay off, as in CPython's
+    ``ThreadPoolExecutor`` default; the cap keeps hundreds of pending arrays
+    from becoming hundreds of threads. The pool is separate from the one that
+    runs ``threadmap`` kernels, so a kernel that waits on an ``AsyncArray``
+    never waits on work queued behind itself.
+    """
+    value = os.environ.get(ENV_ASYNC_THREADS)
+    if value is None or value.strip() == "":
+        return min(32, (os.cpu_count() or 1) + 4)
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(
+            f"The environment variable {ENV_ASYNC_THREADS} must be a positive "
+            "integer (the number of threads that run jax_threadmap.async_call). "
+            f"Got {ENV_ASYNC_THREADS}={value!r}. Set it to e.g. 8, or unset it "
+            "to use the default."
+        )
+    return n
+
+
+_pool_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _get_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=default_async_threads(),
+                thread_name_prefix="jax_threadmap-async",
+            )
+        return _pool
+
+
+def _after_fork_in_child() -> None:
+    # The parent's worker threads do not exist in the child: start a new pool
+    # there when one is needed. Calls that had not started yet run in the thread
+    # that first needs them (see _Task.wait).
+    global _pool, _pool_lock
+    _pool_lock = threading.Lock()
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# --- one call, shared by the arrays of its result ------------------------------------
+
+_PENDING, _RUNNING, _FINISHED = "pending", "running", "finished"
+
+
+class _LeafSpec:
+    """What one leaf must be: the declared dtype, the aval jit sees, the target."""
+
+    __slots__ = ("path", "shape", "dtype", "aval", "sharding")
+
+    def __init__(self, path: str, shape, dtype, aval, sharding):
+        self.path = path
+        self.shape = shape
+        self.dtype = dtype
+        self.aval = aval
+        self.sharding = sharding
+
+
+class _Task:
+    """One call of ``fn`` (or one wrapped Future) and its shared outcome."""
+
+    __slots__ = (
+        "_lock",
+        "_state",
+        "_submitted",
+        "_pid",
+        "_fn",
+        "_args",
+        "_kwargs",
+        "name",
+        "api",
+        "treedef",
+        "specs",
+        "future",
+        "runnable",
+        "_traceback",
+        "_notes",
+    )
+
+    def __init__(self, fn, args, kwargs, *, name: str, api: str, treedef, specs):
+        self._lock = threading.Lock()
+        self._state = _PENDING
+        self._submitted = False
+        self._pid = os.getpid()
+        self._fn = fn
+        self._args = args
+        self._kwargs = kwargs
+        self.name = name
+        self.api = api
+        self.treedef = treedef
+        self.specs: list[_LeafSpec] = specs
+        # Holds the list of placed leaves, or the exception of the call.
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        # False for a wrapped Future: there is nothing to run, only to wait for.
+        self.runnable = fn is not None
+        self._traceback = None
+        self._notes: list[str] | None = None
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def submit(self) -> None:
+        """Queues the call on the shared pool (once)."""
+        with self._lock:
+            if not self.runnable or self._submitted or self._state != _PENDING:
+                return
+            self._submitted = True
+        _get_pool().submit(self.run)
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._state != _PENDING:
+                return False
+            self._state = _RUNNING
+            self._pid = os.getpid()
+            return True
+
+    def run(self) -> None:
+        """Runs the call, unless it has already started elsewhere."""
+        if not self.runnable or not self._claim():
+            return
+        fn, args, kwargs = self._fn, self._args, self._kwargs
+        # The arguments may be large (raw bytes, file handles): do not keep them.
+        self._fn = self._args = self._kwargs = None
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:  # routed to every use, like a Future does
+            self._fail(e, raised_by_fn=True)
+            return
+        self._finish(out)
+
+    def on_source_done(self, source: concurrent.futures.Future) -> None:
+        """Done-callback of a wrapped Future: checks and places its value."""
+        if not self._claim():
+            return
+        try:
+            out = source.result()
+        except BaseException as e:
+            self._fail(e, raised_by_fn=True)
+            return
+        self._finish(out)
+
+    def _finish(self, out: Any) -> None:
+        try:
+            leaves = _check_and_place(self, out)
+        except BaseException as e:
+            self._fail(e, raised_by_fn=False)
+            return
+        with self._lock:
+            self._state = _FINISHED
+        self.future.set_result(leaves)
+
+    def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
+        if raised_by_fn and hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(
+                f"This error was raised by {self.name}, which "
+                f"jax_threadmap.{self.api} ran to compute {len(self.specs)} "
+                "array(s); every use of any of those arrays raises it."
+            )
+        self._traceback = error.__traceback__
+        if hasattr(error, "__notes__"):
+            self._notes = list(error.__notes__)
+        logger.debug("%s of %s failed: %r", self.api, self.name, error)
+        with self._lock:
+            self._state = _FINISHED
+        self.future.set_exception(error)
+
+    def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
+        """Returns the placed leaves; raises the call's error or TimeoutError."""
+        if not self.future.done():
+            if timeout is None:
+                # Run it here rather than wait on work queued behind busy (or
+                # not yet started, or deferred) workers. No-op once started.
+                self.run()
+            else:
+                self.submit()
+            if self._state == _RUNNING and self._pid != os.getpid():
+                raise RuntimeError(
+                    f"{what} was being computed by a thread of the parent process "
+                    "when this process was forked, so its value will never arrive "
+                    "here. Create the arrays after the fork, or wait for them "
+                    "(block_until_ready) before forking."
+                )
+            done, _ = concurrent.futures.wait([self.future], timeout=timeout)
+            if not done:
+                raise TimeoutError(
+                    f"{what} was not ready within timeout={timeout} s. The call "
+                    "keeps running and the array stays usable: call result() "
+                    "again, with a longer timeout or none."
+                )
+        error = self.future.exception()
+        if error is not None:
+            # Every use raises the same exception object, as Future.result()
+            # does: restore the worker's traceback and the notes each time, so
+            # that repeated uses (and JAX's traceback-filtering note, added at
+            # each API boundary it crosses) do not pile up.
+            if self._notes is not None:
+                error.__notes__ = list(self._notes)
+            raise error.with_traceback(self._traceback)
+        return self.future.result()
+
+
+# --- checks --------------------------------------------------------------------------
+
+
+def _path_str(path) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _leaf_specs(
+    result_shape_dtypes: Any, device: Any, api: str
+) -> tuple[Any, list[_LeafSpec]]:
+    """Validates ``result_shape_dtypes`` and ``device`` up front, at the call."""
+    target = _target_sharding(device, api)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
+    if not flat:
+        raise ValueError(
+            f"jax_threadmap.{api}: result_shape_dtypes has no array leaves (got "
+            f"{result_shape_dtypes!r}). Pass the shapes and dtypes that the call "
+            "returns, e.g. jax.ShapeDtypeStruct((3,), jnp.float32); for a call "
+            "without array results use a concurrent.futures executor instead."
+        )
+    specs = []
+    for path, leaf in flat:
+        where = _path_str(path)
+        shape = getattr(leaf, "shape", None)
+        dtype = getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            raise TypeError(
+                f"jax_threadmap.{api}: every leaf of result_shape_dtypes must have "
+                f"a shape and a dtype, like jax.ShapeDtypeStruct. The leaf at "
+                f"{where} is {leaf!r} of type {type(leaf).__name__}. Use "
+                "jax.ShapeDtypeStruct(shape, dtype) there."
+            )
+        try:
+            shape = tuple(int(d) for d in shape)
+            dtype = np.dtype(dtype)
+        except TypeError as e:
+            raise TypeError(
+                f"jax_threadmap.{api}: the leaf of result_shape_dtypes at {where} "
+                f"has shape {leaf.shape!r} and dtype {leaf.dtype!r}, which are not "
+                "a tuple of integers and a NumPy dtype. Use "
+                "jax.ShapeDtypeStruct(shape, dtype) with a concrete shape."
+            ) from e
+        sharding = target
+        leaf_sharding = getattr(leaf, "sharding", None)
+        if sharding is None and isinstance(leaf_sharding, jax.sharding.Sharding):
+            sharding = leaf_sharding
+        try:
+            if sharding is not None:
+                sharding.shard_shape(shape)
+            aval = jax.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+        except (ValueError, TypeError, IndexError) as e:
+            raise ValueError(
+                f"jax_threadmap.{api}: the target sharding {sharding} cannot hold "
+                f"the array of shape {shape} declared at {where} of "
+                f"result_shape_dtypes ({e}). Pass a device= or sharding that fits "
+                "every leaf (e.g. a replicated one), or give each leaf its own "
+                "sharding with jax.ShapeDtypeStruct(shape, dtype, sharding=...)."
+            ) from e
+        specs.append(_LeafSpec(where, shape, dtype, aval, sharding))
+    return treedef, specs
+
+
+def _target_sharding(device: Any, api: str) -> jax.sharding.Sharding | None:
+    if device is None or isinstance(device, jax.sharding.Sharding):
+        return device
+    if isinstance(device, jax.Device):
+        return jax.sharding.SingleDeviceSharding(device)
+    raise TypeError(
+        f"jax_threadmap.{api}: device must be None, a jax.Device or a "
+        f"jax.sharding.Sharding. Got device={device!r} of type "
+        f"{type(device).__name__}. Pass e.g. device=jax.devices()[0]."
+    )
+
+
+def _check_and_place(task: _Task, out: Any) -> list[jax.Array]:
+    """Checks the call's result against its declaration and puts it on device."""
+    flat, treedef = jax.tree_util.tree_flatten(out)
+    if treedef != task.treedef:
+        raise ValueError(
+            f"{task.name}, run by jax_threadmap.{task.api}, returned a value of "
+            f"structure {treedef}, but result_shape_dtypes declares the "
+            f"structure {task.treedef}. Make the function return that structure, "
+            "or fix result_shape_dtypes."
+        )
+    problems = []
+    for spec, leaf in zip(task.specs, flat, strict=True):
+        shape = getattr(leaf, "shape", None)
+        dtype = getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            problems.append(
+                f"at {spec.path}: a {type(leaf).__name__} without shape and dtype "
+                f"(expected an array of shape {spec.shape} and dtype {spec.dtype})"
+            )
+            continue
+        # Compare canonical dtypes: with x64 off, float64 and float32 both land
+        # on device as float32, as they would in jnp.asarray.
+        canonical = jax.dtypes.canonicalize_dtype
+        if tuple(shape) != spec.shape or canonical(dtype) != canonical(spec.dtype):
+            problems.append(
+                f"at {spec.path}: shape {tuple(shape)} and dtype {np.dtype(dtype)} "
+                f"(expected shape {spec.shape} and dtype {spec.dtype})"
+            )
+    if problems:
+        raise ValueError(
+            f"{task.name}, run by jax_threadmap.{task.api}, returned arrays that "
+            "do not match result_shape_dtypes: "
+            + "; ".join(problems)
+            + ". Make the function return the declared shapes and dtypes, or fix "
+            "result_shape_dtypes."
+        )
+    placed = []
+    for spec, leaf in zip(task.specs, flat, strict=True):
+        if spec.sharding is not None:
+            placed.append(jax.device_put(leaf, spec.sharding))
+        elif isinstance(leaf, jax.Array):
+            placed.append(leaf)
+        else:
+            placed.append(jax.device_put(leaf))
+    # The copies to device run while we wait here, in a pool thread: done()
+    # then means the data is on its device.
+    return jax.block_until_ready(placed)
+
+
+def _callable_name(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return f"`{name}`" if name else repr(fn)
+
+
+def _make(task: _Task) -> Any:
+    arrays = [AsyncArray._new(task, i) for i in range(len(task.specs))]
+    return jax.tree_util.tree_unflatten(task.treedef, arrays)
+
+
+# --- the array -----------------------------------------------------------------------
+
+
+def _binary(name: str) -> Callable[[AsyncArray, Any], Any]:
+    def method(self: AsyncArray, other: Any) -> Any:
+        if isinstance(other, AsyncArray):
+            other = other.result()
+        return getattr(self.result(), name)(other)
+
+    method.__name__ = name
+    method.__doc__ = f"Waits for the value, then applies ``jax.Array.{name}``."
+    return method
+
+
+def _unary(name: str) -> Callable[[AsyncArray], Any]:
+    def method(self: AsyncArray) -> Any:
+        return getattr(self.result(), name)()
+
+    method.__name__ = name
+    method.__doc__ = f"Waits for the value, then applies ``jax.Array.{name}``."
+    return method
+
+
+class AsyncArray:
+    """An array whose value a background call is still computing.
+
+    Made by :func:`async_call`, :func:`deferred_call` or :meth:`from_future`,
+    never directly. Its shape and dtype are known at once, so it can be passed to
+    ``jax.jit`` functions (tracing and compilation proceed while the call runs;
+    the program waits for the buffer only when it executes), eager ``jax.numpy``
+    functions, ``jax.device_put``, ``np.asarray`` and ``threadmap``. Python
+    operators, indexing, ``bool``/``int``/``float`` wait for the value and act
+    like those of the ``jax.Array`` that :meth:`result` returns; use
+    ``result()`` for any other ``jax.Array`` method.
+
+    If the call raised, every use of the array re-raises that exception (same
+    type, message and ``__cause__``, with a note naming the call).
+
+    Attributes:
+        shape: The declared shape.
+        dtype: The dtype of the value on device (the declared dtype,
+            canonicalised as ``jnp.asarray`` does: float64 becomes float32
+            unless ``jax_enable_x64`` is on).
+        ndim: ``len(shape)``.
+        size: The number of elements.
+        sharding: Where the value goes: the target ``device`` or sharding, or
+            ``None`` for the default device (uncommitted, like ``jnp.asarray``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> import jax_threadmap as jtm
+        >>> x = jtm.async_call(np.ones, jax.ShapeDtypeStruct((2,), jnp.float32),
+        ...                    2, dtype=np.float32)
+        >>> x.shape, x.dtype
+        ((2,), dtype('float32'))
+        >>> jax.jit(lambda a: a * 2)(x)
+        Array([2., 2.], dtype=float32)
+    """
+
+    __slots__ = ("_task", "_index", "__weakref__")
+    # Makes NumPy defer `ndarray + AsyncArray` to AsyncArray.__radd__.
+    __array_priority__ = 100
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+        raise TypeError(
+            "AsyncArray cannot be constructed directly. Use "
+            "jax_threadmap.async_call(fn, result_shape_dtypes, *args), "
+            "jax_threadmap.deferred_call(...) or AsyncArray.from_future(...)."
+        )
+
+    @classmethod
+    def _new(cls, task: _Task, index: int) -> AsyncArray:
+        self = object.__new__(cls)
+        self._task = task
+        self._index = index
+        return self
+
+    @classmethod
+    def from_future(
+        cls,
+        future: concurrent.futures.Future,
+        result_shape_dtypes: Any,
+        *,
+        device: jax.Device | jax.sharding.Sharding | None = None,
+    ) -> Any:
+        """Wraps a ``concurrent.futures.Future`` whose result is a pytree of arrays.
+
+        The value is checked and copied to its device as soon as the future
+        completes (in the thread that completes it).
+
+        Args:
+            future: A ``concurrent.futures.Future`` (from any executor) whose
+                result has the structure of ``result_shape_dtypes``.
+            result_shape_dtypes: A pytree whose leaves have ``shape`` and
+                ``dtype`` (``jax.ShapeDtypeStruct``, arrays).
+            device: Optional target ``jax.Device`` or ``jax.sharding.Sharding``
+                for every leaf.
+
+        Returns:
+            A pytree of :class:`AsyncArray` with the structure of
+            ``result_shape_dtypes``.
+
+        Raises:
+            TypeError: If ``future`` is not a ``concurrent.futures.Future``, or
+                ``result_shape_dtypes`` or ``device`` is malformed.
+
+        Example:
+            >>> from concurrent.futures import ThreadPoolExecutor
+            >>> import jax, numpy as np
+            >>> from jax_threadmap import AsyncArray
+            >>> with ThreadPoolExecutor(1) as ex:
+            ...     fut = ex.submit(np.arange, 3.0, dtype=np.float32)
+            ...     x = AsyncArray.from_future(
+            ...         fut, jax.ShapeDtypeStruct((3,), np.float32))
+            ...     print(x + 1)
+            [1. 2. 3.]
+        """
+        if not isinstance(future, concurrent.futures.Future):
+            raise TypeError(
+                "AsyncArray.from_future: future must be a concurrent.futures.Future. "
+                f"Got {future!r} of type {type(future).__name__}. For a plain "
+                "function use jax_threadmap.async_call(fn, result_shape_dtypes)."
+            )
+        treedef, specs = _leaf_specs(
+            result_shape_dtypes, device, "AsyncArray.from_future"
+        )
+        task = _Task(
+            None,
+            None,
+            None,
+            name=f"the future {future!r}",
+            api="AsyncArray.from_future",
+            treedef=treedef,
+            specs=specs,
+        )
+        out = _make(task)
+        future.add_done_callback(task.on_source_done)
+        return out
+
+    # -- what jit needs, without waiting --
+
+    @property
+    def _spec(self) -> _LeafSpec:
+        return self._task.specs[self._index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._spec.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._spec.aval.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._spec.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._spec.shape, dtype=np.int64))
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding | None:
+        return self._spec.sharding
+
+    def _aval(self) -> Any:
+        return self._spec.aval
+
+    # -- the value --
+
+    def done(self) -> bool:
+        """Returns whether the value (or the call's error) is available now."""
+        return self._task.future.done()
+
+    def result(self, timeout: float | None = None) -> jax.Array:
+        """Waits for the value and returns it as a ``jax.Array``.
+
+        Args:
+            timeout: Seconds to wait at most; ``None`` waits as long as needed.
+
+        Returns:
+            The ``jax.Array``, on its target device.
+
+        Raises:
+            TimeoutError: If ``timeout`` expires first. The array stays usable.
+            Exception: Whatever the call raised, or a ``ValueError`` if it
+                returned values that do not match ``result_shape_dtypes``.
+
+        Example:
+            >>> import jax, numpy as np
+            >>> import jax_threadmap as jtm
+            >>> x = jtm.async_call(np.zeros, jax.ShapeDtypeStruct((2,), np.float32),
+            ...                    2, dtype=np.float32)
+            >>> x.result(timeout=30)
+            Array([0., 0.], dtype=float32)
+        """
+        return self._task.wait(timeout, self._describe())[self._index]
+
+    def block_until_ready(self) -> AsyncArray:
+        """Waits until the value is on its device; returns ``self``."""
+        self.result().block_until_ready()
+        return self
+
+    def __jax_array__(self) -> jax.Array:
+        return self.result()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        return self.result().__array__(dtype=dtype, copy=copy)
+
+    # -- never blocks --
+
+    def _status(self) -> str:
+        task = self._task
+        fut = task.future
+        if fut.done():
+            error = fut.exception()
+            if error is None:
+                return "done"
+            return f"failed: {type(error).__name__}: {error}"
+        if task.state == _PENDING and task.runnable and not task._submitted:
+            return "deferred"
+        return "pending"
+
+    def _describe(self) -> str:
+        return f"AsyncArray(shape={self.shape}, dtype={self.dtype})"
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncArray(shape={self.shape}, dtype={self.dtype}, "
+            f"{self._status()}, from {self._task.name})"
+        )
+
+    __str__ = __repr__
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    # -- the rest waits for the value --
+
+    def __iter__(self) -> Iterator[jax.Array]:
+        return iter(self.result())
+
+    def __getitem__(self, index: Any) -> jax.Array:
+        return self.result()[index]
+
+    __hash__ = None  # type: ignore[assignment]  # like jax.Array
+
+    __add__ = _binary("__add__")
+    __radd__ = _binary("__radd__")
+    __sub__ = _binary("__sub__")
+    __rsub__ = _binary("__rsub__")
+    __mul__ = _binary("__mul__")
+    __rmul__ = _binary("__rmul__")
+    __truediv__ = _binary("__truediv__")
+    __rtruediv__ = _binary("__rtruediv__")
+    __floordiv__ = _binary("__floordiv__")
+    __rfloordiv__ = _binary("__rfloordiv__")
+    __mod__ = _binary("__mod__")
+    __rmod__ = _binary("__rmod__")
+    __divmod__ = _binary("__divmod__")
+    __rdivmod__ = _binary("__rdivmod__")
+    __pow__ = _binary("__pow__")
+    __rpow__ = _binary("__rpow__")
+    __matmul__ = _binary("__matmul__")
+    __rmatmul__ = _binary("__rmatmul__")
+    __and__ = _binary("__and__")
+    __rand__ = _binary("__rand__")
+    __or__ = _binary("__or__")
+    __ror__ = _binary("__ror__")
+    __xor__ = _binary("__xor__")
+    __rxor__ = _binary("__rxor__")
+    __lshift__ = _binary("__lshift__")
+    __rlshift__ = _binary("__rlshift__")
+    __rshift__ = _binary("__rshift__")
+    __rrshift__ = _binary("__rrshift__")
+    __eq__ = _binary("__eq__")  # type: ignore[assignment]
+    __ne__ = _binary("__ne__")  # type: ignore[assignment]
+    __lt__ = _binary("__lt__")
+    __le__ = _binary("__le__")
+    __gt__ = _binary("__gt__")
+    __ge__ = _binary("__ge__")
+    __neg__ = _unary("__neg__")
+    __pos__ = _unary("__pos__")
+    __abs__ = _unary("__abs__")
+    __invert__ = _unary("__invert__")
+    __bool__ = _unary("__bool__")
+    __int__ = _unary("__int__")
+    __float__ = _unary("__float__")
+    __complex__ = _unary("__complex__")
+    __index__ = _unary("__index__")
+
+
+def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
+    # Called by jit only when a compiled program runs, after compilation.
+    return [x.result() for x in xs]
+
+
+_compat.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
+
+
+# --- public constructors -------------------------------------------------------------
+
+
+def _new_task(fn, result_shape_dtypes, args, kwargs, device, api) -> _Task:
+    if not callable(fn):
+        raise TypeError(
+            f"jax_threadmap.{api}: fn must be callable. Got {fn!r} of type "
+            f"{type(fn).__name__}. Pass the function first, then "
+            "result_shape_dtypes, then its arguments."
+        )
+    treedef, specs = _leaf_specs(result_shape_dtypes, device, api)
+    return _Task(
+        fn,
+        args,
+        kwargs,
+        name=_callable_name(fn),
+        api=api,
+        treedef=treedef,
+        specs=specs,
+    )
+
+
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Starts ``fn(*args, **kwargs)`` in the background; returns its arrays now.
+
+    ``fn`` starts at once on a shared pool of at most
+    ``JAX_THREADMAP_ASYNC_THREADS`` threads (default ``min(32, cpus + 4)``) and
+    runs exactly once, however many arrays it returns. When it finishes, its
+    result is checked against ``result_shape_dtypes`` and copied to its device.
+    Meanwhile the returned :class:`AsyncArray` leaves can be passed to
+    ``jax.jit`` functions, which trace and compile with their shapes and dtypes
+    and wait for the data only when the compiled program runs, so compilation
+    hides behind the call.
+
+    A thread that needs a value whose call has not started yet (all workers
+    busy) runs the call itself rather than waiting.
+
+    Args:
+        fn: The function to call. It returns a pytree of arrays (NumPy arrays,
+            ``jax.Array``, anything with ``shape`` and ``dtype`` that
+            ``jax.device_put`` accepts) with the structure, shapes and dtypes of
+            ``result_shape_dtypes``.
+        result_shape_dtypes: A pytree whose leaves have ``shape`` and ``dtype``,
+            such as ``jax.ShapeDtypeStruct``. A ``ShapeDtypeStruct`` leaf with a
+            ``sharding`` sends that leaf there when ``device`` is not given.
+        *args: Positional arguments of ``fn``.
+        device: Reserved keyword (not passed to ``fn``). A ``jax.Device`` or
+            ``jax.sharding.Sharding`` to put every leaf on as soon as it is
+            ready; the arrays are then committed there. ``None`` (default) puts
+            them on the default device, uncommitted. To pass a keyword argument
+            named ``device`` to ``fn``, bind it with ``functools.partial``.
+        **kwargs: Keyword arguments of ``fn``.
+
+    Returns:
+        A pytree of :class:`AsyncArray` with the structure of
+        ``result_shape_dtypes``.
+
+    Raises:
+        TypeError: If ``fn`` is not callable, or a leaf of
+            ``result_shape_dtypes`` lacks a shape or dtype, or ``device`` is not
+            a device or sharding.
+        ValueError: If ``result_shape_dtypes`` has no leaves, or ``device``
+            cannot hold a declared shape.
+
+    Errors of ``fn`` are not raised here: every use of any of its arrays
+    re-raises them. A result of the wrong structure, shape or dtype makes every
+    use raise a ``ValueError`` naming the expected and actual values.
+
+    Example:
+        >>> import time
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> import jax_threadmap as jtm
+        >>> def load_weights(n):
+        ...     time.sleep(0.1)  # a slow download
+        ...     return {"w": np.ones((n, n), np.float32), "b": np.zeros(n, np.float32)}
+        >>> shapes = {"w": jax.ShapeDtypeStruct((3, 3), jnp.float32),
+        ...           "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+        >>> params = jtm.async_call(load_weights, shapes, 3)
+        >>> predict = jax.jit(lambda p, x: p["w"] @ x + p["b"])
+        >>> predict(params, jnp.arange(3.0))  # compiles while loading
+        Array([3., 3., 3.], dtype=float32)
+    """
+    task = _new_task(fn, result_shape_dtypes, args, kwargs, device, "async_call")
+    out = _make(task)
+    task.submit()
+    return out
+
+
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Like :func:`async_call`, but runs ``fn`` only when a value is first needed.
+
+    A thunk-backed array: nothing runs until the first use of any of the
+    returned arrays (``result()``, ``block_until_ready()``, a jitted program
+    that executes with it, ``np.asarray``, an operator...). That first use runs
+    ``fn`` in its own thread, or on the pool when it is ``result(timeout=...)``,
+    so that the timeout holds. ``done()`` and ``repr`` never start it, and
+    ``jax.jit`` tracing and compiling with the arrays does not either, so
+    a program that is traced but never run never pays for the call.
+
+    Args:
+        fn: The function to call, as in :func:`async_call`.
+        result_shape_dtypes: A pytree whose leaves have ``shape`` and ``dtype``.
+        *args: Positional arguments of ``fn``.
+        device: Reserved keyword, as in :func:`async_call`.
+        **kwargs: Keyword arguments of ``fn``.
+
+    Returns:
+        A pytree of :class:`AsyncArray` with the structure of
+        ``result_shape_dtypes``.
+
+    Raises:
+        TypeError: As :func:`async_call`.
+        ValueError: As :func:`async_call`.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> import jax_threadmap as jtm
+        >>> x = jtm.deferred_call(np.full, jax.ShapeDtypeStruct((2,), np.float32),
+        ...                       2, 7.0, dtype=np.float32)
+        >>> x.done()
+        False
+        >>> x + 1
+        Array([8., 8.], dtype=float32)
+    """
+    task = _new_task(fn, result_shape_dtypes, args, kwargs, device, "deferred_call")
+    return _make(task)

@@ -626,6 +626,18 @@ class AsyncArray:
             raise TypeError("len() of unsized object")
         return self.shape[0]
 
+    def __copy__(self) -> AsyncArray:
+        return self  # immutable, like a tuple
+
+    def __deepcopy__(self, memo: dict) -> AsyncArray:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{self._describe()} cannot be pickled: its value may not exist yet. "
+            "Pickle x.result() (the jax.Array, which waits for the value) instead."
+        )
+
     # -- the rest waits for the value --
 
     def __iter__(self) -> Iterator[jax.Array]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -179,6 +182,7 @@ def test_jit_traces_and_compiles_without_waiting():
     # The gate is closed: tracing, lowering and compiling must not wait for it.
     compiled = f.lower(params, x).compile()
     jaxpr = jax.make_jaxpr(_model)(params, x)
+    assert jax.eval_shape(_model, params, x).shape == (3,)
     assert not gate.release.is_set() and not params["w"].done()
     assert len(jaxpr.in_avals) == 4
     gate.release.set()
@@ -686,3 +690,56 @@ def test_from_already_done_future_and_its_errors():
 
     with pytest.raises(TypeError, match="concurrent.futures.Future"):
         AsyncArray.from_future(lambda: 1, SDS((4,), np.float32))
+
+
+# --- copies, pickling, fork ----------------------------------------------------------
+
+
+def test_copies_share_the_call_and_pickle_says_what_to_do():
+    import copy
+    import pickle
+
+    gate = Gate(np.arange(2, dtype=np.float32))
+    x = async_call(gate, SDS((2,), np.float32))
+    assert copy.copy(x) is x and copy.deepcopy({"x": x})["x"] is x
+    with pytest.raises(TypeError, match=r"Pickle x.result\(\)"):
+        pickle.dumps(x)
+    gate.release.set()
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(x.result())), [0, 1])
+
+
+_FORK_SCRIPT = """
+import os, sys, threading
+import jax, numpy as np
+import jax_threadmap as jtm
+started, release = threading.Event(), threading.Event()
+def load():
+    started.set()
+    release.wait(30)
+    return np.ones(2, np.float32)
+x = jtm.async_call(load, jax.ShapeDtypeStruct((2,), np.float32))
+assert started.wait(30)
+pid = os.fork()
+if pid == 0:
+    try:
+        x.result()
+        code = 1
+    except RuntimeError as e:
+        code = 0 if "forked" in str(e) else 2
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+release.set()
+assert np.asarray(x).tolist() == [1.0, 1.0]
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_call_running_at_fork_fails_clearly_in_the_child():
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _FORK_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

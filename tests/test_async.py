@@ -319,7 +319,9 @@ def test_as_threadmap_input():
 # --- placement -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["device", "single_sharding", "named_sharding"])
+@pytest.mark.parametrize(
+    "kind", ["device", "single_sharding", "named_sharding", "explicit_mesh"]
+)
 def test_device_option_commits_to_target(kind):
     dev = jax.devices()[0]
     target = {
@@ -327,6 +329,10 @@ def test_device_option_commits_to_target(kind):
         "single_sharding": jax.sharding.SingleDeviceSharding(dev),
         "named_sharding": jax.sharding.NamedSharding(
             jax.sharding.Mesh(np.array([dev]), ("x",)), jax.sharding.PartitionSpec()
+        ),
+        "explicit_mesh": jax.NamedSharding(
+            jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)),
+            jax.P(),
         ),
     }[kind]
     ref = _weights(n=4)

@@ -205,9 +205,10 @@ class _Task:
 
     def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
         if raised_by_fn and hasattr(error, "add_note"):  # Python >= 3.11
+            verb = "ran" if self.runnable else "waited for"
             error.add_note(
                 f"This error was raised by {self.name}, which "
-                f"jax_threadmap.{self.api} ran to compute {len(self.specs)} "
+                f"jax_threadmap.{self.api} {verb} to compute {len(self.specs)} "
                 "array(s); every use of any of those arrays raises it."
             )
         self._traceback = error.__traceback__
@@ -517,7 +518,7 @@ class AsyncArray:
             None,
             None,
             None,
-            name=f"the future {future!r}",
+            name=f"a {type(future).__name__} of the caller",
             api="AsyncArray.from_future",
             treedef=treedef,
             specs=specs,

@@ -679,8 +679,11 @@ def test_from_already_done_future_and_its_errors():
     failed = concurrent.futures.Future()
     x = AsyncArray.from_future(failed, SDS((4,), np.float32))
     failed.set_exception(OSError("disk gone"))
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(OSError, match="disk gone") as info:
         np.asarray(x)
+    if hasattr(info.value, "add_note"):
+        assert "from_future waited for" in info.value.__notes__[0]
+    assert "failed: OSError: disk gone, from a Future of the caller" in repr(x)
 
     cancelled = concurrent.futures.Future()
     x = AsyncArray.from_future(cancelled, SDS((4,), np.float32))

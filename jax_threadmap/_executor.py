@@ -128,16 +128,19 @@ class Job:
             self.fail(e)
 
     def wait(self, progress: Progress | None = None) -> None:
-        # A timed wait keeps the waiting thread responsive to signals.
-        if progress is None:
-            while not self.done.wait(0.5):
-                pass
-            return
+        # A timed wait keeps the waiting thread responsive to signals; an interrupt
+        # (Ctrl-C) stops handing out the chunks not yet started.
+        interval = 0.5 if progress is None else progress.interval
         try:
-            while not self.done.wait(progress.interval):
-                progress.update(self.completed)
+            while not self.done.wait(interval):
+                if progress is not None:
+                    progress.update(self.completed)
+        except BaseException as e:
+            self.fail(e)
+            raise
         finally:
-            progress.close(self.completed)
+            if progress is not None:
+                progress.close(self.completed)
 
 
 _worker_of = threading.local()
@@ -432,6 +435,16 @@ def run_on_thread_executor(
 
 def _wait_futures(futures, job: Job, progress: Progress | None) -> None:
     pending = set(futures)
+    try:
+        _wait_pending(pending, job, progress)
+    except BaseException as e:  # e.g. KeyboardInterrupt while waiting
+        job.fail(e)
+        for f in pending:
+            f.cancel()
+        raise
+
+
+def _wait_pending(pending, job: Job, progress: Progress | None) -> None:
     while pending:
         done, pending = concurrent.futures.wait(
             pending,

@@ -273,3 +273,29 @@ def test_concurrent_failing_maps_never_hang():
         t.join(timeout=100)
     assert not any(t.is_alive() for t in threads), "a map hung"
     assert len(outcomes) == 320 and all(outcomes)
+
+
+def test_interrupt_while_waiting_stops_work_not_started():
+    class Interrupting(_executor.Progress):
+        interval = 0.01
+
+        def update(self, completed):
+            raise KeyboardInterrupt
+
+    ran = []
+
+    def fn(start, stop, job):
+        for i in range(start, stop):
+            if job.failed:
+                return
+            ran.append(i)
+            time.sleep(0.01)
+
+    pool = _executor.ThreadPool(2)
+    job = _executor.Job(1000, fn)
+    with pytest.raises(KeyboardInterrupt):
+        pool.run(job, Interrupting(1000, "k"))
+    job.done.wait(5)
+    assert job.failed and job.done.is_set()
+    assert len(ran) < 50
+    pool.shutdown()

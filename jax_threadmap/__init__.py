@@ -7,6 +7,8 @@ from ._api import threadmap as threadmap
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
+from ._kernel import KernelFunction as KernelFunction
+from ._kernel import kernel as kernel
 from ._primitive import threadmap_p as threadmap_p
 
 __version__ = "0.1.0.dev0"
@@ -14,7 +16,9 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "ExecutorError",
     "KernelError",
+    "KernelFunction",
     "ThreadmapError",
+    "kernel",
     "threadmap",
     "threadmap_p",
 ]

@@ -35,6 +35,10 @@ JaxRuntimeError = jax.errors.JaxRuntimeError
 register_lowering = _mlir.register_lowering
 primitive_jvps = _ad.primitive_jvps
 primitive_transposes = _ad.primitive_transposes
+# Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
+Zero = _ad.Zero
+instantiate_zeros = _ad.instantiate_zeros
+is_undefined_primal = _ad.is_undefined_primal
 
 # `jax.interpreters.mlir` re-exports `emit_python_callback` "temporarily" (jax 0.10);
 # the private home is the fallback for when the re-export goes away.
@@ -85,6 +89,9 @@ HOOKS: list[tuple[str, str]] = [
     ("jax.interpreters.mlir", "emit_python_callback"),
     ("jax.interpreters.ad", "primitive_jvps"),
     ("jax.interpreters.ad", "primitive_transposes"),
+    ("jax.interpreters.ad", "Zero"),
+    ("jax.interpreters.ad", "instantiate_zeros"),
+    ("jax.interpreters.ad", "is_undefined_primal"),
     ("jax._src.dispatch", "apply_primitive"),
     ("jax._src.dispatch", "prim_requires_devices_during_lowering"),
     ("jax._src.callback", "_callback_op_sharding"),

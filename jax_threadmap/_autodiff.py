@@ -486,7 +486,15 @@ def _threadmap_transpose_rule(cts, *args, kernel, **params):
     out: list[Any] = [None] * len(tangent_ops)
     for leaf, ct in zip(wanted, per_element, strict=True):
         slot = host.tangent_slots[leaf]
-        out[slot] = _to_operand_layout(ct, tangent_axes[slot])
+        ct = _to_operand_layout(ct, tangent_axes[slot])
+        # Inside shard_map, an operand that is the same on every shard (not
+        # varying over some mesh axes the cotangent varies over) gets the sum of
+        # every shard's contribution, as JAX's `pvary` transposes to `psum`.
+        aval = tangent_ops[slot].aval
+        summed = _compat.varying_axes(jax.typeof(ct)) - _compat.varying_axes(aval)
+        if summed:
+            ct = jax.lax.psum(ct, tuple(sorted(summed)))
+        out[slot] = ct
     for slot, u in enumerate(undefined):
         if u and out[slot] is None:
             out[slot] = Zero(tangent_ops[slot].aval)

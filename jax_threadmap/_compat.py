@@ -63,6 +63,30 @@ from jax._src.dispatch import (  # noqa: E402
 )
 
 
+# Inside `shard_map`, an aval records the manual mesh axes its value varies over
+# (`jax.typeof(x).mat.varying`, "vma"). A host call on varying operands gives
+# varying results, and cotangents must have the type of their primal, so the
+# abstract eval propagates them. There is no public constructor for such avals.
+def varying_axes(aval: Any) -> frozenset:
+    """The manual mesh axes over which values of ``aval`` vary (inside shard_map)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:
+    """A ``ShapedArray`` that varies over the manual mesh axes ``varying``."""
+    if not varying:
+        return ShapedArray(shape, dtype)
+    from jax._src import core as _core
+
+    return ShapedArray(
+        shape,
+        dtype,
+        sharding=_core.get_cur_mesh_sharding(),
+        manual_axis_type=_core.ManualAxisType(varying=varying),
+    )
+
+
 def register_batching_rule(prim: Primitive, rule: Callable[..., Any]) -> None:
     """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
 
@@ -95,6 +119,8 @@ HOOKS: list[tuple[str, str]] = [
     ("jax._src.dispatch", "apply_primitive"),
     ("jax._src.dispatch", "prim_requires_devices_during_lowering"),
     ("jax._src.callback", "_callback_op_sharding"),
+    ("jax._src.core", "get_cur_mesh_sharding"),
+    ("jax._src.core", "ManualAxisType"),
 ]
 
 

@@ -61,8 +61,11 @@ def _threadmap_abstract_eval(
             f"threadmap_p got {len(avals)} operands but its batch spec describes "
             f"{len(spec.in_axes)}."
         )
+    # Inside shard_map, results vary over every mesh axis an operand varies over.
+    varying = frozenset().union(*map(_compat.varying_axes, avals))
     return [
-        _compat.ShapedArray(spec.shape + tuple(a.shape), a.dtype) for a in result_avals
+        _compat.shaped_array(spec.shape + tuple(a.shape), a.dtype, varying)
+        for a in result_avals
     ]
 
 

@@ -10,6 +10,8 @@ from ._async import deferred_call as deferred_call
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
+from ._kernel import KernelFunction as KernelFunction
+from ._kernel import kernel as kernel
 from ._primitive import threadmap_p as threadmap_p
 
 __version__ = "0.1.0.dev0"
@@ -18,9 +20,11 @@ __all__ = [
     "AsyncArray",
     "ExecutorError",
     "KernelError",
+    "KernelFunction",
     "ThreadmapError",
     "async_call",
     "deferred_call",
+    "kernel",
     "threadmap",
     "threadmap_p",
 ]

@@ -35,6 +35,10 @@ JaxRuntimeError = jax.errors.JaxRuntimeError
 register_lowering = _mlir.register_lowering
 primitive_jvps = _ad.primitive_jvps
 primitive_transposes = _ad.primitive_transposes
+# Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
+Zero = _ad.Zero
+instantiate_zeros = _ad.instantiate_zeros
+is_undefined_primal = _ad.is_undefined_primal
 
 # `jax.interpreters.mlir` re-exports `emit_python_callback` "temporarily" (jax 0.10);
 # the private home is the fallback for when the re-export goes away.
@@ -57,6 +61,30 @@ from jax._src.dispatch import apply_primitive as apply_primitive  # noqa: E402
 from jax._src.dispatch import (  # noqa: E402
     prim_requires_devices_during_lowering as prim_requires_devices_during_lowering,
 )
+
+
+# Inside `shard_map`, an aval records the manual mesh axes its value varies over
+# (`jax.typeof(x).mat.varying`, "vma"). A host call on varying operands gives
+# varying results, and cotangents must have the type of their primal, so the
+# abstract eval propagates them. There is no public constructor for such avals.
+def varying_axes(aval: Any) -> frozenset:
+    """The manual mesh axes over which values of ``aval`` vary (inside shard_map)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:
+    """A ``ShapedArray`` that varies over the manual mesh axes ``varying``."""
+    if not varying:
+        return ShapedArray(shape, dtype)
+    from jax._src import core as _core
+
+    return ShapedArray(
+        shape,
+        dtype,
+        sharding=_core.get_cur_mesh_sharding(),
+        manual_axis_type=_core.ManualAxisType(varying=varying),
+    )
 
 
 def register_batching_rule(prim: Primitive, rule: Callable[..., Any]) -> None:
@@ -85,9 +113,14 @@ HOOKS: list[tuple[str, str]] = [
     ("jax.interpreters.mlir", "emit_python_callback"),
     ("jax.interpreters.ad", "primitive_jvps"),
     ("jax.interpreters.ad", "primitive_transposes"),
+    ("jax.interpreters.ad", "Zero"),
+    ("jax.interpreters.ad", "instantiate_zeros"),
+    ("jax.interpreters.ad", "is_undefined_primal"),
     ("jax._src.dispatch", "apply_primitive"),
     ("jax._src.dispatch", "prim_requires_devices_during_lowering"),
     ("jax._src.callback", "_callback_op_sharding"),
+    ("jax._src.core", "get_cur_mesh_sharding"),
+    ("jax._src.core", "ManualAxisType"),
 ]
 
 

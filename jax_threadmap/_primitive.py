@@ -4,7 +4,8 @@ One equation per call site, however many ``vmap`` levels wrap it: the batching
 rule rebinds ``threadmap_p`` with the batch spec grown by one level and never
 moves or tiles an operand. The lowering emits one host callback, which runs the
 flat map of :mod:`jax_threadmap._host` on the executor named in the params. The
-eager impl compiles the primitive alone, so both paths run the same code.
+eager impl compiles the primitive alone, so both paths run the same code. The
+derivative rules live in :mod:`jax_threadmap._autodiff`.
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def _threadmap_abstract_eval(
             f"threadmap_p got {len(avals)} operands but its batch spec describes "
             f"{len(spec.in_axes)}."
         )
+    # Inside shard_map, results vary over every mesh axis an operand varies over.
+    varying = frozenset().union(*map(_compat.varying_axes, avals))
     return [
-        _compat.ShapedArray(spec.shape + tuple(a.shape), a.dtype) for a in result_avals
+        _compat.shaped_array(spec.shape + tuple(a.shape), a.dtype, varying)
+        for a in result_avals
     ]
 
 
@@ -159,31 +163,8 @@ def _host_error(e: BaseException, name: str) -> BaseException:
     return err
 
 
-def _no_derivative_rule(*args, kernel, **params):
-    del args, params
-    raise TypeError(
-        f"threadmap kernel {kernel.name!r} has no derivative rule, so jax.grad, "
-        "jax.jvp and friends cannot differentiate through it. Wrap the kernel with "
-        "jax_threadmap.kernel(result_shape_dtypes)(fn) and attach threaded "
-        "derivative kernels with .defjvp(...) and/or .defvjp(...), or wrap the call "
-        "in jax.custom_jvp / jax.custom_vjp."
-    )
-
-
-def _threadmap_jvp_rule(primals, tangents, **params):
-    del primals, tangents
-    _no_derivative_rule(**params)
-
-
-def _threadmap_transpose_rule(cts, *args, **params):
-    del cts, args
-    _no_derivative_rule(**params)
-
-
 threadmap_p.def_impl(_threadmap_impl)
 threadmap_p.def_abstract_eval(_threadmap_abstract_eval)
 _compat.register_batching_rule(threadmap_p, _threadmap_batching_rule)
 _compat.register_lowering(threadmap_p, _threadmap_lowering, cacheable=False)
-_compat.primitive_jvps[threadmap_p] = _threadmap_jvp_rule
-_compat.primitive_transposes[threadmap_p] = _threadmap_transpose_rule
 _compat.prim_requires_devices_during_lowering.add(threadmap_p)

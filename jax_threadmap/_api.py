@@ -39,28 +39,39 @@ def check_executor(executor: Any, api: str = "threadmap") -> Executor:
     return int(executor)
 
 
+def shape_dtype_of(leaf: Any, where: str, api: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of one leaf of ``result_shape_dtypes``, checked.
+
+    Args:
+        leaf: The leaf; anything with ``.shape`` and ``.dtype``.
+        where: The leaf's path, for messages (e.g. ``result_shape_dtypes['w']``).
+        api: The public function, for messages.
+    """
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"{api}: {where} must have .shape and .dtype, like "
+            "jax.ShapeDtypeStruct(shape, dtype). "
+            f"Got {leaf!r} of type {type(leaf).__name__}."
+        )
+    try:
+        return tuple(int(s) for s in shape), np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(
+            f"{api}: {where} has shape {shape!r} and dtype {dtype!r}; expected a "
+            "tuple of ints and a NumPy dtype. Use jax.ShapeDtypeStruct(shape, dtype) "
+            "with a concrete shape."
+        ) from e
+
+
 def result_avals(result_shape_dtypes: Any, api: str = "threadmap"):
     """Checks ``result_shape_dtypes``; returns its flat avals and treedef."""
     leaves, tree = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     avals = []
     for path, leaf in leaves:
         where = "result_shape_dtypes" + jax.tree_util.keystr(path)
-        shape = getattr(leaf, "shape", None)
-        dtype = getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:
-            raise TypeError(
-                f"{api}: {where} must have .shape and .dtype, like "
-                "jax.ShapeDtypeStruct(shape, dtype). "
-                f"Got {leaf!r} of type {type(leaf).__name__}."
-            )
-        try:
-            shape = tuple(int(s) for s in shape)
-            dtype = np.dtype(dtype)
-        except TypeError as e:
-            raise TypeError(
-                f"{api}: {where} has shape {shape!r} and dtype {dtype!r}; expected a "
-                "tuple of ints and a NumPy dtype."
-            ) from e
+        shape, dtype = shape_dtype_of(leaf, where, api)
         if any(s < 0 for s in shape):
             raise ValueError(
                 f"{api}: {where} has a negative dimension in shape {shape}."

@@ -28,6 +28,8 @@ import jax
 import numpy as np
 
 from . import _compat
+from ._api import shape_dtype_of
+from ._executor import env_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +47,10 @@ def default_async_threads() -> int:
     runs ``threadmap`` kernels, so a kernel that waits on an ``AsyncArray``
     never waits on work queued behind itself.
     """
-    value = os.environ.get(ENV_ASYNC_THREADS)
-    if value is None or value.strip() == "":
-        return min(32, (os.cpu_count() or 1) + 4)
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(
-            f"The environment variable {ENV_ASYNC_THREADS} must be a positive "
-            "integer (the number of threads that run jax_threadmap.async_call). "
-            f"Got {ENV_ASYNC_THREADS}={value!r}. Set it to e.g. 8, or unset it "
-            "to use the default."
-        )
-    return n
+    n = env_positive_int(
+        ENV_ASYNC_THREADS, "the number of threads that run jax_threadmap.async_call"
+    )
+    return min(32, (os.cpu_count() or 1) + 4) if n is None else n
 
 
 _pool_lock = threading.Lock()
@@ -277,25 +268,9 @@ def _leaf_specs(
     specs = []
     for path, leaf in flat:
         where = _path_str(path)
-        shape = getattr(leaf, "shape", None)
-        dtype = getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:
-            raise TypeError(
-                f"jax_threadmap.{api}: every leaf of result_shape_dtypes must have "
-                f"a shape and a dtype, like jax.ShapeDtypeStruct. The leaf at "
-                f"{where} is {leaf!r} of type {type(leaf).__name__}. Use "
-                "jax.ShapeDtypeStruct(shape, dtype) there."
-            )
-        try:
-            shape = tuple(int(d) for d in shape)
-            dtype = np.dtype(dtype)
-        except TypeError as e:
-            raise TypeError(
-                f"jax_threadmap.{api}: the leaf of result_shape_dtypes at {where} "
-                f"has shape {leaf.shape!r} and dtype {leaf.dtype!r}, which are not "
-                "a tuple of integers and a NumPy dtype. Use "
-                "jax.ShapeDtypeStruct(shape, dtype) with a concrete shape."
-            ) from e
+        shape, dtype = shape_dtype_of(
+            leaf, f"result_shape_dtypes{where}", f"jax_threadmap.{api}"
+        )
         sharding = target
         leaf_sharding = getattr(leaf, "sharding", None)
         if sharding is None and isinstance(leaf_sharding, jax.sharding.Sharding):

@@ -37,6 +37,28 @@ ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
 ChunkFn = Callable[[int, int, "Job"], None]
 
 
+def env_positive_int(name: str, what: str) -> int | None:
+    """The positive integer in environment variable ``name``; ``None`` when unset.
+
+    Args:
+        name: The variable.
+        what: What the number is, for the message when the value is not one.
+    """
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(
+            f"The environment variable {name} must be a positive integer ({what}). "
+            f"Got {name}={value!r}. Set it to e.g. 8, or unset it to use the default."
+        )
+    return n
+
+
 def default_num_threads() -> int:
     """The size of the shared pool used by ``executor=None``.
 
@@ -44,24 +66,13 @@ def default_num_threads() -> int:
     may run on: kernels that release the GIL and use the CPU scale up to that, and
     I/O-bound kernels (network, disk, sleeps) should set a larger value.
     """
-    value = os.environ.get(ENV_NUM_THREADS)
-    if value is None or value.strip() == "":
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:  # pragma: no cover - not on Linux
-            return max(1, os.cpu_count() or 1)
+    n = env_positive_int(ENV_NUM_THREADS, "the number of threads of the shared pool")
+    if n is not None:
+        return n
     try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(
-            f"The environment variable {ENV_NUM_THREADS} must be a positive integer "
-            f"(the number of threads of jax_threadmap's shared pool). "
-            f"Got {ENV_NUM_THREADS}={value!r}. Set it to e.g. 8, or unset it to use "
-            "one thread per CPU."
-        )
-    return n
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 class Job:

@@ -515,7 +515,8 @@ def test_a_timeout_error_of_fn_is_its_own():
             (np.ones, {"a": 3}),
             {},
             TypeError,
-            r"result_shape_dtypes\['a'\] must have .shape and .dtype.*Got 3 of type",
+            r"result_shape_dtypes\['a'\] must have .shape and .dtype"
+            r".*Got 3 of type int",
         ),
         ((np.ones, {}), {}, ValueError, "no array leaves"),
         ((np.ones, SDS((1,), np.float32)), {"device": "cpu"}, TypeError, "device="),

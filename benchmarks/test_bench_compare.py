@@ -62,4 +62,6 @@ def test_compare(measure, case_name, method, rounds):
         batch_elements=int(np.prod(B.NESTED_SHAPE)),
         batch_shape=list(inputs.batch_shape),
         workers=case.num_workers,
+        cpus=B.num_cpus(),
+        cpu_bound=case.cpu_bound,
     )

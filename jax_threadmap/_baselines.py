@@ -97,6 +97,8 @@ class Case:
         sequential_subset: Elements that the slow baselines (``sequential``,
             and ``bare_loop`` when it measures the serial kernel time) run; their
             per-element time is extrapolated to the full batch.
+        cpu_bound: Whether the kernel keeps a CPU busy (so that its ideal
+            depends on how many CPUs are free), rather than waiting.
     """
 
     name: str
@@ -105,6 +107,7 @@ class Case:
     out: jax.ShapeDtypeStruct
     workers: int | None
     sequential_subset: int
+    cpu_bound: bool = False
 
     def inputs(self, batch_shape: Sequence[int]) -> Inputs:
         """Inputs for a batch: NumPy arrays, each batched or unbatched."""
@@ -147,6 +150,7 @@ CASES: dict[str, Case] = {
         jax.ShapeDtypeStruct((), jnp.float32),
         workers=num_cpus(),
         sequential_subset=256,
+        cpu_bound=True,
     ),
 }
 

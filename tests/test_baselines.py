@@ -119,9 +119,7 @@ def test_report_computes_ratios_and_checks_targets():
     sleep = a["compare"]["sleep"]
     ideal = sleep["rows"]["ideal"]["per_element"]
     assert ideal == pytest.approx(1.1e-3 / 32)
-    assert sleep["ratios"]["threadmap / ideal"] == pytest.approx(
-        (0.160 / 4096) / ideal
-    )
+    assert sleep["ratios"]["threadmap / ideal"] == pytest.approx((0.160 / 4096) / ideal)
     assert {c["name"]: c["ok"] for c in sleep["checks"]} == {
         "threadmap / ideal": False,
         "sequential / threadmap": True,

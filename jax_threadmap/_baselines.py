@@ -72,6 +72,21 @@ def fill(x: np.ndarray, *, size: int) -> np.ndarray:
     return np.full(size, x, np.float32)
 
 
+def counting_inputs(batch_shape: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """One batched float32 argument counting 0, 1, 2, ... over the batch."""
+    x = np.arange(math.prod(batch_shape), dtype=np.float32).reshape(batch_shape)
+    return (x,), (True,)
+
+
+def window_inputs(batch_shape: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """An unbatched table of random floats and a batched window start per element."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal(SORT_SIZE + SORT_OFFSETS).astype(np.float32)
+    n = math.prod(batch_shape)
+    starts = (np.arange(n, dtype=np.int32) % SORT_OFFSETS).reshape(batch_shape)
+    return (table, starts), (False, True)
+
+
 def num_cpus() -> int:
     """The CPUs this process may run on (what "all cores" means here)."""
     try:
@@ -97,6 +112,8 @@ class Case:
         sequential_subset: Elements that the slow baselines (``sequential``,
             and ``bare_loop`` when it measures the serial kernel time) run; their
             per-element time is extrapolated to the full batch.
+        make_arrays: ``batch_shape -> (arrays, batched)``; batched arrays lead
+            with ``batch_shape``, unbatched ones are passed whole to every element.
         cpu_bound: Whether the kernel keeps a CPU busy (so that its ideal
             depends on how many CPUs are free), rather than waiting.
     """
@@ -107,19 +124,14 @@ class Case:
     out: jax.ShapeDtypeStruct
     workers: int | None
     sequential_subset: int
+    make_arrays: Callable[[tuple[int, ...]], tuple[tuple, tuple]] = counting_inputs
     cpu_bound: bool = False
 
     def inputs(self, batch_shape: Sequence[int]) -> Inputs:
         """Inputs for a batch: NumPy arrays, each batched or unbatched."""
         batch_shape = tuple(int(s) for s in batch_shape)
-        n = math.prod(batch_shape)
-        if self.kernel is window_median:
-            rng = np.random.default_rng(0)
-            table = rng.standard_normal(SORT_SIZE + SORT_OFFSETS).astype(np.float32)
-            starts = (np.arange(n, dtype=np.int32) % SORT_OFFSETS).reshape(batch_shape)
-            return Inputs(batch_shape, (table, starts), (False, True))
-        x = np.arange(n, dtype=np.float32).reshape(batch_shape)
-        return Inputs(batch_shape, (x,), (True,))
+        arrays, batched = self.make_arrays(batch_shape)
+        return Inputs(batch_shape, arrays, batched)
 
     @property
     def num_workers(self) -> int:
@@ -150,6 +162,7 @@ CASES: dict[str, Case] = {
         jax.ShapeDtypeStruct((), jnp.float32),
         workers=num_cpus(),
         sequential_subset=256,
+        make_arrays=window_inputs,
         cpu_bound=True,
     ),
 }

@@ -13,7 +13,8 @@ block (invisible on the rendered page) changes how it runs:
 - ``<!-- test: devices N -->``: runs in a subprocess with ``N`` CPU devices
   (``--xla_force_host_platform_device_count``, which must be set before JAX
   starts), after the page's earlier runnable blocks; for ``shard_map`` and
-  ``NamedSharding`` examples. The main session keeps one device.
+  ``NamedSharding`` examples. The main session keeps one device, and the names
+  such a block defines are not seen by the blocks after it.
 - ``<!-- test: output -->`` before a ``text`` block: the block must match what
   the page's previous Python block printed (doctest rules, ``...`` matches
   anything), so printed jaxprs and tables stay true.

@@ -68,7 +68,8 @@ class BatchSpec:
         def fmt(axes: Axes) -> str:
             if all(a is None for a in axes):
                 return "-"
-            return "(" + ", ".join("-" if a is None else str(a) for a in axes) + ")"
+            inner = ", ".join("-" if a is None else str(a) for a in axes)
+            return f"({inner},)" if len(axes) == 1 else f"({inner})"
 
         ops = ", ".join(fmt(a) for a in self.in_axes)
         return f"BatchSpec(shape={self.shape}, in_axes=[{ops}])"

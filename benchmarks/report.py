@@ -1,0 +1,508 @@
+"""Turns saved benchmark results into the docs' tables and plots.
+
+Usage::
+
+    pytest benchmarks/ --benchmark-only --benchmark-json=results.json
+    python benchmarks/report.py results.json                 # tables on stdout
+    python benchmarks/report.py results.json --write-docs    # docs/ and README
+
+``--write-docs`` replaces the marked regions of ``docs/performance.md`` and
+``README.md`` with fresh tables and writes the plots to ``docs/img/`` (needs
+matplotlib, the ``plot`` extra).
+
+Every comparison uses the median wall time of a batch divided by the elements
+it ran (``--stat min`` for the best round instead). ``ideal`` is the serial
+kernel time (the bare loop, per element) divided by the threads the case uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import re
+from collections.abc import Iterable
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+METHOD_TITLES = {
+    "threadmap": "`threadmap`",
+    "recipe": "`pure_callback` + thread pool recipe",
+    "sequential": '`pure_callback(vmap_method="sequential")`',
+    "bare_loop": "bare Python loop, no JAX",
+    "ideal": "ideal: serial kernel time / threads",
+}
+METHOD_ORDER = ["threadmap", "recipe", "sequential", "bare_loop", "ideal"]
+CASE_ORDER = ["trivial", "sleep", "sort"]
+#: An entry whose run shared the machine with more than this many busy cores of
+#: other processes is flagged in the tables.
+NOISY_CORES = 0.25
+
+# Targets of issue 3 (2-core machine): (ratio name, "<=" or ">=", bound).
+TARGETS = {
+    "trivial": [("threadmap / bare loop", "<=", 1.3)],
+    "sleep": [("threadmap / ideal", "<=", 1.05), ("sequential / threadmap", ">=", 30)],
+    "sort": [("threadmap / ideal", "<=", 1.2)],
+    "scaling-size": [("max / min threadmap per element", "<=", 1.3)],
+    "scaling-depth": [("max / min threadmap per element", "<=", 1.3)],
+    "memory": [("threadmap added / budget", "<=", 1.1)],
+}
+
+
+# --- reading ------------------------------------------------------------------------
+
+
+def load(paths: Iterable[str | pathlib.Path]) -> list[dict[str, Any]]:
+    """The ``benchmarks`` entries of pytest-benchmark JSON files, later files last."""
+    entries = []
+    for path in paths:
+        entries.extend(json.loads(pathlib.Path(path).read_text())["benchmarks"])
+    return entries
+
+
+def _latest(entries, group: str) -> dict[str, dict[str, Any]]:
+    """Entries of ``group`` keyed by a name unique within it (last one wins)."""
+    out = {}
+    for e in entries:
+        if e.get("group") == group:
+            info = e["extra_info"]
+            key = info["method"]
+            if group == "scaling-size":
+                key = (info["method"], info["elements"])
+            elif group == "scaling-depth":
+                key = (info["method"], info["depth"])
+            out[key] = e
+    return out
+
+
+def per_element(entry: dict[str, Any], stat: str = "median") -> float:
+    """Seconds per element of one entry."""
+    return entry["stats"][stat] / entry["extra_info"]["elements"]
+
+
+def _other(entry) -> float | None:
+    """Average CPUs that other processes kept busy while the entry ran."""
+    return entry["extra_info"].get("other_cores")
+
+
+def _noise_note(cores: float | None) -> str:
+    if cores is None or cores <= NOISY_CORES:
+        return ""
+    return f" (other load {cores:.1f} cores)"
+
+
+def _check(name: str, value: float, op: str, bound: float) -> dict[str, Any]:
+    ok = value <= bound if op == "<=" else value >= bound
+    return {"name": name, "value": value, "target": f"{op} {bound:g}", "ok": ok}
+
+
+# --- analysis -----------------------------------------------------------------------
+
+
+def analyse(entries: list[dict[str, Any]], stat: str = "median") -> dict[str, Any]:
+    """Per-element times and ratios of every group present in ``entries``."""
+    result: dict[str, Any] = {"stat": stat, "compare": {}}
+    for case in CASE_ORDER:
+        got = _latest(entries, f"compare-{case}")
+        if got:
+            result["compare"][case] = _analyse_compare(case, got, stat)
+    sizes = _latest(entries, "scaling-size")
+    if sizes:
+        result["size"] = _analyse_scaling(sizes, stat, "elements")
+    depths = _latest(entries, "scaling-depth")
+    if depths:
+        result["depth"] = _analyse_scaling(depths, stat, "depth")
+    memory = _latest(entries, "memory")
+    if memory:
+        result["memory"] = _analyse_memory(memory)
+    return result
+
+
+def _analyse_compare(case: str, got: dict[str, dict], stat: str) -> dict[str, Any]:
+    rows = {}
+    for method, e in got.items():
+        info = e["extra_info"]
+        rows[method] = {
+            "per_element": per_element(e, stat),
+            "elements": info["elements"],
+            "batch_elements": info["batch_elements"],
+            "other": _other(e),
+        }
+    any_info = next(iter(got.values()))["extra_info"]
+    workers = any_info.get("workers")
+    if case != "trivial" and "bare_loop" in rows and workers:
+        rows["ideal"] = {
+            "per_element": rows["bare_loop"]["per_element"] / workers,
+            "elements": None,
+            "batch_elements": rows["bare_loop"]["batch_elements"],
+            "other": rows["bare_loop"]["other"],
+        }
+    ratios = {}
+    tm = rows.get("threadmap", {}).get("per_element")
+    other = rows.get("threadmap", {}).get("other")
+    cpus = any_info.get("cpus")
+    busy = other is not None and other > NOISY_CORES
+    if tm and "ideal" in rows and any_info.get("cpu_bound") and busy and cpus:
+        # A CPU-bound kernel can only use the CPUs other processes leave free.
+        free = max(1.0, cpus - other)
+        if free < workers:
+            serial = rows["bare_loop"]["per_element"]
+            ratios["threadmap / ideal on the free CPUs"] = tm / (serial / free)
+    if tm:
+        for method in ("bare_loop", "ideal"):
+            if method in rows:
+                name = f"threadmap / {method.replace('_', ' ')}"
+                ratios[name] = tm / rows[method]["per_element"]
+        for method in ("sequential", "recipe"):
+            if method in rows:
+                ratios[f"{method} / threadmap"] = rows[method]["per_element"] / tm
+    checks = [
+        _check(name, ratios[name], op, bound)
+        for name, op, bound in TARGETS.get(case, [])
+        if name in ratios
+    ]
+    label = {
+        "trivial": "trivial kernel `x + 1`",
+        "sleep": f"sleep 1 ms, {workers} threads",
+        "sort": f"`np.sort` of 100k floats, {workers} threads",
+    }.get(case, case)
+    return {
+        "title": any_info.get("title", case),
+        "label": label,
+        "workers": workers,
+        "rows": rows,
+        "ratios": ratios,
+        "checks": checks,
+    }
+
+
+def _analyse_scaling(got: dict, stat: str, key: str) -> dict[str, Any]:
+    table: dict[Any, dict[str, float]] = {}
+    shapes = {}
+    other: dict[Any, float] = {}
+    for (method, k), e in got.items():
+        table.setdefault(k, {})[method] = per_element(e, stat)
+        shapes[k] = e["extra_info"].get("batch_shape")
+        other[k] = max(other.get(k, 0.0), _other(e) or 0.0)
+    keys = sorted(table)
+    tm = [table[k]["threadmap"] for k in keys if "threadmap" in table[k]]
+    checks = []
+    if tm:
+        flat = max(tm) / min(tm)
+        checks.append(_check("max / min threadmap per element", flat, "<=", 1.3))
+    return {
+        "key": key,
+        "keys": keys,
+        "table": table,
+        "shapes": shapes,
+        "other": other,
+        "checks": checks,
+    }
+
+
+def _analyse_memory(got: dict) -> dict[str, Any]:
+    rows = {}
+    for method, e in got.items():
+        info = e["extra_info"]
+        rows[method] = {
+            k: info[k]
+            for k in ("input_bytes", "output_bytes", "added_bytes", "budget_bytes")
+        }
+        rows[method]["ratio"] = info["added_bytes"] / info["budget_bytes"]
+        rows[method]["elements"] = info["elements"]
+    checks = []
+    if "threadmap" in rows:
+        checks.append(
+            _check("threadmap added / budget", rows["threadmap"]["ratio"], "<=", 1.1)
+        )
+    return {"rows": rows, "checks": checks}
+
+
+# --- markdown -----------------------------------------------------------------------
+
+
+def fmt_time(seconds: float) -> str:
+    """``2.31 µs``, ``1.32 ms``, ``4.7 s``: three significant digits."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if seconds >= scale or unit == "ns":
+            value = seconds / scale
+            digits = max(0, 2 - int(math.floor(math.log10(value)))) if value else 0
+            return f"{value:.{digits}f} {unit}"
+    raise AssertionError  # pragma: no cover
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.2f}x" if x < 10 else f"{x:.0f}x"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _checks(checks, ratios=None) -> str:
+    lines = [
+        f"- {name} = {fmt_ratio(value)} (for information)"
+        for name, value in (ratios or {}).items()
+        if name not in {c["name"] for c in checks}
+    ]
+    return "\n".join(
+        lines
+        + [
+            f"- {c['name']} = **{fmt_ratio(c['value'])}** (target {c['target']}: "
+            f"{'met' if c['ok'] else 'NOT met'})"
+            for c in checks
+        ]
+    )
+
+
+def markdown(a: dict[str, Any]) -> str:
+    """Every table of the analysis, with the target checks under each."""
+    parts = []
+    for case, c in a["compare"].items():
+        parts.append(f"#### {c['title']} ({case}), 16 x 16 x 16 nested vmap\n")
+        rows = []
+        tm = c["rows"].get("threadmap", {}).get("per_element")
+        for method in METHOD_ORDER:
+            r = c["rows"].get(method)
+            if r is None:
+                continue
+            batch = r["per_element"] * r["batch_elements"]
+            timed = "-" if r["elements"] is None else str(r["elements"])
+            if r["elements"] is not None and r["elements"] < r["batch_elements"]:
+                timed += " (extrapolated)"
+            vs = fmt_ratio(r["per_element"] / tm) if tm else "-"
+            rows.append(
+                [
+                    METHOD_TITLES[method],
+                    fmt_time(r["per_element"]),
+                    fmt_time(batch),
+                    vs,
+                    timed + _noise_note(r["other"]),
+                ]
+            )
+        header = [
+            "method",
+            "per element",
+            "4096 elements",
+            "vs threadmap",
+            "elements timed",
+        ]
+        parts.append(_table(header, rows))
+        parts.append("")
+        parts.append(_checks(c["checks"], c["ratios"]))
+        parts.append("")
+    for name, title in (("size", "Batch size"), ("depth", "Nesting depth")):
+        s = a.get(name)
+        if not s:
+            continue
+        methods = [m for m in METHOD_ORDER if any(m in t for t in s["table"].values())]
+        parts.append(f"#### {title}: per-element cost, trivial kernel\n")
+        header = [s["key"], "batch shape"] + [METHOD_TITLES[m] for m in methods]
+        header.append("threadmap / bare loop")
+        rows = []
+        for k in s["keys"]:
+            t = s["table"][k]
+            row = [str(k), "x".join(map(str, s["shapes"][k] or []))]
+            row += [fmt_time(t[m]) if m in t else "-" for m in methods]
+            ratio = "-"
+            if "threadmap" in t and "bare_loop" in t:
+                ratio = fmt_ratio(t["threadmap"] / t["bare_loop"])
+            row.append(ratio + _noise_note(s["other"].get(k)))
+            rows.append(row)
+        parts.append(_table(header, rows))
+        parts.append("")
+        parts.append(_checks(s["checks"]))
+        parts.append("")
+    m = a.get("memory")
+    if m:
+        parts.append("#### Peak memory: 4096 elements of 64 KB results\n")
+        rows = []
+        for method in METHOD_ORDER:
+            r = m["rows"].get(method)
+            if r is None:
+                continue
+            mb = 2**20
+            rows.append(
+                [
+                    METHOD_TITLES[method],
+                    f"{r['output_bytes'] / mb:.0f} MB",
+                    f"{r['added_bytes'] / mb:.0f} MB",
+                    f"{r['budget_bytes'] / mb:.0f} MB",
+                    fmt_ratio(r["ratio"]),
+                ]
+            )
+        header = ["method", "outputs", "peak added", "budget", "added / budget"]
+        parts.append(_table(header, rows))
+        parts.append("")
+        parts.append(_checks(m["checks"]))
+        parts.append("")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def headline(a: dict[str, Any]) -> str:
+    """The README's table: per-element time of each method, per case."""
+    header = [
+        "4096 elements, 3 nested vmaps",
+        "`threadmap`",
+        "`pure_callback` sequential",
+        "`pure_callback` + thread pool",
+        "floor",
+    ]
+    rows = []
+    for c in a["compare"].values():
+        r = c["rows"]
+        if "threadmap" not in r:
+            continue
+        tm = r["threadmap"]["per_element"]
+
+        def cell(method, r=r, tm=tm):
+            if method not in r:
+                return "-"
+            x = r[method]["per_element"]
+            return f"{fmt_time(x)} ({fmt_ratio(x / tm)} slower)"
+
+        floor = "ideal" if "ideal" in r else "bare_loop"
+        floor_cell = "-"
+        if floor in r:
+            name = "ideal" if floor == "ideal" else "bare loop"
+            x = r[floor]["per_element"]
+            floor_cell = f"{name} {fmt_time(x)} (threadmap {fmt_ratio(tm / x)})"
+        rows.append(
+            [c["label"], fmt_time(tm), cell("sequential"), cell("recipe"), floor_cell]
+        )
+    note = (
+        "\nPer-element wall time (median), lower is better; ratios against "
+        "`threadmap`.\n"
+    )
+    return _table(header, rows) + "\n" + note
+
+
+# --- plots --------------------------------------------------------------------------
+
+
+def plots(a: dict[str, Any], outdir: pathlib.Path) -> list[pathlib.Path]:
+    """Writes the comparison and scaling plots as PNG files; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    written = []
+    colors = {
+        "threadmap": "tab:blue",
+        "recipe": "tab:orange",
+        "sequential": "tab:red",
+        "bare_loop": "tab:gray",
+        "ideal": "tab:green",
+    }
+    labels = {
+        "threadmap": "threadmap",
+        "recipe": "pure_callback + thread pool",
+        "sequential": "pure_callback sequential",
+        "bare_loop": "bare loop (serial)",
+        "ideal": "ideal (serial / threads)",
+    }
+    if a["compare"]:
+        cases = list(a["compare"])
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.16
+        for j, method in enumerate(METHOD_ORDER):
+            xs, ys = [], []
+            for i, case in enumerate(cases):
+                r = a["compare"][case]["rows"].get(method)
+                if r is not None:
+                    xs.append(i + (j - 2) * width)
+                    ys.append(r["per_element"] * 1e6)
+            ax.bar(xs, ys, width, label=labels[method], color=colors[method])
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(
+            ["trivial x + 1" if c == "trivial" else c for c in cases] if cases else []
+        )
+        ax.set_yscale("log")
+        ax.set_ylabel("µs per element (log)")
+        ax.set_title("16 x 16 x 16 nested vmap: time per element")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, outdir / "compare.png"))
+    for name, xlabel in (("size", "elements"), ("depth", "nested vmap levels")):
+        s = a.get(name)
+        if not s:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for method in METHOD_ORDER:
+            pts = [
+                (k, s["table"][k][method]) for k in s["keys"] if method in s["table"][k]
+            ]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ys = [y * 1e6 for y in ys]
+                ax.plot(xs, ys, "o-", label=labels[method], color=colors[method])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("µs per element (log)")
+        ax.set_title(f"Trivial kernel: per-element cost vs {xlabel}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(_save(fig, outdir / f"scaling_{name}.png"))
+    return written
+
+
+def _save(fig, path: pathlib.Path) -> pathlib.Path:
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+# --- writing the docs ---------------------------------------------------------------
+
+
+def replace_region(text: str, name: str, content: str) -> str:
+    """Replaces what lies between ``<!-- benchmarks:NAME -->`` and its end marker."""
+    start, end = f"<!-- benchmarks:{name} -->", f"<!-- /benchmarks:{name} -->"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"No region {start} ... {end} to replace.")
+    return pattern.sub(lambda _: f"{start}\n{content.strip()}\n{end}", text)
+
+
+def write_docs(a: dict[str, Any], root: pathlib.Path = ROOT) -> None:
+    perf = root / "docs" / "performance.md"
+    perf.write_text(replace_region(perf.read_text(), "tables", markdown(a)))
+    readme = root / "README.md"
+    readme.write_text(replace_region(readme.read_text(), "headline", headline(a)))
+    plots(a, root / "docs" / "img")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json", nargs="+", help="pytest-benchmark JSON file(s)")
+    parser.add_argument("--stat", default="median", choices=["median", "min", "mean"])
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="update docs/performance.md, README.md and docs/img/*.png",
+    )
+    parser.add_argument("--plots", metavar="DIR", help="write the plots to DIR")
+    args = parser.parse_args(argv)
+    a = analyse(load(args.json), args.stat)
+    print(headline(a))
+    print(markdown(a))
+    if args.plots:
+        for p in plots(a, pathlib.Path(args.plots)):
+            print(f"wrote {p}")
+    if args.write_docs:
+        write_docs(a)
+        print("updated docs/performance.md, README.md and docs/img/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""``python -m jax_threadmap``: the jaxpr, the table, the plot and the options."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jax_threadmap import _demo
+
+QUICK = ["--size", "4", "--threads", "1,2"]
+
+
+def run_demo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jax_threadmap", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def quick_run():
+    proc = run_demo(*QUICK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_demo_prints_one_threadmap_equation(quick_run):
+    out = quick_run.stdout
+    assert out.count("threadmap[") == 1
+    assert "pure_callback" not in out.split("->")[0]  # the jaxpr has no callback
+    assert "-> 1 `threadmap` equation for 3 nested vmaps." in out
+    assert "spec=BatchSpec(shape=(4, 4, 4)" in out
+
+
+def test_demo_table_has_numbers_and_speedups(quick_run):
+    out = quick_run.stdout
+    number = r"\d+\.\d+"
+    row = rf"\s+(\d+)\s+{number}s\*?\s+{number} ms\s+({number})x"
+    assert re.search(rf"pure_callback sequential{row}", out)
+    rows = re.findall(rf"threadmap{row}", out)
+    assert [int(threads) for threads, _ in rows] == [1, 2]
+    assert all(float(speedup) > 0 for _, speedup in rows)
+    assert "Results match pure_callback: True." in out
+
+
+def test_demo_shows_progress_on_stderr(quick_run):
+    assert "[1/3] pure_callback sequential on 64 elements ..." in quick_run.stderr
+    assert "[3/3] threadmap, 2 threads, 64 elements ..." in quick_run.stderr
+
+
+def test_demo_writes_a_png_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "speedup.png"
+    proc = run_demo("--kernel", "sleep", *QUICK, "--plot", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"Wrote {path}." in proc.stdout
+
+
+def test_help_explains_the_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        _demo.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--kernel", "--size", "--threads", "--rounds", "--plot"):
+        assert option in text
+
+
+@pytest.mark.parametrize(
+    "argv", [["--threads", "0"], ["--threads", "a,b"], ["--size", "0"]]
+)
+def test_bad_options_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _demo.main(argv)
+    assert e.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_default_thread_counts_reach_past_the_cpus(monkeypatch):
+    monkeypatch.setattr(_demo.B, "num_cpus", lambda: 2)
+    assert _demo.default_threads("sort") == [1, 2, 4]
+    monkeypatch.setattr(_demo.B, "num_cpus", lambda: 6)
+    assert _demo.default_threads("sort") == [1, 2, 4, 6, 12]
+    assert _demo.default_threads("sleep") == [1, 4, 16, 32]

@@ -9,8 +9,8 @@ while the load runs, so it takes about max(load, compile).
 Every round uses a fresh model function, so each one really compiles.
 
 Run:
-    pytest benchmarks/bench_async.py            # pytest-benchmark tables + ratio
-    python benchmarks/bench_async.py            # just the side-by-side ratio
+    pytest benchmarks/test_bench_async.py            # pytest-benchmark tables + ratio
+    python benchmarks/test_bench_async.py            # just the side-by-side ratio
 
 The ratio (async_call + jit time / load-then-jit time) is printed and stored in
 the benchmark's ``extra_info``; ideal is max(load, compile) / (load + compile).

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat
+from . import _compat, _executor
 from ._batch_spec import BatchSpec
 from ._primitive import Kernel, kernel_name, threadmap_p
 
@@ -472,7 +472,20 @@ def _threadmap_transpose_rule(cts, *args, kernel, **params):
         name=kernel_name(rules.vjp),
     )
     all_levels = tuple(range(len(spec.shape)))
-    per_element = threadmap_p.bind(
+    # The cotangent of an operand not batched at some levels is the sum over those
+    # levels. Executors in this process sum on the host, so memory stays the
+    # operand's size times the workers, not times the batch; executors in other
+    # processes return per-element cotangents, summed here.
+    host_sums = _executor.in_process(params["executor"])
+    out_sum = tuple(
+        tuple(
+            level
+            for level, a in enumerate(tangent_axes[host.tangent_slots[leaf]])
+            if a is None
+        )
+        for leaf in wanted
+    )
+    cts_out = threadmap_p.bind(
         *primals,
         *ct_ops,
         **_derivative_params(
@@ -480,13 +493,17 @@ def _threadmap_transpose_rule(cts, *args, kernel, **params):
             host=vjp_host,
             num_operands=n + len(ct_ops),
             result_avals=core_avals,
-            spec=BatchSpec(spec.shape, spec.in_axes[:n] + (all_levels,) * len(ct_ops)),
+            spec=BatchSpec(
+                spec.shape,
+                spec.in_axes[:n] + (all_levels,) * len(ct_ops),
+                out_sum if host_sums else (),
+            ),
         ),
     )
     out: list[Any] = [None] * len(tangent_ops)
-    for leaf, ct in zip(wanted, per_element, strict=True):
+    for leaf, ct in zip(wanted, cts_out, strict=True):
         slot = host.tangent_slots[leaf]
-        ct = _to_operand_layout(ct, tangent_axes[slot])
+        ct = _to_operand_layout(ct, tangent_axes[slot], summed=host_sums)
         # Inside shard_map, an operand that is the same on every shard (not
         # varying over some mesh axes the cotangent varies over) gets the sum of
         # every shard's contribution, as JAX's `pvary` transposes to `psum`.
@@ -506,15 +523,16 @@ def _core_shape(shape: Sequence[int], axes: Sequence[int | None]) -> tuple[int, 
     return tuple(s for d, s in enumerate(shape) if d not in batch)
 
 
-def _to_operand_layout(ct: Any, axes: Sequence[int | None]) -> Any:
-    """Per-element cotangents (batch shape first) -> the operand's own layout.
+def _to_operand_layout(ct: Any, axes: Sequence[int | None], *, summed: bool) -> Any:
+    """Cotangents (batch levels first) -> the operand's own layout.
 
     Levels at which the operand is not batched are summed (the operand was
-    broadcast there); the others go back to the axis they have in the operand.
+    broadcast there), unless the host has ``summed`` them already; the others go
+    back to the axis they have in the operand.
     """
-    summed = tuple(k for k, a in enumerate(axes) if a is None)
-    if summed:
-        ct = jax.numpy.sum(ct, axis=summed)
+    unbatched = tuple(k for k, a in enumerate(axes) if a is None)
+    if unbatched and not summed:
+        ct = jax.numpy.sum(ct, axis=unbatched)
     kept = [a for a in axes if a is not None]  # operand axis of each kept level
     ndim = ct.ndim
     core = iter(range(len(kept), ndim))

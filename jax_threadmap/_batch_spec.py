@@ -28,10 +28,15 @@ class BatchSpec:
         in_axes: One tuple per operand, one entry per level (aligned with
             ``shape``): the axis of the operand's array that carries that level,
             or ``None`` where the operand is unbatched at that level.
+        out_sum: Empty, or one tuple per output: the levels that the host sums
+            away for that output (the output lacks those batch axes). Used by
+            reverse-mode derivatives, for the cotangents of operands that are not
+            batched at some levels.
     """
 
     shape: tuple[int, ...]
     in_axes: tuple[Axes, ...]
+    out_sum: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def unbatched(cls, num_operands: int) -> BatchSpec:
@@ -60,7 +65,18 @@ class BatchSpec:
             else:
                 shifted = tuple(None if a is None else a + (a >= d) for a in axes)
                 new_axes.append((d, *shifted))
-        return BatchSpec((size, *self.shape), tuple(new_axes))
+        # The new level is outermost and never summed: older level numbers shift.
+        out_sum = tuple(tuple(level + 1 for level in levels) for levels in self.out_sum)
+        return BatchSpec((size, *self.shape), tuple(new_axes), out_sum)
+
+    def summed(self, k: int) -> tuple[int, ...]:
+        """The levels summed away in output ``k``."""
+        return self.out_sum[k] if self.out_sum else ()
+
+    def out_batch_shape(self, k: int) -> tuple[int, ...]:
+        """The batch axes of output ``k``: ``shape`` without its summed levels."""
+        summed = self.summed(k)
+        return tuple(s for level, s in enumerate(self.shape) if level not in summed)
 
     def __str__(self) -> str:
         # Short, readable form for `jax.make_jaxpr`: one entry per operand, ``-``
@@ -72,6 +88,9 @@ class BatchSpec:
             return f"({inner},)" if len(axes) == 1 else f"({inner})"
 
         ops = ", ".join(fmt(a) for a in self.in_axes)
-        return f"BatchSpec(shape={self.shape}, in_axes=[{ops}])"
+        summed = ""
+        if any(self.out_sum):
+            summed = f", out_sum={self.out_sum}"
+        return f"BatchSpec(shape={self.shape}, in_axes=[{ops}]{summed})"
 
     __repr__ = __str__

@@ -93,9 +93,10 @@ class Job:
         "divisor",
         "min_chunk",
         "completed",
+        "fixed",
     )
 
-    def __init__(self, n: int, fn: ChunkFn, *, min_chunk: int = 1):
+    def __init__(self, n: int, fn: ChunkFn, *, min_chunk: int = 1, fixed: bool = False):
         self.n = n
         self.fn = fn
         self.next = 0
@@ -106,6 +107,8 @@ class Job:
         self.divisor = 2
         self.min_chunk = max(1, min_chunk)
         self.completed = 0  # elements done, for progress bars
+        # Chunks of exactly `min_chunk` elements (fixed bounds), else guided.
+        self.fixed = fixed
         if n == 0:
             self.done.set()
 
@@ -119,7 +122,10 @@ class Job:
         remaining = self.n - self.next
         if remaining <= 0 or self.failed:
             return None
-        size = max(self.min_chunk, remaining // self.divisor)
+        if self.fixed:
+            size = self.min_chunk
+        else:
+            size = max(self.min_chunk, remaining // self.divisor)
         start = self.next
         self.next = stop = min(self.n, start + size)
         self.outstanding += 1
@@ -389,6 +395,18 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
     return None
 
 
+def in_process(executor) -> bool:
+    """Whether ``executor`` (a ``threadmap`` executor= value) runs kernels here."""
+    return executor is None or isinstance(executor, int) or shares_memory(executor)
+
+
+def workers_of(executor) -> int:
+    """How many kernels ``executor`` runs at once (a guess where it does not say)."""
+    if executor is None or isinstance(executor, int):
+        return get_pool(executor).max_workers
+    return known_workers(executor) or 8
+
+
 def shares_memory(executor: concurrent.futures.Executor) -> bool:
     """Whether the executor's workers are threads of this process."""
     return isinstance(executor, concurrent.futures.ThreadPoolExecutor)
@@ -563,9 +581,15 @@ def _cannot_ship(executor, prepared, e: BaseException) -> ExecutorError:
 
 def run_map(executor, prepared, *, name: str, progress: bool | None) -> Job:
     """Runs every element of ``prepared`` on ``executor``; returns the finished job."""
-    job = Job(prepared.n, prepared.run_chunk)
+    fixed = prepared.fixed_chunk
+    job = Job(prepared.n, prepared.run_chunk, min_chunk=fixed or 1, fixed=bool(fixed))
     if job.n == 0:
         return job
+    if fixed and not in_process(executor):
+        raise ExecutorError(
+            "A threadmap equation that sums its outputs on the host runs only on "
+            f"executors in this process; got {executor!r}."
+        )
     bar = Progress(job.n, name) if progress_enabled(progress) else None
     if executor is None or isinstance(executor, int):
         get_pool(executor).run(job, bar)

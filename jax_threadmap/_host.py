@@ -19,6 +19,7 @@ the same element loop in the worker and sends the chunk's outputs back.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,8 +88,12 @@ class ElementLoop:
         batch_shape: The (unmerged) batch shape, for batch indices in messages.
     """
 
-    def __init__(self, fn, name, in_tree, out_tree, out_core, batch_shape):
+    def __init__(
+        self, fn, name, in_tree, out_tree, out_core, batch_shape, accumulate=()
+    ):
         self.fn = fn
+        # Outputs whose elements are added into their view rather than written.
+        self.accumulate = frozenset(accumulate)
         self.name = name
         self.in_tree = in_tree
         self.out_tree = out_tree
@@ -176,7 +181,10 @@ class ElementLoop:
                 f"(shape {shape}); {value.dtype} does not convert to {dtype} without "
                 "changing kind. Cast the result, or declare the dtype you return.",
             )
-        out[i] = value
+        if k in self.accumulate:
+            out[i] += value
+        else:
+            out[i] = value
 
     def element(self, in_v, out_v, ii, flat) -> None:
         """Runs one element; ``ii`` indexes the views."""
@@ -216,6 +224,8 @@ class ElementLoop:
         # shapes of nearly every kernel. Each element costs the kernel call, one
         # index per operand, a type check and the write.
         if not (self.single_leaf and self.num_args is not None and not self.kw_names):
+            return None
+        if self.accumulate:
             return None
         if len(in_v) > 2:
             return None
@@ -400,12 +410,21 @@ class FlatMap:
         self.loop = loop
         self.spec = spec
 
-    def prepare(self, operands: Sequence[np.ndarray]) -> PreparedMap:
+    def prepare(
+        self, operands: Sequence[np.ndarray], workers: int = 1
+    ) -> PreparedMap | SummingMap:
+        """Views of ``operands`` and fresh output buffers for one host call.
+
+        ``workers`` (the executor's size) sets the number of chunks of a map with
+        summed outputs.
+        """
         spec = self.spec
         in_views = [
             operand_view(x, axes, spec.shape)
             for x, axes in zip(operands, spec.in_axes, strict=True)
         ]
+        if any(spec.out_sum):
+            return SummingMap(self.loop, spec, in_views, workers)
         outs = [np.empty(spec.shape + s, d) for s, d in self.loop.out_core]
         return PreparedMap(self.loop, spec, in_views, outs)
 
@@ -430,6 +449,11 @@ class PreparedMap:
             self.run_chunk = loop.loop_1d(self.in_v, self.out_v)
         else:
             self.run_chunk = loop.loop_nd(self.in_v, self.out_v, shape)
+
+    fixed_chunk: int | None = None  # guided chunks
+
+    def finish(self) -> tuple[np.ndarray, ...]:
+        return tuple(self.outs)
 
     def remote_task(self, start: int, stop: int) -> RemoteChunk:
         """Packs elements ``[start, stop)`` for a worker in another process."""
@@ -476,3 +500,75 @@ class PreparedMap:
         cols = np.unravel_index(np.arange(start, stop), self.shape)
         for o, r in zip(self.out_v, outs, strict=True):
             o[cols] = r
+
+
+class SummingMap:
+    """A map whose outputs are summed over some batch levels, on the host.
+
+    Reverse-mode derivatives need, for an operand not batched at some ``vmap``
+    levels, the sum of the per-element cotangents over those levels. Rather than
+    writing every element's cotangent into a batch-sized buffer, each chunk adds
+    its elements into a partial sum of the summed output's own size, and the
+    partials are added in chunk order: memory stays O(workers x output), and the
+    result does not depend on which thread ran which chunk, because chunks have
+    fixed bounds (about two per worker).
+    """
+
+    def __init__(self, loop: ElementLoop, spec: BatchSpec, in_views, workers: int):
+        self.loop = loop
+        self.spec = spec
+        self.n = spec.size
+        self.in_v = in_views
+        n_out = len(loop.out_core)
+        self.summed = [bool(spec.summed(k)) for k in range(n_out)]
+        self.outs = [
+            (np.zeros if self.summed[k] else np.empty)(spec.out_batch_shape(k) + s, d)
+            for k, (s, d) in enumerate(loop.out_core)
+        ]
+        self.fixed_chunk = max(1, -(-self.n // max(1, 2 * workers)))
+        self._lock = threading.Lock()
+        self._partials: dict[int, list[np.ndarray | None]] = {}
+        self._next_fold = 0
+
+    def _view(self, k: int, buf: np.ndarray) -> np.ndarray:
+        """``buf`` (output ``k``'s own shape) seen with the full batch shape."""
+        summed = self.spec.summed(k)
+        kept = iter(range(len(self.spec.shape) - len(summed)))
+        nb = len(self.spec.shape)
+        strides = tuple(
+            0 if level in summed else buf.strides[next(kept)] for level in range(nb)
+        )
+        kept_ndim = nb - len(summed)
+        return np.lib.stride_tricks.as_strided(
+            buf,
+            self.spec.shape + buf.shape[kept_ndim:],
+            strides + buf.strides[kept_ndim:],
+        )
+
+    def run_chunk(self, start: int, stop: int, job) -> None:
+        partials = [
+            np.zeros_like(o) if summed else None
+            for o, summed in zip(self.outs, self.summed, strict=True)
+        ]
+        out_v = [
+            self._view(k, p if p is not None else self.outs[k])
+            for k, p in enumerate(partials)
+        ]
+        shape = self.spec.shape
+        if len(shape) == 1:
+            run = self.loop.loop_1d(self.in_v, out_v)
+        else:
+            run = self.loop.loop_nd(self.in_v, out_v, shape)
+        run(start, stop, job)
+        with self._lock:
+            self._partials[start] = partials
+            # Fold the partials that are next in chunk order, now.
+            while self._next_fold in self._partials:
+                done = self._partials.pop(self._next_fold)
+                for o, p in zip(self.outs, done, strict=True):
+                    if p is not None:
+                        o += p
+                self._next_fold += self.fixed_chunk
+
+    def finish(self) -> tuple[np.ndarray, ...]:
+        return tuple(self.outs)

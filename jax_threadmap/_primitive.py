@@ -20,7 +20,7 @@ from typing import Any
 from . import _compat
 from ._batch_spec import BatchSpec
 from ._errors import ExecutorError, KernelError
-from ._executor import run_map
+from ._executor import run_map, workers_of
 from ._host import ElementLoop, FlatMap
 
 threadmap_p = _compat.Primitive("threadmap")
@@ -67,8 +67,8 @@ def _threadmap_abstract_eval(
     # Inside shard_map, results vary over every mesh axis an operand varies over.
     varying = frozenset().union(*map(_compat.varying_axes, avals))
     return [
-        _compat.shaped_array(spec.shape + tuple(a.shape), a.dtype, varying)
-        for a in result_avals
+        _compat.shaped_array(spec.out_batch_shape(k) + tuple(a.shape), a.dtype, varying)
+        for k, a in enumerate(result_avals)
     ]
 
 
@@ -113,16 +113,17 @@ def _threadmap_lowering(
         out_tree,
         [(a.shape, a.dtype) for a in result_avals],
         spec.shape,
+        accumulate=[k for k in range(len(result_avals)) if spec.summed(k)],
     )
     flat_map = FlatMap(loop, spec)
 
     def callback(*operands):
         try:
-            prepared = flat_map.prepare(operands)
+            prepared = flat_map.prepare(operands, workers_of(executor))
             job = run_map(executor, prepared, name=kernel.name, progress=progress)
             if job.error is not None:
                 raise _host_error(job.error, kernel.name)
-            return tuple(prepared.outs)
+            return prepared.finish()
         except BaseException as e:
             _last_error.value = e
             raise

@@ -30,10 +30,10 @@ _lock = threading.Lock()
 _original_prepare = _host.FlatMap.prepare
 
 
-def _recording_prepare(self, operands):
+def _recording_prepare(self, operands, *args):
     with _lock:
         host_calls.append((self.loop.name.rsplit(".", 1)[-1], self.spec.shape))
-    return _original_prepare(self, operands)
+    return _original_prepare(self, operands, *args)
 
 
 _host.FlatMap.prepare = _recording_prepare

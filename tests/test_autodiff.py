@@ -228,10 +228,57 @@ def test_grad_of_vmap_folds_and_does_not_tile_unbatched_operand():
     assert vjp.invars[1].aval.shape == ()
     assert vjp.params["spec"].in_axes[1] == (None, None)
     assert vjp.params["spec"].shape == (2, 5)
+    # The host sums `a`'s per-element cotangents over both levels: its output is
+    # a scalar (x's is batched at both levels), and the only reduce_sum left is
+    # the loss's own `.sum()`.
+    assert vjp.params["spec"].out_sum == ((), (0, 1))
+    assert [v.aval.shape for v in vjp.outvars] == [(2, 5, 3), ()]
+    assert [e.primitive.name for e in jaxpr.eqns].count("reduce_sum") == 1
     gx, ga = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, a)
     rx, ra = jax.grad(lambda x, a: scaled_sin_ref(x, a).sum(), argnums=(0, 1))(x, a)
     np.testing.assert_allclose(gx, rx, rtol=1e-5)
     np.testing.assert_allclose(ga, ra, rtol=1e-5)
+
+
+@pytest.mark.parametrize("executor", [1, 3])
+def test_host_summed_cotangents_are_deterministic(executor):
+    @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32), executor=executor)
+    def dot(x, w):
+        return np.float32(x @ w)
+
+    @dot.defvjp
+    def dot_vjp(x, w, ct):
+        return ct * w, ct * x
+
+    x = values((6, 7, 50), np.float32)
+    w = values((50,), np.float32, 1)
+
+    def loss(w):
+        return jax.vmap(jax.vmap(dot, (0, None)), (0, None))(x, w).sum()
+
+    g = jax.jit(jax.grad(loss))
+    first = np.asarray(g(w))
+    for _ in range(5):  # same chunk bounds every time: bitwise the same sum
+        np.testing.assert_array_equal(np.asarray(g(w)), first)
+    np.testing.assert_allclose(first, np.asarray(x).sum((0, 1)), rtol=1e-5)
+
+
+def test_vmap_of_grad_of_vmap_keeps_outer_level_and_sums_inner():
+    f = make_scaled_sin(np.float32)
+    x = values((4, 5, 3), np.float32)
+    a = values((4,), np.float32, 2)
+
+    def grad_a(x, a):  # per outer element: d/da of the inner vmap's sum
+        return jax.grad(lambda a: jax.vmap(f, (0, None))(x, a).sum())(a)
+
+    g = jax.vmap(grad_a)
+    jaxpr = jax.make_jaxpr(g)(x, a).jaxpr
+    vjp = {kname(e): e for e in _threadmap_eqns(jaxpr)}["scaled_sin_vjp"]
+    # The outer vmap level came after the transpose: it is kept, the inner summed.
+    assert vjp.params["spec"].shape == (4, 5)
+    assert vjp.params["spec"].out_sum == ((1,),)
+    ref = jax.vmap(lambda x, a: jax.grad(lambda a: scaled_sin_ref(x, a).sum())(a))(x, a)
+    np.testing.assert_allclose(jax.jit(g)(x, a), ref, rtol=1e-5)
 
 
 X243 = values((2, 4, 3), np.float32)
@@ -573,3 +620,37 @@ class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
     def submit(self, *args, **kwargs):
         self.submitted += 1
         return super().submit(*args, **kwargs)
+
+
+class _ForeignExecutor(concurrent.futures.Executor):
+    """Stands for an executor in other processes: not a ThreadPoolExecutor."""
+
+    def __init__(self):
+        self._inner = concurrent.futures.ThreadPoolExecutor(2)
+
+    def submit(self, fn, /, *args, **kwargs):
+        return self._inner.submit(fn, *args, **kwargs)
+
+
+def test_executors_in_other_processes_sum_cotangents_in_jax():
+    ex = _ForeignExecutor()
+
+    @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32), executor=ex)
+    def dot(x, w):
+        return np.float32(x @ w)
+
+    @dot.defvjp
+    def dot_vjp(x, w, ct):
+        return ct * w, ct * x
+
+    x = values((4, 6, 5), np.float32)
+    w = values((5,), np.float32, 1)
+
+    def loss(w):
+        return jax.vmap(jax.vmap(dot, (0, None)), (0, None))(x, w).sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(w).jaxpr
+    vjp = {kname(e): e for e in _threadmap_eqns(jaxpr)}["dot_vjp"]
+    assert not any(vjp.params["spec"].out_sum)  # per-element, summed by JAX
+    np.testing.assert_allclose(jax.grad(loss)(w), np.asarray(x).sum((0, 1)), rtol=1e-5)
+    ex._inner.shutdown()

@@ -240,8 +240,10 @@ def test_grad_of_vmap_folds_and_does_not_tile_unbatched_operand():
     np.testing.assert_allclose(ga, ra, rtol=1e-5)
 
 
-@pytest.mark.parametrize("executor", [1, 3])
-def test_host_summed_cotangents_are_deterministic(executor):
+def dot_loss(x, executor):
+    """``w -> sum over a 2-level vmap of x @ w``, with ``w`` unbatched: its
+    cotangent is a sum over both levels."""
+
     @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32), executor=executor)
     def dot(x, w):
         return np.float32(x @ w)
@@ -250,11 +252,17 @@ def test_host_summed_cotangents_are_deterministic(executor):
     def dot_vjp(x, w, ct):
         return ct * w, ct * x
 
-    x = values((6, 7, 50), np.float32)
-    w = values((50,), np.float32, 1)
-
     def loss(w):
         return jax.vmap(jax.vmap(dot, (0, None)), (0, None))(x, w).sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("executor", [1, 3])
+def test_host_summed_cotangents_are_deterministic(executor):
+    x = values((6, 7, 50), np.float32)
+    w = values((50,), np.float32, 1)
+    loss = dot_loss(x, executor)
 
     g = jax.jit(jax.grad(loss))
     first = np.asarray(g(w))
@@ -634,20 +642,9 @@ class _ForeignExecutor(concurrent.futures.Executor):
 
 def test_executors_in_other_processes_sum_cotangents_in_jax():
     ex = _ForeignExecutor()
-
-    @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32), executor=ex)
-    def dot(x, w):
-        return np.float32(x @ w)
-
-    @dot.defvjp
-    def dot_vjp(x, w, ct):
-        return ct * w, ct * x
-
     x = values((4, 6, 5), np.float32)
     w = values((5,), np.float32, 1)
-
-    def loss(w):
-        return jax.vmap(jax.vmap(dot, (0, None)), (0, None))(x, w).sum()
+    loss = dot_loss(x, ex)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(w).jaxpr
     vjp = {kname(e): e for e in _threadmap_eqns(jaxpr)}["dot_vjp"]

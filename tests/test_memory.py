@@ -37,13 +37,18 @@ print(after - before)
 """
 
 
-@pytest.mark.timeout(180)
-def test_unbatched_64mb_operand_under_8x8_vmap_is_not_tiled():
+def peak_added_mb(script: str, timeout: float) -> float:
+    """Runs ``script`` in a fresh interpreter; returns the peak RSS it reports."""
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=170
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    added_mb = float(proc.stdout.strip().splitlines()[-1])
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(180)
+def test_unbatched_64mb_operand_under_8x8_vmap_is_not_tiled():
+    added_mb = peak_added_mb(SCRIPT, timeout=170)
     # Tiling would add 64 x 64 MB = 4 GB; the host callback may copy the operand
     # once (64 MB). Allow a few copies of the operand, far below the tiled size.
     assert added_mb < 400, f"peak memory grew by {added_mb:.0f} MB"
@@ -95,11 +100,7 @@ print(after - before)
 
 @pytest.mark.timeout(300)
 def test_grad_wrt_unbatched_64mb_operand_under_8x8_vmap_is_not_tiled():
-    proc = subprocess.run(
-        [sys.executable, "-c", GRAD_SCRIPT], capture_output=True, text=True, timeout=280
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    added_mb = float(proc.stdout.strip().splitlines()[-1])
+    added_mb = peak_added_mb(GRAD_SCRIPT, timeout=280)
     # Per-element cotangents would take 64 x 64 MB = 4 GB; summed on the host they
     # take a few copies of the table (the partial sums of the chunks in flight,
     # each kernel's own result, the result and its copy back to JAX).

@@ -24,10 +24,6 @@ from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
-JAX_VERSION: tuple[int, ...] = tuple(
-    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()
-)
-
 # --- the primitive -----------------------------------------------------------------
 
 ShapedArray = jax.core.ShapedArray

@@ -220,14 +220,14 @@ class ElementLoop:
         return chunk
 
     def _fast_loop_1d(self, in_v, out_v, flat_of):
-        # One output leaf, positional leaves only, at most two operands: the
+        # One output leaf, positional leaves only, one or two operands: the
         # shapes of nearly every kernel. Each element costs the kernel call, one
         # index per operand, a type check and the write.
         if not (self.single_leaf and self.num_args is not None and not self.kw_names):
             return None
         if self.accumulate:
             return None
-        if len(in_v) > 2:
+        if len(in_v) not in (1, 2):
             return None
         fn, out = self.fn, out_v[0]
         shape, dtype = self.out_core[0]
@@ -236,9 +236,6 @@ class ElementLoop:
         ndarray = np.ndarray
         slow_store, kernel_raised = self.store, self.kernel_raised
         result_leaves = self.result_leaves
-        # Operands with a core shape index with one int (a view); 0-d ones need
-        # `[i, ...]` to give a 0-d array rather than a NumPy scalar.
-        scalar_in = [v.ndim == 1 for v in in_v]
 
         def check_store(r, i):
             if type(r) is ndarray and r.dtype is dtype and r.shape == shape:
@@ -248,54 +245,24 @@ class ElementLoop:
                 (value,) = result_leaves(r, flat)  # checks containers' structure
                 slow_store(out, i, value, 0, flat)
 
-        if len(in_v) == 0:
+        # `[i, ...]` gives a 0-d array (not a NumPy scalar) for 0-d operands, and
+        # the same view as `[i]` otherwise. One and two operands get their own
+        # loop: unpacking a list per element would cost as much as the rest.
+        if len(in_v) == 1:
+            (a,) = in_v
 
             def chunk(start, stop, job):
                 for i in range(start, stop):
                     if job.failed:
                         return
                     try:
-                        r = fn()
+                        r = fn(a[i, ...])
                     except Exception as e:
                         kernel_raised(e, _flat(flat_of, i))
                     if type(r) is exact:
                         out[i] = r
                     else:
                         check_store(r, i)
-
-            return chunk
-
-        if len(in_v) == 1:
-            (a,) = in_v
-            if scalar_in[0]:
-
-                def chunk(start, stop, job):
-                    for i in range(start, stop):
-                        if job.failed:
-                            return
-                        try:
-                            r = fn(a[i, ...])
-                        except Exception as e:
-                            kernel_raised(e, _flat(flat_of, i))
-                        if type(r) is exact:
-                            out[i] = r
-                        else:
-                            check_store(r, i)
-
-            else:
-
-                def chunk(start, stop, job):
-                    for i in range(start, stop):
-                        if job.failed:
-                            return
-                        try:
-                            r = fn(a[i])
-                        except Exception as e:
-                            kernel_raised(e, _flat(flat_of, i))
-                        if type(r) is exact:
-                            out[i] = r
-                        else:
-                            check_store(r, i)
 
             return chunk
 

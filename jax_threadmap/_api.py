@@ -92,7 +92,7 @@ def check_operands(args: tuple, kwargs: dict, api: str = "threadmap"):
     with_path, in_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
     for path, leaf in with_path:
         try:
-            jax.typeof(leaf)
+            _compat.typeof(leaf)
         except TypeError:
             where = _arg_name(path)
             raise TypeError(
@@ -183,6 +183,7 @@ def threadmap(
         >>> jax.jit(jax.vmap(jax.vmap(f), in_axes=(0, None)))(x, y).shape
         (2, 4, 3)
     """
+    _compat.require(_compat.THREADMAP, "jax_threadmap.threadmap")
     if not callable(kernel):
         raise TypeError(
             f"threadmap: kernel must be callable. Got {kernel!r} of type "

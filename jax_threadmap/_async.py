@@ -256,6 +256,7 @@ def _leaf_specs(
     result_shape_dtypes: Any, device: Any, api: str
 ) -> tuple[Any, list[_LeafSpec]]:
     """Validates ``result_shape_dtypes`` and ``device`` up front, at the call."""
+    _compat.require(_compat.ASYNC_ARRAYS, f"jax_threadmap.{api}")
     target = _target_sharding(device, api)
     flat, treedef = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     if not flat:
@@ -278,7 +279,7 @@ def _leaf_specs(
         try:
             if sharding is not None:
                 sharding.shard_shape(shape)
-            aval = jax.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+            aval = _compat.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
         except (ValueError, TypeError, IndexError) as e:
             raise ValueError(
                 f"jax_threadmap.{api}: the target sharding {sharding} cannot hold "

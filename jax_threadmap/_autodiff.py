@@ -314,6 +314,7 @@ def _rules_of(kernel: Kernel) -> Rules:
 
 
 def _threadmap_jvp_rule(primals, tangents, *, kernel, **params):
+    _compat.require(_compat.DERIVATIVES, "Differentiating a threadmap kernel")
     if isinstance(kernel, DerivativeKernel):
         return _linear_jvp(primals, tangents, kernel=kernel, **params)
     rules = _rules_of(kernel)
@@ -342,7 +343,7 @@ def _threadmap_jvp_rule(primals, tangents, *, kernel, **params):
             tangent_ops.append(tangents[i])
             tangent_axes.append(spec.in_axes[i])
     out_mask = tuple(_is_differentiable(a.dtype) for a in result_avals)
-    zero_outs = [Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+    zero_outs = [Zero(_compat.typeof(o).to_tangent_aval()) for o in outs]
     if not tangent_ops or not any(out_mask):
         return outs, zero_outs
 
@@ -386,7 +387,7 @@ def _derivative_params(params, *, host, num_operands, result_avals, spec):
 
 
 def _is_zero(t: Any) -> bool:
-    return type(t) is Zero or jax.typeof(t).dtype == jax.dtypes.float0
+    return type(t) is Zero or _compat.typeof(t).dtype == jax.dtypes.float0
 
 
 def _num_primals(host: _JvpHost | _VjpHost) -> int:
@@ -412,6 +413,7 @@ def _linear_jvp(primals, tangents, *, kernel, **params):
 
 
 def _threadmap_transpose_rule(cts, *args, kernel, **params):
+    _compat.require(_compat.DERIVATIVES, "Differentiating a threadmap kernel")
     if not isinstance(kernel, DerivativeKernel):
         raise TypeError(no_derivative_rule_message(kernel.name))
     host = kernel.host
@@ -508,7 +510,7 @@ def _threadmap_transpose_rule(cts, *args, kernel, **params):
         # varying over some mesh axes the cotangent varies over) gets the sum of
         # every shard's contribution, as JAX's `pvary` transposes to `psum`.
         aval = tangent_ops[slot].aval
-        summed = _compat.varying_axes(jax.typeof(ct)) - _compat.varying_axes(aval)
+        summed = _compat.varying_axes(_compat.typeof(ct)) - _compat.varying_axes(aval)
         if summed:
             ct = jax.lax.psum(ct, tuple(sorted(summed)))
         out[slot] = ct
@@ -542,5 +544,5 @@ def _to_operand_layout(ct: Any, axes: Sequence[int | None], *, summed: bool) -> 
     return ct
 
 
-_compat.primitive_jvps[threadmap_p] = _threadmap_jvp_rule
-_compat.primitive_transposes[threadmap_p] = _threadmap_transpose_rule
+_compat.register_jvp(threadmap_p, _threadmap_jvp_rule)
+_compat.register_transpose(threadmap_p, _threadmap_transpose_rule)

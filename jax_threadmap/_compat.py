@@ -1,164 +1,644 @@
-"""Every use of JAX internals, in one place.
+"""Every use of JAX internals, in one place: one table of hooks.
 
 JAX gives no compatibility promise for the hooks a new primitive needs (batching
 rules, lowering through a host callback, the eager impl) nor for the hooks an
 array-like type needs to be passed to ``jit`` without its data. This module is the
-only one in the package that touches them. ``tests/test_compat.py`` checks every
-name listed in :data:`HOOKS`, so a JAX upgrade that moves one fails loudly there
-rather than somewhere deep in a user's program.
+only one in the package that touches them.
 
-Rules for this module: import each hook once, with the public location first and
-the private one as the fallback; keep a comment saying why the hook is needed;
+:data:`HOOKS` is the table: for each hook, why the package needs it, which
+feature fails without it, and where it lives in each range of JAX versions (a
+:class:`Form`, gated on ``jax.__version_info__``, with a note beside each
+fallback). The imports below are driven by the table and guarded: a hook that
+this JAX does not have never fails ``import jax_threadmap``; the first use of a
+feature that needs it raises :class:`UnsupportedJaxError`, naming the hook, the
+JAX version and what to do (:func:`require`). ``tests/test_compat.py`` reads the
+same table.
+
+Rules for this module: every internal goes through :data:`HOOKS`; the public
+location first, the private one as the fallback; a comment or note saying why;
 and nothing else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import Primitive as Primitive
-from jax.interpreters import ad as _ad
-from jax.interpreters import batching as _batching
-from jax.interpreters import mlir as _mlir
 
-# --- the primitive -----------------------------------------------------------------
+#: The JAX version this process runs, e.g. ``(0, 10, 2)``; every gate reads it.
+JAX_VERSION: tuple[int, ...] = tuple(jax.__version_info__)
+#: The oldest JAX supported: the first whose ``shard_map`` tracks varying axes
+#: (``vma``), which reverse mode inside ``shard_map`` needs. pyproject.toml
+#: declares ``jax>=`` this; CI tests it.
+OLDEST_JAX: tuple[int, ...] = (0, 6, 2)
+#: The newest JAX that CI tests (.ci/run pins it); errors suggest pinning it.
+NEWEST_TESTED_JAX: tuple[int, ...] = (0, 12, 0, 1)
 
-ShapedArray = jax.core.ShapedArray
-JaxRuntimeError = jax.errors.JaxRuntimeError
-register_lowering = _mlir.register_lowering
-primitive_jvps = _ad.primitive_jvps
-primitive_transposes = _ad.primitive_transposes
+#: The features a hook can be needed by; :func:`require` checks one at its entry.
+THREADMAP = "threadmap"
+DERIVATIVES = "derivatives"
+ASYNC_ARRAYS = "async arrays"
+
+
+def _v(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+class UnsupportedJaxError(RuntimeError):
+    """This JAX lacks an internal hook that a jax_threadmap feature needs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """Where a hook lives in the JAX releases ``since <= version < until``.
+
+    Attributes:
+        since: The first JAX version with this form.
+        until: The first JAX version without it; ``None``: still current (also
+            tried on JAX releases newer than the newest tested).
+        where: ``"module:attribute"`` locations, tried in order (public first).
+        note: What differs from the other forms, and why this one is used there.
+        adapt: Turns the object found into what the package calls (a uniform
+            signature across forms); ``None``: used as found.
+    """
+
+    since: tuple[int, ...]
+    until: tuple[int, ...] | None
+    where: tuple[str, ...]
+    note: str = ""
+    adapt: Callable[[Any], Any] | None = None
+
+    def covers(self, version: tuple[int, ...]) -> bool:
+        return self.since <= version and (self.until is None or version < self.until)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """A JAX internal the package relies on.
+
+    Attributes:
+        name: The key in :data:`HOOKS` and in messages.
+        why: Why the package needs it.
+        features: The features that fail without it.
+        forms: Where it lives, one :class:`Form` per range of JAX versions.
+    """
+
+    name: str
+    why: str
+    features: tuple[str, ...]
+    forms: tuple[Form, ...]
+
+
+# --- adapters: one calling convention per hook, whatever the version -------------
+
+
+def _register_lowering_without_cacheable(register: Callable[..., Any]) -> Any:
+    def register_lowering(prim, rule, *, cacheable: bool = True, **kwargs):
+        # JAX 0.6 has no per-equation lowering cache: every equation is lowered
+        # inline, which is what cacheable=False asks for.
+        del cacheable
+        return register(prim, rule, **kwargs)
+
+    return register_lowering
+
+
+def _emit_python_callback_without_returns_token(emit: Callable[..., Any]) -> Any:
+    def emit_python_callback(*args, returns_token: bool = True, **kwargs):
+        # Before 0.8.2 the flag did not exist, and callbacks behaved as with
+        # returns_token=False (True adds a dummy result to TPU callbacks that
+        # have none).
+        del returns_token
+        return emit(*args, **kwargs)
+
+    return emit_python_callback
+
+
+def _typeof_checking_sharding_rank(typeof: Callable[[Any], Any]) -> Any:
+    def checked_typeof(x: Any) -> Any:
+        # Before 0.8.2 a ShapeDtypeStruct accepts a sharding of another rank than
+        # its shape, and typeof does not check it either; the sharding's own check
+        # is the one later releases run in ShapeDtypeStruct.
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.ShapeDtypeStruct) and hasattr(
+            sharding, "check_compatible_aval"
+        ):
+            sharding.check_compatible_aval(tuple(x.shape))
+        return typeof(x)
+
+    return checked_typeof
+
+
+def _register_identity_in(table: dict) -> Callable[[type], None]:
+    def register(cls: type) -> None:
+        # These tables call the handler: the identity keeps the value as it is.
+        table[cls] = _identity
+
+    return register
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _register_with_none(register: Callable[[type, Any], None]) -> Any:
+    def register_canonicalize_value(cls: type) -> None:
+        # `None` is JAX's own way to say "keep the value as it is" here.
+        register(cls, None)
+
+    return register_canonicalize_value
+
+
+@dataclasses.dataclass(frozen=True)
+class _VaryingAxes:
+    """Reads and makes avals that vary over manual mesh axes (inside shard_map)."""
+
+    of: Callable[[Any], frozenset]
+    make: Callable[[tuple[int, ...], Any, frozenset, Any], Any]
+
+
+def _varying_by_manual_axis_type(manual_axis_type: type) -> _VaryingAxes:
+    def make(shape, dtype, varying, sharding):
+        return get("ShapedArray")(
+            shape,
+            dtype,
+            sharding=sharding,
+            manual_axis_type=manual_axis_type(varying=varying),
+        )
+
+    return _VaryingAxes(lambda aval: frozenset(aval.manual_axis_type.varying), make)
+
+
+def _varying_by_vma(shaped_array: type) -> _VaryingAxes:
+    if "vma" not in shaped_array.__slots__:
+        raise AttributeError(f"{shaped_array.__qualname__} has no 'vma' field")
+
+    def make(shape, dtype, varying, sharding):
+        return shaped_array(shape, dtype, sharding=sharding, vma=varying)
+
+    return _VaryingAxes(lambda aval: frozenset(aval.vma), make)
+
+
+def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, ...]:
+    """One form for every supported JAX (no version gate needed so far)."""
+    return (Form(OLDEST_JAX, None, where, note, adapt),)
+
+
+# --- the table -----------------------------------------------------------------------
+
+HOOKS: tuple[Hook, ...] = (
+    # The primitive and its rules.
+    Hook(
+        "Primitive",
+        "the class of threadmap_p",
+        (THREADMAP,),
+        _everywhere("jax.extend.core:Primitive", "jax._src.core:Primitive"),
+    ),
+    Hook(
+        "ShapedArray",
+        "the abstract values of results and cotangents",
+        (THREADMAP, DERIVATIVES),
+        _everywhere("jax.core:ShapedArray", "jax._src.core:ShapedArray"),
+    ),
+    Hook(
+        "JaxRuntimeError",
+        "the eager impl re-raises the kernel's own error in place of XLA's copy",
+        (THREADMAP,),
+        _everywhere("jax.errors:JaxRuntimeError"),
+    ),
+    Hook(
+        "typeof",
+        "the abstract value of an argument, a cotangent or a declared result",
+        (THREADMAP, DERIVATIVES, ASYNC_ARRAYS),
+        (
+            Form((0, 8, 2), None, ("jax:typeof",)),
+            Form(
+                OLDEST_JAX,
+                (0, 8, 2),
+                ("jax:typeof",),
+                "a ShapeDtypeStruct's sharding of the wrong rank is not rejected; "
+                "NamedSharding.check_compatible_aval(shape) is called first",
+                _typeof_checking_sharding_rank,
+            ),
+        ),
+    ),
+    # The table BatchTrace reads first, with the signature (axis_data, vals,
+    # dims, **params), in every supported JAX. `primitive_batchers` (vals, dims,
+    # **params) is a separate table read after it before 0.8.2, and since then a
+    # shim over it that JAX main marks "TODO: delete".
+    Hook(
+        "fancy_primitive_batchers",
+        "the batching rule that folds each vmap level into the batch spec",
+        (THREADMAP,),
+        _everywhere(
+            "jax.interpreters.batching:fancy_primitive_batchers",
+            "jax._src.interpreters.batching:fancy_primitive_batchers",
+            note="rules get (axis_data, vals, dims, **params), unbatched too",
+        ),
+    ),
+    Hook(
+        "register_lowering",
+        "lowers each threadmap equation to one host callback",
+        (THREADMAP,),
+        (
+            Form((0, 7, 0), None, ("jax.interpreters.mlir:register_lowering",)),
+            Form(
+                OLDEST_JAX,
+                (0, 7, 0),
+                ("jax.interpreters.mlir:register_lowering",),
+                "no cacheable= (0.6 lowers every equation inline)",
+                _register_lowering_without_cacheable,
+            ),
+        ),
+    ),
+    Hook(
+        "emit_python_callback",
+        "emits the host callback that runs the flat map",
+        (THREADMAP,),
+        (
+            # `jax.interpreters.mlir` re-exports it "temporarily" (JAX main says
+            # so); the private home is the fallback for when that goes away.
+            Form(
+                (0, 8, 2),
+                None,
+                (
+                    "jax.interpreters.mlir:emit_python_callback",
+                    "jax._src.callback:emit_python_callback",
+                ),
+            ),
+            Form(
+                OLDEST_JAX,
+                (0, 8, 2),
+                (
+                    "jax.interpreters.mlir:emit_python_callback",
+                    "jax._src.callback:emit_python_callback",
+                ),
+                "no returns_token=",
+                _emit_python_callback_without_returns_token,
+            ),
+        ),
+    ),
+    Hook(
+        "callback_op_sharding",
+        "the op sharding pure_callback uses: MAXIMAL on one device under automatic "
+        "sharding, MANUAL inside shard_map, none otherwise",
+        (THREADMAP,),
+        _everywhere("jax._src.callback:_callback_op_sharding"),
+    ),
+    Hook(
+        "apply_primitive",
+        "the eager impl compiles the primitive alone, so eager calls take the same "
+        "lowering path (one host callback) as jitted ones",
+        (THREADMAP,),
+        _everywhere("jax._src.dispatch:apply_primitive"),
+    ),
+    Hook(
+        "prim_requires_devices_during_lowering",
+        "like pure_callback_p, the lowering needs the devices to place the "
+        "callback in sharded (shard_map, pmap, NamedSharding) programs",
+        (THREADMAP,),
+        _everywhere("jax._src.dispatch:prim_requires_devices_during_lowering"),
+    ),
+    # Inside shard_map an aval records the manual mesh axes its value varies
+    # over. A host call on varying operands gives varying results, and
+    # cotangents must have the type of their primal, so the abstract eval and
+    # the transpose rule propagate them. There is no public constructor.
+    Hook(
+        "varying_axes",
+        "the manual mesh axes an aval varies over inside shard_map",
+        (THREADMAP, DERIVATIVES),
+        (
+            Form(
+                (0, 10, 0),
+                None,
+                ("jax._src.core:ManualAxisType",),
+                "aval.manual_axis_type.varying; "
+                "ShapedArray(..., manual_axis_type=ManualAxisType(varying=...))",
+                _varying_by_manual_axis_type,
+            ),
+            Form(
+                OLDEST_JAX,
+                (0, 10, 0),
+                ("jax._src.core:ShapedArray",),
+                "aval.vma; ShapedArray(..., vma=...)",
+                _varying_by_vma,
+            ),
+        ),
+    ),
+    Hook(
+        "get_cur_mesh_sharding",
+        "the sharding that an aval varying over manual mesh axes must carry",
+        (THREADMAP,),
+        _everywhere("jax._src.core:get_cur_mesh_sharding"),
+    ),
+    # Derivative rules on the primitive.
+    *(
+        Hook(
+            name,
+            why,
+            (DERIVATIVES,),
+            _everywhere(
+                f"jax.interpreters.ad:{name}", f"jax._src.interpreters.ad:{name}"
+            ),
+        )
+        for name, why in (
+            ("primitive_jvps", "the JVP rule that binds the JVP kernel's equation"),
+            ("primitive_transposes", "the transpose rule that runs the VJP kernel"),
+            ("Zero", "symbolic zero tangents and cotangents"),
+            ("instantiate_zeros", "materialises symbolic zero tangents"),
+            ("is_undefined_primal", "tells linear inputs in a transpose rule"),
+        )
+    ),
+    # Async arrays. An `AsyncArray` (jax_threadmap/_async.py) is passed to `jit`
+    # without its data: tracing and compilation need only its abstract value, and
+    # the wait for the data belongs at execution. JAX has no public hook for such a
+    # type, and since jax 0.8 `__jax_array__` is no longer honoured during
+    # abstractification (it raises), so three private tables are needed.
+    Hook(
+        "pytype_aval_mappings",
+        "type -> abstract value, read when jit traces, so that tracing and "
+        "compiling never touch the data",
+        (ASYNC_ARRAYS,),
+        _everywhere("jax._src.core:pytype_aval_mappings"),
+    ),
+    Hook(
+        "canonicalize_value",
+        "argument canonicalisation runs before sharding at execution; an unknown "
+        'type is rejected there as "not a valid JAX type"',
+        (ASYNC_ARRAYS,),
+        (
+            Form(
+                (0, 10, 2),
+                None,
+                ("jax._src.dtypes:register_canonicalize_value_handler",),
+                "register(cls, None)",
+                _register_with_none,
+            ),
+            Form(
+                (0, 7, 1),
+                (0, 10, 2),
+                ("jax._src.dtypes:canonicalize_value_handlers",),
+                "a table; the handler must be the identity (None is skipped)",
+                _register_identity_in,
+            ),
+            Form(
+                OLDEST_JAX,
+                (0, 7, 1),
+                ("jax._src.interpreters.xla:canonicalize_dtype_handlers",),
+                "a table under its old name; the handler must be the identity",
+                _register_identity_in,
+            ),
+        ),
+    ),
+    Hook(
+        "shard_arg_handlers",
+        "type -> function that turns arguments into device buffers, called only "
+        "when a compiled program runs: the place to wait for the data",
+        (ASYNC_ARRAYS,),
+        _everywhere("jax._src.interpreters.pxla:shard_arg_handlers"),
+    ),
+    Hook(
+        "shard_args",
+        "the handler delegates to it, so resharding and layouts work as for jax.Array",
+        (ASYNC_ARRAYS,),
+        _everywhere("jax._src.interpreters.pxla:shard_args"),
+    ),
+)
+
+
+# --- resolution: guarded imports, driven by the table ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Missing:
+    """What a hook resolves to when this JAX does not have it."""
+
+    hook: Hook
+    reason: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        del args, kwargs
+        raise UnsupportedJaxError(self.message("jax_threadmap"))
+
+    def message(self, api: str) -> str:
+        if JAX_VERSION < OLDEST_JAX:
+            advice = (
+                f"jax_threadmap supports jax>={_v(OLDEST_JAX)}: upgrade with pip "
+                f"install -U 'jax>={_v(OLDEST_JAX)}' 'jaxlib>={_v(OLDEST_JAX)}'."
+            )
+        else:
+            newest = _v(NEWEST_TESTED_JAX)
+            advice = (
+                f"Pin jax<={newest} (pip install 'jax<={newest}' "
+                f"'jaxlib<={newest}'), the newest JAX this jax_threadmap was "
+                "tested with, or upgrade jax_threadmap."
+            )
+        return (
+            f"{api} needs the JAX internal {self.hook.name!r} ({self.hook.why}), "
+            f"which JAX {jax.__version__} does not provide: {self.reason}. {advice}"
+        )
+
+
+def form_for(hook: Hook, version: tuple[int, ...] = JAX_VERSION) -> Form | None:
+    """The form of ``hook`` for JAX ``version`` (``None``: older than any)."""
+    for form in hook.forms:
+        if form.covers(version):
+            return form
+    return None
+
+
+def resolve(hook: Hook, version: tuple[int, ...] = JAX_VERSION) -> Any:
+    """The object the package uses for ``hook``, or a :class:`Missing`."""
+    form = form_for(hook, version)
+    if form is None:
+        first = min(f.since for f in hook.forms)
+        return Missing(hook, f"it is known from JAX {_v(first)} on")
+    tried = []
+    for where in form.where:
+        module_name, attr = where.split(":")
+        try:
+            found = getattr(importlib.import_module(module_name), attr)
+            return form.adapt(found) if form.adapt is not None else found
+        except (ImportError, AttributeError) as e:
+            tried.append(f"{module_name}.{attr} ({type(e).__name__}: {e})")
+    return Missing(hook, "looked for " + "; ".join(tried))
+
+
+#: Hook name -> the object the package uses, or a :class:`Missing`.
+RESOLVED: dict[str, Any] = {hook.name: resolve(hook) for hook in HOOKS}
+
+
+def get(name: str, api: str = "jax_threadmap") -> Any:
+    """The resolved hook ``name``; raises :class:`UnsupportedJaxError` if missing."""
+    value = RESOLVED[name]
+    if isinstance(value, Missing):
+        raise UnsupportedJaxError(value.message(api))
+    return value
+
+
+def require(feature: str, api: str) -> None:
+    """Raises :class:`UnsupportedJaxError` if a hook that ``feature`` needs is missing.
+
+    The public entry point of each feature calls it first, so a JAX release that
+    moved a hook fails there, with the hook's name, rather than deep inside JAX.
+    """
+    for hook in HOOKS:
+        if feature in hook.features:
+            get(hook.name, api)
+
+
+def missing_hooks() -> list[str]:
+    """The hooks of :data:`HOOKS` that this JAX does not provide, with the reason."""
+    return [
+        f"{name}: {value.reason}"
+        for name, value in RESOLVED.items()
+        if isinstance(value, Missing)
+    ]
+
+
+def _or_missing(name: str, fallback: Any) -> Any:
+    value = RESOLVED[name]
+    return fallback if isinstance(value, Missing) else value
+
+
+# --- the primitive ---------------------------------------------------------------
+
+
+class _PrimitiveStandIn:
+    """``threadmap_p`` when JAX has no Primitive class: imports, never binds."""
+
+    multiple_results = False
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def def_impl(self, impl: Callable[..., Any]) -> Callable[..., Any]:
+        return impl
+
+    def def_abstract_eval(self, rule: Callable[..., Any]) -> Callable[..., Any]:
+        return rule
+
+    def bind(self, *args: Any, **params: Any) -> Any:
+        del args, params
+        require(THREADMAP, f"{self.name}_p.bind")
+
+
+Primitive: Any = _or_missing("Primitive", _PrimitiveStandIn)
+ShapedArray: Any = RESOLVED["ShapedArray"]
+# An exception class either way, so that `except JaxRuntimeError` stays valid.
+JaxRuntimeError: Any = _or_missing("JaxRuntimeError", UnsupportedJaxError)
 # Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
-Zero = _ad.Zero
-instantiate_zeros = _ad.instantiate_zeros
-is_undefined_primal = _ad.is_undefined_primal
-
-# `jax.interpreters.mlir` re-exports `emit_python_callback` "temporarily" (jax 0.10);
-# the private home is the fallback for when the re-export goes away.
-try:
-    emit_python_callback: Callable[..., Any] = _mlir.emit_python_callback
-except AttributeError:  # pragma: no cover - depends on the JAX version
-    from jax._src.callback import emit_python_callback  # noqa: F401
-
-# The eager impl compiles the primitive alone and runs it, so eager calls take the
-# same lowering path (one host callback) as jitted ones.
-# The op sharding that `pure_callback` uses: MAXIMAL on one device under automatic
-# sharding, MANUAL inside shard_map, none otherwise.
-from jax._src.callback import (  # noqa: E402
-    _callback_op_sharding as callback_op_sharding,  # noqa: F401
-)
-from jax._src.dispatch import apply_primitive as apply_primitive  # noqa: E402
-
-# Like `pure_callback_p`, the primitive needs devices while lowering so that the
-# callback can be placed in sharded (shard_map, pmap, NamedSharding) programs.
-from jax._src.dispatch import (  # noqa: E402
-    prim_requires_devices_during_lowering as prim_requires_devices_during_lowering,
-)
+Zero: Any = RESOLVED["Zero"]
 
 
-# Inside `shard_map`, an aval records the manual mesh axes its value varies over
-# (`jax.typeof(x).mat.varying`, "vma"). A host call on varying operands gives
-# varying results, and cotangents must have the type of their primal, so the
-# abstract eval propagates them. There is no public constructor for such avals.
+def typeof(x: Any) -> Any:
+    """``jax.typeof(x)``, with the sharding check of JAX >= 0.8.2 on older ones."""
+    return get("typeof")(x)
+
+
+def instantiate_zeros(t: Any) -> Any:
+    return get("instantiate_zeros")(t)
+
+
+def is_undefined_primal(x: Any) -> bool:
+    return get("is_undefined_primal")(x)
+
+
+def apply_primitive(prim: Any, *args: Any, **params: Any) -> Any:
+    return get("apply_primitive")(prim, *args, **params)
+
+
+def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
+    return get("callback_op_sharding")(axis_context, sharding, avals_out)
+
+
+def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
+    return get("emit_python_callback")(*args, **kwargs)
+
+
+# Registrations run when the package is imported. Where a hook is missing they
+# register nothing, and `require` reports it when the feature is first used.
+
+
+def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:
+    register = _or_missing("register_lowering", None)
+    if register is not None:
+        register(prim, rule, **kwargs)
+
+
+def register_batching_rule(prim: Any, rule: Callable[..., Any]) -> None:
+    """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
+
+    JAX calls rules of this table with ``(axis_data, vals, dims, **params)``,
+    also when no operand is batched; then the primitive is bound as it is, as
+    JAX's own shim for the classic signature does.
+    """
+    table = _or_missing("fancy_primitive_batchers", None)
+    if table is None:
+        return
+
+    def batching_rule(axis_data, vals, dims, **params):
+        del axis_data
+        if all(d is None for d in dims):
+            outs = prim.bind(*vals, **params)
+            if prim.multiple_results:
+                return outs, [None] * len(outs)
+            return outs, None
+        return rule(vals, dims, **params)
+
+    table[prim] = batching_rule
+
+
+def is_batching_rule_registered(prim: Any) -> bool:
+    table = _or_missing("fancy_primitive_batchers", None)
+    return table is not None and prim in table
+
+
+def require_devices_during_lowering(prim: Any) -> None:
+    primitives = _or_missing("prim_requires_devices_during_lowering", None)
+    if primitives is not None:
+        primitives.add(prim)
+
+
+def register_jvp(prim: Any, rule: Callable[..., Any]) -> None:
+    table = _or_missing("primitive_jvps", None)
+    if table is not None:
+        table[prim] = rule
+
+
+def register_transpose(prim: Any, rule: Callable[..., Any]) -> None:
+    table = _or_missing("primitive_transposes", None)
+    if table is not None:
+        table[prim] = rule
+
+
+# --- varying axes inside shard_map -------------------------------------------------
+
+
 def varying_axes(aval: Any) -> frozenset:
     """The manual mesh axes over which values of ``aval`` vary (inside shard_map)."""
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset()
+    varying = get("varying_axes")
+    try:
+        return varying.of(aval)
+    except AttributeError as e:
+        # Never an empty set by default: a wrong type here becomes a wrong
+        # cotangent type later.
+        hook = next(h for h in HOOKS if h.name == "varying_axes")
+        missing = Missing(hook, f"the abstract value {aval} has no such field ({e})")
+        raise UnsupportedJaxError(missing.message("jax_threadmap")) from e
 
 
 def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:
     """A ``ShapedArray`` that varies over the manual mesh axes ``varying``."""
     if not varying:
         return ShapedArray(shape, dtype)
-    from jax._src import core as _core
-
-    return ShapedArray(
-        shape,
-        dtype,
-        sharding=_core.get_cur_mesh_sharding(),
-        manual_axis_type=_core.ManualAxisType(varying=varying),
-    )
-
-
-def register_batching_rule(prim: Primitive, rule: Callable[..., Any]) -> None:
-    """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
-
-    `jax.interpreters.batching.primitive_batchers` is a shim over the axis-data
-    aware table in jax 0.10; it still calls the classic signature.
-    """
-    _batching.primitive_batchers[prim] = rule
-
-
-def is_batching_rule_registered(prim: Primitive) -> bool:
-    from jax._src.interpreters import batching as _src_batching
-
-    return prim in _src_batching.fancy_primitive_batchers
-
-
-# --- checks --------------------------------------------------------------------------
-
-#: (module, attribute) pairs this package relies on; see tests/test_compat.py.
-HOOKS: list[tuple[str, str]] = [
-    ("jax.extend.core", "Primitive"),
-    ("jax.interpreters.batching", "primitive_batchers"),
-    ("jax._src.interpreters.batching", "fancy_primitive_batchers"),
-    ("jax.interpreters.mlir", "register_lowering"),
-    ("jax.interpreters.mlir", "emit_python_callback"),
-    ("jax.interpreters.ad", "primitive_jvps"),
-    ("jax.interpreters.ad", "primitive_transposes"),
-    ("jax.interpreters.ad", "Zero"),
-    ("jax.interpreters.ad", "instantiate_zeros"),
-    ("jax.interpreters.ad", "is_undefined_primal"),
-    ("jax._src.dispatch", "apply_primitive"),
-    ("jax._src.dispatch", "prim_requires_devices_during_lowering"),
-    ("jax._src.callback", "_callback_op_sharding"),
-    ("jax._src.core", "get_cur_mesh_sharding"),
-    ("jax._src.core", "ManualAxisType"),
-]
-
-
-def missing_hooks() -> list[str]:
-    """Returns the hooks in :data:`HOOKS` that this JAX no longer provides."""
-    missing = []
-    for module_name, attr in HOOKS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            missing.append(f"{module_name} (module)")
-            continue
-        if not hasattr(module, attr):
-            missing.append(f"{module_name}.{attr}")
-    return missing
+    sharding = get("get_cur_mesh_sharding")()
+    return get("varying_axes").make(shape, dtype, varying, sharding)
 
 
 # --- async arrays ----------------------------------------------------------------
-# An `AsyncArray` (jax_threadmap/_async.py) is passed to `jit` without its data:
-# tracing and compilation need only its abstract value, and the wait for the
-# data belongs at execution. JAX has no public hook for such a type, and since
-# jax 0.8 `__jax_array__` is no longer honoured during abstractification (it
-# raises), so three private tables are needed. They have no public location.
-
-# Type -> abstract value, read by `jax.typeof` / `shaped_abstractify` when `jit`
-# traces, so tracing and compiling never touch the data.
-from jax._src.core import pytype_aval_mappings as pytype_aval_mappings  # noqa: E402
-
-# Argument canonicalisation runs before sharding at execution; without a handler
-# an unknown type is rejected as "not a valid JAX type". `None` keeps the value
-# as it is, so that the sharding handler below receives it.
-from jax._src.dtypes import (  # noqa: E402
-    register_canonicalize_value_handler as register_canonicalize_value_handler,
-)
-
-# Type -> function that turns arguments into device buffers. `jit` calls it only
-# when the compiled program runs, after compilation: the place to wait. It
-# delegates to `shard_args`, so resharding and layouts work as for `jax.Array`.
-from jax._src.interpreters.pxla import (  # noqa: E402
-    shard_arg_handlers as shard_arg_handlers,
-)
-from jax._src.interpreters.pxla import shard_args as shard_args  # noqa: E402
 
 
 def register_array_like(
@@ -170,21 +650,21 @@ def register_array_like(
 
     ``aval_of(x)`` returns the abstract value (used to trace and compile);
     ``arrays_of(xs)`` returns one ``jax.Array`` per ``x`` and is called only when
-    a compiled program runs with them.
+    a compiled program runs with them. Registers nothing where a hook is missing
+    (``require(ASYNC_ARRAYS, ...)`` then fails before such an array is made).
     """
+    names = ("pytype_aval_mappings", "canonicalize_value", "shard_arg_handlers")
+    if any(isinstance(RESOLVED[n], Missing) for n in (*names, "shard_args")):
+        return
+    pytype_aval_mappings, register_canonicalize_value, shard_arg_handlers = (
+        RESOLVED[n] for n in names
+    )
     pytype_aval_mappings[cls] = aval_of
-    register_canonicalize_value_handler(cls, None)
+    register_canonicalize_value(cls)
 
     def handler(xs, shardings, layouts, copy_semantics):
-        return shard_args(shardings, layouts, copy_semantics, arrays_of(list(xs)))
+        return get("shard_args")(
+            shardings, layouts, copy_semantics, arrays_of(list(xs))
+        )
 
     shard_arg_handlers[cls] = handler
-
-
-ASYNC_HOOKS: list[tuple[str, str]] = [
-    ("jax._src.core", "pytype_aval_mappings"),
-    ("jax._src.dtypes", "register_canonicalize_value_handler"),
-    ("jax._src.interpreters.pxla", "shard_arg_handlers"),
-    ("jax._src.interpreters.pxla", "shard_args"),
-]
-HOOKS += ASYNC_HOOKS

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import _api
+from . import _api, _compat
 from ._autodiff import Rules
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -186,6 +186,7 @@ def kernel(
         >>> bool(jnp.allclose(g(x), 2 * jnp.cos(x)))
         True
     """
+    _compat.require(_compat.DERIVATIVES, "jax_threadmap.kernel")
     if callable(result_shape_dtypes) and not hasattr(result_shape_dtypes, "shape"):
         raise TypeError(
             "jax_threadmap.kernel takes result_shape_dtypes and returns a "

@@ -1,22 +1,69 @@
-"""Fails loudly when a JAX upgrade moves an internal hook this package relies on."""
+"""The table of JAX hooks (jax_threadmap/_compat.py): the canary, and what a user
+sees when a JAX release moves a hook.
 
+Every test reads :data:`jax_threadmap._compat.HOOKS`, the table the package's
+imports are driven by, so a hook added there is checked here without a second list.
+"""
+
+import dataclasses
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
+import jax_threadmap
 from jax_threadmap import _compat
 
 PACKAGE = pathlib.Path(_compat.__file__).parent
+ROOT = PACKAGE.parent
+HOOKS = _compat.HOOKS
+NEWEST = ".".join(map(str, _compat.NEWEST_TESTED_JAX))
+OLDEST = ".".join(map(str, _compat.OLDEST_JAX))
+SDS = jax.ShapeDtypeStruct
 
 
-def test_every_jax_hook_is_still_where_we_expect_it():
-    missing = _compat.missing_hooks()
-    assert not missing, (
-        f"JAX {jax.__version__} no longer provides these internals that "
-        f"jax_threadmap relies on: {missing}. Update jax_threadmap/_compat.py "
+def _ids(hook):
+    return hook.name
+
+
+# --- the canary ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", HOOKS, ids=_ids)
+def test_every_jax_hook_is_still_where_we_expect_it(hook):
+    form = _compat.form_for(hook)
+    value = _compat.RESOLVED[hook.name]
+    assert not isinstance(value, _compat.Missing), (
+        f"JAX {jax.__version__} no longer provides {hook.name!r} ({hook.why}), "
+        f"which jax_threadmap's {', '.join(hook.features)} needs: {value.reason}. "
+        "Add a Form for this JAX to its entry in jax_threadmap/_compat.py HOOKS "
         "(and pin jax below this version until then)."
     )
+    assert form is not None
+
+
+@pytest.mark.parametrize("hook", HOOKS, ids=_ids)
+def test_each_hook_has_one_form_for_every_supported_jax(hook):
+    forms = sorted(hook.forms, key=lambda f: f.since)
+    assert forms[0].since == _compat.OLDEST_JAX
+    assert forms[-1].until is None, "the newest form must stay open for new JAX"
+    for older, newer in zip(forms, forms[1:], strict=False):
+        assert older.until == newer.since, f"{hook.name}: a gap or an overlap"
+        assert older.note, f"{hook.name}: say what differs before {newer.since}"
+    assert hook.why and hook.features
+    assert set(hook.features) <= {
+        _compat.THREADMAP,
+        _compat.DERIVATIVES,
+        _compat.ASYNC_ARRAYS,
+    }
+    for form in hook.forms:
+        assert form.where and all(re.fullmatch(r"[\w.]+:\w+", w) for w in form.where)
 
 
 def test_jax_internals_are_used_only_in_compat():
@@ -29,7 +76,160 @@ def test_jax_internals_are_used_only_in_compat():
     assert offenders == []
 
 
-def test_batching_rule_is_registered():
-    from jax_threadmap import threadmap_p
+def test_typeof_is_called_only_through_compat():
+    offenders = [
+        p.name
+        for p in PACKAGE.glob("*.py")
+        if p.name != "_compat.py" and "jax.typeof(" in p.read_text()
+    ]
+    assert offenders == []
 
-    assert _compat.is_batching_rule_registered(threadmap_p)
+
+def test_batching_rule_is_registered():
+    assert _compat.is_batching_rule_registered(jax_threadmap.threadmap_p)
+
+
+def test_typeof_rejects_a_sharding_of_the_wrong_rank_on_every_jax():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+    with pytest.raises(ValueError):
+        _compat.typeof(SDS((3,), jnp.float32, sharding=rows))
+
+
+def test_varying_axes_of_an_aval_outside_shard_map_is_empty():
+    assert _compat.varying_axes(_compat.typeof(jnp.ones(3))) == frozenset()
+
+
+def test_an_aval_without_varying_axes_is_an_error_not_an_empty_set():
+    # A wrong empty set here would give wrong cotangent types inside shard_map.
+    class Unknown:
+        shape, dtype = (3,), np.dtype(np.float32)
+
+    with pytest.raises(_compat.UnsupportedJaxError, match="'varying_axes'"):
+        _compat.varying_axes(Unknown())
+
+
+# --- a JAX that moved a hook -------------------------------------------------------
+
+
+def _use_threadmap():
+    x = np.arange(3, dtype=np.float32)
+    out = jax_threadmap.threadmap(np.sin, SDS((3,), jnp.float32), x)
+    np.testing.assert_allclose(out, np.sin(x), rtol=1e-6)
+
+
+def _use_derivatives():
+    @jax_threadmap.kernel(SDS((), jnp.float32))
+    def sin(x):
+        return np.sin(x)
+
+    @sin.defvjp
+    def sin_vjp(x, ct):
+        return (ct * np.cos(x),)
+
+    g = jax.grad(lambda x: jax.vmap(sin)(x).sum())(jnp.arange(3.0))
+    np.testing.assert_allclose(g, np.cos(np.arange(3.0)), rtol=1e-6)
+
+
+def _use_async_arrays():
+    x = jax_threadmap.async_call(np.ones, SDS((2,), jnp.float32), 2, dtype=np.float32)
+    np.testing.assert_array_equal(jax.jit(lambda a: a * 2)(x), [2.0, 2.0])
+
+
+FEATURE_USES = {
+    _compat.THREADMAP: _use_threadmap,
+    _compat.DERIVATIVES: _use_derivatives,
+    _compat.ASYNC_ARRAYS: _use_async_arrays,
+}
+
+
+def _hidden(hook):
+    """``hook`` as a JAX release that moved it would look to the package."""
+    return dataclasses.replace(
+        hook,
+        forms=tuple(
+            dataclasses.replace(f, where=tuple(w + "_moved" for w in f.where))
+            for f in hook.forms
+        ),
+    )
+
+
+@pytest.mark.parametrize("hook", HOOKS, ids=_ids)
+def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch):
+    monkeypatch.setitem(_compat.RESOLVED, hook.name, _compat.resolve(_hidden(hook)))
+    needs = set(hook.features)
+    if _compat.THREADMAP in needs:  # derivative kernels are threadmap equations
+        needs.add(_compat.DERIVATIVES)
+    for feature in sorted(needs):
+        with pytest.raises(_compat.UnsupportedJaxError) as info:
+            FEATURE_USES[feature]()
+        message = str(info.value)
+        assert f"needs the JAX internal {hook.name!r}" in message, message
+        assert f"JAX {jax.__version__} does not provide" in message
+        location = _compat.form_for(hook).where[0].replace(":", ".")
+        assert location + "_moved" in message  # where it was looked for
+        assert f"Pin jax<={NEWEST}" in message and "upgrade jax_threadmap" in message
+    for feature in sorted(set(FEATURE_USES) - needs):  # the others still work
+        FEATURE_USES[feature]()
+
+
+def test_a_jax_older_than_supported_is_told_to_upgrade():
+    hook = next(h for h in HOOKS if h.name == "canonicalize_value")
+    missing = _compat.resolve(hook, version=(0, 5, 3))
+    assert isinstance(missing, _compat.Missing)
+    assert f"known from JAX {OLDEST} on" in missing.reason
+
+
+_HIDE_EVERY_HOOK = """
+import importlib, importlib.util, pathlib, sys
+import jax
+root = sys.argv[1]
+sys.path.insert(0, root)
+# Where each hook lives in this JAX, read from the table without importing the
+# package (its import must work without them).
+path = pathlib.Path(root, "jax_threadmap", "_compat.py")
+spec = importlib.util.spec_from_file_location("compat_table", path)
+table = importlib.util.module_from_spec(spec)
+sys.modules["compat_table"] = table
+spec.loader.exec_module(table)
+for hook in table.HOOKS:
+    for location in table.form_for(hook).where:
+        module_name, attr = location.split(":")
+        module = importlib.import_module(module_name)
+        if attr in vars(module):
+            delattr(module, attr)
+
+import jax_threadmap  # must not fail
+from jax_threadmap import _compat
+
+assert len(_compat.missing_hooks()) == len(_compat.HOOKS), _compat.missing_hooks()
+for use in (
+    lambda: jax_threadmap.threadmap(abs, jax.ShapeDtypeStruct((), "float32"), 1.0),
+    lambda: jax_threadmap.kernel(jax.ShapeDtypeStruct((), "float32")),
+    lambda: jax_threadmap.async_call(abs, jax.ShapeDtypeStruct((), "float32"), 1.0),
+):
+    try:
+        use()
+    except _compat.UnsupportedJaxError as e:
+        print(e)
+    else:
+        raise AssertionError("a feature ran without its hooks")
+"""
+
+
+def test_import_never_fails_when_every_hook_is_missing():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", _HIDE_EVERY_HOOK, str(ROOT)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("jax_threadmap.threadmap needs the JAX internal")
+    assert lines[1].startswith("jax_threadmap.kernel needs the JAX internal")
+    assert lines[2].startswith("jax_threadmap.async_call needs the JAX internal")
+    assert all(f"Pin jax<={NEWEST}" in line for line in lines)

@@ -9,8 +9,6 @@ called only when the compiled program runs, never while compiling.
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,20 +24,21 @@ UPDATE = (
 )
 
 
-@pytest.mark.parametrize("module_name, attr", _compat.ASYNC_HOOKS)
-def test_async_hook_is_still_where_we_expect_it(module_name, attr):
-    module = importlib.import_module(module_name)
-    assert hasattr(module, attr), (
-        f"JAX {jax.__version__} no longer provides {module_name}.{attr}, which "
-        f"AsyncArray needs. {UPDATE}"
+ASYNC_HOOKS = [h for h in _compat.HOOKS if _compat.ASYNC_ARRAYS in h.features]
+
+
+@pytest.mark.parametrize("hook", ASYNC_HOOKS, ids=lambda h: h.name)
+def test_async_hook_is_still_where_we_expect_it(hook):
+    value = _compat.RESOLVED[hook.name]
+    assert not isinstance(value, _compat.Missing), (
+        f"JAX {jax.__version__} no longer provides {hook.name}, which AsyncArray "
+        f"needs ({value.reason}). {UPDATE}"
     )
 
 
-def test_async_hooks_are_checked_with_the_others():
-    assert set(_compat.ASYNC_HOOKS) <= set(_compat.HOOKS)
-    assert not set(_compat.missing_hooks()) & {
-        f"{m}.{a}" for m, a in _compat.ASYNC_HOOKS
-    }
+def test_async_hooks_are_in_the_table():
+    names = {h.name for h in ASYNC_HOOKS}
+    assert {"pytype_aval_mappings", "canonicalize_value", "shard_arg_handlers"} <= names
 
 
 class _Probe:

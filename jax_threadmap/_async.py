@@ -118,6 +118,7 @@ class _Task:
         "runnable",
         "_traceback",
         "_notes",
+        "_chain",
     )
 
     def __init__(self, fn, args, kwargs, *, name: str, api: str, treedef, specs):
@@ -138,6 +139,7 @@ class _Task:
         self.runnable = fn is not None
         self._traceback = None
         self._notes: list[str] | None = None
+        self._chain: tuple = (None, None, False)
 
     @property
     def state(self) -> str:
@@ -203,6 +205,7 @@ class _Task:
                 "array(s); every use of any of those arrays raises it."
             )
         self._traceback = error.__traceback__
+        self._chain = (error.__cause__, error.__context__, error.__suppress_context__)
         if hasattr(error, "__notes__"):
             self._notes = list(error.__notes__)
         logger.debug("%s of %s failed: %r", self.api, self.name, error)
@@ -238,9 +241,11 @@ class _Task:
             # Every use raises the same exception object, as Future.result()
             # does: restore the worker's traceback and the notes each time, so
             # that repeated uses (and JAX's traceback-filtering note, added at
-            # each API boundary it crosses) do not pile up.
+            # each API boundary it crosses) do not pile up. On Python 3.10 that
+            # filter chains a marker into __cause__ instead: restore the chain too.
             if self._notes is not None:
                 error.__notes__ = list(self._notes)
+            error.__cause__, error.__context__, error.__suppress_context__ = self._chain
             raise error.with_traceback(self._traceback)
         return self.future.result()
 

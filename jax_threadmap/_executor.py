@@ -540,7 +540,9 @@ def run_on_remote_executor(
                 try:
                     outs, per_element = fut.result()
                 except (pickle.PicklingError, AttributeError, TypeError) as e:
-                    if "pickle" not in str(e).lower():
+                    # Python 3.13 says "Can't get local object"; the pool's
+                    # remote traceback (the cause) names the pickler.
+                    if "pickle" not in f"{e} {e.__cause__}".lower():
                         raise
                     raise _cannot_ship(executor, prepared, e) from None
                 prepared.store_remote(start, stop, outs)

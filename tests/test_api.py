@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import cause_of
 
 import jax_threadmap
 from jax_threadmap import KernelError, threadmap, threadmap_p
@@ -150,7 +151,7 @@ def test_kernel_exception_names_type_message_and_index(jit):
     if not jit:  # eager calls re-raise the kernel error itself, cause chained
         assert isinstance(info.value, KernelError)
         assert info.value.index == (1, 3)
-        assert isinstance(info.value.__cause__, ValueError)
+        assert isinstance(cause_of(info.value), ValueError)
     # The pool is healthy afterwards.
     np.testing.assert_array_equal(f(x - 20.0), np.asarray(x) - 20.0)
 

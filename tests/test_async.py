@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import cause_of
 
 from jax_threadmap import AsyncArray, _async, async_call, deferred_call
 
@@ -332,7 +333,7 @@ def test_device_option_commits_to_target(kind):
         ),
         "explicit_mesh": jax.NamedSharding(
             jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)),
-            jax.P(),
+            jax.sharding.PartitionSpec(),
         ),
     }[kind]
     ref = _weights(n=4)
@@ -421,8 +422,8 @@ def test_fn_error_is_raised_at_every_use(use):
     for _ in range(2):  # and again: the arrays keep failing the same way
         with pytest.raises(LoadError, match="could not fetch weights.bin") as info:
             FAILING_USES[use](params)
-        assert isinstance(info.value.__cause__, ConnectionError)
-        assert str(info.value.__cause__) == "socket closed"
+        assert isinstance(cause_of(info.value), ConnectionError)
+        assert str(cause_of(info.value)) == "socket closed"
         notes = getattr(info.value, "__notes__", [])
         if hasattr(info.value, "add_note"):
             assert sum("_failing_load" in n for n in notes) == 1

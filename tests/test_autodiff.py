@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_eqns
+from conftest import count_eqns, jaxprs_in_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -207,7 +207,7 @@ def _threadmap_eqns(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "threadmap":
             out.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             out.extend(_threadmap_eqns(sub))
     return out
 

@@ -66,6 +66,14 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         assert form.where and all(re.fullmatch(r"[\w.]+:\w+", w) for w in form.where)
 
 
+def test_versions_in_the_table_are_those_declared_and_tested():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"jax>={OLDEST}"' in pyproject and f'"jaxlib>={OLDEST}"' in pyproject
+    assert 'requires-python = ">=3.10"' in pyproject
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'"3.10 {OLDEST}"' in ci and f'"3.13 {NEWEST}"' in ci
+
+
 def test_jax_internals_are_used_only_in_compat():
     pattern = re.compile(r"^\s*(from|import)\s+jax\._src", re.MULTILINE)
     offenders = [

@@ -219,9 +219,13 @@ def test_compile_hides_behind_load():
         return x_ref
 
     jax.jit(lambda x: x + 1)(x_ref).block_until_ready()  # warm up the backend
-    t0 = time.perf_counter()
-    compiled = jax.jit(_slow_to_compile(n_ops)).lower(spec).compile()
-    compile_s = time.perf_counter() - t0
+    while True:  # as many ops as this JAX needs to take a noticeable time
+        t0 = time.perf_counter()
+        compiled = jax.jit(_slow_to_compile(n_ops)).lower(spec).compile()
+        compile_s = time.perf_counter() - t0
+        if compile_s > 0.5 or n_ops >= 400:
+            break
+        n_ops *= 2
     assert compile_s > 0.5, f"the test function compiled in {compile_s:.2f} s"
 
     t0 = time.perf_counter()

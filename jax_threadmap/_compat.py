@@ -131,6 +131,30 @@ def _typeof_checking_sharding_rank(typeof: Callable[[Any], Any]) -> Any:
     return checked_typeof
 
 
+def _one_sharding_per_result(op_sharding_of: Callable[..., Any]) -> Any:
+    sdy_dim = importlib.import_module("jax._src.sharding_impls").SdyDim
+
+    def callback_op_sharding(axis_context, sharding, avals_out):
+        op_sharding = op_sharding_of(axis_context, sharding, avals_out)
+        # Inside shard_map under Shardy (the default from jax 0.7.0) these
+        # releases give one replicated annotation whatever the number of
+        # results, which XLA's verifier rejects; 0.7.1 gives one per result.
+        arrays = getattr(op_sharding, "shardings", None)
+        if arrays is not None and len(arrays) != max(1, len(avals_out)):
+            op_sharding = type(op_sharding)(
+                [
+                    dataclasses.replace(
+                        arrays[0],
+                        dim_shardings=[sdy_dim(axes=[], is_open=False)] * aval.ndim,
+                    )
+                    for aval in avals_out
+                ]
+            )
+        return op_sharding
+
+    return callback_op_sharding
+
+
 def _register_identity_in(table: dict) -> Callable[[type], None]:
     def register(cls: type) -> None:
         # These tables call the handler: the identity keeps the value as it is.
@@ -285,7 +309,17 @@ HOOKS: tuple[Hook, ...] = (
         "the op sharding pure_callback uses: MAXIMAL on one device under automatic "
         "sharding, MANUAL inside shard_map, none otherwise",
         (THREADMAP,),
-        _everywhere("jax._src.callback:_callback_op_sharding"),
+        (
+            Form((0, 7, 1), None, ("jax._src.callback:_callback_op_sharding",)),
+            Form(
+                OLDEST_JAX,
+                (0, 7, 1),
+                ("jax._src.callback:_callback_op_sharding",),
+                "inside shard_map under Shardy, one annotation for all results; "
+                "one per result is made here, as 0.7.1 does",
+                _one_sharding_per_result,
+            ),
+        ),
     ),
     Hook(
         "apply_primitive",

@@ -14,9 +14,12 @@ import pytest
 HERE = pathlib.Path(__file__).parent
 
 
+# Both partitioners: Shardy is the default from jax 0.7, GSPMD before, and their
+# callback shardings differ (one per result for Shardy).
+@pytest.mark.parametrize("shardy", ["1", "0"], ids=["shardy", "gspmd"])
 @pytest.mark.timeout(240)
-def test_shard_map_named_sharding_and_pmap_on_4_devices():
-    env = dict(os.environ)
+def test_shard_map_named_sharding_and_pmap_on_4_devices(shardy):
+    env = dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy)
     root = str(HERE.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.pop("JAX_PLATFORMS", None)

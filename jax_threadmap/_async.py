@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from . import _compat
-from ._api import shape_dtype_of
-from ._executor import env_positive_int
+from ._executor import available_cpus
+from ._validate import callable_name, env_positive_int, shape_dtype_of
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def default_async_threads() -> int:
     n = env_positive_int(
         ENV_ASYNC_THREADS, "the number of threads that run jax_threadmap.async_call"
     )
-    return min(32, (os.cpu_count() or 1) + 4) if n is None else n
+    return min(32, available_cpus() + 4) if n is None else n
 
 
 _pool_lock = threading.Lock()
@@ -81,7 +81,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-# --- one call, shared by the arrays of its result ------------------------------------
+# --- one call, shared by the arrays of its result -------------------------------------
 
 _PENDING, _RUNNING, _FINISHED = "pending", "running", "finished"
 
@@ -91,7 +91,9 @@ class _LeafSpec:
 
     __slots__ = ("path", "shape", "dtype", "aval", "sharding")
 
-    def __init__(self, path: str, shape, dtype, aval, sharding):
+    def __init__(
+        self, path: str, shape: tuple[int, ...], dtype: Any, aval: Any, sharding: Any
+    ):
         self.path = path
         self.shape = shape
         self.dtype = dtype
@@ -120,7 +122,17 @@ class _Task:
         "_notes",
     )
 
-    def __init__(self, fn, args, kwargs, *, name: str, api: str, treedef, specs):
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None,
+        args: Any,
+        kwargs: Any,
+        *,
+        name: str,
+        api: str,
+        treedef: Any,
+        specs: list[_LeafSpec],
+    ):
         self._lock = threading.Lock()
         self._state = _PENDING
         self._submitted = False
@@ -136,7 +148,7 @@ class _Task:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         # False for a wrapped Future: there is nothing to run, only to wait for.
         self.runnable = fn is not None
-        self._traceback = None
+        self._traceback: Any = None
         self._notes: list[str] | None = None
 
     @property
@@ -166,6 +178,7 @@ class _Task:
         fn, args, kwargs = self._fn, self._args, self._kwargs
         # The arguments may be large (raw bytes, file handles): do not keep them.
         self._fn = self._args = self._kwargs = None
+        assert fn is not None  # runnable
         try:
             out = fn(*args, **kwargs)
         except BaseException as e:  # routed to every use, like a Future does
@@ -240,15 +253,15 @@ class _Task:
             # that repeated uses (and JAX's traceback-filtering note, added at
             # each API boundary it crosses) do not pile up.
             if self._notes is not None:
-                error.__notes__ = list(self._notes)
+                error.__notes__ = list(self._notes)  # type: ignore[attr-defined]
             raise error.with_traceback(self._traceback)
         return self.future.result()
 
 
-# --- checks --------------------------------------------------------------------------
+# --- checks ---------------------------------------------------------------------------
 
 
-def _path_str(path) -> str:
+def _path_str(path: Any) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
@@ -352,17 +365,12 @@ def _check_and_place(task: _Task, out: Any) -> list[jax.Array]:
     return jax.block_until_ready(placed)
 
 
-def _callable_name(fn: Any) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return f"`{name}`" if name else repr(fn)
-
-
 def _make(task: _Task) -> Any:
     arrays = [AsyncArray._new(task, i) for i in range(len(task.specs))]
     return jax.tree_util.tree_unflatten(task.treedef, arrays)
 
 
-# --- the array -----------------------------------------------------------------------
+# --- the array ------------------------------------------------------------------------
 
 
 def _binary(name: str) -> Callable[[AsyncArray, Any], Any]:
@@ -422,6 +430,8 @@ class AsyncArray:
     """
 
     __slots__ = ("_task", "_index", "__weakref__")
+    _task: _Task
+    _index: int
     # Makes NumPy defer `ndarray + AsyncArray` to AsyncArray.__radd__.
     __array_priority__ = 100
 
@@ -652,8 +662,8 @@ class AsyncArray:
     __rlshift__ = _binary("__rlshift__")
     __rshift__ = _binary("__rshift__")
     __rrshift__ = _binary("__rrshift__")
-    __eq__ = _binary("__eq__")  # type: ignore[assignment]
-    __ne__ = _binary("__ne__")  # type: ignore[assignment]
+    __eq__ = _binary("__eq__")
+    __ne__ = _binary("__ne__")
     __lt__ = _binary("__lt__")
     __le__ = _binary("__le__")
     __gt__ = _binary("__gt__")
@@ -677,10 +687,17 @@ def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
 _compat.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
 
 
-# --- public constructors -------------------------------------------------------------
+# --- public constructors --------------------------------------------------------------
 
 
-def _new_task(fn, result_shape_dtypes, args, kwargs, device, api) -> _Task:
+def _new_task(
+    fn: Any,
+    result_shape_dtypes: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: Any,
+    api: str,
+) -> _Task:
     if not callable(fn):
         raise TypeError(
             f"jax_threadmap.{api}: fn must be callable. Got {fn!r} of type "
@@ -692,7 +709,7 @@ def _new_task(fn, result_shape_dtypes, args, kwargs, device, api) -> _Task:
         fn,
         args,
         kwargs,
-        name=_callable_name(fn),
+        name=f"`{callable_name(fn)}`",
         api=api,
         treedef=treedef,
         specs=specs,

@@ -24,7 +24,7 @@ from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
-# --- the primitive -----------------------------------------------------------------
+# --- the primitive --------------------------------------------------------------------
 
 ShapedArray = jax.core.ShapedArray
 JaxRuntimeError = jax.errors.JaxRuntimeError
@@ -98,7 +98,7 @@ def is_batching_rule_registered(prim: Primitive) -> bool:
     return prim in _src_batching.fancy_primitive_batchers
 
 
-# --- checks --------------------------------------------------------------------------
+# --- checks ---------------------------------------------------------------------------
 
 #: (module, attribute) pairs this package relies on; see tests/test_compat.py.
 HOOKS: list[tuple[str, str]] = [
@@ -134,7 +134,7 @@ def missing_hooks() -> list[str]:
     return missing
 
 
-# --- async arrays ----------------------------------------------------------------
+# --- async arrays ---------------------------------------------------------------------
 # An `AsyncArray` (jax_threadmap/_async.py) is passed to `jit` without its data:
 # tracing and compilation need only its abstract value, and the wait for the
 # data belongs at execution. JAX has no public hook for such a type, and since
@@ -175,7 +175,7 @@ def register_array_like(
     pytype_aval_mappings[cls] = aval_of
     register_canonicalize_value_handler(cls, None)
 
-    def handler(xs, shardings, layouts, copy_semantics):
+    def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
         return shard_args(shardings, layouts, copy_semantics, arrays_of(list(xs)))
 
     shard_arg_handlers[cls] = handler

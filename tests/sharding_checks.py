@@ -27,16 +27,16 @@ assert jax.device_count() == 4, jax.devices()
 # Every host call of a flat map records its batch shape and kernel name.
 host_calls = []
 _lock = threading.Lock()
-_original_prepare = _host.FlatMap.prepare
+_original_init = _host.HostMap.__init__
 
 
-def _recording_prepare(self, operands, *args):
+def _recording_init(self, caller, spec, operands):
     with _lock:
-        host_calls.append((self.loop.name.rsplit(".", 1)[-1], self.spec.shape))
-    return _original_prepare(self, operands, *args)
+        host_calls.append((caller.name.rsplit(".", 1)[-1], spec.shape))
+    _original_init(self, caller, spec, operands)
 
 
-_host.FlatMap.prepare = _recording_prepare
+_host.HostMap.__init__ = _recording_init
 
 OUT = jax.ShapeDtypeStruct((3,), jnp.float32)
 

@@ -103,17 +103,17 @@ def test_params_hashable_and_no_recompilation():
     assert hash(tuple(sorted(p1.items()))) == hash(tuple(sorted(p2.items())))
 
 
-def test_eager_calls_hit_the_compilation_cache(monkeypatch):
-    from jax_threadmap import _primitive
+def test_eager_calls_compile_nothing(monkeypatch):
+    from jax_threadmap import _compat
 
     lowerings = []
 
-    class CountingFlatMap(_primitive.FlatMap):
-        def __init__(self, *args):
-            lowerings.append(1)
-            super().__init__(*args)
+    def counting_emit(*args, **kwargs):
+        lowerings.append(1)
+        return emit(*args, **kwargs)
 
-    monkeypatch.setattr(_primitive, "FlatMap", CountingFlatMap)
+    emit = _compat.emit_python_callback
+    monkeypatch.setattr(_compat, "emit_python_callback", counting_emit)
     calls = []
 
     def k(x):
@@ -121,10 +121,14 @@ def test_eager_calls_hit_the_compilation_cache(monkeypatch):
         return x
 
     g = vmapped(k)
-    g(jnp.arange(3.0))
-    g(jnp.arange(3.0) + 1)
-    assert len(lowerings) == 1
+    np.testing.assert_array_equal(g(jnp.arange(3.0)), np.arange(3.0))
+    np.testing.assert_array_equal(g(jnp.arange(3.0) + 1), np.arange(3.0) + 1)
+    assert lowerings == []  # eager calls run the host map directly
     assert len(calls) == 6
+    jitted = jax.jit(g)
+    jitted(jnp.arange(3.0))
+    jitted(jnp.arange(3.0) + 1)
+    assert len(lowerings) == 1 and len(calls) == 12
 
 
 # --- errors ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_eqns
+from helpers import count_eqns
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -486,28 +486,33 @@ def test_random_nestings_match_jax_numpy(case):
 
 
 def test_derivative_params_are_equal_across_traces(monkeypatch):
-    from jax_threadmap import _primitive
+    from jax_threadmap import _compat, _primitive
 
-    lowerings = []
+    ran, lowerings = [], []
 
-    class CountingFlatMap(_primitive.FlatMap):
-        def __init__(self, *args):
-            lowerings.append(args[0].name.rsplit(".", 1)[-1])
-            super().__init__(*args)
+    class RecordingHostMap(_primitive.HostMap):
+        def __init__(self, caller, *args):
+            ran.append(caller.name.rsplit(".", 1)[-1])
+            super().__init__(caller, *args)
 
-    monkeypatch.setattr(_primitive, "FlatMap", CountingFlatMap)
+    def counting_emit(*args, **kwargs):
+        lowerings.append(1)
+        return emit(*args, **kwargs)
+
+    emit = _compat.emit_python_callback
+    monkeypatch.setattr(_primitive, "HostMap", RecordingHostMap)
+    monkeypatch.setattr(_compat, "emit_python_callback", counting_emit)
     f = jax.vmap(make_scaled_sin(np.float32), (0, None))
     x, a = values((4, 3), np.float32), jnp.float32(2.0)
     grad = jax.grad(lambda x: f(x, a).sum())
     grad(x)
-    first = list(lowerings)
-    grad(x + 1)
+    assert sorted(ran) == ["scaled_sin", "scaled_sin_vjp"]
+    ran.clear()
     jax.jvp(lambda x: f(x, a), (x,), (x,))
-    n = len(lowerings)
-    jax.jvp(lambda x: f(x, a), (x + 1,), (x,))
-    assert sorted(first) == ["scaled_sin", "scaled_sin_vjp"]
-    assert lowerings[len(first) : n] == ["scaled_sin_jvp"]
-    assert len(lowerings) == n  # eager derivatives hit the compilation cache
+    assert sorted(ran) == ["scaled_sin", "scaled_sin_jvp"]
+    assert lowerings == []  # eager derivatives run on the host, nothing compiles
+    j1, j2 = (jax.make_jaxpr(grad)(v) for v in (x, x + 1))
+    assert [e.params for e in j1.eqns] == [e.params for e in j2.eqns]
     jitted = jax.jit(grad)
     jitted(x)
     jitted(x + 1)
@@ -640,14 +645,27 @@ class _ForeignExecutor(concurrent.futures.Executor):
         return self._inner.submit(fn, *args, **kwargs)
 
 
-def test_executors_in_other_processes_sum_cotangents_in_jax():
-    ex = _ForeignExecutor()
+def _without_executor(jaxpr):
+    # Each dot_loss call defines its own kernel functions: compare their names.
+    return [
+        (e.primitive.name, {k: str(v) for k, v in e.params.items() if k != "executor"})
+        for e in jaxpr.eqns
+    ]
+
+
+def test_grad_jaxpr_is_the_same_whatever_the_executor():
+    ex = _ForeignExecutor()  # takes the path of executors in other processes
     x = values((4, 6, 5), np.float32)
     w = values((5,), np.float32, 1)
-    loss = dot_loss(x, ex)
-
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(w).jaxpr
-    vjp = {kname(e): e for e in _threadmap_eqns(jaxpr)}["dot_vjp"]
-    assert not any(vjp.params["spec"].out_sum)  # per-element, summed by JAX
-    np.testing.assert_allclose(jax.grad(loss)(w), np.asarray(x).sum((0, 1)), rtol=1e-5)
+    jaxprs = [
+        jax.make_jaxpr(jax.grad(dot_loss(x, executor)))(w).jaxpr
+        for executor in (None, 2, ex)
+    ]
+    assert _without_executor(jaxprs[0]) == _without_executor(jaxprs[1])
+    assert _without_executor(jaxprs[0]) == _without_executor(jaxprs[2])
+    vjp = {kname(e): e for e in _threadmap_eqns(jaxprs[2])}["dot_vjp"]
+    assert vjp.params["spec"].out_sum == ((0, 1),)  # summed on the host
+    for executor in (None, ex):
+        g = jax.jit(jax.grad(dot_loss(x, executor)))(w)
+        np.testing.assert_allclose(g, np.asarray(x).sum((0, 1)), rtol=1e-5)
     ex._inner.shutdown()

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_eqns
+from helpers import count_eqns
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -80,8 +80,8 @@ def test_bad_options_exit_with_usage(argv, capsys):
 
 
 def test_default_thread_counts_reach_past_the_cpus(monkeypatch):
-    monkeypatch.setattr(_demo.B, "num_cpus", lambda: 2)
+    monkeypatch.setattr(_demo, "available_cpus", lambda: 2)
     assert _demo.default_threads("sort") == [1, 2, 4]
-    monkeypatch.setattr(_demo.B, "num_cpus", lambda: 6)
+    monkeypatch.setattr(_demo, "available_cpus", lambda: 6)
     assert _demo.default_threads("sort") == [1, 2, 4, 6, 12]
     assert _demo.default_threads("sleep") == [1, 4, 16, 32]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import worker_kernels
 
+import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, _executor, threadmap
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,10 +58,10 @@ def test_remote_chunks_ship_only_their_slices():
     # the distinct elements it needs, never the whole array.
     big = np.arange(64 * 1000, dtype=np.float32).reshape(64, 1000)
     from jax_threadmap._batch_spec import BatchSpec
-    from jax_threadmap._host import ElementLoop, FlatMap
+    from jax_threadmap._host import ElementCaller, HostMap
 
     tree = jax.tree_util.tree_structure(((0, 0), {}))
-    loop = ElementLoop(
+    caller = ElementCaller(
         np.add,
         "add",
         tree,
@@ -69,16 +70,35 @@ def test_remote_chunks_ship_only_their_slices():
         (64, 8),
     )
     spec = BatchSpec((64, 8), ((0, None), (None, 0)))
-    prepared = FlatMap(loop, spec).prepare([big, np.ones((8, 1000), np.float32)])
-    task = prepared.remote_task(10, 30)  # spans rows 1..3 of the outer level
+    host_map = HostMap(caller, spec, [big, np.ones((8, 1000), np.float32)])
+    task = host_map.pack(10, 30)  # spans rows 1..3 of the outer level
     assert task.data[0].shape == (3, 1000)  # three distinct rows, not 20
     assert task.data[1].shape == (8, 1000)  # the inner operand's 8 rows
     outs, _ = task()
-    prepared.store_remote(10, 30, outs)
+    host_map.store_packed(10, 30, outs)
     expected = np.broadcast_to(big[:, None] + 1, (64, 8, 1000)).reshape(-1, 1000)
     np.testing.assert_allclose(
-        prepared.outs[0].reshape(-1, 1000)[10:30], expected[10:30]
+        host_map.outs[0].reshape(-1, 1000)[10:30], expected[10:30]
     )
+
+
+def test_grad_in_worker_processes_sums_cotangents_like_the_threads(spawn_pool):
+    # w is unbatched under two vmaps: its cotangent is summed on the host, from
+    # chunks run in other processes, with the same equation as for threads.
+    x = np.random.default_rng(0).standard_normal((6, 5, 4)).astype(np.float32)
+    w = np.linspace(-1, 1, 4, dtype=np.float32)
+
+    def loss(executor):
+        dot = jax_threadmap.kernel(
+            jax.ShapeDtypeStruct((), jnp.float32), executor=executor
+        )(worker_kernels.dot)
+        dot.defvjp(worker_kernels.dot_vjp)
+        return lambda w: jax.vmap(jax.vmap(dot, (0, None)), (0, None))(x, w).sum()
+
+    remote = jax.jit(jax.grad(loss(spawn_pool)))(w)
+    local = jax.jit(jax.grad(loss(2)))(w)
+    np.testing.assert_allclose(remote, x.sum((0, 1)), rtol=1e-5)
+    np.testing.assert_allclose(remote, local, rtol=1e-6)
 
 
 def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):

@@ -25,3 +25,12 @@ def raises_at_five(x):
     if float(x) == 5:
         raise KeyError("five")
     return x
+
+
+def dot(x, w):
+    """One element: x @ w, for reverse mode in worker processes."""
+    return np.float32(x @ w)
+
+
+def dot_vjp(x, w, ct):
+    return ct * w, ct * x

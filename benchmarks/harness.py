@@ -1,0 +1,294 @@
+"""Kernels, baselines and timing of the benchmarks.
+
+Every timed call of ``benchmarks/`` is built here. The ``sleep`` and ``sort``
+cases, their inputs, the ``threadmap`` and ``sequential`` runners and the timing
+helpers are the demo's (:mod:`jax_threadmap._demo`), so that the demo and the
+benchmarks report the same numbers. Each runner returns a thunk that runs a whole
+batch once and blocks until the result is ready; compilation happens when the
+runner is built.
+
+The ways to run a per-element kernel over a nested-vmap batch:
+
+- ``threadmap``: this package.
+- ``sequential``: ``jax.pure_callback(vmap_method="sequential")``, which calls the
+  host once per element, one after the other.
+- ``recipe``: the best user-side recipe without this package: ``pure_callback``
+  with ``vmap_method="expand_dims"``, the batch shape recovered by broadcasting
+  the leading dims of each argument (size-1 dims indexed at 0, so nothing is
+  tiled), a new ``ThreadPoolExecutor`` per call mapping over a flat index, and
+  ``np.stack`` of the list of results. It gets NumPy views of its arguments, not
+  ``jax.Array`` s, which would cost about 1 ms more per element to index.
+- ``bare_loop``: a Python loop calling the kernel on NumPy views, without JAX,
+  writing into a preallocated output: the per-element floor of any Python-level
+  map. On a subset of the batch it also measures the serial kernel time, from
+  which ``ideal = serial time / workers``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_threadmap._demo import CASES as DEMO_CASES
+from jax_threadmap._demo import (  # noqa: F401 - re-exported for the benchmarks
+    NESTED_SHAPE,
+    Case,
+    Inputs,
+    OtherLoad,
+    compiled_thunk,
+    counting_inputs,
+    median,
+    nest,
+    sequential_runner,
+    threadmap_runner,
+    time_runs,
+)
+from jax_threadmap._executor import available_cpus as num_cpus
+
+# --- kernels ------------------------------------------------------------------------
+
+
+def add_one(x: np.ndarray) -> np.ndarray:
+    """Trivial kernel: measures the per-element overhead of a map."""
+    return x + 1
+
+
+def fill(x: np.ndarray, *, size: int) -> np.ndarray:
+    """Large-output kernel for the memory benchmark: ``size`` float32 per element."""
+    return np.full(size, x, np.float32)
+
+
+# --- cases --------------------------------------------------------------------------
+
+
+CASES: dict[str, Case] = {
+    "trivial": Case(
+        "trivial",
+        "trivial kernel `x + 1` on a 0-d float32",
+        add_one,
+        jax.ShapeDtypeStruct((), jnp.float32),
+        workers=None,
+        sequential_subset=4096,
+    ),
+    **DEMO_CASES,
+}
+
+# --- the ways to run a batch --------------------------------------------------------
+
+
+def threaded_pure_callback(
+    kernel: Callable[..., Any],
+    result_shape_dtype: jax.ShapeDtypeStruct,
+    core_ranks: Sequence[int],
+    num_threads: int,
+) -> Callable[..., Any]:
+    """The best user-side recipe: ``pure_callback`` + a thread pool per call.
+
+    Args:
+        kernel: The per-element kernel.
+        result_shape_dtype: One element's result (a single array).
+        core_ranks: The number of non-batch (trailing) dims of each argument,
+            which the caller must state because ``expand_dims`` does not.
+        num_threads: Threads of the pool created on each call.
+
+    Returns:
+        A function of the unbatched arguments, to be ``vmap``-ed.
+    """
+    out_shape = tuple(result_shape_dtype.shape)
+    out_dtype = np.dtype(result_shape_dtype.dtype)
+
+    def callback(*args):
+        args = [np.asarray(a) for a in args]
+        leads = [a.shape[: a.ndim - r] for a, r in zip(args, core_ranks, strict=True)]
+        batch_shape = np.broadcast_shapes(*leads)
+        # Per argument: its leading dims, right-aligned with the batch shape as
+        # in broadcasting, and which of them are real batch dims (size-1 dims
+        # stand for levels the argument is not mapped at; they are read at 0).
+        plans = []
+        for lead in leads:
+            pad = len(batch_shape) - len(lead)
+            dims = [(d, d + pad) for d, s in enumerate(lead) if s != 1]
+            plans.append((len(lead), dims))
+
+        def one(i):
+            index = np.unravel_index(i, batch_shape)
+            elem = []
+            for a, (rank, dims) in zip(args, plans, strict=True):
+                ii = [0] * rank
+                for own, full in dims:
+                    ii[own] = index[full]
+                elem.append(a[(*ii, Ellipsis)])
+            return kernel(*elem)
+
+        with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+            results = list(pool.map(one, range(math.prod(batch_shape))))
+        return np.stack(results).astype(out_dtype).reshape(batch_shape + out_shape)
+
+    def call(*args):
+        return jax.pure_callback(
+            callback, result_shape_dtype, *args, vmap_method="expand_dims"
+        )
+
+    return call
+
+
+def recipe_runner(case: Case, inputs: Inputs) -> Callable[[], Any]:
+    """Runs the batch with :func:`threaded_pure_callback` (``case.num_workers``)."""
+    core_ranks = [
+        a.ndim - (len(inputs.batch_shape) if b else 0)
+        for a, b in zip(inputs.arrays, inputs.batched, strict=True)
+    ]
+    f = threaded_pure_callback(case.kernel, case.out, core_ranks, case.num_workers)
+    return compiled_thunk(nest(f, inputs), inputs)
+
+
+def bare_loop_runner(case: Case, inputs: Inputs) -> Callable[[], np.ndarray]:
+    """Runs the batch as a plain Python loop on NumPy views, without JAX."""
+    n = inputs.size
+    nb = len(inputs.batch_shape)
+    flat = [
+        a.reshape((n, *a.shape[nb:])) if b else a
+        for a, b in zip(inputs.arrays, inputs.batched, strict=True)
+    ]
+    out = np.empty((n, *case.out.shape), case.out.dtype)
+    kernel = case.kernel
+    if inputs.batched == (True,):
+        (x,) = flat
+
+        def run():
+            for i in range(n):
+                out[i] = kernel(x[i, ...])
+            return out
+
+    else:
+        pairs = list(zip(flat, inputs.batched, strict=True))
+
+        def run():
+            for i in range(n):
+                out[i] = kernel(*(a[i, ...] if b else a for a, b in pairs))
+            return out
+
+    return run
+
+
+RUNNERS: dict[str, Callable[..., Callable[[], Any]]] = {
+    "threadmap": threadmap_runner,
+    "sequential": sequential_runner,
+    "recipe": recipe_runner,
+    "bare_loop": bare_loop_runner,
+}
+
+
+def reference(case: Case, inputs: Inputs) -> np.ndarray:
+    """The expected result of a batch, from the bare loop."""
+    return bare_loop_runner(case, inputs)().reshape(
+        inputs.batch_shape + tuple(case.out.shape)
+    )
+
+
+# --- peak memory --------------------------------------------------------------------
+
+#: The memory benchmark: 4096 elements of 64 KB results (256 MB of outputs).
+MEMORY_SHAPE = (16, 16, 16)
+MEMORY_ELEMENT_FLOATS = 16384
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    # ru_maxrss is in kilobytes on Linux (bytes on macOS).
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _fill_kernel(x):
+    return fill(x, size=MEMORY_ELEMENT_FLOATS)
+
+
+def _memory_child(method: str, batch_shape: Sequence[int]) -> dict[str, Any]:
+    """Runs in a fresh process: the peak memory one batch adds, in bytes."""
+    case = Case(
+        "fill",
+        "64 KB result per element",
+        _fill_kernel,
+        jax.ShapeDtypeStruct((MEMORY_ELEMENT_FLOATS,), jnp.float32),
+        workers=num_cpus(),
+        sequential_subset=0,
+    )
+    inputs = case.inputs(batch_shape)
+    # Warm up JAX, the pools and the allocator on a small batch of another
+    # shape: a warm-up of the measured shape would already reach its peak.
+    small = inputs.subset(max(1, inputs.size // 64))
+    RUNNERS[method](case, small)()
+    run = RUNNERS[method](case, inputs)
+    before = _rss_bytes()
+    result = run()
+    peak = _peak_rss_bytes()
+    expected = np.arange(inputs.size, dtype=np.float32)
+    assert np.array_equal(np.asarray(result).reshape(inputs.size, -1)[:, 0], expected)
+    out_bytes = inputs.size * MEMORY_ELEMENT_FLOATS * 4
+    in_bytes = sum(a.nbytes for a in inputs.arrays)
+    return {
+        "method": method,
+        "elements": inputs.size,
+        "input_bytes": in_bytes,
+        "output_bytes": out_bytes,
+        "added_bytes": peak - before,
+        "budget_bytes": in_bytes + 2 * out_bytes,
+    }
+
+
+def peak_memory(
+    method: str, batch_shape: Sequence[int] = MEMORY_SHAPE, timeout: float = 300
+) -> dict[str, Any]:
+    """Measures the peak memory of one batch of :func:`fill` in a subprocess.
+
+    The budget is inputs + outputs + one copy of the outputs (the result moved
+    into JAX); threads add O(threads x element), nothing else may grow with the
+    batch. ``ratio`` is the memory added by the call over that budget.
+
+    Args:
+        method: One of :data:`RUNNERS`.
+        batch_shape: The nested batch.
+        timeout: Seconds before the subprocess is abandoned.
+
+    Returns:
+        A dict with ``elements``, ``input_bytes``, ``output_bytes``,
+        ``added_bytes``, ``budget_bytes`` and ``ratio``.
+    """
+    code = (
+        "import json, sys\n"
+        "from harness import _memory_child\n"
+        f"print(json.dumps(_memory_child({method!r}, {tuple(batch_shape)!r})))\n"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"The memory measurement of {method!r} failed:\n{proc.stderr[-3000:]}"
+        )
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["ratio"] = result["added_bytes"] / result["budget_bytes"]
+    return result

@@ -261,86 +261,101 @@ def _checks(checks, ratios=None) -> str:
 
 def markdown(a: dict[str, Any]) -> str:
     """Every table of the analysis, with the target checks under each."""
-    parts = []
+    parts: list[str] = []
     for case, c in a["compare"].items():
-        parts.append(f"#### {c['title']} ({case}), 16 x 16 x 16 nested vmap\n")
-        rows = []
-        tm = c["rows"].get("threadmap", {}).get("per_element")
-        for method in METHOD_ORDER:
-            r = c["rows"].get(method)
-            if r is None:
-                continue
-            batch = r["per_element"] * r["batch_elements"]
-            timed = "-" if r["elements"] is None else str(r["elements"])
-            if r["elements"] is not None and r["elements"] < r["batch_elements"]:
-                timed += " (extrapolated)"
-            vs = fmt_ratio(r["per_element"] / tm) if tm else "-"
-            rows.append(
-                [
-                    METHOD_TITLES[method],
-                    fmt_time(r["per_element"]),
-                    fmt_time(batch),
-                    vs,
-                    timed + _noise_note(r["other"]),
-                ]
-            )
-        header = [
-            "method",
-            "per element",
-            "4096 elements",
-            "vs threadmap",
-            "elements timed",
-        ]
-        parts.append(_table(header, rows))
-        parts.append("")
-        parts.append(_checks(c["checks"], c["ratios"]))
-        parts.append("")
+        parts += _compare_markdown(case, c)
     for name, title in (("size", "Batch size"), ("depth", "Nesting depth")):
-        s = a.get(name)
-        if not s:
-            continue
-        methods = [m for m in METHOD_ORDER if any(m in t for t in s["table"].values())]
-        parts.append(f"#### {title}: per-element cost, trivial kernel\n")
-        header = [s["key"], "batch shape"] + [METHOD_TITLES[m] for m in methods]
-        header.append("threadmap / bare loop")
-        rows = []
-        for k in s["keys"]:
-            t = s["table"][k]
-            row = [str(k), "x".join(map(str, s["shapes"][k] or []))]
-            row += [fmt_time(t[m]) if m in t else "-" for m in methods]
-            ratio = "-"
-            if "threadmap" in t and "bare_loop" in t:
-                ratio = fmt_ratio(t["threadmap"] / t["bare_loop"])
-            row.append(ratio + _noise_note(s["other"].get(k)))
-            rows.append(row)
-        parts.append(_table(header, rows))
-        parts.append("")
-        parts.append(_checks(s["checks"]))
-        parts.append("")
-    m = a.get("memory")
-    if m:
-        parts.append("#### Peak memory: 4096 elements of 64 KB results\n")
-        rows = []
-        for method in METHOD_ORDER:
-            r = m["rows"].get(method)
-            if r is None:
-                continue
-            mb = 2**20
-            rows.append(
-                [
-                    METHOD_TITLES[method],
-                    f"{r['output_bytes'] / mb:.0f} MB",
-                    f"{r['added_bytes'] / mb:.0f} MB",
-                    f"{r['budget_bytes'] / mb:.0f} MB",
-                    fmt_ratio(r["ratio"]),
-                ]
-            )
-        header = ["method", "outputs", "peak added", "budget", "added / budget"]
-        parts.append(_table(header, rows))
-        parts.append("")
-        parts.append(_checks(m["checks"]))
-        parts.append("")
+        if a.get(name):
+            parts += _scaling_markdown(a[name], title)
+    if a.get("memory"):
+        parts += _memory_markdown(a["memory"])
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _compare_markdown(case: str, c: dict[str, Any]) -> list[str]:
+    rows = []
+    tm = c["rows"].get("threadmap", {}).get("per_element")
+    for method in METHOD_ORDER:
+        r = c["rows"].get(method)
+        if r is None:
+            continue
+        batch = r["per_element"] * r["batch_elements"]
+        timed = "-" if r["elements"] is None else str(r["elements"])
+        if r["elements"] is not None and r["elements"] < r["batch_elements"]:
+            timed += " (extrapolated)"
+        vs = fmt_ratio(r["per_element"] / tm) if tm else "-"
+        rows.append(
+            [
+                METHOD_TITLES[method],
+                fmt_time(r["per_element"]),
+                fmt_time(batch),
+                vs,
+                timed + _noise_note(r["other"]),
+            ]
+        )
+    header = [
+        "method",
+        "per element",
+        "4096 elements",
+        "vs threadmap",
+        "elements timed",
+    ]
+    return [
+        f"#### {c['title']} ({case}), 16 x 16 x 16 nested vmap\n",
+        _table(header, rows),
+        "",
+        _checks(c["checks"], c["ratios"]),
+        "",
+    ]
+
+
+def _scaling_markdown(s: dict[str, Any], title: str) -> list[str]:
+    methods = [m for m in METHOD_ORDER if any(m in t for t in s["table"].values())]
+    header = [s["key"], "batch shape"] + [METHOD_TITLES[m] for m in methods]
+    header.append("threadmap / bare loop")
+    rows = []
+    for k in s["keys"]:
+        t = s["table"][k]
+        row = [str(k), "x".join(map(str, s["shapes"][k] or []))]
+        row += [fmt_time(t[m]) if m in t else "-" for m in methods]
+        ratio = "-"
+        if "threadmap" in t and "bare_loop" in t:
+            ratio = fmt_ratio(t["threadmap"] / t["bare_loop"])
+        row.append(ratio + _noise_note(s["other"].get(k)))
+        rows.append(row)
+    return [
+        f"#### {title}: per-element cost, trivial kernel\n",
+        _table(header, rows),
+        "",
+        _checks(s["checks"]),
+        "",
+    ]
+
+
+def _memory_markdown(m: dict[str, Any]) -> list[str]:
+    mb = 2**20
+    rows = []
+    for method in METHOD_ORDER:
+        r = m["rows"].get(method)
+        if r is None:
+            continue
+        rows.append(
+            [
+                METHOD_TITLES[method],
+                f"{r['output_bytes'] / mb:.0f} MB",
+                f"{r['added_bytes'] / mb:.0f} MB",
+                f"{r['budget_bytes'] / mb:.0f} MB",
+                fmt_ratio(r["ratio"]),
+            ]
+        )
+    header = ["method", "outputs", "peak added", "budget", "added / budget"]
+    return [
+        "#### Peak memory: 4096 elements of 64 KB results\n",
+        _table(header, rows),
+        "",
+        _checks(m["checks"]),
+        "",
+    ]
 
 
 def headline(a: dict[str, Any]) -> str:

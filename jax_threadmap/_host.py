@@ -31,6 +31,7 @@ from . import _remote
 from ._batch_spec import Axes, BatchSpec
 from ._errors import KernelError
 from ._remote import ChunkFn
+from ._vectorized import ChunkCaller, PiecePlan, chunk_of
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 
@@ -420,12 +421,19 @@ class HostMap:
         operands: The host callback's operands, in the jaxpr's layout.
     """
 
-    def __init__(self, caller: ElementCaller, spec: BatchSpec, operands: Sequence[Any]):
+    def __init__(
+        self,
+        caller: ElementCaller | ChunkCaller,
+        spec: BatchSpec,
+        operands: Sequence[Any],
+    ):
         self.caller = caller
         self.name = caller.name
         self.spec = spec
         self.n = spec.size
         self.sums = any(spec.out_sum)
+        self.vectorized = isinstance(caller, ChunkCaller)
+        self.plan: PiecePlan | None = None
         batch = spec.shape or (1,)  # an unbatched call is a batch of one
         in_views = [
             operand_view(x, axes, spec.shape)
@@ -443,41 +451,113 @@ class HostMap:
         self.in_v = [merge_view(v, self._groups) for v in in_views]
         self.out_v = [merge_view(o, self._groups) for o in out_views]
         self.shape = tuple(int(np.prod([batch[d] for d in g])) for g in self._groups)
-        self._run = (
-            None if self.sums else caller.loop(self.in_v, self.out_v, self.shape)
-        )
+        # Per output, the merged dims it is summed over (a merged dim groups only
+        # levels that are all summed, or none, since their strides differ).
+        self._summed_dims = [
+            {g for g, levels in enumerate(self._groups) if levels[0] in spec.summed(k)}
+            for k in range(len(self.outs))
+        ]
+        self._run = None
+        if isinstance(caller, ElementCaller) and not self.sums:
+            self._run = caller.loop(self.in_v, self.out_v, self.shape)
         self._lock = threading.Lock()
         self._partials: dict[int, tuple[int, list[np.ndarray | None]]] = {}
         self._folded = 0  # the outputs hold the partials of [0, _folded)
 
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element's operands and results (for chunk sizes)."""
+        views = [*self.in_v, *self.out_v]
+        nb = len(self.shape)
+        return sum(int(np.prod(v.shape[nb:])) * v.itemsize for v in views)
+
+    def split(self, max_elements: int) -> int:
+        """Cuts a vectorized map into pieces; returns how many (the work units)."""
+        self.plan = PiecePlan(self.shape, max(1, max_elements))
+        return self.plan.count
+
     def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs elements ``[start, stop)`` in this thread."""
+        """Runs work units ``[start, stop)`` (elements, or pieces) in this thread."""
         if self._run is not None:
             self._run(start, stop, job)
             return
         partials = self._new_partials()
-        out_v = [
-            self.out_v[k] if p is None else self._merged_summed_view(p, k)
-            for k, p in enumerate(partials)
-        ]
-        self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
-        self._fold(start, stop, partials)
+        out_v = self._out_views(partials)
+        if isinstance(self.caller, ChunkCaller):
+            for piece in range(start, stop):
+                if job.failed:
+                    return
+                index, first, k = self._piece(piece)
+                leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+                self._store_piece(out_v, index, k, self.caller.call(leaves, first, k))
+        else:
+            self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
+        if self.sums:
+            self._fold(start, stop, partials)
 
-    def pack(self, start: int, stop: int) -> _remote.RemoteChunk:
-        """Elements ``[start, stop)``, packed for a worker in another process."""
+    def _piece(self, i: int) -> tuple[tuple[Any, ...], int, int]:
+        assert self.plan is not None, "split() first"
+        return self.plan.piece(i)
+
+    def _store_piece(
+        self,
+        out_v: Sequence[np.ndarray],
+        index: tuple[Any, ...],
+        k: int,
+        values: Sequence[np.ndarray],
+    ) -> None:
+        """Writes one piece's results (or adds them, for summed outputs)."""
+        assert self.plan is not None
+        rect = self.plan.rect(k)
+        first_dim = len(self.shape) - len(rect)  # the merged dim of rect's axis 0
+        for o, dims, value in zip(out_v, self._summed_dims, values, strict=True):
+            dst = o[index]
+            value = value.reshape(rect + value.shape[1:])
+            summed = tuple(i for i in range(len(rect)) if first_dim + i in dims)
+            if not summed:
+                dst[...] = value
+                continue
+            kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
+            dst[kept] += value.sum(axis=summed)
+
+    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+        """Units ``[start, stop)``, packed for a worker in another process."""
+        if isinstance(self.caller, ChunkCaller):
+            pieces = []
+            for i in range(start, stop):
+                index, first, k = self._piece(i)
+                leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+                pieces.append((first, k, leaves))
+            return _remote.pack_pieces(self.caller, pieces)
         return _remote.pack(
             self.caller, self.in_v, self.shape, start, stop, self._sum_rows(start, stop)
         )
 
-    def store_packed(self, start: int, stop: int, outs: Sequence[np.ndarray]) -> None:
-        """Stores the outputs of a packed chunk (see :class:`_remote.RemoteChunk`)."""
+    def store_packed(self, start: int, stop: int, outs: Any) -> None:
+        """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
+        partials = self._new_partials()
+        if isinstance(self.caller, ChunkCaller):
+            out_v = self._out_views(partials)
+            for i, values in zip(range(start, stop), outs, strict=True):
+                index, _, k = self._piece(i)
+                self._store_piece(out_v, index, k, values)
+        else:
+            self._store_rows(start, stop, outs, partials)
+        if self.sums:
+            self._fold(start, stop, partials)
+
+    def _store_rows(
+        self,
+        start: int,
+        stop: int,
+        outs: Sequence[np.ndarray],
+        partials: list[np.ndarray | None],
+    ) -> None:
+        """Elements ``[start, stop)`` of a packed chunk: one row each, or sums."""
         if len(self.shape) == 1:
             index: Any = slice(start, stop)
         else:
             index = np.unravel_index(np.arange(start, stop), self.shape)
-        partials: list[np.ndarray | None] = (
-            self._new_partials() if self.sums else [None] * len(outs)
-        )
         for o, p, r, rows in zip(
             self.out_v, partials, outs, self._sum_rows(start, stop), strict=True
         ):
@@ -485,8 +565,6 @@ class HostMap:
                 o[index] = r
             else:  # the chunk's sums, one per distinct row (in increasing order)
                 p.reshape(-1, *r.shape[1:])[np.unique(rows)] += r
-        if self.sums:
-            self._fold(start, stop, partials)
 
     def finish(self) -> tuple[np.ndarray, ...]:
         return tuple(self.outs)
@@ -497,6 +575,13 @@ class HostMap:
         return [
             np.zeros_like(o) if self.spec.summed(k) else None
             for k, o in enumerate(self.outs)
+        ]
+
+    def _out_views(self, partials: list[np.ndarray | None]) -> list[np.ndarray]:
+        """The merged output views a chunk writes: partial sums where summed."""
+        return [
+            self.out_v[k] if p is None else self._merged_summed_view(p, k)
+            for k, p in enumerate(partials)
         ]
 
     def _merged_summed_view(self, partial: np.ndarray, k: int) -> np.ndarray:

@@ -157,3 +157,67 @@ def pack(
         data.append(np.ascontiguousarray(v[tuple(index)]))
         gathers.append(inverse.reshape(-1))
     return RemoteChunk(loops, data, gathers, flat, sums)
+
+
+class ChunkCall(Protocol):
+    """Calls a vectorized kernel on one chunk (``_vectorized.ChunkCaller``)."""
+
+    def call(
+        self, leaves: list[np.ndarray], first: int, k: int
+    ) -> list[np.ndarray]: ...
+
+
+class RemotePieces:
+    """Pieces of a vectorized map, packed for a worker in another process.
+
+    Calling it runs the kernel once per piece and returns ``(results, seconds
+    per piece)``, ``results`` holding each piece's checked result leaves.
+
+    Args:
+        caller: The map's chunk caller (pickled with the task).
+        pieces: ``(first, k, leaves)`` per piece: its first flat element, its
+            length and its operand chunks. A chunk that repeats one element
+            (stride 0: an unbatched operand) ships as that element only.
+    """
+
+    def __init__(
+        self,
+        caller: ChunkCall,
+        pieces: list[tuple[int, int, list[np.ndarray]]],
+    ):
+        self.caller = caller
+        self.pieces = [
+            (first, k, [_compact(x) for x in leaves]) for first, k, leaves in pieces
+        ]
+
+    def __call__(self) -> tuple[list[list[np.ndarray]], float]:
+        t = time.perf_counter()
+        results = []
+        for first, k, leaves in self.pieces:
+            views = [_expand(x, k) for x in leaves]
+            results.append(self.caller.call(views, first, k))
+        return results, (time.perf_counter() - t) / max(len(self.pieces), 1)
+
+
+def _compact(x: np.ndarray) -> tuple[bool, np.ndarray]:
+    """``(repeated, data)``: one element for a stride-0 chunk, else the chunk."""
+    if x.shape[0] > 1 and x.strides[0] == 0:
+        return True, np.array(x[0])
+    return False, np.ascontiguousarray(x)
+
+
+def _expand(packed: tuple[bool, np.ndarray], k: int) -> np.ndarray:
+    repeated, data = packed
+    if repeated:
+        return np.lib.stride_tricks.as_strided(
+            data, (k, *data.shape), (0, *data.strides), writeable=False
+        )
+    data.flags.writeable = False
+    return data
+
+
+def pack_pieces(
+    caller: ChunkCall, pieces: list[tuple[int, int, list[np.ndarray]]]
+) -> RemotePieces:
+    """Packs pieces ``(first, k, operand chunks)`` of a vectorized map."""
+    return RemotePieces(caller, pieces)

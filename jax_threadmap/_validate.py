@@ -22,7 +22,7 @@ from . import _compat
 Executor = int | concurrent.futures.Executor | None
 
 #: Keyword arguments of ``threadmap`` itself; they never reach the kernel.
-RESERVED_KWARGS = ("executor", "progress")
+RESERVED_KWARGS = ("executor", "progress", "vectorized")
 
 
 def callable_name(fn: Any) -> str:
@@ -70,6 +70,22 @@ def check_progress(progress: Any, api: str = "threadmap") -> bool | None:
             f"{api}: progress must be True, False or None. Got {progress=}."
         )
     return None if progress is None else bool(progress)
+
+
+def check_vectorized(
+    vectorized: Any, api: str = "threadmap"
+) -> tuple[bool, int | None]:
+    """``vectorized=`` as ``(vectorized, max_chunk)``."""
+    if isinstance(vectorized, (bool, np.bool_)):
+        return bool(vectorized), None
+    if isinstance(vectorized, (int, np.integer)) and vectorized >= 1:
+        return True, int(vectorized)
+    raise TypeError(
+        f"{api}: vectorized must be False (one kernel call per element), True (one "
+        "call per chunk of elements, of automatic length) or a positive int (one "
+        f"call per chunk of at most that many elements). Got vectorized={vectorized!r}"
+        f" of type {type(vectorized).__name__}."
+    )
 
 
 def shape_dtype_of(leaf: Any, where: str, api: str) -> tuple[tuple[int, ...], np.dtype]:

@@ -27,6 +27,7 @@ The ways to run a per-element kernel over a nested-vmap batch:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import math
 import os
@@ -418,3 +419,216 @@ def vector_peak_memory(shape: Sequence[int] = (256, 256, 256)) -> dict[str, Any]
     result = in_subprocess(f"_vector_memory_child({tuple(shape)!r})")
     result["ratio"] = result["added_bytes"] / result["budget_bytes"]
     return result
+
+
+# --- kernel signatures --------------------------------------------------------------
+
+#: Elements of each signature case (a 1-level vmap, or 16 x 16 x 16 for the outer
+#: product).
+SIGNATURE_ELEMENTS = 4096
+
+
+def _inc(x: Any) -> Any:
+    return x + 1
+
+
+def _add2(x: Any, y: Any) -> Any:
+    return x + y
+
+
+def _add3(x: Any, y: Any, z: Any) -> Any:
+    return x + y + z
+
+
+def _add4(x: Any, y: Any, z: Any, w: Any) -> Any:
+    return x + y + z + w
+
+
+def _add2_kw(x: Any, y: Any, *, s: Any) -> Any:
+    return (x + y) * s
+
+
+def _two_outputs(x: Any) -> tuple[Any, Any]:
+    return x + 1, x * 2
+
+
+def _dict_operand(d: dict[str, Any]) -> Any:
+    return d["a"] + d["b"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A kernel signature: the kernel, how threadmap is called, and its floor.
+
+    ``floor`` is a bare Python loop that indexes each operand as threadmap does
+    (``a[i, ...]``, a 0-d view) and calls the same kernel, writing into
+    preallocated outputs.
+    """
+
+    name: str
+    title: str
+    threadmap_run: Callable[[], Any]
+    floor_run: Callable[[], Any]
+    expected: Any
+
+
+def _vmapped(
+    fn: Callable[..., Any], out: Any, args: Sequence[np.ndarray], **kw: Any
+) -> Callable[[], Any]:
+    compiled_args = [jax.device_put(a) for a in args]
+    f = jax.vmap(lambda *a: threadmap(fn, out, *a, **kw))
+    compiled = jax.jit(f).lower(*compiled_args).compile()
+    return lambda: jax.block_until_ready(compiled(*compiled_args))
+
+
+def _positional(name: str, kernel: Callable[..., Any], k: int, **kw: Any) -> Signature:
+    n = SIGNATURE_ELEMENTS
+    args = [np.arange(n, dtype=np.float32) * (j + 1) for j in range(k)]
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    out = np.empty(n, np.float32)
+    # One loop per arity, as threadmap's loops: no list built per element.
+    if k == 1:
+        (a,) = args
+
+        def floor() -> np.ndarray:
+            for i in range(n):
+                out[i] = kernel(a[i, ...])
+            return out
+
+    elif k == 2:
+        a, b = args
+
+        def floor() -> np.ndarray:
+            for i in range(n):
+                out[i] = kernel(a[i, ...], b[i, ...])
+            return out
+
+    elif k == 3:
+        a, b, c = args
+
+        def floor() -> np.ndarray:
+            for i in range(n):
+                out[i] = kernel(a[i, ...], b[i, ...], c[i, ...])
+            return out
+
+    elif k == 4:
+        a, b, c, d = args
+
+        def floor() -> np.ndarray:
+            for i in range(n):
+                out[i] = kernel(a[i, ...], b[i, ...], c[i, ...], d[i, ...])
+            return out
+
+    else:
+        raise ValueError(f"no floor loop for {k} operands")
+
+    title = f"{k} operand{'s' * (k > 1)}"
+    if kw.get("executor") is not None:
+        title += f", `{type(kw['executor']).__name__}(32)`"
+    return Signature(
+        name, title, _vmapped(kernel, f32, args, **kw), floor, kernel(*args)
+    )
+
+
+def _keyword_case() -> Signature:
+    n = SIGNATURE_ELEMENTS
+    x, y, s = (np.arange(n, dtype=np.float32) * j for j in (1, 2, 3))
+    out = np.empty(n, np.float32)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def floor() -> np.ndarray:
+        for i in range(n):
+            out[i] = _add2_kw(x[i, ...], y[i, ...], s=s[i, ...])
+        return out
+
+    args = [jax.device_put(a) for a in (x, y, s)]
+    f = jax.vmap(lambda a, b, c: threadmap(_add2_kw, f32, a, b, s=c))
+    compiled = jax.jit(f).lower(*args).compile()
+    return Signature(
+        "keyword",
+        "2 operands + a keyword argument",
+        lambda: jax.block_until_ready(compiled(*args)),
+        floor,
+        _add2_kw(x, y, s=s),
+    )
+
+
+def _two_outputs_case() -> Signature:
+    n = SIGNATURE_ELEMENTS
+    x = np.arange(n, dtype=np.float32)
+    o1, o2 = np.empty(n, np.float32), np.empty(n, np.float32)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def floor() -> tuple[np.ndarray, np.ndarray]:
+        for i in range(n):
+            o1[i], o2[i] = _two_outputs(x[i, ...])
+        return o1, o2
+
+    run = _vmapped(_two_outputs, (f32, f32), [x])
+    return Signature("outputs", "2 outputs (a tuple)", run, floor, _two_outputs(x))
+
+
+def _dict_case() -> Signature:
+    n = SIGNATURE_ELEMENTS
+    a, b = np.arange(n, dtype=np.float32), np.ones(n, np.float32)
+    out = np.empty(n, np.float32)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def floor() -> np.ndarray:
+        for i in range(n):
+            out[i] = _dict_operand({"a": a[i, ...], "b": b[i, ...]})
+        return out
+
+    args = [jax.device_put(v) for v in (a, b)]
+    f = jax.vmap(lambda u, v: threadmap(_dict_operand, f32, {"a": u, "b": v}))
+    compiled = jax.jit(f).lower(*args).compile()
+    return Signature(
+        "dict",
+        "a dict operand",
+        lambda: jax.block_until_ready(compiled(*args)),
+        floor,
+        a + b,
+    )
+
+
+def _outer_case() -> Signature:
+    side = round(SIGNATURE_ELEMENTS ** (1 / 3))
+    x, y, z = (np.arange(side, dtype=np.float32) * j for j in (1, 10, 100))
+    out = np.empty((side,) * 3, np.float32)
+
+    def floor() -> np.ndarray:
+        for i in range(side):
+            xi = x[i, ...]
+            for j in range(side):
+                yj = y[j, ...]
+                for k in range(side):
+                    out[i, j, k] = _add3(xi, yj, z[k, ...])
+        return out
+
+    return Signature(
+        "outer",
+        "3-level outer product, 3 operands",
+        outer_runner((x, y, z), False),
+        floor,
+        x[:, None, None] + y[None, :, None] + z[None, None, :],
+    )
+
+
+def signature_cases() -> dict[str, Callable[[], Signature]]:
+    """Builders of the signature cases, by name (each compiles when built)."""
+    return {
+        "1": lambda: _positional("1", _inc, 1),
+        "2": lambda: _positional("2", _add2, 2),
+        "3": lambda: _positional("3", _add3, 3),
+        "4": lambda: _positional("4", _add4, 4),
+        "keyword": _keyword_case,
+        "outputs": _two_outputs_case,
+        "dict": _dict_case,
+        "executor32": lambda: _positional(
+            "executor32",
+            _inc,
+            1,
+            executor=concurrent.futures.ThreadPoolExecutor(32),
+        ),
+        "outer": _outer_case,
+    }

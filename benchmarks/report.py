@@ -149,7 +149,34 @@ def analyse(entries: list[dict[str, Any]], stat: str = "median") -> dict[str, An
     memory = _latest(entries, "vectorized-memory")
     if memory:
         result["vector_memory"] = _analyse_memory(memory, "vectorized-memory")
+    signatures = _analyse_signatures(entries)
+    if signatures:
+        result["signatures"] = signatures
     return result
+
+
+def _analyse_signatures(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """threadmap against its floor per kernel signature (medians in extra_info)."""
+    rows = {}
+    for e in entries:
+        group = e.get("group") or ""
+        if group.startswith("signature-"):
+            info = e["extra_info"]
+            rows[info["case"]] = {
+                "title": info["title"],
+                "threadmap": info["threadmap"],
+                "floor": info["floor"],
+                "ratio": info["threadmap"] / info["floor"],
+                "other": _other(e),
+            }
+    if not rows:
+        return {}
+    worst = max(rows, key=lambda k: rows[k]["ratio"])
+    checks = [
+        _check(f"worst threadmap / floor ({rows[worst]['title']})", r, "<=", 1.3)
+        for r in [rows[worst]["ratio"]]
+    ]
+    return {"rows": rows, "checks": checks}
 
 
 def _analyse_floor(group: str, got: dict[str, dict], stat: str) -> dict[str, Any]:
@@ -344,7 +371,29 @@ def markdown(a: dict[str, Any]) -> str:
         parts += _floor_markdown(group, f)
     if a.get("vector_memory"):
         parts += _vector_memory_markdown(a["vector_memory"])
+    if a.get("signatures"):
+        parts += _signatures_markdown(a["signatures"])
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _signatures_markdown(sig: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            r["title"],
+            fmt_time(r["threadmap"]),
+            fmt_time(r["floor"]),
+            fmt_ratio(r["ratio"]) + _noise_note(r["other"]),
+        ]
+        for r in sig["rows"].values()
+    ]
+    header = ["signature, 4096 elements", "`threadmap`", "floor (bare loop)", "ratio"]
+    return [
+        "#### Every kernel signature against its floor, trivial kernel\n",
+        _table(header, rows),
+        "",
+        _checks(sig["checks"]),
+        "",
+    ]
 
 
 def _floor_markdown(group: str, f: dict[str, Any]) -> list[str]:

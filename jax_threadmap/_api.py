@@ -95,8 +95,11 @@ def threadmap(
         TypeError: ``kernel``, ``result_shape_dtypes``, ``executor`` or an argument
             is not what is expected (raised at call time, before anything runs).
         KernelError: At run time, when the kernel raises or returns a value of
-            the wrong shape, dtype kind or structure; the message names the
-            batch index. Under ``jit`` it arrives wrapped in JAX's runtime error.
+            the wrong shape, dtype kind or structure, or a value that the
+            declared dtype cannot hold (an integer out of range, a finite float
+            that would overflow; results are never wrapped or narrowed to inf);
+            the message names the batch index. Under ``jit`` it arrives wrapped
+            in JAX's runtime error.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np

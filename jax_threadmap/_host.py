@@ -31,6 +31,7 @@ from . import _remote
 from ._batch_spec import Axes, BatchSpec
 from ._errors import KernelError
 from ._remote import ChunkFn
+from ._validate import ResultCastError, check_result_cast
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 
@@ -214,13 +215,15 @@ class ElementCaller:
                 f"returned shape {value.shape} for output {k}, expected {shape} "
                 f"(dtype {dtype}). Return one element's result, without batch axes.",
             )
-        if value.dtype != dtype and not np.can_cast(value.dtype, dtype, "same_kind"):
-            raise self.error(
-                flat,
-                f"returned dtype {value.dtype} for output {k}, expected {dtype} "
-                f"(shape {shape}); {value.dtype} does not convert to {dtype} without "
-                "changing kind. Cast the result, or declare the dtype you return.",
-            )
+        if value.dtype != dtype:
+            try:
+                check_result_cast(value, dtype)
+            except ResultCastError as e:
+                raise self.error(
+                    flat,
+                    f"returned {e.got} for output {k}, expected {dtype} (shape "
+                    f"{shape}); {e.reason}. {e.fix}",
+                ) from None
         if k in self.accumulate:
             out[i] += value
         else:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import VALUE_CASES, numpy_keeps_value
 
 import jax_threadmap
 from jax_threadmap import KernelError, threadmap, threadmap_p
@@ -192,6 +193,77 @@ def test_float_result_for_int_output_is_rejected():
     f = vmapped(lambda x: 1.5, out=jax.ShapeDtypeStruct((), jnp.int32))
     with pytest.raises(KernelError, match="float64 for output 0, expected int32"):
         f(jnp.arange(2))
+
+
+# --- narrowing: a value its declared dtype cannot hold is an error -----------------
+
+#: The cases of test_validate.py whose dtype a threadmap can declare with x64 off.
+NARROWING = [
+    (value, dtype)
+    for value, dtype in VALUE_CASES
+    if np.dtype(dtype) == jax.dtypes.canonicalize_dtype(dtype)
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("value, dtype", NARROWING, ids=repr)
+def test_results_keep_their_value_or_fail_naming_it(value, dtype, jit):
+    dtype = np.dtype(dtype)
+    out = jax.ShapeDtypeStruct(np.shape(value), dtype)
+    zeros = np.zeros(np.shape(value), dtype)
+
+    def k(i):
+        return value if int(i) == 2 else zeros
+
+    f = jax.vmap(lambda i: threadmap(k, out, i))
+    f = jax.jit(f) if jit else f
+    if numpy_keeps_value(value, dtype):
+        got = np.asarray(f(jnp.arange(4))[2])
+        np.testing.assert_array_equal(got, np.asarray(value).astype(dtype))
+        return
+    with pytest.raises(KernelError if not jit else Exception) as info:
+        jax.block_until_ready(f(jnp.arange(4)))
+    msg = str(info.value)
+    assert "at batch index (2,) (batch shape (4,))" in msg
+    assert f"for output 0, expected {dtype}" in msg
+    assert f"{dtype} cannot hold it" in msg
+    assert first_lost_value(value, dtype) in msg
+
+
+def first_lost_value(value, dtype) -> str:
+    """How the message shows the first element that NumPy's cast loses."""
+    v = np.asarray(value)
+    if v.ndim == 0:
+        return f"returned {v[()]!s} ("
+    lost = next(i for i in np.ndindex(v.shape) if not numpy_keeps_value(v[i], dtype))
+    return f"returned an array whose element {list(lost)} is {v[lost]!s} ({v.dtype})"
+
+
+def test_narrowing_names_the_output_and_the_value_of_a_pytree_result():
+    out = {"n": jax.ShapeDtypeStruct((), jnp.int32), "x": F32}
+
+    def k(i):
+        return {"n": np.int64(i) * 2**30, "x": np.float64(i)}
+
+    f = jax.vmap(jax.vmap(lambda i: threadmap(k, out, i)))
+    res = f(jnp.arange(2).reshape(1, 2))  # 0 and 2**30 fit int32
+    np.testing.assert_array_equal(res["n"], [[0, 2**30]])
+    with pytest.raises(KernelError) as info:
+        f(jnp.array([[0, 1], [2, 1]]))  # only (1, 0) overflows
+    assert info.value.index == (1, 0)
+    assert "returned 2147483648 (int64) for output 0, expected int32" in str(info.value)
+
+
+def test_python_int_fits_unsigned_and_float64_fits_float32():
+    # Signed and unsigned integers are one kind: the value decides.
+    g = vmapped(lambda x: int(x) * 100, out=jax.ShapeDtypeStruct((), jnp.uint8))
+    np.testing.assert_array_equal(g(jnp.arange(3)), np.array([0, 100, 200], np.uint8))
+    with pytest.raises(KernelError, match=r"batch index \(3,\).*300 \(int64\)"):
+        g(jnp.arange(4))
+    h = vmapped(lambda x: np.float64(x) / 3)
+    np.testing.assert_array_equal(
+        h(jnp.arange(3.0)), (np.arange(3.0) / 3).astype(np.float32)
+    )
 
 
 @pytest.mark.parametrize(

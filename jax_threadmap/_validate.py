@@ -99,10 +99,32 @@ def shape_dtype_of(leaf: Any, where: str, api: str) -> tuple[tuple[int, ...], np
         ) from e
 
 
+def check_has_results(result_shape_dtypes: Any, api: str) -> None:
+    """Refuses a declaration without leaves (``None``, ``()``, ``{}``).
+
+    An equation without results would be removed as dead code under ``jit`` (as
+    ``jax.pure_callback`` with ``result_shape_dtypes=()`` is) but run eagerly, so
+    a kernel kept for its side effects would run or not depending on ``jit``.
+    """
+    if jax.tree_util.tree_leaves(result_shape_dtypes):
+        return
+    raise ValueError(
+        f"{api}: result_shape_dtypes has no array leaves (got "
+        f"{result_shape_dtypes!r}), so the kernel would have no results, and "
+        "under jax.jit an equation without results is removed as dead code: the "
+        "kernel would never run. Declare what one element returns, e.g. "
+        "jax.ShapeDtypeStruct((), jnp.float32). For a kernel run for its side "
+        "effects (writing files), return a small status per element, e.g. "
+        "jax.ShapeDtypeStruct((), jnp.bool_) for 'done', and use it (return it "
+        "from the jitted function); results that nothing uses are removed too."
+    )
+
+
 def result_avals(
     result_shape_dtypes: Any, api: str = "threadmap"
 ) -> tuple[tuple[Any, ...], Any]:
     """Checks ``result_shape_dtypes``; returns its flat avals and treedef."""
+    check_has_results(result_shape_dtypes, api)
     leaves, tree = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     avals = []
     for path, leaf in leaves:

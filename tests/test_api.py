@@ -301,6 +301,32 @@ def test_bad_input_raises_before_anything_runs(call, exc, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize("empty", [None, (), {}, [], {"a": ()}], ids=repr)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_result_shape_dtypes_without_leaves_fails_at_the_call(empty, jit):
+    # Never a kernel that runs eagerly but silently not under jit (dead code).
+    calls = []
+
+    def k(x):
+        calls.append(x)
+        return empty
+
+    f = jax.vmap(lambda x: threadmap(k, empty, x))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(ValueError) as info:
+        f(jnp.arange(3.0))
+    msg = str(info.value)
+    assert msg.startswith("threadmap: result_shape_dtypes has no array leaves")
+    assert "dead code" in msg and "jax.ShapeDtypeStruct((), jnp.bool_)" in msg
+    assert calls == []
+
+
+@pytest.mark.parametrize("empty", [None, ()], ids=repr)
+def test_kernel_decorator_without_results_fails_when_decorating(empty):
+    with pytest.raises(ValueError, match="jax_threadmap.kernel: result_shape_dtypes"):
+        jax_threadmap.kernel(empty)
+
+
 def test_negative_dimension_in_result_shape():
     class Bad:
         shape = (-1,)

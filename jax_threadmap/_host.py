@@ -20,7 +20,9 @@ and the partials are added in chunk order.
 
 from __future__ import annotations
 
+import os
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,14 @@ from ._remote import ChunkFn
 from ._validate import ResultCastError, check_result_cast
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
+
+#: The innermost kernel frames quoted in a KernelError's message, and the longest
+#: source line quoted. Under jit the message is all of the error that crosses
+#: XLA's runtime (the traceback and cause stay behind), and the same holds for
+#: errors pickled back from other processes.
+_TRACEBACK_FRAMES = 6
+_TRACEBACK_LINE = 200
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 #: Rows at least this long run the 1-D loop row by row (see ``loop``).
 _MIN_ROW = 16
@@ -162,12 +172,16 @@ class ElementCaller:
             cause=cause,
         )
 
-    def kernel_raised(self, e: Exception, flat: int | None) -> KernelError:
-        """The error for a kernel that raised ``e``, chained to ``e``."""
+    def kernel_raised(self, e: BaseException, flat: int | None) -> KernelError:
+        """The error for a kernel that raised ``e``, chained to ``e``.
+
+        Its message ends with the kernel's innermost frames, so that the line
+        that raised shows under jit and from worker processes too.
+        """
         if isinstance(e, KernelError) and e.kernel_name == self.name and e.index:
             return e  # already has its index (e.g. from a remote chunk)
         msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return self.error(flat, f"raised {msg}", cause=e)
+        return self.error(flat, f"raised {msg}{kernel_traceback(e)}", cause=e)
 
     # -- one element, general path -----------------------------------------------
 
@@ -397,6 +411,33 @@ class ElementCaller:
                 start = r * row + end
 
         return chunk
+
+
+def kernel_traceback(e: BaseException) -> str:
+    """The innermost frames of ``e`` outside this package, formatted as Python does.
+
+    Empty when there are none (the error was raised by this package's own code,
+    e.g. a derivative adapter checking what the kernel returned).
+    """
+    frames = [
+        (frame, line)
+        for frame, line in traceback.walk_tb(e.__traceback__)
+        if not frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+    ]
+    if not frames:
+        return ""
+    shown = traceback.StackSummary.extract(iter(frames[-_TRACEBACK_FRAMES:]))
+    lines = ["\nKernel traceback (most recent call last):"]
+    if len(frames) > len(shown):
+        lines.append(f"  ... {len(frames) - len(shown)} earlier frame(s)")
+    for f in shown:
+        lines.append(f'  File "{f.filename}", line {f.lineno}, in {f.name}')
+        source = (f.line or "").strip()
+        if len(source) > _TRACEBACK_LINE:
+            source = source[: _TRACEBACK_LINE - 3] + "..."
+        if source:
+            lines.append(f"    {source}")
+    return "\n".join(lines)
 
 
 def _flat(flat_of: Sequence[int] | None, i: int) -> int:

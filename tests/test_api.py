@@ -160,6 +160,43 @@ def test_kernel_exception_names_type_message_and_index(jit):
     np.testing.assert_array_equal(f(x - 20.0), np.asarray(x) - 20.0)
 
 
+def _check_depth(x):
+    if int(x) == 2:
+        raise ValueError(f"element {int(x)} is too deep")
+
+
+def nested_failure(x, depth=0):
+    if depth < 30:
+        return nested_failure(x, depth + 1)
+    _check_depth(x)
+    return x
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_kernel_traceback_is_in_the_message(jit):
+    # Under jit, JAX passes only the message through its runtime error: the
+    # kernel's own lines must be in it (bounded to the innermost frames).
+    f = jax.vmap(lambda x: threadmap(nested_failure, F32, x))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(jnp.arange(4.0)))
+    msg = str(info.value)
+    tail = msg[msg.index("KernelError: ") if jit else 0 :]
+    lines = tail.splitlines()
+    assert lines[0].endswith("raised ValueError: element 2 is too deep")
+    assert lines[1] == "Kernel traceback (most recent call last):"
+    assert lines[2] == "  ... 26 earlier frame(s)"  # 1 + 30 frames, 5 + 1 shown
+    assert lines[-2] == f'  File "{__file__}", line {_LINE}, in _check_depth'
+    assert lines[-1] == '    raise ValueError(f"element {int(x)} is too deep")'
+    assert (
+        lines[-4].endswith("in nested_failure") and lines[-3] == "    _check_depth(x)"
+    )
+    assert "_host.py" not in tail  # the package's own frames are left out
+
+
+_LINE = _check_depth.__code__.co_firstlineno + 2
+
+
 @pytest.mark.parametrize(
     "result, expected_fragment",
     [

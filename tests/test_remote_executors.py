@@ -194,6 +194,9 @@ def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):
     with pytest.raises(KernelError) as info:
         f(np.arange(8, dtype=np.float32))
     assert "batch index (5,)" in str(info.value) and "KeyError" in str(info.value)
+    # The worker's frames travel in the message (the cause stays in the worker).
+    assert "worker_kernels.py" in str(info.value)
+    assert str(info.value).endswith('in raises_at_five\n    raise KeyError("five")')
     assert info.value.index == (5,)
     np.testing.assert_array_equal(f(np.arange(3, dtype=np.float32)), np.arange(3))
 

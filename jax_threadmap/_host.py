@@ -45,6 +45,11 @@ _TRACEBACK_FRAMES = 6
 _TRACEBACK_LINE = 200
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
+#: Raised by a kernel, these stop the map and reach the caller as themselves, as
+#: from a plain loop. Any other exception, BaseException subclasses included, is
+#: the kernel's error and becomes a KernelError with the batch index.
+_PASS_THROUGH = (KeyboardInterrupt, SystemExit)
+
 #: Rows at least this long run the 1-D loop row by row (see ``loop``).
 _MIN_ROW = 16
 
@@ -253,7 +258,9 @@ class ElementCaller:
         """Runs one element; ``ii`` indexes the views."""
         try:
             result = self.call([v[ii] for v in in_v])
-        except Exception as e:
+        except _PASS_THROUGH:
+            raise
+        except BaseException as e:
             raise self.kernel_raised(e, flat) from e
         if self.single_leaf and isinstance(result, _LEAF_TYPES):
             self.store(out_v[0], ii, result, 0, flat)
@@ -344,7 +351,9 @@ class ElementCaller:
                         return
                     try:
                         r = fn(a[i, ...])
-                    except Exception as e:
+                    except _PASS_THROUGH:
+                        raise
+                    except BaseException as e:
                         raise kernel_raised(e, _flat(flat_of, i)) from e
                     if type(r) is exact:
                         out[i] = r
@@ -362,7 +371,9 @@ class ElementCaller:
                 ii = (i, Ellipsis)
                 try:
                     r = fn(a[ii], b[ii])
-                except Exception as e:
+                except _PASS_THROUGH:
+                    raise
+                except BaseException as e:
                     raise kernel_raised(e, _flat(flat_of, i)) from e
                 if type(r) is exact:
                     out[i] = r

@@ -197,6 +197,48 @@ def test_kernel_traceback_is_in_the_message(jit):
 _LINE = _check_depth.__code__.co_firstlineno + 2
 
 
+class Abort(BaseException):
+    """A kernel's own BaseException subclass (not an Exception)."""
+
+
+def aborts_at_2(x):
+    if int(x) == 2:
+        raise Abort("stop here")
+    return x
+
+
+@pytest.mark.parametrize(
+    "executor", [None, 1, "thread_executor"], ids=["shared", "one", "user"]
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_base_exception_of_a_kernel_is_a_kernel_error(executor, jit):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ex = pool if executor == "thread_executor" else executor
+        f = jax.vmap(lambda x: threadmap(aborts_at_2, F32, x, executor=ex))
+        f = jax.jit(f) if jit else f
+        with pytest.raises(Exception) as info:
+            jax.block_until_ready(f(jnp.arange(4.0)))
+    msg = str(info.value)
+    assert "threadmap kernel 'aborts_at_2' at batch index (2,)" in msg
+    assert "raised Abort: stop here" in msg and "ExecutorError" not in msg
+    if not jit:
+        assert isinstance(info.value, KernelError) and info.value.index == (2,)
+        assert isinstance(info.value.__cause__, Abort)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_keyboard_interrupt_and_system_exit_of_a_kernel_pass_through(exc):
+    # As from a plain loop: `except KeyboardInterrupt` and sys.exit() keep working.
+    def k(x):
+        if int(x) == 1:
+            raise exc(3)
+        return x
+
+    with pytest.raises(exc) as info:
+        vmapped(k)(jnp.arange(3.0))
+    assert info.value.args == (3,)
+
+
 @pytest.mark.parametrize(
     "result, expected_fragment",
     [

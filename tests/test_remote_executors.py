@@ -201,6 +201,20 @@ def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):
     np.testing.assert_array_equal(f(np.arange(3, dtype=np.float32)), np.arange(3))
 
 
+def test_base_exception_in_a_worker_is_a_kernel_error(spawn_pool):
+    f = jax.vmap(
+        lambda x: threadmap(
+            worker_kernels.aborts_at_one,
+            jax.ShapeDtypeStruct((), jnp.float32),
+            x,
+            executor=spawn_pool,
+        )
+    )
+    with pytest.raises(KernelError, match="raised Abort: stop") as info:
+        f(np.arange(3, dtype=np.float32))
+    assert info.value.index == (1,)
+
+
 def test_unpicklable_kernel_is_a_clear_error(spawn_pool):
     f = jax.vmap(
         lambda x: threadmap(

@@ -58,3 +58,14 @@ def big_count(x):
     """An int64 beyond int32 at element 2, else the element."""
     assert x.shape == () and x.dtype == np.int32, (x.shape, x.dtype)
     return np.int64(2**40) if int(x) == 2 else np.int64(x)
+
+
+class Abort(BaseException):
+    """A kernel's own BaseException subclass."""
+
+
+def aborts_at_one(x):
+    assert x.shape == () and x.dtype == np.float32, (x.shape, x.dtype)
+    if float(x) == 1:
+        raise Abort("stop")
+    return x

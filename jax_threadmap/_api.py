@@ -107,10 +107,16 @@ def threadmap(
     Raises:
         TypeError: ``kernel``, ``result_shape_dtypes``, ``executor`` or an argument
             is not what is expected (raised at call time, before anything runs).
+        ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``,
+            ``{}``): under ``jit`` the kernel would never run. A kernel run for
+            its side effects returns a small status per element instead.
         KernelError: At run time, when the kernel raises or returns a value of
-            the wrong shape, dtype kind or structure; the message names the
-            batch index (for a vectorized kernel, the chunk's range of batch
-            indices). Under ``jit`` it arrives wrapped in JAX's runtime error.
+            the wrong shape, dtype kind or structure, or a value that the
+            declared dtype cannot hold (an integer out of range, a finite float
+            that would overflow; results are never wrapped or narrowed to inf);
+            the message names the batch index (for a vectorized kernel, the
+            chunk's range of batch indices). Under ``jit`` it arrives wrapped in
+            JAX's runtime error.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np
@@ -328,6 +334,7 @@ def kernel(
     Raises:
         TypeError: ``result_shape_dtypes`` is a function (the decorator was used
             without parentheses), or ``executor``/``progress`` are invalid.
+        ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``).
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np
@@ -351,6 +358,7 @@ def kernel(
             f"Got the callable {result_shape_dtypes!r}."
         )
     api = "jax_threadmap.kernel"
+    _validate.check_has_results(result_shape_dtypes, api)
     executor = _validate.check_executor(executor, api=api)
     progress = _validate.check_progress(progress, api=api)
     _validate.check_vectorized(vectorized, api)

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat
+from . import _compat, _validate
 from ._executor import available_cpus
 from ._validate import callable_name, env_positive_int, shape_dtype_of
 
@@ -344,6 +344,14 @@ def _check_and_place(task: _Task, out: Any) -> list[jax.Array]:
                 f"at {spec.path}: shape {tuple(shape)} and dtype {np.dtype(dtype)} "
                 f"(expected shape {spec.shape} and dtype {spec.dtype})"
             )
+        elif np.dtype(dtype) != spec.aval.dtype:  # a cast on device_put (x64 off)
+            try:
+                _validate.check_result_cast(np.asarray(leaf), spec.aval.dtype)
+            except _validate.ResultCastError as e:
+                problems.append(
+                    f"at {spec.path}: {e.got}, declared {spec.dtype} ({spec.aval.dtype}"
+                    f" on device); {e.reason}"
+                )
     if problems:
         raise ValueError(
             f"{task.name}, run by jax_threadmap.{task.api}, returned arrays that "

@@ -29,11 +29,14 @@ import numpy as np
 
 from . import _remote
 from ._batch_spec import Axes, BatchSpec
-from ._errors import KernelError
+from ._errors import PASS_THROUGH as _PASS_THROUGH
+from ._errors import KernelError, kernel_traceback
 from ._remote import ChunkFn
+from ._validate import ResultCastError, check_result_cast
 from ._vectorized import ChunkCaller, PiecePlan, chunk_of
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
+
 
 #: Rows at least this long run the 1-D loop row by row (see ``loop``).
 _MIN_ROW = 16
@@ -162,12 +165,16 @@ class ElementCaller:
             cause=cause,
         )
 
-    def kernel_raised(self, e: Exception, flat: int | None) -> KernelError:
-        """The error for a kernel that raised ``e``, chained to ``e``."""
+    def kernel_raised(self, e: BaseException, flat: int | None) -> KernelError:
+        """The error for a kernel that raised ``e``, chained to ``e``.
+
+        Its message ends with the kernel's innermost frames, so that the line
+        that raised shows under jit and from worker processes too.
+        """
         if isinstance(e, KernelError) and e.kernel_name == self.name and e.index:
             return e  # already has its index (e.g. from a remote chunk)
         msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return self.error(flat, f"raised {msg}", cause=e)
+        return self.error(flat, f"raised {msg}{kernel_traceback(e)}", cause=e)
 
     # -- one element, general path -----------------------------------------------
 
@@ -215,13 +222,15 @@ class ElementCaller:
                 f"returned shape {value.shape} for output {k}, expected {shape} "
                 f"(dtype {dtype}). Return one element's result, without batch axes.",
             )
-        if value.dtype != dtype and not np.can_cast(value.dtype, dtype, "same_kind"):
-            raise self.error(
-                flat,
-                f"returned dtype {value.dtype} for output {k}, expected {dtype} "
-                f"(shape {shape}); {value.dtype} does not convert to {dtype} without "
-                "changing kind. Cast the result, or declare the dtype you return.",
-            )
+        if value.dtype != dtype:
+            try:
+                check_result_cast(value, dtype)
+            except ResultCastError as e:
+                raise self.error(
+                    flat,
+                    f"returned {e.got} for output {k}, expected {dtype} (shape "
+                    f"{shape}); {e.reason}. {e.fix}",
+                ) from None
         if k in self.accumulate:
             out[i] += value
         else:
@@ -237,7 +246,9 @@ class ElementCaller:
         """Runs one element; ``ii`` indexes the views."""
         try:
             result = self.call([v[ii] for v in in_v])
-        except Exception as e:
+        except _PASS_THROUGH:
+            raise
+        except BaseException as e:
             raise self.kernel_raised(e, flat) from e
         if self.single_leaf and isinstance(result, _LEAF_TYPES):
             self.store(out_v[0], ii, result, 0, flat)
@@ -328,7 +339,9 @@ class ElementCaller:
                         return
                     try:
                         r = fn(a[i, ...])
-                    except Exception as e:
+                    except _PASS_THROUGH:
+                        raise
+                    except BaseException as e:
                         raise kernel_raised(e, _flat(flat_of, i)) from e
                     if type(r) is exact:
                         out[i] = r
@@ -346,7 +359,9 @@ class ElementCaller:
                 ii = (i, Ellipsis)
                 try:
                     r = fn(a[ii], b[ii])
-                except Exception as e:
+                except _PASS_THROUGH:
+                    raise
+                except BaseException as e:
                     raise kernel_raised(e, _flat(flat_of, i)) from e
                 if type(r) is exact:
                     out[i] = r

@@ -109,6 +109,12 @@ class RemoteChunk:
         return outs, seconds
 
 
+def _contiguous(x: np.ndarray) -> np.ndarray:
+    # Not np.ascontiguousarray, which returns at least 1-d: an unbatched 0-d
+    # operand would reach the kernel with shape (1,).
+    return np.asarray(x, order="C")
+
+
 def pack(
     loops: ElementLoops,
     in_v: Sequence[np.ndarray],
@@ -132,10 +138,10 @@ def pack(
         gathers: list[np.ndarray | slice | None] = []
         for v in in_v:
             if v.strides[0] == 0:
-                data.append(np.ascontiguousarray(v[0]))
+                data.append(_contiguous(v[0, ...]))
                 gathers.append(None)
             else:
-                data.append(np.ascontiguousarray(v[start:stop]))
+                data.append(_contiguous(v[start:stop]))
                 gathers.append(slice(None))
         return RemoteChunk(loops, data, gathers, flat, sums)
     nb = len(shape)
@@ -144,7 +150,7 @@ def pack(
     for v in in_v:
         dims = [d for d in range(nb) if v.strides[d] != 0 and shape[d] > 1]
         if not dims:
-            data.append(np.ascontiguousarray(v[(0,) * nb]))
+            data.append(_contiguous(v[(0,) * nb + (Ellipsis,)]))
             gathers.append(None)
             continue
         # Each distinct element once: the chunk's elements index into them.
@@ -154,7 +160,7 @@ def pack(
         index: list[Any] = [0] * nb
         for d, s in zip(dims, np.unravel_index(uniq, sub_shape), strict=True):
             index[d] = s
-        data.append(np.ascontiguousarray(v[tuple(index)]))
+        data.append(_contiguous(v[tuple(index)]))
         gathers.append(inverse.reshape(-1))
     return RemoteChunk(loops, data, gathers, flat, sums)
 

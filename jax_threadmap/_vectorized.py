@@ -19,7 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import KernelError
+from ._errors import PASS_THROUGH, KernelError, kernel_traceback
+from ._validate import ResultCastError, check_result_cast
 
 
 class PiecePlan:
@@ -119,9 +120,11 @@ class ChunkCaller:
         args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
         try:
             result = self.fn(*args, **kwargs)
-        except Exception as e:
+        except PASS_THROUGH:
+            raise
+        except BaseException as e:
             msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            raise self.error(first, k, f"raised {msg}", e) from e
+            raise self.error(first, k, f"raised {msg}{kernel_traceback(e)}", e) from e
         values, tree = jax.tree_util.tree_flatten(result)
         if tree != self.out_tree:
             raise self.error(
@@ -154,14 +157,15 @@ class ChunkCaller:
                 "vectorized kernel returns every result with the leading axis of "
                 "its operands.",
             )
-        if value.dtype != dtype and not np.can_cast(value.dtype, dtype, "same_kind"):
+        try:
+            check_result_cast(value, dtype)
+        except ResultCastError as e:
             raise self.error(
                 first,
                 k,
-                f"returned dtype {value.dtype} for output {j}, expected {dtype}; "
-                f"{value.dtype} does not convert to {dtype} without changing kind. "
-                "Cast the result, or declare the dtype you return.",
-            )
+                f"returned {e.got} for output {j}, expected {dtype}; {e.reason}. "
+                f"{e.fix}",
+            ) from None
         return value
 
 

@@ -29,17 +29,13 @@ import numpy as np
 
 from . import _remote
 from ._batch_spec import Axes, BatchSpec
-from ._errors import PASS_THROUGH as _PASS_THROUGH
 from ._errors import KernelError, kernel_traceback
+from ._loops import element_loop
 from ._remote import ChunkFn
 from ._validate import ResultCastError, check_result_cast
 from ._vectorized import ChunkCaller, PiecePlan, chunk_of
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
-
-
-#: Rows at least this long run the 1-D loop row by row (see ``loop``).
-_MIN_ROW = 16
 
 
 # --- views ----------------------------------------------------------------------------
@@ -236,27 +232,17 @@ class ElementCaller:
         else:
             out[i] = value
 
-    def element(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        ii: Any,
-        flat: int,
+    def store_leaf(
+        self, out: np.ndarray, i: Any, value: Any, k: int, flat: int | None, result: Any
     ) -> None:
-        """Runs one element; ``ii`` indexes the views."""
-        try:
-            result = self.call([v[ii] for v in in_v])
-        except _PASS_THROUGH:
-            raise
-        except BaseException as e:
-            raise self.kernel_raised(e, flat) from e
-        if self.single_leaf and isinstance(result, _LEAF_TYPES):
-            self.store(out_v[0], ii, result, 0, flat)
-        else:
-            for k, val in enumerate(self.result_leaves(result, flat)):
-                self.store(out_v[k], ii, val, k, flat)
+        """:meth:`store` for leaf ``k`` of a ``result`` of several leaves.
 
-    # -- loops -------------------------------------------------------------------
+        A value that is itself a container (a tuple where an array is declared)
+        is a structure mismatch of the whole result, reported as such.
+        """
+        if not isinstance(value, _LEAF_TYPES):
+            self.result_leaves(result, flat)  # raises on a mismatch
+        self.store(out, i, value, k, flat)
 
     def loop(
         self,
@@ -267,153 +253,12 @@ class ElementCaller:
     ) -> ChunkFn:
         """A function running elements ``[start, stop)`` of views with batch ``shape``.
 
-        ``flat_of[j]`` maps local index ``j`` to the flat batch index (for
-        messages), when the views hold a gathered subset of the batch. With
-        several (unmergeable) batch dims, rows along the last dim run the 1-D
-        loop when they are long enough to pay for setting it up; short rows
-        index each element with a tuple.
+        The loop is generated for this kernel's signature (:mod:`._loops`); this
+        caller's ``call``, ``result_leaves`` and ``store`` are its checked slow
+        paths. ``flat_of[j]`` maps local index ``j`` to the flat batch index (for
+        messages), when the views hold a gathered subset of the batch.
         """
-        if len(shape) == 1:
-            return self._loop_1d(in_v, out_v, flat_of)
-        if shape[-1] >= _MIN_ROW:
-            return self._loop_rows(in_v, out_v, shape)
-        return self._loop_tuples(in_v, out_v, shape)
-
-    def _loop_1d(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        flat_of: Sequence[int] | None,
-    ) -> ChunkFn:
-        fast = self._fast_loop_1d(in_v, out_v, flat_of)
-        if fast is not None:
-            return fast
-        element = self.element
-
-        def chunk(start: int, stop: int, job: Any) -> None:
-            for i in range(start, stop):
-                if job.failed:
-                    return
-                element(in_v, out_v, (i, Ellipsis), _flat(flat_of, i))
-
-        return chunk
-
-    def _fast_loop_1d(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        flat_of: Sequence[int] | None,
-    ) -> ChunkFn | None:
-        # One output leaf, positional leaves only, one or two operands: the
-        # shapes of nearly every kernel. Each element costs the kernel call, one
-        # index per operand, a type check and the write.
-        if not (self.single_leaf and self.num_args is not None and not self.kw_names):
-            return None
-        if self.accumulate or len(in_v) not in (1, 2):
-            return None
-        fn, out = self.fn, out_v[0]
-        shape, dtype = self.out_core[0]
-        # A result of exactly this type needs no conversion or check.
-        exact = dtype.type if shape == () else None
-        ndarray = np.ndarray
-        slow_store, kernel_raised = self.store, self.kernel_raised
-        result_leaves = self.result_leaves
-
-        def check_store(r: Any, i: int) -> None:
-            if type(r) is ndarray and r.dtype is dtype and r.shape == shape:
-                out[i] = r
-            else:
-                flat = _flat(flat_of, i)
-                (value,) = result_leaves(r, flat)  # checks containers' structure
-                slow_store(out, i, value, 0, flat)
-
-        # `[i, ...]` gives a 0-d array (not a NumPy scalar) for 0-d operands, and
-        # the same view as `[i]` otherwise. One and two operands get their own
-        # loop: unpacking a list per element would cost as much as the rest.
-        if len(in_v) == 1:
-            (a,) = in_v
-
-            def chunk1(start: int, stop: int, job: Any) -> None:
-                for i in range(start, stop):
-                    if job.failed:
-                        return
-                    try:
-                        r = fn(a[i, ...])
-                    except _PASS_THROUGH:
-                        raise
-                    except BaseException as e:
-                        raise kernel_raised(e, _flat(flat_of, i)) from e
-                    if type(r) is exact:
-                        out[i] = r
-                    else:
-                        check_store(r, i)
-
-            return chunk1
-
-        a, b = in_v
-
-        def chunk2(start: int, stop: int, job: Any) -> None:
-            for i in range(start, stop):
-                if job.failed:
-                    return
-                ii = (i, Ellipsis)
-                try:
-                    r = fn(a[ii], b[ii])
-                except _PASS_THROUGH:
-                    raise
-                except BaseException as e:
-                    raise kernel_raised(e, _flat(flat_of, i)) from e
-                if type(r) is exact:
-                    out[i] = r
-                else:
-                    check_store(r, i)
-
-        return chunk2
-
-    def _loop_tuples(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        shape: tuple[int, ...],
-    ) -> ChunkFn:
-        element = self.element
-
-        def chunk(start: int, stop: int, job: Any) -> None:
-            cols = [c.tolist() for c in np.unravel_index(np.arange(start, stop), shape)]
-            for i, ii in zip(range(start, stop), zip(*cols, strict=True), strict=True):
-                if job.failed:
-                    return
-                element(in_v, out_v, (*ii, Ellipsis), i)
-
-        return chunk
-
-    def _loop_rows(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        shape: tuple[int, ...],
-    ) -> ChunkFn:
-        row = shape[-1]
-        prefix_shape = shape[:-1]
-
-        def chunk(start: int, stop: int, job: Any) -> None:
-            while start < stop and not job.failed:
-                r, j = divmod(start, row)
-                end = min(stop - r * row, row)
-                prefix = tuple(int(p) for p in np.unravel_index(r, prefix_shape))
-                run = self._loop_1d(
-                    [v[prefix] for v in in_v],
-                    [o[prefix] for o in out_v],
-                    range(r * row, (r + 1) * row),
-                )
-                run(j, end, job)
-                start = r * row + end
-
-        return chunk
-
-
-def _flat(flat_of: Sequence[int] | None, i: int) -> int:
-    return i if flat_of is None else int(flat_of[i])
+        return element_loop(self, in_v, out_v, shape, flat_of)
 
 
 # --- the map of one host call ---------------------------------------------------------

@@ -20,6 +20,7 @@ LAYERS = [
     "_batch_spec",
     "_progress",
     "_remote",
+    "_loops",
     "_vectorized",
     "_host",
     "_executor",

@@ -343,3 +343,16 @@ def test_dask_cluster_runs_chunks_in_workers():
     ):
         pids = check_nested_chunks(client.get_executor())
         assert pids and pids <= set(client.run(__import__("os").getpid).values())
+
+
+def test_chunk_results_keep_their_values_or_fail():
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def widen(x):  # int64 results for an int32 output: fine while they fit
+        return x.astype(np.int64) * (2**20)
+
+    f = jax.vmap(lambda v: threadmap(widen, i32, v, vectorized=4, executor=1))
+    np.testing.assert_array_equal(f(jnp.arange(16)), np.arange(16) * 2**20)
+    with pytest.raises(KernelError, match="int32") as info:
+        f(jnp.arange(16) * 2**12)  # 15 * 2**32 does not fit int32
+    assert "chunk of batch indices" in str(info.value)

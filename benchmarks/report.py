@@ -576,7 +576,49 @@ def headline(a: dict[str, Any]) -> str:
         "\nPer-element wall time (median), lower is better; ratios against "
         "`threadmap`.\n"
     )
-    return _table(header, rows) + "\n" + note
+    text = _table(header, rows) + "\n" + note
+    floors = _headline_floors(a)
+    if floors:
+        text += "\n" + _table(
+            ["against the floor", "`threadmap`", "floor", "ratio"], floors
+        )
+        text += (
+            "\n\nSignatures: the worst of 1-4 operands, keyword arguments, pytree "
+            "arguments and results, several outputs, unmergeable layouts and a "
+            "32-thread executor, each against a bare loop calling the same kernel.\n"
+        )
+    return text
+
+
+def _headline_floors(a: dict[str, Any]) -> list[list[str]]:
+    """README rows: the signature matrix's worst case and the vectorized cases."""
+    rows = []
+    sig = a.get("signatures", {}).get("rows")
+    if sig:
+        worst = max(sig.values(), key=lambda r: r["ratio"])
+        rows.append(
+            [
+                f"every kernel signature (worst: {worst['title']})",
+                fmt_time(worst["threadmap"]),
+                f"bare loop {fmt_time(worst['floor'])}",
+                fmt_ratio(worst["ratio"]),
+            ]
+        )
+    labels = {
+        "vectorized-outer": "vectorized `x + y + z`, 128^3 outer product",
+        "vectorized-sort_rows": "vectorized `np.sort` of 2048 rows",
+    }
+    for group, f in a.get("floors", {}).items():
+        floor, titles = FLOOR_GROUPS[group]
+        r = f["rows"]
+        if "vectorized" not in r or floor not in r:
+            continue
+        tm, fl = r["vectorized"]["per_element"], r[floor]["per_element"]
+        name = titles[floor].replace(" (floor)", "")
+        rows.append(
+            [labels[group], fmt_time(tm), f"{name} {fmt_time(fl)}", fmt_ratio(tm / fl)]
+        )
+    return rows
 
 
 # --- plots --------------------------------------------------------------------------

@@ -669,8 +669,9 @@ class AsyncArray:
     __index__ = _unary("__index__")
 
 
-def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
+def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
     # Called by jit only when a compiled program runs, after compilation.
+    del shardings
     return [x.result() for x in xs]
 
 

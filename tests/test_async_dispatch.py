@@ -256,15 +256,16 @@ def test_four_devices_in_a_subprocess():
         import jax, jax.numpy as jnp, numpy as np
         import jax_threadmap as jtm
         assert jax.device_count() == 4, jax.devices()
-        mesh = jax.make_mesh((4,), ("x",))
-        specs = [jax.P("x"), jax.P(), jax.P(None, "x")]
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+        P = jax.sharding.PartitionSpec
+        specs = [P("x"), P(), P(None, "x")]
         ref = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
         release = threading.Event()
         def load():
             assert release.wait(30)
             return ref
         for spec in specs:
-            sh = jax.NamedSharding(mesh, spec)
+            sh = jax.sharding.NamedSharding(mesh, spec)
             release.clear()
             x = jtm.async_call(load, jax.ShapeDtypeStruct((8, 4), np.float32),
                                device=sh)

@@ -1,4 +1,4 @@
-"""Async dispatch: two loads feeding two slow-to-compile functions, and the seed example.
+"""Async dispatch: two loads feed two slow-to-compile functions; the seed example.
 
 Pipeline. Two "downloads" of LOAD_S seconds each (sleeps, as network I/O would:
 they release the GIL) feed two jitted functions that each take about COMPILE_S
@@ -80,11 +80,12 @@ def n_ops() -> int:
     global _n_ops
     if _n_ops is None:
         jax.jit(lambda v: v + 1)(DATA).block_until_ready()  # warm the backend
-        probe = 40
-        t0 = time.perf_counter()
-        jax.jit(make_model(probe)).lower(SPEC).compile()
-        per_op = (time.perf_counter() - t0) / probe
-        _n_ops = max(10, round(COMPILE_S / per_op))
+        ops = 40
+        for _ in range(3):  # compile time grows faster than linearly: refine
+            t0 = time.perf_counter()
+            jax.jit(make_model(ops)).lower(SPEC).compile()
+            ops = max(10, round(ops * COMPILE_S / (time.perf_counter() - t0)))
+        _n_ops = ops
     return _n_ops
 
 

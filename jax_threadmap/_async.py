@@ -3,16 +3,19 @@
 ``async_call(fn, result_shape_dtypes, *args)`` starts ``fn(*args)`` on a small
 shared pool and returns at once a pytree of :class:`AsyncArray`. An
 ``AsyncArray`` knows its shape and dtype, so ``jax.jit`` traces and compiles with
-it while ``fn`` still runs; the wait happens only when the compiled program needs
-the buffer (through the argument-sharding hook in :mod:`._compat`).
+it while ``fn`` still runs. When the compiled program is called, the
+argument-sharding hook in :mod:`._compat` asks :class:`_Dispatch` for its
+buffers: pending ones come from a gate program that runs once ``fn`` has
+returned (async dispatch), or, where that is not possible, the hook waits.
 
 One :class:`_Task` backs all the arrays of one call: ``fn`` runs exactly once, and
 its outcome (the placed ``jax.Array`` leaves, or the exception) is shared.
 
-Thread bounds: the pool has :func:`default_async_threads` workers at most, however
-many calls are pending. A thread that needs a value whose call has not started
-yet runs that call itself instead of waiting on work queued behind it, so a call
-that waits on another call's arrays cannot deadlock a full pool.
+Thread bounds: the pool has :func:`default_async_threads` daemon workers at most,
+however many calls are pending. A thread that needs a value whose call has not
+started yet runs that call itself instead of waiting on work queued behind it,
+so a call that waits on another call's arrays cannot deadlock a full pool. At
+exit, calls still running are reported and abandoned (:func:`_at_exit`).
 """
 
 from __future__ import annotations
@@ -561,7 +564,7 @@ def async_dispatch_enabled() -> bool:
     raise ValueError(
         f"{ENV_ASYNC_DISPATCH}={value!r} is not understood. Set it to 1 (jitted "
         "calls with pending AsyncArrays return at once, the default) or 0 (they "
-        "wait for the data, as in jax_threadmap <= 0.1)."
+        "wait for the data, as in earlier releases)."
     )
 
 
@@ -612,6 +615,12 @@ class _Dispatch:
         reason = _compat.async_dispatch_unavailable() or self._broken
         if reason is not None:
             return f"unavailable in jax {jax.__version__}: {reason}"
+        platform = jax.default_backend()
+        if platform not in _DISPATCH_PLATFORMS:
+            return (
+                f"the default backend is {platform}; async dispatch is used on "
+                f"{', '.join(sorted(_DISPATCH_PLATFORMS))} devices only"
+            )
         return None
 
     # -- at dispatch, in the thread that calls the jitted function --

@@ -449,6 +449,65 @@ def test_switch_off_gives_blocking_dispatch(monkeypatch):
         _async.async_dispatch_enabled()
 
 
+def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise OSError("no loopback here")
+
+    monkeypatch.setattr(_async, "_dispatch", _async._Dispatch())
+    monkeypatch.setattr(_async._compat, "start_transfer_server", refuse)
+    gate = Gate(np.arange(3, dtype=np.float32))
+    a = async_call(gate, SDS((3,), np.float32))
+    box = {}
+    t = threading.Thread(target=lambda: box.update(y=jax.jit(lambda v: v * 3)(a)))
+    with caplog.at_level(logging.WARNING, logger="jax_threadmap"):
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # waits for the data instead of failing the call
+        gate.release.set()
+        t.join(WAIT)
+    np.testing.assert_array_equal(box["y"], [0.0, 3.0, 6.0])
+    status = _async.async_dispatch_status()
+    assert status.startswith("blocking: unavailable") and "no loopback here" in status
+    assert any("no loopback here" in r.getMessage() for r in caplog.records)
+
+
+def test_without_the_transfer_module_import_works_and_dispatch_waits():
+    script = textwrap.dedent(
+        """
+        import sys, threading
+        sys.modules["jax.experimental.transfer"] = None  # as on a JAX without it
+        import jax, numpy as np
+        import jax_threadmap as jtm
+        status = jtm.async_dispatch_status()
+        assert status.startswith("blocking: unavailable"), status
+        assert "start_transfer_server" in status, status
+        go = threading.Event()
+        def load():
+            go.wait(30)
+            return np.ones(2, np.float32)
+        x = jtm.async_call(load, jax.ShapeDtypeStruct((2,), np.float32))
+        box = {}
+        t = threading.Thread(target=lambda: box.update(y=jax.jit(lambda v: v + 1)(x)))
+        t.start(); t.join(0.5)
+        assert t.is_alive(), "dispatch did not wait"
+        go.set(); t.join(30)
+        assert np.asarray(box["y"]).tolist() == [2.0, 2.0]
+        print("fallback ok")
+        """
+    )
+    env = dict(os.environ)
+    root = str(HERE.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert "fallback ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 # --- exit ----------------------------------------------------------------------------
 
 _EXIT_SCRIPT = """

@@ -37,9 +37,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat
-from ._api import shape_dtype_of
-from ._executor import env_positive_int
+from . import _compat, _validate
+from ._executor import available_cpus
+from ._validate import callable_name, env_positive_int, shape_dtype_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def default_async_threads() -> int:
     n = env_positive_int(
         ENV_ASYNC_THREADS, "the number of threads that run jax_threadmap.async_call"
     )
-    return min(32, (os.cpu_count() or 1) + 4) if n is None else n
+    return min(32, available_cpus() + 4) if n is None else n
 
 
 class _Pool:
@@ -134,7 +134,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-# --- one call, shared by the arrays of its result ------------------------------------
+# --- one call, shared by the arrays of its result -------------------------------------
 
 _PENDING, _RUNNING, _FINISHING, _FINISHED = (
     "pending",
@@ -157,7 +157,9 @@ class _LeafSpec:
 
     __slots__ = ("path", "shape", "dtype", "aval", "sharding")
 
-    def __init__(self, path: str, shape, dtype, aval, sharding):
+    def __init__(
+        self, path: str, shape: tuple[int, ...], dtype: Any, aval: Any, sharding: Any
+    ):
         self.path = path
         self.shape = shape
         self.dtype = dtype
@@ -201,7 +203,17 @@ class _Task:
         "__weakref__",
     )
 
-    def __init__(self, fn, args, kwargs, *, name: str, api: str, treedef, specs):
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None,
+        args: Any,
+        kwargs: Any,
+        *,
+        name: str,
+        api: str,
+        treedef: Any,
+        specs: list[_LeafSpec],
+    ):
         self._lock = threading.Lock()
         self._state = _PENDING
         self._submitted = False
@@ -217,7 +229,7 @@ class _Task:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         # False for a wrapped Future: there is nothing to run, only to wait for.
         self.runnable = fn is not None
-        self._traceback = None
+        self._traceback: Any = None
         self._notes: list[str] | None = None
         # Async dispatch: the value the gates carry, the gates by device
         # ({device: (pull id, gate array)}), the checked leaves as NumPy arrays
@@ -263,6 +275,7 @@ class _Task:
         fn, args, kwargs = self._fn, self._args, self._kwargs
         # The arguments may be large (raw bytes, file handles): do not keep them.
         self._fn = self._args = self._kwargs = None
+        assert fn is not None  # runnable
         try:
             out = fn(*args, **kwargs)
         except BaseException as e:  # routed to every use, like a Future does
@@ -392,15 +405,15 @@ class _Task:
             # that repeated uses (and JAX's traceback-filtering note, added at
             # each API boundary it crosses) do not pile up.
             if self._notes is not None:
-                error.__notes__ = list(self._notes)
+                error.__notes__ = list(self._notes)  # type: ignore[attr-defined]
             raise error.with_traceback(self._traceback)
         return self.future.result()
 
 
-# --- checks --------------------------------------------------------------------------
+# --- checks ---------------------------------------------------------------------------
 
 
-def _path_str(path) -> str:
+def _path_str(path: Any) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
@@ -483,6 +496,14 @@ def _check(task: _Task, out: Any) -> list[Any]:
                 f"at {spec.path}: shape {tuple(shape)} and dtype {np.dtype(dtype)} "
                 f"(expected shape {spec.shape} and dtype {spec.dtype})"
             )
+        elif np.dtype(dtype) != spec.aval.dtype:  # a cast on device_put (x64 off)
+            try:
+                _validate.check_result_cast(np.asarray(leaf), spec.aval.dtype)
+            except _validate.ResultCastError as e:
+                problems.append(
+                    f"at {spec.path}: {e.got}, declared {spec.dtype} ({spec.aval.dtype}"
+                    f" on device); {e.reason}"
+                )
     if problems:
         raise ValueError(
             f"{task.name}, run by jax_threadmap.{task.api}, returned arrays that "
@@ -507,11 +528,6 @@ def _place(task: _Task, flat: list[Any]) -> list[jax.Array]:
     # The copies to device run while we wait here, in a pool thread: done()
     # then means the data is on its device.
     return jax.block_until_ready(placed)
-
-
-def _callable_name(fn: Any) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return f"`{name}`" if name else repr(fn)
 
 
 def _make(task: _Task) -> Any:
@@ -595,6 +611,9 @@ class _Dispatch:
     """The gate mechanism: transfer servers, gate programs, their bookkeeping."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._servers: dict[Any, tuple[Any, Any]] = {}
         self._broken: str | None = None
@@ -606,7 +625,7 @@ class _Dispatch:
 
     def after_fork(self) -> None:
         # Servers, gates and programs in flight belong to the parent.
-        self.__init__()
+        self._reset()
 
     def status(self) -> str | None:
         """Why dispatch is blocking in this process, or ``None`` if it is async."""
@@ -736,7 +755,13 @@ class _Dispatch:
             self._program_ran(task)
         return claimed - refused
 
-    def _run_gate_program(self, device, tasks, by_task, owed) -> list[jax.Array]:
+    def _run_gate_program(
+        self,
+        device: Any,
+        tasks: list[_Task],
+        by_task: dict[_Task, list[tuple]],
+        owed: list[tuple[_Task, Any]],
+    ) -> list[jax.Array]:
         spec = tuple(
             tuple((leaf, index) for _, leaf, index, _, _ in by_task[t]) for t in tasks
         )
@@ -779,10 +804,11 @@ class _Dispatch:
         with self._lock:
             if client not in self._servers:
                 try:
+                    start = _compat.start_transfer_server
+                    if start is None:  # status() reports why; callers checked it
+                        raise RuntimeError(_compat.async_dispatch_unavailable())
                     # Loopback only, on a port the OS picks; started on first use.
-                    server = _compat.start_transfer_server(
-                        client, "127.0.0.1:0", ["127.0.0.1:0"]
-                    )
+                    server = start(client, "127.0.0.1:0", ["127.0.0.1:0"])
                     conn = server.connect(server.address())
                 except Exception as e:
                     self._broken = (
@@ -807,7 +833,7 @@ class _Dispatch:
                     self._programs.clear()
                 callback = functools.partial(self._gate_callback, device, spec)
 
-                def run(*gates):
+                def run(*gates: jax.Array) -> Any:
                     return jax.pure_callback(callback, list(avals), *gates)
 
                 program = jax.jit(
@@ -826,8 +852,10 @@ class _Dispatch:
                 if task.error_text is not None:
                     self._failed_devices.add(device)
                     raise AsyncCallFailed(task.error_text)
+                host = task.host
+                assert host is not None  # set before the gates were offered
                 for leaf, index in leaves:
-                    outs.append(task.host[leaf][_index_of(index)])
+                    outs.append(host[leaf][_index_of(index)])
             return outs
         finally:
             with self._lock:
@@ -924,7 +952,7 @@ def _at_exit() -> None:
 atexit.register(_at_exit)
 
 
-# --- the array -----------------------------------------------------------------------
+# --- the array ------------------------------------------------------------------------
 
 
 def _binary(name: str) -> Callable[[AsyncArray, Any], Any]:
@@ -984,6 +1012,8 @@ class AsyncArray:
     """
 
     __slots__ = ("_task", "_index", "__weakref__")
+    _task: _Task
+    _index: int
     # Makes NumPy defer `ndarray + AsyncArray` to AsyncArray.__radd__.
     __array_priority__ = 100
 
@@ -1216,8 +1246,8 @@ class AsyncArray:
     __rlshift__ = _binary("__rlshift__")
     __rshift__ = _binary("__rshift__")
     __rrshift__ = _binary("__rrshift__")
-    __eq__ = _binary("__eq__")  # type: ignore[assignment]
-    __ne__ = _binary("__ne__")  # type: ignore[assignment]
+    __eq__ = _binary("__eq__")
+    __ne__ = _binary("__ne__")
     __lt__ = _binary("__lt__")
     __le__ = _binary("__le__")
     __gt__ = _binary("__gt__")
@@ -1241,10 +1271,17 @@ def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
 _compat.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
 
 
-# --- public constructors -------------------------------------------------------------
+# --- public constructors --------------------------------------------------------------
 
 
-def _new_task(fn, result_shape_dtypes, args, kwargs, device, api) -> _Task:
+def _new_task(
+    fn: Any,
+    result_shape_dtypes: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: Any,
+    api: str,
+) -> _Task:
     if not callable(fn):
         raise TypeError(
             f"jax_threadmap.{api}: fn must be callable. Got {fn!r} of type "
@@ -1256,7 +1293,7 @@ def _new_task(fn, result_shape_dtypes, args, kwargs, device, api) -> _Task:
         fn,
         args,
         kwargs,
-        name=_callable_name(fn),
+        name=f"`{callable_name(fn)}`",
         api=api,
         treedef=treedef,
         specs=specs,

@@ -24,7 +24,7 @@ from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
-# --- the primitive -----------------------------------------------------------------
+# --- the primitive --------------------------------------------------------------------
 
 ShapedArray = jax.core.ShapedArray
 JaxRuntimeError = jax.errors.JaxRuntimeError
@@ -98,7 +98,7 @@ def is_batching_rule_registered(prim: Primitive) -> bool:
     return prim in _src_batching.fancy_primitive_batchers
 
 
-# --- checks --------------------------------------------------------------------------
+# --- checks ---------------------------------------------------------------------------
 
 #: (module, attribute) pairs this package relies on; see tests/test_compat.py.
 HOOKS: list[tuple[str, str]] = [
@@ -134,7 +134,7 @@ def missing_hooks() -> list[str]:
     return missing
 
 
-# --- async arrays ----------------------------------------------------------------
+# --- async arrays ---------------------------------------------------------------------
 # An `AsyncArray` (jax_threadmap/_async.py) is passed to `jit` without its data:
 # tracing and compilation need only its abstract value, and the wait for the
 # data belongs at execution. JAX has no public hook for such a type, and since
@@ -164,7 +164,7 @@ from jax._src.interpreters.pxla import shard_args as shard_args  # noqa: E402
 def register_array_like(
     cls: type,
     aval_of: Callable[[Any], Any],
-    arrays_of: Callable[[list[Any]], list[Any]],
+    arrays_of: Callable[[list[Any], list[Any]], list[Any]],
 ) -> None:
     """Lets instances of ``cls`` be passed to ``jit`` before their data exists.
 
@@ -176,7 +176,7 @@ def register_array_like(
     pytype_aval_mappings[cls] = aval_of
     register_canonicalize_value_handler(cls, None)
 
-    def handler(xs, shardings, layouts, copy_semantics):
+    def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
         arrays = arrays_of(list(xs), list(shardings))
         return shard_args(shardings, layouts, copy_semantics, arrays)
 
@@ -203,13 +203,15 @@ HOOKS += ASYNC_HOOKS
 # `async_dispatch_unavailable()` says why and `_async.py` falls back to blocking
 # dispatch (the wait in `shard_arg_handlers`, as before).
 
+start_transfer_server: Callable[..., Any] | None
+_transfer_import_error: str | None
 try:  # jax.experimental.transfer: 0.6.2, 0.10.2, 0.12.0.1 (experimental: may move)
     from jax.experimental.transfer import (  # noqa: E402
         start_transfer_server as start_transfer_server,
     )
 except Exception as _e:  # pragma: no cover - depends on the JAX version
-    start_transfer_server = None  # type: ignore[assignment]
-    _transfer_import_error: str | None = f"{type(_e).__name__}: {_e}"
+    start_transfer_server = None
+    _transfer_import_error = f"{type(_e).__name__}: {_e}"
 else:
     _transfer_import_error = None
 

@@ -11,7 +11,6 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("JAX_THREADMAP_NUM_THREADS", "4")
 
 import jax  # noqa: E402
-import jax.extend  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -24,14 +23,3 @@ def x64():
         yield
     finally:
         jax.config.update("jax_enable_x64", prev)
-
-
-def count_eqns(jaxpr, name: str) -> int:
-    """Counts equations of primitive ``name``, sub-jaxprs included."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            n += 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += count_eqns(sub, name)
-    return n

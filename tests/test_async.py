@@ -159,6 +159,41 @@ def test_x64_off_canonicalises_declared_float64():
     np.testing.assert_array_equal(np.asarray(x), np.arange(3.0))
 
 
+@pytest.mark.parametrize(
+    "returned, declared, fragment",
+    [
+        (
+            np.array([1.0, 1e300]),
+            np.float32,
+            r"at <root>: an array whose element \[1\] is 1e\+300 \(float64\), "
+            r"declared float32 \(float32 on device\); float32 cannot hold it",
+        ),
+        (
+            np.array([1.0, 1e300]),
+            np.float64,
+            r"declared float64 \(float32 on device\); float32 cannot hold it",
+        ),
+        (
+            np.array([5, 2**40]),
+            np.int32,
+            r"element \[1\] is 1099511627776 \(int64\), declared int32 .*"
+            r"its range is -2147483648 to 2147483647",
+        ),
+    ],
+    ids=["float64-as-float32", "declared-float64", "int64-as-int32"],
+)
+def test_x64_off_values_that_do_not_fit_fail_instead_of_wrapping(
+    returned, declared, fragment
+):
+    # device_put would cast them to 32 bits: inf, and 0 for 2**40.
+    x = async_call(lambda: returned, SDS((2,), declared))
+    with pytest.raises(ValueError, match=fragment):
+        x.result(timeout=WAIT)
+    kept = np.array([1.5, np.inf, -np.nan, 3e38])
+    y = async_call(lambda: kept, SDS((4,), np.float32))
+    np.testing.assert_array_equal(np.asarray(y), kept.astype(np.float32))
+
+
 def test_x64_on_keeps_float64(x64):
     del x64
     x = async_call(lambda: np.arange(3.0), SDS((3,), np.float64))

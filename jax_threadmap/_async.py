@@ -200,6 +200,7 @@ class _Task:
         "programs",
         "gates_ran",
         "solo",
+        "offered",
         "__weakref__",
     )
 
@@ -243,6 +244,8 @@ class _Task:
         self.gates_ran = threading.Event()
         # Whether every gate program that reads this call reads only this call.
         self.solo = True
+        # Whether the gates were offered with the result (then never again).
+        self.offered = False
 
     @property
     def state(self) -> str:
@@ -311,6 +314,7 @@ class _Task:
                     for spec, leaf in zip(self.specs, flat, strict=True)
                 ]
                 _dispatch.offer(self, gates)
+                self.offered = True
                 # Copying the same data twice at once (the gate programs for the
                 # dependents, device_put for result()) slows the dependents by up
                 # to 2x: let the gate programs go first when they can run now,
@@ -342,7 +346,7 @@ class _Task:
             self._notes = list(error.__notes__)
         logger.debug("%s of %s failed: %r", self.api, self.name, error)
         gates = self._settle()
-        if gates and self.host is None:  # not yet offered by _finish
+        if gates and not self.offered:  # _finish did not get as far
             self.error_text = (
                 f"{self.name}, which jax_threadmap.{self.api} "
                 f"{'ran' if self.runnable else 'waited for'}, failed with "
@@ -353,7 +357,10 @@ class _Task:
                 "when their results are used.",
                 self.error_text,
             )
-            _dispatch.offer(self, gates)
+            try:
+                _dispatch.offer(self, gates)
+            except Exception:  # the call's own uses must still get the error
+                logger.exception("jax_threadmap: could not release the gates")
         with self._lock:
             self._state = _FINISHED
         with _live_lock:

@@ -453,6 +453,10 @@ FAILING_USES = {
 @pytest.mark.parametrize("use", sorted(FAILING_USES))
 def test_fn_error_is_raised_at_every_use(use):
     params = async_call(_failing_load, _shapes())
+    # Once the failure is known, every use raises it. (A jitted program
+    # dispatched while the call still runs raises it in a JaxRuntimeError when
+    # its results are used: tests/test_async_dispatch.py.)
+    concurrent.futures.wait([params["w"]._task.future], timeout=WAIT)
     for _ in range(2):  # and again: the arrays keep failing the same way
         with pytest.raises(LoadError, match="could not fetch weights.bin") as info:
             FAILING_USES[use](params)
@@ -656,7 +660,10 @@ def test_async_threads_env_var(monkeypatch):
 # --- deferred ------------------------------------------------------------------------
 
 
-def test_deferred_runs_only_when_first_needed_and_once():
+@pytest.mark.parametrize("dispatch", ["async", "blocking"])
+def test_deferred_runs_only_when_first_needed_and_once(dispatch, monkeypatch):
+    monkeypatch.setenv(_async.ENV_ASYNC_DISPATCH, "1" if dispatch == "async" else "0")
+    async_dispatch = _async.async_dispatch_status() == "async"
     calls = []
 
     def fn(seed):
@@ -671,10 +678,13 @@ def test_deferred_runs_only_when_first_needed_and_once():
     assert calls == [] and not params["w"].done()
     assert "deferred" in repr(params["w"])
     out = f(params, x)  # executing the program needs the values
-    assert calls == [threading.current_thread()]
     np.testing.assert_allclose(
         out, _model(jax.tree.map(jnp.asarray, _weights(seed=5)), x), rtol=1e-6
     )
+    if async_dispatch:  # the dispatch queued it on the pool and returned
+        assert len(calls) == 1 and calls[0].name.startswith("jax_threadmap-async")
+    else:  # the dispatch waited, running it in the caller
+        assert calls == [threading.current_thread()]
     np.testing.assert_array_equal(np.asarray(params["b"]), _weights(seed=5)["b"])
     assert len(calls) == 1
 

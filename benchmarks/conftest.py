@@ -7,10 +7,9 @@ plots. The same tables are printed at the end of the run.
 
 from __future__ import annotations
 
+import harness
 import pytest
 import report
-
-from jax_threadmap import _baselines
 
 _results: list[dict] = []
 
@@ -25,7 +24,7 @@ def measure(benchmark):
 
     def measure(run, *, group: str, rounds: int, warmup: int = 1, **info):
         benchmark.group = group
-        with _baselines.OtherLoad() as load:
+        with harness.OtherLoad() as load:
             result = benchmark.pedantic(
                 run, rounds=rounds, warmup_rounds=warmup, iterations=1
             )

@@ -9,10 +9,9 @@ time to the full batch and says so.
 
 from __future__ import annotations
 
+import harness as B
 import numpy as np
 import pytest
-
-from jax_threadmap import _baselines as B
 
 # (case, method, rounds): about a second or a few per benchmark on 2 cores.
 PLAN = [

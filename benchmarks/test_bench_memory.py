@@ -9,9 +9,8 @@ little; the memory is in ``extra_info``.
 
 from __future__ import annotations
 
+import harness as B
 import pytest
-
-from jax_threadmap import _baselines as B
 
 
 @pytest.mark.parametrize("method", ["threadmap", "bare_loop", "recipe", "sequential"])

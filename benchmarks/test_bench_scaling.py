@@ -10,10 +10,9 @@ The bare loop (NumPy views, no JAX) is the per-element floor in both.
 
 from __future__ import annotations
 
+import harness as B
 import numpy as np
 import pytest
-
-from jax_threadmap import _baselines as B
 
 CASE = B.CASES["trivial"]
 SIZES = [2**12, 2**14, 2**16, 2**18, 2**20]

@@ -3,18 +3,24 @@
 One flat, threaded map per host callback, however deeply it is ``vmap``-ed.
 """
 
+import importlib.metadata
+
+from ._api import KernelFunction as KernelFunction
+from ._api import kernel as kernel
 from ._api import threadmap as threadmap
 from ._async import AsyncArray as AsyncArray
 from ._async import async_call as async_call
+from ._async import async_dispatch_status as async_dispatch_status
 from ._async import deferred_call as deferred_call
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
-from ._kernel import KernelFunction as KernelFunction
-from ._kernel import kernel as kernel
 from ._primitive import threadmap_p as threadmap_p
 
-__version__ = "0.1.0.dev0"
+try:
+    __version__ = importlib.metadata.version("jax_threadmap")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    __version__ = "0+unknown"
 
 __all__ = [
     "AsyncArray",
@@ -23,6 +29,7 @@ __all__ = [
     "KernelFunction",
     "ThreadmapError",
     "async_call",
+    "async_dispatch_status",
     "deferred_call",
     "kernel",
     "threadmap",

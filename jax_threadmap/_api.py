@@ -1,123 +1,54 @@
-"""The public API: ``threadmap``, and the checks that run before anything is bound."""
+"""The public API: ``threadmap``, and ``kernel`` for kernels with derivatives."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
-import numpy as np
 
-from . import _compat
+from . import _compat, _validate
 from ._batch_spec import BatchSpec
-from ._primitive import Kernel, kernel_name, threadmap_p
+from ._params import KernelParam, hashable
+from ._primitive import threadmap_p
+from ._validate import RESERVED_KWARGS, Executor
 
-Executor = int | concurrent.futures.Executor | None
-
-#: Keyword arguments of ``threadmap`` itself; they never reach the kernel.
-RESERVED_KWARGS = ("executor", "progress")
-
-
-def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    if executor is None or isinstance(executor, concurrent.futures.Executor):
-        return executor
-    if isinstance(executor, (bool, np.bool_)) or not isinstance(
-        executor, (int, np.integer)
-    ):
-        raise TypeError(
-            f"{api}: executor must be None (the shared pool), a positive int (a pool "
-            "of that many threads) or a concurrent.futures.Executor. "
-            f"Got executor={executor!r} of type {type(executor).__name__}."
-        )
-    if executor < 1:
-        raise ValueError(
-            f"{api}: executor=N must be a positive number of threads. "
-            f"Got executor={executor!r}. Pass e.g. executor=8, or None for the "
-            "shared pool."
-        )
-    return int(executor)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def shape_dtype_of(leaf: Any, where: str, api: str) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype of one leaf of ``result_shape_dtypes``, checked.
-
-    Args:
-        leaf: The leaf; anything with ``.shape`` and ``.dtype``.
-        where: The leaf's path, for messages (e.g. ``result_shape_dtypes['w']``).
-        api: The public function, for messages.
-    """
-    shape = getattr(leaf, "shape", None)
-    dtype = getattr(leaf, "dtype", None)
-    if shape is None or dtype is None:
-        raise TypeError(
-            f"{api}: {where} must have .shape and .dtype, like "
-            "jax.ShapeDtypeStruct(shape, dtype). "
-            f"Got {leaf!r} of type {type(leaf).__name__}."
-        )
-    try:
-        return tuple(int(s) for s in shape), np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(
-            f"{api}: {where} has shape {shape!r} and dtype {dtype!r}; expected a "
-            "tuple of ints and a NumPy dtype. Use jax.ShapeDtypeStruct(shape, dtype) "
-            "with a concrete shape."
-        ) from e
-
-
-def result_avals(result_shape_dtypes: Any, api: str = "threadmap"):
-    """Checks ``result_shape_dtypes``; returns its flat avals and treedef."""
-    leaves, tree = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
-    avals = []
-    for path, leaf in leaves:
-        where = "result_shape_dtypes" + jax.tree_util.keystr(path)
-        shape, dtype = shape_dtype_of(leaf, where, api)
-        if any(s < 0 for s in shape):
-            raise ValueError(
-                f"{api}: {where} has a negative dimension in shape {shape}."
-            )
-        canonical = jax.dtypes.canonicalize_dtype(dtype)
-        if canonical != dtype:
-            raise ValueError(
-                f"{api}: {where} asks for dtype {dtype}, but JAX would give "
-                f"{canonical} because jax_enable_x64 is off. Declare {canonical}, or "
-                "enable x64 with jax.config.update('jax_enable_x64', True)."
-            )
-        avals.append(_compat.ShapedArray(shape, dtype))
-    return tuple(avals), jax.tree_util.tree_structure(result_shape_dtypes)
-
-
-def check_operands(args: tuple, kwargs: dict, api: str = "threadmap"):
-    """Flattens ``(args, kwargs)``; every leaf must be an array or a scalar."""
-    with_path, in_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
-    for path, leaf in with_path:
-        try:
-            _compat.typeof(leaf)
-        except TypeError:
-            where = _arg_name(path)
-            raise TypeError(
-                f"{api}: {where} is a {type(leaf).__name__} ({_short(leaf)}), not an "
-                "array. Arguments are passed to JAX, so every leaf must be an array "
-                "(jax.Array, numpy.ndarray) or a number; bind other values with "
-                "functools.partial or a closure over the kernel."
-            ) from None
-    return [leaf for _, leaf in with_path], in_tree
-
-
-def _arg_name(path) -> str:
-    """'positional argument 1 (at ['a'])' for a path into ``(args, kwargs)``."""
-    top, first, *rest = path
-    name = (
-        f"positional argument {first.idx}"
-        if top.idx == 0
-        else f"keyword argument {first.key!r}"
+def _bind(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    executor: Executor,
+    progress: bool | None,
+    vectorized: tuple[bool, int | None],
+    jvp: Callable[..., Any] | None = None,
+    vjp: Callable[..., Any] | None = None,
+) -> Any:
+    """Binds one ``threadmap`` equation; every argument is checked already."""
+    _compat.require(_compat.THREADMAP, "jax_threadmap.threadmap")
+    avals, out_tree = _validate.result_avals(result_shape_dtypes)
+    leaves, in_tree = _validate.check_operands(args, kwargs)
+    outs = threadmap_p.bind(
+        *leaves,
+        kernel=KernelParam(
+            hashable(fn),
+            in_tree,
+            out_tree,
+            None if jvp is None else hashable(jvp),
+            None if vjp is None else hashable(vjp),
+            *vectorized,
+        ),
+        result_avals=avals,
+        spec=BatchSpec.unbatched(len(leaves)),
+        executor=executor,
+        progress=progress,
     )
-    return name + (f" (at {jax.tree_util.keystr(tuple(rest))})" if rest else "")
-
-
-def _short(x: Any) -> str:
-    r = repr(x)
-    return r if len(r) <= 60 else r[:57] + "..."
+    return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
 def threadmap(
@@ -126,6 +57,7 @@ def threadmap(
     *args: Any,
     executor: Executor = None,
     progress: bool | None = None,
+    vectorized: bool | int = False,
     **kwargs: Any,
 ) -> Any:
     """Calls a host kernel per element, as one threaded map under any ``vmap``.
@@ -155,9 +87,19 @@ def threadmap(
             stderr) for maps that run longer than about a second. ``None``: on
             when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.
             Costs nothing when off.
+        vectorized: ``False``: ``kernel`` takes one element. ``True``: it takes a
+            chunk of ``k`` elements: every operand (batched or not; unbatched
+            ones as read-only views that repeat one element with stride 0)
+            with one leading axis of length ``k``, and it returns every result
+            with that leading axis. One call per chunk, chunks in parallel on the
+            executor, any ``vmap`` nesting folded into one flat map; chunks are
+            long enough that the per-call cost vanishes (a few per worker, at
+            most about 16 MB of operands and results). An ``int`` N: vectorized,
+            with at most N elements per chunk (for kernels that need memory per
+            element).
         **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The names
-            ``executor`` and ``progress`` are reserved by ``threadmap`` and cannot
-            reach the kernel.
+            ``executor``, ``progress`` and ``vectorized`` are reserved by
+            ``threadmap`` and cannot reach the kernel.
 
     Returns:
         A pytree of arrays with the structure of ``result_shape_dtypes``; under
@@ -166,9 +108,16 @@ def threadmap(
     Raises:
         TypeError: ``kernel``, ``result_shape_dtypes``, ``executor`` or an argument
             is not what is expected (raised at call time, before anything runs).
+        ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``,
+            ``{}``): under ``jit`` the kernel would never run. A kernel run for
+            its side effects returns a small status per element instead.
         KernelError: At run time, when the kernel raises or returns a value of
-            the wrong shape, dtype kind or structure; the message names the
-            batch index. Under ``jit`` it arrives wrapped in JAX's runtime error.
+            the wrong shape, dtype kind or structure, or a value that the
+            declared dtype cannot hold (an integer out of range, a finite float
+            that would overflow; results are never wrapped or narrowed to inf);
+            the message names the batch index (for a vectorized kernel, the
+            chunk's range of batch indices). Under ``jit`` it arrives wrapped in
+            JAX's runtime error.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np
@@ -182,29 +131,247 @@ def threadmap(
         >>> y = jnp.arange(4.0)
         >>> jax.jit(jax.vmap(jax.vmap(f), in_axes=(0, None)))(x, y).shape
         (2, 4, 3)
+
+        A vectorized kernel gets a chunk of elements at once:
+
+        >>> def add(x, y):  # x: (k,), y: (k,) repeating one value
+        ...     return x + y
+        >>> g = jax.vmap(lambda x, y: threadmap(add, jax.ShapeDtypeStruct((),
+        ...     x.dtype), x, y, vectorized=True), in_axes=(0, None))
+        >>> g(jnp.arange(4.0), 10.0)
+        Array([10., 11., 12., 13.], dtype=float32)
     """
-    _compat.require(_compat.THREADMAP, "jax_threadmap.threadmap")
-    if not callable(kernel):
-        raise TypeError(
-            f"threadmap: kernel must be callable. Got {kernel!r} of type "
-            f"{type(kernel).__name__}. Pass the kernel first, then "
-            "result_shape_dtypes, then the arguments."
-        )
-    executor = check_executor(executor)
-    if progress is not None and not isinstance(progress, (bool, np.bool_)):
-        raise TypeError(
-            f"threadmap: progress must be True, False or None. Got {progress=}."
-        )
-    avals, out_tree = result_avals(result_shape_dtypes)
-    leaves, in_tree = check_operands(args, kwargs)
-    outs = threadmap_p.bind(
-        *leaves,
-        kernel=Kernel(kernel, kernel_name(kernel)),
-        result_avals=avals,
-        in_tree=in_tree,
-        out_tree=out_tree,
-        spec=BatchSpec.unbatched(len(leaves)),
-        executor=executor,
-        progress=None if progress is None else bool(progress),
+    _validate.check_callable(
+        kernel,
+        "threadmap",
+        "kernel",
+        "Pass the kernel first, then result_shape_dtypes, then the arguments.",
     )
-    return jax.tree_util.tree_unflatten(out_tree, outs)
+    return _bind(
+        kernel,
+        result_shape_dtypes,
+        args,
+        kwargs,
+        executor=_validate.check_executor(executor),
+        progress=_validate.check_progress(progress),
+        vectorized=_validate.check_vectorized(vectorized),
+    )
+
+
+class KernelFunction:
+    """A per-element NumPy kernel, callable like ``threadmap(fn, ...)``.
+
+    Made by :func:`kernel`; see there. Calling it binds one ``threadmap``
+    equation; :meth:`defjvp` and :meth:`defvjp` attach the threaded kernels that
+    ``jax.jvp`` / ``jax.grad`` and friends run for it.
+
+    Attributes:
+        fn: The primal kernel.
+        result_shape_dtypes: One element's result, as given to :func:`kernel`.
+        jvp: The JVP kernel, or ``None``.
+        vjp: The VJP kernel, or ``None``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        result_shape_dtypes: Any,
+        *,
+        executor: Executor = None,
+        progress: bool | None = None,
+        vectorized: bool | int = False,
+    ):
+        _validate.check_callable(
+            fn,
+            "jax_threadmap.kernel(result_shape_dtypes)",
+            "the decorated kernel",
+            "Apply the decorator to a function.",
+        )
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.result_shape_dtypes = result_shape_dtypes
+        self.jvp: Callable[..., Any] | None = None
+        self.vjp: Callable[..., Any] | None = None
+        self._executor = executor
+        self._progress = progress
+        self._vectorized = _validate.check_vectorized(
+            vectorized, "jax_threadmap.kernel"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Same as ``threadmap(fn, result_shape_dtypes, *args, **kwargs)``."""
+        for name in RESERVED_KWARGS:
+            if name in kwargs:
+                raise TypeError(
+                    f"{_validate.callable_name(self.fn)}: {name!r} is an option of "
+                    f"jax_threadmap.kernel(..., {name}=...), set once for the "
+                    "kernel, and cannot be passed per call or reach the kernel. "
+                    f"Got {name}={kwargs[name]!r}."
+                )
+        return _bind(
+            self.fn,
+            self.result_shape_dtypes,
+            args,
+            kwargs,
+            executor=self._executor,
+            progress=self._progress,
+            vectorized=self._vectorized,
+            jvp=self.jvp,
+            vjp=self.vjp,
+        )
+
+    def defjvp(self, jvp: F) -> F:
+        """Attaches the JVP kernel: for ``jax.jvp``, ``jacfwd`` and ``linearize``.
+
+        Args:
+            jvp: ``jvp(*primals, *tangents, **kwargs)``: one element's positional
+                arguments, then one tangent per positional argument (same
+                pytree structure; float0 zeros for integer and bool leaves), then
+                the keyword arguments. Returns the tangent of the output, a
+                pytree like ``result_shape_dtypes`` (any value, e.g. ``None``,
+                for integer outputs).
+
+        Returns:
+            ``jvp`` itself, so ``defjvp`` can be used as a decorator.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, numpy as np
+            >>> import jax_threadmap
+            >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
+            ... def square(x):
+            ...     return x * x
+            >>> @square.defjvp
+            ... def square_jvp(x, tx):
+            ...     return 2 * x * tx
+            >>> jax.jvp(jax.vmap(square), (jnp.arange(3.0),), (jnp.ones(3),))[1]
+            Array([0., 2., 4.], dtype=float32)
+        """
+        self.jvp = _check_rule(jvp, "defjvp")
+        return jvp
+
+    def defvjp(self, vjp: F) -> F:
+        """Attaches the VJP kernel: for ``jax.grad``, ``vjp`` and ``jacrev``.
+
+        Args:
+            vjp: ``vjp(*primals, cotangent, **kwargs)``: one element's positional
+                arguments, then the cotangent of the output (a pytree like
+                ``result_shape_dtypes``; float0 zeros for integer outputs), then
+                the keyword arguments. Returns a tuple with one cotangent per
+                positional argument, each a pytree like the argument or ``None``
+                for zeros (integer leaves are ignored).
+
+        Returns:
+            ``vjp`` itself, so ``defvjp`` can be used as a decorator.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, numpy as np
+            >>> import jax_threadmap
+            >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
+            ... def square(x):
+            ...     return x * x
+            >>> @square.defvjp
+            ... def square_vjp(x, ct):
+            ...     return (2 * x * ct,)
+            >>> jax.grad(lambda x: jax.vmap(square)(x).sum())(jnp.arange(3.0))
+            Array([0., 2., 4.], dtype=float32)
+        """
+        self.vjp = _check_rule(vjp, "defvjp")
+        return vjp
+
+    def __repr__(self) -> str:
+        rules = [n for n, r in (("jvp", self.jvp), ("vjp", self.vjp)) if r]
+        return (
+            f"<jax_threadmap kernel {_validate.callable_name(self.fn)}"
+            f"{' with ' + ' and '.join(rules) if rules else ''}>"
+        )
+
+
+def _check_rule(rule: F, method: str) -> F:
+    if not callable(rule):
+        raise TypeError(
+            f"{method} expects a callable derivative kernel. Got {rule!r} of type "
+            f"{type(rule).__name__}."
+        )
+    return rule
+
+
+def kernel(
+    result_shape_dtypes: Any,
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction]:
+    """Makes a threaded kernel whose derivatives are threaded kernels too.
+
+    ``kernel(result_shape_dtypes)(fn)`` returns a function ``f`` with
+    ``f(*args, **kwargs) == threadmap(fn, result_shape_dtypes, *args, **kwargs)``,
+    to which :meth:`KernelFunction.defjvp` and :meth:`KernelFunction.defvjp`
+    attach derivative kernels: unbatched NumPy kernels, like ``fn``, that run as
+    ``threadmap`` equations and fold under ``vmap`` like the primal.
+
+    - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``.
+    - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``.
+    - Both work under ``jit`` and any nesting of ``vmap``.
+
+    Positional arguments are differentiable; keyword arguments are not (they
+    reach the derivative kernels as keywords, and a keyword argument that depends
+    on the differentiated variable raises). Integer and bool arguments get
+    float0 cotangents, as JAX expects. Higher-order derivatives raise.
+
+    Args:
+        result_shape_dtypes: A pytree of objects with ``.shape`` and ``.dtype``
+            (e.g. :class:`jax.ShapeDtypeStruct`) describing one element's result.
+        executor: As for :func:`~jax_threadmap.threadmap`; used by the primal
+            and the derivative equations.
+        progress: As for :func:`~jax_threadmap.threadmap`.
+        vectorized: As for :func:`~jax_threadmap.threadmap`; applies to the
+            primal and the derivative kernels alike (each then takes and returns
+            chunks with a leading axis, one cotangent or tangent per element).
+
+    Returns:
+        A decorator turning a kernel ``fn`` into a :class:`KernelFunction`.
+
+    Raises:
+        TypeError: ``result_shape_dtypes`` is a function (the decorator was used
+            without parentheses), or ``executor``/``progress`` are invalid.
+        ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> import jax_threadmap
+        >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((3,), jnp.float32))
+        ... def scaled_sin(x, a):  # one element: x (3,), a ()
+        ...     return np.sin(x) * a
+        >>> @scaled_sin.defvjp
+        ... def scaled_sin_vjp(x, a, ct):
+        ...     return ct * np.cos(x) * a, np.sum(ct * np.sin(x))
+        >>> x, a = jnp.ones((5, 3)), jnp.float32(2.0)
+        >>> g = jax.grad(lambda x: jax.vmap(scaled_sin, (0, None))(x, a).sum())
+        >>> bool(jnp.allclose(g(x), 2 * jnp.cos(x)))
+        True
+    """
+    _compat.require(_compat.DERIVATIVES, "jax_threadmap.kernel")
+    if callable(result_shape_dtypes) and not hasattr(result_shape_dtypes, "shape"):
+        raise TypeError(
+            "jax_threadmap.kernel takes result_shape_dtypes and returns a "
+            "decorator; use it with parentheses: "
+            "@jax_threadmap.kernel(jax.ShapeDtypeStruct(shape, dtype)). "
+            f"Got the callable {result_shape_dtypes!r}."
+        )
+    api = "jax_threadmap.kernel"
+    _validate.check_has_results(result_shape_dtypes, api)
+    executor = _validate.check_executor(executor, api=api)
+    progress = _validate.check_progress(progress, api=api)
+    _validate.check_vectorized(vectorized, api)
+
+    def decorate(fn: Callable[..., Any]) -> KernelFunction:
+        return KernelFunction(
+            fn,
+            result_shape_dtypes,
+            executor=executor,
+            progress=progress,
+            vectorized=vectorized,
+        )
+
+    return decorate

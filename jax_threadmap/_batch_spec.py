@@ -43,10 +43,6 @@ class BatchSpec:
         return cls((), ((),) * num_operands)
 
     @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +41,9 @@ NEWEST_TESTED_JAX: tuple[int, ...] = (0, 12, 0, 1)
 THREADMAP = "threadmap"
 DERIVATIVES = "derivatives"
 ASYNC_ARRAYS = "async arrays"
+#: Optional: where one of its hooks is missing, async arrays dispatch blocking
+#: (:func:`async_dispatch_unavailable` says why) instead of raising.
+ASYNC_DISPATCH = "async dispatch"
 
 
 def _v(version: tuple[int, ...]) -> str:
@@ -96,7 +99,9 @@ class Hook:
 
 
 def _register_lowering_without_cacheable(register: Callable[..., Any]) -> Any:
-    def register_lowering(prim, rule, *, cacheable: bool = True, **kwargs):
+    def register_lowering(
+        prim: Any, rule: Callable[..., Any], *, cacheable: bool = True, **kwargs: Any
+    ) -> Any:
         # JAX 0.6 has no per-equation lowering cache: every equation is lowered
         # inline, which is what cacheable=False asks for.
         del cacheable
@@ -106,7 +111,9 @@ def _register_lowering_without_cacheable(register: Callable[..., Any]) -> Any:
 
 
 def _emit_python_callback_without_returns_token(emit: Callable[..., Any]) -> Any:
-    def emit_python_callback(*args, returns_token: bool = True, **kwargs):
+    def emit_python_callback(
+        *args: Any, returns_token: bool = True, **kwargs: Any
+    ) -> Any:
         # Before 0.8.2 the flag did not exist, and callbacks behaved as with
         # returns_token=False (True adds a dummy result to TPU callbacks that
         # have none).
@@ -121,11 +128,9 @@ def _typeof_checking_sharding_rank(typeof: Callable[[Any], Any]) -> Any:
         # Before 0.8.2 a ShapeDtypeStruct accepts a sharding of another rank than
         # its shape, and typeof does not check it either; the sharding's own check
         # is the one later releases run in ShapeDtypeStruct.
-        sharding = getattr(x, "sharding", None)
-        if isinstance(x, jax.ShapeDtypeStruct) and hasattr(
-            sharding, "check_compatible_aval"
-        ):
-            sharding.check_compatible_aval(tuple(x.shape))
+        check = getattr(getattr(x, "sharding", None), "check_compatible_aval", None)
+        if isinstance(x, jax.ShapeDtypeStruct) and check is not None:
+            check(tuple(x.shape))
         return typeof(x)
 
     return checked_typeof
@@ -134,7 +139,7 @@ def _typeof_checking_sharding_rank(typeof: Callable[[Any], Any]) -> Any:
 def _one_sharding_per_result(op_sharding_of: Callable[..., Any]) -> Any:
     sdy_dim = importlib.import_module("jax._src.sharding_impls").SdyDim
 
-    def callback_op_sharding(axis_context, sharding, avals_out):
+    def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
         op_sharding = op_sharding_of(axis_context, sharding, avals_out)
         # Inside shard_map under Shardy (the default from jax 0.7.0) these
         # releases give one replicated annotation whatever the number of
@@ -155,7 +160,7 @@ def _one_sharding_per_result(op_sharding_of: Callable[..., Any]) -> Any:
     return callback_op_sharding
 
 
-def _register_identity_in(table: dict) -> Callable[[type], None]:
+def _register_identity_in(table: dict[Any, Any]) -> Callable[[type], None]:
     def register(cls: type) -> None:
         # These tables call the handler: the identity keeps the value as it is.
         table[cls] = _identity
@@ -179,12 +184,14 @@ def _register_with_none(register: Callable[[type, Any], None]) -> Any:
 class _VaryingAxes:
     """Reads and makes avals that vary over manual mesh axes (inside shard_map)."""
 
-    of: Callable[[Any], frozenset]
-    make: Callable[[tuple[int, ...], Any, frozenset, Any], Any]
+    of: Callable[[Any], frozenset[Any]]
+    make: Callable[[tuple[int, ...], Any, frozenset[Any], Any], Any]
 
 
-def _varying_by_manual_axis_type(manual_axis_type: type) -> _VaryingAxes:
-    def make(shape, dtype, varying, sharding):
+def _varying_by_manual_axis_type(manual_axis_type: Any) -> _VaryingAxes:
+    def make(
+        shape: tuple[int, ...], dtype: Any, varying: frozenset[Any], sharding: Any
+    ) -> Any:
         return get("ShapedArray")(
             shape,
             dtype,
@@ -195,11 +202,13 @@ def _varying_by_manual_axis_type(manual_axis_type: type) -> _VaryingAxes:
     return _VaryingAxes(lambda aval: frozenset(aval.manual_axis_type.varying), make)
 
 
-def _varying_by_vma(shaped_array: type) -> _VaryingAxes:
+def _varying_by_vma(shaped_array: Any) -> _VaryingAxes:
     if "vma" not in shaped_array.__slots__:
         raise AttributeError(f"{shaped_array.__qualname__} has no 'vma' field")
 
-    def make(shape, dtype, varying, sharding):
+    def make(
+        shape: tuple[int, ...], dtype: Any, varying: frozenset[Any], sharding: Any
+    ) -> Any:
         return shaped_array(shape, dtype, sharding=sharding, vma=varying)
 
     return _VaryingAxes(lambda aval: frozenset(aval.vma), make)
@@ -225,12 +234,6 @@ HOOKS: tuple[Hook, ...] = (
         "the abstract values of results and cotangents",
         (THREADMAP, DERIVATIVES),
         _everywhere("jax.core:ShapedArray", "jax._src.core:ShapedArray"),
-    ),
-    Hook(
-        "JaxRuntimeError",
-        "the eager impl re-raises the kernel's own error in place of XLA's copy",
-        (THREADMAP,),
-        _everywhere("jax.errors:JaxRuntimeError"),
     ),
     Hook(
         "typeof",
@@ -320,13 +323,6 @@ HOOKS: tuple[Hook, ...] = (
                 _one_sharding_per_result,
             ),
         ),
-    ),
-    Hook(
-        "apply_primitive",
-        "the eager impl compiles the primitive alone, so eager calls take the same "
-        "lowering path (one host callback) as jitted ones",
-        (THREADMAP,),
-        _everywhere("jax._src.dispatch:apply_primitive"),
     ),
     Hook(
         "prim_requires_devices_during_lowering",
@@ -439,6 +435,40 @@ HOOKS: tuple[Hook, ...] = (
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.interpreters.pxla:shard_args"),
     ),
+    # Async dispatch (issue 13). A jitted call with a pending `AsyncArray` returns
+    # at once when the argument handler can hand JAX a `jax.Array` whose buffer is
+    # filled later. No public API makes one. `jax.experimental.transfer` (the same
+    # module and signatures in 0.6.2 ... 0.12; experimental, so it may move) can:
+    # `TransferConnection.pull` returns arrays whose buffers arrive when the
+    # server's `await_pull` offers them. `_async.py` pulls only a 4-byte gate
+    # through it (the data goes through a `pure_callback` program that waits on
+    # the gate), so the loopback socket carries no data.
+    Hook(
+        "start_transfer_server",
+        "starts the loopback transfer server whose pulls are the gates",
+        (ASYNC_DISPATCH,),
+        _everywhere("jax.experimental.transfer:start_transfer_server"),
+    ),
+    Hook(
+        "TransferServer",
+        "its await_pull offers a gate's value, its connect() opens the connection",
+        (ASYNC_DISPATCH,),
+        _everywhere("jax.experimental.transfer:TransferServer"),
+    ),
+    Hook(
+        "TransferConnection",
+        "its pull() returns a gate array whose buffer arrives later",
+        (ASYNC_DISPATCH,),
+        _everywhere("jax.experimental.transfer:TransferConnection"),
+    ),
+    Hook(
+        "callback_logger",
+        "pure_callback logs every exception of its callback there; the gate "
+        "programs re-raise a failed call's error on purpose, and those records are "
+        "filtered out of it (else each failed call is also logged as an error)",
+        (ASYNC_DISPATCH,),
+        _everywhere("jax._src.callback:logger"),
+    ),
 )
 
 
@@ -545,7 +575,7 @@ class _PrimitiveStandIn:
 
     multiple_results = False
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self.name = name
 
     def def_impl(self, impl: Callable[..., Any]) -> Callable[..., Any]:
@@ -561,8 +591,6 @@ class _PrimitiveStandIn:
 
 Primitive: Any = _or_missing("Primitive", _PrimitiveStandIn)
 ShapedArray: Any = RESOLVED["ShapedArray"]
-# An exception class either way, so that `except JaxRuntimeError` stays valid.
-JaxRuntimeError: Any = _or_missing("JaxRuntimeError", UnsupportedJaxError)
 # Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
 Zero: Any = RESOLVED["Zero"]
 
@@ -578,10 +606,6 @@ def instantiate_zeros(t: Any) -> Any:
 
 def is_undefined_primal(x: Any) -> bool:
     return get("is_undefined_primal")(x)
-
-
-def apply_primitive(prim: Any, *args: Any, **params: Any) -> Any:
-    return get("apply_primitive")(prim, *args, **params)
 
 
 def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
@@ -613,7 +637,9 @@ def register_batching_rule(prim: Any, rule: Callable[..., Any]) -> None:
     if table is None:
         return
 
-    def batching_rule(axis_data, vals, dims, **params):
+    def batching_rule(
+        axis_data: Any, vals: Sequence[Any], dims: Sequence[int | None], **params: Any
+    ) -> tuple[Any, Any]:
         del axis_data
         if all(d is None for d in dims):
             outs = prim.bind(*vals, **params)
@@ -678,14 +704,16 @@ def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:
 def register_array_like(
     cls: type,
     aval_of: Callable[[Any], Any],
-    arrays_of: Callable[[list[Any]], list[Any]],
+    arrays_of: Callable[[list[Any], list[Any]], list[Any]],
 ) -> None:
     """Lets instances of ``cls`` be passed to ``jit`` before their data exists.
 
     ``aval_of(x)`` returns the abstract value (used to trace and compile);
-    ``arrays_of(xs)`` returns one ``jax.Array`` per ``x`` and is called only when
-    a compiled program runs with them. Registers nothing where a hook is missing
-    (``require(ASYNC_ARRAYS, ...)`` then fails before such an array is made).
+    ``arrays_of(xs, shardings)`` returns one ``jax.Array`` per ``x`` and is called
+    only when a compiled program runs with them; ``shardings`` are the shardings
+    the program expects for them (so that arrays made there need no resharding).
+    Registers nothing where a hook is missing (``require(ASYNC_ARRAYS, ...)`` then
+    fails before such an array is made).
     """
     names = ("pytype_aval_mappings", "canonicalize_value", "shard_arg_handlers")
     if any(isinstance(RESOLVED[n], Missing) for n in (*names, "shard_args")):
@@ -696,9 +724,28 @@ def register_array_like(
     pytype_aval_mappings[cls] = aval_of
     register_canonicalize_value(cls)
 
-    def handler(xs, shardings, layouts, copy_semantics):
-        return get("shard_args")(
-            shardings, layouts, copy_semantics, arrays_of(list(xs))
-        )
+    def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
+        arrays = arrays_of(list(xs), list(shardings))
+        return get("shard_args")(shardings, layouts, copy_semantics, arrays)
 
     shard_arg_handlers[cls] = handler
+
+
+# --- async dispatch ------------------------------------------------------------------
+
+start_transfer_server: Callable[..., Any] | None = _or_missing(
+    "start_transfer_server", None
+)
+# The logger's name, for `_async.py` to filter; its module's name where it moved.
+CALLBACK_LOGGER_NAME: str = getattr(
+    _or_missing("callback_logger", None), "name", "jax._src.callback"
+)
+
+
+def async_dispatch_unavailable() -> str | None:
+    """Why this JAX cannot dispatch on pending arrays, or ``None`` if it can."""
+    for hook in HOOKS:
+        value = RESOLVED[hook.name]
+        if ASYNC_DISPATCH in hook.features and isinstance(value, Missing):
+            return f"{hook.name} is missing: {value.reason}"
+    return None

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import traceback
+from typing import Any
+
 
 class ThreadmapError(RuntimeError):
-    """Base class of the errors that jax_threadmap raises at run time."""
+    """Base class of the errors that jax_threadmap raises at run time.
+
+    Args:
+        message: The full message.
+        cause: The exception that led to this one, if any; chained as
+            ``__cause__`` (as ``raise ... from cause`` would), also when the error
+            is recorded first and raised later by another thread.
+    """
+
+    def __init__(self, message: str, *, cause: BaseException | None = None):
+        super().__init__(message)
+        if cause is not None:
+            self.__cause__ = cause
 
 
 class KernelError(ThreadmapError):
@@ -19,19 +35,68 @@ class KernelError(ThreadmapError):
     """
 
     def __init__(
-        self, message: str, *, index: tuple[int, ...] | None, kernel_name: str
+        self,
+        message: str,
+        *,
+        index: tuple[int, ...] | None,
+        kernel_name: str,
+        cause: BaseException | None = None,
     ):
-        super().__init__(message)
+        super().__init__(message, cause=cause)
         self.index = index
         self.kernel_name = kernel_name
 
-    def __reduce__(self):  # keeps the attributes when sent across processes
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keeps the attributes when sent across processes (the cause stays behind).
         return (_rebuild_kernel_error, (str(self), self.index, self.kernel_name))
 
 
-def _rebuild_kernel_error(message, index, kernel_name):
+def _rebuild_kernel_error(
+    message: str, index: tuple[int, ...] | None, kernel_name: str
+) -> KernelError:
     return KernelError(message, index=index, kernel_name=kernel_name)
 
 
 class ExecutorError(ThreadmapError):
     """The executor could not run the map (shut down, or a worker died)."""
+
+
+#: The innermost kernel frames quoted in a KernelError's message, and the longest
+#: source line quoted. Under jit the message is all of the error that crosses
+#: XLA's runtime (the traceback and cause stay behind), and the same holds for
+#: errors pickled back from other processes.
+_TRACEBACK_FRAMES = 6
+_TRACEBACK_LINE = 200
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+#: Raised by a kernel, these stop the map and reach the caller as themselves, as
+#: from a plain loop. Any other exception, BaseException subclasses included, is
+#: the kernel's error and becomes a KernelError with the batch index.
+PASS_THROUGH = (KeyboardInterrupt, SystemExit)
+
+
+def kernel_traceback(e: BaseException) -> str:
+    """The innermost frames of ``e`` outside this package, formatted as Python does.
+
+    Empty when there are none (the error was raised by this package's own code,
+    e.g. a derivative adapter checking what the kernel returned).
+    """
+    frames = [
+        (frame, line)
+        for frame, line in traceback.walk_tb(e.__traceback__)
+        if not frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+    ]
+    if not frames:
+        return ""
+    shown = traceback.StackSummary.extract(iter(frames[-_TRACEBACK_FRAMES:]))
+    lines = ["\nKernel traceback (most recent call last):"]
+    if len(frames) > len(shown):
+        lines.append(f"  ... {len(frames) - len(shown)} earlier frame(s)")
+    for f in shown:
+        lines.append(f'  File "{f.filename}", line {f.lineno}, in {f.name}')
+        source = (f.line or "").strip()
+        if len(source) > _TRACEBACK_LINE:
+            source = source[: _TRACEBACK_LINE - 3] + "..."
+        if source:
+            lines.append(f"    {source}")
+    return "\n".join(lines)

@@ -1,16 +1,24 @@
 """Where the elements of a flat map run: the shared pools and user executors.
 
-A map is a :class:`Job`: a range ``[0, n)`` of flat batch indices and a function
-that runs a sub-range. Pools hand out sub-ranges ("chunks") with guided
-scheduling: each claim takes a share of what is left, so fast kernels run in a
-few large chunks that amortise the scheduling cost, and the last chunks shrink to
-a single element so that slow kernels keep every worker busy until the end.
+This module owns every scheduling decision: how a map's flat index range
+``[0, n)`` is cut into chunks, which threads run them, how a nested map avoids
+waiting on work queued behind it, and what happens at fork and exit.
 
-Thread bounds: a :class:`ThreadPool` of ``N`` workers starts at most ``N``
-threads in its lifetime, and only those threads run kernels. The thread that
-starts a map (the host-callback thread) waits and runs nothing, unless it is
-itself a worker of the same pool (a kernel that calls ``threadmap``): then it
-works on the chunks of its own map, so it never waits on work queued behind it.
+- A map is a :class:`Job`. Chunks are claimed with guided scheduling: each claim
+  takes a share of what is left, so fast kernels run in a few large chunks that
+  amortise the scheduling cost, and the last chunks shrink to a single element so
+  that slow kernels keep every worker busy until the end. A map whose outputs are
+  summed on the host gets fixed chunk bounds instead, so that its sums do not
+  depend on timing.
+- :class:`ThreadPool`: the shared pools (``executor=None`` and ``executor=N``). A
+  pool of ``N`` workers starts at most ``N`` threads in its lifetime, and only
+  those threads run kernels. The thread that starts a map waits and runs
+  nothing, unless it is itself a worker of the same pool (a kernel that calls
+  ``threadmap``): then it works on the chunks of its own map.
+- A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
+  until none are left (the same claim-and-run loop as the pool's threads).
+- Executors that pickle work (process pools, Dask) get packed chunks
+  (:mod:`._remote`), sized from the kernel's measured cost.
 """
 
 from __future__ import annotations
@@ -18,45 +26,69 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
-import logging
 import os
 import pickle
-import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from ._errors import ExecutorError
-
-logger = logging.getLogger(__name__)
+from . import _validate
+from ._errors import ExecutorError, KernelError
+from ._progress import Progress, progress_enabled, wait
 
 ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
 
+#: Runs elements ``[start, stop)`` of a job; checks ``job.failed`` between elements.
 ChunkFn = Callable[[int, int, "Job"], None]
 
+#: Seconds of kernel work per task that amortise the per-task cost of an executor
+#: that pickles work (about 1 ms for a process pool or Dask).
+TASK_SECONDS_REMOTE = 0.05
+#: Tasks in flight when an executor does not say how many workers it has.
+UNKNOWN_WORKERS_IN_FLIGHT = 128
+#: Workers assumed, for chunk sizes, of an executor that does not say.
+UNKNOWN_WORKERS = 8
 
-def env_positive_int(name: str, what: str) -> int | None:
-    """The positive integer in environment variable ``name``; ``None`` when unset.
 
-    Args:
-        name: The variable.
-        what: What the number is, for the message when the value is not one.
-    """
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return None
+class MapWork(Protocol):
+    """What the executor layer needs of a map (``_host.HostMap`` provides it)."""
+
+    @property
+    def name(self) -> str: ...  # for messages and progress bars
+
+    @property
+    def n(self) -> int: ...  # elements
+
+    @property
+    def sums(self) -> bool: ...  # chunk bounds must not depend on timing
+
+    @property
+    def vectorized(self) -> bool: ...  # one kernel call per chunk
+
+    @property
+    def element_bytes(self) -> int: ...  # one element's operands and results
+
+    def split(self, max_elements: int) -> int:
+        """Cuts a vectorized map into chunks of at most ``max_elements``; returns
+        how many. Work units are then chunks, not elements."""
+        ...
+
+    def run_chunk(self, start: int, stop: int, job: Job) -> None: ...
+
+    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+        """A picklable task running ``[start, stop)`` in another process."""
+        ...
+
+    def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
+
+
+def available_cpus() -> int:
+    """The number of CPUs this process may run on."""
     try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(
-            f"The environment variable {name} must be a positive integer ({what}). "
-            f"Got {name}={value!r}. Set it to e.g. 8, or unset it to use the default."
-        )
-    return n
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def default_num_threads() -> int:
@@ -66,99 +98,100 @@ def default_num_threads() -> int:
     may run on: kernels that release the GIL and use the CPU scale up to that, and
     I/O-bound kernels (network, disk, sleeps) should set a larger value.
     """
-    n = env_positive_int(ENV_NUM_THREADS, "the number of threads of the shared pool")
-    if n is not None:
-        return n
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not on Linux
-        return max(1, os.cpu_count() or 1)
+    n = _validate.env_positive_int(
+        ENV_NUM_THREADS, "the number of threads of the shared pool"
+    )
+    return available_cpus() if n is None else n
+
+
+# --- jobs -----------------------------------------------------------------------------
 
 
 class Job:
     """One flat map: ``n`` elements, run by ``fn(start, stop, job)`` per chunk.
 
-    ``fn`` checks :attr:`failed` between elements so that a failure stops the
-    chunks already running; the chunks not yet started are never handed out.
+    Every field is read and written under the job's lock. ``fn`` checks
+    :attr:`failed` between elements, so that a failure stops the chunks already
+    running; the chunks not yet started are never handed out.
+
+    Args:
+        n: The number of elements.
+        fn: Runs one chunk.
+        fixed: Chunks of exactly this many elements (fixed bounds); ``None`` for
+            guided chunks.
+        divisor: Guided chunks take ``1 / divisor`` of what is left.
     """
 
-    __slots__ = (
-        "n",
-        "fn",
-        "next",
-        "outstanding",
-        "failed",
-        "error",
-        "done",
-        "divisor",
-        "min_chunk",
-        "completed",
-        "fixed",
-    )
-
-    def __init__(self, n: int, fn: ChunkFn, *, min_chunk: int = 1, fixed: bool = False):
+    def __init__(
+        self, n: int, fn: ChunkFn, *, fixed: int | None = None, divisor: int = 2
+    ):
         self.n = n
         self.fn = fn
-        self.next = 0
-        self.outstanding = 0
+        self.fixed = fixed
+        self.divisor = divisor
         self.failed = False
         self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.divisor = 2
-        self.min_chunk = max(1, min_chunk)
         self.completed = 0  # elements done, for progress bars
-        # Chunks of exactly `min_chunk` elements (fixed bounds), else guided.
-        self.fixed = fixed
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._outstanding = 0
         if n == 0:
             self.done.set()
 
-    def exhausted(self) -> bool:
-        # `failed` counts too: `fail` runs without the pool lock, and a claim racing
-        # with it may move `next` back below `n`.
-        return self.failed or self.next >= self.n
-
     def claim(self) -> tuple[int, int] | None:
-        """Claims the next chunk (guided scheduling). Caller holds the pool lock."""
-        remaining = self.n - self.next
-        if remaining <= 0 or self.failed:
-            return None
-        if self.fixed:
-            size = self.min_chunk
-        else:
-            size = max(self.min_chunk, remaining // self.divisor)
-        start = self.next
-        self.next = stop = min(self.n, start + size)
-        self.outstanding += 1
-        return start, stop
+        """The next chunk to run, or ``None`` when none is left."""
+        with self._lock:
+            remaining = self.n - self._next
+            if remaining <= 0 or self.failed:
+                return None
+            size = self.fixed or max(1, remaining // self.divisor)
+            start = self._next
+            self._next = stop = min(self.n, start + size)
+            self._outstanding += 1
+            return start, stop
 
     def fail(self, error: BaseException) -> None:
-        """Records the first error and stops handing out chunks."""
-        if self.error is None:
-            self.error = error
-        self.failed = True
-        self.next = self.n
+        """Records the first error and stops handing out chunks.
 
-    def run_chunk(self, start: int, stop: int) -> None:
+        A no-op once the job is done: a late error (a cancelled helper task)
+        does not undo a finished map.
+        """
+        with self._lock:
+            if self.done.is_set() and self.error is None:
+                return
+            if self.error is None:
+                self.error = error
+            self.failed = True
+            self._check_done()
+
+    def run(self, start: int, stop: int) -> None:
+        """Runs a claimed chunk; its exception fails the job."""
         try:
             self.fn(start, stop, self)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
-
-    def wait(self, progress: Progress | None = None) -> None:
-        # A timed wait keeps the waiting thread responsive to signals; an interrupt
-        # (Ctrl-C) stops handing out the chunks not yet started.
-        interval = 0.5 if progress is None else progress.interval
-        try:
-            while not self.done.wait(interval):
-                if progress is not None:
-                    progress.update(self.completed)
-        except BaseException as e:
-            self.fail(e)
-            raise
         finally:
-            if progress is not None:
-                progress.close(self.completed)
+            with self._lock:
+                self.completed += stop - start
+                self._outstanding -= 1
+                self._check_done()
 
+    def drain(self) -> None:
+        """Claims and runs chunks until none are left."""
+        while (chunk := self.claim()) is not None:
+            self.run(*chunk)
+
+    def exhausted(self) -> bool:
+        with self._lock:
+            return self.failed or self._next >= self.n
+
+    def _check_done(self) -> None:  # lock held
+        if self._outstanding == 0 and (self.failed or self._next >= self.n):
+            self.done.set()
+
+
+# --- the shared pools -----------------------------------------------------------------
 
 _worker_of = threading.local()
 
@@ -192,8 +225,6 @@ class ThreadPool:
         """Runs ``job`` to completion (or first failure) and returns."""
         if job.n == 0:
             return
-        job.divisor = 2 * self.max_workers
-        helping = getattr(_worker_of, "pool", None) is self
         with self._cond:
             if self._shutdown:
                 raise ExecutorError(
@@ -203,20 +234,14 @@ class ThreadPool:
             self._jobs.append(job)
             self._start_workers(min(job.n, self.max_workers))
             self._cond.notify_all()
-        if helping:
+        if getattr(_worker_of, "pool", None) is self:
             # A kernel that calls threadmap: work on our own chunks rather than
             # wait for them behind the outer map's queue.
-            while True:
-                with self._cond:
-                    chunk = job.claim()
-                    if job.exhausted():
-                        self._discard(job)
-                if chunk is None:
-                    break
-                self._run(job, chunk)
-        job.wait(progress)
+            job.drain()
+            self._discard(job)
+        wait(job, job.done.wait, progress)
 
-    def _start_workers(self, wanted: int) -> None:
+    def _start_workers(self, wanted: int) -> None:  # lock held
         missing = min(wanted - self._idle, self.max_workers - len(self._threads))
         for _ in range(max(0, missing)):
             t = threading.Thread(
@@ -228,36 +253,25 @@ class ThreadPool:
             t.start()
 
     def _discard(self, job: Job) -> None:
-        try:
-            self._jobs.remove(job)
-        except ValueError:
-            pass
-
-    def _run(self, job: Job, chunk: tuple[int, int]) -> None:
-        job.run_chunk(*chunk)
         with self._cond:
-            job.completed += chunk[1] - chunk[0]
-            job.outstanding -= 1
-            if job.outstanding == 0 and job.exhausted():
-                self._discard(job)
-                job.done.set()
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                pass
+
+    def _next_job(self) -> Job | None:
+        with self._cond:
+            while not self._jobs and not self._shutdown:
+                self._idle += 1
+                self._cond.wait()
+                self._idle -= 1
+            return self._jobs[0] if self._jobs else None
 
     def _work(self) -> None:
         _worker_of.pool = self
-        while True:
-            with self._cond:
-                while not self._jobs and not self._shutdown:
-                    self._idle += 1
-                    self._cond.wait()
-                    self._idle -= 1
-                if not self._jobs:
-                    return
-                job = self._jobs[0]
-                chunk = job.claim()
-                if job.exhausted():
-                    self._discard(job)
-            if chunk is not None:
-                self._run(job, chunk)
+        while (job := self._next_job()) is not None:
+            job.drain()
+            self._discard(job)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the workers once the queued maps are done. Safe to call twice."""
@@ -270,8 +284,6 @@ class ThreadPool:
                 if t is not threading.current_thread():
                     t.join(timeout=10)
 
-
-# --- the shared pools ---------------------------------------------------------------
 
 _pools_lock = threading.Lock()
 _pools: dict[int, ThreadPool] = {}
@@ -306,79 +318,7 @@ if hasattr(os, "register_at_fork"):
 atexit.register(_shutdown_all)
 
 
-# --- progress -------------------------------------------------------------------
-
-ENV_PROGRESS = "JAX_THREADMAP_PROGRESS"
-
-
-def progress_enabled(progress: bool | None) -> bool:
-    if progress is not None:
-        return bool(progress)
-    return os.environ.get(ENV_PROGRESS, "").strip().lower() in (
-        "1",
-        "true",
-        "yes",
-        "on",
-    )
-
-
-class Progress:
-    """A progress bar that appears only once a map has run for ``delay`` seconds.
-
-    Uses tqdm when it is installed, else prints a line to stderr now and then.
-    """
-
-    interval = 0.1
-
-    def __init__(self, total: int, name: str, delay: float = 1.0):
-        self.total = total
-        self.name = name
-        self.start = time.perf_counter()
-        self.delay = delay
-        self.bar: Any = None
-        self._last_print = 0.0
-
-    def update(self, completed: int) -> None:
-        now = time.perf_counter()
-        if now - self.start < self.delay:
-            return
-        if self.bar is None:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self.bar = tqdm(
-                    total=self.total, desc=f"threadmap {self.name}", unit="el"
-                )
-            else:
-                self.bar = False
-        if self.bar:
-            self.bar.update(completed - self.bar.n)
-        elif now - self._last_print >= 1.0:
-            self._last_print = now
-            print(
-                f"threadmap {self.name}: {completed}/{self.total} elements "
-                f"({100 * completed / max(self.total, 1):.0f}%)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def close(self, completed: int) -> None:
-        if self.bar:
-            self.bar.update(completed - self.bar.n)
-            self.bar.close()
-
-
-# --- user executors -----------------------------------------------------------------
-
-_running_on = threading.local()
-
-#: Seconds of kernel work per task that amortise the per-task cost of an executor
-#: that pickles work (about 1 ms for a process pool or Dask).
-TASK_SECONDS_REMOTE = 0.05
-#: Tasks in flight when an executor does not say how many workers it has.
-UNKNOWN_WORKERS_IN_FLIGHT = 128
+# --- user executors -------------------------------------------------------------------
 
 
 def known_workers(executor: concurrent.futures.Executor) -> int | None:
@@ -395,51 +335,34 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
     return None
 
 
-def in_process(executor) -> bool:
-    """Whether ``executor`` (a ``threadmap`` executor= value) runs kernels here."""
-    return executor is None or isinstance(executor, int) or shares_memory(executor)
-
-
-def workers_of(executor) -> int:
-    """How many kernels ``executor`` runs at once (a guess where it does not say)."""
-    if executor is None or isinstance(executor, int):
-        return get_pool(executor).max_workers
-    return known_workers(executor) or 8
-
-
 def shares_memory(executor: concurrent.futures.Executor) -> bool:
     """Whether the executor's workers are threads of this process."""
     return isinstance(executor, concurrent.futures.ThreadPoolExecutor)
 
 
-def _puller(job: Job, lock: threading.Lock, executor_ref) -> None:
+def _refused(executor: Any, e: BaseException) -> ExecutorError:
+    return ExecutorError(
+        f"The executor {executor!r} passed as executor= refused new work: "
+        f"{type(e).__name__}: {e}. Pass an executor that is running, or "
+        "executor=None for the shared pool.",
+        cause=e,
+    )
+
+
+_running_on = threading.local()
+
+
+def _puller(job: Job, executor_ref: Any) -> None:
     """A task of a thread executor: claims chunks of ``job`` until none are left."""
     _running_on.executor = executor_ref
     try:
-        while True:
-            with lock:
-                chunk = job.claim()
-            if chunk is None:
-                return
-            job.run_chunk(*chunk)
-            with lock:
-                job.completed += chunk[1] - chunk[0]
+        job.drain()
     finally:
         _running_on.executor = None
 
 
-def _refused(executor, e: BaseException) -> ExecutorError:
-    err = ExecutorError(
-        f"The executor {executor!r} passed as executor= refused new work: "
-        f"{type(e).__name__}: {e}. Pass an executor that is running, or "
-        "executor=None for the shared pool."
-    )
-    err.__cause__ = e
-    return err
-
-
-def run_on_thread_executor(
-    executor: concurrent.futures.Executor, job: Job, progress: Progress | None = None
+def _run_on_threads(
+    executor: concurrent.futures.Executor, job: Job, progress: Progress | None
 ) -> None:
     """Runs ``job`` on a thread executor: one puller task per worker."""
     ref = weakref.ref(executor)
@@ -447,156 +370,215 @@ def run_on_thread_executor(
     if current is not None and current() is executor:
         # Nested call from a task of the same executor: its workers may all be
         # waiting on us, so run our chunks here.
-        job.run_chunk(0, job.n)
+        job.drain()
         return
-    workers = known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT
-    job.divisor = 2 * workers
+    count = min(known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT, job.n)
+    left = [count]
     lock = threading.Lock()
+
+    def on_done(f: concurrent.futures.Future[None]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if f.cancelled():
+            if last:  # no puller will ever claim the rest
+                job.fail(ExecutorError(f"The executor {executor!r} cancelled the map."))
+        elif f.exception() is not None:
+            job.fail(f.exception())  # type: ignore[arg-type]
+
     futures = []
     try:
-        for _ in range(min(workers, job.n)):
-            futures.append(executor.submit(_puller, job, lock, ref))
+        for _ in range(count):
+            futures.append(executor.submit(_puller, job, ref))
+            futures[-1].add_done_callback(on_done)
     except RuntimeError as e:
-        with lock:
-            job.fail(_refused(executor, e))
-    _wait_futures(futures, job, progress)
-
-
-def _wait_futures(futures, job: Job, progress: Progress | None) -> None:
-    pending = set(futures)
+        job.fail(_refused(executor, e))
+        for _ in range(count - len(futures)):
+            with lock:
+                left[0] -= 1
     try:
-        _wait_pending(pending, job, progress)
-    except BaseException as e:  # e.g. KeyboardInterrupt while waiting
-        job.fail(e)
-        for f in pending:
-            f.cancel()
-        raise
-
-
-def _wait_pending(pending, job: Job, progress: Progress | None) -> None:
-    while pending:
-        done, pending = concurrent.futures.wait(
-            pending,
-            timeout=None if progress is None else progress.interval,
-            return_when=concurrent.futures.FIRST_EXCEPTION,
-        )
-        if progress is not None:
-            progress.update(job.completed)
-        for f in done:
-            if not f.cancelled() and f.exception() is not None:
-                job.fail(f.exception())
-        if job.failed:
-            for f in pending:
-                f.cancel()
-    if progress is not None:
-        progress.close(job.completed)
-
-
-def run_on_remote_executor(
-    executor: concurrent.futures.Executor,
-    job: Job,
-    prepared,
-    progress: Progress | None = None,
-) -> None:
-    """Runs ``job`` on an executor that pickles work (process pool, Dask).
-
-    Each task carries only its chunk's slices of the operands. Chunk sizes adapt
-    to the kernel's measured cost: the first tasks hold one element each (one per
-    worker, so slow elements all start at once); later ones hold about
-    ``TASK_SECONDS_REMOTE`` of kernel work.
-    """
-    workers = known_workers(executor)
-    in_flight_cap = 2 * workers if workers else UNKNOWN_WORKERS_IN_FLIGHT
-    first_wave = workers if workers else UNKNOWN_WORKERS_IN_FLIGHT
-    n = job.n
-    next_start = 0
-    pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
-    seconds_per_element: float | None = None
-
-    def submit(size: int) -> None:
-        nonlocal next_start
-        start, stop = next_start, min(n, next_start + size)
-        task = prepared.remote_task(start, stop)
-        try:
-            fut = executor.submit(task)
-        except RuntimeError as e:
-            raise _refused(executor, e) from None
-        except Exception as e:  # e.g. the kernel cannot be pickled
-            raise _cannot_ship(executor, prepared, e) from None
-        pending[fut] = (start, stop)
-        next_start = stop
-
-    try:
-        while next_start < n and len(pending) < min(first_wave, in_flight_cap):
-            submit(1)
-        while pending:
-            done, _ = concurrent.futures.wait(
-                list(pending),
-                timeout=None if progress is None else progress.interval,
-                return_when=concurrent.futures.FIRST_COMPLETED,
-            )
-            for fut in done:
-                start, stop = pending.pop(fut)
-                try:
-                    outs, per_element = fut.result()
-                except (pickle.PicklingError, AttributeError, TypeError) as e:
-                    # Python 3.13 says "Can't get local object"; the pool's
-                    # remote traceback (the cause) names the pickler.
-                    if "pickle" not in f"{e} {e.__cause__}".lower():
-                        raise
-                    raise _cannot_ship(executor, prepared, e) from None
-                prepared.store_remote(start, stop, outs)
-                job.completed += stop - start
-                seconds_per_element = (
-                    per_element
-                    if seconds_per_element is None
-                    else 0.5 * (seconds_per_element + per_element)
-                )
-            if progress is not None:
-                progress.update(job.completed)
-            while next_start < n and len(pending) < in_flight_cap:
-                remaining = n - next_start
-                size = 1
-                if seconds_per_element is not None:
-                    size = int(TASK_SECONDS_REMOTE / max(seconds_per_element, 1e-9))
-                size = max(1, min(size, -(-remaining // in_flight_cap)))
-                submit(size)
-    except BaseException as e:
-        job.fail(e)
-        for fut in pending:
-            fut.cancel()
+        wait(job, job.done.wait, progress)
     finally:
-        if progress is not None:
-            progress.close(job.completed)
+        for f in futures:  # pullers that never started: nothing left to claim
+            f.cancel()
 
 
-def _cannot_ship(executor, prepared, e: BaseException) -> ExecutorError:
-    err = ExecutorError(
-        f"threadmap kernel {prepared.loop.name!r} could not be sent to the executor "
+def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
+    return ExecutorError(
+        f"threadmap kernel {name!r} could not be sent to the executor "
         f"{executor!r}, which runs work in other processes and so pickles it: "
         f"{type(e).__name__}: {e}. Define the kernel at module level (not a lambda "
-        "or closure), or use executor=None / a ThreadPoolExecutor."
+        "or closure), or use executor=None / a ThreadPoolExecutor.",
+        cause=e,
     )
-    err.__cause__ = e
-    return err
 
 
-def run_map(executor, prepared, *, name: str, progress: bool | None) -> Job:
-    """Runs every element of ``prepared`` on ``executor``; returns the finished job."""
-    fixed = prepared.fixed_chunk
-    job = Job(prepared.n, prepared.run_chunk, min_chunk=fixed or 1, fixed=bool(fixed))
-    if job.n == 0:
-        return job
-    if fixed and not in_process(executor):
-        raise ExecutorError(
-            "A threadmap equation that sums its outputs on the host runs only on "
-            f"executors in this process; got {executor!r}."
+class _Shipper:
+    """Ships a map to an executor that pickles work, in chunks sized as it runs.
+
+    The first tasks hold one element each, one per worker, so slow elements all
+    start at once; later ones hold about ``TASK_SECONDS_REMOTE`` of kernel work,
+    from the measured seconds per element. A map with host-side sums ships
+    chunks of fixed size instead, so its sums do not depend on timing.
+    """
+
+    def __init__(self, executor: concurrent.futures.Executor, work: MapWork, job: Job):
+        self.executor = executor
+        self.work = work
+        self.job = job
+        workers = known_workers(executor)
+        self.cap = 2 * workers if workers else UNKNOWN_WORKERS_IN_FLIGHT
+        self.first_wave = min(workers or UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
+        self.next = 0
+        self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
+        self.per_element: float | None = None
+
+    def size(self) -> int:
+        if self.job.fixed:
+            return self.job.fixed
+        if self.per_element is None:
+            return 1
+        remaining = self.job.n - self.next
+        size = int(TASK_SECONDS_REMOTE / max(self.per_element, 1e-9))
+        return max(1, min(size, -(-remaining // self.cap)))
+
+    def submit(self, size: int) -> None:
+        start, stop = self.next, min(self.job.n, self.next + size)
+        task = self.work.pack(start, stop)
+        try:
+            fut = self.executor.submit(task)
+        except RuntimeError as e:
+            raise _refused(self.executor, e) from e
+        except Exception as e:  # e.g. the kernel cannot be pickled
+            raise _cannot_ship(self.executor, self.work.name, e) from e
+        self.pending[fut] = (start, stop)
+        self.next = stop
+
+    def start(self) -> None:
+        while self.next < self.job.n and len(self.pending) < self.first_wave:
+            self.submit(self.job.fixed or 1)
+
+    def poll(self, timeout: float) -> bool:
+        """Stores what has come back, ships more; whether the map is done."""
+        done, _ = concurrent.futures.wait(
+            list(self.pending), timeout, concurrent.futures.FIRST_COMPLETED
         )
-    bar = Progress(job.n, name) if progress_enabled(progress) else None
+        for fut in done:
+            start, stop = self.pending.pop(fut)
+            try:
+                outs, per_element = fut.result()
+            except (pickle.PicklingError, AttributeError, TypeError) as e:
+                # Python 3.13 says "Can't get local object"; the pool's
+                # remote traceback (the cause) names the pickler.
+                if "pickle" not in f"{e} {e.__cause__}".lower():
+                    raise
+                raise _cannot_ship(self.executor, self.work.name, e) from e
+            self.work.store_packed(start, stop, outs)
+            self.job.completed += stop - start
+            self.per_element = (
+                per_element
+                if self.per_element is None
+                else 0.5 * (self.per_element + per_element)
+            )
+        while self.next < self.job.n and len(self.pending) < self.cap:
+            self.submit(self.size())
+        return not self.pending
+
+    def run(self, progress: Progress | None) -> None:
+        try:
+            self.start()
+            wait(self.job, self.poll, progress)
+        except BaseException as e:
+            self.job.fail(e)
+            for fut in self.pending:
+                fut.cancel()
+
+
+# --- one map --------------------------------------------------------------------------
+
+
+def workers_of(executor: _validate.Executor) -> int:
+    """How many kernels ``executor`` runs at once (a guess where it does not say)."""
+    if executor is None or isinstance(executor, int):
+        return get_pool(executor).max_workers
+    return known_workers(executor) or UNKNOWN_WORKERS
+
+
+#: Bytes of operands and results that one chunk of a vectorized kernel may touch
+#: when its length is automatic: big enough that the per-call cost vanishes,
+#: small enough that copies of chunks stay far below the batch's size.
+VECTOR_CHUNK_BYTES = 16 * 2**20
+
+
+def vector_chunk_length(
+    work: MapWork, workers: int, max_chunk: int | None = None
+) -> int:
+    """Elements per call of a vectorized kernel.
+
+    Four chunks per worker keep every worker busy when chunks take unequal
+    time; :data:`VECTOR_CHUNK_BYTES` bounds the memory of one chunk; the user's
+    ``max_chunk`` bounds it further (memory-hungry kernels).
+    """
+    length = -(-work.n // (4 * workers))
+    length = min(length, max(1, VECTOR_CHUNK_BYTES // max(1, work.element_bytes)))
+    if max_chunk is not None:
+        length = min(length, max_chunk)
+    return max(1, length)
+
+
+def new_job(
+    work: MapWork, executor: _validate.Executor, max_chunk: int | None = None
+) -> Job:
+    """The job of ``work`` on ``executor``, with its chunking policy."""
+    workers = workers_of(executor)
+    units = work.n
+    if work.vectorized and units:
+        units = work.split(vector_chunk_length(work, workers, max_chunk))
+    # Host-side sums need chunk bounds that do not depend on timing: about two
+    # chunks per worker. Otherwise guided chunks, each a share of what is left.
+    fixed = -(-units // (2 * workers)) if work.sums and units else None
+    return Job(units, work.run_chunk, fixed=fixed, divisor=2 * workers)
+
+
+def run_map(
+    executor: _validate.Executor,
+    work: MapWork,
+    *,
+    progress: bool | None,
+    max_chunk: int | None = None,
+) -> None:
+    """Runs every element of ``work`` on ``executor``; raises the map's error.
+
+    ``max_chunk`` bounds the chunks of a vectorized map.
+    """
+    job = new_job(work, executor, max_chunk)
+    if job.n == 0:
+        return
+    bar = None
+    if progress_enabled(progress):
+        bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
     if executor is None or isinstance(executor, int):
         get_pool(executor).run(job, bar)
     elif shares_memory(executor):
-        run_on_thread_executor(executor, job, bar)
+        _run_on_threads(executor, job, bar)
     else:
-        run_on_remote_executor(executor, job, prepared, bar)
-    return job
+        _Shipper(executor, work, job).run(bar)
+    if job.error is not None:
+        raise _map_error(job.error, work.name)
+
+
+def _map_error(e: BaseException, name: str) -> BaseException:
+    """The error a failed map raises: kernel errors as they are, the rest wrapped."""
+    if isinstance(e, (KernelError, ExecutorError, KeyboardInterrupt, SystemExit)):
+        return e
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        return ExecutorError(
+            f"The executor running threadmap kernel {name!r} broke while the map ran "
+            f"({type(e).__name__}: {e}); a worker probably died. The map was "
+            "abandoned; pass a working executor to the next call.",
+            cause=e,
+        )
+    return ExecutorError(
+        f"threadmap kernel {name!r}: the executor failed with {type(e).__name__}: {e}",
+        cause=e,
+    )

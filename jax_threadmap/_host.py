@@ -4,36 +4,44 @@ The host callback receives the operands as NumPy arrays in the layout of the
 jaxpr: batched operands carry their batch axes wherever vmap left them, and
 unbatched operands carry none. For each operand we build one strided view of shape
 ``batch_shape + core_shape`` (zero strides for the levels it is not mapped at), so
-nothing is moved, copied or tiled. Outputs are allocated once with the full batch
-shape and every element is written in place.
+nothing is moved, copied or tiled. Outputs are allocated once and every element is
+written in place.
 
 Adjacent batch levels whose strides line up in every view are merged, so the usual
 case (all operands batched the same way, or unbatched) is indexed with a single
 integer per element, and the element loop is specialised for the common kernel
 signatures so that its cost per element stays close to a bare Python loop.
 
-For executors that pickle work (process pools, Dask), :meth:`FlatMap.remote_task`
-packs one chunk's slices of the operands into a :class:`RemoteChunk`, which runs
-the same element loop in the worker and sends the chunk's outputs back.
+Outputs summed over some batch levels (the cotangents of operands not batched at
+those levels) are seen through views with zero strides at the summed levels, so
+each element adds into its sum; every chunk adds into a partial sum of its own,
+and the partials are added in chunk order.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._batch_spec import BatchSpec
-from ._errors import KernelError
+from . import _remote
+from ._batch_spec import Axes, BatchSpec
+from ._errors import KernelError, kernel_traceback
+from ._loops import element_loop
+from ._remote import ChunkFn
+from ._validate import ResultCastError, check_result_cast
+from ._vectorized import ChunkCaller, PiecePlan, chunk_of
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 
 
-def operand_view(x: np.ndarray, axes: Sequence[int | None], batch_shape) -> np.ndarray:
+# --- views ----------------------------------------------------------------------------
+
+
+def operand_view(x: Any, axes: Axes, batch_shape: tuple[int, ...]) -> np.ndarray:
     """A read-only view of ``x`` with shape ``batch_shape + core_shape``."""
     x = np.asarray(x)
     present = {a for a in axes if a is not None}
@@ -45,60 +53,88 @@ def operand_view(x: np.ndarray, axes: Sequence[int | None], batch_shape) -> np.n
     return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=False)
 
 
-def merge_batch_dims(shape: tuple[int, ...], views: Sequence[np.ndarray]):
-    """Merges adjacent batch dims that every view can index as one.
+def merge_groups(
+    shape: tuple[int, ...], views: Sequence[np.ndarray]
+) -> list[list[int]]:
+    """Groups of adjacent batch dims that every view can index as one.
 
     Merging keeps the C-order flat index, so flat index ``i`` of the merged shape
-    is flat index ``i`` of ``shape``. Returns the merged shape and the views.
+    is flat index ``i`` of ``shape``.
     """
-    nb = len(shape)
-    if nb <= 1:
-        return shape, list(views)
-    groups: list[list[int]] = [[0]]
-    for d in range(1, nb):
+    groups: list[list[int]] = [[0]] if shape else []
+    for d in range(1, len(shape)):
         prev = groups[-1][-1]
         if all(v.strides[prev] == v.strides[d] * shape[d] for v in views):
             groups[-1].append(d)
         else:
             groups.append([d])
-    new_shape = tuple(int(np.prod([shape[d] for d in g])) for g in groups)
-    merged = []
-    for v in views:
-        strides = tuple(v.strides[g[-1]] for g in groups) + v.strides[nb:]
-        merged.append(
-            np.lib.stride_tricks.as_strided(
-                v, new_shape + v.shape[nb:], strides, writeable=v.flags.writeable
-            )
-        )
-    return new_shape, merged
+    return groups
 
 
-class ElementLoop:
-    """Calls a kernel per element and checks and stores its results.
+def merge_view(v: np.ndarray, groups: list[list[int]]) -> np.ndarray:
+    """``v`` (batch dims first) with the batch dims of each group merged into one."""
+    nb = sum(len(g) for g in groups)
+    shape = tuple(int(np.prod([v.shape[d] for d in g])) for g in groups)
+    strides = tuple(v.strides[g[-1]] for g in groups) + v.strides[nb:]
+    return np.lib.stride_tricks.as_strided(
+        v, shape + v.shape[nb:], strides, writeable=v.flags.writeable
+    )
 
-    Picklable (it holds the kernel, its tree structures and output declarations
-    only), so that process and Dask workers run the very same loop.
+
+def summed_view(buf: np.ndarray, spec: BatchSpec, k: int) -> np.ndarray:
+    """Output ``k``'s buffer seen with the full batch shape.
+
+    The levels summed away in output ``k`` get stride 0, so every element of
+    those levels adds into the same place.
+    """
+    summed = spec.summed(k)
+    nb = len(spec.shape)
+    kept_ndim = nb - len(summed)
+    kept = iter(buf.strides[:kept_ndim])
+    strides = tuple(0 if level in summed else next(kept) for level in range(nb))
+    return np.lib.stride_tricks.as_strided(
+        buf, spec.shape + buf.shape[kept_ndim:], strides + buf.strides[kept_ndim:]
+    )
+
+
+# --- one element ----------------------------------------------------------------------
+
+
+class ElementCaller:
+    """Calls a function on one element's views, checks its result, stores it.
+
+    Also builds the loops that do this for a chunk of elements. Picklable (it
+    holds the function, its tree structures and output declarations only), so
+    that process and Dask workers run the very same loops.
 
     Args:
-        fn: The user's kernel.
+        fn: What runs per element: the user's kernel, or a derivative adapter.
         name: The kernel's name, for messages.
-        in_tree: Treedef of ``(args, kwargs)``.
-        out_tree: Treedef of the kernel's result.
+        in_tree: Treedef of ``(args, kwargs)`` as ``fn`` takes them.
+        out_tree: Treedef of ``fn``'s result.
         out_core: ``(shape, dtype)`` of each output leaf for one element.
         batch_shape: The (unmerged) batch shape, for batch indices in messages.
+        accumulate: Outputs whose elements are added into their view (summed
+            outputs) rather than written.
     """
 
     def __init__(
-        self, fn, name, in_tree, out_tree, out_core, batch_shape, accumulate=()
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        in_tree: Any,
+        out_tree: Any,
+        out_core: Sequence[tuple[tuple[int, ...], Any]],
+        batch_shape: tuple[int, ...],
+        accumulate: Sequence[int] = (),
     ):
         self.fn = fn
-        # Outputs whose elements are added into their view rather than written.
-        self.accumulate = frozenset(accumulate)
         self.name = name
         self.in_tree = in_tree
         self.out_tree = out_tree
         self.out_core = [(tuple(s), np.dtype(d)) for s, d in out_core]
         self.batch_shape = tuple(batch_shape)
+        self.accumulate = frozenset(accumulate)
         args, kwargs = jax.tree_util.tree_unflatten(
             in_tree, list(range(in_tree.num_leaves))
         )
@@ -106,13 +142,13 @@ class ElementLoop:
             isinstance(v, int) for v in kwargs.values()
         )
         # When every argument is one leaf the kernel is called without unflattening.
-        self.num_args = len(args) if flat else None
-        self.kw_names = tuple(kwargs) if flat else ()
+        self.num_args: int | None = len(args) if flat else None
+        self.kw_names: tuple[str, ...] = tuple(kwargs) if flat else ()
         self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
 
     # -- messages ----------------------------------------------------------------
 
-    def error(self, flat: int | None, what: str) -> KernelError:
+    def error(self, flat: int | None, what: str, cause: Any = None) -> KernelError:
         index = None
         where = ""
         if flat is not None and self.batch_shape:
@@ -122,16 +158,21 @@ class ElementLoop:
             f"threadmap kernel {self.name!r}{where} {what}",
             index=index,
             kernel_name=self.name,
+            cause=cause,
         )
 
-    def kernel_raised(self, e: Exception, flat: int | None):
-        """Raises the error for a kernel that raised ``e``, chained to ``e``."""
-        if isinstance(e, KernelError) and e.kernel_name == self.name and e.index:
-            raise e  # already has its index (e.g. from a remote chunk)
-        msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise self.error(flat, f"raised {msg}") from e
+    def kernel_raised(self, e: BaseException, flat: int | None) -> KernelError:
+        """The error for a kernel that raised ``e``, chained to ``e``.
 
-    # -- one element, general path -------------------------------------------------
+        Its message ends with the kernel's innermost frames, so that the line
+        that raised shows under jit and from worker processes too.
+        """
+        if isinstance(e, KernelError) and e.kernel_name == self.name and e.index:
+            return e  # already has its index (e.g. from a remote chunk)
+        msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return self.error(flat, f"raised {msg}{kernel_traceback(e)}", cause=e)
+
+    # -- one element, general path -----------------------------------------------
 
     def call(self, leaves: list[Any]) -> Any:
         if self.num_args is not None:
@@ -155,7 +196,9 @@ class ElementLoop:
             )
         return leaves
 
-    def store(self, out: np.ndarray, i, value: Any, k: int, flat) -> None:
+    def store(
+        self, out: np.ndarray, i: Any, value: Any, k: int, flat: int | None
+    ) -> None:
         """Checks one output leaf of one element and writes it at ``out[i]``."""
         shape, dtype = self.out_core[k]
         if type(value) is not np.ndarray:
@@ -167,6 +210,7 @@ class ElementLoop:
                     f"returned a value of type {type(value).__name__} for output "
                     f"{k}, which is not convertible to an array of shape {shape} "
                     f"and dtype {dtype}.",
+                    cause=e,
                 ) from e
         if value.shape != shape:
             raise self.error(
@@ -174,368 +218,262 @@ class ElementLoop:
                 f"returned shape {value.shape} for output {k}, expected {shape} "
                 f"(dtype {dtype}). Return one element's result, without batch axes.",
             )
-        if value.dtype != dtype and not np.can_cast(value.dtype, dtype, "same_kind"):
-            raise self.error(
-                flat,
-                f"returned dtype {value.dtype} for output {k}, expected {dtype} "
-                f"(shape {shape}); {value.dtype} does not convert to {dtype} without "
-                "changing kind. Cast the result, or declare the dtype you return.",
-            )
+        if value.dtype != dtype:
+            try:
+                check_result_cast(value, dtype)
+            except ResultCastError as e:
+                raise self.error(
+                    flat,
+                    f"returned {e.got} for output {k}, expected {dtype} (shape "
+                    f"{shape}); {e.reason}. {e.fix}",
+                ) from None
         if k in self.accumulate:
             out[i] += value
         else:
             out[i] = value
 
-    def element(self, in_v, out_v, ii, flat) -> None:
-        """Runs one element; ``ii`` indexes the views."""
-        try:
-            result = self.call([v[ii] for v in in_v])
-        except Exception as e:
-            self.kernel_raised(e, flat)
-        if self.single_leaf and isinstance(result, _LEAF_TYPES):
-            self.store(out_v[0], ii, result, 0, flat)
-        else:
-            for k, val in enumerate(self.result_leaves(result, flat)):
-                self.store(out_v[k], ii, val, k, flat)
+    def store_leaf(
+        self, out: np.ndarray, i: Any, value: Any, k: int, flat: int | None, result: Any
+    ) -> None:
+        """:meth:`store` for leaf ``k`` of a ``result`` of several leaves.
 
-    # -- loops ---------------------------------------------------------------------
+        A value that is itself a container (a tuple where an array is declared)
+        is a structure mismatch of the whole result, reported as such.
+        """
+        if not isinstance(value, _LEAF_TYPES):
+            self.result_leaves(result, flat)  # raises on a mismatch
+        self.store(out, i, value, k, flat)
 
-    def loop_1d(self, in_v, out_v, flat_of=None) -> Callable[[int, int, Any], None]:
-        """A chunk function over views with one (merged) batch dim.
+    def loop(
+        self,
+        in_v: Sequence[np.ndarray],
+        out_v: Sequence[np.ndarray],
+        shape: tuple[int, ...],
+        flat_of: Sequence[int] | None = None,
+    ) -> ChunkFn:
+        """A function running elements ``[start, stop)`` of views with batch ``shape``.
 
-        ``flat_of[j]`` maps local index ``j`` to the flat batch index (for
+        The loop is generated for this kernel's signature (:mod:`._loops`); this
+        caller's ``call``, ``result_leaves`` and ``store`` are its checked slow
+        paths. ``flat_of[j]`` maps local index ``j`` to the flat batch index (for
         messages), when the views hold a gathered subset of the batch.
         """
-        fast = self._fast_loop_1d(in_v, out_v, flat_of)
-        if fast is not None:
-            return fast
-        element = self.element
-
-        def chunk(start: int, stop: int, job) -> None:
-            for i in range(start, stop):
-                if job.failed:
-                    return
-                element(in_v, out_v, (i, Ellipsis), _flat(flat_of, i))
-
-        return chunk
-
-    def _fast_loop_1d(self, in_v, out_v, flat_of):
-        # One output leaf, positional leaves only, one or two operands: the
-        # shapes of nearly every kernel. Each element costs the kernel call, one
-        # index per operand, a type check and the write.
-        if not (self.single_leaf and self.num_args is not None and not self.kw_names):
-            return None
-        if self.accumulate:
-            return None
-        if len(in_v) not in (1, 2):
-            return None
-        fn, out = self.fn, out_v[0]
-        shape, dtype = self.out_core[0]
-        # A result of exactly this type needs no conversion or check.
-        exact = dtype.type if shape == () else None
-        ndarray = np.ndarray
-        slow_store, kernel_raised = self.store, self.kernel_raised
-        result_leaves = self.result_leaves
-
-        def check_store(r, i):
-            if type(r) is ndarray and r.dtype is dtype and r.shape == shape:
-                out[i] = r
-            else:
-                flat = _flat(flat_of, i)
-                (value,) = result_leaves(r, flat)  # checks containers' structure
-                slow_store(out, i, value, 0, flat)
-
-        # `[i, ...]` gives a 0-d array (not a NumPy scalar) for 0-d operands, and
-        # the same view as `[i]` otherwise. One and two operands get their own
-        # loop: unpacking a list per element would cost as much as the rest.
-        if len(in_v) == 1:
-            (a,) = in_v
-
-            def chunk(start, stop, job):
-                for i in range(start, stop):
-                    if job.failed:
-                        return
-                    try:
-                        r = fn(a[i, ...])
-                    except Exception as e:
-                        kernel_raised(e, _flat(flat_of, i))
-                    if type(r) is exact:
-                        out[i] = r
-                    else:
-                        check_store(r, i)
-
-            return chunk
-
-        a, b = in_v
-
-        def chunk(start, stop, job):
-            for i in range(start, stop):
-                if job.failed:
-                    return
-                ii = (i, Ellipsis)
-                try:
-                    r = fn(a[ii], b[ii])
-                except Exception as e:
-                    kernel_raised(e, _flat(flat_of, i))
-                if type(r) is exact:
-                    out[i] = r
-                else:
-                    check_store(r, i)
-
-        return chunk
-
-    def loop_nd(self, in_v, out_v, shape) -> Callable[[int, int, Any], None]:
-        """A chunk function over views whose batch dims could not be merged.
-
-        Runs the (fast) 1-D loop along the last batch dim, one row at a time, when
-        rows are long enough to pay for setting up the row; else indexes each
-        element with a tuple.
-        """
-        if shape[-1] >= 16:
-            return self._loop_rows(in_v, out_v, shape)
-        element = self.element
-
-        def chunk(start: int, stop: int, job) -> None:
-            cols = [c.tolist() for c in np.unravel_index(np.arange(start, stop), shape)]
-            for i, ii in zip(range(start, stop), zip(*cols, strict=True), strict=True):
-                if job.failed:
-                    return
-                element(in_v, out_v, (*ii, Ellipsis), i)
-
-        return chunk
-
-    def _loop_rows(self, in_v, out_v, shape):
-        row = shape[-1]
-        prefix_shape = shape[:-1]
-
-        def chunk(start: int, stop: int, job) -> None:
-            while start < stop and not job.failed:
-                r, j = divmod(start, row)
-                end = min(stop - r * row, row)
-                prefix = tuple(int(p) for p in np.unravel_index(r, prefix_shape))
-                run = self.loop_1d(
-                    [v[prefix] for v in in_v],
-                    [o[prefix] for o in out_v],
-                    range(r * row, (r + 1) * row),
-                )
-                run(j, end, job)
-                start = r * row + end
-
-        return chunk
+        return element_loop(self, in_v, out_v, shape, flat_of)
 
 
-def _flat(flat_of, i):
-    return i if flat_of is None else int(flat_of[i])
+# --- the map of one host call ---------------------------------------------------------
 
 
-class _NeverFailed:
-    failed = False
+class HostMap:
+    """The views and output buffers of one host call, run in chunks.
 
+    Implements the executor layer's ``MapWork``: ``run_chunk`` runs elements in
+    this process, ``pack``/``store_packed`` ship them to executors that pickle
+    work. When some outputs are summed over batch levels, ``sums`` is true: every
+    chunk (local or shipped) adds into a partial sum of its own, and partials are
+    added into the outputs in chunk order, so memory stays a few partials per
+    worker and the result does not depend on which thread ran which chunk, as
+    long as the chunk bounds do not (the executor layer's rule for such maps).
 
-class RemoteChunk:
-    """One chunk of a map, packed for a worker that does not share our memory.
-
-    Holds only the chunk's slices of the batched operands (deduplicated: an
-    operand mapped at some levels only ships each of its elements once) and one
-    copy of each unbatched operand. Calling it runs the element loop and returns
-    ``(outputs, seconds_per_element)``.
+    Args:
+        caller: Calls, checks and stores one element.
+        spec: The equation's batch spec.
+        operands: The host callback's operands, in the jaxpr's layout.
     """
 
-    def __init__(self, loop: ElementLoop, data, gathers, flat_index, length):
-        self.loop = loop
-        self.data = data  # per operand: array of its distinct elements
-        self.gathers = gathers  # per operand: None (one element) or local index
-        self.flat_index = flat_index  # flat batch index of each local element
-        self.length = length
-
-    def __call__(self):
-        loop, n = self.loop, self.length
-        views = []
-        for d, g in zip(self.data, self.gathers, strict=True):
-            if g is None:  # unbatched: one element, read with stride 0
-                views.append(
-                    np.lib.stride_tricks.as_strided(
-                        d, (n, *d.shape), (0, *d.strides), writeable=False
-                    )
-                )
-            elif isinstance(g, slice):
-                views.append(d)
-            else:
-                views.append(d[g])
-        for v in views:
-            v.flags.writeable = False
-        outs = [np.empty((n, *s), dt) for s, dt in loop.out_core]
-        t = time.perf_counter()
-        loop.loop_1d(views, outs, self.flat_index)(0, n, _NeverFailed)
-        return outs, (time.perf_counter() - t) / max(n, 1)
-
-
-class FlatMap:
-    """Everything one host call needs: the element loop and the batch layout."""
-
-    def __init__(self, loop: ElementLoop, spec: BatchSpec):
-        self.loop = loop
+    def __init__(
+        self,
+        caller: ElementCaller | ChunkCaller,
+        spec: BatchSpec,
+        operands: Sequence[Any],
+    ):
+        self.caller = caller
+        self.name = caller.name
         self.spec = spec
-
-    def prepare(
-        self, operands: Sequence[np.ndarray], workers: int = 1
-    ) -> PreparedMap | SummingMap:
-        """Views of ``operands`` and fresh output buffers for one host call.
-
-        ``workers`` (the executor's size) sets the number of chunks of a map with
-        summed outputs.
-        """
-        spec = self.spec
+        self.n = spec.size
+        self.sums = any(spec.out_sum)
+        self.vectorized = isinstance(caller, ChunkCaller)
+        self.plan: PiecePlan | None = None
+        batch = spec.shape or (1,)  # an unbatched call is a batch of one
         in_views = [
             operand_view(x, axes, spec.shape)
             for x, axes in zip(operands, spec.in_axes, strict=True)
         ]
-        if any(spec.out_sum):
-            return SummingMap(self.loop, spec, in_views, workers)
-        outs = [np.empty(spec.shape + s, d) for s, d in self.loop.out_core]
-        return PreparedMap(self.loop, spec, in_views, outs)
-
-
-class PreparedMap:
-    """The views and output buffers of one host call, ready to run in chunks."""
-
-    def __init__(self, loop: ElementLoop, spec: BatchSpec, in_views, outs):
-        self.loop = loop
-        self.n = spec.size
-        self.outs = outs
-        batch = spec.shape if spec.shape else (1,)
-        if not spec.shape:  # one unbatched element: a batch of one
+        self.outs = [
+            (np.zeros if spec.summed(k) else np.empty)(spec.out_batch_shape(k) + s, d)
+            for k, (s, d) in enumerate(caller.out_core)
+        ]
+        out_views = [summed_view(o, spec, k) for k, o in enumerate(self.outs)]
+        if not spec.shape:
             in_views = [v[None] for v in in_views]
-            outs = [o[None] for o in outs]
-            self.n = 1
-        shape, views = merge_batch_dims(batch, in_views + outs)
-        self.shape = shape
-        self.in_v = views[: len(in_views)]
-        self.out_v = views[len(in_views) :]
-        if len(shape) == 1:
-            self.run_chunk = loop.loop_1d(self.in_v, self.out_v)
-        else:
-            self.run_chunk = loop.loop_nd(self.in_v, self.out_v, shape)
+            out_views = [o[None] for o in out_views]
+        self._groups = merge_groups(batch, in_views + out_views)
+        self.in_v = [merge_view(v, self._groups) for v in in_views]
+        self.out_v = [merge_view(o, self._groups) for o in out_views]
+        self.shape = tuple(int(np.prod([batch[d] for d in g])) for g in self._groups)
+        # Per output, the merged dims it is summed over (a merged dim groups only
+        # levels that are all summed, or none, since their strides differ).
+        self._summed_dims = [
+            {g for g, levels in enumerate(self._groups) if levels[0] in spec.summed(k)}
+            for k in range(len(self.outs))
+        ]
+        self._run = None
+        if isinstance(caller, ElementCaller) and not self.sums:
+            self._run = caller.loop(self.in_v, self.out_v, self.shape)
+        self._lock = threading.Lock()
+        self._partials: dict[int, tuple[int, list[np.ndarray | None]]] = {}
+        self._folded = 0  # the outputs hold the partials of [0, _folded)
 
-    fixed_chunk: int | None = None  # guided chunks
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element's operands and results (for chunk sizes)."""
+        views = [*self.in_v, *self.out_v]
+        nb = len(self.shape)
+        return sum(int(np.prod(v.shape[nb:])) * v.itemsize for v in views)
+
+    def split(self, max_elements: int) -> int:
+        """Cuts a vectorized map into pieces; returns how many (the work units)."""
+        self.plan = PiecePlan(self.shape, max(1, max_elements))
+        return self.plan.count
+
+    def run_chunk(self, start: int, stop: int, job: Any) -> None:
+        """Runs work units ``[start, stop)`` (elements, or pieces) in this thread."""
+        if self._run is not None:
+            self._run(start, stop, job)
+            return
+        partials = self._new_partials()
+        out_v = self._out_views(partials)
+        if isinstance(self.caller, ChunkCaller):
+            for piece in range(start, stop):
+                if job.failed:
+                    return
+                index, first, k = self._piece(piece)
+                leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+                self._store_piece(out_v, index, k, self.caller.call(leaves, first, k))
+        else:
+            self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
+        if self.sums:
+            self._fold(start, stop, partials)
+
+    def _piece(self, i: int) -> tuple[tuple[Any, ...], int, int]:
+        assert self.plan is not None, "split() first"
+        return self.plan.piece(i)
+
+    def _store_piece(
+        self,
+        out_v: Sequence[np.ndarray],
+        index: tuple[Any, ...],
+        k: int,
+        values: Sequence[np.ndarray],
+    ) -> None:
+        """Writes one piece's results (or adds them, for summed outputs)."""
+        assert self.plan is not None
+        rect = self.plan.rect(k)
+        first_dim = len(self.shape) - len(rect)  # the merged dim of rect's axis 0
+        for o, dims, value in zip(out_v, self._summed_dims, values, strict=True):
+            dst = o[index]
+            value = value.reshape(rect + value.shape[1:])
+            summed = tuple(i for i in range(len(rect)) if first_dim + i in dims)
+            if not summed:
+                dst[...] = value
+                continue
+            kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
+            dst[kept] += value.sum(axis=summed)
+
+    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+        """Units ``[start, stop)``, packed for a worker in another process."""
+        if isinstance(self.caller, ChunkCaller):
+            pieces = []
+            for i in range(start, stop):
+                index, first, k = self._piece(i)
+                leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+                pieces.append((first, k, leaves))
+            return _remote.pack_pieces(self.caller, pieces)
+        return _remote.pack(
+            self.caller, self.in_v, self.shape, start, stop, self._sum_rows(start, stop)
+        )
+
+    def store_packed(self, start: int, stop: int, outs: Any) -> None:
+        """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
+        partials = self._new_partials()
+        if isinstance(self.caller, ChunkCaller):
+            out_v = self._out_views(partials)
+            for i, values in zip(range(start, stop), outs, strict=True):
+                index, _, k = self._piece(i)
+                self._store_piece(out_v, index, k, values)
+        else:
+            self._store_rows(start, stop, outs, partials)
+        if self.sums:
+            self._fold(start, stop, partials)
+
+    def _store_rows(
+        self,
+        start: int,
+        stop: int,
+        outs: Sequence[np.ndarray],
+        partials: list[np.ndarray | None],
+    ) -> None:
+        """Elements ``[start, stop)`` of a packed chunk: one row each, or sums."""
+        if len(self.shape) == 1:
+            index: Any = slice(start, stop)
+        else:
+            index = np.unravel_index(np.arange(start, stop), self.shape)
+        for o, p, r, rows in zip(
+            self.out_v, partials, outs, self._sum_rows(start, stop), strict=True
+        ):
+            if p is None or rows is None:
+                o[index] = r
+            else:  # the chunk's sums, one per distinct row (in increasing order)
+                p.reshape(-1, *r.shape[1:])[np.unique(rows)] += r
 
     def finish(self) -> tuple[np.ndarray, ...]:
         return tuple(self.outs)
 
-    def remote_task(self, start: int, stop: int) -> RemoteChunk:
-        """Packs elements ``[start, stop)`` for a worker in another process."""
-        nb = len(self.shape)
-        if nb == 1:
-            data, gathers = [], []
-            for v in self.in_v:
-                if v.strides[0] == 0:
-                    data.append(np.ascontiguousarray(v[0]))
-                    gathers.append(None)
-                else:
-                    data.append(np.ascontiguousarray(v[start:stop]))
-                    gathers.append(slice(None))
-            flat = np.arange(start, stop)
-            return RemoteChunk(self.loop, data, gathers, flat, stop - start)
-        cols = np.unravel_index(np.arange(start, stop), self.shape)
-        data, gathers = [], []
-        for v in self.in_v:
-            dims = [d for d in range(nb) if v.strides[d] != 0 and self.shape[d] > 1]
-            if not dims:
-                data.append(np.ascontiguousarray(v[(0,) * nb]))
-                gathers.append(None)
-                continue
-            key = np.ravel_multi_index(
-                tuple(cols[d] for d in dims), tuple(self.shape[d] for d in dims)
-            )
-            uniq, inverse = np.unique(key, return_inverse=True)
-            sub = np.unravel_index(uniq, tuple(self.shape[d] for d in dims))
-            index = [0] * nb
-            for d, s in zip(dims, sub, strict=True):
-                index[d] = s
-            data.append(np.ascontiguousarray(v[tuple(index)]))
-            gathers.append(inverse.reshape(-1))
-        return RemoteChunk(
-            self.loop, data, gathers, np.arange(start, stop), stop - start
-        )
+    # -- partial sums --
 
-    def store_remote(self, start: int, stop: int, outs: list[np.ndarray]) -> None:
-        """Writes a chunk's outputs (from :meth:`remote_task`) in place."""
-        if len(self.shape) == 1:
-            for o, r in zip(self.out_v, outs, strict=True):
-                o[start:stop] = r
-            return
-        cols = np.unravel_index(np.arange(start, stop), self.shape)
-        for o, r in zip(self.out_v, outs, strict=True):
-            o[cols] = r
-
-
-class SummingMap:
-    """A map whose outputs are summed over some batch levels, on the host.
-
-    Reverse-mode derivatives need, for an operand not batched at some ``vmap``
-    levels, the sum of the per-element cotangents over those levels. Rather than
-    writing every element's cotangent into a batch-sized buffer, each chunk adds
-    its elements into a partial sum of the summed output's own size, and the
-    partials are added in chunk order: memory stays O(workers x output), and the
-    result does not depend on which thread ran which chunk, because chunks have
-    fixed bounds (about two per worker).
-    """
-
-    def __init__(self, loop: ElementLoop, spec: BatchSpec, in_views, workers: int):
-        self.loop = loop
-        self.spec = spec
-        self.n = spec.size
-        self.in_v = in_views
-        n_out = len(loop.out_core)
-        self.summed = [bool(spec.summed(k)) for k in range(n_out)]
-        self.outs = [
-            (np.zeros if self.summed[k] else np.empty)(spec.out_batch_shape(k) + s, d)
-            for k, (s, d) in enumerate(loop.out_core)
+    def _new_partials(self) -> list[np.ndarray | None]:
+        return [
+            np.zeros_like(o) if self.spec.summed(k) else None
+            for k, o in enumerate(self.outs)
         ]
-        self.fixed_chunk = max(1, -(-self.n // max(1, 2 * workers)))
-        self._lock = threading.Lock()
-        self._partials: dict[int, list[np.ndarray | None]] = {}
-        self._next_fold = 0
 
-    def _view(self, k: int, buf: np.ndarray) -> np.ndarray:
-        """``buf`` (output ``k``'s own shape) seen with the full batch shape."""
-        summed = self.spec.summed(k)
-        kept = iter(range(len(self.spec.shape) - len(summed)))
-        nb = len(self.spec.shape)
-        strides = tuple(
-            0 if level in summed else buf.strides[next(kept)] for level in range(nb)
-        )
-        kept_ndim = nb - len(summed)
-        return np.lib.stride_tricks.as_strided(
-            buf,
-            self.spec.shape + buf.shape[kept_ndim:],
-            strides + buf.strides[kept_ndim:],
-        )
-
-    def run_chunk(self, start: int, stop: int, job) -> None:
-        partials = [
-            np.zeros_like(o) if summed else None
-            for o, summed in zip(self.outs, self.summed, strict=True)
-        ]
-        out_v = [
-            self._view(k, p if p is not None else self.outs[k])
+    def _out_views(self, partials: list[np.ndarray | None]) -> list[np.ndarray]:
+        """The merged output views a chunk writes: partial sums where summed."""
+        return [
+            self.out_v[k] if p is None else self._merged_summed_view(p, k)
             for k, p in enumerate(partials)
         ]
-        shape = self.spec.shape
-        if len(shape) == 1:
-            run = self.loop.loop_1d(self.in_v, out_v)
-        else:
-            run = self.loop.loop_nd(self.in_v, out_v, shape)
-        run(start, stop, job)
+
+    def _merged_summed_view(self, partial: np.ndarray, k: int) -> np.ndarray:
+        view = summed_view(partial, self.spec, k)
+        return merge_view(view if self.spec.shape else view[None], self._groups)
+
+    def _sum_rows(self, start: int, stop: int) -> list[np.ndarray | None]:
+        """Per output: ``None``, or for a summed output the row of its buffer
+        (batch levels flattened) that each element of ``[start, stop)`` adds into."""
+        flat = np.arange(start, stop)
+        rows: list[np.ndarray | None] = []
+        for k in range(len(self.outs)):
+            summed = self.spec.summed(k)
+            if not summed:
+                rows.append(None)
+                continue
+            cols = np.unravel_index(flat, self.spec.shape)
+            kept = tuple(c for level, c in enumerate(cols) if level not in summed)
+            rows.append(
+                np.ravel_multi_index(kept, self.spec.out_batch_shape(k))
+                if kept
+                else np.zeros(len(flat), np.intp)
+            )
+        return rows
+
+    def _fold(self, start: int, stop: int, partials: list[np.ndarray | None]) -> None:
         with self._lock:
-            self._partials[start] = partials
-            # Fold the partials that are next in chunk order, now.
-            while self._next_fold in self._partials:
-                done = self._partials.pop(self._next_fold)
+            self._partials[start] = (stop, partials)
+            # Add the partials that are next in chunk order, now.
+            while self._folded in self._partials:
+                stop, done = self._partials.pop(self._folded)
                 for o, p in zip(self.outs, done, strict=True):
                     if p is not None:
                         o += p
-                self._next_fold += self.fixed_chunk
-
-    def finish(self) -> tuple[np.ndarray, ...]:
-        return tuple(self.outs)
+                self._folded = stop

@@ -1,64 +1,83 @@
-"""``threadmap_p``: the primitive and its rules.
+"""``threadmap_p``: the primitive and its rule table.
 
 One equation per call site, however many ``vmap`` levels wrap it: the batching
 rule rebinds ``threadmap_p`` with the batch spec grown by one level and never
-moves or tiles an operand. The lowering emits one host callback, which runs the
-flat map of :mod:`jax_threadmap._host` on the executor named in the params. The
-eager impl compiles the primitive alone, so both paths run the same code. The
-derivative rules live in :mod:`jax_threadmap._autodiff`.
+moves or tiles an operand. The lowering emits one host callback; the eager impl
+calls the same host function directly. Both run the flat map of :mod:`._host` on
+the executor named in the params (:mod:`._executor`). The derivative rules are in
+:mod:`._autodiff`; all six registrations are at the bottom of this file.
+
+Params of every equation:
+
+- ``kernel``: a :mod:`._params` value, what runs per element (hashable);
+- ``result_avals``: one element's result leaves;
+- ``spec``: the :class:`~._batch_spec.BatchSpec`;
+- ``executor`` and ``progress``: as passed to ``threadmap``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import functools
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _compat
+import jax
+import numpy as np
+
+from . import _autodiff, _compat
 from ._batch_spec import BatchSpec
-from ._errors import ExecutorError, KernelError
-from ._executor import run_map, workers_of
-from ._host import ElementLoop, FlatMap
+from ._executor import run_map
+from ._host import ElementCaller, HostMap
+from ._params import HostCall
+from ._validate import Executor
+from ._vectorized import ChunkCaller
 
 threadmap_p = _compat.Primitive("threadmap")
 threadmap_p.multiple_results = True
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Kernel:
-    """A user kernel as a primitive param: equal and hashed by the function itself.
+def host_function(
+    *,
+    kernel: HostCall,
+    result_avals: tuple[Any, ...],
+    spec: BatchSpec,
+    executor: Executor,
+    progress: bool | None,
+) -> Callable[..., tuple[np.ndarray, ...]]:
+    """The host side of one equation: NumPy operands in, NumPy results out."""
+    fn, in_tree, out_tree = kernel.host_call()
+    out_core = [(a.shape, a.dtype) for a in result_avals]
+    caller: ElementCaller | ChunkCaller
+    if kernel.vectorized:
+        caller = ChunkCaller(fn, kernel.name, in_tree, out_tree, out_core, spec.shape)
+    else:
+        caller = ElementCaller(
+            fn,
+            kernel.name,
+            in_tree,
+            out_tree,
+            out_core,
+            spec.shape,
+            accumulate=[k for k in range(len(result_avals)) if spec.summed(k)],
+        )
 
-    Two ``threadmap`` calls with the same function give equal params, so a jitted
-    function is not recompiled and eager calls hit the compilation cache.
-    """
+    def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
+        flat_map = HostMap(caller, spec, operands)
+        run_map(executor, flat_map, progress=progress, max_chunk=kernel.max_chunk)
+        return flat_map.finish()
 
-    fn: Callable[..., Any]
-    name: str
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Kernel) and other.fn is self.fn
-
-    def __hash__(self) -> int:
-        return hash(id(self.fn))
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-def kernel_name(fn: Callable[..., Any]) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    if name is None and isinstance(fn, functools.partial):
-        return f"partial({kernel_name(fn.func)})"
-    return name or type(fn).__name__
+    return run
 
 
 def _threadmap_abstract_eval(
-    *avals, kernel, result_avals, in_tree, out_tree, spec, executor, progress
-):
-    del kernel, in_tree, out_tree, executor, progress
+    *avals: Any,
+    kernel: HostCall,
+    result_avals: tuple[Any, ...],
+    spec: BatchSpec,
+    executor: Executor,
+    progress: bool | None,
+) -> list[Any]:
+    del kernel, executor, progress
     if len(avals) != len(spec.in_axes):
         raise ValueError(
             f"threadmap_p got {len(avals)} operands but its batch spec describes "
@@ -72,25 +91,35 @@ def _threadmap_abstract_eval(
     ]
 
 
-_last_error = threading.local()
+def _threadmap_impl(*args: Any, **params: Any) -> list[jax.Array]:
+    # Eager: the host function runs here, on NumPy copies of the operands, so a
+    # failing kernel raises its own error (type, batch index, cause).
+    outs = host_function(**params)(*(np.asarray(a) for a in args))
+    device = _committed_device(args)
+    return [jax.device_put(o, device) for o in outs]
 
 
-def _threadmap_impl(*args, **params):
-    # On CPU the host callback runs on this thread; when it fails we re-raise its
-    # own exception (type, batch index, cause) instead of XLA's string copy of it.
-    _last_error.value = None
-    try:
-        return _compat.apply_primitive(threadmap_p, *args, **params)
-    except _compat.JaxRuntimeError:
-        err, _last_error.value = _last_error.value, None
-        if err is not None:
-            raise err from err.__cause__
-        raise
+def _committed_device(args: Sequence[Any]) -> Any:
+    """Where the results go: the committed operands' device, replicated over
+    their mesh when they span several, else the default device (uncommitted)."""
+    for a in args:
+        if isinstance(a, jax.Array) and a.committed:
+            sharding = a.sharding
+            if len(sharding.device_set) == 1:
+                return next(iter(sharding.device_set))
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                return jax.sharding.NamedSharding(
+                    sharding.mesh, jax.sharding.PartitionSpec()
+                )
+            return min(sharding.device_set, key=lambda d: int(d.id))  # type: ignore[attr-defined]
+    return None
 
 
-def _threadmap_batching_rule(args, dims, *, spec: BatchSpec, **params):
+def _threadmap_batching_rule(
+    args: Sequence[Any], dims: Sequence[int | None], *, spec: BatchSpec, **params: Any
+) -> tuple[Sequence[Any], list[int]]:
     size = None
-    norm_dims = []
+    norm_dims: list[int | None] = []
     for x, d in zip(args, dims, strict=True):
         if d is None:
             norm_dims.append(None)
@@ -103,37 +132,13 @@ def _threadmap_batching_rule(args, dims, *, spec: BatchSpec, **params):
     return outs, [0] * len(outs)
 
 
-def _threadmap_lowering(
-    ctx, *args, kernel, result_avals, in_tree, out_tree, spec, executor, progress
-):
-    loop = ElementLoop(
-        kernel.fn,
-        kernel.name,
-        in_tree,
-        out_tree,
-        [(a.shape, a.dtype) for a in result_avals],
-        spec.shape,
-        accumulate=[k for k in range(len(result_avals)) if spec.summed(k)],
-    )
-    flat_map = FlatMap(loop, spec)
-
-    def callback(*operands):
-        try:
-            prepared = flat_map.prepare(operands, workers_of(executor))
-            job = run_map(executor, prepared, name=kernel.name, progress=progress)
-            if job.error is not None:
-                raise _host_error(job.error, kernel.name)
-            return prepared.finish()
-        except BaseException as e:
-            _last_error.value = e
-            raise
-
+def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     sharding = _compat.callback_op_sharding(
         ctx.module_context.axis_context, None, ctx.avals_out
     )
     results, _, _ = _compat.emit_python_callback(
         ctx,
-        callback,
+        host_function(**params),
         None,
         list(args),
         ctx.avals_in,
@@ -145,27 +150,14 @@ def _threadmap_lowering(
     return results
 
 
-def _host_error(e: BaseException, name: str) -> BaseException:
-    """The error a failed map raises: kernel errors as they are, the rest wrapped."""
-    if isinstance(e, (KernelError, ExecutorError, KeyboardInterrupt, SystemExit)):
-        return e
-    if isinstance(e, concurrent.futures.BrokenExecutor):
-        err = ExecutorError(
-            f"The executor running threadmap kernel {name!r} broke while the map ran "
-            f"({type(e).__name__}: {e}); a worker probably died. The map was "
-            "abandoned; pass a working executor to the next call."
-        )
-    else:
-        err = ExecutorError(
-            f"threadmap kernel {name!r}: the executor failed with "
-            f"{type(e).__name__}: {e}"
-        )
-    err.__cause__ = e
-    return err
-
-
 threadmap_p.def_impl(_threadmap_impl)
 threadmap_p.def_abstract_eval(_threadmap_abstract_eval)
 _compat.register_batching_rule(threadmap_p, _threadmap_batching_rule)
 _compat.register_lowering(threadmap_p, _threadmap_lowering, cacheable=False)
+_compat.register_jvp(
+    threadmap_p, functools.partial(_autodiff.jvp_rule, threadmap_p.bind)
+)
+_compat.register_transpose(
+    threadmap_p, functools.partial(_autodiff.transpose_rule, threadmap_p.bind)
+)
 _compat.require_devices_during_lowering(threadmap_p)

@@ -27,16 +27,16 @@ assert jax.device_count() == 4, jax.devices()
 # Every host call of a flat map records its batch shape and kernel name.
 host_calls = []
 _lock = threading.Lock()
-_original_prepare = _host.FlatMap.prepare
+_original_init = _host.HostMap.__init__
 
 
-def _recording_prepare(self, operands, *args):
+def _recording_init(self, caller, spec, operands):
     with _lock:
-        host_calls.append((self.loop.name.rsplit(".", 1)[-1], self.spec.shape))
-    return _original_prepare(self, operands, *args)
+        host_calls.append((caller.name.rsplit(".", 1)[-1], spec.shape))
+    _original_init(self, caller, spec, operands)
 
 
-_host.FlatMap.prepare = _recording_prepare
+_host.HostMap.__init__ = _recording_init
 
 OUT = jax.ShapeDtypeStruct((3,), jnp.float32)
 
@@ -119,6 +119,23 @@ def main():
             jax.jit(body2)(jax.device_put(X.reshape(4, 2, 3), rows), A),
             SORTED.reshape(4, 2, 3),
             [("scaled_sort", (1, 2))] * 4,
+        )
+
+        # A vectorized kernel inside shard_map: one flat map of chunks per shard.
+        def sort_rows(x, a):  # a chunk: x (k, 3), a (k,)
+            return np.sort(x, axis=-1) * a[:, None]
+
+        body3 = jax.shard_map(
+            per_row(lambda x, a: threadmap(sort_rows, OUT, x, a, vectorized=True)),
+            mesh=mesh,
+            in_specs=(P("d"), P()),
+            out_specs=P("d"),
+        )
+        check(
+            f"{tag} shard_map vectorized",
+            jax.jit(body3)(xs, A),
+            SORTED,
+            [("sort_rows", (2,))] * 4,
         )
 
         # jit with NamedSharding inputs (automatic partitioning).

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_eqns, jaxprs_in_params
+from helpers import count_eqns, jaxprs_in_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -486,28 +486,33 @@ def test_random_nestings_match_jax_numpy(case):
 
 
 def test_derivative_params_are_equal_across_traces(monkeypatch):
-    from jax_threadmap import _primitive
+    from jax_threadmap import _compat, _primitive
 
-    lowerings = []
+    ran, lowerings = [], []
 
-    class CountingFlatMap(_primitive.FlatMap):
-        def __init__(self, *args):
-            lowerings.append(args[0].name.rsplit(".", 1)[-1])
-            super().__init__(*args)
+    class RecordingHostMap(_primitive.HostMap):
+        def __init__(self, caller, *args):
+            ran.append(caller.name.rsplit(".", 1)[-1])
+            super().__init__(caller, *args)
 
-    monkeypatch.setattr(_primitive, "FlatMap", CountingFlatMap)
+    def counting_emit(*args, **kwargs):
+        lowerings.append(1)
+        return emit(*args, **kwargs)
+
+    emit = _compat.emit_python_callback
+    monkeypatch.setattr(_primitive, "HostMap", RecordingHostMap)
+    monkeypatch.setattr(_compat, "emit_python_callback", counting_emit)
     f = jax.vmap(make_scaled_sin(np.float32), (0, None))
     x, a = values((4, 3), np.float32), jnp.float32(2.0)
     grad = jax.grad(lambda x: f(x, a).sum())
     grad(x)
-    first = list(lowerings)
-    grad(x + 1)
+    assert sorted(ran) == ["scaled_sin", "scaled_sin_vjp"]
+    ran.clear()
     jax.jvp(lambda x: f(x, a), (x,), (x,))
-    n = len(lowerings)
-    jax.jvp(lambda x: f(x, a), (x + 1,), (x,))
-    assert sorted(first) == ["scaled_sin", "scaled_sin_vjp"]
-    assert lowerings[len(first) : n] == ["scaled_sin_jvp"]
-    assert len(lowerings) == n  # eager derivatives hit the compilation cache
+    assert sorted(ran) == ["scaled_sin", "scaled_sin_jvp"]
+    assert lowerings == []  # eager derivatives run on the host, nothing compiles
+    j1, j2 = (jax.make_jaxpr(grad)(v) for v in (x, x + 1))
+    assert [e.params for e in j1.eqns] == [e.params for e in j2.eqns]
     jitted = jax.jit(grad)
     jitted(x)
     jitted(x + 1)
@@ -583,6 +588,36 @@ def test_wrong_derivative_results_name_the_kernel_and_index():
         jax.jvp(lambda x: g(x, 2.0), (x,), (x,))
 
 
+def test_derivative_results_that_do_not_fit_fail_naming_the_value():
+    # Derivative kernels store through the same check as primal ones, the
+    # host-summed cotangents of unbatched operands included.
+    @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
+    def mul(x, w):
+        return x * w
+
+    @mul.defjvp
+    def mul_jvp(x, w, tx, tw):
+        return np.float64(1e300) if x == 1 else np.float64(tx * w + x * tw)
+
+    @mul.defvjp
+    def mul_vjp(x, w, ct):
+        big = np.float64(1e300) if x == 1 else np.float64(ct * x)
+        return np.float64(ct * w), big
+
+    g = jax.vmap(mul, (0, None))
+    w = jnp.float32(3)
+    ok = jnp.array([0.0, 2.0, 4.0])
+    _, t = jax.jvp(lambda x: g(x, w), (ok,), (jnp.ones(3),))
+    np.testing.assert_array_equal(t, np.full(3, 3, np.float32))
+    np.testing.assert_array_equal(jax.grad(lambda w: g(ok, w).sum())(w), 6.0)
+    bad = jnp.array([0.0, 1.0, 4.0])
+    fragment = r"at batch index \(1,\) .*returned 1e\+300 \(float64\) for output 0"
+    with pytest.raises(KernelError, match="mul_jvp' " + fragment):
+        jax.jvp(lambda x: g(x, w), (bad,), (jnp.ones(3),))
+    with pytest.raises(KernelError, match="mul_vjp' " + fragment):
+        jax.grad(lambda w: g(bad, w).sum())(w)  # w's cotangent: summed on the host
+
+
 def test_api_errors():
     with pytest.raises(TypeError, match="with parentheses"):
         jax_threadmap.kernel(np.sin)
@@ -640,14 +675,27 @@ class _ForeignExecutor(concurrent.futures.Executor):
         return self._inner.submit(fn, *args, **kwargs)
 
 
-def test_executors_in_other_processes_sum_cotangents_in_jax():
-    ex = _ForeignExecutor()
+def _without_executor(jaxpr):
+    # Each dot_loss call defines its own kernel functions: compare their names.
+    return [
+        (e.primitive.name, {k: str(v) for k, v in e.params.items() if k != "executor"})
+        for e in jaxpr.eqns
+    ]
+
+
+def test_grad_jaxpr_is_the_same_whatever_the_executor():
+    ex = _ForeignExecutor()  # takes the path of executors in other processes
     x = values((4, 6, 5), np.float32)
     w = values((5,), np.float32, 1)
-    loss = dot_loss(x, ex)
-
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(w).jaxpr
-    vjp = {kname(e): e for e in _threadmap_eqns(jaxpr)}["dot_vjp"]
-    assert not any(vjp.params["spec"].out_sum)  # per-element, summed by JAX
-    np.testing.assert_allclose(jax.grad(loss)(w), np.asarray(x).sum((0, 1)), rtol=1e-5)
+    jaxprs = [
+        jax.make_jaxpr(jax.grad(dot_loss(x, executor)))(w).jaxpr
+        for executor in (None, 2, ex)
+    ]
+    assert _without_executor(jaxprs[0]) == _without_executor(jaxprs[1])
+    assert _without_executor(jaxprs[0]) == _without_executor(jaxprs[2])
+    vjp = {kname(e): e for e in _threadmap_eqns(jaxprs[2])}["dot_vjp"]
+    assert vjp.params["spec"].out_sum == ((0, 1),)  # summed on the host
+    for executor in (None, ex):
+        g = jax.jit(jax.grad(dot_loss(x, executor)))(w)
+        np.testing.assert_allclose(g, np.asarray(x).sum((0, 1)), rtol=1e-5)
     ex._inner.shutdown()

@@ -61,6 +61,7 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.THREADMAP,
         _compat.DERIVATIVES,
         _compat.ASYNC_ARRAYS,
+        _compat.ASYNC_DISPATCH,
     }
     for form in hook.forms:
         assert form.where and all(re.fullmatch(r"[\w.]+:\w+", w) for w in form.where)
@@ -165,6 +166,13 @@ def _hidden(hook):
 @pytest.mark.parametrize("hook", HOOKS, ids=_ids)
 def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch):
     monkeypatch.setitem(_compat.RESOLVED, hook.name, _compat.resolve(_hidden(hook)))
+    if hook.features == (_compat.ASYNC_DISPATCH,):  # optional: dispatch blocks
+        status = jax_threadmap.async_dispatch_status()
+        assert status.startswith("blocking: unavailable"), status
+        assert f"{hook.name} is missing" in status and "_moved" in status
+        for use in FEATURE_USES.values():
+            use()
+        return
     needs = set(hook.features)
     if _compat.THREADMAP in needs:  # derivative kernels are threadmap equations
         needs.add(_compat.DERIVATIVES)

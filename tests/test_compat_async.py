@@ -52,7 +52,8 @@ class _Probe:
 _requests: list[int] = []
 
 
-def _arrays_of(xs):
+def _arrays_of(xs, shardings):
+    assert len(shardings) == len(xs)
     _requests.append(len(xs))
     return [jnp.asarray(x.value) for x in xs]
 
@@ -112,3 +113,62 @@ def test_jax_array_protocol_alone_is_still_not_enough():
         with pytest.warns(DeprecationWarning, match="__jax_array__"):
             jax.jit(lambda a: a + 1).lower(OnlyProtocol())
         assert calls, "jit traced a __jax_array__ type without asking for its data"
+
+
+# --- async dispatch (the "async dispatch" section of _compat) -----------------------
+
+
+DISPATCH_HOOKS = [h for h in _compat.HOOKS if _compat.ASYNC_DISPATCH in h.features]
+
+
+@pytest.mark.parametrize("hook", DISPATCH_HOOKS, ids=lambda h: h.name)
+def test_async_dispatch_hook_is_still_where_we_expect_it(hook):
+    value = _compat.RESOLVED[hook.name]
+    assert not isinstance(value, _compat.Missing), (
+        f"JAX {jax.__version__} no longer provides {hook.name} ({value.reason}); "
+        "jitted calls with pending AsyncArrays fall back to blocking dispatch. "
+        "Update the 'async dispatch' entries of HOOKS in jax_threadmap/_compat.py."
+    )
+    assert _compat.async_dispatch_unavailable() is None
+
+
+def test_a_pulled_gate_holds_a_callback_program_until_offered():
+    # The gate mechanism of _async._Dispatch, reduced to its parts: a program
+    # whose input is a pulled, not yet offered array is dispatched without
+    # running; once offered, its host callback runs and the value arrives.
+    import threading
+    import time
+
+    dev = jax.devices()[0]
+    server = _compat.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
+    conn = server.connect(server.address())
+    gate_aval = jax.ShapeDtypeStruct(
+        (), np.int32, sharding=jax.sharding.SingleDeviceSharding(dev)
+    )
+    gate = conn.pull(12345, [gate_aval])[0]
+    ran = threading.Event()
+    data = np.arange(5, dtype=np.float32)
+
+    def fill(g):
+        ran.set()
+        return data * int(g)
+
+    program = jax.jit(
+        lambda g: jax.pure_callback(fill, jax.ShapeDtypeStruct((5,), np.float32), g)
+    )
+    done = threading.Event()
+    box = {}
+    worker = threading.Thread(
+        target=lambda: (box.update(y=program(gate) + 1), done.set()), daemon=True
+    )
+    worker.start()
+    assert done.wait(30), (
+        f"dispatching on a pulled array blocked. {UPDATE}"
+        " (async dispatch would block here)"
+    )
+    time.sleep(0.1)
+    assert not ran.is_set() and not box["y"].is_ready(), (
+        f"the program ran before its gate was offered. {UPDATE}"
+    )
+    server.await_pull(12345, [jax.device_put(np.int32(3), dev)])
+    np.testing.assert_array_equal(np.asarray(box["y"]), data * 3 + 1)

@@ -7,12 +7,11 @@ the script that writes the docs' tables cannot rot unnoticed.
 import importlib.util
 import pathlib
 
+import harness as B
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jax_threadmap import _baselines as B
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

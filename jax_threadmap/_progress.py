@@ -1,0 +1,104 @@
+"""Progress bars, and the one loop that waits for a map while showing one.
+
+A bar appears only once a map has run for ``delay`` seconds (tqdm when it is
+installed, else a line on stderr now and then), so short maps print nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from . import _validate
+
+ENV_PROGRESS = "JAX_THREADMAP_PROGRESS"
+
+#: Seconds between two checks of a map that shows no bar: short enough that the
+#: waiting thread sees Ctrl-C at once.
+POLL_INTERVAL = 0.5
+
+
+def progress_enabled(progress: bool | None) -> bool:
+    """``progress`` if given, else environment variable ``JAX_THREADMAP_PROGRESS``."""
+    if progress is not None:
+        return bool(progress)
+    return _validate.env_flag(ENV_PROGRESS, "progress bars for long threadmaps")
+
+
+class Progress:
+    """A progress bar for ``total`` elements that appears after ``delay`` seconds."""
+
+    interval = 0.1
+    delay = 1.0
+
+    def __init__(self, total: int, name: str, unit: str = "el"):
+        self.total = total
+        self.name = name
+        self.unit = unit
+        self.start = time.perf_counter()
+        self.bar: Any = None
+        self._last_print = 0.0
+
+    def update(self, completed: int) -> None:
+        now = time.perf_counter()
+        if now - self.start < self.delay:
+            return
+        if self.bar is None:
+            self.bar = _tqdm(self.total, f"threadmap {self.name}", self.unit) or False
+        if self.bar:
+            self.bar.update(completed - self.bar.n)
+        elif now - self._last_print >= 1.0:
+            self._last_print = now
+            print(
+                f"threadmap {self.name}: {completed}/{self.total} "
+                f"{'elements' if self.unit == 'el' else self.unit + 's'} "
+                f"({100 * completed / max(self.total, 1):.0f}%)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self, completed: int) -> None:
+        if self.bar:
+            self.bar.update(completed - self.bar.n)
+            self.bar.close()
+
+
+def _tqdm(total: int, desc: str, unit: str) -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit=unit)
+
+
+class Waited(Protocol):
+    """What :func:`wait` needs of a map: its progress, and a way to stop it."""
+
+    @property
+    def completed(self) -> int: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
+def wait(job: Waited, poll: Callable[[float], bool], progress: Progress | None) -> None:
+    """Calls ``poll(timeout)`` until it returns ``True``, updating ``progress``.
+
+    ``poll`` waits at most ``timeout`` seconds for the map to finish (or does a
+    step of work, such as shipping chunks) and says whether it has. The waits are
+    short so that the thread sees Ctrl-C at once; an exception while waiting
+    (KeyboardInterrupt) fails ``job``, so that chunks not yet started never run,
+    and propagates.
+    """
+    interval = POLL_INTERVAL if progress is None else progress.interval
+    try:
+        while not poll(interval):
+            if progress is not None:
+                progress.update(job.completed)
+    except BaseException as e:
+        job.fail(e)
+        raise
+    finally:
+        if progress is not None:
+            progress.close(job.completed)

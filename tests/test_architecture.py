@@ -1,0 +1,76 @@
+"""The module layering of the package: each module imports only those below it.
+
+A newcomer reads the architecture from the file names (docs/architecture.md); this
+test keeps it true. Moving a module or adding an upward import fails here, with
+the offending import named.
+"""
+
+import ast
+import pathlib
+
+import jax_threadmap
+
+PACKAGE = pathlib.Path(jax_threadmap.__file__).parent
+
+#: Lowest first. A module may import only modules that come before it.
+LAYERS = [
+    "_errors",
+    "_compat",
+    "_validate",
+    "_batch_spec",
+    "_progress",
+    "_remote",
+    "_loops",
+    "_vectorized",
+    "_host",
+    "_executor",
+    "_params",
+    "_autodiff",
+    "_primitive",
+    "_api",
+    "_async",
+    "_demo",
+    "__init__",
+    "__main__",
+]
+
+
+def package_imports(path: pathlib.Path) -> set[str]:
+    """The package modules that ``path`` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module)
+            else:
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "jax_threadmap"
+        ):
+            found.add(node.module.split(".")[1] if "." in node.module else "__init__")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("jax_threadmap."):
+                    found.add(alias.name.split(".")[1])
+    return found
+
+
+def test_every_module_has_a_layer():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert modules == set(LAYERS)
+
+
+def test_modules_import_only_lower_layers():
+    upward = []
+    for path in PACKAGE.glob("*.py"):
+        rank = LAYERS.index(path.stem)
+        for imported in package_imports(path):
+            if LAYERS.index(imported) >= rank:
+                upward.append(f"{path.stem} imports {imported}")
+    assert upward == []
+
+
+def test_the_checker_sees_upward_imports(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from ._api import threadmap\n\nfrom . import _host\n")
+    assert package_imports(bad) == {"_api", "_host"}

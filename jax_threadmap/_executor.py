@@ -37,7 +37,7 @@ from . import _validate
 from ._errors import ExecutorError, KernelError
 from ._progress import Progress, progress_enabled, wait
 
-ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
+ENV_NUM_THREADS = _validate.ENV_NUM_THREADS
 
 #: Runs elements ``[start, stop)`` of a job; checks ``job.failed`` between elements.
 ChunkFn = Callable[[int, int, "Job"], None]
@@ -87,9 +87,7 @@ def default_num_threads() -> int:
     may run on: kernels that release the GIL and use the CPU scale up to that, and
     I/O-bound kernels (network, disk, sleeps) should set a larger value.
     """
-    n = _validate.env_positive_int(
-        ENV_NUM_THREADS, "the number of threads of the shared pool"
-    )
+    n = _validate.env_num_threads()
     return available_cpus() if n is None else n
 
 

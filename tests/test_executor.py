@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_threadmap
 from jax_threadmap import ExecutorError, _executor, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
@@ -299,3 +300,25 @@ def test_interrupt_while_waiting_stops_work_not_started():
     assert job.failed and job.done.is_set()
     assert len(ran) < 50
     pool.shutdown()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: threadmap(np.negative, F32, 1.0, executor=n),
+        lambda n: jax_threadmap.kernel(F32, executor=n)(np.negative),
+    ],
+    ids=["threadmap", "kernel"],
+)
+def test_absurd_pool_size_is_refused_at_call_time(make):
+    for n in (4097, 10**9, np.int64(10**9)):
+        with pytest.raises(ValueError, match=f"at most 4096 threads. Got executor={n}"):
+            make(n)
+    make(4096)  # the ceiling itself is fine (and starts one thread for one element)
+
+
+def test_absurd_pool_size_in_environment_is_refused_at_call_time(monkeypatch):
+    monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(10**9))
+    f = jax.jit(jax.vmap(lambda v: threadmap(np.negative, F32, v)))
+    with pytest.raises(ValueError, match="JAX_THREADMAP_NUM_THREADS must be at most"):
+        f(np.zeros(3, np.float32))

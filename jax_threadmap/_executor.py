@@ -12,13 +12,17 @@ waiting on work queued behind it, and what happens at fork and exit.
   depend on timing.
 - :class:`ThreadPool`: the shared pools (``executor=None`` and ``executor=N``). A
   pool of ``N`` workers starts at most ``N`` threads in its lifetime, and only
-  those threads run kernels. The thread that starts a map waits and runs
-  nothing, unless it is itself a worker of the same pool (a kernel that calls
-  ``threadmap``): then it works on the chunks of its own map.
+  those threads run kernels.
 - A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
   until none are left (the same claim-and-run loop as the pool's threads).
 - Executors that pickle work (process pools, Dask) get packed chunks
   (:mod:`._remote`), sized from the kernel's measured cost.
+- Nesting: the thread that starts a map waits and runs nothing, unless it is
+  itself running a kernel of a map (a kernel that calls ``threadmap``). Then it
+  works on the chunks of its own map while it waits, on whatever pool or thread
+  executor that map runs, so it never waits on work queued behind itself: its
+  thread (and its place in its own pool) is lent to the nested map. A map that
+  fails stops the maps its kernels started.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import concurrent.futures
 import os
 import pickle
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -94,6 +97,19 @@ def default_num_threads() -> int:
 # --- jobs -----------------------------------------------------------------------------
 
 
+class _Local(threading.local):
+    #: The job whose chunk this thread is running (a kernel is running here).
+    job: Job | None = None
+
+
+_local = _Local()
+
+
+def current_job() -> Job | None:
+    """The map whose kernel this thread is running, if any."""
+    return _local.job
+
+
 class Job:
     """One flat map: ``n`` elements, run by ``fn(start, stop, job)`` per chunk.
 
@@ -107,10 +123,17 @@ class Job:
         fixed: Chunks of exactly this many elements (fixed bounds); ``None`` for
             guided chunks.
         divisor: Guided chunks take ``1 / divisor`` of what is left.
+        parent: The map whose kernel started this one; its failure stops this one.
     """
 
     def __init__(
-        self, n: int, fn: ChunkFn, *, fixed: int | None = None, divisor: int = 2
+        self,
+        n: int,
+        fn: ChunkFn,
+        *,
+        fixed: int | None = None,
+        divisor: int = 2,
+        parent: Job | None = None,
     ):
         self.n = n
         self.fn = fn
@@ -123,8 +146,12 @@ class Job:
         self._lock = threading.Lock()
         self._next = 0
         self._outstanding = 0
+        self._children: set[Job] = set()
+        self.parent = parent
         if n == 0:
             self.done.set()
+        if parent is not None:
+            parent._adopt(self)
 
     def claim(self) -> tuple[int, int] | None:
         """The next chunk to run, or ``None`` when none is left."""
@@ -139,7 +166,8 @@ class Job:
             return start, stop
 
     def fail(self, error: BaseException) -> None:
-        """Records the first error and stops handing out chunks.
+        """Records the first error and stops handing out chunks, here and in the
+        maps this map's kernels started.
 
         A no-op once the job is done: a late error (a cancelled helper task)
         does not undo a finished map.
@@ -151,14 +179,19 @@ class Job:
                 self.error = error
             self.failed = True
             self._check_done()
+            children = list(self._children)
+        for child in children:
+            child.fail(_stopped_by_parent())
 
     def run(self, start: int, stop: int) -> None:
         """Runs a claimed chunk; its exception fails the job."""
+        outer, _local.job = _local.job, self
         try:
             self.fn(start, stop, self)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
+            _local.job = outer
             with self._lock:
                 self.completed += stop - start
                 self._outstanding -= 1
@@ -173,14 +206,33 @@ class Job:
         with self._lock:
             return self.failed or self._next >= self.n
 
+    def detach(self) -> None:
+        """Forgets the parent, once this map is over."""
+        if self.parent is not None:
+            with self.parent._lock:
+                self.parent._children.discard(self)
+
+    def _adopt(self, child: Job) -> None:
+        with self._lock:
+            failed = self.failed
+            if not failed:
+                self._children.add(child)
+        if failed:
+            child.fail(_stopped_by_parent())
+
     def _check_done(self) -> None:  # lock held
         if self._outstanding == 0 and (self.failed or self._next >= self.n):
             self.done.set()
 
 
-# --- the shared pools -----------------------------------------------------------------
+def _stopped_by_parent() -> ExecutorError:
+    # Never reported to the user: the parent's own (first) error is.
+    return ExecutorError(
+        "This map was stopped because the map whose kernel started it failed."
+    )
 
-_worker_of = threading.local()
+
+# --- the shared pools -----------------------------------------------------------------
 
 
 class ThreadPool:
@@ -221,9 +273,9 @@ class ThreadPool:
             self._jobs.append(job)
             self._start_workers(min(job.n, self.max_workers))
             self._cond.notify_all()
-        if getattr(_worker_of, "pool", None) is self:
+        if _local.job is not None:
             # A kernel that calls threadmap: work on our own chunks rather than
-            # wait for them behind the outer map's queue.
+            # wait for them behind the outer maps.
             job.drain()
             self._discard(job)
         wait(job, job.done.wait, progress)
@@ -255,7 +307,6 @@ class ThreadPool:
             return self._jobs[0] if self._jobs else None
 
     def _work(self) -> None:
-        _worker_of.pool = self
         while (job := self._next_job()) is not None:
             job.drain()
             self._discard(job)
@@ -336,29 +387,21 @@ def _refused(executor: Any, e: BaseException) -> ExecutorError:
     )
 
 
-_running_on = threading.local()
-
-
-def _puller(job: Job, executor_ref: Any) -> None:
+def _puller(job: Job) -> None:
     """A task of a thread executor: claims chunks of ``job`` until none are left."""
-    _running_on.executor = executor_ref
-    try:
-        job.drain()
-    finally:
-        _running_on.executor = None
+    job.drain()
 
 
 def _run_on_threads(
     executor: concurrent.futures.Executor, job: Job, progress: Progress | None
 ) -> None:
-    """Runs ``job`` on a thread executor: one puller task per worker."""
-    ref = weakref.ref(executor)
-    current = getattr(_running_on, "executor", None)
-    if current is not None and current() is executor:
-        # Nested call from a task of the same executor: its workers may all be
-        # waiting on us, so run our chunks here.
-        job.drain()
-        return
+    """Runs ``job`` on a thread executor: one puller task per worker.
+
+    A thread that runs a kernel itself (a nested map) also drains ``job``, since
+    the executor's workers may all be busy waiting, for this very thread among
+    others: the pullers are then extra hands, and the ones that never start are
+    cancelled.
+    """
     count = min(known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT, job.n)
     left = [count]
     lock = threading.Lock()
@@ -376,7 +419,7 @@ def _run_on_threads(
     futures = []
     try:
         for _ in range(count):
-            futures.append(executor.submit(_puller, job, ref))
+            futures.append(executor.submit(_puller, job))
             futures[-1].add_done_callback(on_done)
     except RuntimeError as e:
         job.fail(_refused(executor, e))
@@ -384,6 +427,8 @@ def _run_on_threads(
             with lock:
                 left[0] -= 1
     try:
+        if _local.job is not None:
+            job.drain()
         wait(job, job.done.wait, progress)
     finally:
         for f in futures:  # pullers that never started: nothing left to claim
@@ -447,6 +492,8 @@ class _Shipper:
 
     def poll(self, timeout: float) -> bool:
         """Stores what has come back, ships more; whether the map is done."""
+        if self.job.failed:  # stopped from outside: its parent failed
+            return True
         done, _ = concurrent.futures.wait(
             list(self.pending), timeout, concurrent.futures.FIRST_COMPLETED
         )
@@ -475,8 +522,10 @@ class _Shipper:
             wait(self.job, self.poll, progress)
         except BaseException as e:
             self.job.fail(e)
-            for fut in self.pending:
-                fut.cancel()
+        finally:
+            if self.job.failed:
+                for fut in self.pending:
+                    fut.cancel()
 
 
 # --- one map --------------------------------------------------------------------------
@@ -489,29 +538,40 @@ def workers_of(executor: _validate.Executor) -> int:
     return known_workers(executor) or UNKNOWN_WORKERS
 
 
-def new_job(work: MapWork, executor: _validate.Executor) -> Job:
+def new_job(
+    work: MapWork, executor: _validate.Executor, parent: Job | None = None
+) -> Job:
     """The job of ``work`` on ``executor``, with its chunking policy."""
     workers = workers_of(executor)
     # Host-side sums need chunk bounds that do not depend on timing: about two
     # chunks per worker. Otherwise guided chunks, each a share of what is left.
     fixed = -(-work.n // (2 * workers)) if work.sums and work.n else None
-    return Job(work.n, work.run_chunk, fixed=fixed, divisor=2 * workers)
+    return Job(work.n, work.run_chunk, fixed=fixed, divisor=2 * workers, parent=parent)
 
 
 def run_map(
     executor: _validate.Executor, work: MapWork, *, progress: bool | None
 ) -> None:
-    """Runs every element of ``work`` on ``executor``; raises the map's error."""
-    job = new_job(work, executor)
-    if job.n == 0:
+    """Runs every element of ``work`` on ``executor``; raises the map's error.
+
+    Called from a kernel (a nested map), the calling thread works on the map's
+    chunks while it waits, when the map runs on threads of this process: the
+    kernel's thread is lent to the nested map, which can then run one kernel
+    more than its executor's bound.
+    """
+    if work.n == 0:
         return
+    job = new_job(work, executor, parent=_local.job)
     bar = Progress(job.n, work.name) if progress_enabled(progress) else None
-    if executor is None or isinstance(executor, int):
-        get_pool(executor).run(job, bar)
-    elif shares_memory(executor):
-        _run_on_threads(executor, job, bar)
-    else:
-        _Shipper(executor, work, job).run(bar)
+    try:
+        if executor is None or isinstance(executor, int):
+            get_pool(executor).run(job, bar)
+        elif shares_memory(executor):
+            _run_on_threads(executor, job, bar)
+        else:
+            _Shipper(executor, work, job).run(bar)
+    finally:
+        job.detach()
     if job.error is not None:
         raise _map_error(job.error, work.name)
 

@@ -2,8 +2,12 @@
 
 import concurrent.futures
 import os
+import queue
+import signal
 import subprocess
 import sys
+import tempfile
+import textwrap
 import threading
 import time
 
@@ -322,3 +326,151 @@ def test_absurd_pool_size_in_environment_is_refused_at_call_time(monkeypatch):
     f = jax.jit(jax.vmap(lambda v: threadmap(np.negative, F32, v)))
     with pytest.raises(ValueError, match="JAX_THREADMAP_NUM_THREADS must be at most"):
         f(np.zeros(3, np.float32))
+
+
+def test_kernel_lends_its_thread_to_the_nested_map_it_waits_for():
+    inner_rec = Recorder(0.02)
+    inner = jax.jit(jax.vmap(lambda v: threadmap(inner_rec, F32, v, executor=2)))
+    outer_threads = set()
+
+    def outer(v):
+        outer_threads.add(threading.current_thread())
+        return np.asarray(inner(jnp.full(12, v))).sum()
+
+    np.testing.assert_allclose(run(outer, X[:1, :3], executor=1), X[:1, :3] * 24)
+    # The waiting outer kernel runs inner elements too: one more than the inner
+    # pool's 2 at once, never more.
+    assert outer_threads <= inner_rec.threads
+    assert inner_rec.max_running <= 3
+
+
+def test_nested_map_on_the_same_pool_keeps_the_bound_exact():
+    inner_rec = Recorder(0.005)
+    inner = jax.jit(jax.vmap(lambda v: threadmap(inner_rec, F32, v, executor=2)))
+
+    def outer(v):
+        return np.asarray(inner(jnp.full(6, v))).sum()
+
+    np.testing.assert_allclose(run(outer, X[:2, :4], executor=2), X[:2, :4] * 12)
+    assert inner_rec.max_running <= 2  # both places are held by waiting kernels
+
+
+def test_failed_map_stops_the_maps_its_kernels_started():
+    ran = []
+    nested_running = threading.Event()
+
+    def inner_k(v):
+        ran.append(v)
+        nested_running.set()
+        time.sleep(0.005)
+        return v
+
+    inner = jax.jit(jax.vmap(lambda v: threadmap(inner_k, F32, v, executor=1)))
+
+    def outer_k(v):
+        if int(v) == 0:
+            assert nested_running.wait(30)
+            raise RuntimeError("outer element fails")
+        return np.asarray(inner(jnp.zeros(2000, jnp.float32))).sum()
+
+    with pytest.raises(Exception, match="outer element fails"):
+        run(outer_k, np.arange(2, dtype=np.float32)[None], executor=2)
+    # The nested map of element 1 (5 s of work) stopped with the outer map.
+    assert len(ran) < 2000
+
+
+# --- exit, Ctrl-C and deadlocks, in a fresh interpreter ----------------------------
+
+
+class Child:
+    """A Python subprocess running ``code``; it prints "ready" when set up."""
+
+    def __init__(self, code: str, *args: str):
+        self.stderr = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), *args],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.proc.kill()
+            pytest.fail(f"the child never got ready: {self.err()}")
+        assert line == "ready", self.err()
+
+    def seconds_to_exit(self, timeout: float = 60) -> float:
+        start = time.perf_counter()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"the child did not exit in {timeout} s: {self.err()}")
+        return time.perf_counter() - start
+
+    def err(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+
+# Shared pool -> a user ThreadPoolExecutor(1) -> shared pool: the pool's workers
+# wait on maps on T, whose one thread waits on a map queued behind them.
+NESTED_ACROSS_POOLS = """
+    import sys, time
+    from concurrent.futures import ThreadPoolExecutor
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_threadmap import threadmap
+
+    F32 = jax.ShapeDtypeStruct((), jnp.float32)
+    inner_n, inner_sleep = int(sys.argv[1]), float(sys.argv[2])
+    T = ThreadPoolExecutor(1)
+
+    def inner_k(v):
+        if inner_sleep:
+            print("ready", flush=True)
+            time.sleep(inner_sleep)
+        return v + 1
+
+    inner = jax.jit(jax.vmap(lambda x: threadmap(inner_k, F32, x, executor=2)))
+    mid = jax.jit(jax.vmap(lambda r: threadmap(
+        lambda row: np.float32(np.asarray(inner(row)).sum()), F32, r, executor=T)))
+
+    def outer_k(m):
+        time.sleep(0.05)
+        return np.float32(np.asarray(mid(m)).sum())
+
+    outer = jax.jit(jax.vmap(lambda m: threadmap(outer_k, F32, m, executor=2)))
+    print(np.asarray(outer(np.ones((4, 2, inner_n), np.float32))).tolist(), flush=True)
+"""
+
+
+def test_nested_maps_across_pools_complete():
+    # Was a deadlock.
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(NESTED_ACROSS_POOLS), "3", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[12.0, 12.0, 12.0, 12.0]"
+
+
+def test_ctrl_c_stops_nested_maps_across_pools():
+    # Long inner maps: one Ctrl-C stops the outer map and the maps its kernels
+    # started, including those on the user's (non-daemon) thread executor.
+    child = Child(NESTED_ACROSS_POOLS, "400", "0.05")
+    child.wait_ready()
+    child.proc.send_signal(signal.SIGINT)
+    seconds = child.seconds_to_exit()
+    assert "KeyboardInterrupt" in child.err()
+    assert seconds < 10, seconds

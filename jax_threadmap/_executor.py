@@ -1,4 +1,4 @@
-"""Where the elements of a flat map run: the shared pools and user executors.
+"""Where the elements of a flat map run: the shared threads and user executors.
 
 This module owns every scheduling decision: how a map's flat index range
 ``[0, n)`` is cut into chunks, which threads run them, how a nested map avoids
@@ -10,11 +10,14 @@ waiting on work queued behind it, and what happens at fork and exit.
   that slow kernels keep every worker busy until the end. A map whose outputs are
   summed on the host gets fixed chunk bounds instead, so that its sums do not
   depend on timing.
-- :class:`ThreadPool`: the shared pools (``executor=None`` and ``executor=N``). A
-  pool of ``N`` workers starts at most ``N`` threads in its lifetime, and only
-  those threads run kernels.
+- :class:`ThreadPool` (``executor=None`` and ``executor=N``) is a bound, not a
+  set of threads: at most ``N`` kernels of its maps run at once. The kernels of
+  every pool run on one set of daemon threads (:class:`_Threads`), started on
+  demand: a thread starts only when no idle one is left, so the threads alive
+  never outnumber the kernels that the pools have run at once, and a thread idle
+  for ``IDLE_TIMEOUT`` seconds exits.
 - A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
-  until none are left (the same claim-and-run loop as the pool's threads).
+  until none are left (the same claim-and-run loop as the shared threads).
 - Executors that pickle work (process pools, Dask) get packed chunks
   (:mod:`._remote`), sized from the kernel's measured cost.
 - Nesting: the thread that starts a map waits and runs nothing, unless it is
@@ -23,6 +26,10 @@ waiting on work queued behind it, and what happens at fork and exit.
   executor that map runs, so it never waits on work queued behind itself: its
   thread (and its place in its own pool) is lent to the nested map. A map that
   fails stops the maps its kernels started.
+- Exit: at interpreter exit idle threads exit, and the exit waits at most
+  ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked in a
+  kernel are left behind; they are daemon threads, so they do not hold up the
+  exit.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import concurrent.futures
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -52,6 +60,14 @@ TASK_SECONDS_REMOTE = 0.05
 UNKNOWN_WORKERS_IN_FLIGHT = 128
 #: Workers assumed, for chunk sizes, of an executor that does not say.
 UNKNOWN_WORKERS = 8
+#: Seconds a shared thread waits for work before it exits. Long enough that maps
+#: called in a loop keep their threads (starting one costs about 50 us), short
+#: enough that a burst of maps on many pool sizes leaves no crowd of idle threads.
+IDLE_TIMEOUT = 2.0
+#: Seconds that interpreter exit waits, in all, for kernels still running. A
+#: kernel blocked for good (a read with no timeout) costs the exit this much, not
+#: a join per thread.
+EXIT_GRACE = 1.0
 
 
 class MapWork(Protocol):
@@ -232,99 +248,243 @@ def _stopped_by_parent() -> ExecutorError:
     )
 
 
-# --- the shared pools -----------------------------------------------------------------
+# --- the shared threads ---------------------------------------------------------------
 
 
 class ThreadPool:
-    """A bounded pool of worker threads that run :class:`Job` chunks.
+    """A bound on the kernels of its maps that run at once, on the shared threads.
 
     Args:
-        max_workers: At most this many threads ever run kernels for this pool, and
-            at most this many kernels run at once.
+        max_workers: At most this many kernels of this pool's maps run at once
+            (see :func:`run_map` for the one exception, nested maps).
     """
 
     def __init__(self, max_workers: int):
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1. Got {max_workers=}.")
         self.max_workers = max_workers
-        self._cond = threading.Condition(threading.Lock())
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._threads: list[threading.Thread] = []
-        self._idle = 0
+        # Both under the shared threads' lock:
+        self.active = 0  # threads that hold one of the pool's places
+        self.peak = 0  # the most places held at once
         self._shutdown = False
 
     def __repr__(self) -> str:
         return f"ThreadPool(max_workers={self.max_workers})"
 
-    @property
-    def num_threads_started(self) -> int:
-        return len(self._threads)
-
     def run(self, job: Job, progress: Progress | None = None) -> None:
         """Runs ``job`` to completion (or first failure) and returns."""
         if job.n == 0:
             return
-        with self._cond:
-            if self._shutdown:
-                raise ExecutorError(
-                    "jax_threadmap's thread pool has been shut down (the interpreter "
-                    "is exiting). Start no new maps during interpreter shutdown."
-                )
-            self._jobs.append(job)
-            self._start_workers(min(job.n, self.max_workers))
-            self._cond.notify_all()
-        if _local.job is not None:
-            # A kernel that calls threadmap: work on our own chunks rather than
-            # wait for them behind the outer maps.
+        threads = _threads
+        threads.submit(self, job)
+        if _local.job is None:
+            # The pool's threads run every chunk, and the last one to finish drops
+            # the job from the queue.
+            wait(job, job.done.wait, progress)
+            return
+        # A kernel that calls threadmap: work on our own chunks rather than wait
+        # for them behind the outer maps.
+        try:
             job.drain()
-            self._discard(job)
-        wait(job, job.done.wait, progress)
+            wait(job, job.done.wait, progress)
+        finally:
+            threads.forget(job)
 
-    def _start_workers(self, wanted: int) -> None:  # lock held
-        missing = min(wanted - self._idle, self.max_workers - len(self._threads))
-        for _ in range(max(0, missing)):
-            t = threading.Thread(
-                target=self._work,
-                name=f"jax_threadmap_{len(self._threads)}",
-                daemon=True,
-            )
-            self._threads.append(t)
-            t.start()
-
-    def _discard(self, job: Job) -> None:
-        with self._cond:
-            try:
-                self._jobs.remove(job)
-            except ValueError:
-                pass
-
-    def _next_job(self) -> Job | None:
-        with self._cond:
-            while not self._jobs and not self._shutdown:
-                self._idle += 1
-                self._cond.wait()
-                self._idle -= 1
-            return self._jobs[0] if self._jobs else None
-
-    def _work(self) -> None:
-        while (job := self._next_job()) is not None:
-            job.drain()
-            self._discard(job)
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Stops the workers once the queued maps are done. Safe to call twice."""
-        with self._cond:
+    def shutdown(self) -> None:
+        """Refuses new maps. Safe to call twice; the threads are shared and exit
+        when idle."""
+        with _threads.lock:
             self._shutdown = True
-            self._cond.notify_all()
-            threads = list(self._threads)
-        if wait:
-            for t in threads:
-                if t is not threading.current_thread():
-                    t.join(timeout=10)
 
 
+class _Worker:
+    """One shared thread: the job (and pool) it has been handed, if any."""
+
+    __slots__ = ("cancelled", "job", "pool", "started", "wake")
+
+    def __init__(self, pool: ThreadPool, job: Job):
+        self.pool: ThreadPool | None = pool
+        self.job: Job | None = job
+        self.started = False  # its thread runs (set by the thread, under the lock)
+        self.cancelled = False  # its thread must not run: the start failed
+        # Released (under the threads' lock) to wake the idle thread: it then
+        # finds its job set, without taking the threads' lock again.
+        self.wake = threading.Lock()
+        self.wake.acquire()
+
+
+class _Threads:
+    """The daemon threads that run the kernels of every :class:`ThreadPool`.
+
+    Every field is read and written under :attr:`lock`. A job is queued with its
+    pool; each thread holds one place of one pool while it drains one of the
+    pool's jobs, and is handed work directly: an idle thread wakes with its job
+    set, and no thread wakes to find nothing.
+    A thread that finishes a job takes the next queued job of the same pool,
+    keeping its place, else gives the place back and takes any queued job whose
+    pool has a free place, else waits ``IDLE_TIMEOUT`` seconds to be handed one
+    and exits.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queue: collections.deque[tuple[ThreadPool, Job]] = collections.deque()
+        self.idle: list[_Worker] = []  # the last to go idle is handed work first
+        self.threads: set[threading.Thread] = set()
+        self.started = 0
+        self.exiting = False
+
+    def submit(self, pool: ThreadPool, job: Job) -> None:
+        """Queues ``job`` and hands it as many threads as it can use now."""
+        new: list[tuple[threading.Thread, _Worker]] = []
+        with self.lock:
+            if self.exiting or pool._shutdown:
+                raise ExecutorError(
+                    "jax_threadmap's thread pool has been shut down"
+                    + (
+                        " (the interpreter is exiting). Start no new maps during "
+                        "interpreter shutdown."
+                        if self.exiting
+                        else ". Pass executor=None or an int for a shared pool."
+                    )
+                )
+            self.queue.append((pool, job))
+            for _ in range(min(job.n, pool.max_workers - pool.active)):
+                _take_place(pool)
+                if self.idle:
+                    worker = self.idle.pop()
+                    worker.pool, worker.job = pool, job
+                    worker.wake.release()
+                else:
+                    new.append(self._new_thread(pool, job))
+        # Outside the lock, so that the other threads keep going meanwhile.
+        for i, (t, _) in enumerate(new):
+            try:
+                t.start()
+            except BaseException as e:  # refused (too many threads), or Ctrl-C
+                self._cancel(pool, new[i:])
+                self.forget(job)
+                if not isinstance(e, RuntimeError):
+                    job.fail(e)
+                    raise
+                job.fail(
+                    ExecutorError(
+                        f"Could not start a thread for {pool!r} "
+                        f"({threading.active_count()} threads alive): "
+                        f"{type(e).__name__}: {e}. Pass a smaller executor=N.",
+                        cause=e,
+                    )
+                )
+                return
+
+    def _cancel(
+        self, pool: ThreadPool, new: list[tuple[threading.Thread, _Worker]]
+    ) -> None:
+        """Gives back the places of threads whose start failed."""
+        with self.lock:
+            for t, worker in new:
+                if not worker.started:  # a start cut short may yet run it: it won't
+                    worker.cancelled = True
+                    self.threads.discard(t)
+                    pool.active -= 1
+
+    def forget(self, job: Job) -> None:
+        """Drops ``job`` from the queue, where a thread has not yet done so."""
+        with self.lock:
+            for entry in self.queue:
+                if entry[1] is job:
+                    self.queue.remove(entry)
+                    return
+
+    def _new_thread(
+        self, pool: ThreadPool, job: Job
+    ) -> tuple[threading.Thread, _Worker]:  # lock held
+        worker = _Worker(pool, job)
+        t = threading.Thread(
+            target=self._work,
+            args=(worker,),
+            name=f"jax_threadmap_{self.started}",
+            daemon=True,
+        )
+        self.started += 1
+        self.threads.add(t)
+        return t, worker
+
+    def _work(self, worker: _Worker) -> None:
+        with self.lock:
+            if worker.cancelled:
+                return
+            worker.started = True
+        while (job := worker.job) is not None:
+            job.drain()
+            with self.lock:
+                self._hand_next(worker)
+                idle = worker.job is None and not self.exiting
+                if idle:
+                    self.idle.append(worker)
+                elif worker.job is None:
+                    self.threads.discard(threading.current_thread())
+            if idle:
+                self._wait_for_work(worker)
+
+    def _wait_for_work(self, worker: _Worker) -> None:
+        """Waits ``IDLE_TIMEOUT`` seconds to be handed a job; leaves the thread
+        registered only if it was."""
+        woke = worker.wake.acquire(timeout=IDLE_TIMEOUT)
+        with self.lock:
+            if not woke and not worker.wake.acquire(blocking=False):
+                if worker in self.idle:  # no one can hand us a job now
+                    self.idle.remove(worker)
+            if worker.job is None:  # timed out, or told to exit
+                self.threads.discard(threading.current_thread())
+
+    def _hand_next(self, worker: _Worker) -> None:  # lock held
+        """Hands ``worker`` (just done with a job) its next job, or none."""
+        pool = worker.pool
+        assert pool is not None
+        worker.pool = worker.job = None
+        other = None
+        for entry in list(self.queue):
+            p, job = entry
+            if job.exhausted():
+                self.queue.remove(entry)
+            elif p is pool:  # keep our place for the next map of our pool
+                worker.pool, worker.job = entry
+                return
+            elif other is None and p.active < p.max_workers:
+                other = entry
+        pool.active -= 1
+        if other is not None:
+            _take_place(other[0])
+            worker.pool, worker.job = other
+
+    def exit(self) -> list[threading.Thread]:
+        """Stops handing out work; idle threads exit. Returns the threads alive."""
+        with self.lock:
+            self.exiting = True
+            for worker in self.idle:
+                worker.wake.release()
+            self.idle.clear()
+            return list(self.threads)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.threads)
+
+
+def _take_place(pool: ThreadPool) -> None:  # shared threads' lock held
+    pool.active += 1
+    pool.peak = max(pool.peak, pool.active)
+
+
+_threads = _Threads()
 _pools_lock = threading.Lock()
 _pools: dict[int, ThreadPool] = {}
+
+
+def num_threads() -> int:
+    """The number of shared threads alive (busy or idle)."""
+    return _threads.count()
 
 
 def get_pool(num_threads: int | None) -> ThreadPool:
@@ -339,21 +499,31 @@ def get_pool(num_threads: int | None) -> ThreadPool:
     return pool
 
 
+# --- fork and exit -------------------------------------------------------------------
+
+
 def _after_fork_in_child() -> None:
-    # The parent's worker threads do not exist in the child: start afresh.
-    global _pools_lock
+    # The parent's threads do not exist in the child, and neither do its maps (a
+    # fork from inside a kernel runs none of them here): start afresh.
+    global _threads, _pools_lock
+    _threads = _Threads()
     _pools_lock = threading.Lock()
     _pools.clear()
+    _local.job = None
 
 
-def _shutdown_all() -> None:
-    for pool in list(_pools.values()):
-        pool.shutdown(wait=True)
+def _at_exit() -> None:
+    """Lets idle threads exit; waits at most ``EXIT_GRACE`` seconds in all for the
+    others (a join per thread would cost a blocked kernel's exit that much each)."""
+    deadline = time.monotonic() + EXIT_GRACE
+    for t in _threads.exit():
+        if t.ident is not None:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_shutdown_all)
+atexit.register(_at_exit)
 
 
 # --- user executors -------------------------------------------------------------------

@@ -59,7 +59,6 @@ def test_env_var_sets_default_pool_size(monkeypatch, n):
     monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(n))
     rec = Recorder()
     np.testing.assert_array_equal(run(rec, X), X * 2)
-    assert len(rec.threads) <= n
     assert rec.max_running == n  # 24 sleepy elements fill the pool
     assert threading.main_thread() not in rec.threads
     assert all(t.name.startswith("jax_threadmap") for t in rec.threads)
@@ -72,13 +71,47 @@ def test_env_var_rejects_garbage(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 5])
-def test_int_executor_is_a_hard_bound_and_reused(n):
+def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     rec = Recorder()
-    for _ in range(3):
+    np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
+    started = _executor._threads.started
+    for _ in range(2):
         np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
-    assert len(rec.threads) <= n
     assert rec.max_running == n
-    assert _executor.get_pool(n).num_threads_started <= n
+    assert _executor.get_pool(n).peak <= n
+    # The next maps of a pool take over its threads: no thread starts.
+    assert _executor._threads.started == started
+
+
+def test_bound_is_per_pool_not_per_map():
+    rec = Recorder()
+    callers = [threading.Thread(target=run, args=(rec, X, 3)) for _ in range(4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert rec.max_running == 3
+
+
+def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
+    monkeypatch.setattr(_executor, "IDLE_TIMEOUT", 0.2)
+    x = np.zeros(40, np.float32)
+    for n in range(1, 21):
+        np.testing.assert_array_equal(
+            run(Recorder(0.002), x[None], executor=n), x[None]
+        )
+    # Sequential maps of sizes 1..20 need at most 20 threads at once, and their
+    # threads are handed from pool to pool: far fewer than 1 + 2 + ... + 20 = 210
+    # threads ever start (a few more than 20 when a map's threads are still
+    # finishing as the next map starts).
+    assert _executor.num_threads() <= 40
+    deadline = time.monotonic() + 30
+    while _executor.num_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _executor.num_threads() == 0
+    rec = Recorder()
+    np.testing.assert_array_equal(run(rec, X, executor=4), X * 2)  # restarted
+    assert rec.max_running == 4
 
 
 def test_user_executor_runs_every_kernel():
@@ -202,7 +235,7 @@ def test_pool_is_fresh_after_fork():
         code = 1
         try:
             child_pool = _executor.get_pool(2)
-            ok = child_pool is not pool and child_pool.num_threads_started == 0
+            ok = child_pool is not pool and _executor.num_threads() == 0
             res = np.zeros(10)
 
             def fill_child(start, stop, job):
@@ -306,28 +339,6 @@ def test_interrupt_while_waiting_stops_work_not_started():
     pool.shutdown()
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda n: threadmap(np.negative, F32, 1.0, executor=n),
-        lambda n: jax_threadmap.kernel(F32, executor=n)(np.negative),
-    ],
-    ids=["threadmap", "kernel"],
-)
-def test_absurd_pool_size_is_refused_at_call_time(make):
-    for n in (4097, 10**9, np.int64(10**9)):
-        with pytest.raises(ValueError, match=f"at most 4096 threads. Got executor={n}"):
-            make(n)
-    make(4096)  # the ceiling itself is fine (and starts one thread for one element)
-
-
-def test_absurd_pool_size_in_environment_is_refused_at_call_time(monkeypatch):
-    monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(10**9))
-    f = jax.jit(jax.vmap(lambda v: threadmap(np.negative, F32, v)))
-    with pytest.raises(ValueError, match="JAX_THREADMAP_NUM_THREADS must be at most"):
-        f(np.zeros(3, np.float32))
-
-
 def test_kernel_lends_its_thread_to_the_nested_map_it_waits_for():
     inner_rec = Recorder(0.02)
     inner = jax.jit(jax.vmap(lambda v: threadmap(inner_rec, F32, v, executor=2)))
@@ -379,6 +390,28 @@ def test_failed_map_stops_the_maps_its_kernels_started():
     assert len(ran) < 2000
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: threadmap(np.negative, F32, 1.0, executor=n),
+        lambda n: jax_threadmap.kernel(F32, executor=n)(np.negative),
+    ],
+    ids=["threadmap", "kernel"],
+)
+def test_absurd_pool_size_is_refused_at_call_time(make):
+    for n in (4097, 10**9, np.int64(10**9)):
+        with pytest.raises(ValueError, match=f"at most 4096 threads. Got executor={n}"):
+            make(n)
+    make(4096)  # the ceiling itself is fine (and starts one thread for one element)
+
+
+def test_absurd_pool_size_in_environment_is_refused_at_call_time(monkeypatch):
+    monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(10**9))
+    f = jax.jit(jax.vmap(lambda v: threadmap(np.negative, F32, v)))
+    with pytest.raises(ValueError, match="JAX_THREADMAP_NUM_THREADS must be at most"):
+        f(np.zeros(3, np.float32))
+
+
 # --- exit, Ctrl-C and deadlocks, in a fresh interpreter ----------------------------
 
 
@@ -420,6 +453,79 @@ class Child:
     def err(self) -> str:
         self.stderr.seek(0)
         return self.stderr.read()
+
+
+# n kernels that block for good in a socket read with no timeout.
+BLOCKED_KERNELS = """
+    import socket, sys, threading
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_threadmap import threadmap
+
+    n, mode = int(sys.argv[1]), sys.argv[2]
+    server = socket.create_server(("127.0.0.1", 0), backlog=n)
+    lock, conns, all_blocked = threading.Lock(), [], threading.Event()
+
+    def read_forever(x):
+        conn = socket.create_connection(server.getsockname())
+        with lock:
+            conns.append(conn)
+            if len(conns) == n:
+                all_blocked.set()
+        conn.recv(1)  # the server never sends
+        return x
+
+    f = jax.vmap(lambda v: threadmap(
+        read_forever, jax.ShapeDtypeStruct((), jnp.float32), v, executor=n))
+    f = f if mode == "eager" else jax.jit(f)
+    x = np.zeros(2 * n, np.float32)
+    threading.Thread(
+        target=lambda: all_blocked.wait() and print("ready", flush=True)
+    ).start()
+    f(x)  # Ctrl-C while the main thread waits for the map
+"""
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_ctrl_c_with_blocked_kernels_exits_at_once(mode):
+    # Was 10 s per blocked thread: 160 s here.
+    child = Child(BLOCKED_KERNELS, "16", mode)
+    child.wait_ready()
+    child.proc.send_signal(signal.SIGINT)
+    seconds = child.seconds_to_exit()
+    assert child.proc.returncode != 0
+    assert "KeyboardInterrupt" in child.err()
+    assert seconds < 10, seconds
+
+
+def test_threads_of_many_pool_sizes_do_not_pile_up():
+    # Was 1,276 threads: one pool of N threads for every N, forever.
+    code = """
+        import threading, time
+        import jax, jax.numpy as jnp, numpy as np
+        from jax_threadmap import threadmap
+
+        def k(v):
+            time.sleep(0.001)
+            return v
+
+        peak = 0
+        for n in range(1, 51):
+            f = jax.jit(jax.vmap(lambda v: threadmap(
+                k, jax.ShapeDtypeStruct((), jnp.float32), v, executor=n)))
+            f(np.zeros(64, np.float32))
+            peak = max(peak, threading.active_count())
+        time.sleep(3)
+        print(peak, threading.active_count())
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    peak, after = map(int, proc.stdout.split())
+    assert after <= 100, (peak, after)
 
 
 # Shared pool -> a user ThreadPoolExecutor(1) -> shared pool: the pool's workers
@@ -474,3 +580,38 @@ def test_ctrl_c_stops_nested_maps_across_pools():
     seconds = child.seconds_to_exit()
     assert "KeyboardInterrupt" in child.err()
     assert seconds < 10, seconds
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("can't start new thread"), KeyboardInterrupt()]
+)
+def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
+    monkeypatch.setattr(_executor, "_threads", _executor._Threads())  # none idle
+    real_start = threading.Thread.start
+
+    def failing_start(self):
+        if self.name.startswith("jax_threadmap"):
+            raise error
+        real_start(self)
+
+    rec = Recorder()
+
+    def fn(start, stop, job):
+        for i in range(start, stop):
+            rec(i)
+
+    pool = _executor.ThreadPool(3)
+    monkeypatch.setattr(threading.Thread, "start", failing_start)
+    job = _executor.Job(12, fn)
+    if isinstance(error, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(job)
+    else:
+        pool.run(job)
+        assert isinstance(job.error, ExecutorError)
+        assert "Could not start a thread" in str(job.error)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert pool.active == 0 and _executor.num_threads() == 0
+    job = _executor.Job(12, fn)
+    pool.run(job)
+    assert job.error is None and rec.max_running == 3

@@ -26,7 +26,8 @@ waiting on work queued behind it, and what happens at fork and exit.
   executor that map runs, so it never waits on work queued behind itself: its
   thread (and its place in its own pool) is lent to the nested map. A map that
   fails stops the maps its kernels started.
-- Exit: at interpreter exit idle threads exit, and the exit waits at most
+- Exit: at interpreter exit the maps still in flight (in daemon threads) are
+  stopped and their waiting threads released, and the exit waits at most
   ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked in a
   kernel are left behind; they are daemon threads, so they do not hold up the
   exit.
@@ -198,6 +199,13 @@ class Job:
             children = list(self._children)
         for child in children:
             child.fail(_stopped_by_parent())
+
+    def abandon(self, error: BaseException) -> None:
+        """Fails the job and releases its waiting thread at once, without waiting
+        for the chunks still running (which write only into the map's own
+        buffers). For interpreter exit, where those chunks may never return."""
+        self.fail(error)
+        self.done.set()
 
     def run(self, start: int, stop: int) -> None:
         """Runs a claimed chunk; its exception fails the job."""
@@ -499,25 +507,44 @@ def get_pool(num_threads: int | None) -> ThreadPool:
     return pool
 
 
-# --- fork and exit -------------------------------------------------------------------
+# --- maps in flight, fork and exit ----------------------------------------------------
+
+#: Every map in flight, with the thread waiting for it. No lock: setting, popping
+#: and listing the items of a dict are atomic, in free-threaded builds too.
+_flights: dict[Job, threading.Thread] = {}
 
 
 def _after_fork_in_child() -> None:
-    # The parent's threads do not exist in the child, and neither do its maps (a
-    # fork from inside a kernel runs none of them here): start afresh.
+    # The parent's threads do not exist in the child, and neither do its maps in
+    # flight (a fork from inside a kernel runs none of them here): start afresh.
     global _threads, _pools_lock
     _threads = _Threads()
     _pools_lock = threading.Lock()
     _pools.clear()
+    _flights.clear()
     _local.job = None
 
 
 def _at_exit() -> None:
-    """Lets idle threads exit; waits at most ``EXIT_GRACE`` seconds in all for the
-    others (a join per thread would cost a blocked kernel's exit that much each)."""
+    """Stops the maps in flight and waits at most ``EXIT_GRACE`` seconds in all.
+
+    Only daemon threads can still be waiting for a map here (Python joins the
+    others before running atexit). Releasing them lets a thread inside a jitted
+    program leave it before the interpreter finalizes (a thread that needs the
+    GIL inside XLA then aborts the process).
+    """
     deadline = time.monotonic() + EXIT_GRACE
-    for t in _threads.exit():
-        if t.ident is not None:
+    flights = list(_flights.items())
+    for job, _ in flights:
+        job.abandon(
+            ExecutorError(
+                "The interpreter is exiting: this threadmap was stopped with "
+                f"{job.n - job.completed} of {job.n} elements not done."
+            )
+        )
+    me = threading.current_thread()
+    for t in [waiter for _, waiter in flights] + _threads.exit():
+        if t is not me and t.ident is not None:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
@@ -662,7 +689,7 @@ class _Shipper:
 
     def poll(self, timeout: float) -> bool:
         """Stores what has come back, ships more; whether the map is done."""
-        if self.job.failed:  # stopped from outside: its parent failed
+        if self.job.failed:  # stopped from outside: its parent failed, or exit
             return True
         done, _ = concurrent.futures.wait(
             list(self.pending), timeout, concurrent.futures.FIRST_COMPLETED
@@ -733,6 +760,7 @@ def run_map(
         return
     job = new_job(work, executor, parent=_local.job)
     bar = Progress(job.n, work.name) if progress_enabled(progress) else None
+    _flights[job] = threading.current_thread()
     try:
         if executor is None or isinstance(executor, int):
             get_pool(executor).run(job, bar)
@@ -741,6 +769,7 @@ def run_map(
         else:
             _Shipper(executor, work, job).run(bar)
     finally:
+        _flights.pop(job, None)
         job.detach()
     if job.error is not None:
         raise _map_error(job.error, work.name)

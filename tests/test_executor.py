@@ -478,10 +478,15 @@ BLOCKED_KERNELS = """
         read_forever, jax.ShapeDtypeStruct((), jnp.float32), v, executor=n))
     f = f if mode == "eager" else jax.jit(f)
     x = np.zeros(2 * n, np.float32)
-    threading.Thread(
-        target=lambda: all_blocked.wait() and print("ready", flush=True)
-    ).start()
-    f(x)  # Ctrl-C while the main thread waits for the map
+    if mode == "daemon":  # the map is in flight in another thread at exit
+        threading.Thread(target=f, args=(x,), daemon=True).start()
+        all_blocked.wait()
+        print("ready", flush=True)
+    else:  # Ctrl-C while the main thread waits for the map
+        threading.Thread(
+            target=lambda: all_blocked.wait() and print("ready", flush=True)
+        ).start()
+        f(x)
 """
 
 
@@ -494,6 +499,18 @@ def test_ctrl_c_with_blocked_kernels_exits_at_once(mode):
     seconds = child.seconds_to_exit()
     assert child.proc.returncode != 0
     assert "KeyboardInterrupt" in child.err()
+    assert seconds < 10, seconds
+
+
+def test_exit_with_a_map_in_flight_in_another_thread_is_prompt_and_clean():
+    # Was 10 s per blocked thread (160 s here), then a fatal error in finalization:
+    # the daemon thread waited inside the jitted program.
+    child = Child(BLOCKED_KERNELS, "16", "daemon")
+    child.wait_ready()
+    seconds = child.seconds_to_exit()
+    assert child.proc.returncode == 0, child.err()
+    assert "Fatal Python error" not in child.err()
+    assert "The interpreter is exiting: this threadmap was stopped" in child.err()
     assert seconds < 10, seconds
 
 

@@ -14,8 +14,9 @@ waiting on work queued behind it, and what happens at fork and exit.
   set of threads: at most ``N`` kernels of its maps run at once. The kernels of
   every pool run on one set of daemon threads (:class:`_Threads`), started on
   demand: a thread starts only when no idle one is left, so the threads alive
-  never outnumber the kernels that the pools have run at once, and a thread idle
-  for ``IDLE_TIMEOUT`` seconds exits.
+  never outnumber the most places (threads running, or about to run, a pool's
+  kernels) the pools have held at once, and a thread idle for ``IDLE_TIMEOUT``
+  seconds exits.
 - A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
   until none are left (the same claim-and-run loop as the shared threads).
 - Executors that pickle work (process pools, Dask) get packed chunks

@@ -27,6 +27,7 @@ The ways to run a per-element kernel over a nested-vmap batch:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import math
 import os
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_threadmap import threadmap
 from jax_threadmap._demo import CASES as DEMO_CASES
 from jax_threadmap._demo import (  # noqa: F401 - re-exported for the benchmarks
     NESTED_SHAPE,
@@ -209,6 +211,19 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
+    """The peak resident memory of this process since it started.
+
+    On Linux, VmHWM of this process's own address space: ``ru_maxrss`` would
+    also count the parent's peak, which Linux keeps across fork and exec, so a
+    child started by a big benchmark process would report the parent's memory.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     # ru_maxrss is in kilobytes on Linux (bytes on macOS).
@@ -253,6 +268,23 @@ def _memory_child(method: str, batch_shape: Sequence[int]) -> dict[str, Any]:
     }
 
 
+def in_subprocess(call: str, timeout: float = 300) -> dict[str, Any]:
+    """Runs ``harness.<call>`` in a fresh process; returns the dict it returns."""
+    code = f"import json\nimport harness\nprint(json.dumps(harness.{call}))\n"
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{call} failed in its subprocess:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def peak_memory(
     method: str, batch_shape: Sequence[int] = MEMORY_SHAPE, timeout: float = 300
 ) -> dict[str, Any]:
@@ -271,24 +303,332 @@ def peak_memory(
         A dict with ``elements``, ``input_bytes``, ``output_bytes``,
         ``added_bytes``, ``budget_bytes`` and ``ratio``.
     """
-    code = (
-        "import json, sys\n"
-        "from harness import _memory_child\n"
-        f"print(json.dumps(_memory_child({method!r}, {tuple(batch_shape)!r})))\n"
+    result = in_subprocess(
+        f"_memory_child({method!r}, {tuple(batch_shape)!r})", timeout
     )
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": path},
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"The memory measurement of {method!r} failed:\n{proc.stderr[-3000:]}"
-        )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["ratio"] = result["added_bytes"] / result["budget_bytes"]
     return result
+
+
+# --- vectorized kernels -------------------------------------------------------------
+
+#: The outer-product case: ``x + y + z`` with each operand batched at its own
+#: level of a 3-level nested vmap, so no two levels merge and every chunk
+#: gathers its slices.
+VECTOR_SHAPE = (128, 128, 128)
+#: The CPU-bound case: rows sorted by a GIL-releasing NumPy routine.
+SORT_ROWS_SHAPE = (2048, 8192)
+
+
+def add3(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``a + b + c``: one element, or one chunk of elements (vectorized)."""
+    return a + b + c
+
+
+def sort_rows(rows: np.ndarray) -> np.ndarray:
+    """Sorts each row of a chunk (NumPy releases the GIL)."""
+    return np.sort(rows, axis=-1)
+
+
+def outer_inputs(shape: Sequence[int] = VECTOR_SHAPE) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal(n).astype(np.float32) for n in shape)
+
+
+def outer_runner(
+    arrays: Sequence[np.ndarray], vectorized: bool | int
+) -> Callable[[], Any]:
+    """``threadmap(add3)`` under three vmaps, each operand mapped at one level."""
+    out = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def f(a, b, c):
+        return threadmap(add3, out, a, b, c, vectorized=vectorized)
+
+    g = jax.vmap(
+        jax.vmap(jax.vmap(f, (None, None, 0)), (None, 0, None)), (0, None, None)
+    )
+    args = [jax.device_put(a) for a in arrays]
+    compiled = jax.jit(g).lower(*args).compile()
+    return lambda: jax.block_until_ready(compiled(*args))
+
+
+def outer_numpy_runner(arrays: Sequence[np.ndarray]) -> Callable[[], Any]:
+    """The same sum in NumPy on broadcast arrays: the floor."""
+    x, y, z = arrays
+    return lambda: x[:, None, None] + y[None, :, None] + z[None, None, :]
+
+
+def sort_rows_inputs(shape: Sequence[int] = SORT_ROWS_SHAPE) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
+def sort_rows_runner(rows: np.ndarray) -> Callable[[], Any]:
+    """``threadmap(sort_rows, vectorized=True)`` under one vmap over the rows."""
+    out = jax.ShapeDtypeStruct(rows.shape[1:], rows.dtype)
+    f = jax.vmap(lambda r: threadmap(sort_rows, out, r, vectorized=True))
+    arg = jax.device_put(rows)
+    compiled = jax.jit(f).lower(arg).compile()
+    return lambda: jax.block_until_ready(compiled(arg))
+
+
+def hand_threads_runner(rows: np.ndarray, threads: int) -> Callable[[], Any]:
+    """The best by hand: one thread per core, each sorting a block of rows."""
+    out = np.empty_like(rows)
+    blocks = np.array_split(np.arange(len(rows)), threads)
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+
+    def one(block: np.ndarray) -> None:
+        out[block[0] : block[-1] + 1] = np.sort(rows[block[0] : block[-1] + 1], -1)
+
+    def run() -> np.ndarray:
+        list(pool.map(one, blocks))
+        return out
+
+    return run
+
+
+def _vector_memory_child(shape: Sequence[int]) -> dict[str, Any]:
+    """Runs in a fresh process: the peak memory of the vectorized outer sum."""
+    arrays = outer_inputs(shape)
+    outer_runner(outer_inputs((4, 4, 4)), True)()  # warm up JAX and the pools
+    run = outer_runner(arrays, True)
+    before = _rss_bytes()
+    result = np.asarray(run())
+    peak = _peak_rss_bytes()
+    x, y, z = arrays
+    assert np.allclose(result, x[:, None, None] + y[None, :, None] + z[None, None, :])
+    out_bytes = result.nbytes
+    from jax_threadmap import _executor
+
+    # One chunk per worker in flight: three gathered operands and the result.
+    workers = _executor.default_num_threads()
+    chunk = _executor.VECTOR_CHUNK_BYTES
+    return {
+        "elements": int(result.size),
+        "input_bytes": sum(a.nbytes for a in arrays),
+        "output_bytes": out_bytes,
+        "chunk_bytes": workers * chunk,
+        "added_bytes": peak - before,
+        "budget_bytes": sum(a.nbytes for a in arrays) + 2 * out_bytes + workers * chunk,
+    }
+
+
+def vector_peak_memory(shape: Sequence[int] = (256, 256, 256)) -> dict[str, Any]:
+    """Peak memory of the vectorized outer sum against inputs + 2 x outputs +
+    a chunk per worker; ``ratio`` is added / budget."""
+    result = in_subprocess(f"_vector_memory_child({tuple(shape)!r})")
+    result["ratio"] = result["added_bytes"] / result["budget_bytes"]
+    return result
+
+
+# --- kernel signatures --------------------------------------------------------------
+
+#: Elements of each signature case (a 1-level vmap, or 16 x 16 x 16 for the outer
+#: product).
+SIGNATURE_ELEMENTS = 4096
+
+
+def _inc(x: Any) -> Any:
+    return x + 1
+
+
+def _add2(x: Any, y: Any) -> Any:
+    return x + y
+
+
+def _add3(x: Any, y: Any, z: Any) -> Any:
+    return x + y + z
+
+
+def _add4(x: Any, y: Any, z: Any, w: Any) -> Any:
+    return x + y + z + w
+
+
+def _add2_kw(x: Any, y: Any, *, s: Any) -> Any:
+    return (x + y) * s
+
+
+def _two_outputs(x: Any) -> tuple[Any, Any]:
+    return x + 1, x * 2
+
+
+def _dict_operand(d: dict[str, Any]) -> Any:
+    return d["a"] + d["b"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A kernel signature: the kernel, how threadmap is called, and its floor.
+
+    ``floor`` is a bare Python loop that indexes each operand as threadmap does
+    (``a[i, ...]``, a 0-d view) and calls the same kernel, writing into
+    preallocated outputs.
+    """
+
+    name: str
+    title: str
+    threadmap_run: Callable[[], Any]
+    floor_run: Callable[[], Any]
+    expected: Any
+
+
+def _vmapped(
+    fn: Callable[..., Any], out: Any, args: Sequence[np.ndarray], **kw: Any
+) -> Callable[[], Any]:
+    compiled_args = [jax.device_put(a) for a in args]
+    f = jax.vmap(lambda *a: threadmap(fn, out, *a, **kw))
+    compiled = jax.jit(f).lower(*compiled_args).compile()
+    return lambda: jax.block_until_ready(compiled(*compiled_args))
+
+
+def _positional(name: str, kernel: Callable[..., Any], k: int, **kw: Any) -> Signature:
+    n = SIGNATURE_ELEMENTS
+    args = [np.arange(n, dtype=np.float32) * (j + 1) for j in range(k)]
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    out = np.empty(n, np.float32)
+    # One loop per arity, as threadmap's loops: no list built per element.
+    if k == 1:
+        (a,) = args
+
+        def floor() -> np.ndarray:
+            for i in range(n):
+                out[i] = kernel(a[i, ...])
+            return out
+
+    elif k == 2:
+        a, b = args
+
+        def floor() -> np.ndarray:
+            for i in range(n):
+                out[i] = kernel(a[i, ...], b[i, ...])
+            return out
+
+    elif k == 3:
+        a, b, c = args
+
+        def floor() -> np.ndarray:
+            for i in range(n):
+                out[i] = kernel(a[i, ...], b[i, ...], c[i, ...])
+            return out
+
+    elif k == 4:
+        a, b, c, d = args
+
+        def floor() -> np.ndarray:
+            for i in range(n):
+                out[i] = kernel(a[i, ...], b[i, ...], c[i, ...], d[i, ...])
+            return out
+
+    else:
+        raise ValueError(f"no floor loop for {k} operands")
+
+    title = f"{k} operand{'s' * (k > 1)}"
+    if kw.get("executor") is not None:
+        title += f", `{type(kw['executor']).__name__}(32)`"
+    return Signature(
+        name, title, _vmapped(kernel, f32, args, **kw), floor, kernel(*args)
+    )
+
+
+def _keyword_case() -> Signature:
+    n = SIGNATURE_ELEMENTS
+    x, y, s = (np.arange(n, dtype=np.float32) * j for j in (1, 2, 3))
+    out = np.empty(n, np.float32)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def floor() -> np.ndarray:
+        for i in range(n):
+            out[i] = _add2_kw(x[i, ...], y[i, ...], s=s[i, ...])
+        return out
+
+    args = [jax.device_put(a) for a in (x, y, s)]
+    f = jax.vmap(lambda a, b, c: threadmap(_add2_kw, f32, a, b, s=c))
+    compiled = jax.jit(f).lower(*args).compile()
+    return Signature(
+        "keyword",
+        "2 operands + a keyword argument",
+        lambda: jax.block_until_ready(compiled(*args)),
+        floor,
+        _add2_kw(x, y, s=s),
+    )
+
+
+def _two_outputs_case() -> Signature:
+    n = SIGNATURE_ELEMENTS
+    x = np.arange(n, dtype=np.float32)
+    o1, o2 = np.empty(n, np.float32), np.empty(n, np.float32)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def floor() -> tuple[np.ndarray, np.ndarray]:
+        for i in range(n):
+            o1[i], o2[i] = _two_outputs(x[i, ...])
+        return o1, o2
+
+    run = _vmapped(_two_outputs, (f32, f32), [x])
+    return Signature("outputs", "2 outputs (a tuple)", run, floor, _two_outputs(x))
+
+
+def _dict_case() -> Signature:
+    n = SIGNATURE_ELEMENTS
+    a, b = np.arange(n, dtype=np.float32), np.ones(n, np.float32)
+    out = np.empty(n, np.float32)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def floor() -> np.ndarray:
+        for i in range(n):
+            out[i] = _dict_operand({"a": a[i, ...], "b": b[i, ...]})
+        return out
+
+    args = [jax.device_put(v) for v in (a, b)]
+    f = jax.vmap(lambda u, v: threadmap(_dict_operand, f32, {"a": u, "b": v}))
+    compiled = jax.jit(f).lower(*args).compile()
+    return Signature(
+        "dict",
+        "a dict operand",
+        lambda: jax.block_until_ready(compiled(*args)),
+        floor,
+        a + b,
+    )
+
+
+def _outer_case() -> Signature:
+    side = round(SIGNATURE_ELEMENTS ** (1 / 3))
+    x, y, z = (np.arange(side, dtype=np.float32) * j for j in (1, 10, 100))
+    out = np.empty((side,) * 3, np.float32)
+
+    def floor() -> np.ndarray:
+        for i in range(side):
+            xi = x[i, ...]
+            for j in range(side):
+                yj = y[j, ...]
+                for k in range(side):
+                    out[i, j, k] = _add3(xi, yj, z[k, ...])
+        return out
+
+    return Signature(
+        "outer",
+        "3-level outer product, 3 operands",
+        outer_runner((x, y, z), False),
+        floor,
+        x[:, None, None] + y[None, :, None] + z[None, None, :],
+    )
+
+
+def signature_cases() -> dict[str, Callable[[], Signature]]:
+    """Builders of the signature cases, by name (each compiles when built)."""
+    return {
+        "1": lambda: _positional("1", _inc, 1),
+        "2": lambda: _positional("2", _add2, 2),
+        "3": lambda: _positional("3", _add3, 3),
+        "4": lambda: _positional("4", _add4, 4),
+        "keyword": _keyword_case,
+        "outputs": _two_outputs_case,
+        "dict": _dict_case,
+        "executor32": lambda: _positional(
+            "executor32",
+            _inc,
+            1,
+            executor=concurrent.futures.ThreadPoolExecutor(32),
+        ),
+        "outer": _outer_case,
+    }

@@ -35,6 +35,24 @@ METHOD_TITLES = {
     "ideal": "ideal: serial kernel time / threads",
 }
 METHOD_ORDER = ["threadmap", "recipe", "sequential", "bare_loop", "ideal"]
+#: Groups compared against a floor: group -> (floor method, {method: title}).
+FLOOR_GROUPS = {
+    "vectorized-outer": (
+        "numpy",
+        {
+            "vectorized": "`threadmap(..., vectorized=True)`",
+            "per_element": "`threadmap`, one kernel call per element",
+            "numpy": "NumPy on broadcast arrays (floor)",
+        },
+    ),
+    "vectorized-sort_rows": (
+        "hand_threads",
+        {
+            "vectorized": "`threadmap(..., vectorized=True)`",
+            "hand_threads": "thread pool by hand, a block of rows per core (floor)",
+        },
+    ),
+}
 CASE_ORDER = ["trivial", "sleep", "sort"]
 #: An entry whose run shared the machine with more than this many busy cores of
 #: other processes is flagged in the tables.
@@ -48,6 +66,12 @@ TARGETS = {
     "scaling-size": [("max / min threadmap per element", "<=", 1.3)],
     "scaling-depth": [("max / min threadmap per element", "<=", 1.3)],
     "memory": [("threadmap added / budget", "<=", 1.1)],
+    "vectorized-outer": [
+        ("vectorized / numpy", "<=", 5),
+        ("per_element / vectorized", ">=", 50),
+    ],
+    "vectorized-sort_rows": [("vectorized / hand_threads", "<=", 1.2)],
+    "vectorized-memory": [("vectorized added / budget", "<=", 1.1)],
 }
 
 
@@ -117,7 +141,74 @@ def analyse(entries: list[dict[str, Any]], stat: str = "median") -> dict[str, An
     memory = _latest(entries, "memory")
     if memory:
         result["memory"] = _analyse_memory(memory)
+    result["floors"] = {}
+    for group in FLOOR_GROUPS:
+        got = _latest(entries, group)
+        if got:
+            result["floors"][group] = _analyse_floor(group, got, stat)
+    memory = _latest(entries, "vectorized-memory")
+    if memory:
+        result["vector_memory"] = _analyse_memory(memory, "vectorized-memory")
+    signatures = _analyse_signatures(entries)
+    if signatures:
+        result["signatures"] = signatures
     return result
+
+
+def _analyse_signatures(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """threadmap against its floor per kernel signature (medians in extra_info)."""
+    rows = {}
+    for e in entries:
+        group = e.get("group") or ""
+        if group.startswith("signature-"):
+            info = e["extra_info"]
+            rows[info["case"]] = {
+                "title": info["title"],
+                "threadmap": info["threadmap"],
+                "floor": info["floor"],
+                "ratio": info["threadmap"] / info["floor"],
+                "other": _other(e),
+            }
+    if not rows:
+        return {}
+    worst = max(rows, key=lambda k: rows[k]["ratio"])
+    checks = [
+        _check(f"worst threadmap / floor ({rows[worst]['title']})", r, "<=", 1.3)
+        for r in [rows[worst]["ratio"]]
+    ]
+    return {"rows": rows, "checks": checks}
+
+
+def _analyse_floor(group: str, got: dict[str, dict], stat: str) -> dict[str, Any]:
+    """Per-element times of each method of ``group``, and ratios to its floor."""
+    floor, _ = FLOOR_GROUPS[group]
+    rows = {
+        method: {
+            "per_element": per_element(e, stat),
+            "elements": e["extra_info"]["elements"],
+            "batch_elements": e["extra_info"]["batch_elements"],
+            "other": _other(e),
+        }
+        for method, e in got.items()
+    }
+    ratios = {}
+    if floor in rows:
+        for method, r in rows.items():
+            if method != floor:
+                ratios[f"{method} / {floor}"] = (
+                    r["per_element"] / rows[floor]["per_element"]
+                )
+    if "per_element" in rows and "vectorized" in rows:
+        ratios["per_element / vectorized"] = (
+            rows["per_element"]["per_element"] / rows["vectorized"]["per_element"]
+        )
+    checks = [
+        _check(name, ratios[name], op, bound)
+        for name, op, bound in TARGETS.get(group, [])
+        if name in ratios
+    ]
+    title = next(iter(got.values()))["extra_info"].get("title", group)
+    return {"title": title, "rows": rows, "ratios": ratios, "checks": checks}
 
 
 def _analyse_compare(case: str, got: dict[str, dict], stat: str) -> dict[str, Any]:
@@ -202,21 +293,28 @@ def _analyse_scaling(got: dict, stat: str, key: str) -> dict[str, Any]:
     }
 
 
-def _analyse_memory(got: dict) -> dict[str, Any]:
+def _analyse_memory(got: dict, group: str = "memory") -> dict[str, Any]:
     rows = {}
     for method, e in got.items():
         info = e["extra_info"]
         rows[method] = {
             k: info[k]
-            for k in ("input_bytes", "output_bytes", "added_bytes", "budget_bytes")
+            for k in (
+                "input_bytes",
+                "output_bytes",
+                "chunk_bytes",
+                "added_bytes",
+                "budget_bytes",
+            )
+            if k in info
         }
         rows[method]["ratio"] = info["added_bytes"] / info["budget_bytes"]
         rows[method]["elements"] = info["elements"]
-    checks = []
-    if "threadmap" in rows:
-        checks.append(
-            _check("threadmap added / budget", rows["threadmap"]["ratio"], "<=", 1.1)
-        )
+    checks = [
+        _check(name, rows[name.split()[0]]["ratio"], op, bound)
+        for name, op, bound in TARGETS[group]
+        if name.split()[0] in rows
+    ]
     return {"rows": rows, "checks": checks}
 
 
@@ -269,7 +367,92 @@ def markdown(a: dict[str, Any]) -> str:
             parts += _scaling_markdown(a[name], title)
     if a.get("memory"):
         parts += _memory_markdown(a["memory"])
+    for group, f in a.get("floors", {}).items():
+        parts += _floor_markdown(group, f)
+    if a.get("vector_memory"):
+        parts += _vector_memory_markdown(a["vector_memory"])
+    if a.get("signatures"):
+        parts += _signatures_markdown(a["signatures"])
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _signatures_markdown(sig: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            r["title"],
+            fmt_time(r["threadmap"]),
+            fmt_time(r["floor"]),
+            fmt_ratio(r["ratio"]) + _noise_note(r["other"]),
+        ]
+        for r in sig["rows"].values()
+    ]
+    header = ["signature, 4096 elements", "`threadmap`", "floor (bare loop)", "ratio"]
+    return [
+        "#### Every kernel signature against its floor, trivial kernel\n",
+        _table(header, rows),
+        "",
+        _checks(sig["checks"]),
+        "",
+    ]
+
+
+def _floor_markdown(group: str, f: dict[str, Any]) -> list[str]:
+    floor, titles = FLOOR_GROUPS[group]
+    floor_time = f["rows"].get(floor, {}).get("per_element")
+    rows = []
+    for method, title in titles.items():
+        r = f["rows"].get(method)
+        if r is None:
+            continue
+        timed = str(r["elements"])
+        if r["elements"] < r["batch_elements"]:
+            timed += " (extrapolated)"
+        vs = fmt_ratio(r["per_element"] / floor_time) if floor_time else "-"
+        rows.append(
+            [
+                title,
+                fmt_time(r["per_element"]),
+                fmt_time(r["per_element"] * r["batch_elements"]),
+                vs,
+                timed + _noise_note(r["other"]),
+            ]
+        )
+    header = ["method", "per element", "whole batch", "vs floor", "elements timed"]
+    return [
+        f"#### {f['title']}\n",
+        _table(header, rows),
+        "",
+        _checks(f["checks"], f["ratios"]),
+        "",
+    ]
+
+
+def _vector_memory_markdown(m: dict[str, Any]) -> list[str]:
+    mb = 2**20
+    r = m["rows"]["vectorized"]
+    row = [
+        "`threadmap(..., vectorized=True)`",
+        f"{r['output_bytes'] / mb:.0f} MB",
+        f"{r['chunk_bytes'] / mb:.0f} MB",
+        f"{r['added_bytes'] / mb:.0f} MB",
+        f"{r['budget_bytes'] / mb:.0f} MB",
+        fmt_ratio(r["ratio"]),
+    ]
+    header = [
+        "method",
+        "outputs",
+        "a chunk per worker",
+        "peak added",
+        "budget",
+        "added / budget",
+    ]
+    return [
+        "#### Peak memory: `x + y + z` over 256 x 256 x 256, vectorized\n",
+        _table(header, [row]),
+        "",
+        _checks(m["checks"]),
+        "",
+    ]
 
 
 def _compare_markdown(case: str, c: dict[str, Any]) -> list[str]:
@@ -393,7 +576,49 @@ def headline(a: dict[str, Any]) -> str:
         "\nPer-element wall time (median), lower is better; ratios against "
         "`threadmap`.\n"
     )
-    return _table(header, rows) + "\n" + note
+    text = _table(header, rows) + "\n" + note
+    floors = _headline_floors(a)
+    if floors:
+        text += "\n" + _table(
+            ["against the floor", "`threadmap`", "floor", "ratio"], floors
+        )
+        text += (
+            "\n\nSignatures: the worst of 1-4 operands, keyword arguments, pytree "
+            "arguments and results, several outputs, unmergeable layouts and a "
+            "32-thread executor, each against a bare loop calling the same kernel.\n"
+        )
+    return text
+
+
+def _headline_floors(a: dict[str, Any]) -> list[list[str]]:
+    """README rows: the signature matrix's worst case and the vectorized cases."""
+    rows = []
+    sig = a.get("signatures", {}).get("rows")
+    if sig:
+        worst = max(sig.values(), key=lambda r: r["ratio"])
+        rows.append(
+            [
+                f"every kernel signature (worst: {worst['title']})",
+                fmt_time(worst["threadmap"]),
+                f"bare loop {fmt_time(worst['floor'])}",
+                fmt_ratio(worst["ratio"]),
+            ]
+        )
+    labels = {
+        "vectorized-outer": "vectorized `x + y + z`, 128^3 outer product",
+        "vectorized-sort_rows": "vectorized `np.sort` of 2048 rows",
+    }
+    for group, f in a.get("floors", {}).items():
+        floor, titles = FLOOR_GROUPS[group]
+        r = f["rows"]
+        if "vectorized" not in r or floor not in r:
+            continue
+        tm, fl = r["vectorized"]["per_element"], r[floor]["per_element"]
+        name = titles[floor].replace(" (floor)", "")
+        rows.append(
+            [labels[group], fmt_time(tm), f"{name} {fmt_time(fl)}", fmt_ratio(tm / fl)]
+        )
+    return rows
 
 
 # --- plots --------------------------------------------------------------------------

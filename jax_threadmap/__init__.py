@@ -10,6 +10,7 @@ from ._api import kernel as kernel
 from ._api import threadmap as threadmap
 from ._async import AsyncArray as AsyncArray
 from ._async import async_call as async_call
+from ._async import async_dispatch_status as async_dispatch_status
 from ._async import deferred_call as deferred_call
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError
@@ -28,6 +29,7 @@ __all__ = [
     "KernelFunction",
     "ThreadmapError",
     "async_call",
+    "async_dispatch_status",
     "deferred_call",
     "kernel",
     "threadmap",

@@ -164,19 +164,21 @@ from jax._src.interpreters.pxla import shard_args as shard_args  # noqa: E402
 def register_array_like(
     cls: type,
     aval_of: Callable[[Any], Any],
-    arrays_of: Callable[[list[Any]], list[Any]],
+    arrays_of: Callable[[list[Any], list[Any]], list[Any]],
 ) -> None:
     """Lets instances of ``cls`` be passed to ``jit`` before their data exists.
 
     ``aval_of(x)`` returns the abstract value (used to trace and compile);
-    ``arrays_of(xs)`` returns one ``jax.Array`` per ``x`` and is called only when
-    a compiled program runs with them.
+    ``arrays_of(xs, shardings)`` returns one ``jax.Array`` per ``x`` and is called
+    only when a compiled program runs with them; ``shardings`` are the shardings
+    the program expects for them (so that arrays made there need no resharding).
     """
     pytype_aval_mappings[cls] = aval_of
     register_canonicalize_value_handler(cls, None)
 
     def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
-        return shard_args(shardings, layouts, copy_semantics, arrays_of(list(xs)))
+        arrays = arrays_of(list(xs), list(shardings))
+        return shard_args(shardings, layouts, copy_semantics, arrays)
 
     shard_arg_handlers[cls] = handler
 
@@ -188,3 +190,52 @@ ASYNC_HOOKS: list[tuple[str, str]] = [
     ("jax._src.interpreters.pxla", "shard_args"),
 ]
 HOOKS += ASYNC_HOOKS
+
+
+# --- async dispatch (issue 13) -----------------------------------------------------
+# A jitted call with a pending `AsyncArray` returns at once when the argument handler
+# can hand JAX a `jax.Array` whose buffer is filled later. No public API makes one.
+# `jax.experimental.transfer` (jax 0.6.2 ... 0.12, same module and signatures in all
+# three) can: `TransferConnection.pull` returns arrays whose buffers arrive when the
+# server's `await_pull` offers them. `_async.py` pulls only a 4-byte gate through it
+# (the data goes through a `pure_callback` program that waits on the gate), so the
+# loopback socket carries no data. Each hook is optional: when one is missing,
+# `async_dispatch_unavailable()` says why and `_async.py` falls back to blocking
+# dispatch (the wait in `shard_arg_handlers`, as before).
+
+start_transfer_server: Callable[..., Any] | None
+_transfer_import_error: str | None
+try:  # jax.experimental.transfer: 0.6.2, 0.10.2, 0.12.0.1 (experimental: may move)
+    from jax.experimental.transfer import (  # noqa: E402
+        start_transfer_server as start_transfer_server,
+    )
+except Exception as _e:  # pragma: no cover - depends on the JAX version
+    start_transfer_server = None
+    _transfer_import_error = f"{type(_e).__name__}: {_e}"
+else:
+    _transfer_import_error = None
+
+# `jax.pure_callback` logs every exception of its callback with `logger.exception`
+# on this logger (jax/_src/callback.py, 0.6.2 ... 0.12). The gate programs re-raise a
+# failed call's error there on purpose; `_async.py` filters those records and logs
+# one warning of its own instead.
+CALLBACK_LOGGER_NAME = "jax._src.callback"
+
+
+def async_dispatch_unavailable() -> str | None:
+    """Why this JAX cannot dispatch on pending arrays, or ``None`` if it can."""
+    if start_transfer_server is None:
+        return (
+            "jax.experimental.transfer.start_transfer_server could not be imported "
+            f"({_transfer_import_error})"
+        )
+    return None
+
+
+ASYNC_DISPATCH_HOOKS: list[tuple[str, str]] = [
+    ("jax.experimental.transfer", "start_transfer_server"),
+    ("jax.experimental.transfer", "TransferServer"),
+    ("jax.experimental.transfer", "TransferConnection"),
+    ("jax._src.callback", "logger"),
+]
+HOOKS += ASYNC_DISPATCH_HOOKS

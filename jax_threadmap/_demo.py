@@ -282,7 +282,14 @@ class OtherLoad:
 
 
 #: A row of the demo's table: method, threads, elements timed, seconds for the batch.
-Row = tuple[str, int, int, float]
+#: ... and the CPUs other processes kept busy while it ran (None off Linux).
+Row = tuple[str, int, int, float, float | None]
+
+#: Seconds that one round of the 1-thread row should take: the rows are timed on
+#: as many elements of the batch as fit, so that several rounds fit in a minute.
+ROW_SECONDS = 2.0
+#: Rows taken while other processes kept more CPUs busy than this are marked.
+NOISY_CORES = 0.25
 
 # --- the command line -----------------------------------------------------------------
 
@@ -291,10 +298,12 @@ Shows what jax_threadmap does, on this machine, in under a minute.
 
 A kernel written for one element runs under a 3-level nested jax.vmap
 (SIZE x SIZE x SIZE elements). The demo prints the jaxpr, where the three vmap
-levels fold into a single `threadmap` equation, then times the whole batch with
+levels fold into a single `threadmap` equation, then times the batch with
 jax.pure_callback(vmap_method="sequential") and with threadmap at a few thread
-counts, and prints wall times and speedups. The sequential baseline runs on the
-first elements only and is extrapolated per element (marked *).
+counts, and prints wall times and speedups for the whole batch. Each row is the
+median of --rounds runs. To fit in a minute, rows run on the first elements of the
+batch (as many as one thread handles in about two seconds) and are extrapolated per
+element (marked *). Rows taken while other processes kept CPUs busy are marked †.
 
 Kernels: `sort` (default) sorts a window of 100k float32 per element, CPU-bound;
 NumPy releases the GIL, so it scales up to the number of cores. `sleep` sleeps
@@ -354,7 +363,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=1,
+        default=3,
         metavar="R",
         help="timed runs per row; the median is shown (default: %(default)s)",
     )
@@ -418,24 +427,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"-> {eqns} `threadmap` equation for 3 nested vmaps.\n")
 
     steps = 1 + len(args.threads)
-    rows = []  # (method, threads, elements timed, seconds for the full batch)
+    rows: list[Row] = []
+    _progress(1, steps, f"pure_callback sequential on {subset.size} elements")
     with OtherLoad() as load:
-        _progress(1, steps, f"pure_callback sequential on {subset.size} elements")
         expected, t = _timed(sequential_runner(case, subset), args.rounds)
-        rows.append(("pure_callback sequential", 1, subset.size, t / subset.size * n))
-        ok = True
-        for i, threads in enumerate(args.threads, start=2):
-            label = f"{threads} thread{'s' * (threads > 1)}"
-            _progress(i, steps, f"threadmap, {label}, {n} elements")
-            got, t = _timed(threadmap_runner(case, inputs, threads), args.rounds)
-            ok = ok and np.array_equal(got[: expected.size], expected)
-            rows.append(("threadmap", threads, n, t))
-    print(format_table(rows, n, available_cpus()))
-    if load.cores is not None and load.cores > 0.25:
-        print(
-            f"Note: other processes kept {load.cores:.1f} CPUs busy during the "
-            "timings; the numbers are slower than on a quiet machine."
-        )
+    rows.append(
+        ("pure_callback sequential", 1, subset.size, t / subset.size * n, load.cores)
+    )
+    # The threadmap rows run on as much of the batch as one thread does in
+    # about ROW_SECONDS (all of it when that fits), timed per element.
+    per_element = t / subset.size
+    timed = inputs.subset(max(subset.size, int(ROW_SECONDS / max(per_element, 1e-9))))
+    ok = True
+    for i, threads in enumerate(args.threads, start=2):
+        label = f"{threads} thread{'s' * (threads > 1)}"
+        _progress(i, steps, f"threadmap, {label}, {timed.size} elements")
+        with OtherLoad() as load:
+            got, t = _timed(threadmap_runner(case, timed, threads), args.rounds)
+        ok = ok and np.array_equal(got[: expected.size], expected)
+        rows.append(("threadmap", threads, timed.size, t / timed.size * n, load.cores))
+    print(format_table(rows, n, available_cpus(), args.rounds))
     print(f"Results match pure_callback: {ok}.")
     if args.kernel == "sort":
         print(
@@ -448,24 +459,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def format_table(rows: list[Row], n: int, cpus: int) -> str:
+def format_table(rows: list[Row], n: int, cpus: int, rounds: int = 1) -> str:
     """The demo's table; speedups are against the sequential row."""
     sequential = rows[0][3]
     lines = [
         f"\n{'method':<26}{'threads':>8}{'wall time':>12}{'per element':>14}"
         f"{'speedup':>10}",
-        "-" * 70,
+        "-" * 71,
     ]
-    for method, threads, timed, seconds in rows:
-        star = "*" if timed < n else ""
+    for method, threads, timed, seconds, other in rows:
+        star = "*" if timed < n else " "
+        dagger = "†" if other is not None and other > NOISY_CORES else ""
         lines.append(
-            f"{method:<26}{threads:>8}{seconds:>11.3f}s{star or ' '}"
-            f"{seconds / n * 1e3:>11.3f} ms{sequential / seconds:>9.1f}x"
+            f"{method:<26}{threads:>8}{seconds:>11.3f}s{star}"
+            f"{seconds / n * 1e3:>11.3f} ms{sequential / seconds:>9.1f}x{dagger}"
         )
-    lines.append("-" * 70)
-    if any(timed < n for _, _, timed, _ in rows):
-        timed = min(r[2] for r in rows)
-        lines.append(f"* timed on the first {timed} elements, extrapolated to {n}.")
+    lines.append("-" * 71)
+    lines.append(f"Median of {rounds} round{'s' * (rounds > 1)} per row.")
+    for timed in sorted({r[2] for r in rows if r[2] < n}):
+        which = ", ".join(f"{r[0]} ({r[1]})" for r in rows if r[2] == timed)
+        lines.append(
+            f"* timed on the first {timed} elements, extrapolated to {n}: {which}."
+        )
+    noisy = [r for r in rows if r[4] is not None and r[4] > NOISY_CORES]
+    if noisy:
+        busiest = max(r[4] or 0.0 for r in noisy)
+        lines.append(
+            f"† taken while other processes kept up to {busiest:.1f} of the {cpus} "
+            "CPUs busy: slower than on a quiet machine."
+        )
     lines.append(f"This machine: {cpus} CPUs.")
     return "\n".join(lines)
 
@@ -478,7 +500,7 @@ def plot(rows: list[Row], path: str, case: Case) -> None:
     import matplotlib.pyplot as plt
 
     sequential = rows[0][3]
-    pts = sorted((threads, sequential / s) for _, threads, _, s in rows[1:])
+    pts = sorted((r[1], sequential / r[3]) for r in rows[1:])
     threads = [p[0] for p in pts]
     speedup = [p[1] for p in pts]
     cpus = available_cpus()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import traceback
 from typing import Any
 
 
@@ -57,3 +59,44 @@ def _rebuild_kernel_error(
 
 class ExecutorError(ThreadmapError):
     """The executor could not run the map (shut down, or a worker died)."""
+
+
+#: The innermost kernel frames quoted in a KernelError's message, and the longest
+#: source line quoted. Under jit the message is all of the error that crosses
+#: XLA's runtime (the traceback and cause stay behind), and the same holds for
+#: errors pickled back from other processes.
+_TRACEBACK_FRAMES = 6
+_TRACEBACK_LINE = 200
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+#: Raised by a kernel, these stop the map and reach the caller as themselves, as
+#: from a plain loop. Any other exception, BaseException subclasses included, is
+#: the kernel's error and becomes a KernelError with the batch index.
+PASS_THROUGH = (KeyboardInterrupt, SystemExit)
+
+
+def kernel_traceback(e: BaseException) -> str:
+    """The innermost frames of ``e`` outside this package, formatted as Python does.
+
+    Empty when there are none (the error was raised by this package's own code,
+    e.g. a derivative adapter checking what the kernel returned).
+    """
+    frames = [
+        (frame, line)
+        for frame, line in traceback.walk_tb(e.__traceback__)
+        if not frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+    ]
+    if not frames:
+        return ""
+    shown = traceback.StackSummary.extract(iter(frames[-_TRACEBACK_FRAMES:]))
+    lines = ["\nKernel traceback (most recent call last):"]
+    if len(frames) > len(shown):
+        lines.append(f"  ... {len(frames) - len(shown)} earlier frame(s)")
+    for f in shown:
+        lines.append(f'  File "{f.filename}", line {f.lineno}, in {f.name}')
+        source = (f.line or "").strip()
+        if len(source) > _TRACEBACK_LINE:
+            source = source[: _TRACEBACK_LINE - 3] + "..."
+        if source:
+            lines.append(f"    {source}")
+    return "\n".join(lines)

@@ -84,6 +84,17 @@ class MapWork(Protocol):
     @property
     def sums(self) -> bool: ...  # chunk bounds must not depend on timing
 
+    @property
+    def vectorized(self) -> bool: ...  # one kernel call per chunk
+
+    @property
+    def element_bytes(self) -> int: ...  # one element's operands and results
+
+    def split(self, max_elements: int) -> int:
+        """Cuts a vectorized map into chunks of at most ``max_elements``; returns
+        how many. Work units are then chunks, not elements."""
+        ...
+
     def run_chunk(self, start: int, stop: int, job: Job) -> None: ...
 
     def pack(self, start: int, stop: int) -> Callable[[], Any]:
@@ -539,8 +550,9 @@ def _at_exit() -> None:
     for job, _ in flights:
         job.abandon(
             ExecutorError(
-                "The interpreter is exiting: this threadmap was stopped with "
-                f"{job.n - job.completed} of {job.n} elements not done."
+                "The interpreter is exiting: this threadmap was stopped before it "
+                "finished. Wait for maps running in other threads before the end "
+                "of the program, or make those threads non-daemon."
             )
         )
     me = threading.current_thread()
@@ -736,31 +748,65 @@ def workers_of(executor: _validate.Executor) -> int:
     return known_workers(executor) or UNKNOWN_WORKERS
 
 
+#: Bytes of operands and results that one chunk of a vectorized kernel may touch
+#: when its length is automatic: big enough that the per-call cost vanishes,
+#: small enough that copies of chunks stay far below the batch's size.
+VECTOR_CHUNK_BYTES = 16 * 2**20
+
+
+def vector_chunk_length(
+    work: MapWork, workers: int, max_chunk: int | None = None
+) -> int:
+    """Elements per call of a vectorized kernel.
+
+    Four chunks per worker keep every worker busy when chunks take unequal
+    time; :data:`VECTOR_CHUNK_BYTES` bounds the memory of one chunk; the user's
+    ``max_chunk`` bounds it further (memory-hungry kernels).
+    """
+    length = -(-work.n // (4 * workers))
+    length = min(length, max(1, VECTOR_CHUNK_BYTES // max(1, work.element_bytes)))
+    if max_chunk is not None:
+        length = min(length, max_chunk)
+    return max(1, length)
+
+
 def new_job(
-    work: MapWork, executor: _validate.Executor, parent: Job | None = None
+    work: MapWork,
+    executor: _validate.Executor,
+    max_chunk: int | None = None,
+    parent: Job | None = None,
 ) -> Job:
     """The job of ``work`` on ``executor``, with its chunking policy."""
     workers = workers_of(executor)
+    units = work.n
+    if work.vectorized and units:
+        units = work.split(vector_chunk_length(work, workers, max_chunk))
     # Host-side sums need chunk bounds that do not depend on timing: about two
     # chunks per worker. Otherwise guided chunks, each a share of what is left.
-    fixed = -(-work.n // (2 * workers)) if work.sums and work.n else None
-    return Job(work.n, work.run_chunk, fixed=fixed, divisor=2 * workers, parent=parent)
+    fixed = -(-units // (2 * workers)) if work.sums and units else None
+    return Job(units, work.run_chunk, fixed=fixed, divisor=2 * workers, parent=parent)
 
 
 def run_map(
-    executor: _validate.Executor, work: MapWork, *, progress: bool | None
+    executor: _validate.Executor,
+    work: MapWork,
+    *,
+    progress: bool | None,
+    max_chunk: int | None = None,
 ) -> None:
     """Runs every element of ``work`` on ``executor``; raises the map's error.
 
-    Called from a kernel (a nested map), the calling thread works on the map's
-    chunks while it waits, when the map runs on threads of this process: the
-    kernel's thread is lent to the nested map, which can then run one kernel
-    more than its executor's bound.
+    ``max_chunk`` bounds the chunks of a vectorized map. Called from a kernel (a
+    nested map), the calling thread works on the map's chunks while it waits,
+    when the map runs on threads of this process: the kernel's thread is lent to
+    the nested map, which can then run one kernel more than its executor's bound.
     """
     if work.n == 0:
         return
-    job = new_job(work, executor, parent=_local.job)
-    bar = Progress(job.n, work.name) if progress_enabled(progress) else None
+    job = new_job(work, executor, max_chunk, parent=_local.job)
+    bar = None
+    if progress_enabled(progress):
+        bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
     _flights[job] = threading.current_thread()
     try:
         if executor is None or isinstance(executor, int):

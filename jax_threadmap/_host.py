@@ -29,13 +29,13 @@ import numpy as np
 
 from . import _remote
 from ._batch_spec import Axes, BatchSpec
-from ._errors import KernelError
+from ._errors import KernelError, kernel_traceback
+from ._loops import element_loop
 from ._remote import ChunkFn
+from ._validate import ResultCastError, check_result_cast
+from ._vectorized import ChunkCaller, PiecePlan, chunk_of
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
-
-#: Rows at least this long run the 1-D loop row by row (see ``loop``).
-_MIN_ROW = 16
 
 
 # --- views ----------------------------------------------------------------------------
@@ -161,12 +161,16 @@ class ElementCaller:
             cause=cause,
         )
 
-    def kernel_raised(self, e: Exception, flat: int | None) -> KernelError:
-        """The error for a kernel that raised ``e``, chained to ``e``."""
+    def kernel_raised(self, e: BaseException, flat: int | None) -> KernelError:
+        """The error for a kernel that raised ``e``, chained to ``e``.
+
+        Its message ends with the kernel's innermost frames, so that the line
+        that raised shows under jit and from worker processes too.
+        """
         if isinstance(e, KernelError) and e.kernel_name == self.name and e.index:
             return e  # already has its index (e.g. from a remote chunk)
         msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return self.error(flat, f"raised {msg}", cause=e)
+        return self.error(flat, f"raised {msg}{kernel_traceback(e)}", cause=e)
 
     # -- one element, general path -----------------------------------------------
 
@@ -214,37 +218,31 @@ class ElementCaller:
                 f"returned shape {value.shape} for output {k}, expected {shape} "
                 f"(dtype {dtype}). Return one element's result, without batch axes.",
             )
-        if value.dtype != dtype and not np.can_cast(value.dtype, dtype, "same_kind"):
-            raise self.error(
-                flat,
-                f"returned dtype {value.dtype} for output {k}, expected {dtype} "
-                f"(shape {shape}); {value.dtype} does not convert to {dtype} without "
-                "changing kind. Cast the result, or declare the dtype you return.",
-            )
+        if value.dtype != dtype:
+            try:
+                check_result_cast(value, dtype)
+            except ResultCastError as e:
+                raise self.error(
+                    flat,
+                    f"returned {e.got} for output {k}, expected {dtype} (shape "
+                    f"{shape}); {e.reason}. {e.fix}",
+                ) from None
         if k in self.accumulate:
             out[i] += value
         else:
             out[i] = value
 
-    def element(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        ii: Any,
-        flat: int,
+    def store_leaf(
+        self, out: np.ndarray, i: Any, value: Any, k: int, flat: int | None, result: Any
     ) -> None:
-        """Runs one element; ``ii`` indexes the views."""
-        try:
-            result = self.call([v[ii] for v in in_v])
-        except Exception as e:
-            raise self.kernel_raised(e, flat) from e
-        if self.single_leaf and isinstance(result, _LEAF_TYPES):
-            self.store(out_v[0], ii, result, 0, flat)
-        else:
-            for k, val in enumerate(self.result_leaves(result, flat)):
-                self.store(out_v[k], ii, val, k, flat)
+        """:meth:`store` for leaf ``k`` of a ``result`` of several leaves.
 
-    # -- loops -------------------------------------------------------------------
+        A value that is itself a container (a tuple where an array is declared)
+        is a structure mismatch of the whole result, reported as such.
+        """
+        if not isinstance(value, _LEAF_TYPES):
+            self.result_leaves(result, flat)  # raises on a mismatch
+        self.store(out, i, value, k, flat)
 
     def loop(
         self,
@@ -255,149 +253,12 @@ class ElementCaller:
     ) -> ChunkFn:
         """A function running elements ``[start, stop)`` of views with batch ``shape``.
 
-        ``flat_of[j]`` maps local index ``j`` to the flat batch index (for
-        messages), when the views hold a gathered subset of the batch. With
-        several (unmergeable) batch dims, rows along the last dim run the 1-D
-        loop when they are long enough to pay for setting it up; short rows
-        index each element with a tuple.
+        The loop is generated for this kernel's signature (:mod:`._loops`); this
+        caller's ``call``, ``result_leaves`` and ``store`` are its checked slow
+        paths. ``flat_of[j]`` maps local index ``j`` to the flat batch index (for
+        messages), when the views hold a gathered subset of the batch.
         """
-        if len(shape) == 1:
-            return self._loop_1d(in_v, out_v, flat_of)
-        if shape[-1] >= _MIN_ROW:
-            return self._loop_rows(in_v, out_v, shape)
-        return self._loop_tuples(in_v, out_v, shape)
-
-    def _loop_1d(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        flat_of: Sequence[int] | None,
-    ) -> ChunkFn:
-        fast = self._fast_loop_1d(in_v, out_v, flat_of)
-        if fast is not None:
-            return fast
-        element = self.element
-
-        def chunk(start: int, stop: int, job: Any) -> None:
-            for i in range(start, stop):
-                if job.failed:
-                    return
-                element(in_v, out_v, (i, Ellipsis), _flat(flat_of, i))
-
-        return chunk
-
-    def _fast_loop_1d(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        flat_of: Sequence[int] | None,
-    ) -> ChunkFn | None:
-        # One output leaf, positional leaves only, one or two operands: the
-        # shapes of nearly every kernel. Each element costs the kernel call, one
-        # index per operand, a type check and the write.
-        if not (self.single_leaf and self.num_args is not None and not self.kw_names):
-            return None
-        if self.accumulate or len(in_v) not in (1, 2):
-            return None
-        fn, out = self.fn, out_v[0]
-        shape, dtype = self.out_core[0]
-        # A result of exactly this type needs no conversion or check.
-        exact = dtype.type if shape == () else None
-        ndarray = np.ndarray
-        slow_store, kernel_raised = self.store, self.kernel_raised
-        result_leaves = self.result_leaves
-
-        def check_store(r: Any, i: int) -> None:
-            if type(r) is ndarray and r.dtype is dtype and r.shape == shape:
-                out[i] = r
-            else:
-                flat = _flat(flat_of, i)
-                (value,) = result_leaves(r, flat)  # checks containers' structure
-                slow_store(out, i, value, 0, flat)
-
-        # `[i, ...]` gives a 0-d array (not a NumPy scalar) for 0-d operands, and
-        # the same view as `[i]` otherwise. One and two operands get their own
-        # loop: unpacking a list per element would cost as much as the rest.
-        if len(in_v) == 1:
-            (a,) = in_v
-
-            def chunk1(start: int, stop: int, job: Any) -> None:
-                for i in range(start, stop):
-                    if job.failed:
-                        return
-                    try:
-                        r = fn(a[i, ...])
-                    except Exception as e:
-                        raise kernel_raised(e, _flat(flat_of, i)) from e
-                    if type(r) is exact:
-                        out[i] = r
-                    else:
-                        check_store(r, i)
-
-            return chunk1
-
-        a, b = in_v
-
-        def chunk2(start: int, stop: int, job: Any) -> None:
-            for i in range(start, stop):
-                if job.failed:
-                    return
-                ii = (i, Ellipsis)
-                try:
-                    r = fn(a[ii], b[ii])
-                except Exception as e:
-                    raise kernel_raised(e, _flat(flat_of, i)) from e
-                if type(r) is exact:
-                    out[i] = r
-                else:
-                    check_store(r, i)
-
-        return chunk2
-
-    def _loop_tuples(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        shape: tuple[int, ...],
-    ) -> ChunkFn:
-        element = self.element
-
-        def chunk(start: int, stop: int, job: Any) -> None:
-            cols = [c.tolist() for c in np.unravel_index(np.arange(start, stop), shape)]
-            for i, ii in zip(range(start, stop), zip(*cols, strict=True), strict=True):
-                if job.failed:
-                    return
-                element(in_v, out_v, (*ii, Ellipsis), i)
-
-        return chunk
-
-    def _loop_rows(
-        self,
-        in_v: Sequence[np.ndarray],
-        out_v: Sequence[np.ndarray],
-        shape: tuple[int, ...],
-    ) -> ChunkFn:
-        row = shape[-1]
-        prefix_shape = shape[:-1]
-
-        def chunk(start: int, stop: int, job: Any) -> None:
-            while start < stop and not job.failed:
-                r, j = divmod(start, row)
-                end = min(stop - r * row, row)
-                prefix = tuple(int(p) for p in np.unravel_index(r, prefix_shape))
-                run = self._loop_1d(
-                    [v[prefix] for v in in_v],
-                    [o[prefix] for o in out_v],
-                    range(r * row, (r + 1) * row),
-                )
-                run(j, end, job)
-                start = r * row + end
-
-        return chunk
-
-
-def _flat(flat_of: Sequence[int] | None, i: int) -> int:
-    return i if flat_of is None else int(flat_of[i])
+        return element_loop(self, in_v, out_v, shape, flat_of)
 
 
 # --- the map of one host call ---------------------------------------------------------
@@ -420,12 +281,19 @@ class HostMap:
         operands: The host callback's operands, in the jaxpr's layout.
     """
 
-    def __init__(self, caller: ElementCaller, spec: BatchSpec, operands: Sequence[Any]):
+    def __init__(
+        self,
+        caller: ElementCaller | ChunkCaller,
+        spec: BatchSpec,
+        operands: Sequence[Any],
+    ):
         self.caller = caller
         self.name = caller.name
         self.spec = spec
         self.n = spec.size
         self.sums = any(spec.out_sum)
+        self.vectorized = isinstance(caller, ChunkCaller)
+        self.plan: PiecePlan | None = None
         batch = spec.shape or (1,)  # an unbatched call is a batch of one
         in_views = [
             operand_view(x, axes, spec.shape)
@@ -443,41 +311,113 @@ class HostMap:
         self.in_v = [merge_view(v, self._groups) for v in in_views]
         self.out_v = [merge_view(o, self._groups) for o in out_views]
         self.shape = tuple(int(np.prod([batch[d] for d in g])) for g in self._groups)
-        self._run = (
-            None if self.sums else caller.loop(self.in_v, self.out_v, self.shape)
-        )
+        # Per output, the merged dims it is summed over (a merged dim groups only
+        # levels that are all summed, or none, since their strides differ).
+        self._summed_dims = [
+            {g for g, levels in enumerate(self._groups) if levels[0] in spec.summed(k)}
+            for k in range(len(self.outs))
+        ]
+        self._run = None
+        if isinstance(caller, ElementCaller) and not self.sums:
+            self._run = caller.loop(self.in_v, self.out_v, self.shape)
         self._lock = threading.Lock()
         self._partials: dict[int, tuple[int, list[np.ndarray | None]]] = {}
         self._folded = 0  # the outputs hold the partials of [0, _folded)
 
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element's operands and results (for chunk sizes)."""
+        views = [*self.in_v, *self.out_v]
+        nb = len(self.shape)
+        return sum(int(np.prod(v.shape[nb:])) * v.itemsize for v in views)
+
+    def split(self, max_elements: int) -> int:
+        """Cuts a vectorized map into pieces; returns how many (the work units)."""
+        self.plan = PiecePlan(self.shape, max(1, max_elements))
+        return self.plan.count
+
     def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs elements ``[start, stop)`` in this thread."""
+        """Runs work units ``[start, stop)`` (elements, or pieces) in this thread."""
         if self._run is not None:
             self._run(start, stop, job)
             return
         partials = self._new_partials()
-        out_v = [
-            self.out_v[k] if p is None else self._merged_summed_view(p, k)
-            for k, p in enumerate(partials)
-        ]
-        self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
-        self._fold(start, stop, partials)
+        out_v = self._out_views(partials)
+        if isinstance(self.caller, ChunkCaller):
+            for piece in range(start, stop):
+                if job.failed:
+                    return
+                index, first, k = self._piece(piece)
+                leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+                self._store_piece(out_v, index, k, self.caller.call(leaves, first, k))
+        else:
+            self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
+        if self.sums:
+            self._fold(start, stop, partials)
 
-    def pack(self, start: int, stop: int) -> _remote.RemoteChunk:
-        """Elements ``[start, stop)``, packed for a worker in another process."""
+    def _piece(self, i: int) -> tuple[tuple[Any, ...], int, int]:
+        assert self.plan is not None, "split() first"
+        return self.plan.piece(i)
+
+    def _store_piece(
+        self,
+        out_v: Sequence[np.ndarray],
+        index: tuple[Any, ...],
+        k: int,
+        values: Sequence[np.ndarray],
+    ) -> None:
+        """Writes one piece's results (or adds them, for summed outputs)."""
+        assert self.plan is not None
+        rect = self.plan.rect(k)
+        first_dim = len(self.shape) - len(rect)  # the merged dim of rect's axis 0
+        for o, dims, value in zip(out_v, self._summed_dims, values, strict=True):
+            dst = o[index]
+            value = value.reshape(rect + value.shape[1:])
+            summed = tuple(i for i in range(len(rect)) if first_dim + i in dims)
+            if not summed:
+                dst[...] = value
+                continue
+            kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
+            dst[kept] += value.sum(axis=summed)
+
+    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+        """Units ``[start, stop)``, packed for a worker in another process."""
+        if isinstance(self.caller, ChunkCaller):
+            pieces = []
+            for i in range(start, stop):
+                index, first, k = self._piece(i)
+                leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+                pieces.append((first, k, leaves))
+            return _remote.pack_pieces(self.caller, pieces)
         return _remote.pack(
             self.caller, self.in_v, self.shape, start, stop, self._sum_rows(start, stop)
         )
 
-    def store_packed(self, start: int, stop: int, outs: Sequence[np.ndarray]) -> None:
-        """Stores the outputs of a packed chunk (see :class:`_remote.RemoteChunk`)."""
+    def store_packed(self, start: int, stop: int, outs: Any) -> None:
+        """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
+        partials = self._new_partials()
+        if isinstance(self.caller, ChunkCaller):
+            out_v = self._out_views(partials)
+            for i, values in zip(range(start, stop), outs, strict=True):
+                index, _, k = self._piece(i)
+                self._store_piece(out_v, index, k, values)
+        else:
+            self._store_rows(start, stop, outs, partials)
+        if self.sums:
+            self._fold(start, stop, partials)
+
+    def _store_rows(
+        self,
+        start: int,
+        stop: int,
+        outs: Sequence[np.ndarray],
+        partials: list[np.ndarray | None],
+    ) -> None:
+        """Elements ``[start, stop)`` of a packed chunk: one row each, or sums."""
         if len(self.shape) == 1:
             index: Any = slice(start, stop)
         else:
             index = np.unravel_index(np.arange(start, stop), self.shape)
-        partials: list[np.ndarray | None] = (
-            self._new_partials() if self.sums else [None] * len(outs)
-        )
         for o, p, r, rows in zip(
             self.out_v, partials, outs, self._sum_rows(start, stop), strict=True
         ):
@@ -485,8 +425,6 @@ class HostMap:
                 o[index] = r
             else:  # the chunk's sums, one per distinct row (in increasing order)
                 p.reshape(-1, *r.shape[1:])[np.unique(rows)] += r
-        if self.sums:
-            self._fold(start, stop, partials)
 
     def finish(self) -> tuple[np.ndarray, ...]:
         return tuple(self.outs)
@@ -497,6 +435,13 @@ class HostMap:
         return [
             np.zeros_like(o) if self.spec.summed(k) else None
             for k, o in enumerate(self.outs)
+        ]
+
+    def _out_views(self, partials: list[np.ndarray | None]) -> list[np.ndarray]:
+        """The merged output views a chunk writes: partial sums where summed."""
+        return [
+            self.out_v[k] if p is None else self._merged_summed_view(p, k)
+            for k, p in enumerate(partials)
         ]
 
     def _merged_summed_view(self, partial: np.ndarray, k: int) -> np.ndarray:

@@ -36,6 +36,12 @@ class HostCall(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def vectorized(self) -> bool: ...
+
+    @property
+    def max_chunk(self) -> int | None: ...
+
     def host_call(self) -> tuple[Fn, Any, Any]:
         """``(fn, in_tree, out_tree)``: what runs per element, and its trees."""
         ...
@@ -74,6 +80,10 @@ class KernelParam:
         out_tree: Treedef of the kernel's result.
         jvp: The JVP kernel, or ``None``.
         vjp: The VJP kernel, or ``None``.
+        vectorized: Whether the kernels take a chunk of elements (a leading axis)
+            instead of one element.
+        max_chunk: For vectorized kernels, the most elements per chunk, or
+            ``None`` for an automatic length.
     """
 
     fn: Fn
@@ -81,13 +91,15 @@ class KernelParam:
     out_tree: Any
     jvp: Fn | None = None
     vjp: Fn | None = None
+    vectorized: bool = False
+    max_chunk: int | None = None
 
     @property
     def name(self) -> str:
         return callable_name(_unwrap(self.fn))
 
     def __repr__(self) -> str:
-        return self.name
+        return _with_chunking(self.name, self)
 
     @property
     def num_positional(self) -> int:
@@ -96,6 +108,14 @@ class KernelParam:
 
     def host_call(self) -> tuple[Fn, Any, Any]:
         return _unwrap(self.fn), self.in_tree, self.out_tree
+
+
+def _with_chunking(name: str, kernel: KernelParam) -> str:
+    """``name``, marked when the kernel is vectorized (as jaxprs show it)."""
+    if not kernel.vectorized:
+        return name
+    bound = "" if kernel.max_chunk is None else f"<={kernel.max_chunk}"
+    return f"{name}[vectorized{bound}]"
 
 
 def _flat_tree(n: int, *, kwargs: bool) -> Any:
@@ -148,8 +168,16 @@ class JvpParam:
         jvp = self.primal.jvp
         return callable_name(jvp) if jvp is not None else f"jvp({self.primal.name})"
 
+    @property
+    def vectorized(self) -> bool:
+        return self.primal.vectorized
+
+    @property
+    def max_chunk(self) -> int | None:
+        return self.primal.max_chunk
+
     def __repr__(self) -> str:
-        return self.name
+        return _with_chunking(self.name, self.primal)
 
     @property
     def num_primals(self) -> int:
@@ -215,8 +243,16 @@ class VjpParam:
     def name(self) -> str:
         return callable_name(self.primal.vjp)
 
+    @property
+    def vectorized(self) -> bool:
+        return self.primal.vectorized
+
+    @property
+    def max_chunk(self) -> int | None:
+        return self.primal.max_chunk
+
     def __repr__(self) -> str:
-        return self.name
+        return _with_chunking(self.name, self.primal)
 
     def host_call(self) -> tuple[Fn, Any, Any]:
         n_in = self.primal.in_tree.num_leaves + sum(

@@ -30,6 +30,7 @@ from ._executor import run_map
 from ._host import ElementCaller, HostMap
 from ._params import HostCall
 from ._validate import Executor
+from ._vectorized import ChunkCaller
 
 threadmap_p = _compat.Primitive("threadmap")
 threadmap_p.multiple_results = True
@@ -45,19 +46,24 @@ def host_function(
 ) -> Callable[..., tuple[np.ndarray, ...]]:
     """The host side of one equation: NumPy operands in, NumPy results out."""
     fn, in_tree, out_tree = kernel.host_call()
-    caller = ElementCaller(
-        fn,
-        kernel.name,
-        in_tree,
-        out_tree,
-        [(a.shape, a.dtype) for a in result_avals],
-        spec.shape,
-        accumulate=[k for k in range(len(result_avals)) if spec.summed(k)],
-    )
+    out_core = [(a.shape, a.dtype) for a in result_avals]
+    caller: ElementCaller | ChunkCaller
+    if kernel.vectorized:
+        caller = ChunkCaller(fn, kernel.name, in_tree, out_tree, out_core, spec.shape)
+    else:
+        caller = ElementCaller(
+            fn,
+            kernel.name,
+            in_tree,
+            out_tree,
+            out_core,
+            spec.shape,
+            accumulate=[k for k in range(len(result_avals)) if spec.summed(k)],
+        )
 
     def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
         flat_map = HostMap(caller, spec, operands)
-        run_map(executor, flat_map, progress=progress)
+        run_map(executor, flat_map, progress=progress, max_chunk=kernel.max_chunk)
         return flat_map.finish()
 
     return run

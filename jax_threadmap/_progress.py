@@ -35,9 +35,10 @@ class Progress:
     #: Seconds a map runs before its bar appears (tests set it, rather than wait).
     delay = 1.0
 
-    def __init__(self, total: int, name: str):
+    def __init__(self, total: int, name: str, unit: str = "el"):
         self.total = total
         self.name = name
+        self.unit = unit
         self.start = time.perf_counter()
         self.bar: Any = None
         self._last_print = 0.0
@@ -47,13 +48,14 @@ class Progress:
         if now - self.start < self.delay:
             return
         if self.bar is None:
-            self.bar = _tqdm(self.total, f"threadmap {self.name}") or False
+            self.bar = _tqdm(self.total, f"threadmap {self.name}", self.unit) or False
         if self.bar:
             self.bar.update(completed - self.bar.n)
         elif now - self._last_print >= 1.0:
             self._last_print = now
             print(
-                f"threadmap {self.name}: {completed}/{self.total} elements "
+                f"threadmap {self.name}: {completed}/{self.total} "
+                f"{'elements' if self.unit == 'el' else self.unit + 's'} "
                 f"({100 * completed / max(self.total, 1):.0f}%)",
                 file=sys.stderr,
                 flush=True,
@@ -65,12 +67,12 @@ class Progress:
             self.bar.close()
 
 
-def _tqdm(total: int, desc: str) -> Any:
+def _tqdm(total: int, desc: str, unit: str) -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=desc, unit="el")
+    return tqdm(total=total, desc=desc, unit=unit)
 
 
 class Waited(Protocol):

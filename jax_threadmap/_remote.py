@@ -109,6 +109,12 @@ class RemoteChunk:
         return outs, seconds
 
 
+def _contiguous(x: np.ndarray) -> np.ndarray:
+    # Not np.ascontiguousarray, which returns at least 1-d: an unbatched 0-d
+    # operand would reach the kernel with shape (1,).
+    return np.asarray(x, order="C")
+
+
 def pack(
     loops: ElementLoops,
     in_v: Sequence[np.ndarray],
@@ -132,10 +138,10 @@ def pack(
         gathers: list[np.ndarray | slice | None] = []
         for v in in_v:
             if v.strides[0] == 0:
-                data.append(np.ascontiguousarray(v[0]))
+                data.append(_contiguous(v[0, ...]))
                 gathers.append(None)
             else:
-                data.append(np.ascontiguousarray(v[start:stop]))
+                data.append(_contiguous(v[start:stop]))
                 gathers.append(slice(None))
         return RemoteChunk(loops, data, gathers, flat, sums)
     nb = len(shape)
@@ -144,7 +150,7 @@ def pack(
     for v in in_v:
         dims = [d for d in range(nb) if v.strides[d] != 0 and shape[d] > 1]
         if not dims:
-            data.append(np.ascontiguousarray(v[(0,) * nb]))
+            data.append(_contiguous(v[(0,) * nb + (Ellipsis,)]))
             gathers.append(None)
             continue
         # Each distinct element once: the chunk's elements index into them.
@@ -154,6 +160,70 @@ def pack(
         index: list[Any] = [0] * nb
         for d, s in zip(dims, np.unravel_index(uniq, sub_shape), strict=True):
             index[d] = s
-        data.append(np.ascontiguousarray(v[tuple(index)]))
+        data.append(_contiguous(v[tuple(index)]))
         gathers.append(inverse.reshape(-1))
     return RemoteChunk(loops, data, gathers, flat, sums)
+
+
+class ChunkCall(Protocol):
+    """Calls a vectorized kernel on one chunk (``_vectorized.ChunkCaller``)."""
+
+    def call(
+        self, leaves: list[np.ndarray], first: int, k: int
+    ) -> list[np.ndarray]: ...
+
+
+class RemotePieces:
+    """Pieces of a vectorized map, packed for a worker in another process.
+
+    Calling it runs the kernel once per piece and returns ``(results, seconds
+    per piece)``, ``results`` holding each piece's checked result leaves.
+
+    Args:
+        caller: The map's chunk caller (pickled with the task).
+        pieces: ``(first, k, leaves)`` per piece: its first flat element, its
+            length and its operand chunks. A chunk that repeats one element
+            (stride 0: an unbatched operand) ships as that element only.
+    """
+
+    def __init__(
+        self,
+        caller: ChunkCall,
+        pieces: list[tuple[int, int, list[np.ndarray]]],
+    ):
+        self.caller = caller
+        self.pieces = [
+            (first, k, [_compact(x) for x in leaves]) for first, k, leaves in pieces
+        ]
+
+    def __call__(self) -> tuple[list[list[np.ndarray]], float]:
+        t = time.perf_counter()
+        results = []
+        for first, k, leaves in self.pieces:
+            views = [_expand(x, k) for x in leaves]
+            results.append(self.caller.call(views, first, k))
+        return results, (time.perf_counter() - t) / max(len(self.pieces), 1)
+
+
+def _compact(x: np.ndarray) -> tuple[bool, np.ndarray]:
+    """``(repeated, data)``: one element for a stride-0 chunk, else the chunk."""
+    if x.shape[0] > 1 and x.strides[0] == 0:
+        return True, np.array(x[0])
+    return False, np.ascontiguousarray(x)
+
+
+def _expand(packed: tuple[bool, np.ndarray], k: int) -> np.ndarray:
+    repeated, data = packed
+    if repeated:
+        return np.lib.stride_tricks.as_strided(
+            data, (k, *data.shape), (0, *data.strides), writeable=False
+        )
+    data.flags.writeable = False
+    return data
+
+
+def pack_pieces(
+    caller: ChunkCall, pieces: list[tuple[int, int, list[np.ndarray]]]
+) -> RemotePieces:
+    """Packs pieces ``(first, k, operand chunks)`` of a vectorized map."""
+    return RemotePieces(caller, pieces)

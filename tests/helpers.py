@@ -2,6 +2,12 @@
 
 import jax
 import jax.extend
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+#: One element's core shapes of x and z in the nested-vmap property tests.
+X_CORE, Z_CORE = (2,), (3,)
 
 
 def count_eqns(jaxpr, name: str) -> int:
@@ -13,3 +19,159 @@ def count_eqns(jaxpr, name: str) -> int:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             n += count_eqns(sub, name)
     return n
+
+
+def random_values(rng, shape, dtype):
+    if dtype == "bool":
+        return rng.random(shape) < 0.5
+    if dtype == "int32":
+        return rng.integers(-50, 50, shape).astype(np.int32)
+    if dtype == "complex64":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(
+            np.complex64
+        )
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@st.composite
+def nestings(draw, max_depth=4):
+    depth = draw(st.integers(1, max_depth))
+    sizes = [draw(st.integers(1, 4)) for _ in range(depth)]
+    # ndims of x, y["a"], z inside the innermost level; grows outward as axes are added.
+    ndims = [len(X_CORE), 0, len(Z_CORE)]
+    out_ndims = [len(X_CORE), 0]
+    in_axes, out_axes = [], []
+    for _level in reversed(range(depth)):
+        axes = [draw(st.none() | st.integers(-(n + 1), n)) for n in ndims]
+        if all(a is None for a in axes):
+            k = draw(st.integers(0, 2))
+            axes[k] = draw(st.integers(-(ndims[k] + 1), ndims[k]))
+        outs = [draw(st.integers(-(m + 1), m)) for m in out_ndims]
+        in_axes.append(axes)
+        out_axes.append(outs)
+        ndims = [n + (a is not None) for n, a in zip(ndims, axes, strict=True)]
+        out_ndims = [m + 1 for m in out_ndims]
+    # in_axes/out_axes are listed innermost level first.
+    return sizes, in_axes, out_axes
+
+
+def build(fn, sizes, in_axes, out_axes):
+    depth = len(sizes)
+    for level in range(depth):  # innermost first
+        ax_x, ax_y, ax_z = in_axes[level]
+        o1, o2 = out_axes[level]
+        fn = jax.vmap(
+            fn,
+            in_axes=(ax_x, {"a": ax_y}, ax_z),
+            out_axes=(o1, {"s": o2}),
+            axis_size=sizes[depth - 1 - level],
+        )
+    return fn
+
+
+def make_inputs(rng, sizes, in_axes, dtype):
+    depth = len(sizes)
+    shapes = [list(X_CORE), [], list(Z_CORE)]
+    for level in range(depth):  # innermost first: insert its axis
+        size = sizes[depth - 1 - level]
+        for k, a in enumerate(in_axes[level]):
+            if a is not None:
+                n = len(shapes[k]) + 1
+                shapes[k].insert(a % n, size)
+    x, ya, z = (random_values(rng, tuple(s), dtype) for s in shapes)
+    return x, {"a": ya}, z
+
+
+def assert_trees_close(actual, expected, dtype):
+    la, ta = jax.tree_util.tree_flatten(actual)
+    le, te = jax.tree_util.tree_flatten(expected)
+    assert ta == te
+    for a, e in zip(la, le, strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, e.shape)
+        if dtype in ("int32", "bool"):
+            np.testing.assert_array_equal(a, e)
+        else:
+            np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
+
+
+#: (returned value, declared dtype): casts within the kinds bool -> integer ->
+#: floating -> complex, whose values NumPy keeps or loses.
+VALUE_CASES = [
+    # integers, signed and unsigned alike
+    (np.int64(2**31 + 5), np.int32),
+    (np.int64(-(2**31) - 1), np.int32),
+    (np.int64(5), np.int8),
+    (300, np.int8),
+    (-128, np.int8),
+    (-1, np.uint8),
+    (255, np.uint8),
+    (np.int64(-1), np.uint32),
+    (np.int64(7), np.uint32),
+    (np.uint32(4_000_000_000), np.int32),
+    (np.uint64(2**63), np.int64),
+    (np.arange(4, dtype=np.int64) * 1_000_000_000, np.int32),
+    (np.arange(4, dtype=np.int64), np.uint16),
+    (2**70, np.int32),
+    (2**64 - 1, np.uint64),
+    (np.int8(7), jnp.int4),
+    (np.int8(8), jnp.int4),
+    (np.int8(-1), jnp.uint4),
+    (True, np.int8),
+    (np.array([True, False]), np.float16),
+    # integers to floats
+    (np.int32(70000), np.float16),
+    (np.int64(2**40), np.float16),
+    (np.int64(2**40), np.float32),
+    (2**70, np.float32),
+    (2**200, np.float32),
+    # floats
+    (1.5, np.float32),
+    (np.float64(0.1), np.float32),
+    (np.float64(1e300), np.float32),
+    (-1e300, np.float32),
+    (np.float64(1e-50), np.float32),
+    (float("inf"), np.float32),
+    (float("-inf"), np.float16),
+    (float("nan"), np.float32),
+    (70000.0, np.float16),
+    (65519.0, np.float16),  # rounds to the largest float16, 65504
+    (65520.0, np.float16),  # rounds to inf
+    (np.float32(3.4e38), jnp.bfloat16),
+    (3.0e38, jnp.bfloat16),
+    (448.0, jnp.float8_e4m3fn),
+    (1e10, jnp.float8_e4m3fn),  # no inf in this format: nan
+    (np.array([1.0, 2.0, 1e300, np.inf]), np.float32),
+    (np.array([[1.0, np.nan], [-1e39, 0.0]]), np.float32),
+    # complex: each part
+    (np.complex128(1e300 + 1j), np.complex64),
+    (np.complex128(1 + 1e300j), np.complex64),
+    (np.complex128(complex(np.inf, 1)), np.complex64),
+    (complex(1.5, 2), np.complex64),
+    (np.float64(1e300), np.complex64),
+    (np.float64(1.5), np.complex64),
+    (np.zeros((2, 0)), np.float16),
+    # larger arrays (scanned with NumPy reductions rather than in Python)
+    (np.arange(100.0) * 1e37, np.float32),
+    (np.r_[np.full(50, np.nan), np.arange(50.0)], np.float16),
+    (np.arange(200, dtype=np.int64) - 100, np.int8),
+    (np.arange(200, dtype=np.int64) - 50, np.int8),
+    (np.arange(40, dtype=np.uint64) * 2**58, np.int64),
+]
+
+
+def numpy_keeps_value(value, dtype) -> bool:
+    """The reference: whether NumPy's own cast keeps every value."""
+    v = np.asarray(value)
+    try:
+        with np.errstate(all="ignore"):
+            cast = v.astype(dtype)
+    except OverflowError:  # a Python int beyond int64
+        return False
+    if jnp.issubdtype(dtype, np.integer):
+        return np.array_equal(cast.astype(object), v.astype(object))
+    src, dst = v.astype(np.complex128), cast.astype(np.complex128)
+    lost = (np.isfinite(src.real) & ~np.isfinite(dst.real)) | (
+        np.isfinite(src.imag) & ~np.isfinite(dst.imag)
+    )
+    return not lost.any()

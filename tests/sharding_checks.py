@@ -121,6 +121,23 @@ def main():
             [("scaled_sort", (1, 2))] * 4,
         )
 
+        # A vectorized kernel inside shard_map: one flat map of chunks per shard.
+        def sort_rows(x, a):  # a chunk: x (k, 3), a (k,)
+            return np.sort(x, axis=-1) * a[:, None]
+
+        body3 = jax.shard_map(
+            per_row(lambda x, a: threadmap(sort_rows, OUT, x, a, vectorized=True)),
+            mesh=mesh,
+            in_specs=(P("d"), P()),
+            out_specs=P("d"),
+        )
+        check(
+            f"{tag} shard_map vectorized",
+            jax.jit(body3)(xs, A),
+            SORTED,
+            [("sort_rows", (2,))] * 4,
+        )
+
         # jit with NamedSharding inputs (automatic partitioning).
         # Each row is computed once (XLA places the host call; see docs/sharding.md).
         out = jax.jit(per_row(scaled_sort))(xs, A)

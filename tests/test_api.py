@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import VALUE_CASES, numpy_keeps_value
 
 import jax_threadmap
 from jax_threadmap import KernelError, threadmap, threadmap_p
@@ -159,6 +160,85 @@ def test_kernel_exception_names_type_message_and_index(jit):
     np.testing.assert_array_equal(f(x - 20.0), np.asarray(x) - 20.0)
 
 
+def _check_depth(x):
+    if int(x) == 2:
+        raise ValueError(f"element {int(x)} is too deep")
+
+
+def nested_failure(x, depth=0):
+    if depth < 30:
+        return nested_failure(x, depth + 1)
+    _check_depth(x)
+    return x
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_kernel_traceback_is_in_the_message(jit):
+    # Under jit, JAX passes only the message through its runtime error: the
+    # kernel's own lines must be in it (bounded to the innermost frames).
+    f = jax.vmap(lambda x: threadmap(nested_failure, F32, x))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(jnp.arange(4.0)))
+    msg = str(info.value)
+    tail = msg[msg.index("KernelError: ") if jit else 0 :]
+    lines = tail.splitlines()
+    assert lines[0].endswith("raised ValueError: element 2 is too deep")
+    assert lines[1] == "Kernel traceback (most recent call last):"
+    assert lines[2] == "  ... 26 earlier frame(s)"  # 1 + 30 frames, 5 + 1 shown
+    assert lines[-2] == f'  File "{__file__}", line {_LINE}, in _check_depth'
+    assert lines[-1] == '    raise ValueError(f"element {int(x)} is too deep")'
+    assert (
+        lines[-4].endswith("in nested_failure") and lines[-3] == "    _check_depth(x)"
+    )
+    assert "_host.py" not in tail  # the package's own frames are left out
+
+
+_LINE = _check_depth.__code__.co_firstlineno + 2
+
+
+class Abort(BaseException):
+    """A kernel's own BaseException subclass (not an Exception)."""
+
+
+def aborts_at_2(x):
+    if int(x) == 2:
+        raise Abort("stop here")
+    return x
+
+
+@pytest.mark.parametrize(
+    "executor", [None, 1, "thread_executor"], ids=["shared", "one", "user"]
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_base_exception_of_a_kernel_is_a_kernel_error(executor, jit):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ex = pool if executor == "thread_executor" else executor
+        f = jax.vmap(lambda x: threadmap(aborts_at_2, F32, x, executor=ex))
+        f = jax.jit(f) if jit else f
+        with pytest.raises(Exception) as info:
+            jax.block_until_ready(f(jnp.arange(4.0)))
+    msg = str(info.value)
+    assert "threadmap kernel 'aborts_at_2' at batch index (2,)" in msg
+    assert "raised Abort: stop here" in msg and "ExecutorError" not in msg
+    if not jit:
+        assert isinstance(info.value, KernelError) and info.value.index == (2,)
+        assert isinstance(info.value.__cause__, Abort)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_keyboard_interrupt_and_system_exit_of_a_kernel_pass_through(exc):
+    # As from a plain loop: `except KeyboardInterrupt` and sys.exit() keep working.
+    def k(x):
+        if int(x) == 1:
+            raise exc(3)
+        return x
+
+    with pytest.raises(exc) as info:
+        vmapped(k)(jnp.arange(3.0))
+    assert info.value.args == (3,)
+
+
 @pytest.mark.parametrize(
     "result, expected_fragment",
     [
@@ -194,6 +274,77 @@ def test_float_result_for_int_output_is_rejected():
         f(jnp.arange(2))
 
 
+# --- narrowing: a value its declared dtype cannot hold is an error -----------------
+
+#: The cases of test_validate.py whose dtype a threadmap can declare with x64 off.
+NARROWING = [
+    (value, dtype)
+    for value, dtype in VALUE_CASES
+    if np.dtype(dtype) == jax.dtypes.canonicalize_dtype(dtype)
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("value, dtype", NARROWING, ids=repr)
+def test_results_keep_their_value_or_fail_naming_it(value, dtype, jit):
+    dtype = np.dtype(dtype)
+    out = jax.ShapeDtypeStruct(np.shape(value), dtype)
+    zeros = np.zeros(np.shape(value), dtype)
+
+    def k(i):
+        return value if int(i) == 2 else zeros
+
+    f = jax.vmap(lambda i: threadmap(k, out, i))
+    f = jax.jit(f) if jit else f
+    if numpy_keeps_value(value, dtype):
+        got = np.asarray(f(jnp.arange(4))[2])
+        np.testing.assert_array_equal(got, np.asarray(value).astype(dtype))
+        return
+    with pytest.raises(KernelError if not jit else Exception) as info:
+        jax.block_until_ready(f(jnp.arange(4)))
+    msg = str(info.value)
+    assert "at batch index (2,) (batch shape (4,))" in msg
+    assert f"for output 0, expected {dtype}" in msg
+    assert f"{dtype} cannot hold it" in msg
+    assert first_lost_value(value, dtype) in msg
+
+
+def first_lost_value(value, dtype) -> str:
+    """How the message shows the first element that NumPy's cast loses."""
+    v = np.asarray(value)
+    if v.ndim == 0:
+        return f"returned {v[()]!s} ("
+    lost = next(i for i in np.ndindex(v.shape) if not numpy_keeps_value(v[i], dtype))
+    return f"returned an array whose element {list(lost)} is {v[lost]!s} ({v.dtype})"
+
+
+def test_narrowing_names_the_output_and_the_value_of_a_pytree_result():
+    out = {"n": jax.ShapeDtypeStruct((), jnp.int32), "x": F32}
+
+    def k(i):
+        return {"n": np.int64(i) * 2**30, "x": np.float64(i)}
+
+    f = jax.vmap(jax.vmap(lambda i: threadmap(k, out, i)))
+    res = f(jnp.arange(2).reshape(1, 2))  # 0 and 2**30 fit int32
+    np.testing.assert_array_equal(res["n"], [[0, 2**30]])
+    with pytest.raises(KernelError) as info:
+        f(jnp.array([[0, 1], [2, 1]]))  # only (1, 0) overflows
+    assert info.value.index == (1, 0)
+    assert "returned 2147483648 (int64) for output 0, expected int32" in str(info.value)
+
+
+def test_python_int_fits_unsigned_and_float64_fits_float32():
+    # Signed and unsigned integers are one kind: the value decides.
+    g = vmapped(lambda x: int(x) * 100, out=jax.ShapeDtypeStruct((), jnp.uint8))
+    np.testing.assert_array_equal(g(jnp.arange(3)), np.array([0, 100, 200], np.uint8))
+    with pytest.raises(KernelError, match=r"batch index \(3,\).*300 \(int64\)"):
+        g(jnp.arange(4))
+    h = vmapped(lambda x: np.float64(x) / 3)
+    np.testing.assert_array_equal(
+        h(jnp.arange(3.0)), (np.arange(3.0) / 3).astype(np.float32)
+    )
+
+
 @pytest.mark.parametrize(
     "call, exc, fragment",
     [
@@ -227,6 +378,32 @@ def test_bad_input_raises_before_anything_runs(call, exc, fragment):
     with pytest.raises(exc) as info:
         call()
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("empty", [None, (), {}, [], {"a": ()}], ids=repr)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_result_shape_dtypes_without_leaves_fails_at_the_call(empty, jit):
+    # Never a kernel that runs eagerly but silently not under jit (dead code).
+    calls = []
+
+    def k(x):
+        calls.append(x)
+        return empty
+
+    f = jax.vmap(lambda x: threadmap(k, empty, x))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(ValueError) as info:
+        f(jnp.arange(3.0))
+    msg = str(info.value)
+    assert msg.startswith("threadmap: result_shape_dtypes has no array leaves")
+    assert "dead code" in msg and "jax.ShapeDtypeStruct((), jnp.bool_)" in msg
+    assert calls == []
+
+
+@pytest.mark.parametrize("empty", [None, ()], ids=repr)
+def test_kernel_decorator_without_results_fails_when_decorating(empty):
+    with pytest.raises(ValueError, match="jax_threadmap.kernel: result_shape_dtypes"):
+        jax_threadmap.kernel(empty)
 
 
 def test_negative_dimension_in_result_shape():

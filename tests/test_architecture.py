@@ -20,6 +20,8 @@ LAYERS = [
     "_batch_spec",
     "_progress",
     "_remote",
+    "_loops",
+    "_vectorized",
     "_host",
     "_executor",
     "_params",

@@ -159,6 +159,41 @@ def test_x64_off_canonicalises_declared_float64():
     np.testing.assert_array_equal(np.asarray(x), np.arange(3.0))
 
 
+@pytest.mark.parametrize(
+    "returned, declared, fragment",
+    [
+        (
+            np.array([1.0, 1e300]),
+            np.float32,
+            r"at <root>: an array whose element \[1\] is 1e\+300 \(float64\), "
+            r"declared float32 \(float32 on device\); float32 cannot hold it",
+        ),
+        (
+            np.array([1.0, 1e300]),
+            np.float64,
+            r"declared float64 \(float32 on device\); float32 cannot hold it",
+        ),
+        (
+            np.array([5, 2**40]),
+            np.int32,
+            r"element \[1\] is 1099511627776 \(int64\), declared int32 .*"
+            r"its range is -2147483648 to 2147483647",
+        ),
+    ],
+    ids=["float64-as-float32", "declared-float64", "int64-as-int32"],
+)
+def test_x64_off_values_that_do_not_fit_fail_instead_of_wrapping(
+    returned, declared, fragment
+):
+    # device_put would cast them to 32 bits: inf, and 0 for 2**40.
+    x = async_call(lambda: returned, SDS((2,), declared))
+    with pytest.raises(ValueError, match=fragment):
+        x.result(timeout=WAIT)
+    kept = np.array([1.5, np.inf, -np.nan, 3e38])
+    y = async_call(lambda: kept, SDS((4,), np.float32))
+    np.testing.assert_array_equal(np.asarray(y), kept.astype(np.float32))
+
+
 def test_x64_on_keeps_float64(x64):
     del x64
     x = async_call(lambda: np.arange(3.0), SDS((3,), np.float64))
@@ -418,6 +453,10 @@ FAILING_USES = {
 @pytest.mark.parametrize("use", sorted(FAILING_USES))
 def test_fn_error_is_raised_at_every_use(use):
     params = async_call(_failing_load, _shapes())
+    # Once the failure is known, every use raises it. (A jitted program
+    # dispatched while the call still runs raises it in a JaxRuntimeError when
+    # its results are used: tests/test_async_dispatch.py.)
+    concurrent.futures.wait([params["w"]._task.future], timeout=WAIT)
     for _ in range(2):  # and again: the arrays keep failing the same way
         with pytest.raises(LoadError, match="could not fetch weights.bin") as info:
             FAILING_USES[use](params)
@@ -621,7 +660,10 @@ def test_async_threads_env_var(monkeypatch):
 # --- deferred ------------------------------------------------------------------------
 
 
-def test_deferred_runs_only_when_first_needed_and_once():
+@pytest.mark.parametrize("dispatch", ["async", "blocking"])
+def test_deferred_runs_only_when_first_needed_and_once(dispatch, monkeypatch):
+    monkeypatch.setenv(_async.ENV_ASYNC_DISPATCH, "1" if dispatch == "async" else "0")
+    async_dispatch = _async.async_dispatch_status() == "async"
     calls = []
 
     def fn(seed):
@@ -636,10 +678,13 @@ def test_deferred_runs_only_when_first_needed_and_once():
     assert calls == [] and not params["w"].done()
     assert "deferred" in repr(params["w"])
     out = f(params, x)  # executing the program needs the values
-    assert calls == [threading.current_thread()]
     np.testing.assert_allclose(
         out, _model(jax.tree.map(jnp.asarray, _weights(seed=5)), x), rtol=1e-6
     )
+    if async_dispatch:  # the dispatch queued it on the pool and returned
+        assert len(calls) == 1 and calls[0].name.startswith("jax_threadmap-async")
+    else:  # the dispatch waited, running it in the caller
+        assert calls == [threading.current_thread()]
     np.testing.assert_array_equal(np.asarray(params["b"]), _weights(seed=5)["b"])
     assert len(calls) == 1
 

@@ -588,6 +588,36 @@ def test_wrong_derivative_results_name_the_kernel_and_index():
         jax.jvp(lambda x: g(x, 2.0), (x,), (x,))
 
 
+def test_derivative_results_that_do_not_fit_fail_naming_the_value():
+    # Derivative kernels store through the same check as primal ones, the
+    # host-summed cotangents of unbatched operands included.
+    @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
+    def mul(x, w):
+        return x * w
+
+    @mul.defjvp
+    def mul_jvp(x, w, tx, tw):
+        return np.float64(1e300) if x == 1 else np.float64(tx * w + x * tw)
+
+    @mul.defvjp
+    def mul_vjp(x, w, ct):
+        big = np.float64(1e300) if x == 1 else np.float64(ct * x)
+        return np.float64(ct * w), big
+
+    g = jax.vmap(mul, (0, None))
+    w = jnp.float32(3)
+    ok = jnp.array([0.0, 2.0, 4.0])
+    _, t = jax.jvp(lambda x: g(x, w), (ok,), (jnp.ones(3),))
+    np.testing.assert_array_equal(t, np.full(3, 3, np.float32))
+    np.testing.assert_array_equal(jax.grad(lambda w: g(ok, w).sum())(w), 6.0)
+    bad = jnp.array([0.0, 1.0, 4.0])
+    fragment = r"at batch index \(1,\) .*returned 1e\+300 \(float64\) for output 0"
+    with pytest.raises(KernelError, match="mul_jvp' " + fragment):
+        jax.jvp(lambda x: g(x, w), (bad,), (jnp.ones(3),))
+    with pytest.raises(KernelError, match="mul_vjp' " + fragment):
+        jax.grad(lambda w: g(bad, w).sum())(w)  # w's cotangent: summed on the host
+
+
 def test_api_errors():
     with pytest.raises(TypeError, match="with parentheses"):
         jax_threadmap.kernel(np.sin)

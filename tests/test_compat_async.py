@@ -53,7 +53,8 @@ class _Probe:
 _requests: list[int] = []
 
 
-def _arrays_of(xs):
+def _arrays_of(xs, shardings):
+    assert len(shardings) == len(xs)
     _requests.append(len(xs))
     return [jnp.asarray(x.value) for x in xs]
 
@@ -103,3 +104,59 @@ def test_jax_array_protocol_alone_is_still_not_enough():
 
     with pytest.raises((TypeError, ValueError)):
         jax.jit(lambda a: a + 1)(OnlyProtocol())
+
+
+# --- async dispatch (the "async dispatch" section of _compat) -----------------------
+
+
+@pytest.mark.parametrize("module_name, attr", _compat.ASYNC_DISPATCH_HOOKS)
+def test_async_dispatch_hook_is_still_where_we_expect_it(module_name, attr):
+    module = importlib.import_module(module_name)
+    assert hasattr(module, attr), (
+        f"JAX {jax.__version__} no longer provides {module_name}.{attr}; jitted "
+        "calls with pending AsyncArrays fall back to blocking dispatch. Update the "
+        "'async dispatch' section of jax_threadmap/_compat.py."
+    )
+    assert _compat.async_dispatch_unavailable() is None
+
+
+def test_a_pulled_gate_holds_a_callback_program_until_offered():
+    # The gate mechanism of _async._Dispatch, reduced to its parts: a program
+    # whose input is a pulled, not yet offered array is dispatched without
+    # running; once offered, its host callback runs and the value arrives.
+    import threading
+    import time
+
+    dev = jax.devices()[0]
+    server = _compat.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
+    conn = server.connect(server.address())
+    gate_aval = jax.ShapeDtypeStruct(
+        (), np.int32, sharding=jax.sharding.SingleDeviceSharding(dev)
+    )
+    gate = conn.pull(12345, [gate_aval])[0]
+    ran = threading.Event()
+    data = np.arange(5, dtype=np.float32)
+
+    def fill(g):
+        ran.set()
+        return data * int(g)
+
+    program = jax.jit(
+        lambda g: jax.pure_callback(fill, jax.ShapeDtypeStruct((5,), np.float32), g)
+    )
+    done = threading.Event()
+    box = {}
+    worker = threading.Thread(
+        target=lambda: (box.update(y=program(gate) + 1), done.set()), daemon=True
+    )
+    worker.start()
+    assert done.wait(30), (
+        f"dispatching on a pulled array blocked. {UPDATE}"
+        " (async dispatch would block here)"
+    )
+    time.sleep(0.1)
+    assert not ran.is_set() and not box["y"].is_ready(), (
+        f"the program ran before its gate was offered. {UPDATE}"
+    )
+    server.await_pull(12345, [jax.device_put(np.int32(3), dev)])
+    np.testing.assert_array_equal(np.asarray(box["y"]), data * 3 + 1)

@@ -85,3 +85,24 @@ def test_default_thread_counts_reach_past_the_cpus(monkeypatch):
     monkeypatch.setattr(_demo, "available_cpus", lambda: 6)
     assert _demo.default_threads("sort") == [1, 2, 4, 6, 12]
     assert _demo.default_threads("sleep") == [1, 4, 16, 32]
+
+
+def test_table_states_rounds_extrapolation_and_load():
+    rows = [
+        ("pure_callback sequential", 1, 256, 10.0, 0.0),
+        ("threadmap", 1, 512, 8.0, None),
+        ("threadmap", 2, 512, 4.0, 1.3),
+    ]
+    text = _demo.format_table(rows, 4096, 2, rounds=3)
+    lines = text.splitlines()
+    assert "Median of 3 rounds per row." in text
+    assert "* timed on the first 256 elements, extrapolated to 4096" in text
+    assert (
+        "first 512 elements, extrapolated to 4096: threadmap (1), threadmap (2)" in text
+    )
+    assert [line.endswith("†") for line in lines if "threadmap  " in line] == [
+        False,
+        True,
+    ]
+    assert "† taken while other processes kept up to 1.3 of the 2 CPUs busy" in text
+    assert "2.5x†" in text  # speedup 10 / 4

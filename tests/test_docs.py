@@ -31,6 +31,7 @@ import doctest
 import importlib
 import inspect
 import io
+import linecache
 import os
 import pathlib
 import re
@@ -159,6 +160,9 @@ def _run(path, block, namespace) -> None:
     namespace["__ran__"].add(block["line"])
     filename = f"{path.relative_to(ROOT)}:{block['line']}"
     code = compile(block["code"], filename, "exec")
+    # Tracebacks (and the kernel frames in a KernelError) quote the block's lines.
+    lines = block["code"].splitlines(keepends=True)
+    linecache.cache[filename] = (len(block["code"]), None, lines, filename)
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         exec(code, namespace)

@@ -1,6 +1,7 @@
 """Executors that pickle work: process pools and a real Dask cluster."""
 
 import concurrent.futures
+import functools
 import multiprocessing
 import os
 
@@ -51,6 +52,86 @@ def test_process_pool_runs_elements_in_workers(spawn_pool):
     pids = check_nested(spawn_pool)
     assert os.getpid() not in pids
     assert pids  # some worker ran them
+
+
+# --- what the kernel receives: the shapes and dtypes of one element ----------------
+
+#: One element of each operand: a 0-d float32, a (3,) int32, a (2, 3) uint8.
+CORES = [((), np.float32), ((3,), np.int32), ((2, 3), np.uint8)]
+
+#: Per layout, the vmap levels (outermost first, sizes 3 and 4) at which each
+#: operand is batched. Levels an operand lacks are read with stride 0; an operand
+#: batched at the outer level only is gathered per chunk.
+LAYOUTS = {
+    "unbatched call": ((), [(), (), ()]),
+    "1 level, 0-d unbatched": ((5,), [(), (0,), (0,)]),
+    "1 level, all batched": ((5,), [(0,), (0,), (0,)]),
+    "1 level, 0-d batched only": ((5,), [(0,), (), ()]),
+    "2 levels, 0-d unbatched, outer only": ((3, 4), [(), (0,), (0, 1)]),
+    "2 levels, 0-d inner, outer only": ((3, 4), [(1,), (0,), ()]),
+    "2 levels, 0-d outer only": ((3, 4), [(0,), (), (1,)]),
+}
+
+
+def layout_call(batch, levels, executor):
+    """The operands of a layout, its nested vmap of checked_sum, and the reference."""
+    rng = np.random.default_rng(0)
+    operands = []
+    for (core, dtype), lv in zip(CORES, levels, strict=True):
+        shape = tuple(batch[level] for level in lv) + core
+        operands.append((rng.random(shape) * 100).astype(dtype))
+    kernel = functools.partial(
+        worker_kernels.checked_sum,
+        expected=tuple((core, np.dtype(dtype).name) for core, dtype in CORES),
+    )
+
+    def f(*xs):
+        return threadmap(
+            kernel, jax.ShapeDtypeStruct((), jnp.float32), *xs, executor=executor
+        )
+
+    for level in reversed(range(len(batch))):
+        f = jax.vmap(f, in_axes=[0 if level in lv else None for lv in levels])
+    expected = np.zeros(batch, np.float32)
+    for index in np.ndindex(*batch):
+        elems = [
+            x[tuple(index[level] for level in lv)]
+            for x, lv in zip(operands, levels, strict=True)
+        ]
+        expected[index] = np.float32(sum(np.sum(e, dtype=np.float64) for e in elems))
+    return f, operands, expected
+
+
+def check_layouts(executor):
+    for name, (batch, levels) in LAYOUTS.items():
+        f, operands, expected = layout_call(batch, levels, executor)
+        for g in (f, jax.jit(f)):
+            np.testing.assert_allclose(g(*operands), expected, rtol=1e-6, err_msg=name)
+
+
+def test_process_workers_receive_the_shapes_and_dtypes_of_one_element(spawn_pool):
+    check_layouts(spawn_pool)
+
+
+def test_threads_receive_the_same_shapes_and_dtypes():
+    check_layouts(2)
+
+
+def test_narrowing_in_a_worker_process_names_the_element(spawn_pool):
+    f = jax.vmap(
+        lambda x: threadmap(
+            worker_kernels.big_count,
+            jax.ShapeDtypeStruct((), jnp.int32),
+            x,
+            executor=spawn_pool,
+        )
+    )
+    with pytest.raises(KernelError) as info:
+        f(np.arange(4, dtype=np.int32))
+    assert info.value.index == (2,)
+    assert "returned 1099511627776 (int64) for output 0, expected int32" in str(
+        info.value
+    )
 
 
 def test_remote_chunks_ship_only_their_slices():
@@ -113,8 +194,25 @@ def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):
     with pytest.raises(KernelError) as info:
         f(np.arange(8, dtype=np.float32))
     assert "batch index (5,)" in str(info.value) and "KeyError" in str(info.value)
+    # The worker's frames travel in the message (the cause stays in the worker).
+    assert "worker_kernels.py" in str(info.value)
+    assert str(info.value).endswith('in raises_at_five\n    raise KeyError("five")')
     assert info.value.index == (5,)
     np.testing.assert_array_equal(f(np.arange(3, dtype=np.float32)), np.arange(3))
+
+
+def test_base_exception_in_a_worker_is_a_kernel_error(spawn_pool):
+    f = jax.vmap(
+        lambda x: threadmap(
+            worker_kernels.aborts_at_one,
+            jax.ShapeDtypeStruct((), jnp.float32),
+            x,
+            executor=spawn_pool,
+        )
+    )
+    with pytest.raises(KernelError, match="raised Abort: stop") as info:
+        f(np.arange(3, dtype=np.float32))
+    assert info.value.index == (1,)
 
 
 def test_unpicklable_kernel_is_a_clear_error(spawn_pool):
@@ -147,7 +245,8 @@ def test_worker_killed_mid_map_is_an_error_not_a_hang():
     ex.shutdown()
 
 
-def test_dask_local_cluster_runs_elements_in_worker_processes():
+@pytest.fixture(scope="module")
+def dask_client():
     distributed = pytest.importorskip("distributed")
     with (
         distributed.LocalCluster(
@@ -159,12 +258,20 @@ def test_dask_local_cluster_runs_elements_in_worker_processes():
         ) as cluster,
         distributed.Client(cluster) as client,
     ):
-        ex = client.get_executor()
-        assert _executor.known_workers(ex) == 2
-        pids = check_nested(ex)
-        worker_pids = set(client.run(os.getpid).values())
-        assert pids and pids <= worker_pids
-        assert os.getpid() not in pids
+        yield client
+
+
+def test_dask_local_cluster_runs_elements_in_worker_processes(dask_client):
+    ex = dask_client.get_executor()
+    assert _executor.known_workers(ex) == 2
+    pids = check_nested(ex)
+    worker_pids = set(dask_client.run(os.getpid).values())
+    assert pids and pids <= worker_pids
+    assert os.getpid() not in pids
+
+
+def test_dask_workers_receive_the_shapes_and_dtypes_of_one_element(dask_client):
+    check_layouts(dask_client.get_executor())
 
 
 class OpaqueExecutor(concurrent.futures.Executor):

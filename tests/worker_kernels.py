@@ -11,10 +11,13 @@ import numpy as np
 
 def scaled_with_pid(x, y, *, scale):
     """One element: (x + y) * scale, and the id of the process that ran it."""
+    assert x.shape == y.shape == (3,) and scale.shape == (), (x.shape, scale.shape)
+    assert x.dtype == y.dtype == scale.dtype == np.float32
     return {"value": (x + y) * scale, "pid": np.int32(os.getpid())}
 
 
 def dies_at_three(x):
+    assert x.shape == () and x.dtype == np.float32, (x.shape, x.dtype)
     if float(x) == 3:
         os._exit(1)  # a worker that is killed mid-map
     time.sleep(0.05)
@@ -22,6 +25,7 @@ def dies_at_three(x):
 
 
 def raises_at_five(x):
+    assert x.shape == () and x.dtype == np.float32, (x.shape, x.dtype)
     if float(x) == 5:
         raise KeyError("five")
     return x
@@ -29,8 +33,55 @@ def raises_at_five(x):
 
 def dot(x, w):
     """One element: x @ w, for reverse mode in worker processes."""
+    assert x.shape == w.shape == (4,), (x.shape, w.shape)
     return np.float32(x @ w)
 
 
 def dot_vjp(x, w, ct):
+    assert x.shape == w.shape == (4,) and ct.shape == (), (x.shape, ct.shape)
+    assert ct.dtype == np.float32
     return ct * w, ct * x
+
+
+def scaled_chunk_with_pid(x, y, *, scale):
+    """A vectorized kernel: a chunk of k elements of (x + y) * scale, and the id of
+    the process that ran it. Checks the shapes and flags it receives."""
+    k = x.shape[0]
+    assert x.shape == (k, 3) and y.shape == (k, 3) and scale.shape == (k,), (
+        x.shape,
+        y.shape,
+        scale.shape,
+    )
+    assert not (x.flags.writeable or y.flags.writeable or scale.flags.writeable)
+    return {
+        "value": (x + y) * scale[:, None],
+        "pid": np.full(k, os.getpid(), np.int32),
+    }
+
+
+def checked_sum(*args, expected):
+    """Asserts the type, shape and dtype of each argument, then sums them all.
+
+    ``expected``: one ``(shape, dtype name)`` per argument, as one element sees it.
+    """
+    got = tuple((type(a).__name__, a.shape, a.dtype.name) for a in args)
+    want = tuple(("ndarray", shape, dtype) for shape, dtype in expected)
+    assert got == want, f"the kernel received {got}, expected {want}"
+    return np.float32(sum(np.sum(a, dtype=np.float64) for a in args))
+
+
+def big_count(x):
+    """An int64 beyond int32 at element 2, else the element."""
+    assert x.shape == () and x.dtype == np.int32, (x.shape, x.dtype)
+    return np.int64(2**40) if int(x) == 2 else np.int64(x)
+
+
+class Abort(BaseException):
+    """A kernel's own BaseException subclass."""
+
+
+def aborts_at_one(x):
+    assert x.shape == () and x.dtype == np.float32, (x.shape, x.dtype)
+    if float(x) == 1:
+        raise Abort("stop")
+    return x

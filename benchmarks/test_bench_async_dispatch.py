@@ -1,0 +1,230 @@
+"""Async dispatch: two loads feed two slow-to-compile functions; the seed example.
+
+Pipeline. Two "downloads" of LOAD_S seconds each (sleeps, as network I/O would:
+they release the GIL) feed two jitted functions that each take about COMPILE_S
+seconds to trace and compile (a fresh function per round, so each really
+compiles). Four ways to run it, each ending when both results are on the host:
+
+- ``blocking order``: plain JAX: load, compile+run, load, compile+run. About
+  ``2 * (LOAD_S + COMPILE_S)``.
+- ``async, both loads first``: ``a1 = async_call(load)``, ``a2 = async_call(load)``,
+  ``y1 = f1(a1)``, ``y2 = f2(a2)``, then use both: the loads run together while
+  the thread compiles, so about ``max(LOAD_S, 2 * COMPILE_S)`` (ideal: the max of
+  the loads, run in parallel, and the compiles, run one after the other).
+- ``async, load then dispatch``: ``a1 = async_call(load); y1 = f1(a1); a2 = ...;
+  y2 = f2(a2)``: the second load starts after the first dispatch returns. With
+  async dispatch that is after the first compile; with blocking dispatch (the
+  wait at dispatch, ``JAX_THREADMAP_ASYNC_DISPATCH=0``) after the first load too.
+
+Each async way runs with async dispatch and with blocking dispatch. With
+LOAD_S == COMPILE_S the two dispatch modes tie on the first async way: async
+dispatch pays off when a load outlasts a compile (set LOAD_S=2 to see it), and
+when the thread has other work between dispatches.
+
+Seed example (the motivating example of issue 13), timed line by line:
+``x = async_call(slow)`` (slow sleeps SEED_S), ``y = square(x)``, ``print(y)``.
+
+Run:
+    pytest benchmarks/test_bench_async_dispatch.py --benchmark-only   # tables
+    python benchmarks/test_bench_async_dispatch.py                    # report
+    LOAD_S=2 python benchmarks/test_bench_async_dispatch.py           # longer loads
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_threadmap as jtm
+from jax_threadmap import _async
+
+LOAD_S = float(os.environ.get("LOAD_S", "1.0"))
+COMPILE_S = 1.0  # target; calibrated below
+SEED_S = 3.0
+ROUNDS = 3
+N = 4096
+SPEC = jax.ShapeDtypeStruct((N,), jnp.float32)
+DATA = np.linspace(-1.0, 1.0, N, dtype=np.float32)
+
+
+def load(seed: int) -> np.ndarray:
+    """A slow loader: waits like a download, then returns the array."""
+    time.sleep(LOAD_S)
+    return DATA * (seed + 1)
+
+
+def make_model(n_ops: int):
+    """A fresh function (a new function object compiles anew)."""
+
+    def model(x):
+        for i in range(n_ops):
+            x = jnp.sin(x * (1.0 + i * 1e-3))[::-1] + jnp.float32(i * 1e-3)
+            x = jnp.roll(x, 1)
+        return x
+
+    return model
+
+
+_n_ops: int | None = None
+
+
+def n_ops() -> int:
+    """The model depth that compiles in about COMPILE_S here (measured once)."""
+    global _n_ops
+    if _n_ops is None:
+        jax.jit(lambda v: v + 1)(DATA).block_until_ready()  # warm the backend
+        ops = 40
+        for _ in range(3):  # compile time grows faster than linearly: refine
+            t0 = time.perf_counter()
+            jax.jit(make_model(ops)).lower(SPEC).compile()
+            ops = max(10, round(ops * COMPILE_S / (time.perf_counter() - t0)))
+        _n_ops = ops
+    return _n_ops
+
+
+@contextlib.contextmanager
+def dispatch_mode(mode: str):
+    old = os.environ.get(_async.ENV_ASYNC_DISPATCH)
+    os.environ[_async.ENV_ASYNC_DISPATCH] = "1" if mode == "async" else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[_async.ENV_ASYNC_DISPATCH]
+        else:
+            os.environ[_async.ENV_ASYNC_DISPATCH] = old
+
+
+def blocking_order() -> list[np.ndarray]:
+    outs = []
+    for seed in (0, 1):
+        x = load(seed)
+        outs.append(np.asarray(jax.jit(make_model(n_ops()))(x)))
+    return outs
+
+
+def async_loads_first() -> list[np.ndarray]:
+    a1 = jtm.async_call(load, SPEC, 0)
+    a2 = jtm.async_call(load, SPEC, 1)
+    y1 = jax.jit(make_model(n_ops()))(a1)
+    y2 = jax.jit(make_model(n_ops()))(a2)
+    return [np.asarray(y1), np.asarray(y2)]
+
+
+def async_load_then_dispatch() -> list[np.ndarray]:
+    a1 = jtm.async_call(load, SPEC, 0)
+    y1 = jax.jit(make_model(n_ops()))(a1)
+    a2 = jtm.async_call(load, SPEC, 1)
+    y2 = jax.jit(make_model(n_ops()))(a2)
+    return [np.asarray(y1), np.asarray(y2)]
+
+
+WAYS = {
+    "blocking order": (blocking_order, None),
+    "async, both loads first, async dispatch": (async_loads_first, "async"),
+    "async, both loads first, blocking dispatch": (async_loads_first, "blocking"),
+    "async, load then dispatch, async dispatch": (async_load_then_dispatch, "async"),
+    "async, load then dispatch, blocking dispatch": (
+        async_load_then_dispatch,
+        "blocking",
+    ),
+}
+
+
+def run_way(name: str) -> tuple[float, list[np.ndarray]]:
+    fn, mode = WAYS[name]
+    with dispatch_mode(mode or "async"):
+        t0 = time.perf_counter()
+        outs = fn()
+        return time.perf_counter() - t0, outs
+
+
+def seed_example(mode: str) -> dict[str, float]:
+    """The issue's example, each line timed."""
+
+    def slow():
+        time.sleep(SEED_S)
+        return np.arange(4, dtype=np.int32)
+
+    square = jax.jit(lambda v: v * v)
+    times = {}
+    with dispatch_mode(mode):
+        t0 = time.perf_counter()
+        x = jtm.async_call(slow, jax.ShapeDtypeStruct((4,), np.int32))
+        t1 = time.perf_counter()
+        y = square(x)
+        t2 = time.perf_counter()
+        text = str(y)
+        t3 = time.perf_counter()
+    assert text == "[0 1 4 9]", text
+    times["x = async_call(slow)"] = t1 - t0
+    times["y = square(x)"] = t2 - t1
+    times["print(y)"] = t3 - t2
+    return times
+
+
+def compare(rounds: int = ROUNDS) -> dict:
+    reference = [np.asarray(jax.jit(make_model(n_ops()))(load(s))) for s in (0, 1)]
+    t0 = time.perf_counter()
+    jax.jit(make_model(n_ops())).lower(SPEC).compile()
+    compile_s = time.perf_counter() - t0
+    results = {}
+    for name in WAYS:
+        times = []
+        for _ in range(rounds):
+            elapsed, outs = run_way(name)
+            for got, want in zip(outs, reference, strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            times.append(elapsed)
+        results[name] = statistics.median(times)
+    return {
+        "load_s": LOAD_S,
+        "compile_s": compile_s,
+        "ways": results,
+        "seed": {mode: seed_example(mode) for mode in ("async", "blocking")},
+        "status": jtm.async_dispatch_status(),
+    }
+
+
+def report(r: dict) -> str:
+    load_s, compile_s = r["load_s"], r["compile_s"]
+    lines = [
+        f"jax {jax.__version__}; dispatch: {r['status']}; load {load_s:.2f} s, "
+        f"compile {compile_s:.2f} s (each)",
+        f"  ideal max(loads, compiles) = {max(load_s, 2 * compile_s):.2f} s; "
+        f"blocking order = {2 * (load_s + compile_s):.2f} s",
+    ]
+    for name, t in r["ways"].items():
+        lines.append(f"  {name:<46} {t:6.2f} s")
+    lines.append(f"seed example (slow sleeps {SEED_S:.0f} s), per line:")
+    for mode, times in r["seed"].items():
+        cells = ", ".join(f"{k}: {v:.3f} s" for k, v in times.items())
+        lines.append(f"  {mode + ' dispatch:':<19} {cells}")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_two_loads_two_compiles(benchmark, way):
+    benchmark.group = "two loads feeding two slow compiles"
+    benchmark.extra_info["load_s"] = LOAD_S
+    elapsed, outs = benchmark.pedantic(run_way, args=(way,), rounds=ROUNDS)
+    assert len(outs) == 2 and outs[0].shape == (N,)
+
+
+@pytest.mark.parametrize("mode", ["async", "blocking"])
+def test_seed_example_line_by_line(benchmark, mode):
+    benchmark.group = "seed example: square(async_call(slow))"
+    times = benchmark.pedantic(seed_example, args=(mode,), rounds=1)
+    benchmark.extra_info.update(times)
+    print(f"\n{mode}: " + ", ".join(f"{k}: {v:.3f} s" for k, v in times.items()))
+
+
+if __name__ == "__main__":
+    print(report(compare()))

@@ -1,0 +1,173 @@
+"""Vectorized kernels: one call per chunk of elements instead of one per element.
+
+A vectorized kernel receives every operand with one leading axis of length ``k``,
+a chunk of the flat batch, and returns each result with that leading axis. The
+chunks are *pieces* of the merged batch shape ``S`` (see ``_host.HostMap``) that
+are rectangular: a range ``j0:j1`` of one dim ``p`` with the dims before ``p``
+fixed and the dims after it whole. So each operand's chunk is
+``view[prefix + (slice(j0, j1),)].reshape(k, *core)``: a strided view when the
+operand's layout allows it (unbatched operands keep stride 0, so they are never
+copied), else a copy of just that chunk. Nothing is ever tiled to the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import PASS_THROUGH, KernelError, kernel_traceback
+from ._validate import ResultCastError, check_result_cast
+
+
+class PiecePlan:
+    """Cuts a merged batch shape into rectangular pieces of at most ``max_elements``.
+
+    ``p`` is the outermost dim whose inner block (``prod(S[p+1:])`` elements)
+    fits in ``max_elements``; a piece is ``c`` consecutive indices of dim ``p``
+    (fewer at the end of a row), the dims before ``p`` fixed.
+    """
+
+    def __init__(self, shape: tuple[int, ...], max_elements: int):
+        self.shape = shape
+        blocks = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        self.p = next(d for d, b in enumerate(blocks) if b <= max_elements)
+        self.block = blocks[self.p]
+        self.c = max(1, min(shape[self.p], max_elements // self.block))
+        self.parts = -(-shape[self.p] // self.c)  # pieces per row of dim p
+        self.count = math.prod(shape[: self.p]) * self.parts
+
+    def piece(self, i: int) -> tuple[tuple[Any, ...], int, int]:
+        """``(index, first, k)``: the views' index of piece ``i``, its first flat
+        element and its number of elements."""
+        row, part = divmod(i, self.parts)
+        prefix = tuple(int(j) for j in np.unravel_index(row, self.shape[: self.p]))
+        j0 = part * self.c
+        j1 = min(self.shape[self.p], j0 + self.c)
+        first = (row * self.shape[self.p] + j0) * self.block
+        return (*prefix, slice(j0, j1)), first, (j1 - j0) * self.block
+
+    def rect(self, k: int) -> tuple[int, ...]:
+        """The batch shape of a piece of ``k`` elements, before its reshape."""
+        return (k // self.block, *self.shape[self.p + 1 :])
+
+
+def chunk_of(view: np.ndarray, index: tuple[Any, ...], k: int, nb: int) -> np.ndarray:
+    """One operand's chunk: a view where its layout allows, else a (read-only) copy."""
+    part = view[index]
+    out = part.reshape((k, *part.shape[nb - len(index) + 1 :]))
+    # The views are read-only, so a writeable result is a copy: make it read-only
+    # too, so that kernels see the same flags either way.
+    out.flags.writeable = False
+    return out
+
+
+class ChunkCaller:
+    """Calls a vectorized kernel on one chunk and checks its results.
+
+    Picklable, so that process and Dask workers run the same checks.
+
+    Args:
+        fn: The kernel (or a derivative adapter), called on chunk leaves.
+        name: The kernel's name, for messages.
+        in_tree: Treedef of ``(args, kwargs)`` as ``fn`` takes them.
+        out_tree: Treedef of ``fn``'s result.
+        out_core: ``(shape, dtype)`` of each output leaf for one element.
+        batch_shape: The (unmerged) batch shape, for batch indices in messages.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        in_tree: Any,
+        out_tree: Any,
+        out_core: Sequence[tuple[tuple[int, ...], Any]],
+        batch_shape: tuple[int, ...],
+    ):
+        self.fn = fn
+        self.name = name
+        self.in_tree = in_tree
+        self.out_tree = out_tree
+        self.out_core = [(tuple(s), np.dtype(d)) for s, d in out_core]
+        self.batch_shape = tuple(batch_shape)
+
+    def error(
+        self, first: int, k: int, what: str, cause: BaseException | None = None
+    ) -> KernelError:
+        """A ``KernelError`` naming the chunk's range of batch indices."""
+        index = None
+        where = ""
+        if self.batch_shape:
+            index = _index(first, self.batch_shape)
+            last = _index(first + k - 1, self.batch_shape)
+            where = (
+                f" on the chunk of batch indices {index} to {last} (flat "
+                f"{first}..{first + k - 1} of batch shape {self.batch_shape})"
+            )
+        return KernelError(
+            f"threadmap kernel {self.name!r} (vectorized){where} {what}",
+            index=index,
+            kernel_name=self.name,
+            cause=cause,
+        )
+
+    def call(self, leaves: list[np.ndarray], first: int, k: int) -> list[np.ndarray]:
+        """Runs the kernel on one chunk; returns its result leaves, checked."""
+        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
+        try:
+            result = self.fn(*args, **kwargs)
+        except PASS_THROUGH:
+            raise
+        except BaseException as e:
+            msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise self.error(first, k, f"raised {msg}{kernel_traceback(e)}", e) from e
+        values, tree = jax.tree_util.tree_flatten(result)
+        if tree != self.out_tree:
+            raise self.error(
+                first,
+                k,
+                f"returned a value of structure {tree}, but result_shape_dtypes has "
+                f"structure {self.out_tree}. Return a pytree with the same "
+                "structure, each leaf with a leading axis of the chunk's length.",
+            )
+        return [self._checked(v, j, first, k) for j, v in enumerate(values)]
+
+    def _checked(self, value: Any, j: int, first: int, k: int) -> np.ndarray:
+        shape, dtype = self.out_core[j]
+        try:
+            value = np.asarray(value)
+        except Exception as e:
+            raise self.error(
+                first,
+                k,
+                f"returned a value of type {type(value).__name__} for output {j}, "
+                f"which is not convertible to an array of shape {(k, *shape)}.",
+                e,
+            ) from e
+        if value.shape != (k, *shape):
+            raise self.error(
+                first,
+                k,
+                f"returned shape {value.shape} for output {j}, expected {(k, *shape)}"
+                f": the chunk's length {k}, then one element's shape {shape}. A "
+                "vectorized kernel returns every result with the leading axis of "
+                "its operands.",
+            )
+        try:
+            check_result_cast(value, dtype)
+        except ResultCastError as e:
+            raise self.error(
+                first,
+                k,
+                f"returned {e.got} for output {j}, expected {dtype}; {e.reason}. "
+                f"{e.fix}",
+            ) from None
+        return value
+
+
+def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat, shape))

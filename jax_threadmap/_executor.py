@@ -499,7 +499,9 @@ def _take_place(pool: ThreadPool) -> None:  # shared threads' lock held
 
 _threads = _Threads()
 _pools_lock = threading.Lock()
-_pools: dict[int, ThreadPool] = {}
+#: The shared pools by (what for, size): ``threadmap``'s ``executor=N`` pools, and
+#: the pool of ``async_call`` (whose bound is its own, whatever its size).
+_pools: dict[tuple[str, int], ThreadPool] = {}
 
 
 def num_threads() -> int:
@@ -507,16 +509,31 @@ def num_threads() -> int:
     return _threads.count()
 
 
-def get_pool(num_threads: int | None) -> ThreadPool:
+def get_pool(num_threads: int | None, purpose: str = "threadmap") -> ThreadPool:
     """The shared pool of ``num_threads`` threads (default: from the environment)."""
     n = default_num_threads() if num_threads is None else num_threads
-    pool = _pools.get(n)
+    key = (purpose, n)
+    pool = _pools.get(key)
     if pool is None:
         with _pools_lock:
-            pool = _pools.get(n)
+            pool = _pools.get(key)
             if pool is None:
-                pool = _pools[n] = ThreadPool(n)
+                pool = _pools[key] = ThreadPool(n)
     return pool
+
+
+def run_in_background(pool: ThreadPool, fn: Callable[[], None]) -> None:
+    """Runs ``fn()`` on the shared threads, within ``pool``'s bound, and returns.
+
+    For ``async_call``: the call runs on a daemon thread, never joined at exit,
+    and nothing waits for it here (``fn`` routes its own outcome).
+    """
+
+    def chunk(start: int, stop: int, job: Job) -> None:
+        del start, stop, job
+        fn()
+
+    _threads.submit(pool, Job(1, chunk))
 
 
 # --- maps in flight, fork and exit ----------------------------------------------------

@@ -79,10 +79,15 @@ def threadmap(
         *args: Pytrees of arrays, passed positionally to ``kernel``.
         executor: Where the elements run. ``None``: the shared process-wide pool
             of ``JAX_THREADMAP_NUM_THREADS`` threads (default: one per CPU). An
-            ``int`` N: a shared pool of N threads. A
+            ``int`` N (at most 4096): a shared pool of N threads. A
             :class:`concurrent.futures.Executor`: used as given. A pool's size is
-            a hard bound on the kernels running at once and on the threads that
-            ever run kernels.
+            a hard bound on the kernels of all its maps running at once, with one
+            exception: a kernel that waits for a nested map runs that map's
+            elements on its own thread meanwhile (lending its thread, and its
+            place in its own pool), so a nested map on another pool or executor
+            can run one kernel more than its bound per kernel waiting for it; on
+            the same pool the bound is exact. The pools' threads are shared by
+            every size, started on demand, and exit after 2 s idle.
         progress: Show a progress bar (tqdm when installed, else lines on
             stderr) for maps that run longer than about a second. ``None``: on
             when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.

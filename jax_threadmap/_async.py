@@ -26,7 +26,6 @@ import functools
 import itertools
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
@@ -37,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, _validate
+from . import _compat, _executor, _validate
 from ._executor import available_cpus
 from ._validate import callable_name, env_positive_int, shape_dtype_of
 
@@ -63,70 +62,39 @@ def default_async_threads() -> int:
     return min(32, available_cpus() + 4) if n is None else n
 
 
-class _Pool:
-    """A bounded pool of daemon threads that run queued calls.
+_worker_state = threading.local()
 
-    Like ``concurrent.futures.ThreadPoolExecutor`` (threads start on demand up to
-    ``max_workers`` and then stay), but its threads are daemons and are never
-    joined: CPython joins the executor's threads at exit, so one call that never
-    returns would keep the process alive forever. Calls still running at exit
-    are reported by :func:`_at_exit` instead.
+
+def _submit(fn: Callable[[], None]) -> None:
+    """Runs ``fn`` in the background, on the async pool of the shared threads.
+
+    Its own bound (``default_async_threads``), separate from threadmap's pools,
+    so that a kernel that waits on an ``AsyncArray`` never waits on work queued
+    behind itself. The threads are daemons, never joined at exit: calls still
+    running then are reported by :func:`_at_exit`.
     """
 
-    def __init__(self, max_workers: int, name_prefix: str):
-        self._max = max_workers
-        self._prefix = name_prefix
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._queue.put(fn)
-        if self._idle.acquire(timeout=0):
-            return  # an idle worker takes it
-        with self._lock:
-            if len(self._threads) < self._max:
-                t = threading.Thread(
-                    target=self._work,
-                    name=f"{self._prefix}_{len(self._threads)}",
-                    daemon=True,
-                )
-                self._threads.append(t)
-                t.start()
-
-    def _work(self) -> None:
+    def run() -> None:
+        # Named for what it runs now, as tracebacks and profilers show it.
+        thread = threading.current_thread()
+        name, thread.name = thread.name, f"jax_threadmap-async ({thread.name})"
         _worker_state.in_pool = True
-        while True:
-            fn = self._queue.get()
-            try:
-                fn()
-            except BaseException:  # _Task.run routes errors; this is a last resort
-                logger.exception("jax_threadmap: an async call escaped its task")
-            del fn
-            self._idle.release()
+        try:
+            fn()
+        except BaseException:  # _Task.run routes errors; this is a last resort
+            logger.exception("jax_threadmap: an async call escaped its task")
+        finally:
+            _worker_state.in_pool = False
+            thread.name = name
 
-
-_worker_state = threading.local()
-_pool_lock = threading.Lock()
-_pool: _Pool | None = None
-
-
-def _get_pool() -> _Pool:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = _Pool(default_async_threads(), "jax_threadmap-async")
-        return _pool
+    pool = _executor.get_pool(default_async_threads(), purpose="async_call")
+    _executor.run_in_background(pool, run)
 
 
 def _after_fork_in_child() -> None:
-    # The parent's worker threads do not exist in the child: start a new pool
-    # there when one is needed. Calls that had not started yet run in the thread
-    # that first needs them (see _Task.wait).
-    global _pool, _pool_lock
-    _pool_lock = threading.Lock()
-    _pool = None
+    # The async pool is reset with the other shared pools (_executor). Calls that
+    # had not started yet run in the thread that first needs them (_Task.wait);
+    # the dispatch state (transfer server, programs) belongs to the parent.
     _dispatch.after_fork()
 
 
@@ -261,7 +229,7 @@ class _Task:
             self._submitted = True
         with _live_lock:
             _live.add(self)
-        _get_pool().submit(self.run)
+        _submit(self.run)
 
     def _claim(self) -> bool:
         with self._lock:

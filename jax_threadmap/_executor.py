@@ -1,4 +1,4 @@
-"""Where the elements of a flat map run: the shared pools and user executors.
+"""Where the elements of a flat map run: the shared threads and user executors.
 
 This module owns every scheduling decision: how a map's flat index range
 ``[0, n)`` is cut into chunks, which threads run them, how a nested map avoids
@@ -10,15 +10,28 @@ waiting on work queued behind it, and what happens at fork and exit.
   that slow kernels keep every worker busy until the end. A map whose outputs are
   summed on the host gets fixed chunk bounds instead, so that its sums do not
   depend on timing.
-- :class:`ThreadPool`: the shared pools (``executor=None`` and ``executor=N``). A
-  pool of ``N`` workers starts at most ``N`` threads in its lifetime, and only
-  those threads run kernels. The thread that starts a map waits and runs
-  nothing, unless it is itself a worker of the same pool (a kernel that calls
-  ``threadmap``): then it works on the chunks of its own map.
+- :class:`ThreadPool` (``executor=None`` and ``executor=N``) is a bound, not a
+  set of threads: at most ``N`` kernels of its maps run at once. The kernels of
+  every pool run on one set of daemon threads (:class:`_Threads`), started on
+  demand: a thread starts only when no idle one is left, so the threads alive
+  never outnumber the most places (threads running, or about to run, a pool's
+  kernels) the pools have held at once, and a thread idle for ``IDLE_TIMEOUT``
+  seconds exits.
 - A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
-  until none are left (the same claim-and-run loop as the pool's threads).
+  until none are left (the same claim-and-run loop as the shared threads).
 - Executors that pickle work (process pools, Dask) get packed chunks
   (:mod:`._remote`), sized from the kernel's measured cost.
+- Nesting: the thread that starts a map waits and runs nothing, unless it is
+  itself running a kernel of a map (a kernel that calls ``threadmap``). Then it
+  works on the chunks of its own map while it waits, on whatever pool or thread
+  executor that map runs, so it never waits on work queued behind itself: its
+  thread (and its place in its own pool) is lent to the nested map. A map that
+  fails stops the maps its kernels started.
+- Exit: at interpreter exit the maps still in flight (in daemon threads) are
+  stopped and their waiting threads released, and the exit waits at most
+  ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked in a
+  kernel are left behind; they are daemon threads, so they do not hold up the
+  exit.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import concurrent.futures
 import os
 import pickle
 import threading
-import weakref
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -37,7 +50,7 @@ from . import _validate
 from ._errors import ExecutorError, KernelError
 from ._progress import Progress, progress_enabled, wait
 
-ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
+ENV_NUM_THREADS = _validate.ENV_NUM_THREADS
 
 #: Runs elements ``[start, stop)`` of a job; checks ``job.failed`` between elements.
 ChunkFn = Callable[[int, int, "Job"], None]
@@ -49,6 +62,14 @@ TASK_SECONDS_REMOTE = 0.05
 UNKNOWN_WORKERS_IN_FLIGHT = 128
 #: Workers assumed, for chunk sizes, of an executor that does not say.
 UNKNOWN_WORKERS = 8
+#: Seconds a shared thread waits for work before it exits. Long enough that maps
+#: called in a loop keep their threads (starting one costs about 50 us), short
+#: enough that a burst of maps on many pool sizes leaves no crowd of idle threads.
+IDLE_TIMEOUT = 2.0
+#: Seconds that interpreter exit waits, in all, for kernels still running. A
+#: kernel blocked for good (a read with no timeout) costs the exit this much, not
+#: a join per thread.
+EXIT_GRACE = 1.0
 
 
 class MapWork(Protocol):
@@ -98,13 +119,24 @@ def default_num_threads() -> int:
     may run on: kernels that release the GIL and use the CPU scale up to that, and
     I/O-bound kernels (network, disk, sleeps) should set a larger value.
     """
-    n = _validate.env_positive_int(
-        ENV_NUM_THREADS, "the number of threads of the shared pool"
-    )
+    n = _validate.env_num_threads()
     return available_cpus() if n is None else n
 
 
 # --- jobs -----------------------------------------------------------------------------
+
+
+class _Local(threading.local):
+    #: The job whose chunk this thread is running (a kernel is running here).
+    job: Job | None = None
+
+
+_local = _Local()
+
+
+def current_job() -> Job | None:
+    """The map whose kernel this thread is running, if any."""
+    return _local.job
 
 
 class Job:
@@ -120,10 +152,17 @@ class Job:
         fixed: Chunks of exactly this many elements (fixed bounds); ``None`` for
             guided chunks.
         divisor: Guided chunks take ``1 / divisor`` of what is left.
+        parent: The map whose kernel started this one; its failure stops this one.
     """
 
     def __init__(
-        self, n: int, fn: ChunkFn, *, fixed: int | None = None, divisor: int = 2
+        self,
+        n: int,
+        fn: ChunkFn,
+        *,
+        fixed: int | None = None,
+        divisor: int = 2,
+        parent: Job | None = None,
     ):
         self.n = n
         self.fn = fn
@@ -136,8 +175,12 @@ class Job:
         self._lock = threading.Lock()
         self._next = 0
         self._outstanding = 0
+        self._children: set[Job] = set()
+        self.parent = parent
         if n == 0:
             self.done.set()
+        if parent is not None:
+            parent._adopt(self)
 
     def claim(self) -> tuple[int, int] | None:
         """The next chunk to run, or ``None`` when none is left."""
@@ -152,7 +195,8 @@ class Job:
             return start, stop
 
     def fail(self, error: BaseException) -> None:
-        """Records the first error and stops handing out chunks.
+        """Records the first error and stops handing out chunks, here and in the
+        maps this map's kernels started.
 
         A no-op once the job is done: a late error (a cancelled helper task)
         does not undo a finished map.
@@ -164,14 +208,26 @@ class Job:
                 self.error = error
             self.failed = True
             self._check_done()
+            children = list(self._children)
+        for child in children:
+            child.fail(_stopped_by_parent())
+
+    def abandon(self, error: BaseException) -> None:
+        """Fails the job and releases its waiting thread at once, without waiting
+        for the chunks still running (which write only into the map's own
+        buffers). For interpreter exit, where those chunks may never return."""
+        self.fail(error)
+        self.done.set()
 
     def run(self, start: int, stop: int) -> None:
         """Runs a claimed chunk; its exception fails the job."""
+        outer, _local.job = _local.job, self
         try:
             self.fn(start, stop, self)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
+            _local.job = outer
             with self._lock:
                 self.completed += stop - start
                 self._outstanding -= 1
@@ -186,136 +242,345 @@ class Job:
         with self._lock:
             return self.failed or self._next >= self.n
 
+    def detach(self) -> None:
+        """Forgets the parent, once this map is over."""
+        if self.parent is not None:
+            with self.parent._lock:
+                self.parent._children.discard(self)
+
+    def _adopt(self, child: Job) -> None:
+        with self._lock:
+            failed = self.failed
+            if not failed:
+                self._children.add(child)
+        if failed:
+            child.fail(_stopped_by_parent())
+
     def _check_done(self) -> None:  # lock held
         if self._outstanding == 0 and (self.failed or self._next >= self.n):
             self.done.set()
 
 
-# --- the shared pools -----------------------------------------------------------------
+def _stopped_by_parent() -> ExecutorError:
+    # Never reported to the user: the parent's own (first) error is.
+    return ExecutorError(
+        "This map was stopped because the map whose kernel started it failed."
+    )
 
-_worker_of = threading.local()
+
+# --- the shared threads ---------------------------------------------------------------
 
 
 class ThreadPool:
-    """A bounded pool of worker threads that run :class:`Job` chunks.
+    """A bound on the kernels of its maps that run at once, on the shared threads.
 
     Args:
-        max_workers: At most this many threads ever run kernels for this pool, and
-            at most this many kernels run at once.
+        max_workers: At most this many kernels of this pool's maps run at once
+            (see :func:`run_map` for the one exception, nested maps).
     """
 
     def __init__(self, max_workers: int):
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1. Got {max_workers=}.")
         self.max_workers = max_workers
-        self._cond = threading.Condition(threading.Lock())
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._threads: list[threading.Thread] = []
-        self._idle = 0
+        # Both under the shared threads' lock:
+        self.active = 0  # threads that hold one of the pool's places
+        self.peak = 0  # the most places held at once
         self._shutdown = False
 
     def __repr__(self) -> str:
         return f"ThreadPool(max_workers={self.max_workers})"
 
-    @property
-    def num_threads_started(self) -> int:
-        return len(self._threads)
-
     def run(self, job: Job, progress: Progress | None = None) -> None:
         """Runs ``job`` to completion (or first failure) and returns."""
         if job.n == 0:
             return
-        with self._cond:
-            if self._shutdown:
-                raise ExecutorError(
-                    "jax_threadmap's thread pool has been shut down (the interpreter "
-                    "is exiting). Start no new maps during interpreter shutdown."
-                )
-            self._jobs.append(job)
-            self._start_workers(min(job.n, self.max_workers))
-            self._cond.notify_all()
-        if getattr(_worker_of, "pool", None) is self:
-            # A kernel that calls threadmap: work on our own chunks rather than
-            # wait for them behind the outer map's queue.
+        threads = _threads
+        threads.submit(self, job)
+        if _local.job is None:
+            # The pool's threads run every chunk, and the last one to finish drops
+            # the job from the queue.
+            wait(job, job.done.wait, progress)
+            return
+        # A kernel that calls threadmap: work on our own chunks rather than wait
+        # for them behind the outer maps.
+        try:
             job.drain()
-            self._discard(job)
-        wait(job, job.done.wait, progress)
+            wait(job, job.done.wait, progress)
+        finally:
+            threads.forget(job)
 
-    def _start_workers(self, wanted: int) -> None:  # lock held
-        missing = min(wanted - self._idle, self.max_workers - len(self._threads))
-        for _ in range(max(0, missing)):
-            t = threading.Thread(
-                target=self._work,
-                name=f"jax_threadmap_{len(self._threads)}",
-                daemon=True,
-            )
-            self._threads.append(t)
-            t.start()
-
-    def _discard(self, job: Job) -> None:
-        with self._cond:
-            try:
-                self._jobs.remove(job)
-            except ValueError:
-                pass
-
-    def _next_job(self) -> Job | None:
-        with self._cond:
-            while not self._jobs and not self._shutdown:
-                self._idle += 1
-                self._cond.wait()
-                self._idle -= 1
-            return self._jobs[0] if self._jobs else None
-
-    def _work(self) -> None:
-        _worker_of.pool = self
-        while (job := self._next_job()) is not None:
-            job.drain()
-            self._discard(job)
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Stops the workers once the queued maps are done. Safe to call twice."""
-        with self._cond:
+    def shutdown(self) -> None:
+        """Refuses new maps. Safe to call twice; the threads are shared and exit
+        when idle."""
+        with _threads.lock:
             self._shutdown = True
-            self._cond.notify_all()
-            threads = list(self._threads)
-        if wait:
-            for t in threads:
-                if t is not threading.current_thread():
-                    t.join(timeout=10)
 
 
+class _Worker:
+    """One shared thread: the job (and pool) it has been handed, if any."""
+
+    __slots__ = ("cancelled", "job", "pool", "started", "wake")
+
+    def __init__(self, pool: ThreadPool, job: Job):
+        self.pool: ThreadPool | None = pool
+        self.job: Job | None = job
+        self.started = False  # its thread runs (set by the thread, under the lock)
+        self.cancelled = False  # its thread must not run: the start failed
+        # Released (under the threads' lock) to wake the idle thread: it then
+        # finds its job set, without taking the threads' lock again.
+        self.wake = threading.Lock()
+        self.wake.acquire()
+
+
+class _Threads:
+    """The daemon threads that run the kernels of every :class:`ThreadPool`.
+
+    Every field is read and written under :attr:`lock`. A job is queued with its
+    pool; each thread holds one place of one pool while it drains one of the
+    pool's jobs, and is handed work directly: an idle thread wakes with its job
+    set, and no thread wakes to find nothing.
+    A thread that finishes a job takes the next queued job of the same pool,
+    keeping its place, else gives the place back and takes any queued job whose
+    pool has a free place, else waits ``IDLE_TIMEOUT`` seconds to be handed one
+    and exits.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queue: collections.deque[tuple[ThreadPool, Job]] = collections.deque()
+        self.idle: list[_Worker] = []  # the last to go idle is handed work first
+        self.threads: set[threading.Thread] = set()
+        self.started = 0
+        self.exiting = False
+
+    def submit(self, pool: ThreadPool, job: Job) -> None:
+        """Queues ``job`` and hands it as many threads as it can use now."""
+        new: list[tuple[threading.Thread, _Worker]] = []
+        with self.lock:
+            if self.exiting or pool._shutdown:
+                raise ExecutorError(
+                    "jax_threadmap's thread pool has been shut down"
+                    + (
+                        " (the interpreter is exiting). Start no new maps during "
+                        "interpreter shutdown."
+                        if self.exiting
+                        else ". Pass executor=None or an int for a shared pool."
+                    )
+                )
+            self.queue.append((pool, job))
+            for _ in range(min(job.n, pool.max_workers - pool.active)):
+                _take_place(pool)
+                if self.idle:
+                    worker = self.idle.pop()
+                    worker.pool, worker.job = pool, job
+                    worker.wake.release()
+                else:
+                    new.append(self._new_thread(pool, job))
+        # Outside the lock, so that the other threads keep going meanwhile.
+        for i, (t, _) in enumerate(new):
+            try:
+                t.start()
+            except BaseException as e:  # refused (too many threads), or Ctrl-C
+                self._cancel(pool, new[i:])
+                self.forget(job)
+                if not isinstance(e, RuntimeError):
+                    job.fail(e)
+                    raise
+                job.fail(
+                    ExecutorError(
+                        f"Could not start a thread for {pool!r} "
+                        f"({threading.active_count()} threads alive): "
+                        f"{type(e).__name__}: {e}. Pass a smaller executor=N.",
+                        cause=e,
+                    )
+                )
+                return
+
+    def _cancel(
+        self, pool: ThreadPool, new: list[tuple[threading.Thread, _Worker]]
+    ) -> None:
+        """Gives back the places of threads whose start failed."""
+        with self.lock:
+            for t, worker in new:
+                if not worker.started:  # a start cut short may yet run it: it won't
+                    worker.cancelled = True
+                    self.threads.discard(t)
+                    pool.active -= 1
+
+    def forget(self, job: Job) -> None:
+        """Drops ``job`` from the queue, where a thread has not yet done so."""
+        with self.lock:
+            for entry in self.queue:
+                if entry[1] is job:
+                    self.queue.remove(entry)
+                    return
+
+    def _new_thread(
+        self, pool: ThreadPool, job: Job
+    ) -> tuple[threading.Thread, _Worker]:  # lock held
+        worker = _Worker(pool, job)
+        t = threading.Thread(
+            target=self._work,
+            args=(worker,),
+            name=f"jax_threadmap_{self.started}",
+            daemon=True,
+        )
+        self.started += 1
+        self.threads.add(t)
+        return t, worker
+
+    def _work(self, worker: _Worker) -> None:
+        with self.lock:
+            if worker.cancelled:
+                return
+            worker.started = True
+        while (job := worker.job) is not None:
+            job.drain()
+            with self.lock:
+                self._hand_next(worker)
+                idle = worker.job is None and not self.exiting
+                if idle:
+                    self.idle.append(worker)
+                elif worker.job is None:
+                    self.threads.discard(threading.current_thread())
+            if idle:
+                self._wait_for_work(worker)
+
+    def _wait_for_work(self, worker: _Worker) -> None:
+        """Waits ``IDLE_TIMEOUT`` seconds to be handed a job; leaves the thread
+        registered only if it was."""
+        woke = worker.wake.acquire(timeout=IDLE_TIMEOUT)
+        with self.lock:
+            if not woke and not worker.wake.acquire(blocking=False):
+                if worker in self.idle:  # no one can hand us a job now
+                    self.idle.remove(worker)
+            if worker.job is None:  # timed out, or told to exit
+                self.threads.discard(threading.current_thread())
+
+    def _hand_next(self, worker: _Worker) -> None:  # lock held
+        """Hands ``worker`` (just done with a job) its next job, or none."""
+        pool = worker.pool
+        assert pool is not None
+        worker.pool = worker.job = None
+        other = None
+        for entry in list(self.queue):
+            p, job = entry
+            if job.exhausted():
+                self.queue.remove(entry)
+            elif p is pool:  # keep our place for the next map of our pool
+                worker.pool, worker.job = entry
+                return
+            elif other is None and p.active < p.max_workers:
+                other = entry
+        pool.active -= 1
+        if other is not None:
+            _take_place(other[0])
+            worker.pool, worker.job = other
+
+    def exit(self) -> list[threading.Thread]:
+        """Stops handing out work; idle threads exit. Returns the threads alive."""
+        with self.lock:
+            self.exiting = True
+            for worker in self.idle:
+                worker.wake.release()
+            self.idle.clear()
+            return list(self.threads)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.threads)
+
+
+def _take_place(pool: ThreadPool) -> None:  # shared threads' lock held
+    pool.active += 1
+    pool.peak = max(pool.peak, pool.active)
+
+
+_threads = _Threads()
 _pools_lock = threading.Lock()
-_pools: dict[int, ThreadPool] = {}
+#: The shared pools by (what for, size): ``threadmap``'s ``executor=N`` pools, and
+#: the pool of ``async_call`` (whose bound is its own, whatever its size).
+_pools: dict[tuple[str, int], ThreadPool] = {}
 
 
-def get_pool(num_threads: int | None) -> ThreadPool:
+def num_threads() -> int:
+    """The number of shared threads alive (busy or idle)."""
+    return _threads.count()
+
+
+def get_pool(num_threads: int | None, purpose: str = "threadmap") -> ThreadPool:
     """The shared pool of ``num_threads`` threads (default: from the environment)."""
     n = default_num_threads() if num_threads is None else num_threads
-    pool = _pools.get(n)
+    key = (purpose, n)
+    pool = _pools.get(key)
     if pool is None:
         with _pools_lock:
-            pool = _pools.get(n)
+            pool = _pools.get(key)
             if pool is None:
-                pool = _pools[n] = ThreadPool(n)
+                pool = _pools[key] = ThreadPool(n)
     return pool
 
 
+def run_in_background(pool: ThreadPool, fn: Callable[[], None]) -> None:
+    """Runs ``fn()`` on the shared threads, within ``pool``'s bound, and returns.
+
+    For ``async_call``: the call runs on a daemon thread, never joined at exit,
+    and nothing waits for it here (``fn`` routes its own outcome).
+    """
+
+    def chunk(start: int, stop: int, job: Job) -> None:
+        del start, stop, job
+        fn()
+
+    _threads.submit(pool, Job(1, chunk))
+
+
+# --- maps in flight, fork and exit ----------------------------------------------------
+
+#: Every map in flight, with the thread waiting for it. No lock: setting, popping
+#: and listing the items of a dict are atomic, in free-threaded builds too.
+_flights: dict[Job, threading.Thread] = {}
+
+
 def _after_fork_in_child() -> None:
-    # The parent's worker threads do not exist in the child: start afresh.
-    global _pools_lock
+    # The parent's threads do not exist in the child, and neither do its maps in
+    # flight (a fork from inside a kernel runs none of them here): start afresh.
+    global _threads, _pools_lock
+    _threads = _Threads()
     _pools_lock = threading.Lock()
     _pools.clear()
+    _flights.clear()
+    _local.job = None
 
 
-def _shutdown_all() -> None:
-    for pool in list(_pools.values()):
-        pool.shutdown(wait=True)
+def _at_exit() -> None:
+    """Stops the maps in flight and waits at most ``EXIT_GRACE`` seconds in all.
+
+    Only daemon threads can still be waiting for a map here (Python joins the
+    others before running atexit). Releasing them lets a thread inside a jitted
+    program leave it before the interpreter finalizes (a thread that needs the
+    GIL inside XLA then aborts the process).
+    """
+    deadline = time.monotonic() + EXIT_GRACE
+    flights = list(_flights.items())
+    for job, _ in flights:
+        job.abandon(
+            ExecutorError(
+                "The interpreter is exiting: this threadmap was stopped before it "
+                "finished. Wait for maps running in other threads before the end "
+                "of the program, or make those threads non-daemon."
+            )
+        )
+    me = threading.current_thread()
+    for t in [waiter for _, waiter in flights] + _threads.exit():
+        if t is not me and t.ident is not None:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_shutdown_all)
+atexit.register(_at_exit)
 
 
 # --- user executors -------------------------------------------------------------------
@@ -349,29 +614,21 @@ def _refused(executor: Any, e: BaseException) -> ExecutorError:
     )
 
 
-_running_on = threading.local()
-
-
-def _puller(job: Job, executor_ref: Any) -> None:
+def _puller(job: Job) -> None:
     """A task of a thread executor: claims chunks of ``job`` until none are left."""
-    _running_on.executor = executor_ref
-    try:
-        job.drain()
-    finally:
-        _running_on.executor = None
+    job.drain()
 
 
 def _run_on_threads(
     executor: concurrent.futures.Executor, job: Job, progress: Progress | None
 ) -> None:
-    """Runs ``job`` on a thread executor: one puller task per worker."""
-    ref = weakref.ref(executor)
-    current = getattr(_running_on, "executor", None)
-    if current is not None and current() is executor:
-        # Nested call from a task of the same executor: its workers may all be
-        # waiting on us, so run our chunks here.
-        job.drain()
-        return
+    """Runs ``job`` on a thread executor: one puller task per worker.
+
+    A thread that runs a kernel itself (a nested map) also drains ``job``, since
+    the executor's workers may all be busy waiting, for this very thread among
+    others: the pullers are then extra hands, and the ones that never start are
+    cancelled.
+    """
     count = min(known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT, job.n)
     left = [count]
     lock = threading.Lock()
@@ -389,7 +646,7 @@ def _run_on_threads(
     futures = []
     try:
         for _ in range(count):
-            futures.append(executor.submit(_puller, job, ref))
+            futures.append(executor.submit(_puller, job))
             futures[-1].add_done_callback(on_done)
     except RuntimeError as e:
         job.fail(_refused(executor, e))
@@ -397,6 +654,8 @@ def _run_on_threads(
             with lock:
                 left[0] -= 1
     try:
+        if _local.job is not None:
+            job.drain()
         wait(job, job.done.wait, progress)
     finally:
         for f in futures:  # pullers that never started: nothing left to claim
@@ -460,6 +719,8 @@ class _Shipper:
 
     def poll(self, timeout: float) -> bool:
         """Stores what has come back, ships more; whether the map is done."""
+        if self.job.failed:  # stopped from outside: its parent failed, or exit
+            return True
         done, _ = concurrent.futures.wait(
             list(self.pending), timeout, concurrent.futures.FIRST_COMPLETED
         )
@@ -490,8 +751,10 @@ class _Shipper:
             wait(self.job, self.poll, progress)
         except BaseException as e:
             self.job.fail(e)
-            for fut in self.pending:
-                fut.cancel()
+        finally:
+            if self.job.failed:
+                for fut in self.pending:
+                    fut.cancel()
 
 
 # --- one map --------------------------------------------------------------------------
@@ -527,7 +790,10 @@ def vector_chunk_length(
 
 
 def new_job(
-    work: MapWork, executor: _validate.Executor, max_chunk: int | None = None
+    work: MapWork,
+    executor: _validate.Executor,
+    max_chunk: int | None = None,
+    parent: Job | None = None,
 ) -> Job:
     """The job of ``work`` on ``executor``, with its chunking policy."""
     workers = workers_of(executor)
@@ -537,7 +803,7 @@ def new_job(
     # Host-side sums need chunk bounds that do not depend on timing: about two
     # chunks per worker. Otherwise guided chunks, each a share of what is left.
     fixed = -(-units // (2 * workers)) if work.sums and units else None
-    return Job(units, work.run_chunk, fixed=fixed, divisor=2 * workers)
+    return Job(units, work.run_chunk, fixed=fixed, divisor=2 * workers, parent=parent)
 
 
 def run_map(
@@ -549,20 +815,28 @@ def run_map(
 ) -> None:
     """Runs every element of ``work`` on ``executor``; raises the map's error.
 
-    ``max_chunk`` bounds the chunks of a vectorized map.
+    ``max_chunk`` bounds the chunks of a vectorized map. Called from a kernel (a
+    nested map), the calling thread works on the map's chunks while it waits,
+    when the map runs on threads of this process: the kernel's thread is lent to
+    the nested map, which can then run one kernel more than its executor's bound.
     """
-    job = new_job(work, executor, max_chunk)
-    if job.n == 0:
+    if work.n == 0:
         return
+    job = new_job(work, executor, max_chunk, parent=_local.job)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
-    if executor is None or isinstance(executor, int):
-        get_pool(executor).run(job, bar)
-    elif shares_memory(executor):
-        _run_on_threads(executor, job, bar)
-    else:
-        _Shipper(executor, work, job).run(bar)
+    _flights[job] = threading.current_thread()
+    try:
+        if executor is None or isinstance(executor, int):
+            get_pool(executor).run(job, bar)
+        elif shares_memory(executor):
+            _run_on_threads(executor, job, bar)
+        else:
+            _Shipper(executor, work, job).run(bar)
+    finally:
+        _flights.pop(job, None)
+        job.detach()
     if job.error is not None:
         raise _map_error(job.error, work.name)
 

@@ -30,7 +30,9 @@ def progress_enabled(progress: bool | None) -> bool:
 class Progress:
     """A progress bar for ``total`` elements that appears after ``delay`` seconds."""
 
+    #: Seconds between two updates of the bar.
     interval = 0.1
+    #: Seconds a map runs before its bar appears (tests set it, rather than wait).
     delay = 1.0
 
     def __init__(self, total: int, name: str, unit: str = "el"):

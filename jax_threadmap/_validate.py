@@ -22,6 +22,15 @@ from . import _compat
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor.
 Executor = int | concurrent.futures.Executor | None
 
+#: The most threads ``executor=N`` or ``JAX_THREADMAP_NUM_THREADS`` may ask for. Every
+#: thread has its own stack (8 MB of address space, some of it touched), and beyond a
+#: few hundred more threads only add memory and scheduling cost; a larger number is
+#: almost always a mistake (such as passing a batch size as the thread count).
+MAX_THREADS = 4096
+
+#: The environment variable that sizes the shared pool of ``executor=None``.
+ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
+
 #: Keyword arguments of ``threadmap`` itself; they never reach the kernel.
 RESERVED_KWARGS = ("executor", "progress", "vectorized")
 
@@ -45,8 +54,15 @@ def check_callable(fn: Any, api: str, what: str, hint: str) -> None:
 
 
 def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    """``executor`` as ``threadmap`` uses it (an int is normalised to ``int``)."""
-    if executor is None or isinstance(executor, concurrent.futures.Executor):
+    """``executor`` as ``threadmap`` uses it (an int is normalised to ``int``).
+
+    ``None`` also checks ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails
+    the call rather than the map.
+    """
+    if executor is None:
+        env_num_threads()
+        return None
+    if isinstance(executor, concurrent.futures.Executor):
         return executor
     if isinstance(executor, (bool, np.bool_)) or not isinstance(
         executor, (int, np.integer)
@@ -61,6 +77,13 @@ def check_executor(executor: Any, api: str = "threadmap") -> Executor:
             f"{api}: executor=N must be a positive number of threads. "
             f"Got executor={executor!r}. Pass e.g. executor=8, or None for the "
             "shared pool."
+        )
+    if executor > MAX_THREADS:
+        raise ValueError(
+            f"{api}: executor=N must be at most {MAX_THREADS} threads. Got "
+            f"executor={int(executor)}. Pass the number of kernels that should run at "
+            "once (e.g. 32 for network reads), not the number of elements; for more "
+            "concurrency than that, pass your own concurrent.futures.Executor."
         )
     return int(executor)
 
@@ -401,12 +424,13 @@ def _check_python_int(value: np.ndarray, dtype: np.dtype) -> None:
 # --- environment variables ------------------------------------------------------------
 
 
-def env_positive_int(name: str, what: str) -> int | None:
+def env_positive_int(name: str, what: str, maximum: int | None = None) -> int | None:
     """The positive integer in environment variable ``name``; ``None`` when unset.
 
     Args:
         name: The variable.
         what: What the number is, for the message when the value is not one.
+        maximum: The largest value accepted, if any.
     """
     value = os.environ.get(name, "").strip()
     if not value:
@@ -421,7 +445,21 @@ def env_positive_int(name: str, what: str) -> int | None:
             f"Got {name}={os.environ[name]!r}. Set it to e.g. 8, or unset it to use "
             "the default."
         )
+    if maximum is not None and n > maximum:
+        raise ValueError(
+            f"The environment variable {name} must be at most {maximum} ({what}). "
+            f"Got {name}={os.environ[name]!r}. Set it to the number of kernels that "
+            "should run at once (e.g. 32 for network reads), or unset it to use the "
+            "default."
+        )
     return n
+
+
+def env_num_threads() -> int | None:
+    """``JAX_THREADMAP_NUM_THREADS``, checked; ``None`` when unset."""
+    return env_positive_int(
+        ENV_NUM_THREADS, "the number of threads of the shared pool", MAX_THREADS
+    )
 
 
 _TRUE = ("1", "true", "yes", "on")

@@ -672,7 +672,7 @@ def test_deferred_runs_only_when_first_needed_and_once(dispatch, monkeypatch):
     calls = []
 
     def fn(seed):
-        calls.append(threading.current_thread())
+        calls.append((threading.current_thread(), threading.current_thread().name))
         return _weights(seed=seed)
 
     params = deferred_call(fn, _shapes(), 5)
@@ -687,9 +687,9 @@ def test_deferred_runs_only_when_first_needed_and_once(dispatch, monkeypatch):
         out, _model(jax.tree.map(jnp.asarray, _weights(seed=5)), x), rtol=1e-6
     )
     if async_dispatch:  # the dispatch queued it on the pool and returned
-        assert len(calls) == 1 and calls[0].name.startswith("jax_threadmap-async")
+        assert len(calls) == 1 and calls[0][1].startswith("jax_threadmap-async")
     else:  # the dispatch waited, running it in the caller
-        assert calls == [threading.current_thread()]
+        assert [t for t, _ in calls] == [threading.current_thread()]
     np.testing.assert_array_equal(np.asarray(params["b"]), _weights(seed=5)["b"])
     assert len(calls) == 1
 

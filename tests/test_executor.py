@@ -2,8 +2,12 @@
 
 import concurrent.futures
 import os
+import queue
+import signal
 import subprocess
 import sys
+import tempfile
+import textwrap
 import threading
 import time
 
@@ -12,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_threadmap
 from jax_threadmap import ExecutorError, _executor, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
@@ -54,7 +59,6 @@ def test_env_var_sets_default_pool_size(monkeypatch, n):
     monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(n))
     rec = Recorder()
     np.testing.assert_array_equal(run(rec, X), X * 2)
-    assert len(rec.threads) <= n
     assert rec.max_running == n  # 24 sleepy elements fill the pool
     assert threading.main_thread() not in rec.threads
     assert all(t.name.startswith("jax_threadmap") for t in rec.threads)
@@ -67,13 +71,47 @@ def test_env_var_rejects_garbage(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 5])
-def test_int_executor_is_a_hard_bound_and_reused(n):
+def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     rec = Recorder()
-    for _ in range(3):
+    np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
+    started = _executor._threads.started
+    for _ in range(2):
         np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
-    assert len(rec.threads) <= n
     assert rec.max_running == n
-    assert _executor.get_pool(n).num_threads_started <= n
+    assert _executor.get_pool(n).peak <= n
+    # The next maps of a pool take over its threads: no thread starts.
+    assert _executor._threads.started == started
+
+
+def test_bound_is_per_pool_not_per_map():
+    rec = Recorder()
+    callers = [threading.Thread(target=run, args=(rec, X, 3)) for _ in range(4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert rec.max_running == 3
+
+
+def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
+    monkeypatch.setattr(_executor, "IDLE_TIMEOUT", 0.2)
+    x = np.zeros(40, np.float32)
+    for n in range(1, 21):
+        np.testing.assert_array_equal(
+            run(Recorder(0.002), x[None], executor=n), x[None]
+        )
+    # Sequential maps of sizes 1..20 need at most 20 threads at once, and their
+    # threads are handed from pool to pool: far fewer than 1 + 2 + ... + 20 = 210
+    # threads ever start (a few more than 20 when a map's threads are still
+    # finishing as the next map starts).
+    assert _executor.num_threads() <= 40
+    deadline = time.monotonic() + 30
+    while _executor.num_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _executor.num_threads() == 0
+    rec = Recorder()
+    np.testing.assert_array_equal(run(rec, X, executor=4), X * 2)  # restarted
+    assert rec.max_running == 4
 
 
 def test_user_executor_runs_every_kernel():
@@ -197,7 +235,7 @@ def test_pool_is_fresh_after_fork():
         code = 1
         try:
             child_pool = _executor.get_pool(2)
-            ok = child_pool is not pool and child_pool.num_threads_started == 0
+            ok = child_pool is not pool and _executor.num_threads() == 0
             res = np.zeros(10)
 
             def fill_child(start, stop, job):
@@ -299,3 +337,298 @@ def test_interrupt_while_waiting_stops_work_not_started():
     assert job.failed and job.done.is_set()
     assert len(ran) < 50
     pool.shutdown()
+
+
+def test_kernel_lends_its_thread_to_the_nested_map_it_waits_for():
+    inner_rec = Recorder(0.02)
+    inner = jax.jit(jax.vmap(lambda v: threadmap(inner_rec, F32, v, executor=2)))
+    outer_threads = set()
+
+    def outer(v):
+        outer_threads.add(threading.current_thread())
+        return np.asarray(inner(jnp.full(12, v))).sum()
+
+    np.testing.assert_allclose(run(outer, X[:1, :3], executor=1), X[:1, :3] * 24)
+    # The waiting outer kernel runs inner elements too: one more than the inner
+    # pool's 2 at once, never more.
+    assert outer_threads <= inner_rec.threads
+    assert inner_rec.max_running <= 3
+
+
+def test_nested_map_on_the_same_pool_keeps_the_bound_exact():
+    inner_rec = Recorder(0.005)
+    inner = jax.jit(jax.vmap(lambda v: threadmap(inner_rec, F32, v, executor=2)))
+
+    def outer(v):
+        return np.asarray(inner(jnp.full(6, v))).sum()
+
+    np.testing.assert_allclose(run(outer, X[:2, :4], executor=2), X[:2, :4] * 12)
+    assert inner_rec.max_running <= 2  # both places are held by waiting kernels
+
+
+def test_failed_map_stops_the_maps_its_kernels_started():
+    ran = []
+    nested_running = threading.Event()
+
+    def inner_k(v):
+        ran.append(v)
+        nested_running.set()
+        time.sleep(0.005)
+        return v
+
+    inner = jax.jit(jax.vmap(lambda v: threadmap(inner_k, F32, v, executor=1)))
+
+    def outer_k(v):
+        if int(v) == 0:
+            assert nested_running.wait(30)
+            raise RuntimeError("outer element fails")
+        return np.asarray(inner(jnp.zeros(2000, jnp.float32))).sum()
+
+    with pytest.raises(Exception, match="outer element fails"):
+        run(outer_k, np.arange(2, dtype=np.float32)[None], executor=2)
+    # The nested map of element 1 (5 s of work) stopped with the outer map.
+    assert len(ran) < 2000
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: threadmap(np.negative, F32, 1.0, executor=n),
+        lambda n: jax_threadmap.kernel(F32, executor=n)(np.negative),
+    ],
+    ids=["threadmap", "kernel"],
+)
+def test_absurd_pool_size_is_refused_at_call_time(make):
+    for n in (4097, 10**9, np.int64(10**9)):
+        with pytest.raises(ValueError, match=f"at most 4096 threads. Got executor={n}"):
+            make(n)
+    make(4096)  # the ceiling itself is fine (and starts one thread for one element)
+
+
+def test_absurd_pool_size_in_environment_is_refused_at_call_time(monkeypatch):
+    monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(10**9))
+    f = jax.jit(jax.vmap(lambda v: threadmap(np.negative, F32, v)))
+    with pytest.raises(ValueError, match="JAX_THREADMAP_NUM_THREADS must be at most"):
+        f(np.zeros(3, np.float32))
+
+
+# --- exit, Ctrl-C and deadlocks, in a fresh interpreter ----------------------------
+
+
+class Child:
+    """A Python subprocess running ``code``; it prints "ready" when set up."""
+
+    def __init__(self, code: str, *args: str):
+        self.stderr = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), *args],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.proc.kill()
+            pytest.fail(f"the child never got ready: {self.err()}")
+        assert line == "ready", self.err()
+
+    def seconds_to_exit(self, timeout: float = 60) -> float:
+        start = time.perf_counter()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"the child did not exit in {timeout} s: {self.err()}")
+        return time.perf_counter() - start
+
+    def err(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+
+# n kernels that block for good in a socket read with no timeout.
+BLOCKED_KERNELS = """
+    import socket, sys, threading
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_threadmap import threadmap
+
+    n, mode = int(sys.argv[1]), sys.argv[2]
+    server = socket.create_server(("127.0.0.1", 0), backlog=n)
+    lock, conns, all_blocked = threading.Lock(), [], threading.Event()
+
+    def read_forever(x):
+        conn = socket.create_connection(server.getsockname())
+        with lock:
+            conns.append(conn)
+            if len(conns) == n:
+                all_blocked.set()
+        conn.recv(1)  # the server never sends
+        return x
+
+    f = jax.vmap(lambda v: threadmap(
+        read_forever, jax.ShapeDtypeStruct((), jnp.float32), v, executor=n))
+    f = f if mode == "eager" else jax.jit(f)
+    x = np.zeros(2 * n, np.float32)
+    if mode == "daemon":  # the map is in flight in another thread at exit
+        threading.Thread(target=f, args=(x,), daemon=True).start()
+        all_blocked.wait()
+        print("ready", flush=True)
+    else:  # Ctrl-C while the main thread waits for the map
+        threading.Thread(
+            target=lambda: all_blocked.wait() and print("ready", flush=True)
+        ).start()
+        f(x)
+"""
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_ctrl_c_with_blocked_kernels_exits_at_once(mode):
+    # Was 10 s per blocked thread: 160 s here.
+    child = Child(BLOCKED_KERNELS, "16", mode)
+    child.wait_ready()
+    child.proc.send_signal(signal.SIGINT)
+    seconds = child.seconds_to_exit()
+    assert child.proc.returncode != 0
+    assert "KeyboardInterrupt" in child.err()
+    assert seconds < 10, seconds
+
+
+def test_exit_with_a_map_in_flight_in_another_thread_is_prompt_and_clean():
+    # Was 10 s per blocked thread (160 s here), then a fatal error in finalization:
+    # the daemon thread waited inside the jitted program.
+    child = Child(BLOCKED_KERNELS, "16", "daemon")
+    child.wait_ready()
+    seconds = child.seconds_to_exit()
+    assert child.proc.returncode == 0, child.err()
+    assert "Fatal Python error" not in child.err()
+    assert "The interpreter is exiting: this threadmap was stopped" in child.err()
+    assert seconds < 10, seconds
+
+
+def test_threads_of_many_pool_sizes_do_not_pile_up():
+    # Was 1,276 threads: one pool of N threads for every N, forever.
+    code = """
+        import threading, time
+        import jax, jax.numpy as jnp, numpy as np
+        from jax_threadmap import threadmap
+
+        def k(v):
+            time.sleep(0.001)
+            return v
+
+        peak = 0
+        for n in range(1, 51):
+            f = jax.jit(jax.vmap(lambda v: threadmap(
+                k, jax.ShapeDtypeStruct((), jnp.float32), v, executor=n)))
+            f(np.zeros(64, np.float32))
+            peak = max(peak, threading.active_count())
+        time.sleep(3)
+        print(peak, threading.active_count())
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    peak, after = map(int, proc.stdout.split())
+    assert after <= 100, (peak, after)
+
+
+# Shared pool -> a user ThreadPoolExecutor(1) -> shared pool: the pool's workers
+# wait on maps on T, whose one thread waits on a map queued behind them.
+NESTED_ACROSS_POOLS = """
+    import sys, time
+    from concurrent.futures import ThreadPoolExecutor
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_threadmap import threadmap
+
+    F32 = jax.ShapeDtypeStruct((), jnp.float32)
+    inner_n, inner_sleep = int(sys.argv[1]), float(sys.argv[2])
+    T = ThreadPoolExecutor(1)
+
+    def inner_k(v):
+        if inner_sleep:
+            print("ready", flush=True)
+            time.sleep(inner_sleep)
+        return v + 1
+
+    inner = jax.jit(jax.vmap(lambda x: threadmap(inner_k, F32, x, executor=2)))
+    mid = jax.jit(jax.vmap(lambda r: threadmap(
+        lambda row: np.float32(np.asarray(inner(row)).sum()), F32, r, executor=T)))
+
+    def outer_k(m):
+        time.sleep(0.05)
+        return np.float32(np.asarray(mid(m)).sum())
+
+    outer = jax.jit(jax.vmap(lambda m: threadmap(outer_k, F32, m, executor=2)))
+    print(np.asarray(outer(np.ones((4, 2, inner_n), np.float32))).tolist(), flush=True)
+"""
+
+
+def test_nested_maps_across_pools_complete():
+    # Was a deadlock.
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(NESTED_ACROSS_POOLS), "3", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[12.0, 12.0, 12.0, 12.0]"
+
+
+def test_ctrl_c_stops_nested_maps_across_pools():
+    # Long inner maps: one Ctrl-C stops the outer map and the maps its kernels
+    # started, including those on the user's (non-daemon) thread executor.
+    child = Child(NESTED_ACROSS_POOLS, "400", "0.05")
+    child.wait_ready()
+    child.proc.send_signal(signal.SIGINT)
+    seconds = child.seconds_to_exit()
+    assert "KeyboardInterrupt" in child.err()
+    assert seconds < 10, seconds
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("can't start new thread"), KeyboardInterrupt()]
+)
+def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
+    monkeypatch.setattr(_executor, "_threads", _executor._Threads())  # none idle
+    real_start = threading.Thread.start
+
+    def failing_start(self):
+        if self.name.startswith("jax_threadmap"):
+            raise error
+        real_start(self)
+
+    rec = Recorder()
+
+    def fn(start, stop, job):
+        for i in range(start, stop):
+            rec(i)
+
+    pool = _executor.ThreadPool(3)
+    monkeypatch.setattr(threading.Thread, "start", failing_start)
+    job = _executor.Job(12, fn)
+    if isinstance(error, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(job)
+    else:
+        pool.run(job)
+        assert isinstance(job.error, ExecutorError)
+        assert "Could not start a thread" in str(job.error)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert pool.active == 0 and _executor.num_threads() == 0
+    job = _executor.Job(12, fn)
+    pool.run(job)
+    assert job.error is None and rec.max_running == 3

@@ -1,4 +1,9 @@
-"""Progress bars for long maps: threadmap(progress=True) or JAX_THREADMAP_PROGRESS=1."""
+"""Progress bars for long maps: threadmap(progress=True) or JAX_THREADMAP_PROGRESS=1.
+
+A bar appears once a map has run for ``Progress.delay`` seconds; the tests set that
+delay rather than wait for the default one, so that what they see does not depend
+on how fast the machine is.
+"""
 
 import sys
 import time
@@ -8,13 +13,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import threadmap
+from jax_threadmap import _progress, threadmap
 
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture
+def delay(monkeypatch):
+    """Sets the seconds after which a map shows its bar."""
+
+    def set_delay(seconds):
+        monkeypatch.setattr(_progress.Progress, "delay", seconds)
+
+    return set_delay
+
+
 def slow(x):
-    time.sleep(0.05)
+    time.sleep(0.01)
     return x
 
 
@@ -27,14 +42,16 @@ def run(n, **kw):
     return np.asarray(f(np.arange(n, dtype=np.float32)))
 
 
-def test_progress_bar_for_long_map(capfd):
+def test_progress_bar_for_long_map(capfd, delay):
     pytest.importorskip("tqdm")
+    delay(0.0)
     np.testing.assert_array_equal(run(30, progress=True), np.arange(30))
     err = capfd.readouterr().err
     assert "threadmap slow" in err and "30/30" in err
 
 
-def test_progress_without_tqdm_prints_lines(capfd, monkeypatch):
+def test_progress_without_tqdm_prints_lines(capfd, monkeypatch, delay):
+    delay(0.0)
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails
     monkeypatch.setenv("JAX_THREADMAP_PROGRESS", "1")
     run(30)
@@ -42,12 +59,18 @@ def test_progress_without_tqdm_prints_lines(capfd, monkeypatch):
     assert "threadmap slow:" in err and "elements" in err
 
 
-def test_no_bar_for_short_maps_or_when_off(capfd, monkeypatch):
+def test_no_bar_before_the_delay_or_when_off(capfd, monkeypatch, delay):
     monkeypatch.delenv("JAX_THREADMAP_PROGRESS", raising=False)
-    run(4, progress=True)  # 0.2 s: under the one-second threshold
-    run(30)  # long, but off
+    delay(3600.0)
+    run(30, progress=True)  # a map shorter than the delay shows nothing
+    delay(0.0)
+    run(30)  # long enough, but off
     run(30, progress=False)
     assert "threadmap slow" not in capfd.readouterr().err
+
+
+def test_default_delay_is_a_second():
+    assert _progress.Progress.delay == 1.0
 
 
 def test_progress_must_be_a_bool():

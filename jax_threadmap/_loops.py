@@ -141,6 +141,58 @@ def unpack_source(out_tree: Any) -> tuple[str, str] | None:
     return None
 
 
+def _invoke(consts: tuple[bool, ...], call: str | None) -> str:
+    """The expression calling the kernel on element ``j`` of the row."""
+    elems = [f"e{k}" if const else f"w{k}[j, ...]" for k, const in enumerate(consts)]
+    if call is None:
+        return f"general_call([{', '.join(elems)}])"
+    for k, elem in enumerate(elems):
+        call = call.replace(f"A{k}_", elem)
+    return call
+
+
+def _fast_check(q: str, k: int, exact: bool) -> str:
+    """Whether result leaf ``q`` can be written as it is: exactly the declared type."""
+    check = f"type({q}) is ndarray and {q}.dtype is D{k} and {q}.shape == S{k}"
+    return f"type({q}) is X{k} or ({check})" if exact else check
+
+
+def _store_lines(
+    unpack: tuple[str, str] | None,
+    exact: tuple[bool, ...],
+    accumulate: tuple[bool, ...],
+    flat: str,
+) -> list[str]:
+    """The statements storing result ``r`` of element ``j`` (at loop-body depth)."""
+    n_out = len(exact)
+    general = [f"qs = result_leaves(r, {flat})"] + [
+        f"store(p{k}, j, qs[{k}], {k}, {flat})" for k in range(n_out)
+    ]
+
+    def write(k: int, q: str) -> str:
+        return f"p{k}[j] {'+=' if accumulate[k] else '='} {q}"
+
+    if unpack is None and n_out == 1:  # one leaf: a fast write, else checked
+        return [
+            f"if {_fast_check('r', 0, exact[0])}:",
+            f"    {write(0, 'r')}",
+            "else:",
+            *[f"    {g}" for g in general],
+        ]
+    if unpack is None:
+        return general
+    cond, body = unpack
+    lines = [f"if {cond}:", f"    {body}"]
+    for k in range(n_out):
+        lines += [
+            f"    if {_fast_check(f'q{k}', k, exact[k])}:",
+            f"        {write(k, f'q{k}')}",
+            "    else:",
+            f"        store_leaf(p{k}, j, q{k}, {k}, {flat}, r)",
+        ]
+    return lines + ["else:", *[f"    {g}" for g in general]]
+
+
 @functools.lru_cache(maxsize=256)
 def _compile(
     consts: tuple[bool, ...],
@@ -163,12 +215,22 @@ def _compile(
     """
     n_in, n_out = len(consts), len(exact)
     flat = "int(flat_of[base + j])" if gathered else "base + j"
-    elems = [f"e{k}" if consts[k] else f"w{k}[j, ...]" for k in range(n_in)]
-    invoke = f"general_call([{', '.join(elems)}])"
-    if call is not None:
-        invoke = call
-        for k in range(n_in):
-            invoke = invoke.replace(f"A{k}_", elems[k])
+    row_reads = [
+        f"e{k} = v{k}[prefix + (0, Ellipsis)]" if const else f"w{k} = v{k}[prefix]"
+        for k, const in enumerate(consts)
+    ]
+    body = [
+        "if job.failed:",
+        "    return",
+        "try:",
+        f"    r = {_invoke(consts, call)}",
+        "except PASS_THROUGH:",
+        "    raise",
+        "except BaseException as e:",
+        f"    raise kernel_raised(e, {flat}) from e",
+        *_store_lines(unpack, exact, accumulate, flat),
+        "j += 1",
+    ]
     lines = [
         "def build(fn, views, outs, shape, flat_of, caller, exacts, dtypes, shapes):",
         "    ndarray = np.ndarray",
@@ -188,57 +250,10 @@ def _compile(
         "        while start < stop:",
         "            base = row * last",
         "            end = min(stop - base, last)",
-        *[
-            f"            e{k} = v{k}[prefix + (0, Ellipsis)]"
-            if consts[k]
-            else f"            w{k} = v{k}[prefix]"
-            for k in range(n_in)
-        ],
+        *[f"            {line}" for line in row_reads],
         *[f"            p{k} = o{k}[prefix]" for k in range(n_out)],
         "            while j < end:",
-        "                if job.failed:",
-        "                    return",
-        "                try:",
-        f"                    r = {invoke}",
-        "                except PASS_THROUGH:",
-        "                    raise",
-        "                except BaseException as e:",
-        f"                    raise kernel_raised(e, {flat}) from e",
-    ]
-    general = [f"qs = result_leaves(r, {flat})"] + [
-        f"store(p{k}, j, qs[{k}], {k}, {flat})" for k in range(n_out)
-    ]
-    if unpack is None and n_out == 1:  # one leaf: a fast write, else checked
-        fast = "type(r) is ndarray and r.dtype is D0 and r.shape == S0"
-        if exact[0]:
-            fast = f"type(r) is X0 or ({fast})"
-        lines += [
-            f"                if {fast}:",
-            f"                    p0[j] {'+=' if accumulate[0] else '='} r",
-            "                else:",
-            *[f"                    {g}" for g in general],
-        ]
-    elif unpack is None:
-        lines += [f"                {line}" for line in general]
-    else:
-        cond, body = unpack
-        lines += [f"                if {cond}:", f"                    {body}"]
-        for k in range(n_out):
-            fast = f"type(q{k}) is ndarray and q{k}.dtype is D{k} and "
-            fast += f"q{k}.shape == S{k}"
-            if exact[k]:
-                fast = f"type(q{k}) is X{k} or ({fast})"
-            write = f"p{k}[j] {'+=' if accumulate[k] else '='} q{k}"
-            lines += [
-                f"                    if {fast}:",
-                f"                        {write}",
-                "                    else:",
-                f"                        store_leaf(p{k}, j, q{k}, {k}, {flat}, r)",
-            ]
-        lines += ["                else:"]
-        lines += [f"                    {g}" for g in general]
-    lines += [
-        "                j += 1",
+        *[f"                {line}" for line in body],
         "            start = base + end",
         "            row, j = row + 1, 0",
         "            prefix = _next(prefix, outer)",

@@ -138,8 +138,29 @@ def _zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return z
 
 
-@dataclasses.dataclass(frozen=True)
-class JvpParam:
+class _OfPrimal:
+    """What a derivative equation's param takes from its primal kernel."""
+
+    primal: KernelParam
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError  # each param type names its kernel
+
+    @property
+    def vectorized(self) -> bool:
+        return self.primal.vectorized
+
+    @property
+    def max_chunk(self) -> int | None:
+        return self.primal.max_chunk
+
+    def __repr__(self) -> str:
+        return _with_chunking(self.name, self.primal)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)  # _OfPrimal's repr
+class JvpParam(_OfPrimal):
     """The JVP equation of ``primal``: ``jvp(*primals, *tangents, **kwargs)``.
 
     Operands: every primal leaf, then the tangent leaves that exist. Positional
@@ -168,16 +189,6 @@ class JvpParam:
         jvp = self.primal.jvp
         return callable_name(jvp) if jvp is not None else f"jvp({self.primal.name})"
 
-    @property
-    def vectorized(self) -> bool:
-        return self.primal.vectorized
-
-    @property
-    def max_chunk(self) -> int | None:
-        return self.primal.max_chunk
-
-    def __repr__(self) -> str:
-        return _with_chunking(self.name, self.primal)
 
     @property
     def num_primals(self) -> int:
@@ -218,8 +229,8 @@ class JvpParam:
         return tuple(x for x, keep in zip(out, self.out_mask, strict=True) if keep)
 
 
-@dataclasses.dataclass(frozen=True)
-class VjpParam:
+@dataclasses.dataclass(frozen=True, repr=False)  # _OfPrimal's repr
+class VjpParam(_OfPrimal):
     """The transpose of a JVP equation: ``vjp(*primals, cotangent, **kwargs)``.
 
     Operands: every primal leaf, then the output cotangent leaves that exist (the
@@ -243,16 +254,6 @@ class VjpParam:
     def name(self) -> str:
         return callable_name(self.primal.vjp)
 
-    @property
-    def vectorized(self) -> bool:
-        return self.primal.vectorized
-
-    @property
-    def max_chunk(self) -> int | None:
-        return self.primal.max_chunk
-
-    def __repr__(self) -> str:
-        return _with_chunking(self.name, self.primal)
 
     def host_call(self) -> tuple[Fn, Any, Any]:
         n_in = self.primal.in_tree.num_leaves + sum(

@@ -1,3 +1,5 @@
+import concurrent.futures
+import multiprocessing
 import os
 import pathlib
 
@@ -23,3 +25,31 @@ def x64():
         yield
     finally:
         jax.config.update("jax_enable_x64", prev)
+
+
+# Executors that pickle work, one per test module that uses them (each costs
+# seconds to start).
+
+
+@pytest.fixture(scope="module")
+def spawn_pool():
+    with concurrent.futures.ProcessPoolExecutor(
+        2, mp_context=multiprocessing.get_context("spawn")
+    ) as ex:
+        yield ex
+
+
+@pytest.fixture(scope="module")
+def dask_client():
+    distributed = pytest.importorskip("distributed")
+    with (
+        distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=40,
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        yield client

@@ -40,14 +40,6 @@ def check_nested(executor):
     return set(np.asarray(res["pid"]).ravel().tolist())
 
 
-@pytest.fixture(scope="module")
-def spawn_pool():
-    with concurrent.futures.ProcessPoolExecutor(
-        2, mp_context=multiprocessing.get_context("spawn")
-    ) as ex:
-        yield ex
-
-
 def test_process_pool_runs_elements_in_workers(spawn_pool):
     pids = check_nested(spawn_pool)
     assert os.getpid() not in pids
@@ -243,22 +235,6 @@ def test_worker_killed_mid_map_is_an_error_not_a_hang():
     with pytest.raises(ExecutorError):
         f(np.arange(2, dtype=np.float32))
     ex.shutdown()
-
-
-@pytest.fixture(scope="module")
-def dask_client():
-    distributed = pytest.importorskip("distributed")
-    with (
-        distributed.LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            silence_logs=40,
-        ) as cluster,
-        distributed.Client(cluster) as client,
-    ):
-        yield client
 
 
 def test_dask_local_cluster_runs_elements_in_worker_processes(dask_client):

@@ -317,42 +317,16 @@ def check_nested_chunks(executor):
 
 
 @pytest.mark.timeout(180)
-def test_process_pool_runs_chunks_in_workers():
-    import multiprocessing
+def test_process_pool_runs_chunks_in_workers(spawn_pool):
     import os
 
-    with concurrent.futures.ProcessPoolExecutor(
-        2, mp_context=multiprocessing.get_context("spawn")
-    ) as ex:
-        pids = check_nested_chunks(ex)
+    pids = check_nested_chunks(spawn_pool)
     assert pids and os.getpid() not in pids
 
 
 @pytest.mark.timeout(180)
-def test_dask_cluster_runs_chunks_in_workers():
-    distributed = pytest.importorskip("distributed")
-    with (
-        distributed.LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            silence_logs=40,
-        ) as cluster,
-        distributed.Client(cluster) as client,
-    ):
-        pids = check_nested_chunks(client.get_executor())
-        assert pids and pids <= set(client.run(__import__("os").getpid).values())
+def test_dask_cluster_runs_chunks_in_workers(dask_client):
+    import os
 
-
-def test_chunk_results_keep_their_values_or_fail():
-    i32 = jax.ShapeDtypeStruct((), jnp.int32)
-
-    def widen(x):  # int64 results for an int32 output: fine while they fit
-        return x.astype(np.int64) * (2**20)
-
-    f = jax.vmap(lambda v: threadmap(widen, i32, v, vectorized=4, executor=1))
-    np.testing.assert_array_equal(f(jnp.arange(16)), np.arange(16) * 2**20)
-    with pytest.raises(KernelError, match="int32") as info:
-        f(jnp.arange(16) * 2**12)  # 15 * 2**32 does not fit int32
-    assert "chunk of batch indices" in str(info.value)
+    pids = check_nested_chunks(dask_client.get_executor())
+    assert pids and pids <= set(dask_client.run(os.getpid).values())

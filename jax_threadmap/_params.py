@@ -189,7 +189,6 @@ class JvpParam(_OfPrimal):
         jvp = self.primal.jvp
         return callable_name(jvp) if jvp is not None else f"jvp({self.primal.name})"
 
-
     @property
     def num_primals(self) -> int:
         return self.primal.in_tree.num_leaves
@@ -253,7 +252,6 @@ class VjpParam(_OfPrimal):
     @property
     def name(self) -> str:
         return callable_name(self.primal.vjp)
-
 
     def host_call(self) -> tuple[Fn, Any, Any]:
         n_in = self.primal.in_tree.num_leaves + sum(

@@ -19,6 +19,11 @@ waiting on work queued behind it, and what happens at fork and exit.
   seconds exits.
 - A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
   until none are left (the same claim-and-run loop as the shared threads).
+- Threads per map: a map whose executor has more threads than CPUs starts on
+  one thread per CPU, and gets all of its executor's threads once its chunks
+  show that its elements are slow, or that their threads mostly wait (I/O,
+  sleeps) rather than compute. A fast kernel gains nothing from more threads
+  than CPUs, and loses to threads taking turns at the GIL.
 - Executors that pickle work (process pools, Dask) get packed chunks
   (:mod:`._remote`), sized from the kernel's measured cost.
 - Nesting: the thread that starts a map waits and runs nothing, unless it is
@@ -70,6 +75,28 @@ IDLE_TIMEOUT = 2.0
 #: kernel blocked for good (a read with no timeout) costs the exit this much, not
 #: a join per thread.
 EXIT_GRACE = 1.0
+#: Seconds per element from which a map gets all its executor's threads: the
+#: time threads spend taking turns is then small beside each element, and a
+#: kernel that waits (a network read) gains from every thread.
+SLOW_ELEMENT = 200e-6
+#: A map gets all its executor's threads when its threads were on a CPU for
+#: less than this share of their time, summed over the threads the map holds:
+#: its elements wait rather than compute (sleeps, I/O). Threads that take turns
+#: at the GIL add up to about one CPU; a 50 us sleep to about 0.1 per thread.
+WAIT_SHARE = 0.5
+#: Chunks in a row that must find the elements slow, or waiting, before a map
+#: gets all its threads: one chunk may be slow for reasons of its own (a first
+#: call that fills a cache, a thread that lost its CPU for a moment).
+SLOW_VOTES = 2
+#: While a map holds fewer threads than its executor has: seconds of work in a
+#: chunk at least (measuring one costs about 1 us) and at most (so that a map
+#: whose elements turn slow can still spread what is left over every thread).
+MIN_CHUNK_SECONDS = 50e-6
+MAX_CHUNK_SECONDS = 10e-3
+#: Seconds a chunk of a map on fewer threads may run before the thread that
+#: waits for the map gives it every thread: elements that wait for each other
+#: (at a barrier, for replies that come once all requests are out) all start.
+STUCK_CHUNK = 0.05
 
 
 class MapWork(Protocol):
@@ -153,6 +180,11 @@ class Job:
             guided chunks.
         divisor: Guided chunks take ``1 / divisor`` of what is left.
         parent: The map whose kernel started this one; its failure stops this one.
+        workers: The threads the map's executor has (default: one per element).
+        cpus: When fewer than ``workers``, the map starts on this many threads,
+            and gets all ``workers`` once its chunks find its elements slow
+            (:data:`SLOW_ELEMENT`) or waiting (:data:`WAIT_SHARE`); chunks are
+            then sized from the measured time of an element. Guided maps only.
     """
 
     def __init__(
@@ -163,11 +195,26 @@ class Job:
         fixed: int | None = None,
         divisor: int = 2,
         parent: Job | None = None,
+        workers: int | None = None,
+        cpus: int | None = None,
     ):
         self.n = n
         self.fn = fn
         self.fixed = fixed
         self.divisor = divisor
+        self.workers = n if workers is None else max(1, workers)
+        #: Threads the map may hold now; raised to ``workers`` by :meth:`_measured`.
+        self.limit = self.workers
+        if cpus is not None and fixed is None and cpus < self.workers:
+            self.limit = max(1, cpus)
+        #: Threads handed the map (by its runner, under the runner's lock).
+        self.hands = 0
+        #: Hands the map more threads once its limit rises (set by its runner).
+        self.grow: Callable[[], None] | None = None
+        self._per_element = 0.0  # seconds, from the last chunk measured
+        self._votes = 0  # chunks in a row that found the elements slow
+        # While limited: when each thread's chunk started (wall and CPU clocks).
+        self._started: dict[int, tuple[float, float]] = {}
         self.failed = False
         self.error: BaseException | None = None
         self.completed = 0  # elements done, for progress bars
@@ -182,17 +229,86 @@ class Job:
         if parent is not None:
             parent._adopt(self)
 
+    @property
+    def limited(self) -> bool:
+        """Whether the map holds fewer threads than its executor has."""
+        return self.limit < self.workers
+
     def claim(self) -> tuple[int, int] | None:
         """The next chunk to run, or ``None`` when none is left."""
         with self._lock:
             remaining = self.n - self._next
             if remaining <= 0 or self.failed:
                 return None
-            size = self.fixed or max(1, remaining // self.divisor)
+            if self.fixed:
+                size = self.fixed
+            elif self.limited:
+                size = self._measured_size(remaining)
+                self._started[threading.get_ident()] = (
+                    time.perf_counter(),
+                    time.thread_time(),
+                )
+            else:
+                size = max(1, remaining // self.divisor)
             start = self._next
             self._next = stop = min(self.n, start + size)
             self._outstanding += 1
             return start, stop
+
+    def _measured_size(self, remaining: int) -> int:  # lock held
+        """A guided chunk of a limited map: one element until an element has
+        been timed, then between :data:`MIN_CHUNK_SECONDS` and
+        :data:`MAX_CHUNK_SECONDS` of work."""
+        per = self._per_element
+        if per <= 0.0:
+            return 1
+        size = max(remaining // (2 * self.limit), int(MIN_CHUNK_SECONDS / per))
+        return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
+
+    def _measured(self, elements: int) -> bool:  # lock held
+        """Times the chunk this thread just ran, if the map was limited when it
+        was claimed; returns whether the limit rose to every worker."""
+        started = self._started.pop(threading.get_ident(), None)
+        if started is None or not self.limited:
+            return False
+        wall = time.perf_counter() - started[0]
+        cpu = time.thread_time() - started[1]
+        self._per_element = per = max(wall / elements, 1e-9)
+        waits = cpu * self.limit < WAIT_SHARE * wall
+        self._votes = self._votes + 1 if per >= SLOW_ELEMENT or waits else 0
+        if self._votes < SLOW_VOTES:
+            return False
+        return self._unlimit()
+
+    def _unlimit(self) -> bool:  # lock held
+        """Lets the map use every worker; whether threads should be added."""
+        self.limit = self.workers
+        self._started.clear()
+        return not self.failed and self._next < self.n
+
+    def poll(self, timeout: float) -> bool:
+        """Waits at most ``timeout`` seconds for the map to finish; says whether
+        it has. Watches a limited map meanwhile (:meth:`watch`)."""
+        end = time.monotonic() + timeout
+        while self.limited:
+            if self.done.wait(min(STUCK_CHUNK / 2, max(0.0, end - time.monotonic()))):
+                return True
+            self.watch()
+            if time.monotonic() >= end:
+                return False
+        return self.done.wait(max(0.0, end - time.monotonic()))
+
+    def watch(self) -> None:
+        """Called by the thread that waits for the map: a limited map whose
+        chunk has run for :data:`STUCK_CHUNK` seconds gets every worker (its
+        elements may wait for each other)."""
+        with self._lock:
+            if not self.limited or not self._started:
+                return
+            oldest = min(wall for wall, _ in self._started.values())
+            rose = time.perf_counter() - oldest >= STUCK_CHUNK and self._unlimit()
+        if rose and self.grow is not None:
+            self.grow()
 
     def fail(self, error: BaseException) -> None:
         """Records the first error and stops handing out chunks, here and in the
@@ -228,6 +344,13 @@ class Job:
             self.fail(e)
         finally:
             _local.job = outer
+            if self.limited:
+                with self._lock:
+                    rose = self._measured(stop - start)
+                # Before the chunk counts as done, so that the map (and its
+                # executor) is still there for the threads added.
+                if rose and self.grow is not None:
+                    self.grow()
             with self._lock:
                 self.completed += stop - start
                 self._outstanding -= 1
@@ -296,17 +419,18 @@ class ThreadPool:
         if job.n == 0:
             return
         threads = _threads
+        job.grow = lambda: threads.hand(self, job)
         threads.submit(self, job)
         if _local.job is None:
             # The pool's threads run every chunk, and the last one to finish drops
             # the job from the queue.
-            wait(job, job.done.wait, progress)
+            wait(job, job.poll, progress)
             return
         # A kernel that calls threadmap: work on our own chunks rather than wait
         # for them behind the outer maps.
         try:
             job.drain()
-            wait(job, job.done.wait, progress)
+            wait(job, job.poll, progress)
         finally:
             threads.forget(job)
 
@@ -356,6 +480,11 @@ class _Threads:
 
     def submit(self, pool: ThreadPool, job: Job) -> None:
         """Queues ``job`` and hands it as many threads as it can use now."""
+        self.hand(pool, job, queue=True)
+
+    def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> None:
+        """Hands ``job`` (queued unless ``queue``) as many threads as it can use
+        now: up to its limit, within its pool's bound."""
         new: list[tuple[threading.Thread, _Worker]] = []
         with self.lock:
             if self.exiting or pool._shutdown:
@@ -368,9 +497,14 @@ class _Threads:
                         else ". Pass executor=None or an int for a shared pool."
                     )
                 )
-            self.queue.append((pool, job))
-            for _ in range(min(job.n, pool.max_workers - pool.active)):
-                _take_place(pool)
+            if queue:
+                self.queue.append((pool, job))
+            elif job.exhausted():
+                return
+            for _ in range(min(job.n, job.limit) - job.hands):
+                if pool.active >= pool.max_workers:
+                    break
+                _take_place(pool, job)
                 if self.idle:
                     worker = self.idle.pop()
                     worker.pool, worker.job = pool, job
@@ -407,6 +541,8 @@ class _Threads:
                     worker.cancelled = True
                     self.threads.discard(t)
                     pool.active -= 1
+                    if worker.job is not None:
+                        worker.job.hands -= 1
 
     def forget(self, job: Job) -> None:
         """Drops ``job`` from the queue, where a thread has not yet done so."""
@@ -468,14 +604,17 @@ class _Threads:
             p, job = entry
             if job.exhausted():
                 self.queue.remove(entry)
+            elif job.hands >= job.limit:  # as many threads as it may use
+                continue
             elif p is pool:  # keep our place for the next map of our pool
                 worker.pool, worker.job = entry
+                job.hands += 1
                 return
             elif other is None and p.active < p.max_workers:
                 other = entry
         pool.active -= 1
         if other is not None:
-            _take_place(other[0])
+            _take_place(*other)
             worker.pool, worker.job = other
 
     def exit(self) -> list[threading.Thread]:
@@ -492,9 +631,10 @@ class _Threads:
             return len(self.threads)
 
 
-def _take_place(pool: ThreadPool) -> None:  # shared threads' lock held
+def _take_place(pool: ThreadPool, job: Job) -> None:  # shared threads' lock held
     pool.active += 1
     pool.peak = max(pool.peak, pool.active)
+    job.hands += 1
 
 
 _threads = _Threads()
@@ -622,7 +762,8 @@ def _puller(job: Job) -> None:
 def _run_on_threads(
     executor: concurrent.futures.Executor, job: Job, progress: Progress | None
 ) -> None:
-    """Runs ``job`` on a thread executor: one puller task per worker.
+    """Runs ``job`` on a thread executor: one puller task per thread it may use
+    (more once its limit rises, see :class:`Job`).
 
     A thread that runs a kernel itself (a nested map) also drains ``job``, since
     the executor's workers may all be busy waiting, for this very thread among
@@ -630,8 +771,9 @@ def _run_on_threads(
     cancelled.
     """
     count = min(known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT, job.n)
-    left = [count]
     lock = threading.Lock()
+    left = [0]  # pullers submitted and not yet done
+    futures: list[concurrent.futures.Future[None]] = []
 
     def on_done(f: concurrent.futures.Future[None]) -> None:
         with lock:
@@ -643,22 +785,39 @@ def _run_on_threads(
         elif f.exception() is not None:
             job.fail(f.exception())  # type: ignore[arg-type]
 
-    futures = []
-    try:
-        for _ in range(count):
-            futures.append(executor.submit(_puller, job))
-            futures[-1].add_done_callback(on_done)
-    except RuntimeError as e:
-        job.fail(_refused(executor, e))
-        for _ in range(count - len(futures)):
+    def hand() -> None:
+        """Submits pullers up to the job's limit. A refusal fails the map only
+        when no puller runs it; later ones leave the work to those running."""
+        while True:
             with lock:
-                left[0] -= 1
+                if job.hands >= min(count, job.limit) or job.exhausted():
+                    return
+                job.hands += 1
+                left[0] += 1
+            try:
+                future = executor.submit(_puller, job)
+            except RuntimeError as e:
+                with lock:
+                    left[0] -= 1
+                    job.hands -= 1
+                    alone = not futures
+                if alone:
+                    job.fail(_refused(executor, e))
+                return
+            with lock:
+                futures.append(future)
+            future.add_done_callback(on_done)
+
+    job.grow = hand
+    hand()
     try:
         if _local.job is not None:
             job.drain()
-        wait(job, job.done.wait, progress)
+        wait(job, job.poll, progress)
     finally:
-        for f in futures:  # pullers that never started: nothing left to claim
+        with lock:
+            started = list(futures)
+        for f in started:  # pullers that never started: nothing left to claim
             f.cancel()
 
 
@@ -803,7 +962,22 @@ def new_job(
     # Host-side sums need chunk bounds that do not depend on timing: about two
     # chunks per worker. Otherwise guided chunks, each a share of what is left.
     fixed = -(-units // (2 * workers)) if work.sums and units else None
-    return Job(units, work.run_chunk, fixed=fixed, divisor=2 * workers, parent=parent)
+    # A map on threads starts on one per CPU (see Job); a nested map takes every
+    # thread at once, since its elements may wait on each other while the
+    # thread that waits for it runs a kernel and watches nothing.
+    on_threads = (
+        executor is None or isinstance(executor, int) or shares_memory(executor)
+    )
+    cpus = available_cpus() if on_threads and parent is None else None
+    return Job(
+        units,
+        work.run_chunk,
+        fixed=fixed,
+        divisor=2 * workers,
+        parent=parent,
+        workers=workers,
+        cpus=cpus,
+    )
 
 
 def run_map(

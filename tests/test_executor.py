@@ -632,3 +632,133 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
     job = _executor.Job(12, fn)
     pool.run(job)
     assert job.error is None and rec.max_running == 3
+
+
+# --- threads per map: fast maps on one thread per CPU ---------------------------------
+
+
+class Counter:
+    """A fast kernel that counts its calls, its threads and how many ran at once."""
+
+    def __init__(self):
+        self.rec = Recorder(sleep=0)
+        self.calls = 0
+
+    def __call__(self, x):
+        with self.rec.lock:
+            self.calls += 1
+        return self.rec(x)
+
+
+def _only_the_watchdog(monkeypatch, stuck=60.0):
+    """Maps on more threads than CPUs gain threads only from the watchdog, after
+    ``stuck`` seconds: no timing can then raise their limit on a busy machine."""
+    monkeypatch.setattr(_executor, "SLOW_ELEMENT", float("inf"))
+    monkeypatch.setattr(_executor, "WAIT_SHARE", 0.0)
+    monkeypatch.setattr(_executor, "STUCK_CHUNK", stuck)
+
+
+def user_pool(n):
+    return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="mine")
+
+
+@pytest.mark.parametrize("cpus", [1, 2])
+@pytest.mark.parametrize("executor", [32, "user"])
+def test_fast_map_runs_on_one_thread_per_cpu(monkeypatch, cpus, executor):
+    _only_the_watchdog(monkeypatch)
+    monkeypatch.setattr(_executor, "available_cpus", lambda: cpus)
+    ex = user_pool(32) if executor == "user" else executor
+    x = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    k = Counter()
+    np.testing.assert_array_equal(run(k, x, executor=ex), x * 2)
+    assert k.calls == x.size  # each element once
+    assert k.rec.max_running <= cpus
+    assert len(k.rec.threads) <= cpus
+    if executor == "user":
+        ex.shutdown()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 31, 100, 4097])
+@pytest.mark.parametrize("executor", [32, "user"])
+def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    ex = user_pool(32) if executor == "user" else executor
+    x = np.arange(n, dtype=np.float32)[None]
+    k = Counter()
+    np.testing.assert_array_equal(run(k, x, executor=ex), x * 2)
+    assert k.calls == n
+    if executor == "user":
+        ex.shutdown()
+
+
+@pytest.mark.parametrize("executor", [8, "user"])
+def test_slow_elements_get_every_thread(monkeypatch, executor):
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)  # from the chunks' times
+    ex = user_pool(8) if executor == "user" else executor
+    rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
+    np.testing.assert_array_equal(run(rec, X, executor=ex), X * 2)
+    assert rec.max_running == 8
+    if executor == "user":
+        ex.shutdown()
+
+
+@pytest.mark.parametrize("executor", [8, "user"])
+def test_waiting_elements_get_every_thread(monkeypatch, executor):
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
+    monkeypatch.setattr(_executor, "SLOW_ELEMENT", float("inf"))  # from CPU time
+    ex = user_pool(8) if executor == "user" else executor
+    rec = Recorder(sleep=0.002)  # sleeps: its thread is on a CPU a few % of it
+    x = np.zeros((8, 64), np.float32)
+    np.testing.assert_array_equal(run(rec, x, executor=ex), x)
+    assert rec.max_running == 8
+    if executor == "user":
+        ex.shutdown()
+
+
+@pytest.mark.parametrize("executor", [8, "user"])
+def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
+    # No chunk finishes until all 8 elements run at once: the thread that waits
+    # for the map sees a chunk stuck and hands the map every thread.
+    _only_the_watchdog(monkeypatch, stuck=0.05)
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    ex = user_pool(8) if executor == "user" else executor
+    all_running = threading.Barrier(8, timeout=60)
+
+    def meet(v):
+        all_running.wait()
+        return v + 1
+
+    x = np.arange(8, dtype=np.float32)[None]
+    np.testing.assert_array_equal(run(meet, x, executor=ex), x + 1)
+    if executor == "user":
+        ex.shutdown()
+
+
+def test_executor_shut_down_while_the_map_grows(monkeypatch):
+    # The threads added when the limit rises are refused: the ones already
+    # running finish the map.
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
+    ex = user_pool(8)
+    rec = Recorder(sleep=0.002)
+
+    def k(v):
+        ex.shutdown(wait=False)
+        return rec(v)
+
+    np.testing.assert_array_equal(run(k, X, executor=ex), X * 2)
+    assert len(rec.threads) == 1
+
+
+def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    work = type("W", (), {"sums": True, "vectorized": False, "n": 64})()
+    work.run_chunk = lambda start, stop, job: None
+    assert not _executor.new_job(work, 8).limited  # fixed bounds: not measured
+    work.sums = False
+    assert _executor.new_job(work, 8).limited
+    parent = _executor.Job(1, lambda *a: None)
+    assert not _executor.new_job(work, 8, parent=parent).limited
+    assert not _executor.new_job(work, 1).limited  # no more threads than CPUs

@@ -12,9 +12,8 @@ views.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
-
-import numpy as np
 
 Axes = tuple[int | None, ...]
 
@@ -44,7 +43,7 @@ class BatchSpec:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def grow(self, size: int, dims: Sequence[int | None]) -> BatchSpec:
         """Returns the spec with one more (outermost) level of ``size``.

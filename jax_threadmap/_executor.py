@@ -49,7 +49,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from . import _validate
 from ._errors import ExecutorError, KernelError
@@ -953,9 +953,11 @@ def new_job(
     executor: _validate.Executor,
     max_chunk: int | None = None,
     parent: Job | None = None,
+    pool: ThreadPool | None = None,
 ) -> Job:
-    """The job of ``work`` on ``executor``, with its chunking policy."""
-    workers = workers_of(executor)
+    """The job of ``work`` on ``executor`` (the shared ``pool`` it names, when
+    the caller has looked it up), with its chunking policy."""
+    workers = pool.max_workers if pool is not None else workers_of(executor)
     units = work.n
     if work.vectorized and units:
         units = work.split(vector_chunk_length(work, workers, max_chunk))
@@ -968,7 +970,7 @@ def new_job(
     on_threads = (
         executor is None or isinstance(executor, int) or shares_memory(executor)
     )
-    cpus = available_cpus() if on_threads and parent is None else None
+    cpus = available_cpus() if on_threads and parent is None and workers > 1 else None
     return Job(
         units,
         work.run_chunk,
@@ -996,18 +998,19 @@ def run_map(
     """
     if work.n == 0:
         return
-    job = new_job(work, executor, max_chunk, parent=_local.job)
+    pool = get_pool(executor) if executor is None or isinstance(executor, int) else None
+    job = new_job(work, executor, max_chunk, parent=_local.job, pool=pool)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
     _flights[job] = threading.current_thread()
     try:
-        if executor is None or isinstance(executor, int):
-            get_pool(executor).run(job, bar)
-        elif shares_memory(executor):
-            _run_on_threads(executor, job, bar)
+        if pool is not None:
+            pool.run(job, bar)
+        elif shares_memory(user := cast(concurrent.futures.Executor, executor)):
+            _run_on_threads(user, job, bar)
         else:
-            _Shipper(executor, work, job).run(bar)
+            _Shipper(user, work, job).run(bar)
     finally:
         _flights.pop(job, None)
         job.detach()

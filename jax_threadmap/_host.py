@@ -20,6 +20,7 @@ and the partials are added in chunk order.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,7 +75,7 @@ def merge_groups(
 def merge_view(v: np.ndarray, groups: list[list[int]]) -> np.ndarray:
     """``v`` (batch dims first) with the batch dims of each group merged into one."""
     nb = sum(len(g) for g in groups)
-    shape = tuple(int(np.prod([v.shape[d] for d in g])) for g in groups)
+    shape = tuple(math.prod([v.shape[d] for d in g]) for g in groups)
     strides = tuple(v.strides[g[-1]] for g in groups) + v.strides[nb:]
     return np.lib.stride_tricks.as_strided(
         v, shape + v.shape[nb:], strides, writeable=v.flags.writeable
@@ -88,6 +89,8 @@ def summed_view(buf: np.ndarray, spec: BatchSpec, k: int) -> np.ndarray:
     those levels adds into the same place.
     """
     summed = spec.summed(k)
+    if not summed:
+        return buf
     nb = len(spec.shape)
     kept_ndim = nb - len(summed)
     kept = iter(buf.strides[:kept_ndim])
@@ -145,6 +148,7 @@ class ElementCaller:
         self.num_args: int | None = len(args) if flat else None
         self.kw_names: tuple[str, ...] = tuple(kwargs) if flat else ()
         self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
+        self.loop_sources: tuple[int, str | None, tuple[str, str] | None] | None = None
 
     # -- messages ----------------------------------------------------------------
 
@@ -310,7 +314,7 @@ class HostMap:
         self._groups = merge_groups(batch, in_views + out_views)
         self.in_v = [merge_view(v, self._groups) for v in in_views]
         self.out_v = [merge_view(o, self._groups) for o in out_views]
-        self.shape = tuple(int(np.prod([batch[d] for d in g])) for g in self._groups)
+        self.shape = tuple(math.prod([batch[d] for d in g]) for g in self._groups)
         # Per output, the merged dims it is summed over (a merged dim groups only
         # levels that are all summed, or none, since their strides differ).
         self._summed_dims = [
@@ -329,7 +333,7 @@ class HostMap:
         """Bytes of one element's operands and results (for chunk sizes)."""
         views = [*self.in_v, *self.out_v]
         nb = len(self.shape)
-        return sum(int(np.prod(v.shape[nb:])) * v.itemsize for v in views)
+        return sum(math.prod(v.shape[nb:]) * v.itemsize for v in views)
 
     def split(self, max_elements: int) -> int:
         """Cuts a vectorized map into pieces; returns how many (the work units)."""

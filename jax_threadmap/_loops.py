@@ -41,6 +41,8 @@ class Caller(Protocol):
     out_tree: Any
     out_core: list[tuple[tuple[int, ...], np.dtype]]
     accumulate: frozenset[int]
+    #: The call and unpacking sources of the last loop built, by operand count.
+    loop_sources: tuple[int, str | None, tuple[str, str] | None] | None
 
     def call(self, leaves: list[Any]) -> Any: ...
 
@@ -229,7 +231,6 @@ def _compile(
         "except BaseException as e:",
         f"    raise kernel_raised(e, {flat}) from e",
         *_store_lines(unpack, exact, accumulate, flat),
-        "j += 1",
     ]
     lines = [
         "def build(fn, views, outs, shape, flat_of, caller, exacts, dtypes, shapes):",
@@ -252,7 +253,7 @@ def _compile(
         "            end = min(stop - base, last)",
         *[f"            {line}" for line in row_reads],
         *[f"            p{k} = o{k}[prefix]" for k in range(n_out)],
-        "            while j < end:",
+        "            for j in range(j, end):",
         *[f"                {line}" for line in body],
         "            start = base + end",
         "            row, j = row + 1, 0",
@@ -311,10 +312,17 @@ def element_loop(
     last = len(shape) - 1
     # Read once per row: constant along it (stride 0), or a row of one element.
     consts = tuple(bool(v.strides[last] == 0 or shape[last] == 1) for v in in_v)
+    sources = caller.loop_sources
+    if sources is None or sources[0] != len(in_v):  # once per caller, not per call
+        sources = caller.loop_sources = (
+            len(in_v),
+            call_source(caller.in_tree, [f"A{k}_" for k in range(len(in_v))]),
+            unpack_source(caller.out_tree),
+        )
     build = _compile(
         consts,
-        call_source(caller.in_tree, [f"A{k}_" for k in range(len(in_v))]),
-        unpack_source(caller.out_tree),
+        sources[1],
+        sources[2],
         tuple(s == () for s, _ in caller.out_core),
         tuple(k in caller.accumulate for k in range(len(out_v))),
         flat_of is not None,

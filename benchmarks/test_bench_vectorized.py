@@ -2,8 +2,9 @@
 
 - ``outer``: ``x + y + z`` over a 3-level nested vmap of 128 x 128 x 128, each
   operand batched at its own level, so every chunk gathers its slices. The floor
-  is the same sum in NumPy on broadcast arrays; the per-element map runs on a
-  leading subset of the batch and is compared per element.
+  is the same sum in NumPy on broadcast arrays (the two alternate round by
+  round); the per-element map runs on a leading subset of the batch and is
+  compared per element.
 - ``sort_rows``: 2048 rows of 8192 float32, sorted by a GIL-releasing NumPy
   routine. The floor is the best a user writes by hand: one thread per core,
   each sorting a block of rows, without JAX. The two alternate round by round
@@ -20,10 +21,11 @@ import time
 
 import harness as B
 import numpy as np
-import pytest
 
 OUTER_SUBSET = (1, 32, 128)  # 4096 elements for the per-element map
 SORT_ROUNDS = 15
+OUTER_ROUNDS = 30
+OUTER_TITLE = "`x + y + z`, each batched at its own level of 3 nested vmaps"
 
 
 def _outer_expected(arrays):
@@ -31,29 +33,65 @@ def _outer_expected(arrays):
     return x[:, None, None] + y[None, :, None] + z[None, None, :]
 
 
-@pytest.mark.parametrize(
-    "method,rounds", [("vectorized", 30), ("numpy", 30), ("per_element", 5)]
-)
-def test_outer(measure, method, rounds):
+def test_outer(measure, benchmark):
     arrays = B.outer_inputs()
-    if method == "per_element":
-        arrays = tuple(a[:s] for a, s in zip(arrays, OUTER_SUBSET, strict=True))
-        run = B.outer_runner(arrays, False)
-    elif method == "vectorized":
-        run = B.outer_runner(arrays, True)
-    else:
-        run = B.outer_numpy_runner(arrays)
+    runs = {
+        "vectorized": B.outer_runner(arrays, True),
+        "numpy": B.outer_numpy_runner(arrays),
+    }
+    for run in runs.values():
+        np.testing.assert_allclose(
+            np.asarray(run()), _outer_expected(arrays), rtol=1e-6
+        )
+    times = _Alternating(runs, OUTER_ROUNDS)
+    elements = int(np.prod(B.VECTOR_SHAPE))
+    measure(
+        times.run,
+        group="vectorized-outer",
+        rounds=1,
+        warmup=0,
+        case="outer",
+        method="alternating",
+        title=OUTER_TITLE,
+        elements=elements,
+        batch_elements=elements,
+    )
+    benchmark.extra_info["per_element"] = times.medians(elements)
+
+
+def test_outer_per_element(measure):
+    arrays = tuple(a[:s] for a, s in zip(B.outer_inputs(), OUTER_SUBSET, strict=True))
+    run = B.outer_runner(arrays, False)
     np.testing.assert_allclose(np.asarray(run()), _outer_expected(arrays), rtol=1e-6)
     measure(
         run,
         group="vectorized-outer",
-        rounds=rounds,
+        rounds=5,
         case="outer",
-        method=method,
-        title="`x + y + z`, each batched at its own level of 3 nested vmaps",
+        method="per_element",
+        title=OUTER_TITLE,
         elements=int(np.prod([a.size for a in arrays])),
         batch_elements=int(np.prod(B.VECTOR_SHAPE)),
     )
+
+
+class _Alternating:
+    """Times several runners round by round, so that a slow spell of a shared
+    machine slows them alike; each gets the median of its rounds."""
+
+    def __init__(self, runs, rounds):
+        self.runs, self.rounds = runs, rounds
+        self.times: dict[str, list[float]] = {m: [] for m in runs}
+
+    def run(self):
+        for _ in range(self.rounds):
+            for method, run in self.runs.items():
+                t = time.perf_counter()
+                run()
+                self.times[method].append(time.perf_counter() - t)
+
+    def medians(self, elements):
+        return {m: statistics.median(t) / elements for m, t in self.times.items()}
 
 
 def test_sort_rows(measure, benchmark):
@@ -64,18 +102,9 @@ def test_sort_rows(measure, benchmark):
     }
     for run in runs.values():
         np.testing.assert_array_equal(np.asarray(run()), np.sort(rows, axis=-1))
-    times: dict[str, list[float]] = {m: [] for m in runs}
-
-    def alternate():
-        # Round by round, so that a slow spell of a shared machine slows both.
-        for _ in range(SORT_ROUNDS):
-            for method, run in runs.items():
-                t = time.perf_counter()
-                run()
-                times[method].append(time.perf_counter() - t)
-
+    times = _Alternating(runs, SORT_ROUNDS)
     measure(
-        alternate,
+        times.run,
         group="vectorized-sort_rows",
         rounds=1,
         warmup=0,
@@ -85,9 +114,7 @@ def test_sort_rows(measure, benchmark):
         elements=rows.shape[0],
         batch_elements=rows.shape[0],
     )
-    benchmark.extra_info["per_element"] = {
-        m: statistics.median(t) / rows.shape[0] for m, t in times.items()
-    }
+    benchmark.extra_info["per_element"] = times.medians(rows.shape[0])
 
 
 def test_vector_memory(measure, benchmark):

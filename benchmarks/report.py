@@ -50,6 +50,8 @@ FLOOR_GROUPS = {
         {
             "vectorized": "`threadmap(..., vectorized=True)`",
             "hand_threads": "thread pool by hand, a block of rows per core (floor)",
+            "callback_only": "`pure_callback` returning a preallocated result "
+            "(no sort: the host callback's own cost)",
         },
     ),
 }
@@ -201,6 +203,13 @@ def _analyse_floor(group: str, got: dict[str, dict], stat: str) -> dict[str, Any
                 ratios[f"{method} / {floor}"] = (
                     r["per_element"] / rows[floor]["per_element"]
                 )
+    if "callback_only" in rows and "vectorized" in rows and floor in rows:
+        # The floor plus the host callback's own cost: what any host callback
+        # doing the floor's work pays at least.
+        both = rows[floor]["per_element"] + rows["callback_only"]["per_element"]
+        ratios[f"vectorized / ({floor} + callback_only)"] = (
+            rows["vectorized"]["per_element"] / both
+        )
     if "per_element" in rows and "vectorized" in rows:
         ratios["per_element / vectorized"] = (
             rows["per_element"]["per_element"] / rows["vectorized"]["per_element"]

@@ -257,12 +257,15 @@ class Job:
 
     def _measured_size(self, remaining: int) -> int:  # lock held
         """A guided chunk of a limited map: one element until an element has
-        been timed, then between :data:`MIN_CHUNK_SECONDS` and
-        :data:`MAX_CHUNK_SECONDS` of work."""
+        been timed, then the share of what is left that it would take on every
+        thread, between :data:`MIN_CHUNK_SECONDS` and :data:`MAX_CHUNK_SECONDS`
+        of work: the first elements' time says little of the later ones'. A
+        map that would run one element per chunk on every thread (no more than
+        two per thread) still does: its elements may wait for each other."""
         per = self._per_element
-        if per <= 0.0:
+        if per <= 0.0 or self.n <= self.divisor:
             return 1
-        size = max(remaining // (2 * self.limit), int(MIN_CHUNK_SECONDS / per))
+        size = max(remaining // self.divisor, int(MIN_CHUNK_SECONDS / per))
         return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
 
     def _measured(self, elements: int) -> bool:  # lock held

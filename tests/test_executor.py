@@ -762,3 +762,24 @@ def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
     parent = _executor.Job(1, lambda *a: None)
     assert not _executor.new_job(work, 8, parent=parent).limited
     assert not _executor.new_job(work, 1).limited  # no more threads than CPUs
+
+
+@pytest.mark.parametrize("executor", [16, "user"])
+def test_limited_map_does_not_group_elements_it_would_run_alone(monkeypatch, executor):
+    # Fast first elements, then elements that meet at a barrier: on every thread
+    # each of the 16 elements is its own chunk, and so it stays while the map is
+    # limited (chunks of several fast elements would hold barrier elements back).
+    _only_the_watchdog(monkeypatch, stuck=0.05)
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    ex = user_pool(16) if executor == "user" else executor
+    all_running = threading.Barrier(8, timeout=60)
+
+    def k(v):
+        if v >= 8:
+            all_running.wait()
+        return v + 1
+
+    x = np.arange(16, dtype=np.float32)[None]
+    np.testing.assert_array_equal(run(k, x, executor=ex), x + 1)
+    if executor == "user":
+        ex.shutdown()

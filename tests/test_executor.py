@@ -736,20 +736,45 @@ def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
         ex.shutdown()
 
 
-def test_executor_shut_down_while_the_map_grows(monkeypatch):
-    # The threads added when the limit rises are refused: the ones already
-    # running finish the map.
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
-    ex = user_pool(8)
-    rec = Recorder(sleep=0.002)
+@pytest.mark.parametrize("executor", [32, "user"])
+def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, executor):
+    # Two maps at once on one executor, the elements of each waiting for all 32
+    # of its elements to run. The first map holds every place it was handed
+    # from its start (its threads beyond the limit wait), and a map's tasks are
+    # queued together, so the second map queues behind the first, as it would
+    # if every thread ran at once. Handing out threads only as the limit rose
+    # split the places between the maps, and both waited for good.
+    _only_the_watchdog(monkeypatch, stuck=0.05)
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    ex = user_pool(32) if executor == "user" else executor
+    start = threading.Barrier(2, timeout=60)
+    errors = []
 
-    def k(v):
-        ex.shutdown(wait=False)
-        return rec(v)
+    def one(m):
+        everyone = threading.Barrier(32, timeout=60)
 
-    np.testing.assert_array_equal(run(k, X, executor=ex), X * 2)
-    assert len(rec.threads) == 1
+        def meet(v):
+            everyone.wait()
+            return v + m
+
+        f = jax.jit(jax.vmap(lambda v: threadmap(meet, F32, v, executor=ex)))
+        x = np.arange(32, dtype=np.float32)
+        f = f.lower(x).compile()  # both maps start together, after compiling
+        try:
+            start.wait()
+            np.testing.assert_array_equal(np.asarray(f(x)), x + m)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    for _ in range(3):
+        callers = [threading.Thread(target=one, args=(m,)) for m in range(2)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        assert not errors, errors[0]
+    if executor == "user":
+        ex.shutdown()
 
 
 def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):

@@ -19,14 +19,14 @@ waiting on work queued behind it, and what happens at fork and exit.
   seconds exits.
 - A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
   until none are left (the same claim-and-run loop as the shared threads).
-- Threads per map: a map whose executor has more threads than CPUs is handed
-  its threads (places in its pool, or tasks in its executor's queue) as any
-  map, but only one per CPU runs its chunks until they show that its elements
-  are slow, or that their threads mostly wait (I/O, sleeps) rather than
-  compute; the others wait, keeping their places. A fast kernel gains nothing
-  from more threads than CPUs, and loses to threads taking turns at the GIL.
-  A map's tasks are queued together, so maps started at once on one executor
-  do not split its threads between them.
+- Threads per map: a large map (more than ``LIMITED_FROM`` elements per
+  thread) whose executor has more threads than CPUs starts on one thread per
+  CPU, and gets all of its executor's threads once its chunks show that its
+  elements are slow, or that their threads mostly wait (I/O, sleeps) rather
+  than compute. A fast kernel gains nothing from more threads than CPUs, and
+  loses to threads taking turns at the GIL. A map's first pullers are queued
+  together, so small maps started at once on one executor do not split its
+  threads between them.
 - Executors that pickle work (process pools, Dask) get packed chunks
   (:mod:`._remote`), sized from the kernel's measured cost.
 - Nesting: the thread that starts a map waits and runs nothing, unless it is
@@ -92,8 +92,8 @@ WAIT_SHARE = 0.5
 #: gets all its threads: one chunk may be slow for reasons of its own (a first
 #: call that fills a cache, a thread that lost its CPU for a moment).
 SLOW_VOTES = 2
-#: While a map runs on fewer threads than its executor has: seconds of work in
-#: a chunk at least (measuring one costs a few us) and at most (so that a map
+#: While a map holds fewer threads than its executor has: seconds of work in a
+#: chunk at least (measuring one costs a few us) and at most (so that a map
 #: whose elements turn slow can still spread what is left over every thread).
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
@@ -101,6 +101,12 @@ MAX_CHUNK_SECONDS = 10e-3
 #: waits for the map gives it every thread: elements that wait for each other
 #: (at a barrier, for replies that come once all requests are out) all start.
 STUCK_CHUNK = 0.05
+#: Elements per executor thread from which a map starts on fewer threads. A
+#: smaller map runs as it did before maps were limited: on every thread at once,
+#: mostly one element per chunk, so that elements which wait for each other all
+#: start whatever else runs on the executor; its few elements cost little on
+#: many threads.
+LIMITED_FROM = 4
 
 
 class MapWork(Protocol):
@@ -185,12 +191,10 @@ class Job:
         divisor: Guided chunks take ``1 / divisor`` of what is left.
         parent: The map whose kernel started this one; its failure stops this one.
         workers: The threads the map's executor has (default: one per element).
-        cpus: When fewer than ``workers``, at most this many of the threads
-            handed the map run its chunks at once (the others wait in
-            :meth:`drain`, holding their places), until its chunks find its
-            elements slow (:data:`SLOW_ELEMENT`) or waiting
-            (:data:`WAIT_SHARE`); chunks are then sized from the measured time
-            of an element. Guided maps only.
+        cpus: When fewer than ``workers``, the map starts on this many threads,
+            and gets all ``workers`` once its chunks find its elements slow
+            (:data:`SLOW_ELEMENT`) or waiting (:data:`WAIT_SHARE`); chunks are
+            then sized from the measured time of an element. Guided maps only.
     """
 
     def __init__(
@@ -209,12 +213,14 @@ class Job:
         self.fixed = fixed
         self.divisor = divisor
         self.workers = n if workers is None else max(1, workers)
-        #: Threads that may run the map's chunks at once; raised to ``workers``
-        #: by :meth:`_measured` or :meth:`watch`.
+        #: Threads the map may hold now; raised to ``workers`` by :meth:`_measured`.
         self.limit = self.workers
         if cpus is not None and fixed is None and cpus < self.workers:
             self.limit = max(1, cpus)
-        self._runners = 0  # threads in drain() that may claim chunks
+        #: Threads handed the map (by its runner, under the runner's lock).
+        self.hands = 0
+        #: Hands the map more threads once its limit rises (set by its runner).
+        self.grow: Callable[[], None] | None = None
         self._per_element = 0.0  # seconds, from the last chunk measured
         self._votes = 0  # chunks in a row that found the elements slow
         # While limited: when each thread's chunk started (wall and CPU clocks).
@@ -224,8 +230,6 @@ class Job:
         self.completed = 0  # elements done, for progress bars
         self.done = threading.Event()
         self._lock = threading.Lock()
-        # Wakes the threads waiting in drain() for the limit to rise.
-        self._wake = threading.Condition(self._lock)
         self._next = 0
         self._outstanding = 0
         self._children: set[Job] = set()
@@ -265,35 +269,33 @@ class Job:
         """A guided chunk of a limited map: one element until an element has
         been timed, then the share of what is left that it would take on every
         thread, between :data:`MIN_CHUNK_SECONDS` and :data:`MAX_CHUNK_SECONDS`
-        of work: the first elements' time says little of the later ones'. A
-        map that would run one element per chunk on every thread (no more than
-        two per thread) still does: its elements may wait for each other."""
+        of work: the first elements' time says little of the later ones'."""
         per = self._per_element
-        if per <= 0.0 or self.n <= self.divisor:
+        if per <= 0.0:
             return 1
         size = max(remaining // self.divisor, int(MIN_CHUNK_SECONDS / per))
         return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
 
-    def _measured(self, elements: int) -> None:  # lock held
+    def _measured(self, elements: int) -> bool:  # lock held
         """Times the chunk this thread just ran, if the map was limited when it
-        was claimed, and lifts the limit once the elements prove slow or
-        waiting."""
+        was claimed; returns whether the limit rose to every worker."""
         started = self._started.pop(threading.get_ident(), None)
         if started is None or not self.limited:
-            return
+            return False
         wall = time.perf_counter() - started[0]
         cpu = time.thread_time() - started[1]
         self._per_element = per = max(wall / elements, 1e-9)
         waits = cpu * self.limit < WAIT_SHARE * wall
         self._votes = self._votes + 1 if per >= SLOW_ELEMENT or waits else 0
-        if self._votes >= SLOW_VOTES:
-            self._unlimit()
+        if self._votes < SLOW_VOTES:
+            return False
+        return self._unlimit()
 
-    def _unlimit(self) -> None:  # lock held
-        """Lets every thread handed the map run its chunks."""
+    def _unlimit(self) -> bool:  # lock held
+        """Lets the map use every worker; whether threads should be added."""
         self.limit = self.workers
         self._started.clear()
-        self._wake.notify_all()
+        return not self.failed and self._next < self.n
 
     def poll(self, timeout: float) -> bool:
         """Waits at most ``timeout`` seconds for the map to finish; says whether
@@ -315,8 +317,9 @@ class Job:
             if not self.limited or not self._started:
                 return
             oldest = min(wall for wall, _ in self._started.values())
-            if time.perf_counter() - oldest >= STUCK_CHUNK:
-                self._unlimit()
+            rose = time.perf_counter() - oldest >= STUCK_CHUNK and self._unlimit()
+        if rose and self.grow is not None:
+            self.grow()
 
     def fail(self, error: BaseException) -> None:
         """Records the first error and stops handing out chunks, here and in the
@@ -331,7 +334,6 @@ class Job:
             if self.error is None:
                 self.error = error
             self.failed = True
-            self._wake.notify_all()
             self._check_done()
             children = list(self._children)
         for child in children:
@@ -353,41 +355,26 @@ class Job:
             self.fail(e)
         finally:
             _local.job = outer
+            if self.limited:
+                with self._lock:
+                    rose = self._measured(stop - start)
+                # Before the chunk counts as done, so that the map (and its
+                # executor) is still there for the threads added.
+                if rose and self.grow is not None:
+                    self.grow()
             with self._lock:
-                if self.limited:
-                    self._measured(stop - start)
                 self.completed += stop - start
                 self._outstanding -= 1
                 self._check_done()
 
     def drain(self) -> None:
-        """Claims and runs chunks until none are left.
-
-        While the map is limited, a thread beyond its limit waits here, without
-        giving back its place in its pool (or its executor's worker), until the
-        limit rises or nothing is left: the places a map was handed stay its
-        own, as they would if every thread ran at once.
-        """
-        with self._lock:
-            while self.limited and self._runners >= self.limit:
-                if self._over():
-                    return
-                self._wake.wait()
-            self._runners += 1
-        try:
-            while (chunk := self.claim()) is not None:
-                self.run(*chunk)
-        finally:
-            with self._lock:
-                self._runners -= 1
-                self._wake.notify()  # a waiting thread takes this one's turn
-
-    def _over(self) -> bool:  # lock held
-        return self.failed or self._next >= self.n
+        """Claims and runs chunks until none are left."""
+        while (chunk := self.claim()) is not None:
+            self.run(*chunk)
 
     def exhausted(self) -> bool:
         with self._lock:
-            return self._over()
+            return self.failed or self._next >= self.n
 
     def detach(self) -> None:
         """Forgets the parent, once this map is over."""
@@ -406,7 +393,6 @@ class Job:
     def _check_done(self) -> None:  # lock held
         if self._outstanding == 0 and (self.failed or self._next >= self.n):
             self.done.set()
-            self._wake.notify_all()  # the threads waiting in drain() leave
 
 
 def _stopped_by_parent() -> ExecutorError:
@@ -444,6 +430,7 @@ class ThreadPool:
         if job.n == 0:
             return
         threads = _threads
+        job.grow = lambda: threads.hand(self, job)
         threads.submit(self, job)
         if _local.job is None:
             # The pool's threads run every chunk, and the last one to finish drops
@@ -504,6 +491,11 @@ class _Threads:
 
     def submit(self, pool: ThreadPool, job: Job) -> None:
         """Queues ``job`` and hands it as many threads as it can use now."""
+        self.hand(pool, job, queue=True)
+
+    def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> None:
+        """Hands ``job`` (queued unless ``queue``) as many threads as it can use
+        now: up to its limit, within its pool's bound."""
         new: list[tuple[threading.Thread, _Worker]] = []
         with self.lock:
             if self.exiting or pool._shutdown:
@@ -516,9 +508,14 @@ class _Threads:
                         else ". Pass executor=None or an int for a shared pool."
                     )
                 )
-            self.queue.append((pool, job))
-            for _ in range(min(job.n, pool.max_workers - pool.active)):
-                _take_place(pool)
+            if queue:
+                self.queue.append((pool, job))
+            elif job.exhausted():
+                return
+            for _ in range(min(job.n, job.limit) - job.hands):
+                if pool.active >= pool.max_workers:
+                    break
+                _take_place(pool, job)
                 if self.idle:
                     worker = self.idle.pop()
                     worker.pool, worker.job = pool, job
@@ -555,6 +552,8 @@ class _Threads:
                     worker.cancelled = True
                     self.threads.discard(t)
                     pool.active -= 1
+                    if worker.job is not None:
+                        worker.job.hands -= 1
 
     def forget(self, job: Job) -> None:
         """Drops ``job`` from the queue, where a thread has not yet done so."""
@@ -616,14 +615,17 @@ class _Threads:
             p, job = entry
             if job.exhausted():
                 self.queue.remove(entry)
+            elif job.hands >= job.limit:  # as many threads as it may use
+                continue
             elif p is pool:  # keep our place for the next map of our pool
                 worker.pool, worker.job = entry
+                job.hands += 1
                 return
             elif other is None and p.active < p.max_workers:
                 other = entry
         pool.active -= 1
         if other is not None:
-            _take_place(other[0])
+            _take_place(*other)
             worker.pool, worker.job = other
 
     def exit(self) -> list[threading.Thread]:
@@ -640,9 +642,10 @@ class _Threads:
             return len(self.threads)
 
 
-def _take_place(pool: ThreadPool) -> None:  # shared threads' lock held
+def _take_place(pool: ThreadPool, job: Job) -> None:  # shared threads' lock held
     pool.active += 1
     pool.peak = max(pool.peak, pool.active)
+    job.hands += 1
 
 
 _threads = _Threads()
@@ -767,32 +770,33 @@ def _puller(job: Job) -> None:
     job.drain()
 
 
-#: Per thread executor, a lock held while a map queues its pullers.
+#: Per thread executor, a lock held while a map queues its first pullers.
 _queue_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = (
     weakref.WeakKeyDictionary()
 )
 _queue_locks_lock = threading.Lock()
-_queue_locks_lock_fallback = threading.Lock()
+_queue_locks_fallback = threading.Lock()
 
 
 def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
-    """The lock that keeps a map's pullers together in ``executor``'s queue: two
-    maps started at once do not split its workers between them (each could
-    then wait for good for elements queued behind the other's)."""
+    """The lock that keeps a map's first pullers together in ``executor``'s
+    queue: two maps started at once do not split its workers between them (each
+    could then wait for good for elements queued behind the other's)."""
     with _queue_locks_lock:
         try:
             lock = _queue_locks.get(executor)
             if lock is None:
                 lock = _queue_locks[executor] = threading.Lock()
         except TypeError:  # an executor that takes no weak references
-            lock = _queue_locks_lock_fallback
+            lock = _queue_locks_fallback
         return lock
 
 
 def _run_on_threads(
     executor: concurrent.futures.Executor, job: Job, progress: Progress | None
 ) -> None:
-    """Runs ``job`` on a thread executor: one puller task per worker.
+    """Runs ``job`` on a thread executor: one puller task per thread it may use
+    (more once its limit rises, see :class:`Job`).
 
     A thread that runs a kernel itself (a nested map) also drains ``job``, since
     the executor's workers may all be busy waiting, for this very thread among
@@ -800,8 +804,9 @@ def _run_on_threads(
     cancelled.
     """
     count = min(known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT, job.n)
-    left = [count]
     lock = threading.Lock()
+    left = [0]  # pullers submitted and not yet done
+    futures: list[concurrent.futures.Future[None]] = []
 
     def on_done(f: concurrent.futures.Future[None]) -> None:
         with lock:
@@ -813,23 +818,40 @@ def _run_on_threads(
         elif f.exception() is not None:
             job.fail(f.exception())  # type: ignore[arg-type]
 
-    futures = []
-    try:
-        with _queueing(executor):
-            for _ in range(count):
-                futures.append(executor.submit(_puller, job))
-                futures[-1].add_done_callback(on_done)
-    except RuntimeError as e:
-        job.fail(_refused(executor, e))
-        for _ in range(count - len(futures)):
+    def hand() -> None:
+        """Submits pullers up to the job's limit. A refusal fails the map only
+        when no puller runs it; later ones leave the work to those running."""
+        while True:
             with lock:
-                left[0] -= 1
+                if job.hands >= min(count, job.limit) or job.exhausted():
+                    return
+                job.hands += 1
+                left[0] += 1
+            try:
+                future = executor.submit(_puller, job)
+            except RuntimeError as e:
+                with lock:
+                    left[0] -= 1
+                    job.hands -= 1
+                    alone = not futures
+                if alone:
+                    job.fail(_refused(executor, e))
+                return
+            with lock:
+                futures.append(future)
+            future.add_done_callback(on_done)
+
+    job.grow = hand
+    with _queueing(executor):
+        hand()
     try:
         if _local.job is not None:
             job.drain()
         wait(job, job.poll, progress)
     finally:
-        for f in futures:  # pullers that never started: nothing left to claim
+        with lock:
+            started = list(futures)
+        for f in started:  # pullers that never started: nothing left to claim
             f.cancel()
 
 
@@ -976,13 +998,15 @@ def new_job(
     # Host-side sums need chunk bounds that do not depend on timing: about two
     # chunks per worker. Otherwise guided chunks, each a share of what is left.
     fixed = -(-units // (2 * workers)) if work.sums and units else None
-    # A map on threads starts on one per CPU (see Job); a nested map takes every
-    # thread at once, since its elements may wait on each other while the
-    # thread that waits for it runs a kernel and watches nothing.
+    # A large map on threads starts on one per CPU (see Job); a small one
+    # (LIMITED_FROM) and a nested one take every thread at once, since their
+    # elements may wait on each other (and the thread that waits for a nested
+    # map runs a kernel and watches nothing).
     on_threads = (
         executor is None or isinstance(executor, int) or shares_memory(executor)
     )
-    cpus = available_cpus() if on_threads and parent is None and workers > 1 else None
+    large = units > LIMITED_FROM * workers
+    cpus = available_cpus() if on_threads and parent is None and large else None
     return Job(
         units,
         work.run_chunk,

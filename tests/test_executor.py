@@ -697,7 +697,8 @@ def test_slow_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)  # from the chunks' times
     ex = user_pool(8) if executor == "user" else executor
     rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
-    np.testing.assert_array_equal(run(rec, X, executor=ex), X * 2)
+    x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
+    np.testing.assert_array_equal(run(rec, x, executor=ex), x)
     assert rec.max_running == 8
     if executor == "user":
         ex.shutdown()
@@ -719,18 +720,20 @@ def test_waiting_elements_get_every_thread(monkeypatch, executor):
 
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
-    # No chunk finishes until all 8 elements run at once: the thread that waits
-    # for the map sees a chunk stuck and hands the map every thread.
+    # A large map on one thread: its first element waits for its second, so no
+    # chunk finishes; the thread that waits for the map sees the chunk stuck
+    # and hands the map every thread.
     _only_the_watchdog(monkeypatch, stuck=0.05)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
     ex = user_pool(8) if executor == "user" else executor
-    all_running = threading.Barrier(8, timeout=60)
+    pair = threading.Barrier(2, timeout=60)
 
     def meet(v):
-        all_running.wait()
+        if v < 2:
+            pair.wait()
         return v + 1
 
-    x = np.arange(8, dtype=np.float32)[None]
+    x = np.arange(64, dtype=np.float32)[None]
     np.testing.assert_array_equal(run(meet, x, executor=ex), x + 1)
     if executor == "user":
         ex.shutdown()
@@ -739,11 +742,10 @@ def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, executor):
     # Two maps at once on one executor, the elements of each waiting for all 32
-    # of its elements to run. The first map holds every place it was handed
-    # from its start (its threads beyond the limit wait), and a map's tasks are
-    # queued together, so the second map queues behind the first, as it would
-    # if every thread ran at once. Handing out threads only as the limit rose
-    # split the places between the maps, and both waited for good.
+    # of its elements to run. Small maps take every thread at once, and a map's
+    # tasks are queued together, so the second map queues behind the first.
+    # Starting them on one thread per CPU split the places between the maps,
+    # and both waited for good.
     _only_the_watchdog(monkeypatch, stuck=0.05)
     monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
     ex = user_pool(32) if executor == "user" else executor
@@ -777,6 +779,23 @@ def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, execut
         ex.shutdown()
 
 
+def test_executor_shut_down_while_the_map_grows(monkeypatch):
+    # The threads added when the limit rises are refused: the ones already
+    # running finish the map.
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
+    ex = user_pool(8)
+    rec = Recorder(sleep=0.002)
+
+    def k(v):
+        ex.shutdown(wait=False)
+        return rec(v)
+
+    x = np.zeros((4, 16), np.float32)  # 64 elements: a large map
+    np.testing.assert_array_equal(run(k, x, executor=ex), x)
+    assert len(rec.threads) == 1
+
+
 def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
     work = type("W", (), {"sums": True, "vectorized": False, "n": 64})()
@@ -787,13 +806,16 @@ def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
     parent = _executor.Job(1, lambda *a: None)
     assert not _executor.new_job(work, 8, parent=parent).limited
     assert not _executor.new_job(work, 1).limited  # no more threads than CPUs
+    work.n = 32
+    assert not _executor.new_job(work, 8).limited  # 4 elements per thread: small
 
 
 @pytest.mark.parametrize("executor", [16, "user"])
-def test_limited_map_does_not_group_elements_it_would_run_alone(monkeypatch, executor):
+def test_small_map_does_not_group_elements_it_would_run_alone(monkeypatch, executor):
     # Fast first elements, then elements that meet at a barrier: on every thread
-    # each of the 16 elements is its own chunk, and so it stays while the map is
-    # limited (chunks of several fast elements would hold barrier elements back).
+    # each of the 16 elements is its own chunk, and so it stays (chunks of
+    # several fast elements measured on fewer threads held barrier elements
+    # back).
     _only_the_watchdog(monkeypatch, stuck=0.05)
     monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
     ex = user_pool(16) if executor == "user" else executor

@@ -1,6 +1,7 @@
 """Pools, thread bounds, nesting, concurrency, fork and shutdown."""
 
 import concurrent.futures
+import contextlib
 import os
 import queue
 import signal
@@ -662,46 +663,54 @@ def user_pool(n):
     return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="mine")
 
 
+@contextlib.contextmanager
+def executor_of(kind, n):
+    """``executor=n``, or for ``kind == "user"`` a ThreadPoolExecutor(n) that is
+    shut down afterwards."""
+    if kind != "user":
+        yield n
+        return
+    ex = user_pool(n)
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+
+
 @pytest.mark.parametrize("cpus", [1, 2])
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_fast_map_runs_on_one_thread_per_cpu(monkeypatch, cpus, executor):
     _only_the_watchdog(monkeypatch)
     monkeypatch.setattr(_executor, "available_cpus", lambda: cpus)
-    ex = user_pool(32) if executor == "user" else executor
-    x = np.arange(4096, dtype=np.float32).reshape(64, 64)
-    k = Counter()
-    np.testing.assert_array_equal(run(k, x, executor=ex), x * 2)
-    assert k.calls == x.size  # each element once
-    assert k.rec.max_running <= cpus
-    assert len(k.rec.threads) <= cpus
-    if executor == "user":
-        ex.shutdown()
+    with executor_of(executor, 32) as ex:
+        x = np.arange(4096, dtype=np.float32).reshape(64, 64)
+        k = Counter()
+        np.testing.assert_array_equal(run(k, x, executor=ex), x * 2)
+        assert k.calls == x.size  # each element once
+        assert k.rec.max_running <= cpus
+        assert len(k.rec.threads) <= cpus
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 31, 100, 4097])
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
-    ex = user_pool(32) if executor == "user" else executor
-    x = np.arange(n, dtype=np.float32)[None]
-    k = Counter()
-    np.testing.assert_array_equal(run(k, x, executor=ex), x * 2)
-    assert k.calls == n
-    if executor == "user":
-        ex.shutdown()
+    with executor_of(executor, 32) as ex:
+        x = np.arange(n, dtype=np.float32)[None]
+        k = Counter()
+        np.testing.assert_array_equal(run(k, x, executor=ex), x * 2)
+        assert k.calls == n
 
 
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_slow_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
     monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)  # from the chunks' times
-    ex = user_pool(8) if executor == "user" else executor
-    rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
-    x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
-    np.testing.assert_array_equal(run(rec, x, executor=ex), x)
-    assert rec.max_running == 8
-    if executor == "user":
-        ex.shutdown()
+    with executor_of(executor, 8) as ex:
+        rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
+        x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
+        np.testing.assert_array_equal(run(rec, x, executor=ex), x)
+        assert rec.max_running == 8
 
 
 @pytest.mark.parametrize("executor", [8, "user"])
@@ -709,13 +718,11 @@ def test_waiting_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
     monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
     monkeypatch.setattr(_executor, "SLOW_ELEMENT", float("inf"))  # from CPU time
-    ex = user_pool(8) if executor == "user" else executor
-    rec = Recorder(sleep=0.002)  # sleeps: its thread is on a CPU a few % of it
-    x = np.zeros((8, 64), np.float32)
-    np.testing.assert_array_equal(run(rec, x, executor=ex), x)
-    assert rec.max_running == 8
-    if executor == "user":
-        ex.shutdown()
+    with executor_of(executor, 8) as ex:
+        rec = Recorder(sleep=0.002)  # sleeps: its thread is on a CPU a few % of it
+        x = np.zeros((8, 64), np.float32)
+        np.testing.assert_array_equal(run(rec, x, executor=ex), x)
+        assert rec.max_running == 8
 
 
 @pytest.mark.parametrize("executor", [8, "user"])
@@ -725,18 +732,16 @@ def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
     # and hands the map every thread.
     _only_the_watchdog(monkeypatch, stuck=0.05)
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    ex = user_pool(8) if executor == "user" else executor
-    pair = threading.Barrier(2, timeout=60)
+    with executor_of(executor, 8) as ex:
+        pair = threading.Barrier(2, timeout=60)
 
-    def meet(v):
-        if v < 2:
-            pair.wait()
-        return v + 1
+        def meet(v):
+            if v < 2:
+                pair.wait()
+            return v + 1
 
-    x = np.arange(64, dtype=np.float32)[None]
-    np.testing.assert_array_equal(run(meet, x, executor=ex), x + 1)
-    if executor == "user":
-        ex.shutdown()
+        x = np.arange(64, dtype=np.float32)[None]
+        np.testing.assert_array_equal(run(meet, x, executor=ex), x + 1)
 
 
 @pytest.mark.parametrize("executor", [32, "user"])
@@ -748,35 +753,33 @@ def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, execut
     # and both waited for good.
     _only_the_watchdog(monkeypatch, stuck=0.05)
     monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
-    ex = user_pool(32) if executor == "user" else executor
-    start = threading.Barrier(2, timeout=60)
-    errors = []
+    with executor_of(executor, 32) as ex:
+        start = threading.Barrier(2, timeout=60)
+        errors = []
 
-    def one(m):
-        everyone = threading.Barrier(32, timeout=60)
+        def one(m):
+            everyone = threading.Barrier(32, timeout=60)
 
-        def meet(v):
-            everyone.wait()
-            return v + m
+            def meet(v):
+                everyone.wait()
+                return v + m
 
-        f = jax.jit(jax.vmap(lambda v: threadmap(meet, F32, v, executor=ex)))
-        x = np.arange(32, dtype=np.float32)
-        f = f.lower(x).compile()  # both maps start together, after compiling
-        try:
-            start.wait()
-            np.testing.assert_array_equal(np.asarray(f(x)), x + m)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+            f = jax.jit(jax.vmap(lambda v: threadmap(meet, F32, v, executor=ex)))
+            x = np.arange(32, dtype=np.float32)
+            f = f.lower(x).compile()  # both maps start together, after compiling
+            try:
+                start.wait()
+                np.testing.assert_array_equal(np.asarray(f(x)), x + m)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
 
-    for _ in range(3):
-        callers = [threading.Thread(target=one, args=(m,)) for m in range(2)]
-        for t in callers:
-            t.start()
-        for t in callers:
-            t.join()
-        assert not errors, errors[0]
-    if executor == "user":
-        ex.shutdown()
+        for _ in range(3):
+            callers = [threading.Thread(target=one, args=(m,)) for m in range(2)]
+            for t in callers:
+                t.start()
+            for t in callers:
+                t.join()
+            assert not errors, errors[0]
 
 
 def test_executor_shut_down_while_the_map_grows(monkeypatch):
@@ -818,15 +821,13 @@ def test_small_map_does_not_group_elements_it_would_run_alone(monkeypatch, execu
     # back).
     _only_the_watchdog(monkeypatch, stuck=0.05)
     monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
-    ex = user_pool(16) if executor == "user" else executor
-    all_running = threading.Barrier(8, timeout=60)
+    with executor_of(executor, 16) as ex:
+        all_running = threading.Barrier(8, timeout=60)
 
-    def k(v):
-        if v >= 8:
-            all_running.wait()
-        return v + 1
+        def k(v):
+            if v >= 8:
+                all_running.wait()
+            return v + 1
 
-    x = np.arange(16, dtype=np.float32)[None]
-    np.testing.assert_array_equal(run(k, x, executor=ex), x + 1)
-    if executor == "user":
-        ex.shutdown()
+        x = np.arange(16, dtype=np.float32)[None]
+        np.testing.assert_array_equal(run(k, x, executor=ex), x + 1)

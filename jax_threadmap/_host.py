@@ -34,7 +34,7 @@ from ._errors import KernelError, kernel_traceback
 from ._loops import element_loop
 from ._remote import ChunkFn
 from ._validate import ResultCastError, check_result_cast
-from ._vectorized import ChunkCaller, PiecePlan, chunk_of
+from ._vectorized import ChunkCaller, KernelCaller, PiecePlan, chunk_of
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 
@@ -103,7 +103,7 @@ def summed_view(buf: np.ndarray, spec: BatchSpec, k: int) -> np.ndarray:
 # --- one element ----------------------------------------------------------------------
 
 
-class ElementCaller:
+class ElementCaller(KernelCaller):
     """Calls a function on one element's views, checks its result, stores it.
 
     Also builds the loops that do this for a chunk of elements. Picklable (it
@@ -131,12 +131,7 @@ class ElementCaller:
         batch_shape: tuple[int, ...],
         accumulate: Sequence[int] = (),
     ):
-        self.fn = fn
-        self.name = name
-        self.in_tree = in_tree
-        self.out_tree = out_tree
-        self.out_core = [(tuple(s), np.dtype(d)) for s, d in out_core]
-        self.batch_shape = tuple(batch_shape)
+        super().__init__(fn, name, in_tree, out_tree, out_core, batch_shape)
         self.accumulate = frozenset(accumulate)
         args, kwargs = jax.tree_util.tree_unflatten(
             in_tree, list(range(in_tree.num_leaves))
@@ -194,9 +189,8 @@ class ElementCaller:
         if tree != self.out_tree:
             raise self.error(
                 flat,
-                f"returned a value of structure {tree}, but result_shape_dtypes has "
-                f"structure {self.out_tree}. Return a pytree with the same structure "
-                "as result_shape_dtypes.",
+                f"{self.structure_mismatch(tree)} Return a pytree with the same "
+                "structure as result_shape_dtypes.",
             )
         return leaves
 

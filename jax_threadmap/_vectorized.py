@@ -65,13 +65,13 @@ def chunk_of(view: np.ndarray, index: tuple[Any, ...], k: int, nb: int) -> np.nd
     return out
 
 
-class ChunkCaller:
-    """Calls a vectorized kernel on one chunk and checks its results.
-
-    Picklable, so that process and Dask workers run the same checks.
+class KernelCaller:
+    """What a caller of a kernel holds, per element (``_host.ElementCaller``) or
+    per chunk (:class:`ChunkCaller`). Picklable, so that process and Dask
+    workers run the same checks.
 
     Args:
-        fn: The kernel (or a derivative adapter), called on chunk leaves.
+        fn: The kernel (or a derivative adapter).
         name: The kernel's name, for messages.
         in_tree: Treedef of ``(args, kwargs)`` as ``fn`` takes them.
         out_tree: Treedef of ``fn``'s result.
@@ -94,6 +94,18 @@ class ChunkCaller:
         self.out_tree = out_tree
         self.out_core = [(tuple(s), np.dtype(d)) for s, d in out_core]
         self.batch_shape = tuple(batch_shape)
+
+    def structure_mismatch(self, tree: Any) -> str:
+        """The start of the message for a result of structure ``tree``."""
+        return (
+            f"returned a value of structure {tree}, but result_shape_dtypes has "
+            f"structure {self.out_tree}."
+        )
+
+
+class ChunkCaller(KernelCaller):
+    """Calls a vectorized kernel on one chunk and checks its results (see
+    :class:`KernelCaller` for the arguments)."""
 
     def error(
         self, first: int, k: int, what: str, cause: BaseException | None = None
@@ -130,8 +142,7 @@ class ChunkCaller:
             raise self.error(
                 first,
                 k,
-                f"returned a value of structure {tree}, but result_shape_dtypes has "
-                f"structure {self.out_tree}. Return a pytree with the same "
+                f"{self.structure_mismatch(tree)} Return a pytree with the same "
                 "structure, each leaf with a leading axis of the chunk's length.",
             )
         return [self._checked(v, j, first, k) for j, v in enumerate(values)]

@@ -29,7 +29,7 @@ from ._dispatch import AsyncCallFailed as AsyncCallFailed
 from ._dispatch import async_dispatch_enabled as async_dispatch_enabled
 from ._dispatch import async_dispatch_status as async_dispatch_status
 from ._task import ENV_ASYNC_THREADS as ENV_ASYNC_THREADS
-from ._task import PENDING, LeafSpec, Task, leaf_specs
+from ._task import PENDING, LeafSpec, Task, describe_error, leaf_specs
 from ._task import default_async_threads as default_async_threads
 from ._validate import callable_name
 
@@ -239,6 +239,36 @@ class AsyncArray:
 
     # -- the value --
 
+    def cancel(self) -> bool:
+        """Gives up on the call that computes this array, unless it has finished.
+
+        Like ``concurrent.futures.Future.cancel``, but a call that is already
+        running is given up on too: every use of its arrays (this one and the
+        other leaves of the same call) raises ``concurrent.futures.CancelledError``
+        naming the function, and so do the results of jitted calls already
+        dispatched with them (as ``JaxRuntimeError``). The function's thread
+        runs on until it returns (Python cannot stop a thread); what it
+        returns then is dropped.
+
+        Returns:
+            ``True`` if the call was given up on now, ``False`` if it had
+            already finished (with a value or an error).
+
+        Examples:
+            >>> import threading
+            >>> import jax, numpy as np
+            >>> import jax_threadmap as jtm
+            >>> never = threading.Event()
+            >>> x = jtm.async_call(lambda: never.wait(60) and np.zeros(2),
+            ...                    jax.ShapeDtypeStruct((2,), np.float32))
+            >>> x.cancel()
+            True
+            >>> x.done(), x.cancel()
+            (True, False)
+            >>> never.set()
+        """
+        return self._task.cancel()
+
     def done(self) -> bool:
         """Returns whether the value (or the call's error) is available now."""
         return self._task.future.done()
@@ -287,7 +317,7 @@ class AsyncArray:
             error = fut.exception()
             if error is None:
                 return "done"
-            return f"failed: {type(error).__name__}: {error}"
+            return f"failed: {describe_error(error)}"
         if task.state == PENDING and task.runnable and not task._submitted:
             return "deferred"
         return "pending"
@@ -393,6 +423,7 @@ def _new_task(
     kwargs: dict[str, Any],
     device: Any,
     api: str,
+    timeout: float | None = None,
 ) -> Task:
     if not callable(fn):
         raise TypeError(
@@ -401,6 +432,7 @@ def _new_task(
             "result_shape_dtypes, then its arguments."
         )
     treedef, specs = leaf_specs(result_shape_dtypes, device, api)
+    _check_timeout(timeout, api)
     return Task(
         fn,
         args,
@@ -409,7 +441,25 @@ def _new_task(
         api=api,
         treedef=treedef,
         specs=specs,
+        timeout=timeout,
     )
+
+
+def _check_timeout(timeout: Any, api: str) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"jax_threadmap.{api}: timeout must be None or a number of seconds. "
+            f"Got timeout={timeout!r} of type {type(timeout).__name__}. To pass a "
+            "keyword argument named timeout to fn, bind it with functools.partial."
+        )
+    if not 0 < timeout < float("inf"):
+        raise ValueError(
+            f"jax_threadmap.{api}: timeout must be a positive, finite number of "
+            f"seconds. Got timeout={timeout!r}. Pass None to let the call run as "
+            "long as it takes."
+        )
 
 
 def async_call(
@@ -418,6 +468,7 @@ def async_call(
     /,
     *args: Any,
     device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
     **kwargs: Any,
 ) -> Any:
     """Starts ``fn(*args, **kwargs)`` in the background; returns its arrays now.
@@ -448,6 +499,15 @@ def async_call(
             ready; the arrays are then committed there. ``None`` (default) puts
             them on the default device, uncommitted. To pass a keyword argument
             named ``device`` to ``fn``, bind it with ``functools.partial``.
+        timeout: Reserved keyword (not passed to ``fn``). Seconds that ``fn``
+            may run, counted from when it starts; then the call is given up
+            on: every use of its arrays raises a ``TimeoutError`` naming
+            ``fn``, and so do the results of the jitted calls already
+            dispatched with them (as ``JaxRuntimeError``). ``fn``'s thread
+            runs on until it returns (Python cannot stop a thread); what it
+            returns then is dropped. ``None`` (default): no limit. To pass a
+            keyword argument named ``timeout`` to ``fn``, bind it with
+            ``functools.partial``.
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:
@@ -479,7 +539,9 @@ def async_call(
         >>> predict(params, jnp.arange(3.0))  # compiles while loading
         Array([3., 3., 3.], dtype=float32)
     """
-    task = _new_task(fn, result_shape_dtypes, args, kwargs, device, "async_call")
+    task = _new_task(
+        fn, result_shape_dtypes, args, kwargs, device, "async_call", timeout
+    )
     out = _make(task)
     task.submit()
     return out
@@ -491,6 +553,7 @@ def deferred_call(
     /,
     *args: Any,
     device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
     **kwargs: Any,
 ) -> Any:
     """Like :func:`async_call`, but runs ``fn`` only when a value is first needed.
@@ -508,6 +571,7 @@ def deferred_call(
         result_shape_dtypes: A pytree whose leaves have ``shape`` and ``dtype``.
         *args: Positional arguments of ``fn``.
         device: Reserved keyword, as in :func:`async_call`.
+        timeout: Reserved keyword, as in :func:`async_call`.
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:
@@ -528,5 +592,7 @@ def deferred_call(
         >>> x + 1
         Array([8., 8.], dtype=float32)
     """
-    task = _new_task(fn, result_shape_dtypes, args, kwargs, device, "deferred_call")
+    task = _new_task(
+        fn, result_shape_dtypes, args, kwargs, device, "deferred_call", timeout
+    )
     return _make(task)

@@ -296,9 +296,6 @@ class Dispatch:
         )
         program = self._program(device, spec, avals)
         gates = [t.gates[device][1] for t in tasks]
-        if len(tasks) > 1:
-            for t in tasks:
-                t.solo = False
         with self._lock:
             self._waiting[device] = self._waiting.get(device, 0) + 1
         try:
@@ -395,7 +392,6 @@ class Dispatch:
             task.host = None
             with self._lock:
                 self._slots.pop(task.slot, None)
-            task.gates_ran.set()
 
     # -- when the call ends --
 

@@ -20,9 +20,12 @@ that this module does not depend on how dispatch works.
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
+import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +34,7 @@ import numpy as np
 
 from . import _compat, _executor, _validate
 from ._executor import available_cpus
-from ._validate import env_positive_int, shape_dtype_of
+from ._validate import MAX_THREADS, env_positive_int, shape_dtype_of
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -52,7 +55,9 @@ def default_async_threads() -> int:
     never waits on work queued behind itself.
     """
     n = env_positive_int(
-        ENV_ASYNC_THREADS, "the number of threads that run jax_threadmap.async_call"
+        ENV_ASYNC_THREADS,
+        "the number of threads that run jax_threadmap.async_call",
+        maximum=MAX_THREADS,
     )
     return min(32, available_cpus() + 4) if n is None else n
 
@@ -116,8 +121,9 @@ def _after_fork_in_child() -> None:
     # had not started yet run in the thread that first needs them (Task.wait).
     # The lock of the set of live calls may have been held by a thread that does
     # not exist in the child: a fresh one.
-    global live_lock
+    global live_lock, _deadlines
     live_lock = threading.Lock()
+    _deadlines = _Deadlines()  # its thread and the calls it watched are the parent's
 
 
 if hasattr(os, "register_at_fork"):
@@ -133,9 +139,13 @@ PENDING, RUNNING, FINISHING, FINISHED = (
     "finished",
 )
 
-# How long a finished call waits for its gate programs to copy its data before it
-# copies the data again for result() (see Task._finish).
-_PLACE_AFTER_GATES_S = 2.0
+#: The longest a wait in Python sleeps at once. Lock waits are interruptible on
+#: POSIX anyway; the slices keep Ctrl-C prompt on every platform, and cost
+#: nothing measurable (a wake-up per slice).
+POLL_S = 0.5
+
+# The start of the note added to a loader's exception (once per call).
+_NOTE_START = "This error was raised by"
 
 # Calls submitted or running and not finished, for the report at exit.
 live_lock = threading.Lock()
@@ -189,9 +199,8 @@ class Task:
         "host",
         "error_text",
         "programs",
-        "gates_ran",
-        "solo",
         "offered",
+        "timeout",
         "__weakref__",
     )
 
@@ -205,6 +214,7 @@ class Task:
         api: str,
         treedef: Any,
         specs: list[LeafSpec],
+        timeout: float | None = None,
     ):
         self._lock = threading.Lock()
         self._state = PENDING
@@ -233,11 +243,10 @@ class Task:
         self.host: list[np.ndarray] | None = None
         self.error_text: str | None = None
         self.programs = 0
-        self.gates_ran = threading.Event()
-        # Whether every gate program that reads this call reads only this call.
-        self.solo = True
         # Whether the gates were offered with the result (then never again).
         self.offered = False
+        # Seconds fn may run before the call is given up on (TimeoutError).
+        self.timeout = timeout
 
     @property
     def state(self) -> str:
@@ -261,7 +270,29 @@ class Task:
             self._pid = os.getpid()
         with live_lock:
             live.add(self)
+        if self.timeout is not None:
+            _deadlines.add(self, self.timeout)
         return True
+
+    def time_out(self) -> None:
+        """Gives up on the call because it ran past its timeout."""
+        self.give_up(
+            TimeoutError(
+                f"{self.name}, which jax_threadmap.{self.api} ran, did not return "
+                f"within timeout={self.timeout} s and was given up on (its thread "
+                "runs on until it returns; what it returns is dropped)."
+            )
+        )
+
+    def cancel(self) -> bool:
+        """Gives up on the call (``CancelledError``) unless it has finished."""
+        verb = "ran" if self.runnable else "waited for"
+        return self.give_up(
+            concurrent.futures.CancelledError(
+                f"{self.name}, which jax_threadmap.{self.api} {verb}, was "
+                "cancelled (AsyncArray.cancel)."
+            )
+        )
 
     def run(self) -> None:
         """Runs the call, unless it has already started elsewhere."""
@@ -289,35 +320,42 @@ class Task:
             return
         self._finish(out)
 
-    def _settle(self) -> dict[Any, tuple[int, jax.Array]]:
-        """Ends the time in which gates can be added; returns the gates."""
+    def _settle(self) -> dict[Any, tuple[int, jax.Array]] | None:
+        """Ends the time in which gates can be added; returns the gates.
+
+        ``None`` when the call was already given up on (cancelled, timed out,
+        abandoned at exit): its outcome is set, and what ``fn`` returned or
+        raised since is dropped.
+        """
         with self._lock:
+            if self._state != RUNNING:
+                return None
             self._state = FINISHING
             return dict(self.gates)
 
     def _finish(self, out: Any) -> None:
         try:
-            flat = check_result(self, out)
-            gates = self._settle()
-            if gates:
-                # The gate programs copy from these, once their gate arrives.
-                self.host = [
-                    np.asarray(leaf, dtype=spec.aval.dtype, order="C")
-                    for spec, leaf in zip(self.specs, flat, strict=True)
-                ]
-                _gate_release(self, gates)
-                self.offered = True
-                # Copying the same data twice at once (the gate programs for the
-                # dependents, device_put for result()) slows the dependents by up
-                # to 2x: let the gate programs go first when they can run now,
-                # i.e. when they read no other call. Bounded, because XLA runs
-                # them after programs that the same thread dispatched earlier,
-                # which may wait for other calls.
-                if self.solo:
-                    self.gates_ran.wait(_PLACE_AFTER_GATES_S)
-            leaves = place(self, flat)
+            # Checked and copied now: a loader that refills the buffer it
+            # returned (for its next call) changes nothing here.
+            frozen = check_result(self, out)
         except BaseException as e:
             self._fail(e, raised_by_fn=False)
+            return
+        gates = self._settle()
+        if gates is None:
+            logger.debug(
+                "%s of %s returned after it was given up on", self.api, self.name
+            )
+            return
+        try:
+            if gates:
+                # The gate programs copy from these, once their gate arrives.
+                self.host = [host_view(leaf) for leaf in frozen]
+                _gate_release(self, gates)
+                self.offered = True
+            leaves = place(self, frozen)
+        except BaseException as e:
+            self._conclude(e, gates, raised_by_fn=False)
             return
         with self._lock:
             self._state = FINISHED
@@ -326,24 +364,55 @@ class Task:
         self.future.set_result(leaves)
 
     def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
-        if raised_by_fn and hasattr(error, "add_note"):  # Python >= 3.11
-            verb = "ran" if self.runnable else "waited for"
-            error.add_note(
-                f"This error was raised by {self.name}, which "
-                f"jax_threadmap.{self.api} {verb} to compute {len(self.specs)} "
-                "array(s); every use of any of those arrays raises it."
-            )
-        self._traceback = error.__traceback__
-        self._chain = (error.__cause__, error.__context__, error.__suppress_context__)
-        if hasattr(error, "__notes__"):
-            self._notes = list(error.__notes__)
-        logger.debug("%s of %s failed: %r", self.api, self.name, error)
         gates = self._settle()
-        if gates and not self.offered:  # _finish did not get as far
+        if gates is None:
+            logger.debug(
+                "%s of %s failed after it was given up on", self.api, self.name
+            )
+            return
+        self._conclude(error, gates, raised_by_fn=raised_by_fn)
+
+    def give_up(self, error: BaseException) -> bool:
+        """Fails the call with ``error`` now, unless it has finished.
+
+        The call's thread, if any, keeps running (Python cannot stop it); what
+        it returns or raises later is dropped. Returns whether it was given up.
+        """
+        with self._lock:
+            if self._state not in (PENDING, RUNNING):
+                return False
+            self._state = FINISHING
+            gates = dict(self.gates)
+        self._conclude(error, gates, raised_by_fn=False)
+        return True
+
+    def _conclude(
+        self, error: BaseException, gates: dict, *, raised_by_fn: bool
+    ) -> None:
+        """Sets the call's error: every use raises it, every gate program too."""
+        verb = "ran" if self.runnable else "waited for"
+        try:
+            if raised_by_fn:
+                _add_note(
+                    error,
+                    f"{_NOTE_START} {self.name}, which jax_threadmap.{self.api} "
+                    f"{verb} to compute {len(self.specs)} array(s); every use of "
+                    "any of those arrays raises it.",
+                )
+            self._traceback = error.__traceback__
+            self._chain = (
+                error.__cause__,
+                error.__context__,
+                error.__suppress_context__,
+            )
+            if hasattr(error, "__notes__"):
+                self._notes = list(error.__notes__)
+        except Exception:  # an exception that refuses notes still reaches uses
+            logger.debug("jax_threadmap: could not annotate %s", type(error).__name__)
+        if gates and not self.offered:  # the gate programs did not get the data
             self.error_text = (
-                f"{self.name}, which jax_threadmap.{self.api} "
-                f"{'ran' if self.runnable else 'waited for'}, failed with "
-                f"{type(error).__name__}: {error}"
+                f"{self.name}, which jax_threadmap.{self.api} {verb}, failed with "
+                f"{describe_error(error)}"
             )
             logger.warning(
                 "%s; the jitted programs dispatched with its arrays raise this "
@@ -378,9 +447,13 @@ class Task:
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
         """Returns the placed leaves; raises the call's error or TimeoutError."""
         if not self.future.done():
-            if timeout is None:
+            if timeout is None and (
+                self.timeout is None or getattr(worker_state, "in_pool", False)
+            ):
                 # Run it here rather than wait on work queued behind busy (or
                 # not yet started, or deferred) workers. No-op once started.
+                # Not a call with a timeout (but in a pool thread, where it may
+                # be what frees the pool): its timeout must hold for the caller.
                 self.run()
             else:
                 self.submit()
@@ -391,8 +464,7 @@ class Task:
                     "here. Create the arrays after the fork, or wait for them "
                     "(block_until_ready) before forking."
                 )
-            done, _ = concurrent.futures.wait([self.future], timeout=timeout)
-            if not done:
+            if not _wait_polling(self.future, timeout):
                 raise TimeoutError(
                     f"{what} was not ready within timeout={timeout} s. The call "
                     "keeps running and the array stays usable: call result() "
@@ -410,6 +482,86 @@ class Task:
             error.__cause__, error.__context__, error.__suppress_context__ = self._chain
             raise error.with_traceback(self._traceback)
         return self.future.result()
+
+
+class _Deadlines:
+    """One daemon thread that gives up on calls that ran past their timeout."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Task]] = []
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, task: Task, seconds: float) -> None:
+        with self._cond:
+            entry = (time.monotonic() + seconds, next(self._ids), task)
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="jax_threadmap-async-timeouts", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def _due(self) -> list[Task]:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[2])
+                if due:
+                    return due
+                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+
+    def _run(self) -> None:
+        while True:
+            for task in self._due():
+                try:
+                    task.time_out()
+                except BaseException:  # one call's failure must not stop the rest
+                    logger.exception("jax_threadmap: could not time out %s", task.name)
+
+
+_deadlines = _Deadlines()
+
+
+def _wait_polling(future: concurrent.futures.Future, timeout: float | None) -> bool:
+    """Waits for ``future`` in slices of :data:`POLL_S`; returns whether done."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+        if left <= 0:
+            return future.done()
+        done, _ = concurrent.futures.wait([future], timeout=left)
+        if done:
+            return True
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: message`` of an exception, even one whose ``str()`` raises."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception as e:  # a broken __str__ must not stop the error's way
+        return (
+            f"{type(error).__name__} (its message could not be built: str() "
+            f"raised {type(e).__name__})"
+        )
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """Adds jax_threadmap's note to ``error``, replacing one from another call.
+
+    One exception object raised by two calls (a cached error, say) carries the
+    note of the call whose use raised it, once.
+    """
+    if not hasattr(error, "add_note"):  # Python < 3.11
+        return
+    notes = getattr(error, "__notes__", None)
+    if notes is not None:
+        notes[:] = [n for n in notes if not str(n).startswith(_NOTE_START)]
+    error.add_note(note)
 
 
 # --- checks ---------------------------------------------------------------------------
@@ -472,7 +624,15 @@ def _target_sharding(device: Any, api: str) -> jax.sharding.Sharding | None:
 
 
 def check_result(task: Task, out: Any) -> list[Any]:
-    """Checks the call's result against its declaration; returns its leaves."""
+    """Checks the call's result against its declaration; returns frozen leaves.
+
+    The rule of ``threadmap``'s results (:func:`._validate.check_result_cast`):
+    the shape as declared, a dtype that stores every value as the dtype on
+    device (the declared one, canonicalised as ``jnp.asarray`` does), whatever
+    ``jax_enable_x64`` says. Each leaf comes back as a read-only copy in that
+    dtype (a ``jax.Array`` of that dtype as it is: it is immutable), taken now,
+    so that later changes to what ``fn`` returned change nothing.
+    """
     flat, treedef = jax.tree_util.tree_flatten(out)
     if treedef != task.treedef:
         raise ValueError(
@@ -482,31 +642,12 @@ def check_result(task: Task, out: Any) -> list[Any]:
             "or fix result_shape_dtypes."
         )
     problems = []
+    frozen = []
     for spec, leaf in zip(task.specs, flat, strict=True):
-        shape = getattr(leaf, "shape", None)
-        dtype = getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:
-            problems.append(
-                f"at {spec.path}: a {type(leaf).__name__} without shape and dtype "
-                f"(expected an array of shape {spec.shape} and dtype {spec.dtype})"
-            )
-            continue
-        # Compare canonical dtypes: with x64 off, float64 and float32 both land
-        # on device as float32, as they would in jnp.asarray.
-        canonical = jax.dtypes.canonicalize_dtype
-        if tuple(shape) != spec.shape or canonical(dtype) != canonical(spec.dtype):
-            problems.append(
-                f"at {spec.path}: shape {tuple(shape)} and dtype {np.dtype(dtype)} "
-                f"(expected shape {spec.shape} and dtype {spec.dtype})"
-            )
-        elif np.dtype(dtype) != spec.aval.dtype:  # a cast on device_put (x64 off)
-            try:
-                _validate.check_result_cast(np.asarray(leaf), spec.aval.dtype)
-            except _validate.ResultCastError as e:
-                problems.append(
-                    f"at {spec.path}: {e.got}, declared {spec.dtype} ({spec.aval.dtype}"
-                    f" on device); {e.reason}"
-                )
+        try:
+            frozen.append(_frozen_leaf(spec, leaf))
+        except _LeafProblem as e:
+            problems.append(f"at {spec.path}: {e}")
     if problems:
         raise ValueError(
             f"{task.name}, run by jax_threadmap.{task.api}, returned arrays that "
@@ -515,19 +656,71 @@ def check_result(task: Task, out: Any) -> list[Any]:
             + ". Make the function return the declared shapes and dtypes, or fix "
             "result_shape_dtypes."
         )
-    return flat
+    return frozen
 
 
-def place(task: Task, flat: list[Any]) -> list[jax.Array]:
-    """Puts the checked leaves on their devices and waits until they are there."""
+class _LeafProblem(Exception):
+    """What is wrong with one leaf of a result, for :func:`check_result`."""
+
+
+def _frozen_leaf(spec: LeafSpec, leaf: Any) -> Any:
+    expected = f"expected an array of shape {spec.shape} and dtype {spec.dtype}"
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        raise _LeafProblem(
+            f"a ShapeDtypeStruct, which describes an array but holds no data "
+            f"({expected}); return the data itself"
+        )
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        raise _LeafProblem(
+            f"a {type(leaf).__name__} without shape and dtype ({expected})"
+        )
+    if tuple(shape) != spec.shape:
+        raise _LeafProblem(
+            f"shape {tuple(shape)} and dtype {np.dtype(dtype)} "
+            f"(expected shape {spec.shape} and dtype {spec.dtype})"
+        )
+    target = spec.aval.dtype
+    if isinstance(leaf, jax.Array) and leaf.dtype == target:
+        return leaf
+    try:
+        value = np.asarray(leaf)
+    except Exception as e:
+        raise _LeafProblem(
+            f"a {type(leaf).__name__} whose data could not be read "
+            f"({describe_error(e)}; {expected})"
+        ) from None
+    if value.dtype == object:
+        raise _LeafProblem(
+            f"a {type(leaf).__name__} that holds no array data ({expected})"
+        )
+    try:
+        _validate.check_result_cast(value, target)
+    except _validate.ResultCastError as e:
+        raise _LeafProblem(
+            f"{e.got}, declared {spec.dtype} ({target} on device); {e.reason}"
+        ) from None
+    copy = np.array(value, dtype=target, order="C")
+    copy.flags.writeable = False
+    return copy
+
+
+def host_view(leaf: Any) -> np.ndarray:
+    """The host array that gate programs copy a frozen leaf from."""
+    return leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
+
+
+def place(task: Task, frozen: list[Any]) -> list[jax.Array]:
+    """Puts the frozen leaves on their devices and waits until they are there."""
     placed = []
-    for spec, leaf in zip(task.specs, flat, strict=True):
-        if spec.sharding is not None:
-            placed.append(jax.device_put(leaf, spec.sharding))
-        elif isinstance(leaf, jax.Array):
+    for spec, leaf in zip(task.specs, frozen, strict=True):
+        if spec.sharding is None and isinstance(leaf, jax.Array):
             placed.append(leaf)
         else:
-            placed.append(jax.device_put(leaf))
+            # The frozen copy is ours and never written: JAX may keep it as
+            # the buffer (on CPU) instead of copying it once more.
+            placed.append(jax.device_put(leaf, spec.sharding, may_alias=True))
     # The copies to device run while we wait here, in a pool thread: done()
     # then means the data is on its device.
     return jax.block_until_ready(placed)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from . import _compat, _task
-from ._task import FINISHED, FINISHING, PENDING, RUNNING, Task, worker_state
+from ._task import FINISHED, FINISHING, PENDING, POLL_S, RUNNING, Task, worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -46,6 +46,19 @@ ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
 #: (waiting ones included); this leaves most of them to the programs that
 #: depend on pending data and to the loaders themselves.
 MAX_WAITING_PROGRAMS = 8
+
+#: Programs that one thread may dispatch (with ``AsyncArray`` s) behind a call
+#: still running before the next such dispatch waits, in Python, for that call.
+#: XLA runs a thread's programs in order, so they all wait for the call; with
+#: the gate programs (MAX_WAITING_PROGRAMS per device) this keeps the programs
+#: in flight well under XLA's CPU limit of 32 per device, where dispatch
+#: itself would block inside XLA (where Ctrl-C does not reach it) and a loader
+#: that runs JAX would wait for a slot that only its own result frees.
+MAX_QUEUED_BEHIND = 8
+
+#: How long such a dispatch waits for the call before it raises an error that
+#: names the call (instead of waiting for a call that may never return).
+DISPATCH_WAIT_S = 60.0
 
 #: Gate programs kept compiled, by device and layout. A program serves every call
 #: with the same leaf layout, so a steady workload needs a handful; the bound only
@@ -146,6 +159,58 @@ def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
     return plan, layouts
 
 
+class _Queue(threading.local):
+    """What one thread has dispatched behind calls that are still running."""
+
+    def __init__(self) -> None:
+        #: The calls whose gate programs this thread's programs wait for.
+        self.behind: list[Task] = []
+        #: Programs dispatched with AsyncArrays since ``behind`` was empty.
+        self.queued = 0
+
+
+_queue = _Queue()
+
+
+def _running(task: Task) -> bool:
+    return task.state in (PENDING, RUNNING)
+
+
+def _hold_back() -> _Queue:
+    """Waits while this thread has too many programs queued behind a call.
+
+    Waits in Python (in slices, so Ctrl-C gets through), at most
+    :data:`DISPATCH_WAIT_S` per call, then raises a ``RuntimeError`` naming
+    the call that does not return.
+    """
+    queue = _queue
+    while True:
+        queue.behind = [t for t in queue.behind if _running(t)]
+        if not queue.behind:
+            queue.queued = 0
+            return queue
+        if queue.queued < MAX_QUEUED_BEHIND:
+            return queue
+        stuck = queue.behind[0]
+        deadline = time.monotonic() + DISPATCH_WAIT_S
+        while _running(stuck):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"jax_threadmap: this thread has {queue.queued} jitted "
+                    f"programs queued behind {stuck.name} "
+                    f"(jax_threadmap.{stuck.api}), which has not returned "
+                    f"after {DISPATCH_WAIT_S:g} s more. XLA runs the programs "
+                    "that one thread dispatches in order, so none of them, nor "
+                    "anything else this thread dispatches, runs before it "
+                    "returns. Give the call a timeout (async_call(..., "
+                    "timeout=SECONDS)) or cancel it (AsyncArray.cancel()), wait "
+                    "for its arrays (block_until_ready) before queuing more, or "
+                    "dispatch the other work from another thread."
+                )
+            stuck.future_done(min(POLL_S, left))
+
+
 class Dispatch:
     """The gate mechanism: transfer servers, gate programs, their bookkeeping."""
 
@@ -185,6 +250,7 @@ class Dispatch:
 
     def arrays_for(self, xs: list[Any], shardings: list[Any]) -> list[Any]:
         """One jax.Array per x: the value if there, else a pending one (or wait)."""
+        queue = _hold_back()
         out: list[Any] = [None] * len(xs)
         todo = []
         for i, x in enumerate(xs):
@@ -193,25 +259,39 @@ class Dispatch:
             else:
                 todo.append(i)
         if todo and self._may_dispatch([shardings[i] for i in todo]):
-            try:
-                made = self._pending_arrays(
-                    [xs[i] for i in todo], [shardings[i] for i in todo]
-                )
-            except Exception:
-                # Whatever went wrong (a sharding we cannot split, a transfer
-                # server that did not start) costs the wait, not the call.
-                logger.warning(
-                    "jax_threadmap: async dispatch failed; this call waits for "
-                    "its data.",
-                    exc_info=True,
-                )
-            else:
-                for i, array in zip(todo, made, strict=True):
-                    out[i] = array
+            self._dispatch_pending(xs, shardings, todo, out, queue)
+        if queue.behind:
+            queue.queued += 1  # this program runs after theirs
         for i in todo:
             if out[i] is None:  # blocking dispatch, as before
                 out[i] = xs[i].result()
         return out
+
+    def _dispatch_pending(
+        self,
+        xs: list[Any],
+        shardings: list[Any],
+        todo: list[int],
+        out: list[Any],
+        queue: _Queue,
+    ) -> None:
+        """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs."""
+        try:
+            made = self._pending_arrays(
+                [xs[i] for i in todo], [shardings[i] for i in todo]
+            )
+        except Exception:
+            # Whatever went wrong (a sharding we cannot split, a transfer
+            # server that did not start) costs the wait, not the call.
+            logger.warning(
+                "jax_threadmap: async dispatch failed; this call waits for its data.",
+                exc_info=True,
+            )
+            return
+        for i, array in zip(todo, made, strict=True):
+            out[i] = array
+            if array is not None and xs[i]._task not in queue.behind:
+                queue.behind.append(xs[i]._task)
 
     def _may_dispatch(self, shardings: list[Any]) -> bool:
         if getattr(worker_state, "in_pool", False):

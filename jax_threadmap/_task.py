@@ -444,6 +444,11 @@ class Task:
             )
             _gate_release(self, gates)
 
+    def future_done(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` s for the outcome; returns whether it is there."""
+        done, _ = concurrent.futures.wait([self.future], timeout=timeout)
+        return bool(done)
+
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
         """Returns the placed leaves; raises the call's error or TimeoutError."""
         if not self.future.done():

@@ -6,7 +6,11 @@ Each test here failed (or hung, bounded by its timeouts) before the fix it names
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -15,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _async, async_call, deferred_call, threadmap
+from jax_threadmap import _async, _dispatch, async_call, deferred_call, threadmap
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -270,3 +274,87 @@ def test_a_timeout_holds_for_the_thread_that_waits_without_one():
 def test_a_bad_timeout_fails_at_the_call(timeout, exc, pattern):
     with pytest.raises(exc, match=pattern):
         async_call(np.zeros, SDS((2,), np.float32), 2, timeout=timeout)
+
+
+# --- dispatch never waits forever -----------------------------------------------------
+
+
+def _loop(n, stuck, timeout=None):
+    """``f(async_call(load, i))`` for i < n, where load(0) returns only when told."""
+
+    def load(i):
+        if i == 0:
+            stuck.wait(WAIT)
+        return np.full(3, i, np.float32)
+
+    f = jax.jit(lambda v: v * 2)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    xs, ys = [], []
+    for i in range(n):
+        xs.append(async_call(load, SDS((3,), np.float32), i, **kwargs))
+        ys.append(f(xs[-1]))
+    return xs, ys
+
+
+@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
+def test_a_loop_behind_a_load_that_times_out_finishes_with_right_values():
+    stuck = threading.Event()
+    try:
+        xs, ys = in_thread(_loop, 50, stuck, 2.0)
+        with pytest.raises(Exception, match="TimeoutError.*load.*timeout=2.0"):
+            in_thread(np.asarray, ys[0])
+        for i in range(1, 50):
+            np.testing.assert_array_equal(in_thread(np.asarray, ys[i]), [2 * i] * 3)
+    finally:
+        stuck.set()
+
+
+@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
+def test_a_loop_behind_a_stuck_load_raises_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_dispatch, "DISPATCH_WAIT_S", 1.0)
+    stuck = threading.Event()
+    try:
+        with pytest.raises(RuntimeError, match=r"queued behind `\S*load`.*timeout="):
+            in_thread(_loop, 50, stuck)
+    finally:
+        stuck.set()
+
+
+@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
+def test_ctrl_c_ends_a_loop_behind_a_stuck_load_and_the_process_exits():
+    script = textwrap.dedent(
+        """
+        import threading, jax, numpy as np
+        import jax_threadmap as jtm
+
+        def load(i):
+            if i == 0:
+                threading.Event().wait()  # a download that hangs
+            return np.full(3, i, np.float32)
+
+        f = jax.jit(lambda v: v * 2)
+        try:
+            for i in range(500):
+                y = f(jtm.async_call(load, jax.ShapeDtypeStruct((3,), np.float32), i))
+                if i == 5:
+                    print("queued", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "queued"
+        time.sleep(2.0)  # into the wait of dispatch (call 9 or so)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "interrupted" in out, (out, err)
+    assert "`load` (async_call)" in err

@@ -52,6 +52,7 @@ import time
 from typing import cast
 
 from . import _pool, _validate
+from . import _scheduling as policy
 from ._errors import ExecutorError, KernelError
 from ._jobs import ChunkFn, Job, MapWork, _local, current_job
 from ._pool import (
@@ -66,14 +67,15 @@ from ._progress import Progress, progress_enabled
 from ._runners import _run_on_threads, _Shipper, known_workers, shares_memory
 from ._scheduling import (
     EXIT_GRACE,
-    LIMITED_FROM,
     UNKNOWN_WORKERS,
+    VECTOR_CHUNK_BYTES,
     available_cpus,
 )
 
 __all__ = [
     "ChunkFn",
     "Job",
+    "VECTOR_CHUNK_BYTES",
     "MapWork",
     "ThreadPool",
     "_Threads",
@@ -144,26 +146,12 @@ def workers_of(executor: _validate.Executor) -> int:
     return known_workers(executor) or UNKNOWN_WORKERS
 
 
-#: Bytes of operands and results that one chunk of a vectorized kernel may touch
-#: when its length is automatic: big enough that the per-call cost vanishes,
-#: small enough that copies of chunks stay far below the batch's size.
-VECTOR_CHUNK_BYTES = 16 * 2**20
-
-
 def vector_chunk_length(
     work: MapWork, workers: int, max_chunk: int | None = None
 ) -> int:
-    """Elements per call of a vectorized kernel.
-
-    Four chunks per worker keep every worker busy when chunks take unequal
-    time; :data:`VECTOR_CHUNK_BYTES` bounds the memory of one chunk; the user's
-    ``max_chunk`` bounds it further (memory-hungry kernels).
-    """
-    length = -(-work.n // (4 * workers))
-    length = min(length, max(1, VECTOR_CHUNK_BYTES // max(1, work.element_bytes)))
-    if max_chunk is not None:
-        length = min(length, max_chunk)
-    return max(1, length)
+    """Elements per call of a vectorized kernel (see
+    :func:`._scheduling.vector_chunk_length`)."""
+    return policy.vector_chunk_length(work.n, workers, work.element_bytes, max_chunk)
 
 
 def new_job(
@@ -179,23 +167,19 @@ def new_job(
     units = work.n
     if work.vectorized and units:
         units = work.split(vector_chunk_length(work, workers, max_chunk))
-    # Host-side sums need chunk bounds that do not depend on timing: about two
-    # chunks per worker. Otherwise guided chunks, each a share of what is left.
-    fixed = -(-units // (2 * workers)) if work.sums and units else None
-    # A large map on threads starts on one per CPU (see Job); a small one
-    # (LIMITED_FROM) and a nested one take every thread at once, since their
-    # elements may wait on each other (and the thread that waits for a nested
-    # map runs a kernel and watches nothing).
+    # Host-side sums need chunk bounds that do not depend on timing. Otherwise
+    # guided chunks, each a share of what is left.
+    fixed = policy.fixed_chunk(units, workers) if work.sums else None
     on_threads = (
         executor is None or isinstance(executor, int) or shares_memory(executor)
     )
-    large = units > LIMITED_FROM * workers
-    cpus = available_cpus() if on_threads and parent is None and large else None
+    limited = policy.starts_limited(units, workers, parent is not None, on_threads)
+    cpus = available_cpus() if limited else None
     return Job(
         units,
         work.run_chunk,
         fixed=fixed,
-        divisor=2 * workers,
+        divisor=policy.guided_divisor(workers),
         parent=parent,
         workers=workers,
         cpus=cpus,

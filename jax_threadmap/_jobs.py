@@ -15,15 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from . import _scheduling as policy
 from ._errors import ExecutorError
-from ._scheduling import (
-    MAX_CHUNK_SECONDS,
-    MIN_CHUNK_SECONDS,
-    SLOW_ELEMENT,
-    SLOW_VOTES,
-    STUCK_CHUNK,
-    WAIT_SHARE,
-)
 
 #: Runs elements ``[start, stop)`` of a job; checks ``job.failed`` between elements.
 ChunkFn = Callable[[int, int, "Job"], None]
@@ -91,8 +84,8 @@ class Job:
         workers: The threads the map's executor has (default: one per element).
         cpus: When fewer than ``workers``, the map starts on this many threads,
             and gets all ``workers`` once its chunks find its elements slow
-            (:data:`SLOW_ELEMENT`) or waiting (:data:`WAIT_SHARE`); chunks are
-            then sized from the measured time of an element. Guided maps only.
+            or waiting (:func:`._scheduling.record_chunk`); chunks are then
+            sized from the measured time of an element. Guided maps only.
     """
 
     def __init__(
@@ -119,8 +112,7 @@ class Job:
         self.hands = 0
         #: Hands the map more threads once its limit rises (set by its runner).
         self.grow: Callable[[], None] | None = None
-        self._per_element = 0.0  # seconds, from the last chunk measured
-        self._votes = 0  # chunks in a row that found the elements slow
+        self._measure = policy.Measure()
         # While limited: when each thread's chunk started (wall and CPU clocks).
         self._started: dict[int, tuple[float, float]] = {}
         self.failed = False
@@ -151,28 +143,17 @@ class Job:
             if self.fixed:
                 size = self.fixed
             elif self.limited:
-                size = self._measured_size(remaining)
+                size = policy.chunk_size(remaining, self.divisor, self._measure, True)
                 self._started[threading.get_ident()] = (
                     time.perf_counter(),
                     time.thread_time(),
                 )
             else:
-                size = max(1, remaining // self.divisor)
+                size = policy.chunk_size(remaining, self.divisor, self._measure, False)
             start = self._next
             self._next = stop = min(self.n, start + size)
             self._outstanding += 1
             return start, stop
-
-    def _measured_size(self, remaining: int) -> int:  # lock held
-        """A guided chunk of a limited map: one element until an element has
-        been timed, then the share of what is left that it would take on every
-        thread, between :data:`MIN_CHUNK_SECONDS` and :data:`MAX_CHUNK_SECONDS`
-        of work: the first elements' time says little of the later ones'."""
-        per = self._per_element
-        if per <= 0.0:
-            return 1
-        size = max(remaining // self.divisor, int(MIN_CHUNK_SECONDS / per))
-        return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
 
     def _measured(self, elements: int) -> bool:  # lock held
         """Times the chunk this thread just ran, if the map was limited when it
@@ -182,10 +163,7 @@ class Job:
             return False
         wall = time.perf_counter() - started[0]
         cpu = time.thread_time() - started[1]
-        self._per_element = per = max(wall / elements, 1e-9)
-        waits = cpu * self.limit < WAIT_SHARE * wall
-        self._votes = self._votes + 1 if per >= SLOW_ELEMENT or waits else 0
-        if self._votes < SLOW_VOTES:
+        if not policy.record_chunk(self._measure, elements, wall, cpu, self.limit):
             return False
         return self._unlimit()
 
@@ -200,7 +178,8 @@ class Job:
         it has. Watches a limited map meanwhile (:meth:`watch`)."""
         end = time.monotonic() + timeout
         while self.limited:
-            if self.done.wait(min(STUCK_CHUNK / 2, max(0.0, end - time.monotonic()))):
+            left = max(0.0, end - time.monotonic())
+            if self.done.wait(min(policy.WATCH_PERIOD, left)):
                 return True
             self.watch()
             if time.monotonic() >= end:
@@ -209,13 +188,14 @@ class Job:
 
     def watch(self) -> None:
         """Called by the thread that waits for the map: a limited map whose
-        chunk has run for :data:`STUCK_CHUNK` seconds gets every worker (its
-        elements may wait for each other)."""
+        chunk is stuck (:func:`._scheduling.is_stuck`) gets every worker
+        (its elements may wait for each other)."""
         with self._lock:
             if not self.limited or not self._started:
                 return
             oldest = min(wall for wall, _ in self._started.values())
-            rose = time.perf_counter() - oldest >= STUCK_CHUNK and self._unlimit()
+            now = time.perf_counter()
+            rose = policy.is_stuck(oldest, now) and self._unlimit()
         if rose and self.grow is not None:
             self.grow()
 

@@ -14,10 +14,11 @@ import threading
 import weakref
 from typing import Any
 
+from . import _scheduling as policy
 from ._errors import ExecutorError
 from ._jobs import Job, MapWork, _local
 from ._progress import Progress, wait
-from ._scheduling import TASK_SECONDS_REMOTE, UNKNOWN_WORKERS_IN_FLIGHT
+from ._scheduling import UNKNOWN_WORKERS_IN_FLIGHT
 
 
 def known_workers(executor: concurrent.futures.Executor) -> int | None:
@@ -152,8 +153,9 @@ class _Shipper:
     """Ships a map to an executor that pickles work, in chunks sized as it runs.
 
     The first tasks hold one element each, one per worker, so slow elements all
-    start at once; later ones hold about ``TASK_SECONDS_REMOTE`` of kernel work,
-    from the measured seconds per element. A map with host-side sums ships
+    start at once; later ones hold about ``TASK_SECONDS_REMOTE`` of kernel
+    work (:func:`._scheduling.remote_chunk_size`), from the measured seconds
+    per element. A map with host-side sums ships
     chunks of fixed size instead, so its sums do not depend on timing.
     """
 
@@ -162,7 +164,7 @@ class _Shipper:
         self.work = work
         self.job = job
         workers = known_workers(executor)
-        self.cap = 2 * workers if workers else UNKNOWN_WORKERS_IN_FLIGHT
+        self.cap = policy.remote_in_flight(workers)
         self.first_wave = min(workers or UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
         self.next = 0
         self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
@@ -171,11 +173,8 @@ class _Shipper:
     def size(self) -> int:
         if self.job.fixed:
             return self.job.fixed
-        if self.per_element is None:
-            return 1
         remaining = self.job.n - self.next
-        size = int(TASK_SECONDS_REMOTE / max(self.per_element, 1e-9))
-        return max(1, min(size, -(-remaining // self.cap)))
+        return policy.remote_chunk_size(self.per_element, remaining, self.cap)
 
     def submit(self, size: int) -> None:
         start, stop = self.next, min(self.job.n, self.next + size)
@@ -212,11 +211,7 @@ class _Shipper:
                 raise _cannot_ship(self.executor, self.work.name, e) from e
             self.work.store_packed(start, stop, outs)
             self.job.completed += stop - start
-            self.per_element = (
-                per_element
-                if self.per_element is None
-                else 0.5 * (self.per_element + per_element)
-            )
+            self.per_element = policy.smoothed(self.per_element, per_element)
         while self.next < self.job.n and len(self.pending) < self.cap:
             self.submit(self.size())
         return not self.pending

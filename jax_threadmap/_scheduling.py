@@ -1,10 +1,17 @@
-"""Scheduling policy: the numbers that decide chunk sizes and threads per map.
+"""Scheduling policy: what size the next chunk is, when a map gets every thread,
+when a chunk counts as stuck.
 
-Every threshold of the executor layer is a named constant here, with its reason.
+Pure functions of what a map has measured (:class:`Measure`) and the clocks'
+readings, which their callers (:mod:`._jobs`, :mod:`._runners`) pass in, so
+that each decision is tested with made-up times rather than sleeps. Every
+threshold is a named constant here, with its reason; the docs quote them
+through ``tests/test_scheduling.py``, which fails when the prose and the
+numbers part.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 #: Seconds of kernel work per task that amortise the per-task cost of an executor
@@ -36,7 +43,8 @@ WAIT_SHARE = 0.5
 #: call that fills a cache, a thread that lost its CPU for a moment).
 SLOW_VOTES = 2
 #: While a map holds fewer threads than its executor has: seconds of work in a
-#: chunk at least (measuring one costs a few us) and at most (so that a map
+#: chunk at least (measuring one costs a few us; the same number as
+#: ``SLOW_ELEMENT`` by coincidence, not by rule) and at most (so that a map
 #: whose elements turn slow can still spread what is left over every thread).
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
@@ -50,6 +58,33 @@ STUCK_CHUNK = 0.05
 #: start whatever else runs on the executor; its few elements cost little on
 #: many threads.
 LIMITED_FROM = 4
+#: Guided chunks take ``1 / (GUIDED_SHARE * workers)`` of the elements left:
+#: fast kernels run in about ``GUIDED_SHARE`` large chunks per thread (few
+#: claims), and the last chunks shrink to one element (no thread idles at the
+#: end while another runs a long chunk). With fewer than ``2 * GUIDED_SHARE``
+#: elements per thread left, every chunk is one element.
+GUIDED_SHARE = 2
+#: Chunks per worker of a map whose outputs are summed on the host: fixed bounds
+#: (sums that do not depend on timing), a few per worker for balance.
+FIXED_CHUNKS_PER_WORKER = 2
+#: Chunks per worker of a vectorized map whose chunk length is automatic: enough
+#: that every worker stays busy when chunks take unequal time.
+VECTOR_CHUNKS_PER_WORKER = 4
+#: Bytes of operands and results that one chunk of a vectorized kernel may touch
+#: when its length is automatic: big enough that the per-call cost vanishes,
+#: small enough that copies of chunks stay far below the batch's size.
+VECTOR_CHUNK_BYTES = 16 * 2**20
+#: Tasks in flight per worker of an executor that pickles work: one running and
+#: one queued, so that no worker waits for a round trip between tasks.
+REMOTE_IN_FLIGHT_PER_WORKER = 2
+#: Weight of the older estimate in the moving average of an element's seconds
+#: (executors that pickle work): each task's measure counts half, so one odd
+#: task moves the estimate only halfway.
+SMOOTHING = 0.5
+#: The thread that waits for a limited map looks for a stuck chunk this often:
+#: twice per ``STUCK_CHUNK``, so that a stuck chunk is seen at most half of
+#: ``STUCK_CHUNK`` late.
+WATCH_PERIOD = STUCK_CHUNK / 2
 
 
 def available_cpus() -> int:
@@ -58,3 +93,106 @@ def available_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not on Linux
         return max(1, os.cpu_count() or 1)
+
+
+@dataclasses.dataclass
+class Measure:
+    """What a map on threads has learned of its elements from its chunks."""
+
+    #: Seconds per element, from the last chunk measured (0: none yet).
+    per_element: float = 0.0
+    #: Chunks in a row that found the elements slow or waiting.
+    votes: int = 0
+
+
+def guided_divisor(workers: int) -> int:
+    """Guided chunks take ``1 / guided_divisor(workers)`` of what is left."""
+    return GUIDED_SHARE * workers
+
+
+def fixed_chunk(units: int, workers: int) -> int | None:
+    """Elements per chunk of a map summed on the host (fixed bounds)."""
+    return -(-units // (FIXED_CHUNKS_PER_WORKER * workers)) if units else None
+
+
+def starts_limited(units: int, workers: int, nested: bool, on_threads: bool) -> bool:
+    """Whether a map starts on one thread per CPU (see :data:`LIMITED_FROM`).
+
+    A small map and a nested one take every thread at once, since their
+    elements may wait on each other (and the thread that waits for a nested
+    map runs a kernel and watches nothing)."""
+    return on_threads and not nested and units > LIMITED_FROM * workers
+
+
+def chunk_size(remaining: int, divisor: int, measure: Measure, limited: bool) -> int:
+    """Elements in the next guided chunk of a map with ``remaining`` left.
+
+    A limited map takes one element until an element has been timed, then the
+    share of what is left that it would take on every thread, between
+    :data:`MIN_CHUNK_SECONDS` and :data:`MAX_CHUNK_SECONDS` of work: the first
+    elements' time says little of the later ones'."""
+    if not limited:
+        return max(1, remaining // divisor)
+    per = measure.per_element
+    if per <= 0.0:
+        return 1
+    size = max(remaining // divisor, int(MIN_CHUNK_SECONDS / per))
+    return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
+
+
+def record_chunk(
+    measure: Measure, elements: int, wall: float, cpu: float, threads: int
+) -> bool:
+    """Records a chunk of a limited map that took ``wall`` seconds (``cpu`` on a
+    CPU) on one of ``threads``; returns whether the map now gets every thread:
+    :data:`SLOW_VOTES` chunks in a row found its elements slow
+    (:data:`SLOW_ELEMENT`) or waiting (:data:`WAIT_SHARE`)."""
+    measure.per_element = per = max(wall / elements, 1e-9)
+    waits = cpu * threads < WAIT_SHARE * wall
+    measure.votes = measure.votes + 1 if per >= SLOW_ELEMENT or waits else 0
+    return measure.votes >= SLOW_VOTES
+
+
+def is_stuck(started: float, now: float) -> bool:
+    """Whether a chunk of a limited map started at ``started`` (wall clock) has
+    run long enough that the map gets every thread (:data:`STUCK_CHUNK`)."""
+    return now - started >= STUCK_CHUNK
+
+
+def vector_chunk_length(
+    n: int, workers: int, element_bytes: int, max_chunk: int | None = None
+) -> int:
+    """Elements per call of a vectorized kernel.
+
+    :data:`VECTOR_CHUNKS_PER_WORKER` chunks per worker keep every worker busy
+    when chunks take unequal time; :data:`VECTOR_CHUNK_BYTES` bounds the memory
+    of one chunk; the user's ``max_chunk`` bounds it further (memory-hungry
+    kernels).
+    """
+    length = -(-n // (VECTOR_CHUNKS_PER_WORKER * workers))
+    length = min(length, max(1, VECTOR_CHUNK_BYTES // max(1, element_bytes)))
+    if max_chunk is not None:
+        length = min(length, max_chunk)
+    return max(1, length)
+
+
+def remote_in_flight(workers: int | None) -> int:
+    """Tasks in flight on an executor that pickles work."""
+    return (
+        REMOTE_IN_FLIGHT_PER_WORKER * workers if workers else UNKNOWN_WORKERS_IN_FLIGHT
+    )
+
+
+def remote_chunk_size(per_element: float | None, remaining: int, in_flight: int) -> int:
+    """Elements per task shipped to an executor that pickles work: one until an
+    element has been timed, then about :data:`TASK_SECONDS_REMOTE` of work, and
+    no more than an even share of what is left over the tasks in flight."""
+    if per_element is None:
+        return 1
+    size = int(TASK_SECONDS_REMOTE / max(per_element, 1e-9))
+    return max(1, min(size, -(-remaining // in_flight)))
+
+
+def smoothed(old: float | None, new: float) -> float:
+    """The moving average of an element's seconds (:data:`SMOOTHING`)."""
+    return new if old is None else SMOOTHING * old + (1 - SMOOTHING) * new

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
-from jax_threadmap import ExecutorError, _executor, _jobs, _pool, threadmap
+from jax_threadmap import ExecutorError, _executor, _pool, _scheduling, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
@@ -654,9 +654,9 @@ class Counter:
 def _only_the_watchdog(monkeypatch, stuck=60.0):
     """Maps on more threads than CPUs gain threads only from the watchdog, after
     ``stuck`` seconds: no timing can then raise their limit on a busy machine."""
-    monkeypatch.setattr(_jobs, "SLOW_ELEMENT", float("inf"))
-    monkeypatch.setattr(_jobs, "WAIT_SHARE", 0.0)
-    monkeypatch.setattr(_jobs, "STUCK_CHUNK", stuck)
+    monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))
+    monkeypatch.setattr(_scheduling, "WAIT_SHARE", 0.0)
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", stuck)
 
 
 def user_pool(n):
@@ -705,7 +705,7 @@ def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_slow_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_jobs, "STUCK_CHUNK", 60.0)  # from the chunks' times
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)  # from the chunks' times
     with executor_of(executor, 8) as ex:
         rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
         x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
@@ -716,8 +716,8 @@ def test_slow_elements_get_every_thread(monkeypatch, executor):
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_waiting_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_jobs, "STUCK_CHUNK", 60.0)
-    monkeypatch.setattr(_jobs, "SLOW_ELEMENT", float("inf"))  # from CPU time
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
+    monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))  # from CPU time
     with executor_of(executor, 8) as ex:
         rec = Recorder(sleep=0.002)  # sleeps: its thread is on a CPU a few % of it
         x = np.zeros((8, 64), np.float32)
@@ -786,7 +786,7 @@ def test_executor_shut_down_while_the_map_grows(monkeypatch):
     # The threads added when the limit rises are refused: the ones already
     # running finish the map.
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_jobs, "STUCK_CHUNK", 60.0)
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     ex = user_pool(8)
     rec = Recorder(sleep=0.002)
 

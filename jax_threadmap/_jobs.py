@@ -195,7 +195,10 @@ class Job:
                 return
             oldest = min(wall for wall, _ in self._started.values())
             now = time.perf_counter()
-            rose = policy.is_stuck(oldest, now) and self._unlimit()
+            stuck = policy.is_stuck(oldest, now)
+            if stuck:
+                self._measure.one_each = True
+            rose = stuck and self._unlimit()
         if rose and self.grow is not None:
             self.grow()
 
@@ -227,6 +230,7 @@ class Job:
     def run(self, start: int, stop: int) -> None:
         """Runs a claimed chunk; its exception fails the job."""
         outer, _local.job = _local.job, self
+        began = time.perf_counter()
         try:
             self.fn(start, stop, self)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
@@ -241,6 +245,9 @@ class Job:
                 if rose and self.grow is not None:
                     self.grow()
             with self._lock:
+                if self.fixed is None:
+                    wall = time.perf_counter() - began
+                    policy.record_time(self._measure, stop - start, wall)
                 self.completed += stop - start
                 self._outstanding -= 1
                 self._check_done()
@@ -271,6 +278,40 @@ class Job:
     def _check_done(self) -> None:  # lock held
         if self._outstanding == 0 and (self.failed or self._next >= self.n):
             self.done.set()
+
+
+class LimitedGate:
+    """One limited map at a time on an executor (a pool, a user's executor).
+
+    A limited map starts on fewer threads than its executor has, and takes the
+    rest once its elements prove slow, waiting, or stuck. Two limited maps at
+    once could each hold part of the executor and wait for good for the rest,
+    held by the other (elements that wait for each other). So a second limited
+    map starts only once the first holds every thread it may use, or is over.
+    This costs fast maps nothing: a limited map already keeps every CPU busy.
+
+    Lock rule: :attr:`_holder` is read and written under :attr:`_cond`.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._holder: Job | None = None
+
+    def enter(self, job: Job) -> None:
+        """Waits until ``job``, if limited, is the only limited map here."""
+        if not job.limited:
+            return
+        with self._cond:
+            while self._holder is not None and not job.failed:
+                self._cond.wait(policy.WATCH_PERIOD)  # Ctrl-C, and exit's abandon
+            self._holder = job
+
+    def leave(self, job: Job) -> None:
+        """``job`` is unlimited or over: the next limited map may start."""
+        with self._cond:
+            if self._holder is job:
+                self._holder = None
+                self._cond.notify_all()
 
 
 def _stopped_by_parent() -> ExecutorError:

@@ -15,9 +15,10 @@ import collections
 import threading
 from collections.abc import Callable
 
+from . import _scheduling as policy
 from . import _validate
 from ._errors import ExecutorError
-from ._jobs import Job, _local
+from ._jobs import Job, LimitedGate, _local
 from ._progress import Progress, wait
 from ._scheduling import IDLE_TIMEOUT, available_cpus
 
@@ -48,6 +49,7 @@ class ThreadPool:
         # Both under the shared threads' lock:
         self.active = 0  # threads that hold one of the pool's places
         self.peak = 0  # the most places held at once
+        self.gate = LimitedGate()
         self._shutdown = False
 
     def __repr__(self) -> str:
@@ -58,20 +60,29 @@ class ThreadPool:
         if job.n == 0:
             return
         threads = _threads
-        job.grow = lambda: threads.hand(self, job)
-        threads.submit(self, job)
-        if _local.job is None:
-            # The pool's threads run every chunk, and the last one to finish drops
-            # the job from the queue.
-            wait(job, job.poll, progress)
-            return
-        # A kernel that calls threadmap: work on our own chunks rather than wait
-        # for them behind the outer maps.
+
+        def grow() -> None:
+            self.gate.leave(job)
+            threads.hand(self, job)
+
+        job.grow = grow
+        self.gate.enter(job)
         try:
-            job.drain()
-            wait(job, job.poll, progress)
+            threads.submit(self, job)
+            if _local.job is None:
+                # The pool's threads run every chunk, and the last one to finish
+                # drops the job from the queue.
+                wait(job, job.poll, progress)
+                return
+            # A kernel that calls threadmap: work on our own chunks rather than
+            # wait for them behind the outer maps.
+            try:
+                job.drain()
+                wait(job, job.poll, progress)
+            finally:
+                threads.forget(job)
         finally:
-            threads.forget(job)
+            self.gate.leave(job)
 
     def shutdown(self) -> None:
         """Refuses new maps. Safe to call twice; the threads are shared and exit
@@ -83,13 +94,16 @@ class ThreadPool:
 class _Worker:
     """One shared thread: the job (and pool) it has been handed, if any."""
 
-    __slots__ = ("cancelled", "job", "pool", "started", "wake")
+    __slots__ = ("cancelled", "job", "pool", "running", "started", "wake")
 
     def __init__(self, pool: ThreadPool, job: Job):
         self.pool: ThreadPool | None = pool
         self.job: Job | None = job
         self.started = False  # its thread runs (set by the thread, under the lock)
         self.cancelled = False  # its thread must not run: the start failed
+        # Its thread runs a chunk (a kernel). Written by its thread only, read
+        # under the threads' lock: a stale read only delays a thread's start.
+        self.running = False
         # Released (under the threads' lock) to wake the idle thread: it then
         # finds its job set, without taking the threads' lock again.
         self.wake = threading.Lock()
@@ -114,6 +128,7 @@ class _Threads:
         self.queue: collections.deque[tuple[ThreadPool, Job]] = collections.deque()
         self.idle: list[_Worker] = []  # the last to go idle is handed work first
         self.threads: set[threading.Thread] = set()
+        self.workers: set[_Worker] = set()  # of the threads alive
         self.started = 0
         self.exiting = False
 
@@ -140,16 +155,22 @@ class _Threads:
                 self.queue.append((pool, job))
             elif job.exhausted():
                 return
+            returning = None  # threads about to look for work, once counted
             for _ in range(min(job.n, job.limit) - job.hands):
                 if pool.active >= pool.max_workers:
                     break
-                _take_place(pool, job)
                 if self.idle:
+                    _take_place(pool, job)
                     worker = self.idle.pop()
                     worker.pool, worker.job = pool, job
                     worker.wake.release()
-                else:
-                    new.append(self._new_thread(pool, job))
+                    continue
+                if returning is None:
+                    returning = self._returning()
+                if returning >= policy.SPARE_THREADS():
+                    break  # they take the job from the queue (_hand_next)
+                _take_place(pool, job)
+                new.append(self._new_thread(pool, job))
         # Outside the lock, so that the other threads keep going meanwhile.
         for i, (t, _) in enumerate(new):
             try:
@@ -170,6 +191,18 @@ class _Threads:
                 )
                 return
 
+    def _returning(self) -> int:  # lock held
+        """Threads neither idle nor running a kernel: done with their job's
+        chunks, each about to take a queued job or go idle."""
+        return sum(
+            1
+            for w in self.workers
+            if not w.running
+            and w.started
+            and w not in self.idle
+            and (w.job is None or w.job.exhausted())
+        )
+
     def _cancel(
         self, pool: ThreadPool, new: list[tuple[threading.Thread, _Worker]]
     ) -> None:
@@ -179,6 +212,7 @@ class _Threads:
                 if not worker.started:  # a start cut short may yet run it: it won't
                     worker.cancelled = True
                     self.threads.discard(t)
+                    self.workers.discard(worker)
                     pool.active -= 1
                     if worker.job is not None:
                         worker.job.hands -= 1
@@ -203,6 +237,7 @@ class _Threads:
         )
         self.started += 1
         self.threads.add(t)
+        self.workers.add(worker)
         return t, worker
 
     def _work(self, worker: _Worker) -> None:
@@ -211,7 +246,10 @@ class _Threads:
                 return
             worker.started = True
         while (job := worker.job) is not None:
-            job.drain()
+            while (chunk := job.claim()) is not None:
+                worker.running = True
+                job.run(*chunk)
+                worker.running = False
             with self.lock:
                 self._hand_next(worker)
                 idle = worker.job is None and not self.exiting
@@ -219,6 +257,7 @@ class _Threads:
                     self.idle.append(worker)
                 elif worker.job is None:
                     self.threads.discard(threading.current_thread())
+                    self.workers.discard(worker)
             if idle:
                 self._wait_for_work(worker)
 
@@ -232,6 +271,7 @@ class _Threads:
                     self.idle.remove(worker)
             if worker.job is None:  # timed out, or told to exit
                 self.threads.discard(threading.current_thread())
+                self.workers.discard(worker)
 
     def _hand_next(self, worker: _Worker) -> None:  # lock held
         """Hands ``worker`` (just done with a job) its next job, or none."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import _scheduling as policy
 from ._errors import ExecutorError
-from ._jobs import Job, MapWork, _local
+from ._jobs import Job, LimitedGate, MapWork, _local
 from ._progress import Progress, wait
 from ._scheduling import UNKNOWN_WORKERS_IN_FLIGHT
 
@@ -58,8 +58,12 @@ def _puller(job: Job) -> None:
 _queue_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = (
     weakref.WeakKeyDictionary()
 )
+#: Per thread executor, the gate that lets one limited map at a time start.
+_gates: weakref.WeakKeyDictionary[Any, LimitedGate] = weakref.WeakKeyDictionary()
+#: Guards both tables (not the locks and gates they hold).
 _queue_locks_lock = threading.Lock()
 _queue_locks_fallback = threading.Lock()
+_gate_fallback = LimitedGate()
 
 
 def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
@@ -74,6 +78,18 @@ def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
         except TypeError:  # an executor that takes no weak references
             lock = _queue_locks_fallback
         return lock
+
+
+def _gate(executor: concurrent.futures.Executor) -> LimitedGate:
+    """The :class:`._jobs.LimitedGate` of ``executor``."""
+    with _queue_locks_lock:
+        try:
+            gate = _gates.get(executor)
+            if gate is None:
+                gate = _gates[executor] = LimitedGate()
+        except TypeError:  # an executor that takes no weak references
+            gate = _gate_fallback
+        return gate
 
 
 def _run_on_threads(
@@ -125,14 +141,22 @@ def _run_on_threads(
                 futures.append(future)
             future.add_done_callback(on_done)
 
-    job.grow = hand
-    with _queueing(executor):
+    gate = _gate(executor)
+
+    def grow() -> None:
+        gate.leave(job)
         hand()
+
+    job.grow = grow
+    gate.enter(job)
     try:
+        with _queueing(executor):
+            hand()
         if _local.job is not None:
             job.drain()
         wait(job, job.poll, progress)
     finally:
+        gate.leave(job)
         with lock:
             started = list(futures)
         for f in started:  # pullers that never started: nothing left to claim

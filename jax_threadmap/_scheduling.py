@@ -44,13 +44,18 @@ WAIT_SHARE = 0.5
 SLOW_VOTES = 2
 #: While a map holds fewer threads than its executor has: seconds of work in a
 #: chunk at least (measuring one costs a few us; the same number as
-#: ``SLOW_ELEMENT`` by coincidence, not by rule) and at most (so that a map
-#: whose elements turn slow can still spread what is left over every thread).
+#: ``SLOW_ELEMENT`` by coincidence, not by rule). Any map on threads: seconds of
+#: work in a chunk at most, from the last chunk's time per element, so that
+#: slow elements spread over every thread rather than queue in one thread's
+#: chunk (a map whose first elements are slow: guided chunks of a share of
+#: what is left would pack them onto a few threads).
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
 #: Seconds a chunk of a map on fewer threads may run before the thread that
-#: waits for the map gives it every thread: elements that wait for each other
-#: (at a barrier, for replies that come once all requests are out) all start.
+#: waits for the map gives it every thread, and one element per chunk from then
+#: on: elements that wait for each other (at a barrier, for replies that come
+#: once all requests are out) all start, and none waits behind another in its
+#: own thread's chunk.
 STUCK_CHUNK = 0.05
 #: Elements per executor thread from which a map starts on fewer threads. A
 #: smaller map runs as it did before maps were limited: on every thread at once,
@@ -87,6 +92,15 @@ SMOOTHING = 0.5
 WATCH_PERIOD = STUCK_CHUNK / 2
 
 
+def SPARE_THREADS() -> int:  # noqa: N802 - a constant of the machine
+    """Shared threads that may be neither idle nor running a kernel before a map
+    waits for them rather than start new ones: one per CPU. A thread done with a
+    map's chunks takes the next queued map a moment later; starting a thread
+    instead, for maps called in a loop, left hundreds of threads for 50 kernels
+    at once. So the threads alive stay at most the kernels running plus this."""
+    return available_cpus()
+
+
 def available_cpus() -> int:
     """The number of CPUs this process may run on."""
     try:
@@ -103,6 +117,8 @@ class Measure:
     per_element: float = 0.0
     #: Chunks in a row that found the elements slow or waiting.
     votes: int = 0
+    #: A chunk was stuck (:func:`is_stuck`): one element per chunk from now on.
+    one_each: bool = False
 
 
 def guided_divisor(workers: int) -> int:
@@ -130,14 +146,18 @@ def chunk_size(remaining: int, divisor: int, measure: Measure, limited: bool) ->
     A limited map takes one element until an element has been timed, then the
     share of what is left that it would take on every thread, between
     :data:`MIN_CHUNK_SECONDS` and :data:`MAX_CHUNK_SECONDS` of work: the first
-    elements' time says little of the later ones'."""
-    if not limited:
-        return max(1, remaining // divisor)
+    elements' time says little of the later ones'. Any other guided map takes
+    the share of what is left, at most :data:`MAX_CHUNK_SECONDS` of work once an
+    element has been timed; a map that had a stuck chunk, one element."""
     per = measure.per_element
-    if per <= 0.0:
+    if measure.one_each or (limited and per <= 0.0):
         return 1
-    size = max(remaining // divisor, int(MIN_CHUNK_SECONDS / per))
-    return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
+    size = remaining // divisor
+    if limited:
+        size = max(size, int(MIN_CHUNK_SECONDS / per))
+    if per > 0.0:
+        size = min(size, int(MAX_CHUNK_SECONDS / per))
+    return max(1, size)
 
 
 def record_chunk(
@@ -151,6 +171,11 @@ def record_chunk(
     waits = cpu * threads < WAIT_SHARE * wall
     measure.votes = measure.votes + 1 if per >= SLOW_ELEMENT or waits else 0
     return measure.votes >= SLOW_VOTES
+
+
+def record_time(measure: Measure, elements: int, wall: float) -> None:
+    """Records a chunk of a map on every thread that took ``wall`` seconds."""
+    measure.per_element = max(wall / elements, 1e-9)
 
 
 def is_stuck(started: float, now: float) -> bool:

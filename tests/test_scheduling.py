@@ -129,6 +129,7 @@ def _ms(seconds):
     return f"{round(seconds * 1e3)} ms"
 
 
+_SHARES = {2: "half", 3: "third", 4: "quarter"}
 _WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
 
 
@@ -143,6 +144,19 @@ def quoted_facts():
         ("docs/executors.md", f"a chunk that has run for {_ms(policy.STUCK_CHUNK)}"),
         ("docs/executors.md", f"idle for {policy.IDLE_TIMEOUT:g} seconds exits"),
         ("README.md", f"exit after {policy.IDLE_TIMEOUT:g} s idle"),
+        (
+            "docs/executors.md",
+            f"never holds more than about {_ms(policy.MAX_CHUNK_SECONDS)} of work",
+        ),
+        (
+            "docs/executors.md",
+            f"fewer than\n{2 * policy.GUIDED_SHARE} elements per thread",
+        ),
+        ("docs/executors.md", f"stuck for {_ms(policy.STUCK_CHUNK)}, too late"),
+        (
+            "docs/executors.md",
+            f"more than a {_SHARES[2 * policy.GUIDED_SHARE]}\nas many threads",
+        ),
         (
             "docs/vectorized.md",
             f"about {_WORDS[policy.VECTOR_CHUNKS_PER_WORKER]} chunks per worker",
@@ -159,3 +173,20 @@ def test_the_docs_quote_the_policys_numbers(path, phrase):
         f"{path} no longer says {phrase!r}: update the prose to the constant "
         "in jax_threadmap/_scheduling.py"
     )
+
+
+def test_slow_elements_cap_every_guided_chunk():
+    # A map whose first elements are slow: once timed, a chunk holds at most
+    # MAX_CHUNK_SECONDS of work, not a share of what is left (about 150 here).
+    slow = Measure(per_element=10 * policy.MAX_CHUNK_SECONDS)
+    assert policy.chunk_size(9_000, 64, slow, limited=False) == 1
+    fast = Measure(per_element=1e-7)
+    assert policy.chunk_size(9_000, 64, fast, limited=False) == 9_000 // 64
+    policy.record_time(fast, 10, 10 * policy.MAX_CHUNK_SECONDS)
+    assert policy.chunk_size(9_000, 64, fast, limited=False) == 1
+
+
+def test_after_a_stuck_chunk_every_chunk_is_one_element():
+    m = Measure(per_element=1e-7, one_each=True)
+    assert policy.chunk_size(10**6, 64, m, limited=False) == 1
+    assert policy.chunk_size(10**6, 64, m, limited=True) == 1

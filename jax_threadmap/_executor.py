@@ -49,7 +49,6 @@ import concurrent.futures
 import os
 import threading
 import time
-from typing import cast
 
 from . import _pool, _validate
 from . import _scheduling as policy
@@ -64,10 +63,9 @@ from ._pool import (
     run_in_background,
 )
 from ._progress import Progress, progress_enabled
-from ._runners import _run_on_threads, _Shipper, known_workers, shares_memory
+from ._runners import Runner, known_workers, runner_for
 from ._scheduling import (
     EXIT_GRACE,
-    UNKNOWN_WORKERS,
     VECTOR_CHUNK_BYTES,
     available_cpus,
 )
@@ -141,9 +139,7 @@ atexit.register(_at_exit)
 
 def workers_of(executor: _validate.Executor) -> int:
     """How many kernels ``executor`` runs at once (a guess where it does not say)."""
-    if executor is None or isinstance(executor, int):
-        return get_pool(executor).max_workers
-    return known_workers(executor) or UNKNOWN_WORKERS
+    return runner_for(executor).workers
 
 
 def vector_chunk_length(
@@ -159,21 +155,20 @@ def new_job(
     executor: _validate.Executor,
     max_chunk: int | None = None,
     parent: Job | None = None,
-    pool: ThreadPool | None = None,
+    runner: Runner | None = None,
 ) -> Job:
-    """The job of ``work`` on ``executor`` (the shared ``pool`` it names, when
-    the caller has looked it up), with its chunking policy."""
-    workers = pool.max_workers if pool is not None else workers_of(executor)
+    """The job of ``work`` on ``executor`` (whose ``runner`` the caller may have
+    chosen already), with its chunking policy."""
+    runner = runner_for(executor) if runner is None else runner
+    workers = runner.workers
     units = work.n
     if work.vectorized and units:
         units = work.split(vector_chunk_length(work, workers, max_chunk))
     # Host-side sums need chunk bounds that do not depend on timing. Otherwise
     # guided chunks, each a share of what is left.
     fixed = policy.fixed_chunk(units, workers) if work.sums else None
-    on_threads = (
-        executor is None or isinstance(executor, int) or shares_memory(executor)
-    )
-    limited = policy.starts_limited(units, workers, parent is not None, on_threads)
+    nested = parent is not None
+    limited = policy.starts_limited(units, workers, nested, runner.on_threads)
     cpus = available_cpus() if limited else None
     return Job(
         units,
@@ -202,19 +197,14 @@ def run_map(
     """
     if work.n == 0:
         return
-    pool = get_pool(executor) if executor is None or isinstance(executor, int) else None
-    job = new_job(work, executor, max_chunk, parent=_local.job, pool=pool)
+    runner = runner_for(executor)
+    job = new_job(work, executor, max_chunk, parent=_local.job, runner=runner)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
     _flights[job] = threading.current_thread()
     try:
-        if pool is not None:
-            pool.run(job, bar)
-        elif shares_memory(user := cast(concurrent.futures.Executor, executor)):
-            _run_on_threads(user, job, bar)
-        else:
-            _Shipper(user, work, job).run(bar)
+        runner.run(job, work, bar)
     finally:
         _flights.pop(job, None)
         job.detach()

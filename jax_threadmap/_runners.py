@@ -9,29 +9,72 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import pickle
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from . import _scheduling as policy
 from ._errors import ExecutorError
 from ._jobs import Job, LimitedGate, MapWork, _local
+from ._pool import ThreadPool, get_pool
 from ._progress import Progress, wait
-from ._scheduling import UNKNOWN_WORKERS_IN_FLIGHT
+from ._scheduling import UNKNOWN_WORKERS, UNKNOWN_WORKERS_IN_FLIGHT
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeHook:
+    """A private attribute of another library's executor that tells its size.
+
+    No public API says how many workers an executor has. Each hook is optional,
+    like a JAX hook of :mod:`._compat`: an executor without the attribute, or
+    one that fails or answers nonsense, counts as one that does not say
+    (:data:`._scheduling.UNKNOWN_WORKERS` for chunk sizes), never as an error.
+    ``tests/test_runners.py`` checks that each still answers on the installed
+    versions.
+    """
+
+    name: str
+    why: str
+    read: Callable[[Any], int | None]
+
+
+def _max_workers(executor: Any) -> int | None:
+    n = getattr(executor, "_max_workers", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def _dask_threads(executor: Any) -> int | None:
+    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
+    return None if client is None else max(1, sum(client.nthreads().values()))
+
+
+SIZE_HOOKS: tuple[SizeHook, ...] = (
+    SizeHook(
+        "concurrent.futures Executor._max_workers",
+        "ThreadPoolExecutor and ProcessPoolExecutor (and loky) keep their size there",
+        _max_workers,
+    ),
+    SizeHook(
+        "distributed ClientExecutor._client",
+        "Client.get_executor() keeps its client there; the client's nthreads() "
+        "is the cluster's size",
+        _dask_threads,
+    ),
+)
 
 
 def known_workers(executor: concurrent.futures.Executor) -> int | None:
-    """The number of workers of ``executor``, where it tells."""
-    n = getattr(executor, "_max_workers", None)
-    if isinstance(n, int) and n > 0:
-        return n
-    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
-    if client is not None:
+    """The number of workers of ``executor``, where it tells (:class:`SizeHook`)."""
+    for hook in SIZE_HOOKS:
         try:
-            return max(1, sum(client.nthreads().values()))
-        except Exception:  # noqa: BLE001 - a client that cannot say: unknown
+            n = hook.read(executor)
+        except Exception:  # noqa: BLE001 - an executor that cannot say: unknown
             return None
+        if n is not None:
+            return n
     return None
 
 
@@ -183,11 +226,16 @@ class _Shipper:
     chunks of fixed size instead, so its sums do not depend on timing.
     """
 
-    def __init__(self, executor: concurrent.futures.Executor, work: MapWork, job: Job):
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor,
+        work: MapWork,
+        job: Job,
+        workers: int | None,
+    ):
         self.executor = executor
         self.work = work
         self.job = job
-        workers = known_workers(executor)
         self.cap = policy.remote_in_flight(workers)
         self.first_wave = min(workers or UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
         self.next = 0
@@ -250,3 +298,80 @@ class _Shipper:
             if self.job.failed:
                 for fut in self.pending:
                     fut.cancel()
+
+
+# --- one runner per kind of executor ---------------------------------------------
+
+
+class Runner(Protocol):
+    """Where a map's chunks run: one class per kind of executor, chosen once per
+    map by :func:`runner_for`."""
+
+    #: Kernels it runs at once (a guess where the executor does not say).
+    workers: int
+    #: Whether its workers are threads of this process (a map may then start
+    #: limited, and a nested map's waiting thread works on its chunks).
+    on_threads: bool
+
+    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+        """Runs ``job`` (the chunks of ``work``) to completion or first failure."""
+        ...
+
+
+class SharedThreads:
+    """``executor=None`` or ``executor=N``: a :class:`._pool.ThreadPool`."""
+
+    on_threads = True
+
+    def __init__(self, executor: int | None):
+        self.pool: ThreadPool = get_pool(executor)
+        self.workers = self.pool.max_workers
+
+    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+        self.pool.run(job, progress)
+
+
+class ThreadExecutor:
+    """A user's ``ThreadPoolExecutor``: puller tasks (:func:`_run_on_threads`)."""
+
+    on_threads = True
+
+    def __init__(self, executor: concurrent.futures.Executor):
+        self.executor = executor
+        self.workers = known_workers(executor) or UNKNOWN_WORKERS
+
+    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+        _run_on_threads(self.executor, job, progress)
+
+
+class PicklingExecutor:
+    """An executor that runs work in other processes: packed chunks
+    (:class:`_Shipper`)."""
+
+    on_threads = False
+
+    def __init__(self, executor: concurrent.futures.Executor):
+        self.executor = executor
+        self.known = known_workers(executor)
+        self.workers = self.known or UNKNOWN_WORKERS
+
+    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+        _Shipper(self.executor, work, job, self.known).run(progress)
+
+
+def _is_shared(executor: Any) -> bool:
+    return executor is None or isinstance(executor, int)
+
+
+#: The kinds of executor, first match first: whether ``executor=`` is of the
+#: kind, and its runner. A new kind is a class above and a line here.
+RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], Runner]], ...] = (
+    (_is_shared, SharedThreads),
+    (shares_memory, ThreadExecutor),
+    (lambda executor: True, PicklingExecutor),
+)
+
+
+def runner_for(executor: Any) -> Runner:
+    """The runner of ``executor=`` (see :data:`RUNNERS`)."""
+    return next(make(executor) for is_kind, make in RUNNERS if is_kind(executor))

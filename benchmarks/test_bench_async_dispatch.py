@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import threading
 import time
 
 import jax
@@ -170,6 +171,42 @@ def seed_example(mode: str) -> dict[str, float]:
     return times
 
 
+#: The pending load while unrelated work runs (long enough to tell waiting apart).
+UNRELATED_LOAD_S = float(os.environ.get("UNRELATED_LOAD_S", "3.0"))
+
+
+def unrelated_work(where: str) -> float:
+    """Seconds until ``g(jnp.ones(3))`` is done while ``y = f(x)`` waits for ``x``.
+
+    ``where`` is ``"same thread"`` (the thread that dispatched ``f(x)``) or
+    ``"other thread"``. The target is < 0.1 s in both; XLA's CPU client runs
+    one thread's programs in order, so on the same thread it is about
+    ``UNRELATED_LOAD_S`` (see docs/async.md, "Ordering").
+    """
+    release = threading.Event()
+    x = jtm.async_call(lambda: (release.wait(UNRELATED_LOAD_S), DATA)[1], SPEC)
+    f = jax.jit(lambda v: v * 2)
+    g = jax.jit(lambda v: v + 3)
+    g(jnp.ones(3)).block_until_ready()  # compiled before the clock starts
+    y = f(x)
+    box: dict = {}
+
+    def run_g() -> None:
+        t0 = time.perf_counter()
+        g(jnp.ones(3)).block_until_ready()
+        box["s"] = time.perf_counter() - t0
+
+    if where == "same thread":
+        run_g()
+    else:
+        thread = threading.Thread(target=run_g)
+        thread.start()
+        thread.join()
+    release.set()
+    np.testing.assert_allclose(np.asarray(y), DATA * 2)
+    return box["s"]
+
+
 def compare(rounds: int = ROUNDS) -> dict:
     reference = [np.asarray(jax.jit(make_model(n_ops()))(load(s))) for s in (0, 1)]
     t0 = time.perf_counter()
@@ -189,6 +226,10 @@ def compare(rounds: int = ROUNDS) -> dict:
         "compile_s": compile_s,
         "ways": results,
         "seed": {mode: seed_example(mode) for mode in ("async", "blocking")},
+        "unrelated": {
+            where: min(unrelated_work(where) for _ in range(rounds))
+            for where in ("same thread", "other thread")
+        },
         "status": jtm.async_dispatch_status(),
     }
 
@@ -207,6 +248,12 @@ def report(r: dict) -> str:
     for mode, times in r["seed"].items():
         cells = ", ".join(f"{k}: {v:.3f} s" for k, v in times.items())
         lines.append(f"  {mode + ' dispatch:':<19} {cells}")
+    lines.append(
+        f"g(jnp.ones(3)) done while a {UNRELATED_LOAD_S:.0f} s load is pending "
+        "(target < 0.1 s):"
+    )
+    for where, t in r["unrelated"].items():
+        lines.append(f"  {where + ':':<19} {t:.3f} s")
     return "\n".join(lines)
 
 
@@ -224,6 +271,13 @@ def test_seed_example_line_by_line(benchmark, mode):
     times = benchmark.pedantic(seed_example, args=(mode,), rounds=1)
     benchmark.extra_info.update(times)
     print(f"\n{mode}: " + ", ".join(f"{k}: {v:.3f} s" for k, v in times.items()))
+
+
+@pytest.mark.parametrize("where", ["same thread", "other thread"])
+def test_unrelated_work_while_a_load_is_pending(benchmark, where):
+    benchmark.group = "g(jnp.ones(3)) while a load is pending"
+    seconds = benchmark.pedantic(unrelated_work, args=(where,), rounds=1)
+    benchmark.extra_info["seconds"] = seconds
 
 
 if __name__ == "__main__":

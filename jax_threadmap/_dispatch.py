@@ -514,11 +514,16 @@ mechanism = Dispatch()
 def async_dispatch_status() -> str:
     """Says whether jitted calls with pending ``AsyncArray`` s return at once.
 
+    Even with ``"async"``, XLA runs the programs that one thread dispatches in
+    order: after ``y = f(x)`` with ``x`` pending, every later program of the
+    same thread (even one that does not use ``y``) runs when ``x`` has
+    arrived; programs of other threads do not wait (docs/async.md, "Ordering").
+
     Returns:
         ``"async"``, or ``"blocking: <reason>"`` (the reason names the switch or
         the missing JAX feature).
 
-    Example:
+    Examples:
         >>> import jax_threadmap as jtm
         >>> jtm.async_dispatch_status()  # on CPU with jax 0.6.2 ... 0.12
         'async'

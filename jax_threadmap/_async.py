@@ -28,8 +28,9 @@ from ._dispatch import MAX_WAITING_PROGRAMS as MAX_WAITING_PROGRAMS
 from ._dispatch import AsyncCallFailed as AsyncCallFailed
 from ._dispatch import async_dispatch_enabled as async_dispatch_enabled
 from ._dispatch import async_dispatch_status as async_dispatch_status
+from ._leaves import LeafSpec, describe_error, leaf_specs
 from ._task import ENV_ASYNC_THREADS as ENV_ASYNC_THREADS
-from ._task import PENDING, LeafSpec, Task, describe_error, leaf_specs
+from ._task import PENDING, Task
 from ._task import default_async_threads as default_async_threads
 from ._validate import callable_name
 

@@ -32,6 +32,7 @@ LAYERS = [
     "_autodiff",
     "_primitive",
     "_api",
+    "_leaves",
     "_task",
     "_dispatch",
     "_async",

@@ -199,15 +199,8 @@ def _keywords(uvw: Any, freq: Any, wgt: Any) -> dict[str, Any]:
     return kw
 
 
-@functools.cache
-def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
-    """The threaded kernels of one geometry (cached: the same objects each call,
-    so that jit reuses compiled programs)."""
-    real_dtype = np.dtype(real)
-    complex_dtype = np.result_type(real_dtype, np.complex64)
-    image = jax.ShapeDtypeStruct((g.npix_x, g.npix_y), real_dtype)
-    visibilities = jax.ShapeDtypeStruct((nrows, nchan), complex_dtype)
-    common = dict(
+def _options(g: Gridder) -> dict[str, Any]:
+    return dict(
         pixsize_x=g.pixsize_x,
         pixsize_y=g.pixsize_y,
         epsilon=g.epsilon,
@@ -216,25 +209,45 @@ def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
         nthreads=g.nthreads,
     )
 
-    def host_dirty2vis(dirty, *, uvw, freq, wgt=None):
-        return ducc0.wgridder.dirty2vis(
-            uvw=np.asarray(uvw, np.float64),  # ducc0 wants float64 coordinates
-            freq=np.asarray(freq, np.float64),
-            dirty=np.asarray(dirty, real_dtype),
-            wgt=None if wgt is None else np.asarray(wgt, real_dtype),
-            **common,
-        )
 
-    def host_vis2dirty(vis, *, uvw, freq, wgt=None):
-        return ducc0.wgridder.vis2dirty(
-            uvw=np.asarray(uvw, np.float64),
-            freq=np.asarray(freq, np.float64),
-            vis=np.asarray(vis, complex_dtype),
-            wgt=None if wgt is None else np.asarray(wgt, real_dtype),
-            npix_x=g.npix_x,
-            npix_y=g.npix_y,
-            **common,
-        )
+def ducc0_dirty2vis(
+    g: Gridder, dirty: np.ndarray, *, uvw: Any, freq: Any, wgt: Any = None
+) -> np.ndarray:
+    """The host function: ``ducc0.wgridder.dirty2vis`` on one image's NumPy arrays."""
+    return ducc0.wgridder.dirty2vis(
+        uvw=np.asarray(uvw, np.float64),  # ducc0 wants float64 coordinates
+        freq=np.asarray(freq, np.float64),
+        dirty=dirty,
+        wgt=None if wgt is None else np.asarray(wgt, dirty.dtype),
+        **_options(g),
+    )
+
+
+def ducc0_vis2dirty(
+    g: Gridder, vis: np.ndarray, *, uvw: Any, freq: Any, wgt: Any = None
+) -> np.ndarray:
+    """The host function: ``ducc0.wgridder.vis2dirty`` on one element's arrays."""
+    return ducc0.wgridder.vis2dirty(
+        uvw=np.asarray(uvw, np.float64),
+        freq=np.asarray(freq, np.float64),
+        vis=vis,
+        wgt=None if wgt is None else np.asarray(wgt, vis.real.dtype),
+        npix_x=g.npix_x,
+        npix_y=g.npix_y,
+        **_options(g),
+    )
+
+
+@functools.cache
+def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
+    """The threaded kernels of one geometry (cached: the same objects each call,
+    so that jit reuses compiled programs)."""
+    real_dtype = np.dtype(real)
+    complex_dtype = np.result_type(real_dtype, np.complex64)
+    image = jax.ShapeDtypeStruct((g.npix_x, g.npix_y), real_dtype)
+    visibilities = jax.ShapeDtypeStruct((nrows, nchan), complex_dtype)
+    host_dirty2vis = functools.partial(ducc0_dirty2vis, g)
+    host_vis2dirty = functools.partial(ducc0_vis2dirty, g)
 
     # The kernels: one image or one set of visibilities each.
     def dirty2vis(dirty, **kw):

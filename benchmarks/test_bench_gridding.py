@@ -12,8 +12,10 @@ elements). Side by side in one process, alternating rep by rep, best of the reps
   mapping the same host function over the same elements, without JAX.
 
 Also: the per-element overhead without the gridding (the host function replaced
-by one returning zeros, 256 elements), and ducc0's own ``nthreads`` inside the
-kernel (1 and the CPU count) under the default pool and under ``executor=1``.
+by one returning zeros, 256 elements; beside it, what XLA takes to fill an output
+of the same size, which any jitted program returning it pays), and ducc0's own
+``nthreads`` inside the kernel (1 and the CPU count) under the default pool and
+under ``executor=1``.
 
 Run:
     pytest benchmarks/test_bench_gridding.py      # pytest-benchmark + ratios
@@ -55,7 +57,7 @@ NPIX = 256
 ROWS = 300
 SHAPE = (4, 4, 4)  # polarisations x times x channels
 OVERHEAD_SHAPE = (4, 8, 8)
-REPS = 5
+REPS = 10
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
 
 
@@ -165,9 +167,11 @@ def floor_runner(
 
 def alternate(
     runs: dict[str, Callable], reps: int = REPS, rtol: float = 0.0
-) -> dict[str, float]:
-    """Best wall time of each run, the runs alternating rep by rep.
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Best wall time and best process CPU time of each run, alternating rep by rep.
 
+    The CPU time (all threads of this process) says what the wall time says on a
+    quiet machine: on a loaded one, the wall time also counts the waits for a core.
     The results must agree: exactly for the same host calls, to ``rtol`` of the
     largest value where ducc0 threads itself (its sums then run in another
     order)."""
@@ -181,13 +185,18 @@ def alternate(
             atol=rtol * np.abs(first).max(),
             err_msg=name,
         )
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             run()
-            times[name].append(time.perf_counter() - start)
-    return {name: min(t) for name, t in times.items()}
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return (
+        {name: min(t) for name, t in wall.items()},
+        {name: min(t) for name, t in cpu.items()},
+    )
 
 
 # --- the comparisons ------------------------------------------------------------
@@ -197,7 +206,7 @@ def against_floor(name: str, reps: int = REPS) -> dict[str, float]:
     problem = problems()[name]
     g = default_gridder()
     with concurrent.futures.ThreadPoolExecutor(CPUS) as pool:
-        best = alternate(
+        best, cpu = alternate(
             {
                 "threadmap": threadmap_runner(problem, getattr(g, name)),
                 "pure_callback": callback_runner(problem),
@@ -208,7 +217,9 @@ def against_floor(name: str, reps: int = REPS) -> dict[str, float]:
     n = int(np.prod(problem.shape))
     return {
         **{f"{k}_ms_per_element": v / n * 1e3 for k, v in best.items()},
+        **{f"{k}_cpu_ms_per_element": v / n * 1e3 for k, v in cpu.items()},
         "threadmap_over_floor": best["threadmap"] / best["floor"],
+        "threadmap_over_floor_cpu": cpu["threadmap"] / cpu["floor"],
         "pure_callback_over_threadmap": best["pure_callback"] / best["threadmap"],
     }
 
@@ -222,7 +233,7 @@ def _zeros_problem(problem: Problem) -> Problem:
     return dataclasses.replace(problem, host=zeros)
 
 
-def overhead(name: str, reps: int = 3 * REPS) -> dict[str, float]:
+def overhead(name: str, reps: int = REPS) -> dict[str, float]:
     """Per-element µs of each way with a host function that returns zeros."""
     problem = _zeros_problem(problems(OVERHEAD_SHAPE)[name])
 
@@ -231,17 +242,25 @@ def overhead(name: str, reps: int = 3 * REPS) -> dict[str, float]:
 
         return threadmap(problem.host, problem.result, data, uvw=uvw, freq=freq)
 
+    # What any jitted program pays for an output of this size: XLA filling it.
+    shape = problem.shape + problem.result.shape
+    fill = jax.jit(lambda x: jnp.zeros(shape, problem.result.dtype) + x)
+    zero = jnp.zeros((), problem.result.dtype)
     with concurrent.futures.ThreadPoolExecutor(CPUS) as pool:
-        best = alternate(
+        best, cpu = alternate(
             {
                 "threadmap": threadmap_runner(problem, kernel),
                 "pure_callback": callback_runner(problem),
                 "floor": floor_runner(problem, pool),
+                "xla_fill": lambda: fill(zero).block_until_ready(),
             },
             reps,
         )
     n = int(np.prod(problem.shape))
-    return {f"{k}_us_per_element": v / n * 1e6 for k, v in best.items()}
+    return {
+        **{f"{k}_us_per_element": v / n * 1e6 for k, v in best.items()},
+        **{f"{k}_cpu_us_per_element": v / n * 1e6 for k, v in cpu.items()},
+    }
 
 
 def inner_threads(name: str = "vis2dirty", reps: int = REPS) -> dict[str, float]:
@@ -252,9 +271,12 @@ def inner_threads(name: str = "vis2dirty", reps: int = REPS) -> dict[str, float]
         g = default_gridder(nthreads=nthreads, executor=executor)
         label = f"nthreads={nthreads}, executor={executor}"
         runs[label] = threadmap_runner(problem, getattr(g, name))
-    best = alternate(runs, reps, rtol=1e-5)
+    best, cpu = alternate(runs, reps, rtol=1e-5)
     n = int(np.prod(problem.shape))
-    return {f"{k} ms_per_element": v / n * 1e3 for k, v in best.items()}
+    return {
+        **{f"{k}: ms_per_element": v / n * 1e3 for k, v in best.items()},
+        **{f"{k}: cpu_ms_per_element": v / n * 1e3 for k, v in cpu.items()},
+    }
 
 
 def report(results: dict[str, dict[str, float]]) -> str:

@@ -114,7 +114,7 @@ class Result:
     seconds_per_step: float
 
 
-def reconstruct(obs: Observation, steps: int = 30) -> Result:
+def reconstruct(obs: Observation, steps: int = 100) -> Result:
     """Projected gradient descent with Nesterov momentum on ``loss`` (FISTA)."""
     grad = jax.jit(jax.value_and_grad(lambda x: loss(x, obs)))
     step = step_size(obs)
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> Result:
     parser = argparse.ArgumentParser(
         prog="python -m examples.gridding", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--steps", type=int, default=30, help="gradient steps")
+    parser.add_argument("--steps", type=int, default=100, help="gradient steps")
     parser.add_argument("--times", type=int, default=8, help="time steps")
     parser.add_argument("--channels", type=int, default=4, help="channels")
     parser.add_argument("--plot", metavar="FILE.png", help="save the images")

@@ -57,7 +57,7 @@ NPIX = 256
 ROWS = 300
 SHAPE = (4, 4, 4)  # polarisations x times x channels
 OVERHEAD_SHAPE = (4, 8, 8)
-REPS = 10
+REPS = 15
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
 
 

@@ -279,3 +279,11 @@ def test_demo_plots(tmp_path):
     demo.main(["--steps", "1", "--times", "2", "--channels", "1", "--plot", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert 1000 < png.stat().st_size < 200_000
+
+
+def test_docstring_examples():
+    import doctest
+
+    from examples.gridding import operators
+
+    assert doctest.testmod(operators).failed == 0

@@ -65,6 +65,7 @@ class Gridder:
         executor: The ``executor`` of the threaded map (``None``: the shared pool).
 
     Examples:
+        >>> import jax.numpy as jnp, numpy as np
         >>> g = Gridder(npix_x=64, npix_y=64, pixsize_x=1e-5, pixsize_y=1e-5)
         >>> uvw = np.zeros((10, 3)); freq = np.array([1e9])
         >>> g.dirty2vis(jnp.ones((64, 64)), uvw, freq).shape

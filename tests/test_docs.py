@@ -264,9 +264,13 @@ def test_readme_has_exactly_the_two_commands_that_ci_runs():
 @pytest.mark.parametrize("name", jax_threadmap.__all__)
 def test_api_reference_examples(name):
     obj = getattr(jax_threadmap, name)
-    finder = doctest.DocTestFinder(recurse=False)
+    # Methods too (KernelFunction.defvjp, AsyncArray.result, ...): the API page
+    # shows their examples.
+    finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in finder.find(obj, name, globs={}):
+    tests = finder.find(obj, name, globs={}, module=inspect.getmodule(obj))
+    assert all(t.name.startswith(name) for t in tests)
+    for test in tests:
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0

@@ -1,0 +1,134 @@
+"""The docs site as a reader sees it: the API reference renders, the pages work.
+
+The API reference is built from the public docstrings by mkdocstrings. Google
+style needs ``Examples:`` (plural): griffe reads ``Example:`` as an admonition
+and renders the doctest as a paragraph in nested block quotes. Sphinx roles
+(``:func:`x```) are not mkdocstrings syntax and show up as literal text; the
+cross-references are ``[name][jax_threadmap.name]`` (links checked by
+``mkdocs build --strict``). The site test needs the ``docs`` extra (mkdocs).
+"""
+
+from __future__ import annotations
+
+import doctest
+import html
+import html.parser
+import importlib.util
+import inspect
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import jax_threadmap
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|exc|data|obj|ref):`")
+
+
+def public_docstrings() -> dict[str, str]:
+    """The docstrings the API page shows: public objects and their members."""
+    found = {}
+    for name in jax_threadmap.__all__:
+        obj = getattr(jax_threadmap, name)
+        if inspect.getmodule(obj) is None or not obj.__doc__:
+            continue  # threadmap_p, a Primitive instance: docs/api.md
+        found[name] = obj.__doc__
+        for attr, member in vars(obj).items() if inspect.isclass(obj) else ():
+            member = getattr(member, "__func__", member)  # classmethods
+            if not attr.startswith("_") and getattr(member, "__doc__", None):
+                found[f"{name}.{attr}"] = member.__doc__
+    return found
+
+
+def doc_examples() -> list[tuple[str, str]]:
+    """(object, first line of source) of every docstring example of the API."""
+    found = []
+    for name in jax_threadmap.__all__:
+        obj = getattr(jax_threadmap, name)
+        module = inspect.getmodule(obj)
+        for test in doctest.DocTestFinder().find(obj, name, module=module, globs={}):
+            found += [(test.name, ex.source.splitlines()[0]) for ex in test.examples]
+    return found
+
+
+@pytest.mark.parametrize("name,doc", sorted(public_docstrings().items()))
+def test_public_docstrings_use_mkdocstrings_syntax(name, doc):
+    assert not _ROLE.search(doc), (
+        f"{name}: a Sphinx role, shown as literal text by mkdocstrings; write "
+        f"[`obj`][jax_threadmap.obj] (or a link for JAX and Python objects): "
+        f"{_ROLE.search(doc).group()!r}"
+    )
+    assert not re.search(r"^\s*Example:\s*$", doc, re.M), (
+        f"{name}: 'Example:' is read as an admonition; the section is 'Examples:'"
+    )
+
+
+def test_every_public_object_has_examples():
+    names = {name for name, _ in doc_examples()}
+    lacking = [
+        n for n in jax_threadmap.__all__ if n not in names and n != "threadmap_p"
+    ]
+    assert not lacking, f"public objects without an Examples section: {lacking}"
+
+
+class _Text(html.parser.HTMLParser):
+    """The text of a page, split into what is inside ``<pre>`` and the rest."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.code: list[str] = []
+        self.prose: list[str] = []
+        self.depth = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.depth += tag == "pre"
+
+    def handle_endtag(self, tag):
+        self.depth -= tag == "pre"
+
+    def handle_data(self, data):
+        (self.code if self.depth else self.prose).append(data)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    for module in ("mkdocs", "mkdocstrings", "material"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (pip install '.[docs]')")
+    site_dir = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+    )
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q"]
+        + ["--site-dir", str(site_dir)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    return site_dir
+
+
+def test_api_page_renders_examples_as_code_and_no_roles(site):
+    page = (site / "api" / "index.html").read_text()
+    text = _Text()
+    text.feed(page)
+    code, prose = "".join(text.code), "".join(text.prose)
+    roles = sorted(set(_ROLE.findall(prose)))
+    assert not roles, f"literal Sphinx roles on the API page: {roles}"
+    examples = doc_examples()
+    assert len(examples) > 40, "the docstring examples were not found"
+    for name, line in examples:
+        assert line in code, f"{name}: example line not in a code block: {line!r}"
+        assert line not in prose, f"{name}: example line shown as prose: {line!r}"
+    # One highlighted block per Examples section at least.
+    assert page.count('class="gp">&gt;&gt;&gt; </span>') >= len(examples)
+    assert "<blockquote>" not in page, "a doctest rendered as a block quote"
+    assert html.escape("[jax_threadmap.") not in page, "an unresolved cross-reference"

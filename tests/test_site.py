@@ -5,20 +5,19 @@ style needs ``Examples:`` (plural): griffe reads ``Example:`` as an admonition
 and renders the doctest as a paragraph in nested block quotes. Sphinx roles
 (``:func:`x```) are not mkdocstrings syntax and show up as literal text; the
 cross-references are ``[name][jax_threadmap.name]`` (links checked by
-``mkdocs build --strict``). The site test needs the ``docs`` extra (mkdocs).
+``mkdocs build --strict``). The site tests need the ``docs`` extra (mkdocs), the
+browser test also the ``browser`` extra (playwright) and a Chromium.
 """
 
 from __future__ import annotations
 
 import doctest
-import html
 import html.parser
 import importlib.util
 import inspect
-import os
 import pathlib
 import re
-import subprocess
+import shutil
 import sys
 
 import pytest
@@ -26,6 +25,8 @@ import pytest
 import jax_threadmap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import browser_check  # noqa: E402
 
 _ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|exc|data|obj|ref):`")
 
@@ -101,19 +102,19 @@ def site(tmp_path_factory) -> pathlib.Path:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed (pip install '.[docs]')")
     site_dir = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
-    )
-    subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q"]
-        + ["--site-dir", str(site_dir)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        timeout=300,
-    )
+    browser_check.build_site(site_dir)
     return site_dir
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """The Chromium executable for playwright; skips where there is none."""
+    if importlib.util.find_spec("playwright") is None:
+        pytest.skip("playwright is not installed (pip install '.[browser]')")
+    path = shutil.which("chromium") or browser_check.CHROMIUM
+    if not pathlib.Path(path).exists():
+        pytest.skip("no Chromium (apt-get install chromium)")
+    return path
 
 
 def test_api_page_renders_examples_as_code_and_no_roles(site):
@@ -128,7 +129,27 @@ def test_api_page_renders_examples_as_code_and_no_roles(site):
     for name, line in examples:
         assert line in code, f"{name}: example line not in a code block: {line!r}"
         assert line not in prose, f"{name}: example line shown as prose: {line!r}"
-    # One highlighted block per Examples section at least.
+    # Highlighted as Python sessions: every example line has its prompt.
     assert page.count('class="gp">&gt;&gt;&gt; </span>') >= len(examples)
     assert "<blockquote>" not in page, "a doctest rendered as a block quote"
-    assert html.escape("[jax_threadmap.") not in page, "an unresolved cross-reference"
+    assert "[jax_threadmap." not in prose, "an unresolved cross-reference"
+
+
+def test_site_in_headless_chromium(site, chromium):
+    problems = browser_check.check_site(site, chromium=chromium)
+    assert not problems, "\n".join(problems)
+
+
+def test_browser_check_finds_a_broken_image_and_a_console_error(chromium, tmp_path):
+    good = "<html><body><p>fine</p></body></html>"
+    bad = (
+        '<html><body><img src="missing.png">'
+        '<script>console.error("broken script")</script></body></html>'
+    )
+    for path, text in zip(browser_check.PAGES, [good, bad, good], strict=True):
+        (tmp_path / path).mkdir(parents=True, exist_ok=True)
+        (tmp_path / path / "index.html").write_text(text)
+    problems = browser_check.check_site(tmp_path, chromium=chromium, search=False)
+    assert any("broken image" in p and "missing.png" in p for p in problems)
+    assert any("console error: broken script" in p for p in problems)
+    assert all("/api/" in p for p in problems), problems

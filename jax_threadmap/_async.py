@@ -115,6 +115,9 @@ _PENDING, _RUNNING, _FINISHING, _FINISHED = (
 # copies the data again for result() (see _Task._finish).
 _PLACE_AFTER_GATES_S = 2.0
 
+# How long exit waits for calls whose function returned to place their values.
+_EXIT_PLACE_S = 5.0
+
 # Calls submitted or running and not finished, for the report at exit.
 _live_lock = threading.Lock()
 _live: set[_Task] = set()
@@ -910,7 +913,12 @@ def async_dispatch_status() -> str:
 
 def _at_exit() -> None:
     with _live_lock:
-        unfinished = [t for t in _live if not t.future.done()]
+        live = list(_live)
+    # A call whose function returned may still be copying its values to the
+    # device after its dependents got them (async dispatch): it is not abandoned.
+    returned = [t.future for t in live if t._state == _FINISHING]
+    concurrent.futures.wait(returned, timeout=_EXIT_PLACE_S)
+    unfinished = [t for t in live if not t.future.done()]
     if unfinished:
         names = ", ".join(f"{t.name} ({t.api})" for t in unfinished[:5])
         if len(unfinished) > 5:

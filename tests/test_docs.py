@@ -382,6 +382,20 @@ def test_readme_has_exactly_the_two_commands_that_ci_runs():
     assert tests.split("&& ")[-1] in ci
 
 
+def test_home_page_has_the_install_command_and_the_readme_numbers():
+    home, readme = (ROOT / "docs" / "index.md").read_text(), (ROOT / "README.md")
+    region = re.compile(
+        r"<!-- benchmarks:headline -->.*?<!-- /benchmarks:headline -->", re.S
+    )
+    # benchmarks/report.py --write-docs rewrites both from the same results.
+    assert region.search(home)[0] == region.search(readme.read_text())[0]
+    assert "| trivial kernel `x + 1` |" in region.search(home)[0]
+    shell = [
+        b["code"] for b in blocks(ROOT / "docs" / "index.md") if b["lang"] == "bash"
+    ]
+    assert "python3 -m venv .venv && .venv/bin/pip install -q ." in shell
+
+
 @pytest.mark.parametrize("name", jax_threadmap.__all__)
 def test_api_reference_examples(name):
     obj = getattr(jax_threadmap, name)

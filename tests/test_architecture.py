@@ -29,6 +29,7 @@ LAYERS = [
     "_primitive",
     "_api",
     "_async",
+    "_inner_threads",
     "_demo",
     "__init__",
     "__main__",

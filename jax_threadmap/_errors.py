@@ -58,8 +58,8 @@ class KernelError(ThreadmapError):
         >>> try:
         ...     f(jnp.array([1.0, -2.0, 4.0]))
         ... except KernelError as e:
-        ...     print(e.index, e.kernel_name, repr(e.__cause__))
-        (1,) checked_sqrt ValueError('negative: -2.0')
+        ...     print(e.index, e.kernel_name, "negative: -2.0" in str(e))
+        (1,) checked_sqrt True
     """
 
     def __init__(

@@ -15,6 +15,7 @@ from ._async import deferred_call as deferred_call
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
+from ._inner_threads import limit_inner_threads as limit_inner_threads
 from ._primitive import threadmap_p as threadmap_p
 
 try:
@@ -32,6 +33,7 @@ __all__ = [
     "async_dispatch_status",
     "deferred_call",
     "kernel",
+    "limit_inner_threads",
     "threadmap",
     "threadmap_p",
 ]

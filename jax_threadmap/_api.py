@@ -62,32 +62,35 @@ def threadmap(
 ) -> Any:
     """Calls a host kernel per element, as one threaded map under any ``vmap``.
 
-    Call it like :func:`jax.pure_callback`: inside the function you ``vmap``, with
-    the *unbatched* arguments. ``kernel`` receives NumPy arrays of exactly the
-    unbatched shapes (0-d arrays for scalars, read-only views, no copies per
-    element) plus ``kwargs``, and returns one element's result. However many
-    ``vmap`` levels wrap the call, it stays one ``threadmap`` equation; the host
-    runs one flat map over all elements on a thread pool, and arguments that are
-    not batched are never tiled.
+    Call it like
+    [`jax.pure_callback`](https://docs.jax.dev/en/latest/_autosummary/jax.pure_callback.html):
+    inside the function you ``vmap``, with the *unbatched* arguments. ``kernel``
+    receives NumPy arrays of exactly the unbatched shapes (0-d arrays for scalars,
+    read-only views, no copies per element) plus ``kwargs``, and returns one element's
+    result. However many ``vmap`` levels wrap the call, it stays one ``threadmap``
+    equation; the host runs one flat map over all elements on a thread pool, and
+    arguments that are not batched are never tiled.
 
     Args:
         kernel: A function of NumPy arrays returning a pytree of arrays (or
             numbers) that matches ``result_shape_dtypes``. Pass the same function
             object on every call so that jit caches hit.
         result_shape_dtypes: A pytree of objects with ``.shape`` and ``.dtype``
-            (e.g. :class:`jax.ShapeDtypeStruct`) describing one element's result.
+            (e.g.
+            [`jax.ShapeDtypeStruct`](https://docs.jax.dev/en/latest/_autosummary/jax.ShapeDtypeStruct.html))
+            describing one element's result.
         *args: Pytrees of arrays, passed positionally to ``kernel``.
         executor: Where the elements run. ``None``: the shared process-wide pool
             of ``JAX_THREADMAP_NUM_THREADS`` threads (default: one per CPU). An
             ``int`` N (at most 4096): a shared pool of N threads. A
-            :class:`concurrent.futures.Executor`: used as given. A pool's size is
-            a hard bound on the kernels of all its maps running at once, with one
-            exception: a kernel that waits for a nested map runs that map's
-            elements on its own thread meanwhile (lending its thread, and its
-            place in its own pool), so a nested map on another pool or executor
-            can run one kernel more than its bound per kernel waiting for it; on
-            the same pool the bound is exact. The pools' threads are shared by
-            every size, started on demand, and exit after 2 s idle.
+            [`concurrent.futures.Executor`](https://docs.python.org/3/library/concurrent.futures.html#executor-objects):
+            used as given. A pool's size is a hard bound on the kernels of all its maps
+            running at once, with one exception: a kernel that waits for a nested map
+            runs that map's elements on its own thread meanwhile (lending its thread,
+            and its place in its own pool), so a nested map on another pool or executor
+            can run one kernel more than its bound per kernel waiting for it; on the
+            same pool the bound is exact. The pools' threads are shared by every size,
+            started on demand, and exit after 2 s idle.
         progress: Show a progress bar (tqdm when installed, else lines on
             stderr) for maps that run longer than about a second. ``None``: on
             when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.
@@ -124,7 +127,7 @@ def threadmap(
             chunk's range of batch indices). Under ``jit`` it arrives wrapped in
             JAX's runtime error.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> from jax_threadmap import threadmap
         >>> def kernel(x, y):  # one element: x has shape (3,), y is 0-d
@@ -166,15 +169,29 @@ def threadmap(
 class KernelFunction:
     """A per-element NumPy kernel, callable like ``threadmap(fn, ...)``.
 
-    Made by :func:`kernel`; see there. Calling it binds one ``threadmap``
-    equation; :meth:`defjvp` and :meth:`defvjp` attach the threaded kernels that
-    ``jax.jvp`` / ``jax.grad`` and friends run for it.
+    Made by [`kernel`][jax_threadmap.kernel]; see there. Calling it binds one
+    ``threadmap`` equation;
+    [`defjvp`][jax_threadmap.KernelFunction.defjvp] and
+    [`defvjp`][jax_threadmap.KernelFunction.defvjp] attach the threaded kernels
+    that ``jax.jvp`` / ``jax.grad`` and friends run for it.
 
     Attributes:
         fn: The primal kernel.
-        result_shape_dtypes: One element's result, as given to :func:`kernel`.
+        result_shape_dtypes: One element's result, as given to
+            [`kernel`][jax_threadmap.kernel].
         jvp: The JVP kernel, or ``None``.
         vjp: The VJP kernel, or ``None``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> import jax_threadmap
+        >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
+        ... def cube(x):
+        ...     return x**3
+        >>> cube
+        <jax_threadmap kernel cube>
+        >>> jax.vmap(cube)(jnp.arange(3.0))
+        Array([0., 1., 8.], dtype=float32)
     """
 
     def __init__(
@@ -239,7 +256,7 @@ class KernelFunction:
         Returns:
             ``jvp`` itself, so ``defjvp`` can be used as a decorator.
 
-        Example:
+        Examples:
             >>> import jax, jax.numpy as jnp, numpy as np
             >>> import jax_threadmap
             >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
@@ -268,7 +285,7 @@ class KernelFunction:
         Returns:
             ``vjp`` itself, so ``defvjp`` can be used as a decorator.
 
-        Example:
+        Examples:
             >>> import jax, jax.numpy as jnp, numpy as np
             >>> import jax_threadmap
             >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
@@ -309,11 +326,12 @@ def kernel(
 ) -> Callable[[Callable[..., Any]], KernelFunction]:
     """Makes a threaded kernel whose derivatives are threaded kernels too.
 
-    ``kernel(result_shape_dtypes)(fn)`` returns a function ``f`` with
-    ``f(*args, **kwargs) == threadmap(fn, result_shape_dtypes, *args, **kwargs)``,
-    to which :meth:`KernelFunction.defjvp` and :meth:`KernelFunction.defvjp`
-    attach derivative kernels: unbatched NumPy kernels, like ``fn``, that run as
-    ``threadmap`` equations and fold under ``vmap`` like the primal.
+    ``kernel(result_shape_dtypes)(fn)`` returns a function ``f`` with ``f(*args,
+    **kwargs) == threadmap(fn, result_shape_dtypes, *args, **kwargs)``, to which
+    [`KernelFunction.defjvp`][jax_threadmap.KernelFunction.defjvp] and
+    [`KernelFunction.defvjp`][jax_threadmap.KernelFunction.defvjp] attach derivative
+    kernels: unbatched NumPy kernels, like ``fn``, that run as ``threadmap`` equations
+    and fold under ``vmap`` like the primal.
 
     - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``.
     - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``.
@@ -326,23 +344,26 @@ def kernel(
 
     Args:
         result_shape_dtypes: A pytree of objects with ``.shape`` and ``.dtype``
-            (e.g. :class:`jax.ShapeDtypeStruct`) describing one element's result.
-        executor: As for :func:`~jax_threadmap.threadmap`; used by the primal
+            (e.g.
+            [`jax.ShapeDtypeStruct`](https://docs.jax.dev/en/latest/_autosummary/jax.ShapeDtypeStruct.html))
+            describing one element's result.
+        executor: As for [`threadmap`][jax_threadmap.threadmap]; used by the primal
             and the derivative equations.
-        progress: As for :func:`~jax_threadmap.threadmap`.
-        vectorized: As for :func:`~jax_threadmap.threadmap`; applies to the
+        progress: As for [`threadmap`][jax_threadmap.threadmap].
+        vectorized: As for [`threadmap`][jax_threadmap.threadmap]; applies to the
             primal and the derivative kernels alike (each then takes and returns
             chunks with a leading axis, one cotangent or tangent per element).
 
     Returns:
-        A decorator turning a kernel ``fn`` into a :class:`KernelFunction`.
+        A decorator turning a kernel ``fn`` into a
+        [`KernelFunction`][jax_threadmap.KernelFunction].
 
     Raises:
         TypeError: ``result_shape_dtypes`` is a function (the decorator was used
             without parentheses), or ``executor``/``progress`` are invalid.
         ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> import jax_threadmap
         >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((3,), jnp.float32))

@@ -442,7 +442,7 @@ def async_dispatch_status() -> str:
         ``"async"``, or ``"blocking: <reason>"`` (the reason names the switch or
         the missing JAX feature).
 
-    Example:
+    Examples:
         >>> import jax_threadmap as jtm
         >>> jtm.async_dispatch_status()  # on CPU with jax 0.6.2 ... 0.12
         'async'

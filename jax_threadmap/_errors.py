@@ -15,6 +15,19 @@ class ThreadmapError(RuntimeError):
         cause: The exception that led to this one, if any; chained as
             ``__cause__`` (as ``raise ... from cause`` would), also when the error
             is recorded first and raised later by another thread.
+
+    Examples:
+        Catch every run-time failure of a map, kernel or executor:
+
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax_threadmap import ThreadmapError, threadmap
+        >>> def kernel(x):
+        ...     raise OSError("the solver's license expired")
+        >>> try:
+        ...     threadmap(kernel, jax.ShapeDtypeStruct((), jnp.float32), 1.0)
+        ... except ThreadmapError as e:
+        ...     print(type(e).__name__, "caused by", repr(e.__cause__))
+        KernelError caused by OSError("the solver's license expired")
     """
 
     def __init__(self, message: str, *, cause: BaseException | None = None):
@@ -32,6 +45,21 @@ class KernelError(ThreadmapError):
         kernel_name: The kernel's name.
 
     The original exception, if any, is chained as ``__cause__``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax_threadmap import KernelError, threadmap
+        >>> def checked_sqrt(x):
+        ...     if x < 0:
+        ...         raise ValueError(f"negative: {x}")
+        ...     return np.sqrt(x)
+        >>> f = jax.vmap(lambda x: threadmap(
+        ...     checked_sqrt, jax.ShapeDtypeStruct((), jnp.float32), x))
+        >>> try:
+        ...     f(jnp.array([1.0, -2.0, 4.0]))
+        ... except KernelError as e:
+        ...     print(e.index, e.kernel_name, "negative: -2.0" in str(e))
+        (1,) checked_sqrt True
     """
 
     def __init__(
@@ -58,7 +86,21 @@ def _rebuild_kernel_error(
 
 
 class ExecutorError(ThreadmapError):
-    """The executor could not run the map (shut down, or a worker died)."""
+    """The executor could not run the map (shut down, or a worker died).
+
+    Examples:
+        >>> from concurrent.futures import ThreadPoolExecutor
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax_threadmap import ExecutorError, threadmap
+        >>> pool = ThreadPoolExecutor(2)
+        >>> pool.shutdown()
+        >>> try:
+        ...     threadmap(np.sqrt, jax.ShapeDtypeStruct((), jnp.float32), 4.0,
+        ...               executor=pool)
+        ... except ExecutorError as e:
+        ...     print(type(e).__name__)
+        ExecutorError
+    """
 
 
 #: The innermost kernel frames quoted in a KernelError's message, and the longest

@@ -35,11 +35,12 @@ waiting on work queued behind it, and what happens at fork and exit.
   executor that map runs, so it never waits on work queued behind itself: its
   thread (and its place in its own pool) is lent to the nested map. A map that
   fails stops the maps its kernels started.
-- Exit: at interpreter exit the maps still in flight (in daemon threads) are
-  stopped and their waiting threads released, and the exit waits at most
-  ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked in a
-  kernel are left behind; they are daemon threads, so they do not hold up the
-  exit.
+- Exit: at interpreter exit the maps still in flight in the user's (daemon)
+  threads are stopped and their waiting threads released, and the exit waits at
+  most ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked
+  in a kernel are left behind; they are daemon threads, so they do not hold up
+  the exit. The maps of jitted programs that XLA runs on its own threads run to
+  the end: JAX waits for those programs at exit.
 """
 
 from __future__ import annotations
@@ -498,7 +499,9 @@ class _Threads:
         now: up to its limit, within its pool's bound."""
         new: list[tuple[threading.Thread, _Worker]] = []
         with self.lock:
-            if self.exiting or pool._shutdown:
+            if not queue and (self.exiting or pool._shutdown):
+                return  # more threads for a map in flight: it keeps those it has
+            if pool._shutdown or (self.exiting and not _run_for_jax(job)):
                 raise ExecutorError(
                     "jax_threadmap's thread pool has been shut down"
                     + (
@@ -705,17 +708,31 @@ def _after_fork_in_child() -> None:
     _local.job = None
 
 
-def _at_exit() -> None:
-    """Stops the maps in flight and waits at most ``EXIT_GRACE`` seconds in all.
+def _run_for_jax(job: Job) -> bool:
+    """Whether XLA runs the program that waits for ``job``, on a thread of its
+    own (a program dispatched to several devices, or asynchronously).
 
-    Only daemon threads can still be waiting for a map here (Python joins the
-    others before running atexit). Releasing them lets a thread inside a jitted
-    program leave it before the interpreter finalizes (a thread that needs the
-    GIL inside XLA then aborts the process).
+    JAX waits for such programs at exit, after this module's exit hook (atexit
+    runs the hooks registered last first), so their maps must run to the end,
+    new ones included. Python sees XLA's threads as dummy threads.
+    """
+    return isinstance(_flights.get(job), threading._DummyThread)
+
+
+def _at_exit() -> None:
+    """Stops the maps in flight in the user's threads and waits at most
+    ``EXIT_GRACE`` seconds in all for them to stop.
+
+    Only daemon threads (or XLA's) can still be waiting for a map here (Python
+    joins the others before running atexit). Releasing a daemon thread lets it
+    leave a jitted program before the interpreter finalizes (a thread that needs
+    the GIL inside XLA then aborts the process). The maps of programs that JAX
+    waits for at exit (:func:`_run_for_jax`) run on. Only threads of this module
+    are joined: XLA's cannot be, and the user's are not ours to wait for.
     """
     deadline = time.monotonic() + EXIT_GRACE
-    flights = list(_flights.items())
-    for job, _ in flights:
+    stopped = [job for job in list(_flights) if not _run_for_jax(job)]
+    for job in stopped:
         job.abandon(
             ExecutorError(
                 "The interpreter is exiting: this threadmap was stopped before it "
@@ -723,9 +740,13 @@ def _at_exit() -> None:
                 "of the program, or make those threads non-daemon."
             )
         )
+    ours = _threads.exit()
+    # The waiting threads leave their maps at once, unless the GIL is slow to come.
+    while any(job in _flights for job in stopped) and time.monotonic() < deadline:
+        time.sleep(0.001)
     me = threading.current_thread()
-    for t in [waiter for _, waiter in flights] + _threads.exit():
-        if t is not me and t.ident is not None:
+    for t in ours:
+        if t is not me and t.is_alive():  # one still starting is not joinable
             t.join(max(0.0, deadline - time.monotonic()))
 
 

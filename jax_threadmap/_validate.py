@@ -34,6 +34,34 @@ ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
 #: Keyword arguments of ``threadmap`` itself; they never reach the kernel.
 RESERVED_KWARGS = ("executor", "progress", "vectorized")
 
+#: Keywords of ``jax.pure_callback`` that ``threadmap`` refuses, rather than pass to
+#: the kernel (where they fail at run time), with what it does instead.
+CALLBACK_KWARGS = {
+    "vmap_method": (
+        "threadmap has no vmap_method: under any nesting of jax.vmap it always "
+        "runs one flat map over all elements on the executor, one kernel call per "
+        "element (or per chunk, with vectorized=True), and never tiles an "
+        "unbatched argument. Drop the keyword."
+    ),
+    "sharding": (
+        "threadmap takes no sharding: under jit with sharded inputs the host call "
+        "runs where XLA's partitioner places it (as jax.pure_callback without "
+        "sharding= does); to run one map per shard on the data where it lives, "
+        "call threadmap inside jax.shard_map. Drop the keyword."
+    ),
+}
+
+
+def check_callback_kwargs(kwargs: dict[str, Any], api: str) -> None:
+    """Refuses the keywords of ``jax.pure_callback`` that ``threadmap`` lacks."""
+    for name, instead in CALLBACK_KWARGS.items():
+        if name in kwargs:
+            raise TypeError(
+                f"{api}: {name}= is a keyword of jax.pure_callback, not of "
+                f"threadmap. {instead} (A kernel's own keyword argument cannot "
+                f"be named {name!r}; rename it.) Got {name}={_short(kwargs[name])}."
+            )
+
 
 def callable_name(fn: Any) -> str:
     """The name a message or a jaxpr shows for a user function."""

@@ -450,3 +450,24 @@ def test_executor_keyword_is_reserved_for_threadmap():
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         vmapped(k, executor=ex)(jnp.arange(3.0))
     assert seen == [[], [], []]
+
+
+@pytest.mark.parametrize("name", ["sharding", "vmap_method"])
+@pytest.mark.parametrize("via", ["threadmap", "kernel"])
+def test_pure_callback_keywords_are_refused_at_the_call(name, via):
+    # Were passed to the kernel, failing at run time ("unexpected keyword argument
+    # 'sharding'", or "is a str, not an array" for vmap_method="sequential").
+    value = {"sharding": jax.sharding.SingleDeviceSharding(jax.devices()[0])}.get(
+        name, "sequential"
+    )
+    if via == "threadmap":
+        call = lambda: threadmap(double, F32, 1.0, **{name: value})  # noqa: E731
+    else:
+        k = jax_threadmap.kernel(F32)(double)
+        call = lambda: k(1.0, **{name: value})  # noqa: E731
+    with pytest.raises(TypeError, match=rf"{name}= is a keyword of jax.pure_callback"):
+        call()
+    with pytest.raises(TypeError) as info:
+        jax.jit(jax.vmap(lambda x: call()))(jnp.ones(2))
+    assert "threadmap" in str(info.value) and "Drop the keyword" in str(info.value)
+    assert ("shard_map" if name == "sharding" else "one flat map") in str(info.value)

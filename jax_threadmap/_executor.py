@@ -57,7 +57,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from . import _validate
-from ._errors import ExecutorError, KernelError
+from ._errors import ExecutorError, KernelError, restore_shipped_cause
 from ._progress import Progress, progress_enabled, wait
 
 ENV_NUM_THREADS = _validate.ENV_NUM_THREADS
@@ -942,6 +942,9 @@ class _Shipper:
             start, stop = self.pending.pop(fut)
             try:
                 outs, per_element = fut.result()
+            except KernelError as e:
+                restore_shipped_cause(e)
+                raise
             except (pickle.PicklingError, AttributeError, TypeError) as e:
                 # Python 3.13 says "Can't get local object"; the pool's
                 # remote traceback (the cause) names the pickler.

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import worker_kernels
 from helpers import VALUE_CASES, cause_of, numpy_keeps_value
 
 import jax_threadmap
@@ -224,6 +225,29 @@ def test_base_exception_of_a_kernel_is_a_kernel_error(executor, jit):
     if not jit:
         assert isinstance(info.value, KernelError) and info.value.index == (2,)
         assert isinstance(cause_of(info.value), Abort)
+
+
+@pytest.mark.parametrize("vectorized", [False, True], ids=["element", "vectorized"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_kernel_exception_whose_message_fails_is_a_kernel_error(jit, vectorized):
+    # Was "ExecutorError: ... the executor failed with RuntimeError: str broke",
+    # with no batch index and the kernel's exception lost.
+    def kernel(x):
+        if vectorized:
+            return np.array([worker_kernels.unprintable_at_two(v) for v in x])
+        return worker_kernels.unprintable_at_two(x)
+
+    f = jax.vmap(lambda x: threadmap(kernel, F32, x, vectorized=vectorized))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(jnp.arange(4.0)))
+    msg = str(info.value)
+    assert "raised Unprintable: <exception str() failed>" in msg
+    assert ("batch indices (" if vectorized else "batch index (2,)") in msg
+    assert "str broke" not in msg
+    if not jit:
+        assert isinstance(info.value, KernelError)
+        assert isinstance(cause_of(info.value), worker_kernels.Unprintable)
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])

@@ -85,3 +85,16 @@ def aborts_at_one(x):
     if float(x) == 1:
         raise Abort("stop")
     return x
+
+
+class Unprintable(Exception):
+    """An exception whose message cannot be built."""
+
+    def __str__(self):
+        raise RuntimeError("str broke")
+
+
+def unprintable_at_two(x):
+    if float(x) == 2:
+        raise Unprintable("two")
+    return x

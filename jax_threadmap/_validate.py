@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import operator
 import os
 from typing import Any
 
@@ -157,13 +158,32 @@ def shape_dtype_of(leaf: Any, where: str, api: str) -> tuple[tuple[int, ...], np
             f"Got {leaf!r} of type {type(leaf).__name__}."
         )
     try:
-        return tuple(int(s) for s in shape), np.dtype(dtype)
+        # operator.index, not int: a dimension 2.5 is refused, not truncated to 2.
+        checked = tuple(operator.index(s) for s in shape), np.dtype(dtype)
     except TypeError as e:
         raise TypeError(
             f"{api}: {where} has shape {shape!r} and dtype {dtype!r}; expected a "
             "tuple of ints and a NumPy dtype. Use jax.ShapeDtypeStruct(shape, dtype) "
-            "with a concrete shape."
+            "with a concrete shape of integers."
         ) from e
+    if not _jax_holds(checked[1]):
+        raise TypeError(
+            f"{api}: {where} has dtype {checked[1]}, which a JAX array cannot hold "
+            "(JAX arrays hold booleans and numbers: bool, int, uint, float, "
+            "complex). Declare a numeric dtype, and return strings or objects "
+            "encoded as numbers (e.g. codes into a table kept outside JAX)."
+        )
+    return checked
+
+
+@functools.cache
+def _jax_holds(dtype: np.dtype) -> bool:
+    """Whether a JAX array can have ``dtype`` (bfloat16, int4 and float8 too)."""
+    return (
+        dtype == np.bool_
+        or dtype == jax.dtypes.float0
+        or bool(jax.dtypes.issubdtype(dtype, np.number))
+    )
 
 
 def check_has_results(result_shape_dtypes: Any, api: str) -> None:

@@ -495,3 +495,53 @@ def test_pure_callback_keywords_are_refused_at_the_call(name, via):
         jax.jit(jax.vmap(lambda x: call()))(jnp.ones(2))
     assert "threadmap" in str(info.value) and "Drop the keyword" in str(info.value)
     assert ("shard_map" if name == "sharding" else "one flat map") in str(info.value)
+
+
+class Declared:
+    """A duck-typed declaration: ``.shape`` and ``.dtype``, taken as given."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+@pytest.mark.parametrize("dtype", [object, str, "S3", "datetime64[s]"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_result_dtype_that_jax_cannot_hold_is_refused_at_the_call(dtype, jit):
+    # Was, eagerly: the kernel ran, then was blamed ("float32 does not convert to
+    # object"); under jit: "No dtype_to_ir_type handler for dtype: object".
+    ran = []
+
+    def kernel(x):
+        ran.append(x)
+        return x
+
+    out = jax.ShapeDtypeStruct((), dtype)
+    f = jax.vmap(lambda x: threadmap(kernel, {"r": out}, x))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(TypeError) as info:
+        f(jnp.arange(3.0))
+    msg = str(info.value)
+    assert "threadmap: result_shape_dtypes['r'] has dtype" in msg
+    assert str(np.dtype(dtype)) in msg and "cannot hold" in msg
+    assert ran == []
+    with pytest.raises(TypeError, match="cannot hold"):
+        jax_threadmap.async_call(lambda: np.zeros(()), out)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int4, jnp.bool_, jnp.complex64])
+def test_result_dtypes_that_jax_holds_are_accepted(dtype):
+    out = jax.ShapeDtypeStruct((2,), dtype)
+    x = jnp.ones((3, 2), dtype)
+    f = jax.vmap(lambda x: threadmap(lambda v: v, out, x))
+    np.testing.assert_array_equal(f(x), x)
+
+
+@pytest.mark.parametrize("shape", [(2.5,), (2.0,), ("2",)])
+def test_result_shape_that_is_not_integers_is_refused_not_truncated(shape):
+    # Was: (2.5,) silently became (2,).
+    with pytest.raises(TypeError, match=r"has shape .*concrete shape of integers"):
+        threadmap(lambda x: x, Declared(shape, np.float32), jnp.ones(2))
+    np.testing.assert_array_equal(
+        threadmap(lambda x: x, Declared((np.int64(2),), np.float32), jnp.ones(2)),
+        np.ones(2),
+    )

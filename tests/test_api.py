@@ -545,3 +545,50 @@ def test_result_shape_that_is_not_integers_is_refused_not_truncated(shape):
         threadmap(lambda x: x, Declared((np.int64(2),), np.float32), jnp.ones(2)),
         np.ones(2),
     )
+
+
+OPERANDS = {
+    "python float": 1.5,
+    "python int": 3,
+    "python bool": True,
+    "python complex": 1 + 2j,
+    "numpy float64": np.arange(2, dtype=np.float64),
+    "numpy int64": np.arange(2, dtype=np.int64),
+    "numpy uint64": np.arange(2, dtype=np.uint64),
+    "numpy float16": np.arange(2, dtype=np.float16),
+}
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("name", OPERANDS)
+def test_kernel_sees_the_dtypes_that_jit_gives_eagerly_too(name, wide, request):
+    # Was, with x64 off: a Python float reached the kernel as float64 eagerly and
+    # float32 under jit (Python int: int64 and int32), with and without vmap.
+    if wide:
+        request.getfixturevalue("x64")
+    operand = OPERANDS[name]
+    seen = []
+
+    def kernel(x, s):
+        seen.append((s.dtype, s.shape))
+        return x
+
+    def call(x, s):
+        return threadmap(kernel, F32, x, s)
+
+    xs = jnp.arange(3.0, dtype=jnp.float32)
+    runs = {
+        "eager": lambda: call(xs[0], operand),
+        "jit": lambda: jax.jit(call)(xs[0], operand),
+        "eager vmap": lambda: jax.vmap(call, (0, None))(xs, operand),
+        "jit vmap": lambda: jax.jit(jax.vmap(call, (0, None)))(xs, operand),
+    }
+    got = {}
+    for how, run in runs.items():
+        seen.clear()
+        jax.block_until_ready(run())
+        got[how] = set(seen)
+    assert len(set(map(frozenset, got.values()))) == 1, got
+    (dtype, _), *_ = got["jit"]
+    expected = jax.dtypes.canonicalize_dtype(np.asarray(operand).dtype)
+    assert dtype == expected, (dtype, expected)

@@ -40,7 +40,9 @@ waiting on work queued behind it, and what happens at fork and exit.
   most ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked
   in a kernel are left behind; they are daemon threads, so they do not hold up
   the exit. The maps of jitted programs that XLA runs on its own threads run to
-  the end: JAX waits for those programs at exit.
+  the end: JAX waits for those programs at exit. Maps on user executors of daemon
+  threads are stopped before ``concurrent.futures`` shuts its executors down,
+  so that their tasks not yet started are cancelled, not waited for.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import concurrent.futures.thread  # now, not lazily at exit (it then fails)
 import os
 import pickle
 import threading
@@ -719,6 +722,63 @@ def _run_for_jax(job: Job) -> bool:
     return isinstance(_flights.get(job), threading._DummyThread)
 
 
+def _exiting_error() -> ExecutorError:
+    return ExecutorError(
+        "The interpreter is exiting: this threadmap was stopped before it "
+        "finished. Wait for maps running in other threads before the end "
+        "of the program, or make those threads non-daemon."
+    )
+
+
+def _stop_maps_of_daemon_threads(deadline: float) -> None:
+    """Stops the maps that the user's daemon threads wait for, and waits until
+    those threads have left them (they do at once, unless the GIL is slow to
+    come) or until ``deadline``."""
+    stopped = [
+        job
+        for job, waiter in list(_flights.items())
+        if waiter.daemon and not _run_for_jax(job)
+    ]
+    for job in stopped:
+        job.abandon(_exiting_error())
+    while any(job in _flights for job in stopped) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+#: Set when the interpreter starts to exit, for messages.
+_exiting = threading.Event()
+_early_hook_lock = threading.Lock()
+_early_hook = False
+
+
+def register_early_exit_hook() -> None:
+    """Registers, once, :func:`_before_executors_exit` with threading's exit hooks.
+
+    Called when a map first runs on a user executor: ``concurrent.futures``
+    registers its own hook when its executor module is first imported, and
+    threading runs these hooks in reverse order, so ours then runs first.
+    """
+    global _early_hook
+    if _early_hook:
+        return
+    with _early_hook_lock:
+        register = getattr(threading, "_register_atexit", None)
+        if not _early_hook and register is not None:
+            try:
+                register(_before_executors_exit)
+            except RuntimeError:  # the interpreter is exiting already
+                _exiting.set()
+            _early_hook = True
+
+
+def _before_executors_exit() -> None:
+    """At exit, before ``concurrent.futures`` waits for every task its pools
+    hold and refuses new ones: stops the maps of daemon threads, whose tasks
+    not yet started are then cancelled rather than waited for."""
+    _exiting.set()
+    _stop_maps_of_daemon_threads(time.monotonic() + EXIT_GRACE)
+
+
 def _at_exit() -> None:
     """Stops the maps in flight in the user's threads and waits at most
     ``EXIT_GRACE`` seconds in all for them to stop.
@@ -731,19 +791,9 @@ def _at_exit() -> None:
     are joined: XLA's cannot be, and the user's are not ours to wait for.
     """
     deadline = time.monotonic() + EXIT_GRACE
-    stopped = [job for job in list(_flights) if not _run_for_jax(job)]
-    for job in stopped:
-        job.abandon(
-            ExecutorError(
-                "The interpreter is exiting: this threadmap was stopped before it "
-                "finished. Wait for maps running in other threads before the end "
-                "of the program, or make those threads non-daemon."
-            )
-        )
+    _exiting.set()
     ours = _threads.exit()
-    # The waiting threads leave their maps at once, unless the GIL is slow to come.
-    while any(job in _flights for job in stopped) and time.monotonic() < deadline:
-        time.sleep(0.001)
+    _stop_maps_of_daemon_threads(deadline)
     me = threading.current_thread()
     for t in ours:
         if t is not me and t.is_alive():  # one still starting is not joinable
@@ -778,6 +828,15 @@ def shares_memory(executor: concurrent.futures.Executor) -> bool:
 
 
 def _refused(executor: Any, e: BaseException) -> ExecutorError:
+    if _exiting.is_set() or "interpreter shutdown" in str(e):
+        return ExecutorError(
+            "The interpreter is exiting: this threadmap was stopped before it "
+            f"finished, because the executor {executor!r} refuses new work once "
+            "the main thread has ended (concurrent.futures stops its executors at "
+            "exit). Wait for maps on such executors before the end of the main "
+            "thread.",
+            cause=e,
+        )
     return ExecutorError(
         f"The executor {executor!r} passed as executor= refused new work: "
         f"{type(e).__name__}: {e}. Pass an executor that is running, or "
@@ -1063,6 +1122,8 @@ def run_map(
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
+    if pool is None:
+        register_early_exit_hook()
     _flights[job] = threading.current_thread()
     try:
         if pool is not None:

@@ -98,3 +98,9 @@ def unprintable_at_two(x):
     if float(x) == 2:
         raise Unprintable("two")
     return x
+
+
+def slow_identity(x):
+    """Half a second per element: a process-pool map still running at exit."""
+    time.sleep(0.5)
+    return x

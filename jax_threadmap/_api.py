@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import jax
 
@@ -16,6 +16,11 @@ from ._primitive import threadmap_p
 from ._validate import RESERVED_KWARGS, Executor
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: What a kernel call returns, for type checkers: ``jax.Array`` for one
+#: ``jax.ShapeDtypeStruct``, a tuple of them for a tuple, else ``Any`` (a pytree).
+R = TypeVar("R")
+
+_Arrays = tuple[jax.Array, ...]
 
 
 def _bind(
@@ -50,6 +55,42 @@ def _bind(
         progress=progress,
     )
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> jax.Array: ...
+
+
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> _Arrays: ...
+
+
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: Any,
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> Any: ...
 
 
 def threadmap(
@@ -166,7 +207,7 @@ def threadmap(
     )
 
 
-class KernelFunction:
+class KernelFunction(Generic[R]):
     """A per-element NumPy kernel, callable like ``threadmap(fn, ...)``.
 
     Made by :func:`kernel`; see there. Calling it binds one ``threadmap``
@@ -206,7 +247,7 @@ class KernelFunction:
             vectorized, "jax_threadmap.kernel"
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
         """Same as ``threadmap(fn, result_shape_dtypes, *args, **kwargs)``."""
         for name in RESERVED_KWARGS:
             if name in kwargs:
@@ -217,7 +258,7 @@ class KernelFunction:
                     f"Got {name}={kwargs[name]!r}."
                 )
         _validate.check_callback_kwargs(kwargs, _validate.callable_name(self.fn))
-        return _bind(
+        result: R = _bind(
             self.fn,
             self.result_shape_dtypes,
             args,
@@ -228,6 +269,7 @@ class KernelFunction:
             jvp=self.jvp,
             vjp=self.vjp,
         )
+        return result
 
     def defjvp(self, jvp: F, *unexpected: object) -> F:
         """Attaches the JVP kernel: for ``jax.jvp``, ``jacfwd`` and ``linearize``.
@@ -349,13 +391,43 @@ def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
     return f"vjp({', '.join(primals)}, ct_out, **kwargs) -> {cts}"
 
 
+@overload
+def kernel(
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[jax.Array]]: ...
+
+
+@overload
+def kernel(
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[_Arrays]]: ...
+
+
+@overload
 def kernel(
     result_shape_dtypes: Any,
     *,
     executor: Executor = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
-) -> Callable[[Callable[..., Any]], KernelFunction]:
+) -> Callable[[Callable[..., Any]], KernelFunction[Any]]: ...
+
+
+def kernel(
+    result_shape_dtypes: Any,
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[Any]]:
     """Makes a threaded kernel whose derivatives are threaded kernels too.
 
     ``kernel(result_shape_dtypes)(fn)`` returns a function ``f`` with
@@ -419,7 +491,7 @@ def kernel(
     progress = _validate.check_progress(progress, api=api)
     _validate.check_vectorized(vectorized, api)
 
-    def decorate(fn: Callable[..., Any]) -> KernelFunction:
+    def decorate(fn: Callable[..., Any]) -> KernelFunction[Any]:
         return KernelFunction(
             fn,
             result_shape_dtypes,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
-from jax_threadmap import ExecutorError, _executor, threadmap
+from jax_threadmap import ExecutorError, _executor, _pool, _scheduling, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
@@ -75,13 +75,13 @@ def test_env_var_rejects_garbage(monkeypatch):
 def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     rec = Recorder()
     np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
-    started = _executor._threads.started
+    started = _pool._threads.started
     for _ in range(2):
         np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
     assert rec.max_running == n
     assert _executor.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
-    assert _executor._threads.started == started
+    assert _pool._threads.started == started
 
 
 def test_bound_is_per_pool_not_per_map():
@@ -95,7 +95,7 @@ def test_bound_is_per_pool_not_per_map():
 
 
 def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
-    monkeypatch.setattr(_executor, "IDLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(_pool, "IDLE_TIMEOUT", 0.2)
     x = np.zeros(40, np.float32)
     for n in range(1, 21):
         np.testing.assert_array_equal(
@@ -733,7 +733,7 @@ def test_ctrl_c_stops_nested_maps_across_pools():
     "error", [RuntimeError("can't start new thread"), KeyboardInterrupt()]
 )
 def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
-    monkeypatch.setattr(_executor, "_threads", _executor._Threads())  # none idle
+    monkeypatch.setattr(_pool, "_threads", _pool._Threads())  # none idle
     real_start = threading.Thread.start
 
     def failing_start(self):
@@ -783,9 +783,9 @@ class Counter:
 def _only_the_watchdog(monkeypatch, stuck=60.0):
     """Maps on more threads than CPUs gain threads only from the watchdog, after
     ``stuck`` seconds: no timing can then raise their limit on a busy machine."""
-    monkeypatch.setattr(_executor, "SLOW_ELEMENT", float("inf"))
-    monkeypatch.setattr(_executor, "WAIT_SHARE", 0.0)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", stuck)
+    monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))
+    monkeypatch.setattr(_scheduling, "WAIT_SHARE", 0.0)
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", stuck)
 
 
 def user_pool(n):
@@ -834,7 +834,7 @@ def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_slow_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)  # from the chunks' times
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)  # from the chunks' times
     with executor_of(executor, 8) as ex:
         rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
         x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
@@ -845,8 +845,8 @@ def test_slow_elements_get_every_thread(monkeypatch, executor):
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_waiting_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
-    monkeypatch.setattr(_executor, "SLOW_ELEMENT", float("inf"))  # from CPU time
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
+    monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))  # from CPU time
     with executor_of(executor, 8) as ex:
         rec = Recorder(sleep=0.002)  # sleeps: its thread is on a CPU a few % of it
         x = np.zeros((8, 64), np.float32)
@@ -915,7 +915,7 @@ def test_executor_shut_down_while_the_map_grows(monkeypatch):
     # The threads added when the limit rises are refused: the ones already
     # running finish the map.
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     ex = user_pool(8)
     rec = Recorder(sleep=0.002)
 

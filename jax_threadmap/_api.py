@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import jax
 
@@ -15,6 +16,11 @@ from ._primitive import threadmap_p
 from ._validate import RESERVED_KWARGS, Executor
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: What a kernel call returns, for type checkers: ``jax.Array`` for one
+#: ``jax.ShapeDtypeStruct``, a tuple of them for a tuple, else ``Any`` (a pytree).
+R = TypeVar("R")
+
+_Arrays = tuple[jax.Array, ...]
 
 
 def _bind(
@@ -49,6 +55,42 @@ def _bind(
         progress=progress,
     )
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> jax.Array: ...
+
+
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> _Arrays: ...
+
+
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: Any,
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> Any: ...
 
 
 def threadmap(
@@ -107,7 +149,8 @@ def threadmap(
             element).
         **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The names
             ``executor``, ``progress`` and ``vectorized`` are reserved by
-            ``threadmap`` and cannot reach the kernel.
+            ``threadmap`` and cannot reach the kernel; ``sharding`` and
+            ``vmap_method``, keywords of ``jax.pure_callback``, are refused.
 
     Returns:
         A pytree of arrays with the structure of ``result_shape_dtypes``; under
@@ -155,6 +198,7 @@ def threadmap(
         "kernel",
         "Pass the kernel first, then result_shape_dtypes, then the arguments.",
     )
+    _validate.check_callback_kwargs(kwargs, "threadmap")
     return _bind(
         kernel,
         result_shape_dtypes,
@@ -166,7 +210,7 @@ def threadmap(
     )
 
 
-class KernelFunction:
+class KernelFunction(Generic[R]):
     """A per-element NumPy kernel, callable like ``threadmap(fn, ...)``.
 
     Made by [`kernel`][jax_threadmap.kernel]; see there. Calling it binds one
@@ -220,7 +264,7 @@ class KernelFunction:
             vectorized, "jax_threadmap.kernel"
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
         """Same as ``threadmap(fn, result_shape_dtypes, *args, **kwargs)``."""
         for name in RESERVED_KWARGS:
             if name in kwargs:
@@ -230,7 +274,8 @@ class KernelFunction:
                     "kernel, and cannot be passed per call or reach the kernel. "
                     f"Got {name}={kwargs[name]!r}."
                 )
-        return _bind(
+        _validate.check_callback_kwargs(kwargs, _validate.callable_name(self.fn))
+        result: R = _bind(
             self.fn,
             self.result_shape_dtypes,
             args,
@@ -241,8 +286,9 @@ class KernelFunction:
             jvp=self.jvp,
             vjp=self.vjp,
         )
+        return result
 
-    def defjvp(self, jvp: F) -> F:
+    def defjvp(self, jvp: F, *unexpected: object) -> F:
         """Attaches the JVP kernel: for ``jax.jvp``, ``jacfwd`` and ``linearize``.
 
         Args:
@@ -268,10 +314,10 @@ class KernelFunction:
             >>> jax.jvp(jax.vmap(square), (jnp.arange(3.0),), (jnp.ones(3),))[1]
             Array([0., 2., 4.], dtype=float32)
         """
-        self.jvp = _check_rule(jvp, "defjvp")
+        self.jvp = _check_rule(jvp, "defjvp", self.fn, unexpected)
         return jvp
 
-    def defvjp(self, vjp: F) -> F:
+    def defvjp(self, vjp: F, *unexpected: object) -> F:
         """Attaches the VJP kernel: for ``jax.grad``, ``vjp`` and ``jacrev``.
 
         Args:
@@ -297,7 +343,7 @@ class KernelFunction:
             >>> jax.grad(lambda x: jax.vmap(square)(x).sum())(jnp.arange(3.0))
             Array([0., 2., 4.], dtype=float32)
         """
-        self.vjp = _check_rule(vjp, "defvjp")
+        self.vjp = _check_rule(vjp, "defvjp", self.fn, unexpected)
         return vjp
 
     def __repr__(self) -> str:
@@ -308,13 +354,88 @@ class KernelFunction:
         )
 
 
-def _check_rule(rule: F, method: str) -> F:
+def _check_rule(
+    rule: F, method: str, fn: Callable[..., Any], unexpected: tuple[object, ...]
+) -> F:
+    """Checks a derivative kernel, and refuses the shapes of JAX's own
+    ``custom_vjp.defvjp(fwd, bwd)`` and ``custom_jvp`` rules with the signature
+    expected instead."""
+    expected = _expected_rule(method, fn)
+    if unexpected:
+        jax_api = (
+            "jax.custom_vjp's defvjp(fwd, bwd): there is no forward function, the "
+            "VJP kernel gets the primals themselves"
+            if method == "defvjp"
+            else "jax.custom_jvp's defjvps(*tangent_fns)"
+        )
+        raise TypeError(
+            f"{method} takes one derivative kernel, {expected}; it is not "
+            f"{jax_api}. Got {1 + len(unexpected)} arguments."
+        )
     if not callable(rule):
         raise TypeError(
-            f"{method} expects a callable derivative kernel. Got {rule!r} of type "
-            f"{type(rule).__name__}."
+            f"{method} expects a callable derivative kernel, {expected}. Got "
+            f"{rule!r} of type {type(rule).__name__}."
+        )
+    if method == "defjvp" and _positional_names(rule)[:2] == ["primals", "tangents"]:
+        raise TypeError(
+            f"{method}: {_validate.callable_name(rule)} looks like a jax.custom_jvp "
+            "rule, jvp(primals, tangents) -> (primal_out, tangent_out). A "
+            f"jax_threadmap JVP kernel is {expected}: one element's primals and "
+            "tangents as separate arguments, returning only the tangent."
         )
     return rule
+
+
+def _positional_names(f: Callable[..., Any]) -> list[str]:
+    """The names of ``f``'s positional parameters; empty when it cannot tell."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
+
+
+def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
+    """The signature of ``fn``'s derivative kernel, for messages."""
+    primals = _positional_names(fn) or ["*primals"]
+    if method == "defjvp":
+        tangents = ["*tangents" if p.startswith("*") else f"{p}_dot" for p in primals]
+        return f"jvp({', '.join(primals + tangents)}, **kwargs) -> tangent_out"
+    cts = ", ".join(f"ct_{p.lstrip('*')}" for p in primals)
+    cts = f"({cts},)" if len(primals) == 1 else f"({cts})"
+    return f"vjp({', '.join(primals)}, ct_out, **kwargs) -> {cts}"
+
+
+@overload
+def kernel(
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[jax.Array]]: ...
+
+
+@overload
+def kernel(
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[_Arrays]]: ...
+
+
+@overload
+def kernel(
+    result_shape_dtypes: Any,
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[Any]]: ...
 
 
 def kernel(
@@ -323,7 +444,7 @@ def kernel(
     executor: Executor = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
-) -> Callable[[Callable[..., Any]], KernelFunction]:
+) -> Callable[[Callable[..., Any]], KernelFunction[Any]]:
     """Makes a threaded kernel whose derivatives are threaded kernels too.
 
     ``kernel(result_shape_dtypes)(fn)`` returns a function ``f`` with ``f(*args,
@@ -391,7 +512,7 @@ def kernel(
     progress = _validate.check_progress(progress, api=api)
     _validate.check_vectorized(vectorized, api)
 
-    def decorate(fn: Callable[..., Any]) -> KernelFunction:
+    def decorate(fn: Callable[..., Any]) -> KernelFunction[Any]:
         return KernelFunction(
             fn,
             result_shape_dtypes,

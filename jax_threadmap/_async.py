@@ -17,7 +17,7 @@ import atexit
 import concurrent.futures
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -154,10 +154,40 @@ class AsyncArray:
         self._index = index
         return self
 
+    @overload
     @classmethod
     def from_future(
         cls,
-        future: concurrent.futures.Future,
+        future: concurrent.futures.Future[Any],
+        result_shape_dtypes: jax.ShapeDtypeStruct,
+        *,
+        device: jax.Device | jax.sharding.Sharding | None = None,
+    ) -> AsyncArray: ...
+
+    @overload
+    @classmethod
+    def from_future(
+        cls,
+        future: concurrent.futures.Future[Any],
+        result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+        *,
+        device: jax.Device | jax.sharding.Sharding | None = None,
+    ) -> tuple[AsyncArray, ...]: ...
+
+    @overload
+    @classmethod
+    def from_future(
+        cls,
+        future: concurrent.futures.Future[Any],
+        result_shape_dtypes: Any,
+        *,
+        device: jax.Device | jax.sharding.Sharding | None = None,
+    ) -> Any: ...
+
+    @classmethod
+    def from_future(
+        cls,
+        future: concurrent.futures.Future[Any],
         result_shape_dtypes: Any,
         *,
         device: jax.Device | jax.sharding.Sharding | None = None,
@@ -422,6 +452,39 @@ def _new_task(
     )
 
 
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> AsyncArray: ...
+
+
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> tuple[AsyncArray, ...]: ...
+
+
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> Any: ...
+
+
 def async_call(
     fn: Callable[..., Any],
     result_shape_dtypes: Any,
@@ -492,6 +555,39 @@ def async_call(
     out = _make(task)
     task.submit()
     return out
+
+
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> AsyncArray: ...
+
+
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> tuple[AsyncArray, ...]: ...
+
+
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> Any: ...
 
 
 def deferred_call(

@@ -131,6 +131,8 @@ class _Threads:
         self.workers: set[_Worker] = set()  # of the threads alive
         self.started = 0
         self.exiting = False
+        #: Maps still taken at exit: those of programs that JAX waits for.
+        self.kept_at_exit: Callable[[Job], bool] = lambda job: False
 
     def submit(self, pool: ThreadPool, job: Job) -> None:
         """Queues ``job`` and hands it as many threads as it can use now."""
@@ -141,7 +143,9 @@ class _Threads:
         now: up to its limit, within its pool's bound."""
         new: list[tuple[threading.Thread, _Worker]] = []
         with self.lock:
-            if self.exiting or pool._shutdown:
+            if not queue and (self.exiting or pool._shutdown):
+                return  # more threads for a map in flight: it keeps those it has
+            if pool._shutdown or (self.exiting and not self.kept_at_exit(job)):
                 raise ExecutorError(
                     "jax_threadmap's thread pool has been shut down"
                     + (
@@ -296,10 +300,12 @@ class _Threads:
             _take_place(*other)
             worker.pool, worker.job = other
 
-    def exit(self) -> list[threading.Thread]:
-        """Stops handing out work; idle threads exit. Returns the threads alive."""
+    def exit(self, keep: Callable[[Job], bool]) -> list[threading.Thread]:
+        """Refuses new maps but those that ``keep`` accepts; idle threads exit.
+        Returns the threads alive."""
         with self.lock:
             self.exiting = True
+            self.kept_at_exit = keep
             for worker in self.idle:
                 worker.wake.release()
             self.idle.clear()

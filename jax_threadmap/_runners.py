@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # now, not lazily at exit (it then fails)
 import dataclasses
 import pickle
 import threading
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import _scheduling as policy
-from ._errors import ExecutorError
+from ._errors import ExecutorError, KernelError, restore_shipped_cause
 from ._jobs import Job, LimitedGate, MapWork, _local
 from ._pool import ThreadPool, get_pool
 from ._progress import Progress, wait
@@ -83,7 +84,20 @@ def shares_memory(executor: concurrent.futures.Executor) -> bool:
     return isinstance(executor, concurrent.futures.ThreadPoolExecutor)
 
 
+#: Set when the interpreter starts to exit (by :mod:`._executor`), for messages.
+interpreter_exiting = threading.Event()
+
+
 def _refused(executor: Any, e: BaseException) -> ExecutorError:
+    if interpreter_exiting.is_set() or "interpreter shutdown" in str(e):
+        return ExecutorError(
+            "The interpreter is exiting: this threadmap was stopped before it "
+            f"finished, because the executor {executor!r} refuses new work once "
+            "the main thread has ended (concurrent.futures stops its executors at "
+            "exit). Wait for maps on such executors before the end of the main "
+            "thread.",
+            cause=e,
+        )
     return ExecutorError(
         f"The executor {executor!r} passed as executor= refused new work: "
         f"{type(e).__name__}: {e}. Pass an executor that is running, or "
@@ -275,6 +289,9 @@ class _Shipper:
             start, stop = self.pending.pop(fut)
             try:
                 outs, per_element = fut.result()
+            except KernelError as e:
+                restore_shipped_cause(e)
+                raise
             except (pickle.PicklingError, AttributeError, TypeError) as e:
                 # Python 3.13 says "Can't get local object"; the pool's
                 # remote traceback (the cause) names the pickler.

@@ -135,14 +135,6 @@ def _own_script(b) -> bool:
 
 
 PY_BLOCKS = [(path, b) for path in FILES for b in blocks(path) if _is_python(b)]
-#: Blocks whose stderr is known not to be empty yet, and why.
-STDERR_XFAIL = {
-    "docs/sharding.md:12": (
-        "the exit hook of jax_threadmap/_executor.py stops the maps that JAX's "
-        "own exit handler waits for and joins XLA's callback threads, which prints "
-        "tracebacks at exit on 4 devices (issue 17, fixed on the code branch)"
-    ),
-}
 
 
 def _skip_reason(block) -> str | None:
@@ -282,8 +274,6 @@ def test_doc_block_runs(path, block):
 
 
 def _check_stderr(name: str, proc) -> None:
-    if proc.stderr and name in STDERR_XFAIL:
-        pytest.xfail(STDERR_XFAIL[name])
     assert not proc.stderr, f"{name}: the script wrote to stderr:\n{proc.stderr}"
 
 

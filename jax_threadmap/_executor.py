@@ -50,7 +50,7 @@ import os
 import threading
 import time
 
-from . import _pool, _validate
+from . import _pool, _runners, _validate
 from . import _scheduling as policy
 from ._errors import ExecutorError, KernelError
 from ._jobs import ChunkFn, Job, MapWork, _local, current_job
@@ -100,7 +100,10 @@ _flights: dict[Job, threading.Thread] = {}
 def _after_fork_in_child() -> None:
     # The parent's threads do not exist in the child, and neither do its maps in
     # flight (a fork from inside a kernel runs none of them here): start afresh.
+    # Every lock and pool of the executor layer is replaced: a parent's thread
+    # may have held any of them at the fork.
     _pool.reset_after_fork()
+    _runners.reset_after_fork()
     _flights.clear()
     _local.job = None
 

@@ -32,6 +32,8 @@ LAYERS = [
     "_autodiff",
     "_primitive",
     "_api",
+    "_task",
+    "_dispatch",
     "_async",
     "_demo",
     "__init__",

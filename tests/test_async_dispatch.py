@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap as jtm
-from jax_threadmap import AsyncArray, _async, async_call, deferred_call
+from jax_threadmap import AsyncArray, _async, _dispatch, async_call, deferred_call
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -453,7 +453,7 @@ def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplo
     def refuse(*args, **kwargs):
         raise OSError("no loopback here")
 
-    monkeypatch.setattr(_async, "_dispatch", _async._Dispatch())
+    monkeypatch.setattr(_dispatch, "mechanism", _dispatch.Dispatch())
     monkeypatch.setattr(_async._compat, "start_transfer_server", refuse)
     gate = Gate(np.arange(3, dtype=np.float32))
     a = async_call(gate, SDS((3,), np.float32))

@@ -62,8 +62,12 @@ class ThreadPool:
         threads = _threads
 
         def grow() -> None:
-            self.gate.leave(job)
-            threads.hand(self, job)
+            # Threads first: the next limited map, let in by the gate, must not
+            # take the places this map is about to grow into.
+            try:
+                threads.hand(self, job)
+            finally:
+                self.gate.leave(job)
 
         job.grow = grow
         self.gate.enter(job)

@@ -200,8 +200,12 @@ def _run_on_threads(
     gate = _gate(executor)
 
     def grow() -> None:
-        gate.leave(job)
-        hand()
+        # Pullers first: the next limited map, let in by the gate, queues its
+        # pullers behind these, not before them.
+        try:
+            hand()
+        finally:
+            gate.leave(job)
 
     job.grow = grow
     gate.enter(job)

@@ -1,34 +1,13 @@
-"""Where the elements of a flat map run: the shared threads and user executors.
+"""One map from start to end: its runner, its job, its error; fork and exit.
 
-This module owns every scheduling decision: how a map's flat index range
-``[0, n)`` is cut into chunks, which threads run them, how a nested map avoids
-waiting on work queued behind it, and what happens at fork and exit.
+The executor layer, lowest first (``docs/architecture.md``):
 
-- A map is a :class:`Job`. Chunks are claimed with guided scheduling: each claim
-  takes a share of what is left, so fast kernels run in a few large chunks that
-  amortise the scheduling cost, and the last chunks shrink to a single element so
-  that slow kernels keep every worker busy until the end. A map whose outputs are
-  summed on the host gets fixed chunk bounds instead, so that its sums do not
-  depend on timing.
-- :class:`ThreadPool` (``executor=None`` and ``executor=N``) is a bound, not a
-  set of threads: at most ``N`` kernels of its maps run at once. The kernels of
-  every pool run on one set of daemon threads (:class:`_Threads`), started on
-  demand: a thread starts only when no idle one is left, so the threads alive
-  never outnumber the most places (threads running, or about to run, a pool's
-  kernels) the pools have held at once, and a thread idle for ``IDLE_TIMEOUT``
-  seconds exits.
-- A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
-  until none are left (the same claim-and-run loop as the shared threads).
-- Threads per map: a large map (more than ``LIMITED_FROM`` elements per
-  thread) whose executor has more threads than CPUs starts on one thread per
-  CPU, and gets all of its executor's threads once its chunks show that its
-  elements are slow, or that their threads mostly wait (I/O, sleeps) rather
-  than compute. A fast kernel gains nothing from more threads than CPUs, and
-  loses to threads taking turns at the GIL. A map's first pullers are queued
-  together, so small maps started at once on one executor do not split its
-  threads between them.
-- Executors that pickle work (process pools, Dask) get packed chunks
-  (:mod:`._remote`), sized from the kernel's measured cost.
+- :mod:`._scheduling`: the policy, pure functions and named constants;
+- :mod:`._jobs`: a map's chunks (:class:`Job`), claimed and run by any thread;
+- :mod:`._pool`: the shared threads behind ``executor=None`` and ``executor=N``;
+- :mod:`._runners`: one runner per kind of executor, chosen once per map;
+- this module: :func:`run_map`, and what happens at fork and exit.
+
 - Nesting: the thread that starts a map waits and runs nothing, unless it is
   itself running a kernel of a map (a kernel that calls ``threadmap``). Then it
   works on the chunks of its own map while it waits, on whatever pool or thread
@@ -53,7 +32,7 @@ import os
 import threading
 import time
 
-from . import _pool, _validate
+from . import _pool, _runners, _validate
 from . import _scheduling as policy
 from ._errors import ExecutorError, KernelError
 from ._jobs import ChunkFn, Job, MapWork, _local, current_job
@@ -103,7 +82,10 @@ _flights: dict[Job, threading.Thread] = {}
 def _after_fork_in_child() -> None:
     # The parent's threads do not exist in the child, and neither do its maps in
     # flight (a fork from inside a kernel runs none of them here): start afresh.
+    # Every lock and pool of the executor layer is replaced: a parent's thread
+    # may have held any of them at the fork.
     _pool.reset_after_fork()
+    _runners.reset_after_fork()
     _flights.clear()
     _local.job = None
 

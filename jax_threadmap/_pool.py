@@ -62,8 +62,12 @@ class ThreadPool:
         threads = _threads
 
         def grow() -> None:
-            self.gate.leave(job)
-            threads.hand(self, job)
+            # Threads first: the next limited map, let in by the gate, must not
+            # take the places this map is about to grow into.
+            try:
+                threads.hand(self, job)
+            finally:
+                self.gate.leave(job)
 
         job.grow = grow
         self.gate.enter(job)
@@ -141,7 +145,6 @@ class _Threads:
     def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> None:
         """Hands ``job`` (queued unless ``queue``) as many threads as it can use
         now: up to its limit, within its pool's bound."""
-        new: list[tuple[threading.Thread, _Worker]] = []
         with self.lock:
             if not queue and (self.exiting or pool._shutdown):
                 return  # more threads for a map in flight: it keeps those it has
@@ -159,23 +162,38 @@ class _Threads:
                 self.queue.append((pool, job))
             elif job.exhausted():
                 return
-            returning = None  # threads about to look for work, once counted
-            for _ in range(min(job.n, job.limit) - job.hands):
-                if pool.active >= pool.max_workers:
-                    break
-                if self.idle:
-                    _take_place(pool, job)
-                    worker = self.idle.pop()
-                    worker.pool, worker.job = pool, job
-                    worker.wake.release()
-                    continue
-                if returning is None:
-                    returning = self._returning()
-                if returning >= policy.SPARE_THREADS():
-                    break  # they take the job from the queue (_hand_next)
-                _take_place(pool, job)
-                new.append(self._new_thread(pool, job))
+            new = self._place(pool, job)
         # Outside the lock, so that the other threads keep going meanwhile.
+        self._start(pool, job, new)
+
+    def _place(
+        self, pool: ThreadPool, job: Job
+    ) -> list[tuple[threading.Thread, _Worker]]:  # lock held
+        """Wakes idle threads for ``job``, and makes new ones (returned, to be
+        started) unless threads done with their maps will take it soon."""
+        new: list[tuple[threading.Thread, _Worker]] = []
+        returning = None  # threads about to look for work, once counted
+        for _ in range(min(job.n, job.limit) - job.hands):
+            if pool.active >= pool.max_workers:
+                break
+            if self.idle:
+                _take_place(pool, job)
+                worker = self.idle.pop()
+                worker.pool, worker.job = pool, job
+                worker.wake.release()
+                continue
+            if returning is None:
+                returning = self._returning()
+            if returning >= policy.SPARE_THREADS():
+                break  # they take the job from the queue (_hand_next)
+            _take_place(pool, job)
+            new.append(self._new_thread(pool, job))
+        return new
+
+    def _start(
+        self, pool: ThreadPool, job: Job, new: list[tuple[threading.Thread, _Worker]]
+    ) -> None:
+        """Starts the threads made for ``job``; a refusal fails the map."""
         for i, (t, _) in enumerate(new):
             try:
                 t.start()

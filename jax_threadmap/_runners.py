@@ -137,6 +137,18 @@ def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
         return lock
 
 
+def reset_after_fork() -> None:
+    """A forked child starts with fresh tables, locks and gates: a parent's
+    thread may have held any of them at the fork, and never releases it here."""
+    global _queue_locks, _gates, _queue_locks_lock, _queue_locks_fallback
+    global _gate_fallback
+    _queue_locks = weakref.WeakKeyDictionary()
+    _gates = weakref.WeakKeyDictionary()
+    _queue_locks_lock = threading.Lock()
+    _queue_locks_fallback = threading.Lock()
+    _gate_fallback = LimitedGate()
+
+
 def _gate(executor: concurrent.futures.Executor) -> LimitedGate:
     """The :class:`._jobs.LimitedGate` of ``executor``."""
     with _queue_locks_lock:
@@ -161,6 +173,7 @@ def _run_on_threads(
     cancelled.
     """
     count = min(known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT, job.n)
+    # Guards ``left``, ``futures`` and ``job.hands`` (this runner's count).
     lock = threading.Lock()
     left = [0]  # pullers submitted and not yet done
     futures: list[concurrent.futures.Future[None]] = []
@@ -201,8 +214,12 @@ def _run_on_threads(
     gate = _gate(executor)
 
     def grow() -> None:
-        gate.leave(job)
-        hand()
+        # Pullers first: the next limited map, let in by the gate, queues its
+        # pullers behind these, not before them.
+        try:
+            hand()
+        finally:
+            gate.leave(job)
 
     job.grow = grow
     gate.enter(job)
@@ -299,7 +316,7 @@ class _Shipper:
                     raise
                 raise _cannot_ship(self.executor, self.work.name, e) from e
             self.work.store_packed(start, stop, outs)
-            self.job.completed += stop - start
+            self.job.add_completed(stop - start)
             self.per_element = policy.smoothed(self.per_element, per_element)
         while self.next < self.job.n and len(self.pending) < self.cap:
             self.submit(self.size())

@@ -17,7 +17,7 @@ import atexit
 import concurrent.futures
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -34,10 +34,18 @@ from ._task import PENDING, Task
 from ._task import default_async_threads as default_async_threads
 from ._validate import callable_name
 
+#: How long exit waits for calls whose function returned to place their values.
+EXIT_PLACE_S = 5.0
+
 
 def _at_exit() -> None:
     with _task.live_lock:
-        unfinished = [t for t in _task.live if not t.future.done()]
+        live = list(_task.live)
+    # A call whose function returned may still be copying its values to the
+    # device after its dependents got them (async dispatch): it is not abandoned.
+    returned = [t.future for t in live if t.state == _task.FINISHING]
+    concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
+    unfinished = [t for t in live if not t.future.done()]
     if unfinished:
         names = ", ".join(f"{t.name} ({t.api})" for t in unfinished[:5])
         if len(unfinished) > 5:
@@ -91,14 +99,16 @@ def _unary(name: str) -> Callable[[AsyncArray], Any]:
 class AsyncArray:
     """An array whose value a background call is still computing.
 
-    Made by :func:`async_call`, :func:`deferred_call` or :meth:`from_future`,
-    never directly. Its shape and dtype are known at once, so it can be passed to
-    ``jax.jit`` functions (tracing and compilation proceed while the call runs;
-    the program waits for the buffer only when it executes), eager ``jax.numpy``
-    functions, ``jax.device_put``, ``np.asarray`` and ``threadmap``. Python
-    operators, indexing, ``bool``/``int``/``float`` wait for the value and act
-    like those of the ``jax.Array`` that :meth:`result` returns; use
-    ``result()`` for any other ``jax.Array`` method.
+    Made by [`async_call`][jax_threadmap.async_call],
+    [`deferred_call`][jax_threadmap.deferred_call] or
+    [`from_future`][jax_threadmap.AsyncArray.from_future], never directly. Its shape and
+    dtype are known at once, so it can be passed to ``jax.jit`` functions (tracing and
+    compilation proceed while the call runs; the program waits for the buffer only when
+    it executes), eager ``jax.numpy`` functions, ``jax.device_put``, ``np.asarray`` and
+    ``threadmap``. Python operators, indexing, ``bool``/``int``/``float`` wait for the
+    value and act like those of the ``jax.Array`` that
+    [`result`][jax_threadmap.AsyncArray.result] returns; use ``result()`` for any other
+    ``jax.Array`` method.
 
     If the call raised, every use of the array re-raises that exception (same
     type, message and ``__cause__``, with a note naming the call).
@@ -113,7 +123,7 @@ class AsyncArray:
         sharding: Where the value goes: the target ``device`` or sharding, or
             ``None`` for the default device (uncommitted, like ``jnp.asarray``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> import jax_threadmap as jtm
         >>> x = jtm.async_call(np.ones, jax.ShapeDtypeStruct((2,), jnp.float32),
@@ -145,10 +155,40 @@ class AsyncArray:
         self._index = index
         return self
 
+    @overload
     @classmethod
     def from_future(
         cls,
-        future: concurrent.futures.Future,
+        future: concurrent.futures.Future[Any],
+        result_shape_dtypes: jax.ShapeDtypeStruct,
+        *,
+        device: jax.Device | jax.sharding.Sharding | None = None,
+    ) -> AsyncArray: ...
+
+    @overload
+    @classmethod
+    def from_future(
+        cls,
+        future: concurrent.futures.Future[Any],
+        result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+        *,
+        device: jax.Device | jax.sharding.Sharding | None = None,
+    ) -> tuple[AsyncArray, ...]: ...
+
+    @overload
+    @classmethod
+    def from_future(
+        cls,
+        future: concurrent.futures.Future[Any],
+        result_shape_dtypes: Any,
+        *,
+        device: jax.Device | jax.sharding.Sharding | None = None,
+    ) -> Any: ...
+
+    @classmethod
+    def from_future(
+        cls,
+        future: concurrent.futures.Future[Any],
         result_shape_dtypes: Any,
         *,
         device: jax.Device | jax.sharding.Sharding | None = None,
@@ -167,14 +207,14 @@ class AsyncArray:
                 for every leaf.
 
         Returns:
-            A pytree of :class:`AsyncArray` with the structure of
+            A pytree of [`AsyncArray`][jax_threadmap.AsyncArray] with the structure of
             ``result_shape_dtypes``.
 
         Raises:
             TypeError: If ``future`` is not a ``concurrent.futures.Future``, or
                 ``result_shape_dtypes`` or ``device`` is malformed.
 
-        Example:
+        Examples:
             >>> from concurrent.futures import ThreadPoolExecutor
             >>> import jax, numpy as np
             >>> from jax_threadmap import AsyncArray
@@ -288,7 +328,7 @@ class AsyncArray:
             Exception: Whatever the call raised, or a ``ValueError`` if it
                 returned values that do not match ``result_shape_dtypes``.
 
-        Example:
+        Examples:
             >>> import jax, numpy as np
             >>> import jax_threadmap as jtm
             >>> x = jtm.async_call(np.zeros, jax.ShapeDtypeStruct((2,), np.float32),
@@ -463,6 +503,42 @@ def _check_timeout(timeout: Any, api: str) -> None:
         )
 
 
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> AsyncArray: ...
+
+
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> tuple[AsyncArray, ...]: ...
+
+
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any: ...
+
+
 def async_call(
     fn: Callable[..., Any],
     result_shape_dtypes: Any,
@@ -474,14 +550,13 @@ def async_call(
 ) -> Any:
     """Starts ``fn(*args, **kwargs)`` in the background; returns its arrays now.
 
-    ``fn`` starts at once on a shared pool of at most
-    ``JAX_THREADMAP_ASYNC_THREADS`` threads (default ``min(32, cpus + 4)``) and
-    runs exactly once, however many arrays it returns. When it finishes, its
-    result is checked against ``result_shape_dtypes`` and copied to its device.
-    Meanwhile the returned :class:`AsyncArray` leaves can be passed to
-    ``jax.jit`` functions, which trace and compile with their shapes and dtypes
-    and wait for the data only when the compiled program runs, so compilation
-    hides behind the call.
+    ``fn`` starts at once on a shared pool of at most ``JAX_THREADMAP_ASYNC_THREADS``
+    threads (default ``min(32, cpus + 4)``) and runs exactly once, however many arrays
+    it returns. When it finishes, its result is checked against ``result_shape_dtypes``
+    and copied to its device. Meanwhile the returned
+    [`AsyncArray`][jax_threadmap.AsyncArray] leaves can be passed to ``jax.jit``
+    functions, which trace and compile with their shapes and dtypes and wait for the
+    data only when the compiled program runs, so compilation hides behind the call.
 
     A thread that needs a value whose call has not started yet (all workers
     busy) runs the call itself rather than waiting.
@@ -512,7 +587,7 @@ def async_call(
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:
-        A pytree of :class:`AsyncArray` with the structure of
+        A pytree of [`AsyncArray`][jax_threadmap.AsyncArray] with the structure of
         ``result_shape_dtypes``.
 
     Raises:
@@ -526,7 +601,7 @@ def async_call(
     re-raises them. A result of the wrong structure, shape or dtype makes every
     use raise a ``ValueError`` naming the expected and actual values.
 
-    Example:
+    Examples:
         >>> import time
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> import jax_threadmap as jtm
@@ -548,6 +623,41 @@ def async_call(
     return out
 
 
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> AsyncArray: ...
+
+
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> tuple[AsyncArray, ...]: ...
+
+
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    **kwargs: Any,
+) -> Any: ...
+
+
 def deferred_call(
     fn: Callable[..., Any],
     result_shape_dtypes: Any,
@@ -557,7 +667,7 @@ def deferred_call(
     timeout: float | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Like :func:`async_call`, but runs ``fn`` only when a value is first needed.
+    """Like ``async_call``, but runs ``fn`` only when a value is first needed.
 
     A thunk-backed array: nothing runs until the first use of any of the
     returned arrays (``result()``, ``block_until_ready()``, a jitted program
@@ -568,22 +678,22 @@ def deferred_call(
     a program that is traced but never run never pays for the call.
 
     Args:
-        fn: The function to call, as in :func:`async_call`.
+        fn: The function to call, as in [`async_call`][jax_threadmap.async_call].
         result_shape_dtypes: A pytree whose leaves have ``shape`` and ``dtype``.
         *args: Positional arguments of ``fn``.
-        device: Reserved keyword, as in :func:`async_call`.
-        timeout: Reserved keyword, as in :func:`async_call`.
+        device: Reserved keyword, as in [`async_call`][jax_threadmap.async_call].
+        timeout: Reserved keyword, as in [`async_call`][jax_threadmap.async_call].
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:
-        A pytree of :class:`AsyncArray` with the structure of
+        A pytree of [`AsyncArray`][jax_threadmap.AsyncArray] with the structure of
         ``result_shape_dtypes``.
 
     Raises:
-        TypeError: As :func:`async_call`.
-        ValueError: As :func:`async_call`.
+        TypeError: As [`async_call`][jax_threadmap.async_call].
+        ValueError: As [`async_call`][jax_threadmap.async_call].
 
-    Example:
+    Examples:
         >>> import jax, numpy as np
         >>> import jax_threadmap as jtm
         >>> x = jtm.deferred_call(np.full, jax.ShapeDtypeStruct((2,), np.float32),

@@ -1,45 +1,27 @@
-"""Where the elements of a flat map run: the shared threads and user executors.
+"""One map from start to end: its runner, its job, its error; fork and exit.
 
-This module owns every scheduling decision: how a map's flat index range
-``[0, n)`` is cut into chunks, which threads run them, how a nested map avoids
-waiting on work queued behind it, and what happens at fork and exit.
+The executor layer, lowest first (``docs/architecture.md``):
 
-- A map is a :class:`Job`. Chunks are claimed with guided scheduling: each claim
-  takes a share of what is left, so fast kernels run in a few large chunks that
-  amortise the scheduling cost, and the last chunks shrink to a single element so
-  that slow kernels keep every worker busy until the end. A map whose outputs are
-  summed on the host gets fixed chunk bounds instead, so that its sums do not
-  depend on timing.
-- :class:`ThreadPool` (``executor=None`` and ``executor=N``) is a bound, not a
-  set of threads: at most ``N`` kernels of its maps run at once. The kernels of
-  every pool run on one set of daemon threads (:class:`_Threads`), started on
-  demand: a thread starts only when no idle one is left, so the threads alive
-  never outnumber the most places (threads running, or about to run, a pool's
-  kernels) the pools have held at once, and a thread idle for ``IDLE_TIMEOUT``
-  seconds exits.
-- A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
-  until none are left (the same claim-and-run loop as the shared threads).
-- Threads per map: a large map (more than ``LIMITED_FROM`` elements per
-  thread) whose executor has more threads than CPUs starts on one thread per
-  CPU, and gets all of its executor's threads once its chunks show that its
-  elements are slow, or that their threads mostly wait (I/O, sleeps) rather
-  than compute. A fast kernel gains nothing from more threads than CPUs, and
-  loses to threads taking turns at the GIL. A map's first pullers are queued
-  together, so small maps started at once on one executor do not split its
-  threads between them.
-- Executors that pickle work (process pools, Dask) get packed chunks
-  (:mod:`._remote`), sized from the kernel's measured cost.
+- :mod:`._scheduling`: the policy, pure functions and named constants;
+- :mod:`._jobs`: a map's chunks (:class:`Job`), claimed and run by any thread;
+- :mod:`._pool`: the shared threads behind ``executor=None`` and ``executor=N``;
+- :mod:`._runners`: one runner per kind of executor, chosen once per map;
+- this module: :func:`run_map`, and what happens at fork and exit.
+
 - Nesting: the thread that starts a map waits and runs nothing, unless it is
   itself running a kernel of a map (a kernel that calls ``threadmap``). Then it
   works on the chunks of its own map while it waits, on whatever pool or thread
   executor that map runs, so it never waits on work queued behind itself: its
   thread (and its place in its own pool) is lent to the nested map. A map that
   fails stops the maps its kernels started.
-- Exit: at interpreter exit the maps still in flight (in daemon threads) are
-  stopped and their waiting threads released, and the exit waits at most
-  ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked in a
-  kernel are left behind; they are daemon threads, so they do not hold up the
-  exit.
+- Exit: at interpreter exit the maps still in flight in the user's (daemon)
+  threads are stopped and their waiting threads released, and the exit waits at
+  most ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked
+  in a kernel are left behind; they are daemon threads, so they do not hold up
+  the exit. The maps of jitted programs that XLA runs on its own threads run to
+  the end: JAX waits for those programs at exit. Maps on user executors of daemon
+  threads are stopped before ``concurrent.futures`` shuts its executors down,
+  so that their tasks not yet started are cancelled, not waited for.
 """
 
 from __future__ import annotations
@@ -50,7 +32,7 @@ import os
 import threading
 import time
 
-from . import _pool, _validate
+from . import _pool, _runners, _validate
 from . import _scheduling as policy
 from ._errors import ExecutorError, KernelError
 from ._jobs import ChunkFn, Job, MapWork, _local, current_job
@@ -63,7 +45,7 @@ from ._pool import (
     run_in_background,
 )
 from ._progress import Progress, progress_enabled
-from ._runners import Runner, known_workers, runner_for
+from ._runners import Runner, interpreter_exiting, known_workers, runner_for
 from ._scheduling import (
     EXIT_GRACE,
     VECTOR_CHUNK_BYTES,
@@ -100,32 +82,98 @@ _flights: dict[Job, threading.Thread] = {}
 def _after_fork_in_child() -> None:
     # The parent's threads do not exist in the child, and neither do its maps in
     # flight (a fork from inside a kernel runs none of them here): start afresh.
+    # Every lock and pool of the executor layer is replaced: a parent's thread
+    # may have held any of them at the fork.
     _pool.reset_after_fork()
+    _runners.reset_after_fork()
     _flights.clear()
     _local.job = None
 
 
-def _at_exit() -> None:
-    """Stops the maps in flight and waits at most ``EXIT_GRACE`` seconds in all.
+def _run_for_jax(job: Job) -> bool:
+    """Whether XLA runs the program that waits for ``job``, on a thread of its
+    own (a program dispatched to several devices, or asynchronously).
 
-    Only daemon threads can still be waiting for a map here (Python joins the
-    others before running atexit). Releasing them lets a thread inside a jitted
-    program leave it before the interpreter finalizes (a thread that needs the
-    GIL inside XLA then aborts the process).
+    JAX waits for such programs at exit, after this module's exit hook (atexit
+    runs the hooks registered last first), so their maps must run to the end,
+    new ones included. Python sees XLA's threads as dummy threads.
+    """
+    return isinstance(_flights.get(job), threading._DummyThread)
+
+
+def _exiting_error() -> ExecutorError:
+    return ExecutorError(
+        "The interpreter is exiting: this threadmap was stopped before it "
+        "finished. Wait for maps running in other threads before the end "
+        "of the program, or make those threads non-daemon."
+    )
+
+
+def _stop_maps_of_daemon_threads(deadline: float) -> None:
+    """Stops the maps that the user's daemon threads wait for, and waits until
+    those threads have left them (they do at once, unless the GIL is slow to
+    come) or until ``deadline``."""
+    stopped = [
+        job
+        for job, waiter in list(_flights.items())
+        if waiter.daemon and not _run_for_jax(job)
+    ]
+    for job in stopped:
+        job.abandon(_exiting_error())
+    while any(job in _flights for job in stopped) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+_early_hook_lock = threading.Lock()
+_early_hook = False
+
+
+def register_early_exit_hook() -> None:
+    """Registers, once, :func:`_before_executors_exit` with threading's exit hooks.
+
+    Called when a map first runs on a user executor: ``concurrent.futures``
+    registers its own hook when its executor module is first imported, and
+    threading runs these hooks in reverse order, so ours then runs first.
+    """
+    global _early_hook
+    if _early_hook:
+        return
+    with _early_hook_lock:
+        register = getattr(threading, "_register_atexit", None)
+        if not _early_hook and register is not None:
+            try:
+                register(_before_executors_exit)
+            except RuntimeError:  # the interpreter is exiting already
+                interpreter_exiting.set()
+            _early_hook = True
+
+
+def _before_executors_exit() -> None:
+    """At exit, before ``concurrent.futures`` waits for every task its pools
+    hold and refuses new ones: stops the maps of daemon threads, whose tasks
+    not yet started are then cancelled rather than waited for."""
+    interpreter_exiting.set()
+    _stop_maps_of_daemon_threads(time.monotonic() + EXIT_GRACE)
+
+
+def _at_exit() -> None:
+    """Stops the maps in flight in the user's threads and waits at most
+    ``EXIT_GRACE`` seconds in all for them to stop.
+
+    Only daemon threads (or XLA's) can still be waiting for a map here (Python
+    joins the others before running atexit). Releasing a daemon thread lets it
+    leave a jitted program before the interpreter finalizes (a thread that needs
+    the GIL inside XLA then aborts the process). The maps of programs that JAX
+    waits for at exit (:func:`_run_for_jax`) run on. Only threads of this module
+    are joined: XLA's cannot be, and the user's are not ours to wait for.
     """
     deadline = time.monotonic() + EXIT_GRACE
-    flights = list(_flights.items())
-    for job, _ in flights:
-        job.abandon(
-            ExecutorError(
-                "The interpreter is exiting: this threadmap was stopped before it "
-                "finished. Wait for maps running in other threads before the end "
-                "of the program, or make those threads non-daemon."
-            )
-        )
+    interpreter_exiting.set()
+    ours = _pool._threads.exit(keep=_run_for_jax)
+    _stop_maps_of_daemon_threads(deadline)
     me = threading.current_thread()
-    for t in [waiter for _, waiter in flights] + _pool._threads.exit():
-        if t is not me and t.ident is not None:
+    for t in ours:
+        if t is not me and t.is_alive():  # one still starting is not joinable
             t.join(max(0.0, deadline - time.monotonic()))
 
 
@@ -202,6 +250,8 @@ def run_map(
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
+    if executor is not None and not isinstance(executor, int):
+        register_early_exit_hook()
     _flights[job] = threading.current_thread()
     try:
         runner.run(job, work, bar)

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _remote
 from ._batch_spec import Axes, BatchSpec
-from ._errors import KernelError, kernel_traceback
+from ._errors import KernelError, describe, kernel_traceback
 from ._loops import element_loop
 from ._remote import ChunkFn
 from ._validate import ResultCastError, check_result_cast
@@ -168,8 +168,7 @@ class ElementCaller(KernelCaller):
         """
         if isinstance(e, KernelError) and e.kernel_name == self.name and e.index:
             return e  # already has its index (e.g. from a remote chunk)
-        msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return self.error(flat, f"raised {msg}{kernel_traceback(e)}", cause=e)
+        return self.error(flat, f"raised {describe(e)}{kernel_traceback(e)}", cause=e)
 
     # -- one element, general path -----------------------------------------------
 
@@ -265,9 +264,13 @@ class ElementCaller(KernelCaller):
 class HostMap:
     """The views and output buffers of one host call, run in chunks.
 
-    Implements the executor layer's ``MapWork``: ``run_chunk`` runs elements in
-    this process, ``pack``/``store_packed`` ship them to executors that pickle
-    work. When some outputs are summed over batch levels, ``sums`` is true: every
+    ``HostMap(caller, spec, operands)`` makes the map its caller needs: an
+    :class:`ElementMap` (one kernel call per element) or a :class:`ChunkMap`
+    (one call per rectangular piece, ``vectorized``); both share these views,
+    outputs and partial sums, and implement the executor layer's ``MapWork``:
+    ``run_chunk`` runs work units in this process, ``pack``/``store_packed``
+    ship them to executors that pickle work. When some outputs are summed over
+    batch levels, ``sums`` is true: every
     chunk (local or shipped) adds into a partial sum of its own, and partials are
     added into the outputs in chunk order, so memory stays a few partials per
     worker and the result does not depend on which thread ran which chunk, as
@@ -278,6 +281,18 @@ class HostMap:
         spec: The equation's batch spec.
         operands: The host callback's operands, in the jaxpr's layout.
     """
+
+    vectorized = False
+
+    def __new__(
+        cls,
+        caller: ElementCaller | ChunkCaller,
+        spec: BatchSpec,
+        operands: Sequence[Any],
+    ) -> HostMap:
+        if cls is HostMap:  # the map of this caller, chosen once
+            cls = ChunkMap if isinstance(caller, ChunkCaller) else ElementMap
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -290,8 +305,6 @@ class HostMap:
         self.spec = spec
         self.n = spec.size
         self.sums = any(spec.out_sum)
-        self.vectorized = isinstance(caller, ChunkCaller)
-        self.plan: PiecePlan | None = None
         batch = spec.shape or (1,)  # an unbatched call is a batch of one
         in_views = [
             operand_view(x, axes, spec.shape)
@@ -315,9 +328,6 @@ class HostMap:
             {g for g, levels in enumerate(self._groups) if levels[0] in spec.summed(k)}
             for k in range(len(self.outs))
         ]
-        self._run = None
-        if isinstance(caller, ElementCaller) and not self.sums:
-            self._run = caller.loop(self.in_v, self.out_v, self.shape)
         self._lock = threading.Lock()
         self._partials: dict[int, tuple[int, list[np.ndarray | None]]] = {}
         self._folded = 0  # the outputs hold the partials of [0, _folded)
@@ -330,102 +340,21 @@ class HostMap:
         return sum(math.prod(v.shape[nb:]) * v.itemsize for v in views)
 
     def split(self, max_elements: int) -> int:
-        """Cuts a vectorized map into pieces; returns how many (the work units)."""
-        self.plan = PiecePlan(self.shape, max(1, max_elements))
-        return self.plan.count
+        """Work units of ``max_elements`` at most: elements, unless vectorized."""
+        del max_elements
+        return self.n
 
     def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs work units ``[start, stop)`` (elements, or pieces) in this thread."""
-        if self._run is not None:
-            self._run(start, stop, job)
-            return
-        partials = self._new_partials()
-        out_v = self._out_views(partials)
-        if isinstance(self.caller, ChunkCaller):
-            for piece in range(start, stop):
-                if job.failed:
-                    return
-                index, first, k = self._piece(piece)
-                leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
-                self._store_piece(out_v, index, k, self.caller.call(leaves, first, k))
-        else:
-            self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
-        if self.sums:
-            self._fold(start, stop, partials)
-
-    def _piece(self, i: int) -> tuple[tuple[Any, ...], int, int]:
-        assert self.plan is not None, "split() first"
-        return self.plan.piece(i)
-
-    def _store_piece(
-        self,
-        out_v: Sequence[np.ndarray],
-        index: tuple[Any, ...],
-        k: int,
-        values: Sequence[np.ndarray],
-    ) -> None:
-        """Writes one piece's results (or adds them, for summed outputs)."""
-        assert self.plan is not None
-        rect = self.plan.rect(k)
-        first_dim = len(self.shape) - len(rect)  # the merged dim of rect's axis 0
-        for o, dims, value in zip(out_v, self._summed_dims, values, strict=True):
-            dst = o[index]
-            value = value.reshape(rect + value.shape[1:])
-            if not dims:
-                dst[...] = value
-                continue
-            # A summed output adds, always: its summed dims may lie in the piece
-            # (reduced here) or in the piece's fixed index (stride 0 there, so
-            # every piece along them adds into the same place).
-            summed = tuple(i for i in range(len(rect)) if first_dim + i in dims)
-            kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
-            dst[kept] += value.sum(axis=summed) if summed else value
+        """Runs work units ``[start, stop)`` in this thread."""
+        raise NotImplementedError
 
     def pack(self, start: int, stop: int) -> Callable[[], Any]:
         """Units ``[start, stop)``, packed for a worker in another process."""
-        if isinstance(self.caller, ChunkCaller):
-            pieces = []
-            for i in range(start, stop):
-                index, first, k = self._piece(i)
-                leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
-                pieces.append((first, k, leaves))
-            return _remote.pack_pieces(self.caller, pieces)
-        return _remote.pack(
-            self.caller, self.in_v, self.shape, start, stop, self._sum_rows(start, stop)
-        )
+        raise NotImplementedError
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
         """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
-        partials = self._new_partials()
-        if isinstance(self.caller, ChunkCaller):
-            out_v = self._out_views(partials)
-            for i, values in zip(range(start, stop), outs, strict=True):
-                index, _, k = self._piece(i)
-                self._store_piece(out_v, index, k, values)
-        else:
-            self._store_rows(start, stop, outs, partials)
-        if self.sums:
-            self._fold(start, stop, partials)
-
-    def _store_rows(
-        self,
-        start: int,
-        stop: int,
-        outs: Sequence[np.ndarray],
-        partials: list[np.ndarray | None],
-    ) -> None:
-        """Elements ``[start, stop)`` of a packed chunk: one row each, or sums."""
-        if len(self.shape) == 1:
-            index: Any = slice(start, stop)
-        else:
-            index = np.unravel_index(np.arange(start, stop), self.shape)
-        for o, p, r, rows in zip(
-            self.out_v, partials, outs, self._sum_rows(start, stop), strict=True
-        ):
-            if p is None or rows is None:
-                o[index] = r
-            else:  # the chunk's sums, one per distinct row (in increasing order)
-                p.reshape(-1, *r.shape[1:])[np.unique(rows)] += r
+        raise NotImplementedError
 
     def finish(self) -> tuple[np.ndarray, ...]:
         return tuple(self.outs)
@@ -478,3 +407,144 @@ class HostMap:
                     if p is not None:
                         o += p
                 self._folded = stop
+
+
+class ElementMap(HostMap):
+    """A host map that calls the kernel once per element (generated loops)."""
+
+    caller: ElementCaller
+
+    def __init__(
+        self,
+        caller: ElementCaller | ChunkCaller,
+        spec: BatchSpec,
+        operands: Sequence[Any],
+    ):
+        super().__init__(caller, spec, operands)
+        self._run = None
+        if not self.sums:
+            self._run = self.caller.loop(self.in_v, self.out_v, self.shape)
+
+    def run_chunk(self, start: int, stop: int, job: Any) -> None:
+        """Runs elements ``[start, stop)`` in this thread."""
+        if self._run is not None:
+            self._run(start, stop, job)
+            return
+        partials = self._new_partials()
+        out_v = self._out_views(partials)
+        self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
+        self._fold(start, stop, partials)
+
+    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+        """Elements ``[start, stop)``, packed for a worker in another process."""
+        return _remote.pack(
+            self.caller, self.in_v, self.shape, start, stop, self._sum_rows(start, stop)
+        )
+
+    def store_packed(self, start: int, stop: int, outs: Any) -> None:
+        """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
+        partials = self._new_partials()
+        self._store_rows(start, stop, outs, partials)
+        if self.sums:
+            self._fold(start, stop, partials)
+
+    def _store_rows(
+        self,
+        start: int,
+        stop: int,
+        outs: Sequence[np.ndarray],
+        partials: list[np.ndarray | None],
+    ) -> None:
+        """Elements ``[start, stop)`` of a packed chunk: one row each, or sums."""
+        if len(self.shape) == 1:
+            index: Any = slice(start, stop)
+        else:
+            index = np.unravel_index(np.arange(start, stop), self.shape)
+        for o, p, r, rows in zip(
+            self.out_v, partials, outs, self._sum_rows(start, stop), strict=True
+        ):
+            if p is None or rows is None:
+                o[index] = r
+            else:  # the chunk's sums, one per distinct row (in increasing order)
+                p.reshape(-1, *r.shape[1:])[np.unique(rows)] += r
+
+
+class ChunkMap(HostMap):
+    """A host map that calls a vectorized kernel once per rectangular piece."""
+
+    caller: ChunkCaller
+    vectorized = True
+
+    def __init__(
+        self,
+        caller: ElementCaller | ChunkCaller,
+        spec: BatchSpec,
+        operands: Sequence[Any],
+    ):
+        super().__init__(caller, spec, operands)
+        self.plan: PiecePlan | None = None
+
+    def split(self, max_elements: int) -> int:
+        """Cuts a vectorized map into pieces; returns how many (the work units)."""
+        self.plan = PiecePlan(self.shape, max(1, max_elements))
+        return self.plan.count
+
+    def run_chunk(self, start: int, stop: int, job: Any) -> None:
+        """Runs pieces ``[start, stop)`` in this thread."""
+        partials = self._new_partials()
+        out_v = self._out_views(partials)
+        for piece in range(start, stop):
+            if job.failed:
+                return
+            index, first, k = self._piece(piece)
+            leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+            self._store_piece(out_v, index, k, self.caller.call(leaves, first, k))
+        if self.sums:
+            self._fold(start, stop, partials)
+
+    def _piece(self, i: int) -> tuple[tuple[Any, ...], int, int]:
+        assert self.plan is not None, "split() first"
+        return self.plan.piece(i)
+
+    def _store_piece(
+        self,
+        out_v: Sequence[np.ndarray],
+        index: tuple[Any, ...],
+        k: int,
+        values: Sequence[np.ndarray],
+    ) -> None:
+        """Writes one piece's results (or adds them, for summed outputs)."""
+        assert self.plan is not None
+        rect = self.plan.rect(k)
+        first_dim = len(self.shape) - len(rect)  # the merged dim of rect's axis 0
+        for o, dims, value in zip(out_v, self._summed_dims, values, strict=True):
+            dst = o[index]
+            value = value.reshape(rect + value.shape[1:])
+            if not dims:
+                dst[...] = value
+                continue
+            # A summed output adds, always: its summed dims may lie in the piece
+            # (reduced here) or in the piece's fixed index (stride 0 there, so
+            # every piece along them adds into the same place).
+            summed = tuple(i for i in range(len(rect)) if first_dim + i in dims)
+            kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
+            dst[kept] += value.sum(axis=summed) if summed else value
+
+    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+        """Pieces ``[start, stop)``, packed for a worker in another process."""
+        pieces = []
+        for i in range(start, stop):
+            index, first, k = self._piece(i)
+            leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+            pieces.append((first, k, leaves))
+        return _remote.pack_pieces(self.caller, pieces)
+
+    def store_packed(self, start: int, stop: int, outs: Any) -> None:
+        """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
+        partials = self._new_partials()
+        out_v = self._out_views(partials)
+        for i, values in zip(range(start, stop), outs, strict=True):
+            index, _, k = self._piece(i)
+            self._store_piece(out_v, index, k, values)
+        if self.sums:
+            self._fold(start, stop, partials)

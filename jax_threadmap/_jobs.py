@@ -70,9 +70,17 @@ def current_job() -> Job | None:
 class Job:
     """One flat map: ``n`` elements, run by ``fn(start, stop, job)`` per chunk.
 
-    Every field is read and written under the job's lock. ``fn`` checks
-    :attr:`failed` between elements, so that a failure stops the chunks already
-    running; the chunks not yet started are never handed out.
+    ``fn`` checks :attr:`failed` between elements, so that a failure stops the
+    chunks already running; the chunks not yet started are never handed out.
+
+    Lock rule: the job's fields are written under the job's lock (``_lock``),
+    with two exceptions, each owned by one other lock: :attr:`hands` belongs to
+    the job's runner and is read and written under the runner's lock (the
+    shared threads' lock, or the lock of :func:`._runners._run_on_threads`), and
+    :attr:`grow` is set once by the runner before the job is handed a thread.
+    Reads without the lock are of single values whose staleness is harmless:
+    :attr:`failed` (one more element runs), :attr:`limit` (a watch comes a
+    period later), :attr:`completed` (a progress bar lags).
 
     Args:
         n: The number of elements.
@@ -251,6 +259,11 @@ class Job:
                 self.completed += stop - start
                 self._outstanding -= 1
                 self._check_done()
+
+    def add_completed(self, elements: int) -> None:
+        """Counts elements done elsewhere (shipped to another process)."""
+        with self._lock:
+            self.completed += elements
 
     def drain(self) -> None:
         """Claims and runs chunks until none are left."""

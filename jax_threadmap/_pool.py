@@ -62,8 +62,12 @@ class ThreadPool:
         threads = _threads
 
         def grow() -> None:
-            self.gate.leave(job)
-            threads.hand(self, job)
+            # Threads first: the next limited map, let in by the gate, must not
+            # take the places this map is about to grow into.
+            try:
+                threads.hand(self, job)
+            finally:
+                self.gate.leave(job)
 
         job.grow = grow
         self.gate.enter(job)
@@ -131,6 +135,8 @@ class _Threads:
         self.workers: set[_Worker] = set()  # of the threads alive
         self.started = 0
         self.exiting = False
+        #: Maps still taken at exit: those of programs that JAX waits for.
+        self.kept_at_exit: Callable[[Job], bool] = lambda job: False
 
     def submit(self, pool: ThreadPool, job: Job) -> None:
         """Queues ``job`` and hands it as many threads as it can use now."""
@@ -139,9 +145,10 @@ class _Threads:
     def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> None:
         """Hands ``job`` (queued unless ``queue``) as many threads as it can use
         now: up to its limit, within its pool's bound."""
-        new: list[tuple[threading.Thread, _Worker]] = []
         with self.lock:
-            if self.exiting or pool._shutdown:
+            if not queue and (self.exiting or pool._shutdown):
+                return  # more threads for a map in flight: it keeps those it has
+            if pool._shutdown or (self.exiting and not self.kept_at_exit(job)):
                 raise ExecutorError(
                     "jax_threadmap's thread pool has been shut down"
                     + (
@@ -155,23 +162,38 @@ class _Threads:
                 self.queue.append((pool, job))
             elif job.exhausted():
                 return
-            returning = None  # threads about to look for work, once counted
-            for _ in range(min(job.n, job.limit) - job.hands):
-                if pool.active >= pool.max_workers:
-                    break
-                if self.idle:
-                    _take_place(pool, job)
-                    worker = self.idle.pop()
-                    worker.pool, worker.job = pool, job
-                    worker.wake.release()
-                    continue
-                if returning is None:
-                    returning = self._returning()
-                if returning >= policy.SPARE_THREADS():
-                    break  # they take the job from the queue (_hand_next)
-                _take_place(pool, job)
-                new.append(self._new_thread(pool, job))
+            new = self._place(pool, job)
         # Outside the lock, so that the other threads keep going meanwhile.
+        self._start(pool, job, new)
+
+    def _place(
+        self, pool: ThreadPool, job: Job
+    ) -> list[tuple[threading.Thread, _Worker]]:  # lock held
+        """Wakes idle threads for ``job``, and makes new ones (returned, to be
+        started) unless threads done with their maps will take it soon."""
+        new: list[tuple[threading.Thread, _Worker]] = []
+        returning = None  # threads about to look for work, once counted
+        for _ in range(min(job.n, job.limit) - job.hands):
+            if pool.active >= pool.max_workers:
+                break
+            if self.idle:
+                _take_place(pool, job)
+                worker = self.idle.pop()
+                worker.pool, worker.job = pool, job
+                worker.wake.release()
+                continue
+            if returning is None:
+                returning = self._returning()
+            if returning >= policy.SPARE_THREADS():
+                break  # they take the job from the queue (_hand_next)
+            _take_place(pool, job)
+            new.append(self._new_thread(pool, job))
+        return new
+
+    def _start(
+        self, pool: ThreadPool, job: Job, new: list[tuple[threading.Thread, _Worker]]
+    ) -> None:
+        """Starts the threads made for ``job``; a refusal fails the map."""
         for i, (t, _) in enumerate(new):
             try:
                 t.start()
@@ -296,10 +318,12 @@ class _Threads:
             _take_place(*other)
             worker.pool, worker.job = other
 
-    def exit(self) -> list[threading.Thread]:
-        """Stops handing out work; idle threads exit. Returns the threads alive."""
+    def exit(self, keep: Callable[[Job], bool]) -> list[threading.Thread]:
+        """Refuses new maps but those that ``keep`` accepts; idle threads exit.
+        Returns the threads alive."""
         with self.lock:
             self.exiting = True
+            self.kept_at_exit = keep
             for worker in self.idle:
                 worker.wake.release()
             self.idle.clear()

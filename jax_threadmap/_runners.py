@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # now, not lazily at exit (it then fails)
 import dataclasses
 import pickle
 import threading
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import _scheduling as policy
-from ._errors import ExecutorError
+from ._errors import ExecutorError, KernelError, restore_shipped_cause
 from ._jobs import Job, LimitedGate, MapWork, _local
 from ._pool import ThreadPool, get_pool
 from ._progress import Progress, wait
@@ -83,7 +84,20 @@ def shares_memory(executor: concurrent.futures.Executor) -> bool:
     return isinstance(executor, concurrent.futures.ThreadPoolExecutor)
 
 
+#: Set when the interpreter starts to exit (by :mod:`._executor`), for messages.
+interpreter_exiting = threading.Event()
+
+
 def _refused(executor: Any, e: BaseException) -> ExecutorError:
+    if interpreter_exiting.is_set() or "interpreter shutdown" in str(e):
+        return ExecutorError(
+            "The interpreter is exiting: this threadmap was stopped before it "
+            f"finished, because the executor {executor!r} refuses new work once "
+            "the main thread has ended (concurrent.futures stops its executors at "
+            "exit). Wait for maps on such executors before the end of the main "
+            "thread.",
+            cause=e,
+        )
     return ExecutorError(
         f"The executor {executor!r} passed as executor= refused new work: "
         f"{type(e).__name__}: {e}. Pass an executor that is running, or "
@@ -123,6 +137,18 @@ def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
         return lock
 
 
+def reset_after_fork() -> None:
+    """A forked child starts with fresh tables, locks and gates: a parent's
+    thread may have held any of them at the fork, and never releases it here."""
+    global _queue_locks, _gates, _queue_locks_lock, _queue_locks_fallback
+    global _gate_fallback
+    _queue_locks = weakref.WeakKeyDictionary()
+    _gates = weakref.WeakKeyDictionary()
+    _queue_locks_lock = threading.Lock()
+    _queue_locks_fallback = threading.Lock()
+    _gate_fallback = LimitedGate()
+
+
 def _gate(executor: concurrent.futures.Executor) -> LimitedGate:
     """The :class:`._jobs.LimitedGate` of ``executor``."""
     with _queue_locks_lock:
@@ -147,6 +173,7 @@ def _run_on_threads(
     cancelled.
     """
     count = min(known_workers(executor) or UNKNOWN_WORKERS_IN_FLIGHT, job.n)
+    # Guards ``left``, ``futures`` and ``job.hands`` (this runner's count).
     lock = threading.Lock()
     left = [0]  # pullers submitted and not yet done
     futures: list[concurrent.futures.Future[None]] = []
@@ -187,8 +214,12 @@ def _run_on_threads(
     gate = _gate(executor)
 
     def grow() -> None:
-        gate.leave(job)
-        hand()
+        # Pullers first: the next limited map, let in by the gate, queues its
+        # pullers behind these, not before them.
+        try:
+            hand()
+        finally:
+            gate.leave(job)
 
     job.grow = grow
     gate.enter(job)
@@ -275,6 +306,9 @@ class _Shipper:
             start, stop = self.pending.pop(fut)
             try:
                 outs, per_element = fut.result()
+            except KernelError as e:
+                restore_shipped_cause(e)
+                raise
             except (pickle.PicklingError, AttributeError, TypeError) as e:
                 # Python 3.13 says "Can't get local object"; the pool's
                 # remote traceback (the cause) names the pickler.
@@ -282,7 +316,7 @@ class _Shipper:
                     raise
                 raise _cannot_ship(self.executor, self.work.name, e) from e
             self.work.store_packed(start, stop, outs)
-            self.job.completed += stop - start
+            self.job.add_completed(stop - start)
             self.per_element = policy.smoothed(self.per_element, per_element)
         while self.next < self.job.n and len(self.pending) < self.cap:
             self.submit(self.size())

@@ -36,6 +36,7 @@ LAYERS = [
     "_task",
     "_dispatch",
     "_async",
+    "_inner_threads",
     "_demo",
     "__init__",
     "__main__",

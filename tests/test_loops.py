@@ -7,13 +7,16 @@ the general path (a namedtuple argument, nested results).
 """
 
 import collections
+import os
+import pathlib
+import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import KernelError, threadmap
+from jax_threadmap import KernelError, _loops, threadmap
 from jax_threadmap._loops import call_source, unpack_source
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
@@ -139,3 +142,65 @@ def test_a_kernel_sees_an_unbatched_operand_as_the_same_view_each_element():
     np.testing.assert_array_equal(f(jnp.arange(1000.0)), np.arange(1000.0))
     # Read once per chunk, not indexed per element: a handful of distinct views.
     assert len(seen) == 1000 and len({id(t) for t in seen}) <= 50
+
+
+# --- the whole generated source, per signature family ---------------------------
+
+GOLDEN = pathlib.Path(__file__).parent / "loop_sources"
+#: Set to rewrite the checked-in sources after a deliberate change of the loops.
+REGENERATE = os.environ.get("JAX_THREADMAP_REGENERATE_LOOPS") == "1"
+
+
+def _loops_built_by(name):
+    """(label, source) of each loop built while CASES[name] runs eagerly under
+    a 2-level vmap (one operand batched at both levels, one at the inner one)."""
+    kernel, out, build = CASES[name]
+
+    def f(x, y):
+        args, kwargs = build(x, y)
+        return threadmap(kernel, out, *args, **kwargs)
+
+    _loops._built.clear()
+    jax.vmap(jax.vmap(f, (0, 0)), (0, None))(X, Y)
+    return list(_loops._built.items())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_whole_generated_loop_is_the_checked_in_one(name):
+    built = _loops_built_by(name)
+    text = "".join(f"# {label}\n{source}" for label, source in built)
+    path = GOLDEN / (name.replace(" ", "_") + ".py.txt")
+    if REGENERATE:
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no checked-in source {path}: run with REGENERATE"
+    assert text == path.read_text(), (
+        f"the generated loop of the {name!r} family changed; if on purpose, rerun "
+        "with JAX_THREADMAP_REGENERATE_LOOPS=1 and review the diff of "
+        f"{path.relative_to(GOLDEN.parent.parent)}"
+    )
+
+
+def test_show_loops_and_tracebacks_name_the_kernel_and_signature():
+    def my_kernel(x, y):
+        if x > 3:
+            raise ValueError("boom")
+        return x + y
+
+    f = jax.vmap(lambda a: threadmap(my_kernel, F32, a, np.float32(1)))
+    with pytest.raises(KernelError) as info:
+        f(np.arange(5, dtype=np.float32))
+    name = my_kernel.__qualname__  # the name in threadmap's messages
+    label = _loops.loop_label(name, 2, 1, 0)
+    assert label == (
+        f"<threadmap loop for kernel {name!r} (2 operand leaves, 1 result leaves)>"
+    )
+    frames = traceback.extract_tb(info.value.__traceback__)
+    loop = [fr for fr in frames if fr.filename.endswith(label)]
+    assert loop, [fr.filename for fr in frames]
+    # linecache has the source: the frame shows its line.
+    assert loop[0].line == "raise kernel_raised(e, base + j) from e"
+    shown = _loops.show_loops(name)
+    assert shown.startswith(f"# {label}\ndef build(")
+    assert "r = fn(w0[j, ...], e1)" in shown
+    assert _loops.show_loops("no such kernel") == ""

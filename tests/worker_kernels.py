@@ -87,6 +87,25 @@ def aborts_at_one(x):
     return x
 
 
+class Unprintable(Exception):
+    """An exception whose message cannot be built."""
+
+    def __str__(self):
+        raise RuntimeError("str broke")
+
+
+def unprintable_at_two(x):
+    if float(x) == 2:
+        raise Unprintable("two")
+    return x
+
+
+def slow_identity(x):
+    """Half a second per element: a process-pool map still running at exit."""
+    time.sleep(0.5)
+    return x
+
+
 # --- the property test of tests/test_properties.py -----------------------------------
 # One element: x (2,), w (), and ``extra``, a pytree that holds either nothing (empty
 # tuples, lists, dicts) or one leaf y (3,). Outputs: a = x * w + sum(y) and

@@ -1,0 +1,173 @@
+"""The lock rules of the executor layer, hammered: many maps on every kind of
+runner at once with the interpreter switching threads every microsecond, and a
+fork while threads hold the layer's locks."""
+
+import concurrent.futures
+import os
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_threadmap import _executor, _jobs, _pool, _runners, threadmap
+
+F32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+class InThreads(concurrent.futures.Executor):
+    """Runs tasks on threads of this process, but is no ThreadPoolExecutor: the
+    map ships packed chunks to it as to a process pool (the shipper's path)."""
+
+    def __init__(self, n):
+        self._pool = concurrent.futures.ThreadPoolExecutor(n)
+        self._max_workers = n
+
+    def submit(self, fn, /, *args, **kwargs):
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait=True, **kwargs):
+        self._pool.shutdown(wait=wait)
+
+
+def _double(x):
+    return x * np.float32(2)
+
+
+@pytest.fixture
+def switch_often():
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
+    jobs = []
+    new_job = _executor.new_job
+
+    def recording(*args, **kwargs):
+        job = new_job(*args, **kwargs)
+        jobs.append(job)
+        return job
+
+    monkeypatch.setattr(_executor, "new_job", recording)
+    user = concurrent.futures.ThreadPoolExecutor(4)
+    shipped = InThreads(3)
+    assert isinstance(_runners.runner_for(shipped), _runners.PicklingExecutor)
+    executors = [None, 3, 16, user, shipped]
+    errors = []
+    x = np.arange(200, dtype=np.float32)
+    fns = [
+        jax.jit(jax.vmap(lambda v, ex=ex: threadmap(_double, F32, v, executor=ex)))
+        for ex in executors
+    ]
+
+    def client(k):
+        try:
+            for r in range(6):
+                f = fns[(k + r) % len(fns)]
+                np.testing.assert_array_equal(f(x), 2 * x)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(10)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert not any(t.is_alive() for t in threads), "a map hung"
+    finally:
+        user.shutdown()
+        shipped.shutdown()
+    assert errors == []
+    assert len(jobs) == 60
+    for job in jobs:  # every count kept under its lock adds up
+        assert job.error is None
+        assert job.completed == job.n
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # places come back as threads finish
+        with _pool._threads.lock:
+            active = [p.active for p in _pool._pools.values()]
+            queued = len(_pool._threads.queue)
+        if not any(active) and not queued:
+            break
+        time.sleep(0.01)
+    assert not any(active) and not queued, (active, queued)
+
+
+FORK_TIMEOUT = 60
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_fork_while_the_layer_is_busy():
+    # At the fork: kernels block on the shared threads, a limited map holds its
+    # pool's gate, and other threads hold the runners' table lock, the fallback
+    # queueing lock and the fallback gate. The child must find none of it.
+    release = threading.Event()
+    started = threading.Barrier(3, timeout=60)
+
+    def blocked(v):
+        started.wait()
+        release.wait(60)
+        return v
+
+    def busy_map():
+        f = jax.vmap(lambda v: threadmap(blocked, F32, v, executor=2))
+        f(np.zeros(2, np.float32))
+
+    holder = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
+    _runners._gate_fallback.enter(holder)
+    held = threading.Event()
+
+    def hold_locks():
+        with _runners._queue_locks_lock, _runners._queue_locks_fallback:
+            held.set()
+            release.wait(60)
+
+    threads = [threading.Thread(target=busy_map), threading.Thread(target=hold_locks)]
+    for t in threads:
+        t.start()
+    try:
+        started.wait()
+        assert held.wait(60)
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                x = np.arange(40, dtype=np.float32)
+                limited = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
+                _runners._gate_fallback.enter(limited)  # would wait for good
+                ok = _executor.num_threads() == 0
+                with concurrent.futures.ThreadPoolExecutor(3) as ex:
+                    for executor in (2, ex):
+                        f = jax.vmap(
+                            lambda v, e=executor: threadmap(_double, F32, v, executor=e)
+                        )
+                        ok = ok and bool((np.asarray(f(x)) == 2 * x).all())
+                code = 0 if ok else 1
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + FORK_TIMEOUT
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung on a lock held at the fork")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        _runners._gate_fallback.leave(holder)
+        for t in threads:
+            t.join(60)

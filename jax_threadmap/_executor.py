@@ -55,7 +55,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from . import _validate
+from . import _remote, _validate
 from ._errors import ExecutorError, KernelError
 from ._progress import Progress, progress_enabled, wait
 
@@ -134,8 +134,13 @@ class MapWork(Protocol):
 
     def run_chunk(self, start: int, stop: int, job: Job) -> None: ...
 
-    def pack(self, start: int, stop: int) -> Callable[[], Any]:
-        """A picklable task running ``[start, stop)`` in another process."""
+    def shared(self) -> list[Any]:
+        """Operands shipped once per map to an executor that pickles work."""
+        ...
+
+    def pack(self, start: int, stop: int) -> Callable[..., Any]:
+        """A picklable task running ``[start, stop)`` in another process, called
+        with the map's shared operands (see :func:`._remote.share`)."""
         ...
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
@@ -884,6 +889,7 @@ class _Shipper:
         self.next = 0
         self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
         self.per_element: float | None = None
+        self.sharing = _remote.Sharing([])
 
     def size(self) -> int:
         if self.job.fixed:
@@ -898,7 +904,7 @@ class _Shipper:
         start, stop = self.next, min(self.job.n, self.next + size)
         task = self.work.pack(start, stop)
         try:
-            fut = self.executor.submit(task)
+            fut = self.executor.submit(task, *self.sharing.args)
         except RuntimeError as e:
             raise _refused(self.executor, e) from e
         except Exception as e:  # e.g. the kernel cannot be pickled
@@ -940,6 +946,8 @@ class _Shipper:
 
     def run(self, progress: Progress | None) -> None:
         try:
+            # Large operands read whole by every element: once per map.
+            self.sharing = _remote.share(self.executor, self.work.shared())
             self.start()
             wait(self.job, self.poll, progress)
         except BaseException as e:
@@ -948,6 +956,7 @@ class _Shipper:
             if self.job.failed:
                 for fut in self.pending:
                     fut.cancel()
+            self.sharing.close()
 
 
 # --- one map --------------------------------------------------------------------------

@@ -315,6 +315,7 @@ class HostMap:
             {g for g, levels in enumerate(self._groups) if levels[0] in spec.summed(k)}
             for k in range(len(self.outs))
         ]
+        self._shared: dict[int, int] | None = None  # see shared()
         self._run = None
         if isinstance(caller, ElementCaller) and not self.sums:
             self._run = caller.loop(self.in_v, self.out_v, self.shape)
@@ -378,17 +379,31 @@ class HostMap:
             kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
             dst[kept] += value.sum(axis=summed)
 
-    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+    def shared(self) -> list[np.ndarray]:
+        """The large operands that every element reads whole, which an executor
+        that pickles work receives once per map (see :func:`._remote.share`);
+        the tasks that :meth:`pack` makes from now on refer to them."""
+        self._shared, arrays = _remote.shared_operands(self.in_v, self.shape)
+        return arrays
+
+    def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Units ``[start, stop)``, packed for a worker in another process."""
+        shared = self._shared
         if isinstance(self.caller, ChunkCaller):
             pieces = []
             for i in range(start, stop):
                 index, first, k = self._piece(i)
                 leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
                 pieces.append((first, k, leaves))
-            return _remote.pack_pieces(self.caller, pieces)
+            return _remote.pack_pieces(self.caller, pieces, shared)
         return _remote.pack(
-            self.caller, self.in_v, self.shape, start, stop, self._sum_rows(start, stop)
+            self.caller,
+            self.in_v,
+            self.shape,
+            start,
+            stop,
+            self._sum_rows(start, stop),
+            shared,
         )
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:

@@ -870,6 +870,25 @@ def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
     )
 
 
+def _chunk_failed(
+    executor: Any, work: MapWork, start: int, stop: int, e: BaseException
+) -> ExecutorError:
+    """The error of a chunk that the executor could not run (its worker died)."""
+    unit = "pieces" if work.vectorized else "elements"
+    hint = (
+        "a worker probably died"
+        if isinstance(e, concurrent.futures.BrokenExecutor)
+        else "the map was abandoned"
+    )
+    return ExecutorError(
+        f"The executor {executor!r} failed to run {unit} [{start}, {stop}) (flat "
+        f"indices, of {work.n}) of threadmap kernel {work.name!r}: "
+        f"{type(e).__name__}: {e}. {hint[0].upper()}{hint[1:]}; pass a working "
+        "executor to the next call (a Dask cluster replaces its dead workers).",
+        cause=e,
+    )
+
+
 class _Shipper:
     """Ships a map to an executor that pickles work, in chunks sized as it runs.
 
@@ -927,12 +946,17 @@ class _Shipper:
             start, stop = self.pending.pop(fut)
             try:
                 outs, per_element = fut.result()
-            except (pickle.PicklingError, AttributeError, TypeError) as e:
+            except KernelError:
+                raise
+            except Exception as e:
                 # Python 3.13 says "Can't get local object"; the pool's
                 # remote traceback (the cause) names the pickler.
-                if "pickle" not in f"{e} {e.__cause__}".lower():
-                    raise
-                raise _cannot_ship(self.executor, self.work.name, e) from e
+                if (
+                    isinstance(e, (pickle.PicklingError, AttributeError, TypeError))
+                    and "pickle" in f"{e} {e.__cause__}".lower()
+                ):
+                    raise _cannot_ship(self.executor, self.work.name, e) from e
+                raise _chunk_failed(self.executor, self.work, start, stop, e) from e
             self.work.store_packed(start, stop, outs)
             self.job.completed += stop - start
             self.per_element = (

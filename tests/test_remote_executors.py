@@ -5,6 +5,7 @@ import functools
 import multiprocessing
 import os
 import pickle
+import re
 import tempfile
 import time
 
@@ -232,8 +233,10 @@ def test_worker_killed_mid_map_is_an_error_not_a_hang():
             executor=ex,
         )
     )
-    with pytest.raises(ExecutorError, match="worker probably died"):
+    with pytest.raises(ExecutorError, match="worker probably died") as info:
         f(np.arange(8, dtype=np.float32))
+    # It names a chunk that was lost (a broken pool fails every chunk in flight).
+    assert re.search(r"elements \[\d+, \d+\) \(flat indices, of 8\)", str(info.value))
     # The executor is broken now; a new call says so instead of hanging.
     with pytest.raises(ExecutorError):
         f(np.arange(2, dtype=np.float32))

@@ -67,6 +67,10 @@ ChunkFn = Callable[[int, int, "Job"], None]
 #: Seconds of kernel work per task that amortise the per-task cost of an executor
 #: that pickles work (about 1 ms for a process pool or Dask).
 TASK_SECONDS_REMOTE = 0.05
+#: Seconds of kernel work that a task of an executor that pickles work holds at
+#: least, also at the end of a map: a round trip to a worker costs more than the
+#: balance that smaller tasks would buy (about 1 ms, tens of ms on a busy cluster).
+MIN_TASK_SECONDS_REMOTE = 0.01
 #: Tasks in flight when an executor does not say how many workers it has.
 UNKNOWN_WORKERS_IN_FLIGHT = 128
 #: Workers assumed, for chunk sizes, of an executor that does not say.
@@ -916,8 +920,10 @@ class _Shipper:
         if self.per_element is None:
             return 1
         remaining = self.job.n - self.next
-        size = int(TASK_SECONDS_REMOTE / max(self.per_element, 1e-9))
-        return max(1, min(size, -(-remaining // self.cap)))
+        per_element = max(self.per_element, 1e-9)
+        size = int(TASK_SECONDS_REMOTE / per_element)
+        least = int(MIN_TASK_SECONDS_REMOTE / per_element)
+        return max(1, min(size, max(least, -(-remaining // self.cap))))
 
     def submit(self, size: int) -> None:
         start, stop = self.next, min(self.job.n, self.next + size)

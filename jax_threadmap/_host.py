@@ -372,12 +372,15 @@ class HostMap:
         for o, dims, value in zip(out_v, self._summed_dims, values, strict=True):
             dst = o[index]
             value = value.reshape(rect + value.shape[1:])
-            summed = tuple(i for i in range(len(rect)) if first_dim + i in dims)
-            if not summed:
+            if not dims:
                 dst[...] = value
                 continue
+            # A summed output adds, always: its summed dims may lie in the piece
+            # (reduced here) or in the piece's fixed index (stride 0 there, so
+            # every piece along them adds into the same place).
+            summed = tuple(i for i in range(len(rect)) if first_dim + i in dims)
             kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
-            dst[kept] += value.sum(axis=summed)
+            dst[kept] += value.sum(axis=summed) if summed else value
 
     def shared(self) -> list[np.ndarray]:
         """The large operands that every element reads whole, which an executor

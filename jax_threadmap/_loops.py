@@ -78,7 +78,9 @@ def _literal(node: Any) -> str | None:
         if any(p is None for p in parts):
             return None
         inner = ", ".join(parts)  # type: ignore[arg-type]
-        return f"({inner},)" if type(node) is tuple else f"[{inner}]"
+        if type(node) is list:
+            return f"[{inner}]"
+        return f"({inner},)" if parts else "()"
     if type(node) is dict and all(type(k) in (str, int) for k in node):
         parts = [_literal(v) for v in node.values()]
         if any(p is None for p in parts):

@@ -111,3 +111,66 @@ def dies_once_at_three(x, *, marker):
             return x
         os._exit(1)
     return x
+
+
+# --- the property test of tests/test_properties.py -----------------------------------
+# One element: x (2,), w (), and ``extra``, a pytree that holds either nothing (empty
+# tuples, lists, dicts) or one leaf y (3,). Outputs: a = x * w + sum(y) and
+# b = sum(x * x) * w. The vectorized forms take and return a leading chunk axis.
+# Every value in the tests is a small integer, so every sum is exact in float32 and
+# results compare bit for bit whatever the order of summation.
+
+
+def _y_leaves(extra):
+    import jax
+
+    return jax.tree_util.tree_leaves(extra)
+
+
+def _sum_y(extra, shape):
+    ys = _y_leaves(extra)
+    return ys[0].sum(-1) if ys else np.zeros(shape, np.float32)
+
+
+def prop_kernel(x, w, extra):
+    a = x * w + _sum_y(extra, ())
+    return a, np.float32((x * x).sum() * w)
+
+
+def prop_jvp(x, w, extra, tx, tw, textra):
+    da = tx * w + x * tw + _sum_y(textra, ())
+    db = np.float32(2 * (x * tx).sum() * w + (x * x).sum() * tw)
+    return da, db
+
+
+def prop_vjp(x, w, extra, ct):
+    ca, cb = ct
+    gx = ca * w + 2 * cb * x * w
+    gw = np.float32((ca * x).sum() + cb * (x * x).sum())
+    gy = np.full(3, ca.sum(), np.float32)
+    import jax
+
+    return gx, gw, jax.tree_util.tree_map(lambda y: gy, extra)
+
+
+def prop_kernel_chunk(x, w, extra):
+    k = x.shape[0]
+    a = x * w[:, None] + _sum_y(extra, (k,))[:, None]
+    return a, (x * x).sum(-1) * w
+
+
+def prop_jvp_chunk(x, w, extra, tx, tw, textra):
+    k = x.shape[0]
+    da = tx * w[:, None] + x * tw[:, None] + _sum_y(textra, (k,))[:, None]
+    db = 2 * (x * tx).sum(-1) * w + (x * x).sum(-1) * tw
+    return da, db
+
+
+def prop_vjp_chunk(x, w, extra, ct):
+    import jax
+
+    ca, cb = ct
+    gx = ca * w[:, None] + 2 * cb[:, None] * x * w[:, None]
+    gw = (ca * x).sum(-1) + cb * (x * x).sum(-1)
+    gy = np.repeat(ca.sum(-1)[:, None], 3, axis=1)
+    return gx, gw, jax.tree_util.tree_map(lambda y: gy, extra)

@@ -5,6 +5,7 @@ A map never hangs on a dead worker: it completes on the workers left (Dask's
 retry) or fails with an error that names the chunk, and the next map works.
 """
 
+import contextlib
 import functools
 import re
 
@@ -32,18 +33,23 @@ def fragile_client():
     distributed = pytest.importorskip("distributed")
     import dask
 
-    with (
-        dask.config.set({"distributed.scheduler.allowed-failures": 1}),
-        distributed.LocalCluster(
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+        cluster = distributed.LocalCluster(
             n_workers=2,
             threads_per_worker=1,
             processes=True,
             dashboard_address=None,
             silence_logs=50,
-        ) as cluster,
-        distributed.Client(cluster) as client,
-    ):
+        )
+    client = distributed.Client(cluster)
+    try:
         yield client
+    finally:
+        client.close()
+        # Dask's close can race with the worker restarts of these tests (a
+        # KeyError for a worker it is removing): the cluster is closed anyway.
+        with contextlib.suppress(KeyError):
+            cluster.close()
 
 
 def test_dask_map_completes_when_a_worker_dies_once(fragile_client, tmp_path):
@@ -65,7 +71,8 @@ def test_dask_worker_that_always_dies_is_an_error_naming_the_chunk(fragile_clien
     start, stop = map(int, re.search(r"elements \[(\d+), (\d+)\)", message).groups())
     assert start <= 3 < stop  # the chunk holding the element that kills
     assert "tcp://127.0.0.1:" in message  # the last worker that died running it
-    # The cluster replaced its dead workers: the next map runs.
-    fragile_client.wait_for_workers(2, timeout=60)
+    # The cluster replaces its dead workers: the next map runs (on the first
+    # worker back; a restart takes seconds on a busy machine).
+    fragile_client.wait_for_workers(1, timeout=120)
     x = np.arange(5, dtype=np.float32)
     np.testing.assert_array_equal(map_of(worker_kernels.raises_at_five, ex)(x), x)

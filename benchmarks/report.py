@@ -6,9 +6,9 @@ Usage::
     python benchmarks/report.py results.json                 # tables on stdout
     python benchmarks/report.py results.json --write-docs    # docs/ and README
 
-``--write-docs`` replaces the marked regions of ``docs/performance.md`` and
-``README.md`` with fresh tables and writes the plots to ``docs/img/`` (needs
-matplotlib, the ``plot`` extra).
+``--write-docs`` replaces the marked regions of ``docs/performance.md``,
+``README.md`` and ``docs/index.md`` with fresh tables and writes the plots to
+``docs/img/`` (needs matplotlib, the ``plot`` extra).
 
 Every comparison uses the median wall time of a batch divided by the elements
 it ran (``--stat min`` for the best round instead). ``ideal`` is the serial
@@ -728,8 +728,9 @@ def replace_region(text: str, name: str, content: str) -> str:
 def write_docs(a: dict[str, Any], root: pathlib.Path = ROOT) -> None:
     perf = root / "docs" / "performance.md"
     perf.write_text(replace_region(perf.read_text(), "tables", markdown(a)))
-    readme = root / "README.md"
-    readme.write_text(replace_region(readme.read_text(), "headline", headline(a)))
+    # The headline numbers, on the README and on the docs' home page alike.
+    for page in (root / "README.md", root / "docs" / "index.md"):
+        page.write_text(replace_region(page.read_text(), "headline", headline(a)))
     plots(a, root / "docs" / "img")
 
 
@@ -740,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write-docs",
         action="store_true",
-        help="update docs/performance.md, README.md and docs/img/*.png",
+        help="update docs/performance.md, README.md, docs/index.md and docs/img/*.png",
     )
     parser.add_argument("--plots", metavar="DIR", help="write the plots to DIR")
     args = parser.parse_args(argv)
@@ -752,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {p}")
     if args.write_docs:
         write_docs(a)
-        print("updated docs/performance.md, README.md and docs/img/")
+        print("updated docs/performance.md, README.md, docs/index.md and docs/img/")
     return 0
 
 

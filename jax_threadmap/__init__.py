@@ -12,9 +12,11 @@ from ._async import AsyncArray as AsyncArray
 from ._async import async_call as async_call
 from ._async import async_dispatch_status as async_dispatch_status
 from ._async import deferred_call as deferred_call
+from ._compat import UnsupportedJaxError as UnsupportedJaxError
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
+from ._inner_threads import limit_inner_threads as limit_inner_threads
 from ._primitive import threadmap_p as threadmap_p
 
 try:
@@ -28,10 +30,12 @@ __all__ = [
     "KernelError",
     "KernelFunction",
     "ThreadmapError",
+    "UnsupportedJaxError",
     "async_call",
     "async_dispatch_status",
     "deferred_call",
     "kernel",
+    "limit_inner_threads",
     "threadmap",
     "threadmap_p",
 ]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import jax
 
@@ -15,6 +16,11 @@ from ._primitive import threadmap_p
 from ._validate import RESERVED_KWARGS, Executor
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: What a kernel call returns, for type checkers: ``jax.Array`` for one
+#: ``jax.ShapeDtypeStruct``, a tuple of them for a tuple, else ``Any`` (a pytree).
+R = TypeVar("R")
+
+_Arrays = tuple[jax.Array, ...]
 
 
 def _bind(
@@ -51,6 +57,42 @@ def _bind(
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> jax.Array: ...
+
+
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> _Arrays: ...
+
+
+@overload
+def threadmap(
+    kernel: Callable[..., Any],
+    result_shape_dtypes: Any,
+    *args: Any,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+    **kwargs: Any,
+) -> Any: ...
+
+
 def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: Any,
@@ -62,32 +104,35 @@ def threadmap(
 ) -> Any:
     """Calls a host kernel per element, as one threaded map under any ``vmap``.
 
-    Call it like :func:`jax.pure_callback`: inside the function you ``vmap``, with
-    the *unbatched* arguments. ``kernel`` receives NumPy arrays of exactly the
-    unbatched shapes (0-d arrays for scalars, read-only views, no copies per
-    element) plus ``kwargs``, and returns one element's result. However many
-    ``vmap`` levels wrap the call, it stays one ``threadmap`` equation; the host
-    runs one flat map over all elements on a thread pool, and arguments that are
-    not batched are never tiled.
+    Call it like
+    [`jax.pure_callback`](https://docs.jax.dev/en/latest/_autosummary/jax.pure_callback.html):
+    inside the function you ``vmap``, with the *unbatched* arguments. ``kernel``
+    receives NumPy arrays of exactly the unbatched shapes (0-d arrays for scalars,
+    read-only views, no copies per element) plus ``kwargs``, and returns one element's
+    result. However many ``vmap`` levels wrap the call, it stays one ``threadmap``
+    equation; the host runs one flat map over all elements on a thread pool, and
+    arguments that are not batched are never tiled.
 
     Args:
         kernel: A function of NumPy arrays returning a pytree of arrays (or
             numbers) that matches ``result_shape_dtypes``. Pass the same function
             object on every call so that jit caches hit.
         result_shape_dtypes: A pytree of objects with ``.shape`` and ``.dtype``
-            (e.g. :class:`jax.ShapeDtypeStruct`) describing one element's result.
+            (e.g.
+            [`jax.ShapeDtypeStruct`](https://docs.jax.dev/en/latest/_autosummary/jax.ShapeDtypeStruct.html))
+            describing one element's result.
         *args: Pytrees of arrays, passed positionally to ``kernel``.
         executor: Where the elements run. ``None``: the shared process-wide pool
             of ``JAX_THREADMAP_NUM_THREADS`` threads (default: one per CPU). An
             ``int`` N (at most 4096): a shared pool of N threads. A
-            :class:`concurrent.futures.Executor`: used as given. A pool's size is
-            a hard bound on the kernels of all its maps running at once, with one
-            exception: a kernel that waits for a nested map runs that map's
-            elements on its own thread meanwhile (lending its thread, and its
-            place in its own pool), so a nested map on another pool or executor
-            can run one kernel more than its bound per kernel waiting for it; on
-            the same pool the bound is exact. The pools' threads are shared by
-            every size, started on demand, and exit after 2 s idle.
+            [`concurrent.futures.Executor`](https://docs.python.org/3/library/concurrent.futures.html#executor-objects):
+            used as given. A pool's size is a hard bound on the kernels of all its maps
+            running at once, with one exception: a kernel that waits for a nested map
+            runs that map's elements on its own thread meanwhile (lending its thread,
+            and its place in its own pool), so a nested map on another pool or executor
+            can run one kernel more than its bound per kernel waiting for it; on the
+            same pool the bound is exact. The pools' threads are shared by every size,
+            started on demand, and exit after 2 s idle.
         progress: Show a progress bar (tqdm when installed, else lines on
             stderr) for maps that run longer than about a second. ``None``: on
             when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.
@@ -104,7 +149,8 @@ def threadmap(
             element).
         **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The names
             ``executor``, ``progress`` and ``vectorized`` are reserved by
-            ``threadmap`` and cannot reach the kernel.
+            ``threadmap`` and cannot reach the kernel; ``sharding`` and
+            ``vmap_method``, keywords of ``jax.pure_callback``, are refused.
 
     Returns:
         A pytree of arrays with the structure of ``result_shape_dtypes``; under
@@ -124,7 +170,7 @@ def threadmap(
             chunk's range of batch indices). Under ``jit`` it arrives wrapped in
             JAX's runtime error.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> from jax_threadmap import threadmap
         >>> def kernel(x, y):  # one element: x has shape (3,), y is 0-d
@@ -152,6 +198,7 @@ def threadmap(
         "kernel",
         "Pass the kernel first, then result_shape_dtypes, then the arguments.",
     )
+    _validate.check_callback_kwargs(kwargs, "threadmap")
     return _bind(
         kernel,
         result_shape_dtypes,
@@ -163,18 +210,32 @@ def threadmap(
     )
 
 
-class KernelFunction:
+class KernelFunction(Generic[R]):
     """A per-element NumPy kernel, callable like ``threadmap(fn, ...)``.
 
-    Made by :func:`kernel`; see there. Calling it binds one ``threadmap``
-    equation; :meth:`defjvp` and :meth:`defvjp` attach the threaded kernels that
-    ``jax.jvp`` / ``jax.grad`` and friends run for it.
+    Made by [`kernel`][jax_threadmap.kernel]; see there. Calling it binds one
+    ``threadmap`` equation;
+    [`defjvp`][jax_threadmap.KernelFunction.defjvp] and
+    [`defvjp`][jax_threadmap.KernelFunction.defvjp] attach the threaded kernels
+    that ``jax.jvp`` / ``jax.grad`` and friends run for it.
 
     Attributes:
         fn: The primal kernel.
-        result_shape_dtypes: One element's result, as given to :func:`kernel`.
+        result_shape_dtypes: One element's result, as given to
+            [`kernel`][jax_threadmap.kernel].
         jvp: The JVP kernel, or ``None``.
         vjp: The VJP kernel, or ``None``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> import jax_threadmap
+        >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
+        ... def cube(x):
+        ...     return x**3
+        >>> cube
+        <jax_threadmap kernel cube>
+        >>> jax.vmap(cube)(jnp.arange(3.0))
+        Array([0., 1., 8.], dtype=float32)
     """
 
     def __init__(
@@ -203,7 +264,7 @@ class KernelFunction:
             vectorized, "jax_threadmap.kernel"
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
         """Same as ``threadmap(fn, result_shape_dtypes, *args, **kwargs)``."""
         for name in RESERVED_KWARGS:
             if name in kwargs:
@@ -213,7 +274,8 @@ class KernelFunction:
                     "kernel, and cannot be passed per call or reach the kernel. "
                     f"Got {name}={kwargs[name]!r}."
                 )
-        return _bind(
+        _validate.check_callback_kwargs(kwargs, _validate.callable_name(self.fn))
+        result: R = _bind(
             self.fn,
             self.result_shape_dtypes,
             args,
@@ -224,8 +286,9 @@ class KernelFunction:
             jvp=self.jvp,
             vjp=self.vjp,
         )
+        return result
 
-    def defjvp(self, jvp: F) -> F:
+    def defjvp(self, jvp: F, *unexpected: object) -> F:
         """Attaches the JVP kernel: for ``jax.jvp``, ``jacfwd`` and ``linearize``.
 
         Args:
@@ -239,7 +302,7 @@ class KernelFunction:
         Returns:
             ``jvp`` itself, so ``defjvp`` can be used as a decorator.
 
-        Example:
+        Examples:
             >>> import jax, jax.numpy as jnp, numpy as np
             >>> import jax_threadmap
             >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
@@ -251,10 +314,10 @@ class KernelFunction:
             >>> jax.jvp(jax.vmap(square), (jnp.arange(3.0),), (jnp.ones(3),))[1]
             Array([0., 2., 4.], dtype=float32)
         """
-        self.jvp = _check_rule(jvp, "defjvp")
+        self.jvp = _check_rule(jvp, "defjvp", self.fn, unexpected)
         return jvp
 
-    def defvjp(self, vjp: F) -> F:
+    def defvjp(self, vjp: F, *unexpected: object) -> F:
         """Attaches the VJP kernel: for ``jax.grad``, ``vjp`` and ``jacrev``.
 
         Args:
@@ -268,7 +331,7 @@ class KernelFunction:
         Returns:
             ``vjp`` itself, so ``defvjp`` can be used as a decorator.
 
-        Example:
+        Examples:
             >>> import jax, jax.numpy as jnp, numpy as np
             >>> import jax_threadmap
             >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
@@ -280,7 +343,7 @@ class KernelFunction:
             >>> jax.grad(lambda x: jax.vmap(square)(x).sum())(jnp.arange(3.0))
             Array([0., 2., 4.], dtype=float32)
         """
-        self.vjp = _check_rule(vjp, "defvjp")
+        self.vjp = _check_rule(vjp, "defvjp", self.fn, unexpected)
         return vjp
 
     def __repr__(self) -> str:
@@ -291,13 +354,88 @@ class KernelFunction:
         )
 
 
-def _check_rule(rule: F, method: str) -> F:
+def _check_rule(
+    rule: F, method: str, fn: Callable[..., Any], unexpected: tuple[object, ...]
+) -> F:
+    """Checks a derivative kernel, and refuses the shapes of JAX's own
+    ``custom_vjp.defvjp(fwd, bwd)`` and ``custom_jvp`` rules with the signature
+    expected instead."""
+    expected = _expected_rule(method, fn)
+    if unexpected:
+        jax_api = (
+            "jax.custom_vjp's defvjp(fwd, bwd): there is no forward function, the "
+            "VJP kernel gets the primals themselves"
+            if method == "defvjp"
+            else "jax.custom_jvp's defjvps(*tangent_fns)"
+        )
+        raise TypeError(
+            f"{method} takes one derivative kernel, {expected}; it is not "
+            f"{jax_api}. Got {1 + len(unexpected)} arguments."
+        )
     if not callable(rule):
         raise TypeError(
-            f"{method} expects a callable derivative kernel. Got {rule!r} of type "
-            f"{type(rule).__name__}."
+            f"{method} expects a callable derivative kernel, {expected}. Got "
+            f"{rule!r} of type {type(rule).__name__}."
+        )
+    if method == "defjvp" and _positional_names(rule)[:2] == ["primals", "tangents"]:
+        raise TypeError(
+            f"{method}: {_validate.callable_name(rule)} looks like a jax.custom_jvp "
+            "rule, jvp(primals, tangents) -> (primal_out, tangent_out). A "
+            f"jax_threadmap JVP kernel is {expected}: one element's primals and "
+            "tangents as separate arguments, returning only the tangent."
         )
     return rule
+
+
+def _positional_names(f: Callable[..., Any]) -> list[str]:
+    """The names of ``f``'s positional parameters; empty when it cannot tell."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
+
+
+def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
+    """The signature of ``fn``'s derivative kernel, for messages."""
+    primals = _positional_names(fn) or ["*primals"]
+    if method == "defjvp":
+        tangents = ["*tangents" if p.startswith("*") else f"{p}_dot" for p in primals]
+        return f"jvp({', '.join(primals + tangents)}, **kwargs) -> tangent_out"
+    cts = ", ".join(f"ct_{p.lstrip('*')}" for p in primals)
+    cts = f"({cts},)" if len(primals) == 1 else f"({cts})"
+    return f"vjp({', '.join(primals)}, ct_out, **kwargs) -> {cts}"
+
+
+@overload
+def kernel(
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[jax.Array]]: ...
+
+
+@overload
+def kernel(
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[_Arrays]]: ...
+
+
+@overload
+def kernel(
+    result_shape_dtypes: Any,
+    *,
+    executor: Executor = None,
+    progress: bool | None = None,
+    vectorized: bool | int = False,
+) -> Callable[[Callable[..., Any]], KernelFunction[Any]]: ...
 
 
 def kernel(
@@ -306,14 +444,15 @@ def kernel(
     executor: Executor = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
-) -> Callable[[Callable[..., Any]], KernelFunction]:
+) -> Callable[[Callable[..., Any]], KernelFunction[Any]]:
     """Makes a threaded kernel whose derivatives are threaded kernels too.
 
-    ``kernel(result_shape_dtypes)(fn)`` returns a function ``f`` with
-    ``f(*args, **kwargs) == threadmap(fn, result_shape_dtypes, *args, **kwargs)``,
-    to which :meth:`KernelFunction.defjvp` and :meth:`KernelFunction.defvjp`
-    attach derivative kernels: unbatched NumPy kernels, like ``fn``, that run as
-    ``threadmap`` equations and fold under ``vmap`` like the primal.
+    ``kernel(result_shape_dtypes)(fn)`` returns a function ``f`` with ``f(*args,
+    **kwargs) == threadmap(fn, result_shape_dtypes, *args, **kwargs)``, to which
+    [`KernelFunction.defjvp`][jax_threadmap.KernelFunction.defjvp] and
+    [`KernelFunction.defvjp`][jax_threadmap.KernelFunction.defvjp] attach derivative
+    kernels: unbatched NumPy kernels, like ``fn``, that run as ``threadmap`` equations
+    and fold under ``vmap`` like the primal.
 
     - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``.
     - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``.
@@ -326,23 +465,26 @@ def kernel(
 
     Args:
         result_shape_dtypes: A pytree of objects with ``.shape`` and ``.dtype``
-            (e.g. :class:`jax.ShapeDtypeStruct`) describing one element's result.
-        executor: As for :func:`~jax_threadmap.threadmap`; used by the primal
+            (e.g.
+            [`jax.ShapeDtypeStruct`](https://docs.jax.dev/en/latest/_autosummary/jax.ShapeDtypeStruct.html))
+            describing one element's result.
+        executor: As for [`threadmap`][jax_threadmap.threadmap]; used by the primal
             and the derivative equations.
-        progress: As for :func:`~jax_threadmap.threadmap`.
-        vectorized: As for :func:`~jax_threadmap.threadmap`; applies to the
+        progress: As for [`threadmap`][jax_threadmap.threadmap].
+        vectorized: As for [`threadmap`][jax_threadmap.threadmap]; applies to the
             primal and the derivative kernels alike (each then takes and returns
             chunks with a leading axis, one cotangent or tangent per element).
 
     Returns:
-        A decorator turning a kernel ``fn`` into a :class:`KernelFunction`.
+        A decorator turning a kernel ``fn`` into a
+        [`KernelFunction`][jax_threadmap.KernelFunction].
 
     Raises:
         TypeError: ``result_shape_dtypes`` is a function (the decorator was used
             without parentheses), or ``executor``/``progress`` are invalid.
         ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> import jax_threadmap
         >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((3,), jnp.float32))
@@ -370,7 +512,7 @@ def kernel(
     progress = _validate.check_progress(progress, api=api)
     _validate.check_vectorized(vectorized, api)
 
-    def decorate(fn: Callable[..., Any]) -> KernelFunction:
+    def decorate(fn: Callable[..., Any]) -> KernelFunction[Any]:
         return KernelFunction(
             fn,
             result_shape_dtypes,

@@ -41,6 +41,8 @@ NEWEST_TESTED_JAX: tuple[int, ...] = (0, 12, 0, 1)
 THREADMAP = "threadmap"
 DERIVATIVES = "derivatives"
 ASYNC_ARRAYS = "async arrays"
+#: threadmap inside jax.shard_map (and under pmap where JAX runs it as shard_map).
+SHARD_MAP = "shard_map"
 #: Optional: where one of its hooks is missing, async arrays dispatch blocking
 #: (:func:`async_dispatch_unavailable` says why) instead of raising.
 ASYNC_DISPATCH = "async dispatch"
@@ -338,7 +340,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "varying_axes",
         "the manual mesh axes an aval varies over inside shard_map",
-        (THREADMAP, DERIVATIVES),
+        (SHARD_MAP,),
         (
             Form(
                 (0, 10, 0),
@@ -360,7 +362,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "get_cur_mesh_sharding",
         "the sharding that an aval varying over manual mesh axes must carry",
-        (THREADMAP,),
+        (SHARD_MAP,),
         _everywhere("jax._src.core:get_cur_mesh_sharding"),
     ),
     # Derivative rules on the primitive.
@@ -678,8 +680,14 @@ def register_transpose(prim: Any, rule: Callable[..., Any]) -> None:
 
 
 def varying_axes(aval: Any) -> frozenset:
-    """The manual mesh axes over which values of ``aval`` vary (inside shard_map)."""
-    varying = get("varying_axes")
+    """The manual mesh axes over which values of ``aval`` vary (inside shard_map).
+
+    Without the hook, only programs outside ``shard_map`` run: no mesh axis is
+    manual there (public API), so nothing varies.
+    """
+    if isinstance(RESOLVED["varying_axes"], Missing) and not _inside_shard_map():
+        return frozenset()
+    varying = get("varying_axes", "jax_threadmap inside jax.shard_map")
     try:
         return varying.of(aval)
     except AttributeError as e:
@@ -688,6 +696,12 @@ def varying_axes(aval: Any) -> frozenset:
         hook = next(h for h in HOOKS if h.name == "varying_axes")
         missing = Missing(hook, f"the abstract value {aval} has no such field ({e})")
         raise UnsupportedJaxError(missing.message("jax_threadmap")) from e
+
+
+def _inside_shard_map() -> bool:
+    """Whether a mesh axis is manual here: tracing inside ``shard_map``."""
+    manual = jax.sharding.AxisType.Manual
+    return manual in tuple(jax.sharding.get_abstract_mesh().axis_types)
 
 
 def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import traceback
 from typing import Any
 
@@ -15,6 +16,19 @@ class ThreadmapError(RuntimeError):
         cause: The exception that led to this one, if any; chained as
             ``__cause__`` (as ``raise ... from cause`` would), also when the error
             is recorded first and raised later by another thread.
+
+    Examples:
+        Catch every run-time failure of a map, kernel or executor:
+
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax_threadmap import ThreadmapError, threadmap
+        >>> def kernel(x):
+        ...     raise OSError("the solver's license expired")
+        >>> try:
+        ...     threadmap(kernel, jax.ShapeDtypeStruct((), jnp.float32), 1.0)
+        ... except ThreadmapError as e:
+        ...     print(type(e).__name__, "caused by", repr(e.__cause__))
+        KernelError caused by OSError("the solver's license expired")
     """
 
     def __init__(self, message: str, *, cause: BaseException | None = None):
@@ -32,6 +46,21 @@ class KernelError(ThreadmapError):
         kernel_name: The kernel's name.
 
     The original exception, if any, is chained as ``__cause__``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax_threadmap import KernelError, threadmap
+        >>> def checked_sqrt(x):
+        ...     if x < 0:
+        ...         raise ValueError(f"negative: {x}")
+        ...     return np.sqrt(x)
+        >>> f = jax.vmap(lambda x: threadmap(
+        ...     checked_sqrt, jax.ShapeDtypeStruct((), jnp.float32), x))
+        >>> try:
+        ...     f(jnp.array([1.0, -2.0, 4.0]))
+        ... except KernelError as e:
+        ...     print(e.index, e.kernel_name, "negative: -2.0" in str(e))
+        (1,) checked_sqrt True
     """
 
     def __init__(
@@ -47,18 +76,54 @@ class KernelError(ThreadmapError):
         self.kernel_name = kernel_name
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Keeps the attributes when sent across processes (the cause stays behind).
-        return (_rebuild_kernel_error, (str(self), self.index, self.kernel_name))
+        # Keeps the attributes when sent across processes, and the cause where it
+        # pickles (without its traceback, which the message quotes).
+        cause = self.__cause__
+        try:
+            pickle.dumps(cause)
+        except Exception:  # noqa: BLE001 - any failure to pickle: leave it behind
+            cause = None
+        return (_rebuild_kernel_error, (str(self), self.index, self.kernel_name, cause))
 
 
 def _rebuild_kernel_error(
-    message: str, index: tuple[int, ...] | None, kernel_name: str
+    message: str,
+    index: tuple[int, ...] | None,
+    kernel_name: str,
+    cause: BaseException | None = None,
 ) -> KernelError:
-    return KernelError(message, index=index, kernel_name=kernel_name)
+    e = KernelError(message, index=index, kernel_name=kernel_name, cause=cause)
+    e._shipped_cause = cause  # type: ignore[attr-defined]
+    return e
+
+
+def restore_shipped_cause(e: KernelError) -> None:
+    """Makes the kernel's own exception the cause again of a ``KernelError``
+    received from a process pool, which puts its remote traceback there; that
+    traceback becomes the cause's cause."""
+    cause = getattr(e, "_shipped_cause", None)
+    if cause is not None and e.__cause__ is not cause:
+        if cause.__cause__ is None:
+            cause.__cause__ = e.__cause__
+        e.__cause__ = cause
 
 
 class ExecutorError(ThreadmapError):
-    """The executor could not run the map (shut down, or a worker died)."""
+    """The executor could not run the map (shut down, or a worker died).
+
+    Examples:
+        >>> from concurrent.futures import ThreadPoolExecutor
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax_threadmap import ExecutorError, threadmap
+        >>> pool = ThreadPoolExecutor(2)
+        >>> pool.shutdown()
+        >>> try:
+        ...     threadmap(np.sqrt, jax.ShapeDtypeStruct((), jnp.float32), 4.0,
+        ...               executor=pool)
+        ... except ExecutorError as e:
+        ...     print(type(e).__name__)
+        ExecutorError
+    """
 
 
 #: The innermost kernel frames quoted in a KernelError's message, and the longest
@@ -73,6 +138,16 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: from a plain loop. Any other exception, BaseException subclasses included, is
 #: the kernel's error and becomes a KernelError with the batch index.
 PASS_THROUGH = (KeyboardInterrupt, SystemExit)
+
+
+def describe(e: BaseException) -> str:
+    """``'TypeName: message'`` for ``e``, as a traceback shows it, with Python's
+    own fallback text when the exception's ``__str__`` fails."""
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the error
+        text = "<exception str() failed>"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def kernel_traceback(e: BaseException) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _remote
 from ._batch_spec import Axes, BatchSpec
-from ._errors import KernelError, kernel_traceback
+from ._errors import KernelError, describe, kernel_traceback
 from ._loops import element_loop
 from ._remote import ChunkFn
 from ._validate import ResultCastError, check_result_cast
@@ -168,8 +168,7 @@ class ElementCaller(KernelCaller):
         """
         if isinstance(e, KernelError) and e.kernel_name == self.name and e.index:
             return e  # already has its index (e.g. from a remote chunk)
-        msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return self.error(flat, f"raised {msg}{kernel_traceback(e)}", cause=e)
+        return self.error(flat, f"raised {describe(e)}{kernel_traceback(e)}", cause=e)
 
     # -- one element, general path -----------------------------------------------
 

@@ -94,9 +94,17 @@ def _threadmap_abstract_eval(
 def _threadmap_impl(*args: Any, **params: Any) -> list[jax.Array]:
     # Eager: the host function runs here, on NumPy copies of the operands, so a
     # failing kernel raises its own error (type, batch index, cause).
-    outs = host_function(**params)(*(np.asarray(a) for a in args))
+    outs = host_function(**params)(*map(_host_operand, args))
     device = _committed_device(args)
     return [jax.device_put(o, device) for o in outs]
+
+
+def _host_operand(a: Any) -> np.ndarray:
+    """An eager operand as the kernel sees it under ``jit``: in JAX's canonical
+    dtype (with x64 off, a Python float is float32 and a Python int int32)."""
+    x = np.asarray(a)
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    return x if dtype == x.dtype else x.astype(dtype)
 
 
 def _committed_device(args: Sequence[Any]) -> Any:

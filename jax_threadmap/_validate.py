@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import operator
 import os
 from typing import Any
 
@@ -33,6 +34,34 @@ ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
 
 #: Keyword arguments of ``threadmap`` itself; they never reach the kernel.
 RESERVED_KWARGS = ("executor", "progress", "vectorized")
+
+#: Keywords of ``jax.pure_callback`` that ``threadmap`` refuses, rather than pass to
+#: the kernel (where they fail at run time), with what it does instead.
+CALLBACK_KWARGS = {
+    "vmap_method": (
+        "threadmap has no vmap_method: under any nesting of jax.vmap it always "
+        "runs one flat map over all elements on the executor, one kernel call per "
+        "element (or per chunk, with vectorized=True), and never tiles an "
+        "unbatched argument. Drop the keyword."
+    ),
+    "sharding": (
+        "threadmap takes no sharding: under jit with sharded inputs the host call "
+        "runs where XLA's partitioner places it (as jax.pure_callback without "
+        "sharding= does); to run one map per shard on the data where it lives, "
+        "call threadmap inside jax.shard_map. Drop the keyword."
+    ),
+}
+
+
+def check_callback_kwargs(kwargs: dict[str, Any], api: str) -> None:
+    """Refuses the keywords of ``jax.pure_callback`` that ``threadmap`` lacks."""
+    for name, instead in CALLBACK_KWARGS.items():
+        if name in kwargs:
+            raise TypeError(
+                f"{api}: {name}= is a keyword of jax.pure_callback, not of "
+                f"threadmap. {instead} (A kernel's own keyword argument cannot "
+                f"be named {name!r}; rename it.) Got {name}={_short(kwargs[name])}."
+            )
 
 
 def callable_name(fn: Any) -> str:
@@ -129,13 +158,32 @@ def shape_dtype_of(leaf: Any, where: str, api: str) -> tuple[tuple[int, ...], np
             f"Got {leaf!r} of type {type(leaf).__name__}."
         )
     try:
-        return tuple(int(s) for s in shape), np.dtype(dtype)
+        # operator.index, not int: a dimension 2.5 is refused, not truncated to 2.
+        checked = tuple(operator.index(s) for s in shape), np.dtype(dtype)
     except TypeError as e:
         raise TypeError(
             f"{api}: {where} has shape {shape!r} and dtype {dtype!r}; expected a "
             "tuple of ints and a NumPy dtype. Use jax.ShapeDtypeStruct(shape, dtype) "
-            "with a concrete shape."
+            "with a concrete shape of integers."
         ) from e
+    if not _jax_holds(checked[1]):
+        raise TypeError(
+            f"{api}: {where} has dtype {checked[1]}, which a JAX array cannot hold "
+            "(JAX arrays hold booleans and numbers: bool, int, uint, float, "
+            "complex). Declare a numeric dtype, and return strings or objects "
+            "encoded as numbers (e.g. codes into a table kept outside JAX)."
+        )
+    return checked
+
+
+@functools.cache
+def _jax_holds(dtype: np.dtype) -> bool:
+    """Whether a JAX array can have ``dtype`` (bfloat16, int4 and float8 too)."""
+    return (
+        dtype == np.bool_
+        or dtype == jax.dtypes.float0
+        or bool(jax.dtypes.issubdtype(dtype, np.number))
+    )
 
 
 def check_has_results(result_shape_dtypes: Any, api: str) -> None:

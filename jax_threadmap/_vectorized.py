@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import PASS_THROUGH, KernelError, kernel_traceback
+from ._errors import PASS_THROUGH, KernelError, describe, kernel_traceback
 from ._validate import ResultCastError, check_result_cast
 
 
@@ -135,8 +135,8 @@ class ChunkCaller(KernelCaller):
         except PASS_THROUGH:
             raise
         except BaseException as e:
-            msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            raise self.error(first, k, f"raised {msg}{kernel_traceback(e)}", e) from e
+            what = f"raised {describe(e)}{kernel_traceback(e)}"
+            raise self.error(first, k, what, e) from e
         values, tree = jax.tree_util.tree_flatten(result)
         if tree != self.out_tree:
             raise self.error(

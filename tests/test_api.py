@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import worker_kernels
 from helpers import VALUE_CASES, cause_of, numpy_keeps_value
 
 import jax_threadmap
@@ -224,6 +225,29 @@ def test_base_exception_of_a_kernel_is_a_kernel_error(executor, jit):
     if not jit:
         assert isinstance(info.value, KernelError) and info.value.index == (2,)
         assert isinstance(cause_of(info.value), Abort)
+
+
+@pytest.mark.parametrize("vectorized", [False, True], ids=["element", "vectorized"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_kernel_exception_whose_message_fails_is_a_kernel_error(jit, vectorized):
+    # Was "ExecutorError: ... the executor failed with RuntimeError: str broke",
+    # with no batch index and the kernel's exception lost.
+    def kernel(x):
+        if vectorized:
+            return np.array([worker_kernels.unprintable_at_two(v) for v in x])
+        return worker_kernels.unprintable_at_two(x)
+
+    f = jax.vmap(lambda x: threadmap(kernel, F32, x, vectorized=vectorized))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(jnp.arange(4.0)))
+    msg = str(info.value)
+    assert "raised Unprintable: <exception str() failed>" in msg
+    assert ("batch indices (" if vectorized else "batch index (2,)") in msg
+    assert "str broke" not in msg
+    if not jit:
+        assert isinstance(info.value, KernelError)
+        assert isinstance(cause_of(info.value), worker_kernels.Unprintable)
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
@@ -450,3 +474,121 @@ def test_executor_keyword_is_reserved_for_threadmap():
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         vmapped(k, executor=ex)(jnp.arange(3.0))
     assert seen == [[], [], []]
+
+
+@pytest.mark.parametrize("name", ["sharding", "vmap_method"])
+@pytest.mark.parametrize("via", ["threadmap", "kernel"])
+def test_pure_callback_keywords_are_refused_at_the_call(name, via):
+    # Were passed to the kernel, failing at run time ("unexpected keyword argument
+    # 'sharding'", or "is a str, not an array" for vmap_method="sequential").
+    value = {"sharding": jax.sharding.SingleDeviceSharding(jax.devices()[0])}.get(
+        name, "sequential"
+    )
+    if via == "threadmap":
+        call = lambda: threadmap(double, F32, 1.0, **{name: value})  # noqa: E731
+    else:
+        k = jax_threadmap.kernel(F32)(double)
+        call = lambda: k(1.0, **{name: value})  # noqa: E731
+    with pytest.raises(TypeError, match=rf"{name}= is a keyword of jax.pure_callback"):
+        call()
+    with pytest.raises(TypeError) as info:
+        jax.jit(jax.vmap(lambda x: call()))(jnp.ones(2))
+    assert "threadmap" in str(info.value) and "Drop the keyword" in str(info.value)
+    assert ("shard_map" if name == "sharding" else "one flat map") in str(info.value)
+
+
+class Declared:
+    """A duck-typed declaration: ``.shape`` and ``.dtype``, taken as given."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+@pytest.mark.parametrize("dtype", [object, str, "S3", "datetime64[s]"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_result_dtype_that_jax_cannot_hold_is_refused_at_the_call(dtype, jit):
+    # Was, eagerly: the kernel ran, then was blamed ("float32 does not convert to
+    # object"); under jit: "No dtype_to_ir_type handler for dtype: object".
+    ran = []
+
+    def kernel(x):
+        ran.append(x)
+        return x
+
+    out = jax.ShapeDtypeStruct((), dtype)
+    f = jax.vmap(lambda x: threadmap(kernel, {"r": out}, x))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(TypeError) as info:
+        f(jnp.arange(3.0))
+    msg = str(info.value)
+    assert "threadmap: result_shape_dtypes['r'] has dtype" in msg
+    assert str(np.dtype(dtype)) in msg and "cannot hold" in msg
+    assert ran == []
+    with pytest.raises(TypeError, match="cannot hold"):
+        jax_threadmap.async_call(lambda: np.zeros(()), out)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int4, jnp.bool_, jnp.complex64])
+def test_result_dtypes_that_jax_holds_are_accepted(dtype):
+    out = jax.ShapeDtypeStruct((2,), dtype)
+    x = jnp.ones((3, 2), dtype)
+    f = jax.vmap(lambda x: threadmap(lambda v: v, out, x))
+    np.testing.assert_array_equal(f(x), x)
+
+
+@pytest.mark.parametrize("shape", [(2.5,), (2.0,), ("2",)])
+def test_result_shape_that_is_not_integers_is_refused_not_truncated(shape):
+    # Was: (2.5,) silently became (2,).
+    with pytest.raises(TypeError, match=r"has shape .*concrete shape of integers"):
+        threadmap(lambda x: x, Declared(shape, np.float32), jnp.ones(2))
+    np.testing.assert_array_equal(
+        threadmap(lambda x: x, Declared((np.int64(2),), np.float32), jnp.ones(2)),
+        np.ones(2),
+    )
+
+
+OPERANDS = {
+    "python float": 1.5,
+    "python int": 3,
+    "python bool": True,
+    "python complex": 1 + 2j,
+    "numpy float64": np.arange(2, dtype=np.float64),
+    "numpy int64": np.arange(2, dtype=np.int64),
+    "numpy uint64": np.arange(2, dtype=np.uint64),
+    "numpy float16": np.arange(2, dtype=np.float16),
+}
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("name", OPERANDS)
+def test_kernel_sees_the_dtypes_that_jit_gives_eagerly_too(name, wide, request):
+    # Was, with x64 off: a Python float reached the kernel as float64 eagerly and
+    # float32 under jit (Python int: int64 and int32), with and without vmap.
+    if wide:
+        request.getfixturevalue("x64")
+    operand = OPERANDS[name]
+    seen = []
+
+    def kernel(x, s):
+        seen.append((s.dtype, s.shape))
+        return x
+
+    def call(x, s):
+        return threadmap(kernel, F32, x, s)
+
+    xs = jnp.arange(3.0, dtype=jnp.float32)
+    runs = {
+        "eager": lambda: call(xs[0], operand),
+        "jit": lambda: jax.jit(call)(xs[0], operand),
+        "eager vmap": lambda: jax.vmap(call, (0, None))(xs, operand),
+        "jit vmap": lambda: jax.jit(jax.vmap(call, (0, None)))(xs, operand),
+    }
+    got = {}
+    for how, run in runs.items():
+        seen.clear()
+        jax.block_until_ready(run())
+        got[how] = set(seen)
+    assert len(set(map(frozenset, got.values()))) == 1, got
+    (dtype, _), *_ = got["jit"]
+    expected = jax.dtypes.canonicalize_dtype(np.asarray(operand).dtype)
+    assert dtype == expected, (dtype, expected)

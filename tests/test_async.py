@@ -815,3 +815,15 @@ def test_a_call_running_at_fork_fails_clearly_in_the_child():
         timeout=50,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_the_set_of_live_calls_is_unlocked_in_a_forked_child():
+    from jax_threadmap import _task
+
+    with _task.live_lock:  # held by this thread at the fork
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os._exit(0 if _task.live_lock.acquire(timeout=5) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap as jtm
-from jax_threadmap import AsyncArray, _async, async_call, deferred_call
+from jax_threadmap import AsyncArray, _async, _dispatch, async_call, deferred_call
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -453,7 +453,7 @@ def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplo
     def refuse(*args, **kwargs):
         raise OSError("no loopback here")
 
-    monkeypatch.setattr(_async, "_dispatch", _async._Dispatch())
+    monkeypatch.setattr(_dispatch, "mechanism", _dispatch.Dispatch())
     monkeypatch.setattr(_async._compat, "start_transfer_server", refuse)
     gate = Gate(np.arange(3, dtype=np.float32))
     a = async_call(gate, SDS((3,), np.float32))
@@ -591,3 +591,46 @@ def test_a_failed_call_with_dispatched_dependents_exits_cleanly():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "caught" in proc.stdout and "True" in proc.stdout, proc.stdout
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values():
+    # Its dependent gets the data first (a gate program); the call copies it to
+    # the device for result() after that, here slowly: exit waits for that copy
+    # instead of warning that the call has not returned.
+    script = textwrap.dedent(
+        """
+        import threading, time
+        import jax, numpy as np
+        import jax_threadmap as jtm
+        from jax_threadmap import _task
+
+        place = _task.place
+        def slow_place(task, flat):
+            time.sleep(1.0)
+            return place(task, flat)
+        _task.place = slow_place
+
+        go = threading.Event()
+        def slow():
+            go.wait(30)
+            return np.arange(4, dtype=np.int32)
+        x = jtm.async_call(slow, jax.ShapeDtypeStruct((4,), np.int32))
+        y = jax.jit(lambda v: v * v)(x)
+        go.set()
+        print(y, x.done(), flush=True)
+        """
+    )
+    env = dict(os.environ)
+    root = str(HERE.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if jtm.async_dispatch_status() == "async":
+        assert proc.stdout == "[0 1 4 9] False\n"  # the copy was still running
+    assert proc.stderr == "", proc.stderr[-3000:]

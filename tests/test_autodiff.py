@@ -699,3 +699,33 @@ def test_grad_jaxpr_is_the_same_whatever_the_executor():
         g = jax.jit(jax.grad(dot_loss(x, executor)))(w)
         np.testing.assert_allclose(g, np.asarray(x).sum((0, 1)), rtol=1e-5)
     ex._inner.shutdown()
+
+
+def test_jax_shaped_derivative_rules_show_the_expected_signature():
+    # Were "takes 2 positional arguments but 3 were given" for defvjp(fwd, bwd), and
+    # "iteration over a 0-d array" at run time for a custom_jvp-style rule.
+    f = make_scaled_sin(np.float32, jvp=False, vjp=False)
+
+    def fwd(x, a):
+        return f(x, a), (x, a)
+
+    def bwd(res, g):
+        return g, g
+
+    with pytest.raises(TypeError) as info:
+        f.defvjp(fwd, bwd)
+    msg = str(info.value)
+    assert "vjp(x, a, ct_out, **kwargs) -> (ct_x, ct_a)" in msg
+    assert "defvjp(fwd, bwd)" in msg
+    assert f.vjp is None
+
+    def jax_jvp(primals, tangents):
+        (x, a), (tx, ta) = primals, tangents
+        return f(x, a), np.cos(x) * a * tx + np.sin(x) * ta
+
+    with pytest.raises(TypeError) as info:
+        f.defjvp(jax_jvp)
+    msg = str(info.value)
+    assert "jax.custom_jvp rule" in msg
+    assert "jvp(x, a, x_dot, a_dot, **kwargs) -> tangent_out" in msg
+    assert f.jvp is None

@@ -62,6 +62,7 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.DERIVATIVES,
         _compat.ASYNC_ARRAYS,
         _compat.ASYNC_DISPATCH,
+        _compat.SHARD_MAP,
     }
     for form in hook.forms:
         assert form.where and all(re.fullmatch(r"[\w.]+:\w+", w) for w in form.where)
@@ -145,10 +146,27 @@ def _use_async_arrays():
     np.testing.assert_array_equal(jax.jit(lambda a: a * 2)(x), [2.0, 2.0])
 
 
+def _use_shard_map():
+    mesh = jax.make_mesh((1,), ("d",))
+    body = jax.shard_map(
+        lambda x: jax.vmap(
+            lambda v: jax_threadmap.threadmap(np.sin, SDS((), jnp.float32), v)
+        )(x),
+        mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec("d"),
+        out_specs=jax.sharding.PartitionSpec("d"),
+    )
+    x = np.arange(3, dtype=np.float32)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    sharded = jax.device_put(x, spec)
+    np.testing.assert_allclose(jax.jit(body)(sharded), np.sin(x), rtol=1e-6)
+
+
 FEATURE_USES = {
     _compat.THREADMAP: _use_threadmap,
     _compat.DERIVATIVES: _use_derivatives,
     _compat.ASYNC_ARRAYS: _use_async_arrays,
+    _compat.SHARD_MAP: _use_shard_map,
 }
 
 
@@ -175,7 +193,7 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         return
     needs = set(hook.features)
     if _compat.THREADMAP in needs:  # derivative kernels are threadmap equations
-        needs.add(_compat.DERIVATIVES)
+        needs.update((_compat.DERIVATIVES, _compat.SHARD_MAP))
     for feature in sorted(needs):
         with pytest.raises(_compat.UnsupportedJaxError) as info:
             FEATURE_USES[feature]()
@@ -187,6 +205,25 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         assert f"Pin jax<={NEWEST}" in message and "upgrade jax_threadmap" in message
     for feature in sorted(set(FEATURE_USES) - needs):  # the others still work
         FEATURE_USES[feature]()
+
+
+def test_a_missing_manual_axis_type_disables_only_shard_map(monkeypatch):
+    # Was: every threadmap call failed, inside shard_map or not.
+    hook = next(h for h in HOOKS if h.name == "varying_axes")
+    monkeypatch.setitem(_compat.RESOLVED, hook.name, _compat.resolve(_hidden(hook)))
+    _use_threadmap()
+    _use_derivatives()
+    with pytest.raises(jax_threadmap.UnsupportedJaxError) as info:
+        _use_shard_map()
+    message = str(info.value)
+    assert "jax_threadmap inside jax.shard_map needs the JAX internal" in message
+    assert "'varying_axes'" in message
+
+
+def test_unsupported_jax_error_is_public():
+    assert "UnsupportedJaxError" in jax_threadmap.__all__
+    assert jax_threadmap.UnsupportedJaxError is _compat.UnsupportedJaxError
+    assert issubclass(jax_threadmap.UnsupportedJaxError, RuntimeError)
 
 
 def test_a_jax_older_than_supported_is_told_to_upgrade():

@@ -133,7 +133,7 @@ def test_async_dispatch_hook_is_still_where_we_expect_it(hook):
 
 
 def test_a_pulled_gate_holds_a_callback_program_until_offered():
-    # The gate mechanism of _async._Dispatch, reduced to its parts: a program
+    # The gate mechanism of _dispatch.Dispatch, reduced to its parts: a program
     # whose input is a pulled, not yet offered array is dispatched without
     # running; once offered, its host callback runs and the value arrives.
     import threading

@@ -1,8 +1,15 @@
 """Every Python code block of README.md and docs/*.md runs, so the docs cannot rot.
 
-Blocks of one file run in order in one namespace, like a reader following the
-page; each block is its own test. An HTML comment on the line just before a
-block (invisible on the rendered page) changes how it runs:
+A page's blocks run as pasted by a reader: in order, as one script, with
+``python FILE`` in a fresh directory and process (each block at its own line
+of the page, so tracebacks quote the page's line numbers). The script must
+exit with status 0 and write nothing to stderr (no warning, no traceback at
+exit), and each block must print exactly what the page says it prints: the
+``text`` block after it (marked ``output``, below), or its ``# prints: TEXT``
+comments, one line of output each, or nothing. ``...`` stands for what differs
+between machines (timings, thread counts). Each block is its own test. An HTML
+comment on the line just before a block (invisible on the rendered page)
+changes how it runs:
 
 - ``<!-- test: skip REASON -->``: not run, e.g. it needs a network or a
   cluster. Such a block has a runnable local twin on the same page.
@@ -13,15 +20,18 @@ block (invisible on the rendered page) changes how it runs:
 - ``<!-- test: devices N -->``: runs in a subprocess with ``N`` CPU devices
   (``--xla_force_host_platform_device_count``, which must be set before JAX
   starts), after the page's earlier runnable blocks; for ``shard_map`` and
-  ``NamedSharding`` examples. The main session keeps one device, and the names
-  such a block defines are not seen by the blocks after it.
+  ``NamedSharding`` examples. The page's own script leaves it out, and the
+  names it defines are not seen by the blocks after it.
+- ``<!-- test: alone -->``: a complete script (e.g. one with an
+  ``if __name__ == "__main__":`` guard for a process pool), run alone in a
+  fresh process rather than after the page's earlier blocks.
 - ``<!-- test: output -->`` before a ``text`` block: the block must match what
   the page's previous Python block printed (doctest rules, ``...`` matches
   anything), so printed jaxprs and tables stay true. In a printed jaxpr, what
   JAX prints for its own primitives' params differs between JAX versions (e.g.
   ``scan`` gained ``ft_in``), so both sides are compared without them: the
   ``threadmap`` equation (its params and batch spec), the equations and the
-  nesting of sub-jaxprs are compared in full (:func:`jax_params_dropped`).
+  nesting of sub-jaxprs are compared in full (``jax_params_dropped``).
 
 Shell blocks (``bash``) are not run here: README's two commands are what
 ``.ci/run`` runs, and ``tests/test_demo.py`` runs the demo. The docstring
@@ -30,17 +40,16 @@ examples that the API reference shows run as doctests below.
 
 from __future__ import annotations
 
-import contextlib
 import doctest
+import functools
 import importlib
 import inspect
-import io
-import linecache
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -51,7 +60,8 @@ FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 _MARK = re.compile(
-    r"^\s*<!--\s*test:\s*(?P<kind>skip|requires|output|devices)\b\s*(?P<arg>.*?)\s*-->"
+    r"^\s*<!--\s*test:\s*(?P<kind>skip|requires|output|devices|alone)\b"
+    r"\s*(?P<arg>.*?)\s*-->"
 )
 
 
@@ -110,9 +120,21 @@ def _is_output(b) -> bool:
     return any(m["kind"] == "output" for m in b["marks"])
 
 
-PY_BLOCKS = [
-    (path, b) for path in FILES for b in blocks(path) if _is_python(b) or _is_output(b)
-]
+def _devices(b) -> int | None:
+    found = [int(m["arg"]) for m in b["marks"] if m["kind"] == "devices"]
+    return found[0] if found else None
+
+
+def _alone(b) -> bool:
+    return any(m["kind"] == "alone" for m in b["marks"])
+
+
+def _own_script(b) -> bool:
+    """Whether the block runs in a script of its own, not in its page's."""
+    return bool(_devices(b)) or _alone(b)
+
+
+PY_BLOCKS = [(path, b) for path in FILES for b in blocks(path) if _is_python(b)]
 
 
 def _skip_reason(block) -> str | None:
@@ -124,7 +146,112 @@ def _skip_reason(block) -> str | None:
     return None
 
 
-_namespaces: dict[pathlib.Path, dict] = {}
+_PRINTS = re.compile(r"#[^#\n]*?\bprints: ?(?P<text>.*?)\s*$")
+
+
+def expected_output(path: pathlib.Path, block: dict) -> str:
+    """What the page says ``block`` prints: "" when it shows nothing.
+
+    Either the ``text`` block after it, marked ``<!-- test: output -->``, or the
+    ``# prints: TEXT`` comments in the block, one line of output each, in order.
+    """
+    found = blocks(path)
+    i = next(k for k, b in enumerate(found) if b["line"] == block["line"])
+    if i + 1 < len(found) and _is_output(found[i + 1]):
+        return found[i + 1]["code"] + "\n"
+    lines = [m["text"] for m in map(_PRINTS.search, block["code"].splitlines()) if m]
+    return "".join(line + "\n" for line in lines)
+
+
+def _sentinel(line: int) -> str:
+    return f"\x1edoc-block {line}\x1e\n"
+
+
+def page_script(path: pathlib.Path, last: dict | None = None) -> str:
+    """The page's runnable blocks as one script, each at its line of the page.
+
+    So that tracebacks quote the page's own line numbers, a block's code starts
+    on the line after its fence, where a statement that prints a separator
+    stands (parsed apart by ``block_outputs``). Blocks that run in a script of
+    their own are left out, except ``last``: the script then ends with it, and
+    is only ``last`` when that is a complete script (``alone``).
+    """
+    lines: list[str] = []
+    for p, b in PY_BLOCKS:
+        if p != path or _skip_reason(b) or (_own_script(b) and b is not last):
+            continue
+        if last is not None and _alone(last) and b is not last:
+            continue
+        lines += [""] * (b["line"] - 1 - len(lines))
+        lines.append(f"print({_sentinel(b['line'])!r}, end='', flush=True)")
+        lines += b["code"].splitlines()
+        if b is last:
+            break
+    return "\n".join(lines) + "\n"
+
+
+def run_script(path: pathlib.Path, script: str, devices: int | None = None):
+    """Runs ``script`` with ``python FILE`` in a fresh directory, as a user would."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_THREADMAP_")}
+    if devices:
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={devices}"
+        )
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        file = pathlib.Path(tmp) / f"{path.stem}_md.py"
+        file.write_text(script)
+        proc = subprocess.run(
+            [sys.executable, str(file)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp,
+            timeout=600,
+        )
+    return proc
+
+
+def block_outputs(stdout: str) -> dict[int, str]:
+    """What each block printed: its page line -> its stdout (0: before any)."""
+    parts = re.split(r"\x1edoc-block (\d+)\x1e\n", stdout)
+    outputs = {0: parts[0]} if parts[0] else {}
+    for line, text in zip(parts[1::2], parts[2::2], strict=True):
+        outputs[int(line)] = text
+    return outputs
+
+
+@functools.cache
+def _page_run(path: pathlib.Path):
+    return run_script(path, page_script(path))
+
+
+def _check_printed(path, block, outputs, proc) -> None:
+    name = f"{path.relative_to(ROOT)}:{block['line']}"
+    assert block["line"] in outputs, (
+        f"{name} did not run: the script stopped before it (exit status "
+        f"{proc.returncode}):\n{proc.stderr[-3000:]}"
+    )
+    got = outputs[block["line"]]
+    last = max(outputs) == block["line"]
+    assert proc.returncode == 0 or not last, (
+        f"{name} failed (exit status {proc.returncode}):\n{proc.stderr[-3000:]}"
+    )
+    want = expected_output(path, block)
+    checker = doctest.OutputChecker()
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    if not want:
+        assert not got, (
+            f"{name} prints what the page does not show; add the output (a text "
+            f"block marked <!-- test: output -->, or '# prints:' comments):\n{got}"
+        )
+        return
+    assert checker.check_output(
+        jax_params_dropped(want), jax_params_dropped(got), flags
+    ), f"{name}: the page says it prints\n{want}\nbut it prints now:\n{got}"
 
 
 @pytest.mark.parametrize(
@@ -133,32 +260,59 @@ _namespaces: dict[pathlib.Path, dict] = {}
     ids=[f"{p.relative_to(ROOT)}:{b['line']}" for p, b in PY_BLOCKS],
 )
 def test_doc_block_runs(path, block):
+    """The block ran, as part of its page's script, and printed what is shown."""
     reason = _skip_reason(block)
     if reason:
         pytest.skip(reason)
-    namespace = _namespaces.setdefault(path, {"__name__": "__doc_block__"})
-    ran = namespace.setdefault("__ran__", set())
-    # Run the file's earlier runnable blocks first when this one runs alone.
-    for p, b in PY_BLOCKS:
-        if p != path or b is block:
-            break
-        if _is_python(b) and b["line"] not in ran and not _skip_reason(b):
-            _run(path, b, namespace)
-    devices = [int(m["arg"]) for m in block["marks"] if m["kind"] == "devices"]
-    if devices:
-        _run_with_devices(path, block, devices[0])
-        return
-    if _is_python(block):
-        _run(path, block, namespace)
-        return
-    checker = doctest.OutputChecker()
-    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-    want, got = block["code"] + "\n", namespace.get("__stdout__", "")
-    want, got = jax_params_dropped(want), jax_params_dropped(got)
-    assert checker.check_output(want, got, flags), (
-        f"{path.name}:{block['line']}: the output shown differs from what the "
-        f"block before it prints now:\n{got}"
+    if _own_script(block):
+        proc = run_script(path, page_script(path, last=block), _devices(block))
+    else:
+        proc = _page_run(path)
+    _check_printed(path, block, block_outputs(proc.stdout), proc)
+    if _own_script(block):
+        _check_stderr(f"{path.relative_to(ROOT)}:{block['line']}", proc)
+
+
+def _check_stderr(name: str, proc) -> None:
+    assert not proc.stderr, f"{name}: the script wrote to stderr:\n{proc.stderr}"
+
+
+PAGES = sorted({p for p, b in PY_BLOCKS if not _skip_reason(b) and not _own_script(b)})
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_doc_page_runs_as_a_script(path):
+    """The page's blocks, pasted in order into one file, run with empty stderr."""
+    proc = _page_run(path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_stderr(str(path.relative_to(ROOT)), proc)
+
+
+def test_block_outputs_are_split_by_block():
+    out = _sentinel(3) + "a\n" + _sentinel(9) + _sentinel(12) + "b\nc\n"
+    assert block_outputs(out) == {3: "a\n", 9: "", 12: "b\nc\n"}
+    assert block_outputs("x\n" + _sentinel(3)) == {0: "x\n", 3: ""}
+
+
+def test_page_script_keeps_the_page_line_numbers():
+    path = ROOT / "docs" / "api.md"
+    script = page_script(path).splitlines()
+    (block,) = [b for p, b in PY_BLOCKS if p == path]
+    assert _sentinel(block["line"]).strip() in script[block["line"] - 1]
+    assert script[block["line"] :] == block["code"].splitlines()
+
+
+def test_expected_output_from_a_text_block_or_prints_comments(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint(1)  # prints: 1\nprint(2)  # prints: 2\n```\n\n"
+        "```python\nprint(3)\n```\n\n<!-- test: output -->\n```text\n3\n```\n"
+        "```python\nx = 1\n```\n"
     )
+    first, second, _, third = blocks(page)
+    assert expected_output(page, first) == "1\n2\n"
+    assert expected_output(page, second) == "3\n"
+    assert expected_output(page, third) == ""
 
 
 # In a printed jaxpr: an equation whose params follow on their own lines
@@ -203,53 +357,10 @@ def jax_params_dropped(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run(path, block, namespace) -> None:
-    namespace["__ran__"].add(block["line"])
-    filename = f"{path.relative_to(ROOT)}:{block['line']}"
-    code = compile(block["code"], filename, "exec")
-    # Tracebacks (and the kernel frames in a KernelError) quote the block's lines.
-    lines = block["code"].splitlines(keepends=True)
-    linecache.cache[filename] = (len(block["code"]), None, lines, filename)
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        exec(code, namespace)
-    namespace["__stdout__"] = buffer.getvalue()
-    print(buffer.getvalue(), end="")
-
-
-def _run_with_devices(path, block, devices: int) -> None:
-    earlier = []
-    for p, b in PY_BLOCKS:
-        if p == path and b is not block and _is_python(b) and not _skip_reason(b):
-            earlier.append(b["code"])
-        if b is block:
-            break
-    script = "\n\n".join([*earlier, block["code"]])
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    )
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
-    assert proc.returncode == 0, (
-        f"{path.name}:{block['line']} failed on {devices} CPU devices:\n"
-        f"{proc.stderr[-3000:]}"
-    )
-
-
 def test_every_page_has_blocks_that_parse():
     assert PY_BLOCKS, "no Python blocks found"
     for path, b in PY_BLOCKS:
-        if _is_python(b):
-            compile(b["code"], f"{path.name}:{b['line']}", "exec")
+        compile(b["code"], f"{path.name}:{b['line']}", "exec")
 
 
 def test_readme_has_exactly_the_two_commands_that_ci_runs():
@@ -261,12 +372,30 @@ def test_readme_has_exactly_the_two_commands_that_ci_runs():
     assert tests.split("&& ")[-1] in ci
 
 
+def test_home_page_has_the_install_command_and_the_readme_numbers():
+    home, readme = (ROOT / "docs" / "index.md").read_text(), (ROOT / "README.md")
+    region = re.compile(
+        r"<!-- benchmarks:headline -->.*?<!-- /benchmarks:headline -->", re.S
+    )
+    # benchmarks/report.py --write-docs rewrites both from the same results.
+    assert region.search(home)[0] == region.search(readme.read_text())[0]
+    assert "| trivial kernel `x + 1` |" in region.search(home)[0]
+    shell = [
+        b["code"] for b in blocks(ROOT / "docs" / "index.md") if b["lang"] == "bash"
+    ]
+    assert "python3 -m venv .venv && .venv/bin/pip install -q ." in shell
+
+
 @pytest.mark.parametrize("name", jax_threadmap.__all__)
 def test_api_reference_examples(name):
     obj = getattr(jax_threadmap, name)
-    finder = doctest.DocTestFinder(recurse=False)
+    # Methods too (KernelFunction.defvjp, AsyncArray.result, ...): the API page
+    # shows their examples.
+    finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in finder.find(obj, name, globs={}):
+    tests = finder.find(obj, name, globs={}, module=inspect.getmodule(obj))
+    assert all(t.name.startswith(name) for t in tests)
+    for test in tests:
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
-from jax_threadmap import ExecutorError, _executor, threadmap
+from jax_threadmap import ExecutorError, _executor, _pool, _scheduling, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
@@ -75,13 +75,13 @@ def test_env_var_rejects_garbage(monkeypatch):
 def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     rec = Recorder()
     np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
-    started = _executor._threads.started
+    started = _pool._threads.started
     for _ in range(2):
         np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
     assert rec.max_running == n
     assert _executor.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
-    assert _executor._threads.started == started
+    assert _pool._threads.started == started
 
 
 def test_bound_is_per_pool_not_per_map():
@@ -95,7 +95,7 @@ def test_bound_is_per_pool_not_per_map():
 
 
 def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
-    monkeypatch.setattr(_executor, "IDLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(_pool, "IDLE_TIMEOUT", 0.2)
     x = np.zeros(40, np.float32)
     for n in range(1, 21):
         np.testing.assert_array_equal(
@@ -515,6 +515,135 @@ def test_exit_with_a_map_in_flight_in_another_thread_is_prompt_and_clean():
     assert seconds < 10, seconds
 
 
+# A program that dispatches maps and ends without waiting for them; JAX waits for
+# them at exit. A hook registered before jax is imported runs after JAX's, and
+# prints how many kernel calls finished.
+DISPATCH_AND_EXIT = """
+    import atexit, sys, threading, time
+    calls, lock = [0], threading.Lock()
+    atexit.register(lambda: print("finished", calls[0], flush=True))
+
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_threadmap import threadmap
+
+    def kernel(row, scale):
+        time.sleep(0.05)  # still running at exit
+        with lock:
+            calls[0] += 1
+        return np.sort(row) * scale
+
+    def per_row(rows, scale):
+        out = jax.ShapeDtypeStruct(rows.shape[1:], rows.dtype)
+        return jax.vmap(lambda r: threadmap(kernel, out, r, scale))(rows)
+
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("d",))
+    rows = jax.device_put(np.ones((8, 1000), np.float32), NamedSharding(mesh, P("d")))
+    if sys.argv[1] == "shard_map":  # the example of docs/sharding.md
+        f = jax.jit(jax.shard_map(
+            per_row, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d")))
+    else:  # sharded jit: the partitioner places the host call on one device
+        f = jax.jit(per_row)
+    out = f(rows, np.float32(2.0))
+    print("dispatched", flush=True)
+"""
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize("program", ["shard_map", "jit"])
+def test_exit_without_waiting_for_dispatched_maps_is_clean(devices, program):
+    # Was, with 4 devices: "ExecutorError: The interpreter is exiting" from JAX's
+    # own exit handler, and "AssertionError: cannot join a dummy thread".
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env.pop("JAX_PLATFORMS", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DISPATCH_AND_EXIT), program],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # XLA's own log line about gathering the operands of a host call on one
+    # device (under sharded jit, as for jax.pure_callback) is not ours.
+    lines = proc.stderr.splitlines()
+    assert [x for x in lines if "Involuntary full rematerialization" not in x] == []
+    # Every element ran: the maps finished, none was stopped.
+    assert proc.stdout.split() == ["dispatched", "finished", "8"]
+
+
+# Maps on a process pool, in flight in a daemon and a non-daemon thread at exit.
+PROCESS_POOL_AT_EXIT = """
+    import concurrent.futures, multiprocessing, threading, time
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_threadmap import _executor, threadmap
+    import worker_kernels
+
+    if __name__ == "__main__":
+        ex = concurrent.futures.ProcessPoolExecutor(
+            2, mp_context=multiprocessing.get_context("spawn"))
+
+        def on_pool(kernel):
+            return jax.vmap(lambda v: threadmap(
+                kernel, jax.ShapeDtypeStruct((), jnp.float32), v, executor=ex))
+
+        on_pool(worker_kernels.raises_at_five)(np.zeros(4, np.float32))  # warm
+        f = on_pool(worker_kernels.slow_identity)
+
+        def run(name):
+            try:
+                f(np.zeros(64, np.float32))  # 16 s of kernels on 2 workers
+            except Exception as e:
+                print(name, type(e).__name__, e, flush=True)
+
+        for daemon in (True, False):
+            threading.Thread(target=run, args=(daemon,), daemon=daemon).start()
+        while len(_executor._flights) < 2:  # both maps are in flight
+            time.sleep(0.01)
+        print("ready", flush=True)
+"""
+
+
+def test_exit_with_process_pool_maps_in_flight_says_the_interpreter_exits():
+    # Was "The executor ... refused new work ... cannot schedule new futures after
+    # shutdown. Pass an executor that is running", for both maps.
+    env = dict(os.environ)
+    here = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.dirname(here), here, env.get("PYTHONPATH")) if p
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PROCESS_POOL_AT_EXIT)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    start = time.perf_counter()
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, err
+    lines = sorted(out.splitlines())
+    assert len(lines) == 2, (out, err)
+    # The daemon thread's map is stopped; the non-daemon thread's map is refused
+    # by the pool, which takes no new work once the main thread has ended.
+    assert lines[0].startswith("False ExecutorError The interpreter is exiting")
+    assert "refuses new work once the main thread has ended" in lines[0]
+    assert lines[1].startswith("True ExecutorError The interpreter is exiting")
+    assert "refused new work" not in out + err
+    assert "Traceback" not in err, err
+    # Exit waits for the tasks that the pool has queued already (about a second
+    # here) and for the pool's own shutdown (seconds: its workers import JAX),
+    # not for the maps (16 s each).
+    assert seconds < 12, seconds
+
+
 def test_threads_of_many_pool_sizes_do_not_pile_up():
     # Was 1,276 threads: one pool of N threads for every N, forever.
     code = """
@@ -604,7 +733,7 @@ def test_ctrl_c_stops_nested_maps_across_pools():
     "error", [RuntimeError("can't start new thread"), KeyboardInterrupt()]
 )
 def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
-    monkeypatch.setattr(_executor, "_threads", _executor._Threads())  # none idle
+    monkeypatch.setattr(_pool, "_threads", _pool._Threads())  # none idle
     real_start = threading.Thread.start
 
     def failing_start(self):
@@ -654,9 +783,9 @@ class Counter:
 def _only_the_watchdog(monkeypatch, stuck=60.0):
     """Maps on more threads than CPUs gain threads only from the watchdog, after
     ``stuck`` seconds: no timing can then raise their limit on a busy machine."""
-    monkeypatch.setattr(_executor, "SLOW_ELEMENT", float("inf"))
-    monkeypatch.setattr(_executor, "WAIT_SHARE", 0.0)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", stuck)
+    monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))
+    monkeypatch.setattr(_scheduling, "WAIT_SHARE", 0.0)
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", stuck)
 
 
 def user_pool(n):
@@ -705,7 +834,7 @@ def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_slow_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)  # from the chunks' times
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)  # from the chunks' times
     with executor_of(executor, 8) as ex:
         rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
         x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
@@ -716,8 +845,8 @@ def test_slow_elements_get_every_thread(monkeypatch, executor):
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_waiting_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
-    monkeypatch.setattr(_executor, "SLOW_ELEMENT", float("inf"))  # from CPU time
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
+    monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))  # from CPU time
     with executor_of(executor, 8) as ex:
         rec = Recorder(sleep=0.002)  # sleeps: its thread is on a CPU a few % of it
         x = np.zeros((8, 64), np.float32)
@@ -786,7 +915,7 @@ def test_executor_shut_down_while_the_map_grows(monkeypatch):
     # The threads added when the limit rises are refused: the ones already
     # running finish the map.
     monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_executor, "STUCK_CHUNK", 60.0)
+    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     ex = user_pool(8)
     rec = Recorder(sleep=0.002)
 

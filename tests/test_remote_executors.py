@@ -197,6 +197,27 @@ def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):
     np.testing.assert_array_equal(f(np.arange(3, dtype=np.float32)), np.arange(3))
 
 
+def test_kernel_exception_whose_message_fails_keeps_index_and_cause(spawn_pool):
+    # Was "ExecutorError: ... the executor failed with RuntimeError: str broke".
+    f = jax.vmap(
+        lambda x: threadmap(
+            worker_kernels.unprintable_at_two,
+            jax.ShapeDtypeStruct((), jnp.float32),
+            x,
+            executor=spawn_pool,
+        )
+    )
+    with pytest.raises(KernelError) as info:
+        f(np.arange(4, dtype=np.float32))
+    assert "batch index (2,)" in str(info.value)
+    assert "raised Unprintable: <exception str() failed>" in str(info.value)
+    assert info.value.index == (2,)
+    # The kernel's exception comes back as the cause, the worker's traceback
+    # behind it.
+    assert isinstance(info.value.__cause__, worker_kernels.Unprintable)
+    assert "unprintable_at_two" in str(info.value.__cause__.__cause__)
+
+
 def test_base_exception_in_a_worker_is_a_kernel_error(spawn_pool):
     f = jax.vmap(
         lambda x: threadmap(

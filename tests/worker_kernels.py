@@ -110,6 +110,24 @@ def dies_once_at_three(x, *, marker):
         except FileExistsError:
             return x
         os._exit(1)
+
+
+class Unprintable(Exception):
+    """An exception whose message cannot be built."""
+
+    def __str__(self):
+        raise RuntimeError("str broke")
+
+
+def unprintable_at_two(x):
+    if float(x) == 2:
+        raise Unprintable("two")
+    return x
+
+
+def slow_identity(x):
+    """Half a second per element: a process-pool map still running at exit."""
+    time.sleep(0.5)
     return x
 
 

@@ -1,0 +1,1 @@
+"""Worked examples of jax_threadmap (run them from the repository root)."""

@@ -1,0 +1,465 @@
+"""Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
+
+The mechanism behind ``AsyncArray``'s argument handler: :meth:`Dispatch.arrays_for`
+hands JAX, for each pending array, a ``jax.Array`` made by a *gate program* that
+runs once the call has returned. Swapping the mechanism means replacing this
+module; :mod:`._async` uses only :data:`mechanism`, :func:`async_dispatch_status`
+and :class:`AsyncCallFailed`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from . import _compat, _task
+from ._task import FINISHED, FINISHING, PENDING, RUNNING, Task, worker_state
+
+logger = logging.getLogger("jax_threadmap._async")
+
+# --- async dispatch --------------------------------------------------------------
+# A jitted call whose AsyncArray arguments are still pending returns at once: the
+# argument handler hands JAX, for each one, a jax.Array made by a small "gate
+# program" that has not run yet. Its input is a gate, a 4-byte array pulled from a
+# loopback transfer server (jax.experimental.transfer) that the call offers when it
+# ends; the program then runs and its host callback copies the call's result into
+# the output buffers (the data never crosses the socket), or raises the call's
+# error, which then reaches every dependent. XLA orders executions per dispatching
+# thread and caps executions in flight per device (32 on CPU), so one program
+# covers all the pending arrays of one call, and at most MAX_WAITING_PROGRAMS wait
+# per device; beyond that, and where the mechanism is missing, dispatch waits for
+# the data as before ("blocking dispatch").
+
+ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
+
+#: Gate programs that may wait on one device at once; more dispatches wait for
+#: their data. XLA's CPU client runs at most 32 executions per device at a time
+#: (waiting ones included); this leaves most of them to the programs that
+#: depend on pending data and to the loaders themselves.
+MAX_WAITING_PROGRAMS = 8
+
+#: Gate programs kept compiled, by device and layout. A program serves every call
+#: with the same leaf layout, so a steady workload needs a handful; the bound only
+#: keeps a program that makes ever new layouts from growing the cache without
+#: end (cleared when full: rare, and a miss costs one compile of a tiny program).
+MAX_CACHED_PROGRAMS = 256
+
+#: At exit, how long to let the gate programs of failed or abandoned calls run
+#: (they raise at once once released) before JAX's own exit handler waits for
+#: them; long enough for XLA's threads to get the GIL on a busy machine, short
+#: enough not to hold an exiting process noticeably.
+EXIT_DRAIN_S = 3.0
+
+#: How often the exit drain looks at the count of waiting programs: the programs
+#: need the GIL, which a sleep gives them.
+EXIT_POLL_S = 0.01
+
+# Platforms on which the gate mechanism was measured (dispatch latency, values,
+# failures, exit): others fall back to blocking dispatch.
+_DISPATCH_PLATFORMS = frozenset({"cpu"})
+
+
+class Shard(NamedTuple):
+    """One shard of one pending array that a gate program makes."""
+
+    #: The array's position among the arguments of the dispatch.
+    position: int
+    #: The leaf of the call's result (``AsyncArray._index``).
+    leaf: int
+    #: The shard's index into the leaf, hashable (see :func:`_index_key`).
+    where: tuple
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+class AsyncCallFailed(RuntimeError):
+    """Raised in a gate program for a call that failed or never returned.
+
+    A jitted program dispatched with pending arrays receives this error's text
+    (``JaxRuntimeError: ... AsyncCallFailed: <fn> ... failed with <Type>:
+    <message>``) when its results are used.
+    """
+
+
+def async_dispatch_enabled() -> bool:
+    """Whether ``JAX_THREADMAP_ASYNC_DISPATCH`` allows async dispatch (default on)."""
+    value = os.environ.get(ENV_ASYNC_DISPATCH, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"{ENV_ASYNC_DISPATCH}={value!r} is not understood. Set it to 1 (jitted "
+        "calls with pending AsyncArrays return at once, the default) or 0 (they "
+        "wait for the data, as in earlier releases)."
+    )
+
+
+def _index_key(index: tuple) -> tuple:
+    # Slices are not hashable before Python 3.12; the program cache needs keys.
+    return tuple(
+        (i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index
+    )
+
+
+def _index_of(key: tuple) -> tuple:
+    return tuple(slice(*k) if isinstance(k, tuple) else k for k in key)
+
+
+def _keep_gate_errors_out_of_jax_log(record: logging.LogRecord) -> bool:
+    # JAX logs each exception of a pure_callback; a failed call is reported once,
+    # by Task._fail, and its text is in every dependent's error.
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, AsyncCallFailed)
+
+
+logging.getLogger(_compat.CALLBACK_LOGGER_NAME).addFilter(
+    _keep_gate_errors_out_of_jax_log
+)
+
+
+#: What the gate programs of one dispatch make: by device, by task, the shards.
+Plan = dict[Any, dict[Task, list[Shard]]]
+
+
+def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
+    """One gate program per device; returns it and each array's device order."""
+    plan: Plan = {}
+    layouts = []
+    for k, (x, sharding) in enumerate(zip(xs, shardings, strict=True)):
+        indices = sharding.addressable_devices_indices_map(x.shape)
+        layouts.append(list(indices))
+        shard_shape = sharding.shard_shape(x.shape)
+        for device, index in indices.items():
+            plan.setdefault(device, {}).setdefault(x._task, []).append(
+                Shard(k, x._index, _index_key(index), shard_shape, x.dtype)
+            )
+    return plan, layouts
+
+
+class Dispatch:
+    """The gate mechanism: transfer servers, gate programs, their bookkeeping."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._servers: dict[Any, tuple[Any, Any]] = {}
+        self._broken: str | None = None
+        self._programs: dict[Any, Any] = {}
+        self._waiting: dict[Any, int] = {}
+        self._slots: dict[int, Task] = {}
+        self._slot_ids = itertools.count(1)
+        self._failed_devices: set[Any] = set()
+
+    def after_fork(self) -> None:
+        # Servers, gates and programs in flight belong to the parent.
+        self._reset()
+
+    def status(self) -> str | None:
+        """Why dispatch is blocking in this process, or ``None`` if it is async."""
+        if not async_dispatch_enabled():
+            return f"disabled by {ENV_ASYNC_DISPATCH}=0"
+        reason = _compat.async_dispatch_unavailable() or self._broken
+        if reason is not None:
+            return f"unavailable in jax {jax.__version__}: {reason}"
+        platform = jax.default_backend()
+        if platform not in _DISPATCH_PLATFORMS:
+            return (
+                f"the default backend is {platform}; async dispatch is used on "
+                f"{', '.join(sorted(_DISPATCH_PLATFORMS))} devices only"
+            )
+        return None
+
+    # -- at dispatch, in the thread that calls the jitted function --
+
+    def arrays_for(self, xs: list[Any], shardings: list[Any]) -> list[Any]:
+        """One jax.Array per x: the value if there, else a pending one (or wait)."""
+        out: list[Any] = [None] * len(xs)
+        todo = []
+        for i, x in enumerate(xs):
+            if x._task.future.done():
+                out[i] = x.result()
+            else:
+                todo.append(i)
+        if todo and self._may_dispatch([shardings[i] for i in todo]):
+            try:
+                made = self._pending_arrays(
+                    [xs[i] for i in todo], [shardings[i] for i in todo]
+                )
+            except Exception:
+                # Whatever went wrong (a sharding we cannot split, a transfer
+                # server that did not start) costs the wait, not the call.
+                logger.warning(
+                    "jax_threadmap: async dispatch failed; this call waits for "
+                    "its data.",
+                    exc_info=True,
+                )
+            else:
+                for i, array in zip(todo, made, strict=True):
+                    out[i] = array
+        for i in todo:
+            if out[i] is None:  # blocking dispatch, as before
+                out[i] = xs[i].result()
+        return out
+
+    def _may_dispatch(self, shardings: list[Any]) -> bool:
+        if getattr(worker_state, "in_pool", False):
+            # A call run by the pool that needs another call's value runs that
+            # call itself (see Task.wait) rather than queue behind busy workers.
+            return False
+        if self.status() is not None:
+            return False
+        devices = set()
+        for sharding in shardings:
+            devices |= set(sharding.addressable_devices)
+        if any(d.platform not in _DISPATCH_PLATFORMS for d in devices):
+            return False
+        with self._lock:
+            return all(self._waiting.get(d, 0) < MAX_WAITING_PROGRAMS for d in devices)
+
+    def _pending_arrays(self, xs: list[Any], shardings: list[Any]) -> list:
+        plan, layouts = _plan(xs, shardings)
+        # (task, device) pairs whose program count was raised and whose program
+        # is not dispatched yet: undone if anything fails on the way.
+        owed: list[tuple[Task, Any]] = []
+        try:
+            claimed = self._claim(plan, owed)
+            shards: dict[tuple[int, Any], jax.Array] = {}
+            for device, by_task in plan.items():
+                tasks = [t for t in by_task if t in claimed]
+                if tasks:
+                    outs = self._run_gate_program(device, tasks, by_task, owed)
+                    positions = [s.position for t in tasks for s in by_task[t]]
+                    for k, array in zip(positions, outs, strict=True):
+                        shards[k, device] = array
+        except BaseException:
+            for task, _ in owed:
+                self._program_ran(task)
+            raise
+        for task in claimed:
+            task.submit()  # a deferred call starts now; no-op for the others
+        made: list[Any] = []
+        for k, (x, sharding) in enumerate(zip(xs, shardings, strict=True)):
+            if x._task not in claimed:
+                made.append(None)  # finishing: wait for its placed value
+                continue
+            parts = [shards[k, device] for device in layouts[k]]
+            made.append(
+                jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
+            )
+        return made
+
+    def _claim(self, plan: Plan, owed: list[tuple[Task, Any]]) -> set[Task]:
+        """Adds gates and program counts to the tasks still running."""
+        claimed: set[Task] = set()
+        refused: set[Task] = set()
+        for device, by_task in plan.items():
+            for task in by_task:
+                if task in refused:
+                    continue
+                with task._lock:
+                    if task._state not in (PENDING, RUNNING):
+                        refused.add(task)
+                        continue
+                    if device not in task.gates:
+                        task.gates[device] = self._pull_gate(task, device)
+                    task.programs += 1
+                owed.append((task, device))
+                claimed.add(task)
+        # A call that finished between two devices waits for its value instead.
+        for task, device in [(t, d) for t, d in owed if t in refused]:
+            owed.remove((task, device))
+            self._program_ran(task)
+        return claimed - refused
+
+    def _run_gate_program(
+        self,
+        device: Any,
+        tasks: list[Task],
+        by_task: dict[Task, list[Shard]],
+        owed: list[tuple[Task, Any]],
+    ) -> list[jax.Array]:
+        spec = tuple(tuple((s.leaf, s.where) for s in by_task[t]) for t in tasks)
+        avals = tuple(
+            jax.ShapeDtypeStruct(s.shape, s.dtype) for t in tasks for s in by_task[t]
+        )
+        program = self._program(device, spec, avals)
+        gates = [t.gates[device][1] for t in tasks]
+        if len(tasks) > 1:
+            for t in tasks:
+                t.solo = False
+        with self._lock:
+            self._waiting[device] = self._waiting.get(device, 0) + 1
+        try:
+            outs = program(*gates)
+        except BaseException:
+            with self._lock:
+                self._waiting[device] -= 1
+            raise
+        # From here the program's callback settles the counts, whatever happens.
+        for t in tasks:
+            owed.remove((t, device))
+        return outs
+
+    def _pull_gate(self, task: Task, device: Any) -> tuple[int, jax.Array]:
+        _, conn = self._server(device.client)
+        if not task.slot:
+            with self._lock:
+                task.slot = next(self._slot_ids)
+                self._slots[task.slot] = task
+        pull_id = secrets.randbits(62)
+        gate_aval = jax.ShapeDtypeStruct(
+            (), np.int32, sharding=jax.sharding.SingleDeviceSharding(device)
+        )
+        return pull_id, conn.pull(pull_id, [gate_aval])[0]
+
+    def _server(self, client: Any) -> tuple[Any, Any]:
+        with self._lock:
+            if client not in self._servers:
+                try:
+                    start = _compat.start_transfer_server
+                    if start is None:  # status() reports why; callers checked it
+                        raise RuntimeError(_compat.async_dispatch_unavailable())
+                    # Loopback only, on a port the OS picks; started on first use.
+                    server = start(client, "127.0.0.1:0", ["127.0.0.1:0"])
+                    conn = server.connect(server.address())
+                except Exception as e:
+                    self._broken = (
+                        f"the loopback transfer server did not start "
+                        f"({type(e).__name__}: {e})"
+                    )
+                    logger.warning(
+                        "jax_threadmap: async dispatch is off: %s. Jitted calls "
+                        "with pending AsyncArrays wait for their data.",
+                        self._broken,
+                    )
+                    raise
+                self._servers[client] = (server, conn)
+            return self._servers[client]
+
+    def _program(self, device: Any, spec: tuple, avals: tuple) -> Any:
+        key = (device, spec, avals)
+        with self._lock:
+            program = self._programs.get(key)
+            if program is None:
+                if len(self._programs) >= MAX_CACHED_PROGRAMS:
+                    self._programs.clear()
+                callback = functools.partial(self._gate_callback, device, spec)
+
+                def run(*gates: jax.Array) -> Any:
+                    return jax.pure_callback(callback, list(avals), *gates)
+
+                program = jax.jit(
+                    run, out_shardings=jax.sharding.SingleDeviceSharding(device)
+                )
+                self._programs[key] = program
+        return program
+
+    # -- when the gates arrive, in an XLA thread --
+
+    def _gate_callback(self, device: Any, spec: tuple, *slots: Any) -> list:
+        tasks = [self._slots[int(slot)] for slot in slots]
+        try:
+            outs = []
+            for task, leaves in zip(tasks, spec, strict=True):
+                if task.error_text is not None:
+                    self._failed_devices.add(device)
+                    raise AsyncCallFailed(task.error_text)
+                host = task.host
+                assert host is not None  # set before the gates were offered
+                for leaf, index in leaves:
+                    outs.append(host[leaf][_index_of(index)])
+            return outs
+        finally:
+            with self._lock:
+                self._waiting[device] -= 1
+            for task in tasks:
+                self._program_ran(task)
+
+    def _program_ran(self, task: Task) -> None:
+        with task._lock:
+            task.programs -= 1
+            done = task.programs == 0 and task._state in (FINISHING, FINISHED)
+        if done:  # no gate program will read this call again
+            task.host = None
+            with self._lock:
+                self._slots.pop(task.slot, None)
+            task.gates_ran.set()
+
+    # -- when the call ends --
+
+    def offer(self, task: Task, gates: dict[Any, tuple[int, jax.Array]]) -> None:
+        """Lets the gate programs of ``task`` run (with its host or error_text)."""
+        for device, (pull_id, _) in gates.items():
+            server, _ = self._server(device.client)
+            server.await_pull(pull_id, [jax.device_put(np.int32(task.slot), device)])
+
+    def clean_up_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
+        """Lets failed gate programs finish; leaves JAX no failed exit token."""
+        # JAX's exit handler (registered before ours, so run after it) waits, in
+        # this thread, for this thread's last program with host callbacks on
+        # each device, and prints its error if it failed. Let the failed gate
+        # programs run (XLA threads, which need the GIL: sleep), then dispatch a
+        # good program after them in this thread.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(self._waiting.values()):
+                    break
+            time.sleep(EXIT_POLL_S)
+        if not self._failed_devices:
+            return
+        noop = jax.jit(
+            lambda g: jax.pure_callback(
+                lambda v: v, jax.ShapeDtypeStruct((), np.int32), g
+            )
+        )
+        for device in list(self._failed_devices):
+            try:
+                noop(jax.device_put(np.int32(0), device))
+            except Exception:  # at exit: never let this hide the rest
+                logger.debug("jax_threadmap: exit token reset failed", exc_info=True)
+
+
+mechanism = Dispatch()
+
+
+def async_dispatch_status() -> str:
+    """Says whether jitted calls with pending ``AsyncArray`` s return at once.
+
+    Returns:
+        ``"async"``, or ``"blocking: <reason>"`` (the reason names the switch or
+        the missing JAX feature).
+
+    Examples:
+        >>> import jax_threadmap as jtm
+        >>> jtm.async_dispatch_status()  # on CPU with jax 0.6.2 ... 0.12
+        'async'
+    """
+    reason = mechanism.status()
+    return "async" if reason is None else f"blocking: {reason}"
+
+
+def _release(task: Task, gates: dict) -> None:
+    mechanism.offer(task, gates)
+
+
+def _after_fork_in_child() -> None:
+    # Servers, gates and programs in flight belong to the parent.
+    mechanism.after_fork()
+
+
+_task.set_gate_release(_release)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,51 @@
+"""The wheel and the sdist carry what the metadata promises: the license text."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_license_file_is_the_apache_2_text():
+    text = (ROOT / "LICENSE").read_text()
+    assert (
+        "Apache License\n                           Version 2.0, January 2004" in text
+    )
+    assert "END OF TERMS AND CONDITIONS" in text
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '\nlicense = "Apache-2.0"\nlicense-files = ["LICENSE"]\n' in pyproject
+
+
+def test_wheel_and_sdist_ship_the_license(tmp_path):
+    if importlib.util.find_spec("hatchling") is None:
+        pytest.skip("hatchling is not installed (pip install '.[test]')")
+    subprocess.run(
+        [sys.executable, "-m", "hatchling", "build", "-d", str(tmp_path)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        (license_file,) = [
+            n for n in names if n.endswith(".dist-info/licenses/LICENSE")
+        ]
+        assert zf.read(license_file) == (ROOT / "LICENSE").read_bytes()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        assert "License-Expression: Apache-2.0" in zf.read(metadata).decode()
+    with tarfile.open(sdist) as tf:
+        top = tf.getnames()[0].split("/")[0]
+        assert (
+            tf.extractfile(f"{top}/LICENSE").read() == (ROOT / "LICENSE").read_bytes()
+        )

@@ -1,0 +1,79 @@
+"""The runners: one class per kind of executor, chosen once per map, and the
+private attributes read for an executor's size, each optional."""
+
+import concurrent.futures
+import multiprocessing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_threadmap import _runners, threadmap
+
+F32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def test_each_kind_of_executor_gets_its_runner():
+    assert isinstance(_runners.runner_for(None), _runners.SharedThreads)
+    assert _runners.runner_for(3).workers == 3
+    with concurrent.futures.ThreadPoolExecutor(5) as ex:
+        runner = _runners.runner_for(ex)
+        assert isinstance(runner, _runners.ThreadExecutor)
+        assert runner.workers == 5 and runner.on_threads
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) as ex:
+        runner = _runners.runner_for(ex)
+        assert isinstance(runner, _runners.PicklingExecutor)
+        assert runner.workers == 2 and not runner.on_threads
+
+
+def test_the_size_hooks_answer_on_the_installed_versions():
+    hook = next(h for h in _runners.SIZE_HOOKS if "_max_workers" in h.name)
+    with concurrent.futures.ThreadPoolExecutor(7) as ex:
+        assert hook.read(ex) == 7
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(3, mp_context=spawn) as ex:
+        assert hook.read(ex) == 3
+
+
+class _Odd(concurrent.futures.Executor):
+    """An executor whose private attributes are not what the hooks expect."""
+
+    _max_workers = "many"
+
+    @property
+    def _client(self):
+        raise RuntimeError("no client today")
+
+
+def test_a_size_hook_that_fails_means_the_executor_does_not_say():
+    assert _runners.known_workers(_Odd()) is None
+    assert _runners.known_workers(concurrent.futures.Executor()) is None
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """A kind of executor for this test: its runner runs chunks in the caller."""
+
+
+def test_a_new_kind_of_executor_is_one_class_and_one_line(monkeypatch):
+    ran = []
+
+    class Inline:
+        on_threads = False
+        workers = 1
+
+        def __init__(self, executor):
+            self.executor = executor
+
+        def run(self, job, work, progress):
+            del work, progress
+            ran.append(job.n)
+            job.drain()
+
+    kind = (lambda ex: isinstance(ex, InlineExecutor), Inline)
+    monkeypatch.setattr(_runners, "RUNNERS", (kind, *_runners.RUNNERS))
+    x = np.arange(6, dtype=np.float32)
+    f = jax.vmap(lambda v: threadmap(lambda a: a * 2, F32, v, executor=ex))
+    ex = InlineExecutor()
+    np.testing.assert_array_equal(f(x), 2 * x)
+    assert ran == [6]

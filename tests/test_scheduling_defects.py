@@ -1,0 +1,148 @@
+"""The scheduling defects of issue 19, end to end on real threads, every wait
+bounded (a regression fails here rather than hangs). The decisions behind each
+fix are tested as pure functions in test_scheduling.py."""
+
+import collections
+import concurrent.futures
+import contextlib
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_threadmap import _executor, _jobs, _pool, threadmap
+
+I32 = jax.ShapeDtypeStruct((), jnp.int32)
+#: Seconds a barrier waits before it breaks: far above a working map's time.
+BARRIER_TIMEOUT = 20.0
+
+
+def flat_map(kernel, n, executor):
+    f = jax.vmap(lambda i: threadmap(kernel, I32, i, executor=executor))
+    return np.asarray(f(jnp.arange(n, dtype=jnp.int32)))
+
+
+@contextlib.contextmanager
+def executor_of(kind, n):
+    if kind == "shared":
+        yield n
+        return
+    ex = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="mine")
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+
+
+def in_threads(fns, timeout=120):
+    """Runs each ``fn`` in its own thread at once; their errors, in order."""
+    errors = [None] * len(fns)
+
+    def body(k):
+        try:
+            fns[k]()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors[k] = e
+
+    threads = [threading.Thread(target=body, args=(k,)) for k in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a map hung"
+    return errors
+
+
+@pytest.mark.parametrize("kind", ["shared", "user"])
+@pytest.mark.parametrize("workers, n", [(4, 32), (8, 64)])
+def test_two_large_maps_whose_elements_wait_for_each_other(
+    monkeypatch, kind, workers, n
+):
+    # Each map's elements meet four at a time at a barrier. Both maps are large
+    # (more than LIMITED_FROM elements per thread), so each starts on one thread
+    # per CPU: before the fix each held part of the executor and waited for
+    # good (here: until the barrier broke) for the part the other held.
+    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+
+    def one_map(ex):
+        barrier = threading.Barrier(4, timeout=BARRIER_TIMEOUT)
+
+        def meet(i):
+            barrier.wait()
+            return i
+
+        np.testing.assert_array_equal(flat_map(meet, n, ex), np.arange(n))
+
+    with executor_of(kind, workers) as ex:
+        errors = in_threads([lambda: one_map(ex), lambda: one_map(ex)])
+    assert errors == [None, None]
+
+
+def test_the_documented_layout_for_pairs_that_wait_for_each_other():
+    # docs/executors.md: fewer than 4 elements per thread of the executor run one
+    # element per chunk, so a pair of elements never waits in one thread.
+    n = 64
+    barriers = [threading.Barrier(2, timeout=BARRIER_TIMEOUT) for _ in range(n // 2)]
+
+    def pair(i):
+        barriers[int(i) // 2].wait()
+        return i
+
+    errors = in_threads([lambda: flat_map(pair, n, n // 2)])
+    assert errors == [None]
+
+
+def test_a_limited_map_waits_at_the_gate_only_for_another_limited_map():
+    gate = _jobs.LimitedGate()
+    first = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
+    second = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
+    small = _jobs.Job(10, lambda *a: None, workers=8)
+    assert first.limited and second.limited and not small.limited
+    gate.enter(first)
+    gate.enter(small)  # not limited: never waits
+    entered = threading.Event()
+    t = threading.Thread(target=lambda: (gate.enter(second), entered.set()))
+    t.start()
+    assert not entered.wait(0.2)
+    gate.leave(first)
+    assert entered.wait(30)
+    t.join(30)
+    gate.leave(second)
+
+
+def test_front_loaded_costs_spread_over_every_thread():
+    # The first tenth of the elements sleep: once the map had every thread,
+    # guided chunks of a share of what was left packed them onto a few threads
+    # (about 150 per chunk here). Chunks now hold at most MAX_CHUNK_SECONDS of
+    # the last measured time per element.
+    n, slow, workers = 10_000, 1_000, 32
+    per_thread = collections.Counter()
+    lock = threading.Lock()
+
+    def kernel(i):
+        if int(i) < slow:
+            with lock:
+                per_thread[threading.get_ident()] += 1
+            time.sleep(0.001)
+        return i
+
+    np.testing.assert_array_equal(flat_map(kernel, n, workers), np.arange(n))
+    assert sum(per_thread.values()) == slow
+    fair = slow / workers
+    assert max(per_thread.values()) <= 3 * fair, per_thread.most_common(3)
+
+
+def test_threads_follow_the_kernels_running_at_once(monkeypatch):
+    # 300 calls of a 50-element map on a pool of 1000: at most 50 kernels run at
+    # once. A thread done with a map's chunks takes the next map a moment later;
+    # before the fix each call started threads rather than wait for them.
+    monkeypatch.setattr(_pool, "_threads", _pool._Threads())
+    f = jax.jit(jax.vmap(lambda i: threadmap(lambda v: v, I32, i, executor=1000)))
+    x = jnp.arange(50, dtype=jnp.int32)
+    for _ in range(300):
+        np.testing.assert_array_equal(f(x), np.arange(50))
+    started = _pool._threads.started
+    assert started <= 50 + _executor.available_cpus(), started

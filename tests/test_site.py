@@ -1,0 +1,155 @@
+"""The docs site as a reader sees it: the API reference renders, the pages work.
+
+The API reference is built from the public docstrings by mkdocstrings. Google
+style needs ``Examples:`` (plural): griffe reads ``Example:`` as an admonition
+and renders the doctest as a paragraph in nested block quotes. Sphinx roles
+(``:func:`x```) are not mkdocstrings syntax and show up as literal text; the
+cross-references are ``[name][jax_threadmap.name]`` (links checked by
+``mkdocs build --strict``). The site tests need the ``docs`` extra (mkdocs), the
+browser test also the ``browser`` extra (playwright) and a Chromium.
+"""
+
+from __future__ import annotations
+
+import doctest
+import html.parser
+import importlib.util
+import inspect
+import pathlib
+import re
+import shutil
+import sys
+
+import pytest
+
+import jax_threadmap
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import browser_check  # noqa: E402
+
+_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|exc|data|obj|ref):`")
+
+
+def public_docstrings() -> dict[str, str]:
+    """The docstrings the API page shows: public objects and their members."""
+    found = {}
+    for name in jax_threadmap.__all__:
+        obj = getattr(jax_threadmap, name)
+        if inspect.getmodule(obj) is None or not obj.__doc__:
+            continue  # threadmap_p, a Primitive instance: docs/api.md
+        found[name] = obj.__doc__
+        for attr, member in vars(obj).items() if inspect.isclass(obj) else ():
+            member = getattr(member, "__func__", member)  # classmethods
+            if not attr.startswith("_") and getattr(member, "__doc__", None):
+                found[f"{name}.{attr}"] = member.__doc__
+    return found
+
+
+def doc_examples() -> list[tuple[str, str]]:
+    """(object, first line of source) of every docstring example of the API."""
+    found = []
+    for name in jax_threadmap.__all__:
+        obj = getattr(jax_threadmap, name)
+        module = inspect.getmodule(obj)
+        for test in doctest.DocTestFinder().find(obj, name, module=module, globs={}):
+            found += [(test.name, ex.source.splitlines()[0]) for ex in test.examples]
+    return found
+
+
+@pytest.mark.parametrize("name,doc", sorted(public_docstrings().items()))
+def test_public_docstrings_use_mkdocstrings_syntax(name, doc):
+    assert not _ROLE.search(doc), (
+        f"{name}: a Sphinx role, shown as literal text by mkdocstrings; write "
+        f"[`obj`][jax_threadmap.obj] (or a link for JAX and Python objects): "
+        f"{_ROLE.search(doc).group()!r}"
+    )
+    assert not re.search(r"^\s*Example:\s*$", doc, re.M), (
+        f"{name}: 'Example:' is read as an admonition; the section is 'Examples:'"
+    )
+
+
+def test_every_public_object_has_examples():
+    names = {name for name, _ in doc_examples()}
+    lacking = [
+        n for n in jax_threadmap.__all__ if n not in names and n != "threadmap_p"
+    ]
+    assert not lacking, f"public objects without an Examples section: {lacking}"
+
+
+class _Text(html.parser.HTMLParser):
+    """The text of a page, split into what is inside ``<pre>`` and the rest."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.code: list[str] = []
+        self.prose: list[str] = []
+        self.depth = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.depth += tag == "pre"
+
+    def handle_endtag(self, tag):
+        self.depth -= tag == "pre"
+
+    def handle_data(self, data):
+        (self.code if self.depth else self.prose).append(data)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    for module in ("mkdocs", "mkdocstrings", "material"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (pip install '.[docs]')")
+    site_dir = tmp_path_factory.mktemp("site")
+    browser_check.build_site(site_dir)
+    return site_dir
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """The Chromium executable for playwright; skips where there is none."""
+    if importlib.util.find_spec("playwright") is None:
+        pytest.skip("playwright is not installed (pip install '.[browser]')")
+    path = shutil.which("chromium") or browser_check.CHROMIUM
+    if not pathlib.Path(path).exists():
+        pytest.skip("no Chromium (apt-get install chromium)")
+    return path
+
+
+def test_api_page_renders_examples_as_code_and_no_roles(site):
+    page = (site / "api" / "index.html").read_text()
+    text = _Text()
+    text.feed(page)
+    code, prose = "".join(text.code), "".join(text.prose)
+    roles = sorted(set(_ROLE.findall(prose)))
+    assert not roles, f"literal Sphinx roles on the API page: {roles}"
+    examples = doc_examples()
+    assert len(examples) > 40, "the docstring examples were not found"
+    for name, line in examples:
+        assert line in code, f"{name}: example line not in a code block: {line!r}"
+        assert line not in prose, f"{name}: example line shown as prose: {line!r}"
+    # Highlighted as Python sessions: every example line has its prompt.
+    assert page.count('class="gp">&gt;&gt;&gt; </span>') >= len(examples)
+    assert "<blockquote>" not in page, "a doctest rendered as a block quote"
+    assert "[jax_threadmap." not in prose, "an unresolved cross-reference"
+
+
+def test_site_in_headless_chromium(site, chromium):
+    problems = browser_check.check_site(site, chromium=chromium)
+    assert not problems, "\n".join(problems)
+
+
+def test_browser_check_finds_a_broken_image_and_a_console_error(chromium, tmp_path):
+    good = "<html><body><p>fine</p></body></html>"
+    bad = (
+        '<html><body><img src="missing.png">'
+        '<script>console.error("broken script")</script></body></html>'
+    )
+    for path, text in zip(browser_check.PAGES, [good, bad, good], strict=True):
+        (tmp_path / path).mkdir(parents=True, exist_ok=True)
+        (tmp_path / path / "index.html").write_text(text)
+    problems = browser_check.check_site(tmp_path, chromium=chromium, search=False)
+    assert any("broken image" in p and "missing.png" in p for p in problems)
+    assert any("console error: broken script" in p for p in problems)
+    assert all("/api/" in p for p in problems), problems

@@ -1,0 +1,52 @@
+"""A user's script, type checked (not run) by ``mypy --strict`` in test_typing.py.
+
+Each ``assert_type`` fails the check when the library's return type is ``Any`` or
+another type than a user can rely on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from typing_extensions import assert_type
+
+import jax_threadmap
+from jax_threadmap import AsyncArray, KernelFunction, threadmap
+
+F32 = jax.ShapeDtypeStruct((3,), jnp.float32)
+
+
+def scaled(x: np.ndarray, a: np.ndarray) -> np.ndarray:
+    result: np.ndarray = np.sin(x) * a
+    return result
+
+
+def load() -> np.ndarray:
+    return np.zeros(3, np.float32)
+
+
+x = jnp.ones(3)
+a = jnp.float32(2.0)
+
+one = threadmap(scaled, F32, x, a)
+assert_type(one, jax.Array)
+pair = threadmap(lambda x: (x, x), (F32, F32), x)
+assert_type(pair, tuple[jax.Array, ...])
+
+decorate = jax_threadmap.kernel(F32)
+assert_type(decorate(scaled), KernelFunction[jax.Array])
+k = decorate(scaled)
+assert_type(k(x, a), jax.Array)
+assert_type(jax_threadmap.kernel((F32, F32))(scaled)(x), tuple[jax.Array, ...])
+
+loading = jax_threadmap.async_call(load, F32)
+assert_type(loading, AsyncArray)
+assert_type(loading.result(), jax.Array)
+assert_type(jax_threadmap.deferred_call(load, F32), AsyncArray)
+with concurrent.futures.ThreadPoolExecutor(1) as ex:
+    future = ex.submit(load)
+    assert_type(AsyncArray.from_future(future, F32), AsyncArray)
+    assert_type(AsyncArray.from_future(future, (F32, F32)), tuple[AsyncArray, ...])

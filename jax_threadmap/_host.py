@@ -328,6 +328,7 @@ class HostMap:
             {g for g, levels in enumerate(self._groups) if levels[0] in spec.summed(k)}
             for k in range(len(self.outs))
         ]
+        self._shared: dict[int, int] | None = None  # see shared()
         self._lock = threading.Lock()
         self._partials: dict[int, tuple[int, list[np.ndarray | None]]] = {}
         self._folded = 0  # the outputs hold the partials of [0, _folded)
@@ -348,7 +349,14 @@ class HostMap:
         """Runs work units ``[start, stop)`` in this thread."""
         raise NotImplementedError
 
-    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+    def shared(self) -> list[np.ndarray]:
+        """The large operands that every element reads whole, which an executor
+        that pickles work receives once per map (see :func:`._remote.share`);
+        the tasks that :meth:`pack` makes from now on refer to them."""
+        self._shared, arrays = _remote.shared_operands(self.in_v, self.shape)
+        return arrays
+
+    def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Units ``[start, stop)``, packed for a worker in another process."""
         raise NotImplementedError
 
@@ -435,10 +443,16 @@ class ElementMap(HostMap):
         self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
         self._fold(start, stop, partials)
 
-    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+    def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Elements ``[start, stop)``, packed for a worker in another process."""
         return _remote.pack(
-            self.caller, self.in_v, self.shape, start, stop, self._sum_rows(start, stop)
+            self.caller,
+            self.in_v,
+            self.shape,
+            start,
+            stop,
+            self._sum_rows(start, stop),
+            self._shared,
         )
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
@@ -530,14 +544,14 @@ class ChunkMap(HostMap):
             kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
             dst[kept] += value.sum(axis=summed) if summed else value
 
-    def pack(self, start: int, stop: int) -> Callable[[], Any]:
+    def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Pieces ``[start, stop)``, packed for a worker in another process."""
         pieces = []
         for i in range(start, stop):
             index, first, k = self._piece(i)
             leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
             pieces.append((first, k, leaves))
-        return _remote.pack_pieces(self.caller, pieces)
+        return _remote.pack_pieces(self.caller, pieces, self._shared)
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
         """Stores the outputs of a packed chunk (see :mod:`._remote`)."""

@@ -47,8 +47,13 @@ class MapWork(Protocol):
 
     def run_chunk(self, start: int, stop: int, job: Job) -> None: ...
 
-    def pack(self, start: int, stop: int) -> Callable[[], Any]:
-        """A picklable task running ``[start, stop)`` in another process."""
+    def shared(self) -> list[Any]:
+        """Operands shipped once per map to an executor that pickles work."""
+        ...
+
+    def pack(self, start: int, stop: int) -> Callable[..., Any]:
+        """A picklable task running ``[start, stop)`` in another process, called
+        with the map's shared operands (see :func:`._remote.share`)."""
         ...
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None: ...

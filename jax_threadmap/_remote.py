@@ -7,15 +7,30 @@ unbatched operands ship one copy. In the worker, the task rebuilds views of
 those slices and runs the same element loop as the threads of this process do,
 then sends back the chunk's outputs, one row per element, with the measured
 seconds per element (the executor sizes later tasks from it).
+
+An operand that every element reads whole (unbatched) and that is large
+(:data:`SHARE_BYTES`) is not packed in each task: :func:`share` ships it once
+per map, by the route that the executor offers (:class:`Sharing`), and the
+tasks hold a :class:`Shared` marker in its place.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import mmap
+import os
+import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+
+#: Bytes from which an operand read whole by every element is shipped once per
+#: map (see :func:`share`) rather than in every task.
+SHARE_BYTES = 64 * 1024
 
 #: Runs elements ``[start, stop)``; ``job.failed`` stops it early.
 ChunkFn = Callable[[int, int, Any], None]
@@ -50,7 +65,9 @@ class RemoteChunk:
     Args:
         loops: The map's element caller (pickled with the task).
         data: Per operand, its distinct elements for this chunk (or its one
-            element, for an operand that the chunk reads unbatched).
+            element, for an operand that the chunk reads unbatched), or a
+            :class:`Shared` marker for an operand shipped once per map (the
+            task is then called with the map's shared operands).
         gathers: Per operand: ``None`` (one element, read by every element of
             the chunk), a slice (``data`` is the chunk's rows in order) or an
             index array (row of ``data`` for each element).
@@ -62,7 +79,7 @@ class RemoteChunk:
     def __init__(
         self,
         loops: ElementLoops,
-        data: list[np.ndarray],
+        data: list[Any],
         gathers: list[np.ndarray | slice | None],
         flat_index: np.ndarray,
         sums: list[np.ndarray | None],
@@ -73,10 +90,12 @@ class RemoteChunk:
         self.flat_index = flat_index
         self.sums = sums
 
-    def __call__(self) -> tuple[list[np.ndarray], float]:
+    def __call__(self, *shared: Any) -> tuple[list[np.ndarray], float]:
         n = len(self.flat_index)
         views = []
         for d, g in zip(self.data, self.gathers, strict=True):
+            if isinstance(d, Shared):
+                d = _resolve(shared[d.i])
             if g is None:  # one element, read with stride 0
                 v = np.lib.stride_tricks.as_strided(
                     d, (n, *d.shape), (0, *d.strides), writeable=False
@@ -96,8 +115,9 @@ class RemoteChunk:
                 out = view = np.zeros((n, *shape), dtype)
             outs.append(out)
             views_out.append(view)
-        t = time.perf_counter()
-        self.loops.loop(views, views_out, (n,), self.flat_index)(0, n, _NeverFailed)
+        run = self.loops.loop(views, views_out, (n,), self.flat_index)
+        t = time.perf_counter()  # the kernel's time, not the loop's making
+        run(0, n, _NeverFailed)
         seconds = (time.perf_counter() - t) / max(n, 1)
         for k, index in enumerate(self.sums):
             if index is not None and index.any():
@@ -122,22 +142,28 @@ def pack(
     start: int,
     stop: int,
     sum_rows: Sequence[np.ndarray | None],
+    shared: dict[int, int] | None = None,
 ) -> RemoteChunk:
     """Packs elements ``[start, stop)`` of views ``in_v`` (batch shape ``shape``).
 
     ``sum_rows``: per output, ``None`` or (for a summed output) the row of the
-    output that each element adds into.
+    output that each element adds into. ``shared``: operand -> index of the
+    map's shared operand that stands for it (see :func:`shared_operands`).
     """
+    shared = shared or {}
     flat = np.arange(start, stop)
     sums = [
         None if rows is None else np.unique(rows, return_inverse=True)[1].reshape(-1)
         for rows in sum_rows
     ]
     if len(shape) == 1:
-        data: list[np.ndarray] = []
+        data: list[Any] = []
         gathers: list[np.ndarray | slice | None] = []
-        for v in in_v:
-            if v.strides[0] == 0:
+        for i, v in enumerate(in_v):
+            if i in shared:
+                data.append(Shared(shared[i]))
+                gathers.append(None)
+            elif v.strides[0] == 0:
                 data.append(_contiguous(v[0, ...]))
                 gathers.append(None)
             else:
@@ -147,9 +173,12 @@ def pack(
     nb = len(shape)
     cols = np.unravel_index(flat, shape)
     data, gathers = [], []
-    for v in in_v:
+    for i, v in enumerate(in_v):
         dims = [d for d in range(nb) if v.strides[d] != 0 and shape[d] > 1]
-        if not dims:
+        if i in shared:
+            data.append(Shared(shared[i]))
+            gathers.append(None)
+        elif not dims:
             data.append(_contiguous(v[(0,) * nb + (Ellipsis,)]))
             gathers.append(None)
             continue
@@ -184,36 +213,51 @@ class RemotePieces:
         pieces: ``(first, k, leaves)`` per piece: its first flat element, its
             length and its operand chunks. A chunk that repeats one element
             (stride 0: an unbatched operand) ships as that element only.
+        shared: Operand -> index of the map's shared operand that stands for
+            it (see :func:`shared_operands`); the task is then called with the
+            map's shared operands.
     """
 
     def __init__(
         self,
         caller: ChunkCall,
         pieces: list[tuple[int, int, list[np.ndarray]]],
+        shared: dict[int, int] | None = None,
     ):
         self.caller = caller
+        shared = shared or {}
         self.pieces = [
-            (first, k, [_compact(x) for x in leaves]) for first, k, leaves in pieces
+            (
+                first,
+                k,
+                [
+                    (True, Shared(shared[i])) if i in shared else _compact(x)
+                    for i, x in enumerate(leaves)
+                ],
+            )
+            for first, k, leaves in pieces
         ]
 
-    def __call__(self) -> tuple[list[list[np.ndarray]], float]:
+    def __call__(self, *shared: Any) -> tuple[list[list[np.ndarray]], float]:
         t = time.perf_counter()
         results = []
         for first, k, leaves in self.pieces:
-            views = [_expand(x, k) for x in leaves]
+            views = [_expand(x, k, shared) for x in leaves]
             results.append(self.caller.call(views, first, k))
         return results, (time.perf_counter() - t) / max(len(self.pieces), 1)
 
 
-def _compact(x: np.ndarray) -> tuple[bool, np.ndarray]:
+def _compact(x: np.ndarray) -> tuple[bool, Any]:
     """``(repeated, data)``: one element for a stride-0 chunk, else the chunk."""
     if x.shape[0] > 1 and x.strides[0] == 0:
         return True, np.array(x[0])
     return False, np.ascontiguousarray(x)
 
 
-def _expand(packed: tuple[bool, np.ndarray], k: int) -> np.ndarray:
+def _expand(packed: tuple[bool, Any], k: int, shared: Sequence[Any]) -> np.ndarray:
     repeated, data = packed
+    if isinstance(data, Shared):
+        data = _resolve(shared[data.i])
     if repeated:
         return np.lib.stride_tricks.as_strided(
             data, (k, *data.shape), (0, *data.strides), writeable=False
@@ -223,7 +267,150 @@ def _expand(packed: tuple[bool, np.ndarray], k: int) -> np.ndarray:
 
 
 def pack_pieces(
-    caller: ChunkCall, pieces: list[tuple[int, int, list[np.ndarray]]]
+    caller: ChunkCall,
+    pieces: list[tuple[int, int, list[np.ndarray]]],
+    shared: dict[int, int] | None = None,
 ) -> RemotePieces:
     """Packs pieces ``(first, k, operand chunks)`` of a vectorized map."""
-    return RemotePieces(caller, pieces)
+    return RemotePieces(caller, pieces, shared)
+
+
+# --- operands shipped once per map -----------------------------------------------
+
+
+class Shared:
+    """Stands in a packed task for the map's shared operand ``i``."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def shared_operands(
+    in_v: Sequence[np.ndarray], shape: tuple[int, ...]
+) -> tuple[dict[int, int], list[np.ndarray]]:
+    """The operands that every element reads whole and that are large.
+
+    Returns ``(index, arrays)``: operand -> position in ``arrays``, and the one
+    element of each such operand (views ``in_v`` with batch shape ``shape``).
+    """
+    nb = len(shape)
+    index: dict[int, int] = {}
+    arrays: list[np.ndarray] = []
+    for i, v in enumerate(in_v):
+        if any(v.strides[d] != 0 and shape[d] > 1 for d in range(nb)):
+            continue  # batched: each task ships the elements it reads
+        element = v[(0,) * nb + (Ellipsis,)]
+        if element.nbytes >= SHARE_BYTES:
+            index[i] = len(arrays)
+            arrays.append(element)
+    return index, arrays
+
+
+class Sharing:
+    """How one map's shared operands reach an executor's workers.
+
+    Every task of the map is submitted as ``executor.submit(task, *args)``;
+    :meth:`close` ends the sharing once the map is over.
+
+    Args:
+        args: What each task receives for the shared operands: the arrays
+            themselves (pickled with each task), Dask futures of data scattered
+            to every worker, or :class:`MappedFile` handles.
+        close: Releases what the sharing holds (scattered data, files).
+    """
+
+    def __init__(self, args: list[Any], close: Callable[[], None] | None = None):
+        self.args = args
+        self._close = close
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+
+def share(executor: concurrent.futures.Executor, arrays: list[np.ndarray]) -> Sharing:
+    """Ships ``arrays`` to ``executor``'s workers once for a map.
+
+    - A Dask ``ClientExecutor``: ``client.scatter(..., broadcast=True)``, one
+      copy per worker; each task names the scattered data.
+    - A process pool (workers on this host): one file per array in the
+      temporary folder, which each worker maps read-only on first use (no copy
+      through the pool's pipes), removed after the map.
+    - Any other executor: the arrays travel with each task, as a last resort.
+    """
+    if not arrays:
+        return Sharing([])
+    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
+    if client is not None and hasattr(client, "scatter"):
+        futures = client.scatter(list(arrays), broadcast=True, hash=False)
+        return Sharing(list(futures), lambda: client.cancel(futures))
+    if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
+        try:
+            return _in_files(arrays)
+        except OSError:  # no room in the temporary folder: with each task
+            pass
+    return Sharing(list(arrays))
+
+
+def _in_files(arrays: list[np.ndarray]) -> Sharing:
+    paths: list[str] = []
+    handles = []
+    try:
+        for a in arrays:
+            # A name used once: a worker's mapping of a finished map's file
+            # must never be taken for a new one.
+            fd, path = tempfile.mkstemp(prefix=f"jax_threadmap-{uuid.uuid4().hex}-")
+            paths.append(path)
+            with os.fdopen(fd, "wb") as f:
+                f.write(np.ascontiguousarray(a).data)
+            handles.append(MappedFile(path, a.shape, a.dtype))
+    except BaseException:
+        _remove(paths)
+        raise
+    return Sharing(handles, lambda: _remove(paths))
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:  # gone already; or still mapped, on Windows
+            pass
+
+
+#: In a worker process: the files of shared operands it has mapped, by path.
+_mapped: dict[str, np.ndarray] = {}
+_mapped_lock = threading.Lock()
+
+
+class MappedFile:
+    """A shared operand in a file that workers on this host map read-only.
+
+    A worker maps each file once, on the first task of the map that reads it,
+    and keeps the mapping until a task of a later map finds the file removed.
+    """
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype):
+        self.path = path
+        self.shape = shape
+        self.dtype = dtype
+
+    def open(self) -> np.ndarray:
+        with _mapped_lock:
+            array = _mapped.get(self.path)
+            if array is None:
+                for gone in [p for p in _mapped if not os.path.exists(p)]:
+                    del _mapped[gone]  # maps that are over
+                with open(self.path, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                array = np.frombuffer(m, self.dtype).reshape(self.shape)
+                _mapped[self.path] = array
+            return array
+
+
+def _resolve(x: Any) -> np.ndarray:
+    """A shared operand as a task receives it, as an array."""
+    return x.open() if isinstance(x, MappedFile) else np.asarray(x)

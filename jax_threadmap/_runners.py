@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from . import _remote
 from . import _scheduling as policy
 from ._errors import ExecutorError, KernelError, restore_shipped_cause
 from ._jobs import Job, LimitedGate, MapWork, _local
@@ -247,6 +248,25 @@ def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
     )
 
 
+def _chunk_failed(
+    executor: Any, work: MapWork, start: int, stop: int, e: BaseException
+) -> ExecutorError:
+    """The error of a chunk that the executor could not run (its worker died)."""
+    unit = "pieces" if work.vectorized else "elements"
+    hint = (
+        "a worker probably died"
+        if isinstance(e, concurrent.futures.BrokenExecutor)
+        else "the map was abandoned"
+    )
+    return ExecutorError(
+        f"The executor {executor!r} failed to run {unit} [{start}, {stop}) (flat "
+        f"indices, of {work.n}) of threadmap kernel {work.name!r}: "
+        f"{type(e).__name__}: {e}. {hint[0].upper()}{hint[1:]}; pass a working "
+        "executor to the next call (a Dask cluster replaces its dead workers).",
+        cause=e,
+    )
+
+
 class _Shipper:
     """Ships a map to an executor that pickles work, in chunks sized as it runs.
 
@@ -272,6 +292,7 @@ class _Shipper:
         self.next = 0
         self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
         self.per_element: float | None = None
+        self.sharing = _remote.Sharing([])
 
     def size(self) -> int:
         if self.job.fixed:
@@ -283,7 +304,7 @@ class _Shipper:
         start, stop = self.next, min(self.job.n, self.next + size)
         task = self.work.pack(start, stop)
         try:
-            fut = self.executor.submit(task)
+            fut = self.executor.submit(task, *self.sharing.args)
         except RuntimeError as e:
             raise _refused(self.executor, e) from e
         except Exception as e:  # e.g. the kernel cannot be pickled
@@ -309,12 +330,15 @@ class _Shipper:
             except KernelError as e:
                 restore_shipped_cause(e)
                 raise
-            except (pickle.PicklingError, AttributeError, TypeError) as e:
+            except Exception as e:
                 # Python 3.13 says "Can't get local object"; the pool's
                 # remote traceback (the cause) names the pickler.
-                if "pickle" not in f"{e} {e.__cause__}".lower():
-                    raise
-                raise _cannot_ship(self.executor, self.work.name, e) from e
+                if (
+                    isinstance(e, (pickle.PicklingError, AttributeError, TypeError))
+                    and "pickle" in f"{e} {e.__cause__}".lower()
+                ):
+                    raise _cannot_ship(self.executor, self.work.name, e) from e
+                raise _chunk_failed(self.executor, self.work, start, stop, e) from e
             self.work.store_packed(start, stop, outs)
             self.job.add_completed(stop - start)
             self.per_element = policy.smoothed(self.per_element, per_element)
@@ -324,6 +348,8 @@ class _Shipper:
 
     def run(self, progress: Progress | None) -> None:
         try:
+            # Large operands read whole by every element: once per map.
+            self.sharing = _remote.share(self.executor, self.work.shared())
             self.start()
             wait(self.job, self.poll, progress)
         except BaseException as e:
@@ -332,6 +358,7 @@ class _Shipper:
             if self.job.failed:
                 for fut in self.pending:
                     fut.cancel()
+            self.sharing.close()
 
 
 # --- one runner per kind of executor ---------------------------------------------

@@ -17,6 +17,10 @@ import os
 #: Seconds of kernel work per task that amortise the per-task cost of an executor
 #: that pickles work (about 1 ms for a process pool or Dask).
 TASK_SECONDS_REMOTE = 0.05
+#: Seconds of kernel work that a task of an executor that pickles work holds at
+#: least, also at the end of a map: a round trip to a worker costs more than the
+#: balance that smaller tasks would buy (about 1 ms, tens of ms on a busy cluster).
+MIN_TASK_SECONDS_REMOTE = 0.01
 #: Tasks in flight when an executor does not say how many workers it has.
 UNKNOWN_WORKERS_IN_FLIGHT = 128
 #: Workers assumed, for chunk sizes, of an executor that does not say.
@@ -211,11 +215,14 @@ def remote_in_flight(workers: int | None) -> int:
 def remote_chunk_size(per_element: float | None, remaining: int, in_flight: int) -> int:
     """Elements per task shipped to an executor that pickles work: one until an
     element has been timed, then about :data:`TASK_SECONDS_REMOTE` of work, and
-    no more than an even share of what is left over the tasks in flight."""
+    no more than an even share of what is left over the tasks in flight, but at
+    least :data:`MIN_TASK_SECONDS_REMOTE` of work."""
     if per_element is None:
         return 1
-    size = int(TASK_SECONDS_REMOTE / max(per_element, 1e-9))
-    return max(1, min(size, -(-remaining // in_flight)))
+    per_element = max(per_element, 1e-9)
+    size = int(TASK_SECONDS_REMOTE / per_element)
+    least = int(MIN_TASK_SECONDS_REMOTE / per_element)
+    return max(1, min(size, max(least, -(-remaining // in_flight))))
 
 
 def smoothed(old: float | None, new: float) -> float:

@@ -138,10 +138,18 @@ def main():
             [("sort_rows", (2,))] * 4,
         )
 
-        # jit with NamedSharding inputs (automatic partitioning).
-        # Each row is computed once (XLA places the host call; see docs/sharding.md).
-        out = jax.jit(per_row(scaled_sort))(xs, A)
-        check(f"{tag} jit NamedSharding", out, SORTED, elements=8)
+        # jit with NamedSharding inputs (automatic partitioning): what the
+        # compiled program does, as docs/sharding.md says. The partitioner
+        # places the host call on device 0: the batched operand is all-gathered,
+        # device 0 alone calls the host (a conditional on the partition id),
+        # with all 8 rows in one flat map, and the result stays on device 0.
+        f = jax.jit(per_row(scaled_sort))
+        out = f(xs, A)
+        check(f"{tag} jit NamedSharding", out, SORTED, [("scaled_sort", (8,))])
+        hlo = f.lower(xs, A).compile().as_text()
+        assert "all-gather(" in hlo, hlo
+        assert "conditional(" in hlo and "partition-id()" in hlo, hlo
+        assert "{maximal device=0}" in str(out.sharding), out.sharding
 
         # Derivatives inside shard_map: per-shard JVP/VJP equations.
         def loss(x, a):

@@ -4,6 +4,10 @@ import concurrent.futures
 import functools
 import multiprocessing
 import os
+import pickle
+import re
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -250,8 +254,10 @@ def test_worker_killed_mid_map_is_an_error_not_a_hang():
             executor=ex,
         )
     )
-    with pytest.raises(ExecutorError, match="worker probably died"):
+    with pytest.raises(ExecutorError, match="worker probably died") as info:
         f(np.arange(8, dtype=np.float32))
+    # It names a chunk that was lost (a broken pool fails every chunk in flight).
+    assert re.search(r"elements \[\d+, \d+\) \(flat indices, of 8\)", str(info.value))
     # The executor is broken now; a new call says so instead of hanging.
     with pytest.raises(ExecutorError):
         f(np.arange(2, dtype=np.float32))
@@ -306,3 +312,114 @@ def test_unknown_size_executor_runs_slow_elements_at_once():
     x = np.arange(64, dtype=np.float32)
     np.testing.assert_array_equal(f(x), x)
     ex.shutdown()
+
+
+# --- large unbatched operands: once per map, never once per task ---------------------
+
+
+class CountingPool(concurrent.futures.ProcessPoolExecutor):
+    """A spawn process pool that counts the bytes its tasks pickle to."""
+
+    def __init__(self, n):
+        super().__init__(n, mp_context=multiprocessing.get_context("spawn"))
+        self.tasks = 0
+        self.bytes = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.tasks += 1
+        self.bytes += len(pickle.dumps((fn, args, kwargs)))
+        return super().submit(fn, *args, **kwargs)
+
+
+def param_maps(executor):
+    """An element kernel and a vectorized one, each reading a parameter whole."""
+    out = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def element(x, w):
+        return threadmap(worker_kernels.reads_param, out, x, w, executor=executor)
+
+    def chunk(x, w):
+        return threadmap(
+            worker_kernels.reads_param_chunk, out, x, w, executor=executor, vectorized=8
+        )
+
+    return [jax.jit(jax.vmap(g, (0, None))) for g in (element, chunk)]
+
+
+@pytest.fixture(scope="module")
+def counting_pool():
+    with CountingPool(2) as ex:
+        yield ex
+
+
+@pytest.mark.parametrize("which", ["element", "vectorized"])
+def test_process_pool_gets_a_large_unbatched_operand_once_per_map(
+    counting_pool, which, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where it is shared
+    f = param_maps(counting_pool)[which == "vectorized"]
+    w = np.random.default_rng(0).random(2**20).astype(np.float32)  # 4 MB
+    x = np.arange(256, dtype=np.float32)
+    tasks, sent = counting_pool.tasks, counting_pool.bytes
+    np.testing.assert_allclose(f(x, w), x + w[0] + w[-1])
+    tasks, sent = counting_pool.tasks - tasks, counting_pool.bytes - sent
+    assert tasks >= 3  # several tasks: each once carried its own copy of w
+    assert sent < w.nbytes / 8, (tasks, sent)  # none does now
+    assert not list(tmp_path.iterdir())  # the shared copy is gone after the map
+    # A new parameter in the next map is not mistaken for the last one.
+    np.testing.assert_allclose(f(x, w[::-1].copy()), x + w[-1] + w[0])
+    np.testing.assert_allclose(f(x, w + 1), x + w[0] + w[-1] + 2, rtol=1e-6)
+
+
+def test_dask_gets_a_large_unbatched_operand_once_per_worker(dask_client):
+    ex = dask_client.get_executor()
+    shipped = []
+    submit = ex.submit
+
+    def counting_submit(fn, /, *args, **kwargs):
+        shipped.append(len(pickle.dumps(fn)))
+        shipped.extend(a.nbytes for a in args if isinstance(a, np.ndarray))
+        return submit(fn, *args, **kwargs)
+
+    ex.submit = counting_submit
+    scatter = dask_client.scatter
+    scattered = []
+
+    def counting_scatter(data, **kwargs):
+        scattered.append((sum(a.nbytes for a in data), kwargs.get("broadcast")))
+        return scatter(data, **kwargs)
+
+    dask_client.scatter = counting_scatter
+    try:
+        w = np.random.default_rng(0).random(2**20).astype(np.float32)  # 4 MB
+        x = np.arange(256, dtype=np.float32)
+        for f in param_maps(ex):
+            np.testing.assert_allclose(f(x, w), x + w[0] + w[-1])
+    finally:
+        del dask_client.scatter
+    assert len(shipped) >= 8 and sum(shipped) < w.nbytes / 8, shipped
+    assert scattered == [(w.nbytes, True)] * 2  # once per map, to every worker
+    # Released after the map: the workers hold nothing of it.
+    deadline = time.monotonic() + 30
+    while any(dask_client.run(lambda dask_worker: len(dask_worker.data)).values()):
+        assert time.monotonic() < deadline, "the scattered parameter was kept"
+        time.sleep(0.05)
+
+
+def test_fast_elements_ship_in_a_few_tasks(counting_pool):
+    # Each task holds at least MIN_TASK_SECONDS_REMOTE of work (by the estimate
+    # from the first wave, one element per worker, which is pessimistic): 4096
+    # elements of microseconds go out in about 10 tasks, not in a tail of ever
+    # smaller tasks that each cost a round trip (29 tasks before the floor).
+    f = jax.vmap(
+        lambda x: threadmap(
+            worker_kernels.raises_at_five,
+            jax.ShapeDtypeStruct((), jnp.float32),
+            x,
+            executor=counting_pool,
+        )
+    )
+    x = (np.arange(4096) % 5).astype(np.float32)
+    tasks = counting_pool.tasks
+    np.testing.assert_array_equal(f(x), x)
+    assert counting_pool.tasks - tasks <= 16, counting_pool.tasks - tasks

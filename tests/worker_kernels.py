@@ -87,6 +87,32 @@ def aborts_at_one(x):
     return x
 
 
+def reads_param(x, w):
+    """One element of x plus the first and last entries of a large parameter."""
+    assert x.shape == () and w.ndim == 1 and not w.flags.writeable, (x.shape, w)
+    return np.float32(x + w[0] + w[-1] + os.getpid() * 0)
+
+
+def reads_param_chunk(x, w):
+    """A vectorized kernel: reads_param for a chunk of k elements."""
+    k = x.shape[0]
+    assert x.shape == (k,) and w.shape[0] == k and not w.flags.writeable, (x, w)
+    return (x + w[:, 0] + w[:, -1]).astype(np.float32)
+
+
+def dies_once_at_three(x, *, marker):
+    """Kills its worker at element 3 the first time only (``marker``: a path that
+    the first death creates), so a retry elsewhere succeeds."""
+    assert x.shape == () and x.dtype == np.float32, (x.shape, x.dtype)
+    if float(x) == 3:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return x
+        os._exit(1)
+    return x
+
+
 class Unprintable(Exception):
     """An exception whose message cannot be built."""
 

@@ -1,0 +1,107 @@
+"""Sharded data on 4 CPU devices: one map per shard (``shard_map``) against ``jit``
+without ``shard_map`` (the partitioner gathers every row to device 0, which maps
+them all; see docs/sharding.md).
+
+ROWS rows of WIDTH float32, sharded by rows over 4 CPU devices, each sorted by a
+host kernel (``np.sort``, which releases the GIL). Both sides run in one process
+(a child started with ``--xla_force_host_platform_device_count=4``), alternating,
+best of ROUNDS; the ratio is per-shard time / gathered time.
+
+On one machine the gather is a copy in memory, so the two sides cost about the
+same; the per-shard path matters where shards live on several hosts or GPUs (no
+data through device 0, each host maps its own rows).
+
+Run:
+    pytest benchmarks/test_bench_sharding.py -s
+    python benchmarks/test_bench_sharding.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROWS = 4096
+WIDTH = 1024
+ROUNDS = 5
+
+
+def child() -> dict[str, float]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_threadmap import threadmap
+
+    assert jax.device_count() == 4, jax.devices()
+    out = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
+
+    def per_row(rows):
+        return jax.vmap(lambda r: threadmap(np.sort, out, r))(rows)
+
+    mesh = jax.make_mesh((4,), ("d",))
+    x = np.random.default_rng(0).random((ROWS, WIDTH)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+    sides = {
+        "per_shard": jax.jit(
+            jax.shard_map(per_row, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        ),
+        "gathered": jax.jit(per_row),
+    }
+    expected = np.sort(x, axis=1)
+    best = {name: float("inf") for name in sides}
+    for f in sides.values():  # compile, off the clock
+        np.testing.assert_array_equal(np.asarray(f(xs)), expected)
+    for _ in range(ROUNDS):
+        for name, f in sides.items():
+            t = time.perf_counter()
+            f(xs).block_until_ready()
+            best[name] = min(best[name], time.perf_counter() - t)
+    best["ratio"] = best["per_shard"] / best["gathered"]
+    return best
+
+
+def compare() -> dict[str, float]:
+    """Runs :func:`child` in a process with 4 CPU devices."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    )
+    env.pop("JAX_PLATFORMS", None)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def report(r: dict[str, float]) -> str:
+    return (
+        f"{ROWS} rows x {WIDTH} float32 sorted on 4 CPU devices, best of {ROUNDS}: "
+        f"per shard (shard_map) {r['per_shard'] * 1e3:.1f} ms, gathered (jit) "
+        f"{r['gathered'] * 1e3:.1f} ms, ratio {r['ratio']:.2f}"
+    )
+
+
+def test_per_shard_against_gathered(benchmark):
+    benchmark.group = "sharding: per shard / gathered"
+    result = benchmark.pedantic(compare, rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+    print("\n" + report(result))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--child"]:
+        print(json.dumps(child()))
+    else:
+        print(report(compare()))

@@ -53,7 +53,26 @@ def _v(version: tuple[int, ...]) -> str:
 
 
 class UnsupportedJaxError(RuntimeError):
-    """This JAX lacks an internal hook that a jax_threadmap feature needs."""
+    """This JAX lacks an internal hook that a jax_threadmap feature needs.
+
+    Raised by the first use of that feature only (importing the package never
+    fails on a missing hook, and the other features keep working); the message
+    names the hook, the installed JAX and what to do: install a JAX release from
+    the supported range, or a jax_threadmap that knows the new one.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax_threadmap import UnsupportedJaxError, threadmap
+        >>> try:
+        ...     y = threadmap(np.sin, jax.ShapeDtypeStruct((), jnp.float32), 0.0)
+        ... except UnsupportedJaxError as e:  # a JAX release that moved a hook
+        ...     print(e)
+        ... else:
+        ...     print(y)
+        0.0
+        >>> issubclass(UnsupportedJaxError, RuntimeError)
+        True
+    """
 
 
 @dataclasses.dataclass(frozen=True)

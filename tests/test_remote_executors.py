@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import worker_kernels
+from helpers import cause_of
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, _executor, threadmap
@@ -214,8 +215,9 @@ def test_kernel_exception_whose_message_fails_keeps_index_and_cause(spawn_pool):
     assert info.value.index == (2,)
     # The kernel's exception comes back as the cause, the worker's traceback
     # behind it.
-    assert isinstance(info.value.__cause__, worker_kernels.Unprintable)
-    assert "unprintable_at_two" in str(info.value.__cause__.__cause__)
+    cause = cause_of(info.value)
+    assert isinstance(cause, worker_kernels.Unprintable)
+    assert "unprintable_at_two" in str(cause.__cause__)
 
 
 def test_base_exception_in_a_worker_is_a_kernel_error(spawn_pool):

@@ -44,7 +44,7 @@ def child() -> dict[str, float]:
     def per_row(rows):
         return jax.vmap(lambda r: threadmap(np.sort, out, r))(rows)
 
-    mesh = jax.make_mesh((4,), ("d",))
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     x = np.random.default_rng(0).random((ROWS, WIDTH)).astype(np.float32)
     xs = jax.device_put(x, NamedSharding(mesh, P("d")))
     sides = {

@@ -36,7 +36,7 @@ from jax_threadmap import KernelError, threadmap  # noqa: E402
 assert jax.process_index() == INDEX and jax.process_count() == 2
 assert jax.device_count() == 4 and jax.local_device_count() == 2, jax.devices()
 
-MESH = jax.make_mesh((4,), ("d",))
+MESH = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
 ROWS = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)[:, ::-1].copy()
 A = np.float32(2.0)
 OUT = {

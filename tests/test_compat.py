@@ -147,7 +147,7 @@ def _use_async_arrays():
 
 
 def _use_shard_map():
-    mesh = jax.make_mesh((1,), ("d",))
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     body = jax.shard_map(
         lambda x: jax.vmap(
             lambda v: jax_threadmap.threadmap(np.sin, SDS((), jnp.float32), v)

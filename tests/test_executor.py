@@ -538,7 +538,7 @@ DISPATCH_AND_EXIT = """
         return jax.vmap(lambda r: threadmap(kernel, out, r, scale))(rows)
 
     n = len(jax.devices())
-    mesh = jax.make_mesh((n,), ("d",))
+    mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = jax.device_put(np.ones((8, 1000), np.float32), NamedSharding(mesh, P("d")))
     if sys.argv[1] == "shard_map":  # the example of docs/sharding.md
         f = jax.jit(jax.shard_map(

@@ -61,6 +61,25 @@ class Gate:
         return self.value
 
 
+def run_script(
+    script: str, timeout: float = 90, unset: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` in a fresh interpreter that imports this checkout's package
+    (without the environment variables ``unset``); a hang fails at ``timeout``."""
+    env = dict(os.environ)
+    root = str(HERE.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    for name in unset:
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def returns_while_gated(fn, *args, limit: float = 20.0):
     """Runs fn(*args) in a thread; fails unless it returns within ``limit`` s."""
     box: dict = {}
@@ -281,17 +300,7 @@ def test_four_devices_in_a_subprocess():
         print("all device checks passed")
         """
     )
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.pop("JAX_PLATFORMS", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    proc = run_script(script, timeout=100, unset=("JAX_PLATFORMS",))
     assert "all device checks passed" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
@@ -495,16 +504,7 @@ def test_without_the_transfer_module_import_works_and_dispatch_waits():
         print("fallback ok")
         """
     )
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    proc = run_script(script)
     assert "fallback ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
@@ -535,18 +535,9 @@ _EXTRAS = {
 
 @pytest.mark.parametrize("extra", sorted(_EXTRAS))
 def test_a_call_that_never_returns_does_not_hold_the_exit(extra):
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     script = _EXIT_SCRIPT.format(extra=_EXTRAS[extra])
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,  # the call sleeps 10,000 s: a hang fails here
-    )
+    proc = run_script(script)  # the call sleeps 10,000 s: a hang fails here
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "script ends" in proc.stdout
@@ -578,16 +569,7 @@ def test_a_failed_call_with_dispatched_dependents_exits_cleanly():
         print("script ends", flush=True)
         """
     )
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    proc = run_script(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "caught" in proc.stdout and "True" in proc.stdout, proc.stdout
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
@@ -620,16 +602,7 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
         print(y, x.done(), flush=True)
         """
     )
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    proc = run_script(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if jtm.async_dispatch_status() == "async":
         assert proc.stdout == "[0 1 4 9] False\n"  # the copy was still running

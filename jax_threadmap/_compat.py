@@ -46,6 +46,10 @@ SHARD_MAP = "shard_map"
 #: Optional: where one of its hooks is missing, async arrays dispatch blocking
 #: (:func:`async_dispatch_unavailable` says why) instead of raising.
 ASYNC_DISPATCH = "async dispatch"
+#: Optional: under ``jit``, batch axes sharded over explicit mesh axes are mapped
+#: per shard (:mod:`._per_shard`). Where a hook is missing, such equations are
+#: mapped on one device as in automatic mode (:func:`per_shard_unavailable`).
+PER_SHARD_JIT = "per-shard jit"
 
 
 def _v(version: tuple[int, ...]) -> str:
@@ -383,6 +387,24 @@ HOOKS: tuple[Hook, ...] = (
         "the sharding that an aval varying over manual mesh axes must carry",
         (SHARD_MAP,),
         _everywhere("jax._src.core:get_cur_mesh_sharding"),
+    ),
+    # Per-shard maps under jit (issue 20): an operand is moved to the layout that
+    # the automatic shard_map around the equation expects (jax >= 0.10 refuses an
+    # operand whose sharding differs from the shard_map's in_specs).
+    Hook(
+        "reshard",
+        "moves an explicitly sharded operand to the layout of the per-shard map "
+        "(batch axes on their mesh axes, the other axes whole)",
+        (PER_SHARD_JIT,),
+        (
+            Form((0, 7, 0), None, ("jax.sharding:reshard",)),
+            Form(
+                OLDEST_JAX,
+                (0, 7, 0),
+                ("jax.experimental.shard:reshard",),
+                "in jax.experimental.shard (moved to jax.sharding in jax 0.7.0)",
+            ),
+        ),
     ),
     # Derivative rules on the primitive.
     *(
@@ -729,6 +751,26 @@ def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:
         return ShapedArray(shape, dtype)
     sharding = get("get_cur_mesh_sharding")()
     return get("varying_axes").make(shape, dtype, varying, sharding)
+
+
+# --- per-shard maps under jit ------------------------------------------------------
+
+
+def per_shard_unavailable() -> str | None:
+    """Why batch axes sharded over explicit mesh axes are not mapped per shard
+    under ``jit`` (a hook missing), or ``None`` if they are."""
+    for hook in HOOKS:
+        value = RESOLVED[hook.name]
+        if {PER_SHARD_JIT, SHARD_MAP} & set(hook.features) and isinstance(
+            value, Missing
+        ):
+            return f"{hook.name} is missing: {value.reason}"
+    return None
+
+
+def reshard(x: Any, spec: Any) -> Any:
+    """``jax.sharding.reshard(x, spec)``: ``x`` in the layout ``spec`` of its mesh."""
+    return get("reshard")(x, spec)
 
 
 # --- async arrays ----------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _autodiff, _compat
+from . import _autodiff, _compat, _per_shard
 from ._batch_spec import BatchSpec
 from ._executor import run_map
 from ._host import ElementCaller, HostMap
@@ -136,7 +136,11 @@ def _threadmap_batching_rule(
         norm_dims.append(d)
         size = x.shape[d]
     assert size is not None  # the rule only runs with at least one batched operand
-    outs = threadmap_p.bind(*args, spec=spec.grow(size, norm_dims), **params)
+    # Where the batch axes are sharded over explicit mesh axes, the equation is
+    # bound inside a shard_map: one flat map per shard (docs/sharding.md).
+    outs = _per_shard.bind(
+        threadmap_p.bind, *args, spec=spec.grow(size, norm_dims), **params
+    )
     return outs, [0] * len(outs)
 
 

@@ -87,6 +87,126 @@ def check(name, got, want, calls=None, elements=None):
     print("ok", name)
 
 
+def gathered_jit(xs):
+    """jit with NamedSharding inputs in automatic mode: what the compiled program
+    does, as docs/sharding.md says. The partitioner places the host call on
+    device 0: the batched operand is all-gathered, device 0 alone calls the host
+    (a conditional on the partition id), with all 8 rows in one flat map, and the
+    result stays on device 0."""
+    f = jax.jit(per_row(scaled_sort))
+    out = f(xs, A)
+    check("Auto jit NamedSharding", out, SORTED, [("scaled_sort", (8,))])
+    hlo = f.lower(xs, A).compile().as_text()
+    assert "all-gather(" in hlo, hlo
+    assert "conditional(" in hlo and "partition-id()" in hlo, hlo
+    assert "{maximal device=0}" in str(out.sharding), out.sharding
+
+
+def assert_same_sharding(out, x):
+    assert out.sharding.is_equivalent_to(x.sharding, x.ndim), (out.sharding, x.sharding)
+
+
+def assert_no_operand_movement(f, *args):
+    """The compiled program moves no operand between devices and calls the host
+    on every device (no conditional on the partition id)."""
+    hlo = f.lower(*args).compile().as_text()
+    for op in ("all-gather(", "collective-permute(", "all-to-all(", "conditional("):
+        assert op not in hlo, (op, hlo)
+
+
+def per_shard_jit(mesh, xs):
+    """jit with explicitly sharded inputs ("sharding in types"): one flat map
+    per shard, by the process holding the device, results sharded as the
+    operands' batch axes (docs/sharding.md)."""
+    f = jax.jit(per_row(scaled_sort))
+    one_device = f(X, A)  # NumPy input: one device, one flat map
+    check("Explicit one-device reference", one_device, SORTED, [("scaled_sort", (8,))])
+    out = f(xs, A)
+    check("Explicit jit per shard", out, one_device, [("scaled_sort", (2,))] * 4)
+    assert_same_sharding(out, xs)
+    assert_no_operand_movement(f, xs, A)
+
+    # Derivatives: per-shard JVP and VJP equations; the cotangent of the
+    # unbatched `a` is the sum over the shards (an all-reduce of one scalar).
+    def loss(x, a):
+        return per_row(scaled_sin)(x, a).sum()
+
+    rx, ra = jax.grad(loss, argnums=(0, 1))(X, A)  # one device
+    host_calls.clear()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    gx, ga = grad(xs, A)
+    check("Explicit grad per shard (x)", gx, rx, [("scaled_sin_vjp", (2,))] * 4)
+    check("Explicit grad per shard (a)", ga, ra)
+    assert_same_sharding(gx, xs)
+    assert_no_operand_movement(grad, xs, A)
+    jac = jax.jit(jax.jacfwd(loss))
+    # Per shard: the JVP kernel on 24 tangents (the primal's result is unused).
+    check(
+        "Explicit jacfwd per shard", jac(xs, A), rx, [("scaled_sin_jvp", (24, 2))] * 4
+    )
+    assert_no_operand_movement(jac, xs, A)
+
+    # Nested vmaps, with the inner or the outer batch axis sharded: still one
+    # flat map per shard, and the result keeps the sharded axis.
+    nested = jax.jit(jax.vmap(per_row(scaled_sort), in_axes=(0, None)))
+    for spec, shape, block in (
+        (P("d"), (4, 2, 3), (1, 2)),
+        (P(None, "d"), (2, 4, 3), (2, 1)),
+    ):
+        x3 = jax.device_put(X.reshape(shape), NamedSharding(mesh, spec))
+        out = nested(x3, A)
+        want = SORTED.reshape(shape)
+        check(f"Explicit nested vmap {spec}", out, want, [("scaled_sort", block)] * 4)
+        assert_same_sharding(out, x3)
+        assert_no_operand_movement(nested, x3, A)
+
+    # out_axes=1: the sharded batch axis moves with the result; in_axes=1.
+    moved = jax.jit(jax.vmap(scaled_sort, in_axes=(1, None), out_axes=1))
+    xt = jax.device_put(X.T.copy(), NamedSharding(mesh, P(None, "d")))
+    out = moved(xt, A)
+    check("Explicit in_axes=1 out_axes=1", out, SORTED.T, [("scaled_sort", (2,))] * 4)
+    assert out.sharding.spec[:2] == (None, "d"), out.sharding
+
+    # A vectorized kernel: one chunk call per shard.
+    def sort_rows(x, a):
+        return np.sort(x, axis=-1) * a[:, None]
+
+    vec = jax.jit(
+        per_row(lambda x, a: threadmap(sort_rows, OUT, x, a, vectorized=True))
+    )
+    check(
+        "Explicit vectorized per shard", vec(xs, A), SORTED, [("sort_rows", (2,))] * 4
+    )
+
+    # A 2x2 mesh with the batch sharded over "x" only: the elements are split
+    # over "y" too (each device maps its own 2 rows), and the results come back
+    # sharded over "x" as the operand.
+    mesh2 = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    x2 = jax.device_put(X, NamedSharding(mesh2, P("x")))
+    out = f(x2, A)
+    check("Explicit 2x2 mesh", out, SORTED, [("scaled_sort", (2,))] * 4)
+    assert_same_sharding(out, x2)
+    # An unbatched operand sharded over "y" reaches each shard whole.
+    scales = jax.device_put(
+        np.arange(4, dtype=np.float32), NamedSharding(mesh2, P("y"))
+    )
+    scaled = jax.jit(
+        jax.vmap(
+            lambda x, s: threadmap(lambda r, s: np.sort(r) * s.sum(), OUT, x, s),
+            in_axes=(0, None),
+        )
+    )
+    check(
+        "Explicit sharded unbatched operand",
+        scaled(x2, scales),
+        np.sort(X) * 6.0,
+        elements=8,
+    )
+    # A batch too small to split over every device: mapped on one device.
+    x1 = jax.device_put(X[:2], NamedSharding(mesh2, P("x")))
+    check("Explicit batch of 2 on 4 devices", f(x1, A), SORTED[:2], elements=2)
+
+
 def main():
     for axis_type in (AxisType.Explicit, AxisType.Auto):
         mesh = jax.make_mesh((4,), ("d",), axis_types=(axis_type,))
@@ -138,18 +258,10 @@ def main():
             [("sort_rows", (2,))] * 4,
         )
 
-        # jit with NamedSharding inputs (automatic partitioning): what the
-        # compiled program does, as docs/sharding.md says. The partitioner
-        # places the host call on device 0: the batched operand is all-gathered,
-        # device 0 alone calls the host (a conditional on the partition id),
-        # with all 8 rows in one flat map, and the result stays on device 0.
-        f = jax.jit(per_row(scaled_sort))
-        out = f(xs, A)
-        check(f"{tag} jit NamedSharding", out, SORTED, [("scaled_sort", (8,))])
-        hlo = f.lower(xs, A).compile().as_text()
-        assert "all-gather(" in hlo, hlo
-        assert "conditional(" in hlo and "partition-id()" in hlo, hlo
-        assert "{maximal device=0}" in str(out.sharding), out.sharding
+        if axis_type == AxisType.Explicit:
+            per_shard_jit(mesh, xs)
+        else:
+            gathered_jit(xs)
 
         # Derivatives inside shard_map: per-shard JVP/VJP equations.
         def loss(x, a):
@@ -194,6 +306,7 @@ def main():
         check(f"{tag} jvp in shard_map", tangent, want)
 
         # Derivatives of a jitted function with NamedSharding inputs.
+        host_calls.clear()
         gx, ga = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, A)
         check(f"{tag} grad jit NamedSharding (x)", gx, rx)
         check(f"{tag} grad jit NamedSharding (a)", ga, ra)

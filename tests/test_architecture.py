@@ -30,6 +30,7 @@ LAYERS = [
     "_executor",
     "_params",
     "_autodiff",
+    "_per_shard",
     "_primitive",
     "_api",
     "_leaves",

@@ -63,6 +63,7 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.ASYNC_ARRAYS,
         _compat.ASYNC_DISPATCH,
         _compat.SHARD_MAP,
+        _compat.PER_SHARD_JIT,
     }
     for form in hook.forms:
         assert form.where and all(re.fullmatch(r"[\w.]+:\w+", w) for w in form.where)
@@ -162,6 +163,25 @@ def _use_shard_map():
     np.testing.assert_allclose(jax.jit(body)(sharded), np.sin(x), rtol=1e-6)
 
 
+def _explicit_jaxpr():
+    """The jaxpr of a threadmap under vmap, on a 1-device explicit mesh."""
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(
+        np.arange(3, dtype=np.float32),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")),
+    )
+    # np.cos: JAX caches abstract evaluations, and _use_shard_map's (np.sin)
+    # must still reach the hooks.
+    f = jax.vmap(lambda v: jax_threadmap.threadmap(np.cos, SDS((), jnp.float32), v))
+    np.testing.assert_allclose(jax.jit(f)(x), np.cos(np.arange(3.0)), rtol=1e-6)
+    return jax.make_jaxpr(f)(x)
+
+
+def test_explicitly_sharded_batch_axes_are_mapped_in_a_shard_map():
+    assert _compat.per_shard_unavailable() is None
+    assert "shard_map" in str(_explicit_jaxpr())
+
+
 FEATURE_USES = {
     _compat.THREADMAP: _use_threadmap,
     _compat.DERIVATIVES: _use_derivatives,
@@ -188,6 +208,14 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         status = jax_threadmap.async_dispatch_status()
         assert status.startswith("blocking: unavailable"), status
         assert f"{hook.name} is missing" in status and "_moved" in status
+        for use in FEATURE_USES.values():
+            use()
+        return
+    if hook.features == (_compat.PER_SHARD_JIT,):  # optional: maps on one device
+        reason = _compat.per_shard_unavailable()
+        assert reason is not None and reason.startswith(f"{hook.name} is missing")
+        assert "_moved" in reason
+        assert "shard_map" not in str(_explicit_jaxpr())
         for use in FEATURE_USES.values():
             use()
         return

@@ -72,8 +72,8 @@ def sin_scaled_vjp(x, a, ct):
     return np.cos(x) * a * ct, np.float32(np.sum(np.sin(x) * ct))
 
 
-def global_rows():
-    sharding = NamedSharding(MESH, P("d"))
+def global_rows(mesh=MESH):
+    sharding = NamedSharding(mesh, P("d"))
     return jax.make_array_from_callback(ROWS.shape, sharding, lambda i: ROWS[i])
 
 
@@ -121,6 +121,26 @@ def main():
     pids = set(gathered(out["pid"]).tolist())
     check("sharded jit: one process maps all rows", len(pids) == 1, pids)
     check("sharded jit: process 0", len(calls) == (8 if INDEX == 0 else 0), calls)
+
+    # Sharded jit on an explicit mesh ("sharding in types"): jax_threadmap maps
+    # per shard by itself, so each process maps its own devices' 4 rows on its
+    # own threads, and the result keeps the rows' sharding.
+    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    erows = global_rows(explicit)
+    del calls[:]
+    out = jax.jit(per_row)(erows, A)
+    check("explicit jit values", np.array_equal(gathered(out["v"]), expected))
+    check("explicit jit ran here", local_pids(out["pid"]) == {os.getpid()})
+    check(
+        "explicit jit on this process's threads",
+        len(calls) == 4 and main_thread not in calls,
+        calls,
+    )
+    check(
+        "explicit jit keeps the sharding",
+        out["v"].sharding.is_equivalent_to(erows.sharding, 2),
+        out["v"].sharding,
+    )
 
     # A derivative inside shard_map: the cotangent of `a` is summed over shards.
     def loss(a, rows):

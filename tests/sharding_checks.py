@@ -186,6 +186,18 @@ def per_shard_jit(mesh, xs):
     out = f(x2, A)
     check("Explicit 2x2 mesh", out, SORTED, [("scaled_sort", (2,))] * 4)
     assert_same_sharding(out, x2)
+    # Two vmap levels sharded over two mesh axes: one flat map per device.
+    x22 = jax.device_put(X.reshape(4, 2, 3), NamedSharding(mesh2, P("x", "y")))
+    nested = jax.jit(jax.vmap(per_row(scaled_sort), in_axes=(0, None)))
+    out = nested(x22, A)
+    calls = [("scaled_sort", (2, 1))] * 4
+    check("Explicit 2 levels on 2 mesh axes", out, SORTED.reshape(4, 2, 3), calls)
+    assert_same_sharding(out, x22)
+    assert_no_operand_movement(nested, x22, A)
+    out = jax.vmap(per_row(scaled_sort), in_axes=(0, None))(x22, A)  # eager
+    check("Explicit eager", out, SORTED.reshape(4, 2, 3), calls)
+    assert_same_sharding(out, x22)
+
     # An unbatched operand sharded over "y" reaches each shard whole.
     scales = jax.device_put(
         np.arange(4, dtype=np.float32), NamedSharding(mesh2, P("y"))

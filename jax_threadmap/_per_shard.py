@@ -102,8 +102,8 @@ def _plan(
         mesh = sharding.mesh
         for level, mesh_axes in found.items():
             levels[level] = mesh_axes
-    if mesh is None:
-        return None
+    if mesh is None or jax.sharding.AxisType.Manual in tuple(mesh.axis_types):
+        return None  # inside a shard_map over part of the mesh: left as it was
     split = _split_over_other_axes(mesh, levels, spec.shape)
     return None if split is None else (mesh, levels, split)
 

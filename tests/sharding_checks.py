@@ -198,6 +198,20 @@ def per_shard_jit(mesh, xs):
     check("Explicit eager", out, SORTED.reshape(4, 2, 3), calls)
     assert_same_sharding(out, x22)
 
+    # The per-row gradient of an unbatched parameter: the VJP equation sums the
+    # inner level away, and that level is split over "y" (the outer one, of 2,
+    # cannot take it), so the shards' partial sums are added up over "y".
+    def loss(x, a):
+        return per_row(scaled_sin)(x, a).sum()
+
+    grad_a = jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None))
+    x24 = jax.device_put(X.reshape(2, 4, 3), NamedSharding(mesh2, P("x")))
+    check(
+        "Explicit summed level split over another mesh axis",
+        jax.jit(grad_a)(x24, A),
+        grad_a(X.reshape(2, 4, 3), A),
+    )
+
     # An unbatched operand sharded over "y" reaches each shard whole.
     scales = jax.device_put(
         np.arange(4, dtype=np.float32), NamedSharding(mesh2, P("y"))

@@ -106,12 +106,15 @@ def assert_same_sharding(out, x):
     assert out.sharding.is_equivalent_to(x.sharding, x.ndim), (out.sharding, x.sharding)
 
 
-def assert_no_operand_movement(f, *args):
-    """The compiled program moves no operand between devices and calls the host
-    on every device (no conditional on the partition id)."""
-    hlo = f.lower(*args).compile().as_text()
+def compiled_without_movement(f, *args):
+    """``f`` compiled for ``args``, after checking that the program moves no
+    operand between devices and calls the host on every device (no conditional
+    on the partition id). The checks call it (one compilation, not two)."""
+    compiled = f.lower(*args).compile()
+    hlo = compiled.as_text()
     for op in ("all-gather(", "collective-permute(", "all-to-all(", "conditional("):
         assert op not in hlo, (op, hlo)
+    return compiled
 
 
 def per_shard_jit(mesh, xs):
@@ -121,10 +124,9 @@ def per_shard_jit(mesh, xs):
     f = jax.jit(per_row(scaled_sort))
     one_device = f(X, A)  # NumPy input: one device, one flat map
     check("Explicit one-device reference", one_device, SORTED, [("scaled_sort", (8,))])
-    out = f(xs, A)
+    out = compiled_without_movement(f, xs, A)(xs, A)
     check("Explicit jit per shard", out, one_device, [("scaled_sort", (2,))] * 4)
     assert_same_sharding(out, xs)
-    assert_no_operand_movement(f, xs, A)
 
     # Derivatives: per-shard JVP and VJP equations; the cotangent of the
     # unbatched `a` is the sum over the shards (an all-reduce of one scalar).
@@ -134,17 +136,15 @@ def per_shard_jit(mesh, xs):
     rx, ra = jax.grad(loss, argnums=(0, 1))(X, A)  # one device
     host_calls.clear()
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    gx, ga = grad(xs, A)
+    gx, ga = compiled_without_movement(grad, xs, A)(xs, A)
     check("Explicit grad per shard (x)", gx, rx, [("scaled_sin_vjp", (2,))] * 4)
     check("Explicit grad per shard (a)", ga, ra)
     assert_same_sharding(gx, xs)
-    assert_no_operand_movement(grad, xs, A)
-    jac = jax.jit(jax.jacfwd(loss))
+    jac = compiled_without_movement(jax.jit(jax.jacfwd(loss)), xs, A)
     # Per shard: the JVP kernel on 24 tangents (the primal's result is unused).
     check(
         "Explicit jacfwd per shard", jac(xs, A), rx, [("scaled_sin_jvp", (24, 2))] * 4
     )
-    assert_no_operand_movement(jac, xs, A)
 
     # Nested vmaps, with the inner or the outer batch axis sharded: still one
     # flat map per shard, and the result keeps the sharded axis.
@@ -154,11 +154,10 @@ def per_shard_jit(mesh, xs):
         (P(None, "d"), (2, 4, 3), (2, 1)),
     ):
         x3 = jax.device_put(X.reshape(shape), NamedSharding(mesh, spec))
-        out = nested(x3, A)
+        out = compiled_without_movement(nested, x3, A)(x3, A)
         want = SORTED.reshape(shape)
         check(f"Explicit nested vmap {spec}", out, want, [("scaled_sort", block)] * 4)
         assert_same_sharding(out, x3)
-        assert_no_operand_movement(nested, x3, A)
 
     # out_axes=1: the sharded batch axis moves with the result; in_axes=1.
     moved = jax.jit(jax.vmap(scaled_sort, in_axes=(1, None), out_axes=1))
@@ -189,11 +188,10 @@ def per_shard_jit(mesh, xs):
     # Two vmap levels sharded over two mesh axes: one flat map per device.
     x22 = jax.device_put(X.reshape(4, 2, 3), NamedSharding(mesh2, P("x", "y")))
     nested = jax.jit(jax.vmap(per_row(scaled_sort), in_axes=(0, None)))
-    out = nested(x22, A)
+    out = compiled_without_movement(nested, x22, A)(x22, A)
     calls = [("scaled_sort", (2, 1))] * 4
     check("Explicit 2 levels on 2 mesh axes", out, SORTED.reshape(4, 2, 3), calls)
     assert_same_sharding(out, x22)
-    assert_no_operand_movement(nested, x22, A)
     out = jax.vmap(per_row(scaled_sort), in_axes=(0, None))(x22, A)  # eager
     check("Explicit eager", out, SORTED.reshape(4, 2, 3), calls)
     assert_same_sharding(out, x22)

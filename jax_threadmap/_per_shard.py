@@ -10,11 +10,14 @@ batch axis, automatic mode, or inside ``shard_map`` already) the equation is
 bound as it is.
 
 The plan is made per batch level (``BatchSpec.shape``): the mesh axes of the
-first batched operand that is sharded at that level. Every batched operand is
-resharded to exactly those axes on its batch axes (its other axes whole), and
-every unbatched operand to replicated, so the body sees whole elements. Levels
-that an output sums away (reverse-mode cotangents of operands not batched there)
-are summed over their mesh axes with ``psum`` inside the body.
+first batched operand that is sharded at that level. JAX places host callbacks
+only where every mesh axis is manual, so the mesh's other axes are added to a
+level whose size they divide (each device maps its own elements) and the results
+are resharded back over them afterwards. Every batched operand is resharded to
+exactly the planned axes on its batch axes (its other axes whole), and every
+unbatched operand to replicated, so the body sees whole elements. Levels that an
+output sums away (reverse-mode cotangents of operands not batched there) are
+summed over their mesh axes with ``psum`` inside the body.
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ def _sharded_levels(
 def _split_over_other_axes(
     mesh: Any, levels: list[MeshAxes], shape: tuple[int, ...]
 ) -> list[MeshAxes] | None:
+    """``levels`` with each mesh axis that none of them uses (of size > 1) added
+    to the first level whose size it divides; ``None`` where one divides none."""
     split = list(levels)
     taken = {a for mesh_axes in levels for a in mesh_axes}
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
@@ -146,9 +151,11 @@ def _split_over_other_axes(
 
 def _explicit_axes(mesh: Any) -> frozenset[str]:
     explicit = jax.sharding.AxisType.Explicit
-    names = tuple(getattr(mesh, "axis_names", ()))
-    types = tuple(getattr(mesh, "axis_types", ())) or (None,) * len(names)
-    return frozenset(n for n, t in zip(names, types, strict=True) if t == explicit)
+    return frozenset(
+        n
+        for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == explicit
+    )
 
 
 def _entry(pspec: Any, d: int) -> MeshAxes:

@@ -133,13 +133,17 @@ def _split_over_other_axes(
     mesh: Any, levels: list[MeshAxes], shape: tuple[int, ...]
 ) -> list[MeshAxes] | None:
     """``levels`` with each mesh axis that none of them uses (of size > 1) added
-    to the first level whose size it divides; ``None`` where one divides none."""
+    to the first level whose size it divides; ``None`` where one divides none,
+    or is not explicit (``reshard`` refuses automatic axes)."""
     split = list(levels)
     taken = {a for mesh_axes in levels for a in mesh_axes}
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    explicit = _explicit_axes(mesh)
     for name in mesh.axis_names:
         if name in taken or sizes[name] == 1:
             continue
+        if name not in explicit:
+            return None
         for level, size in enumerate(shape):
             if size % (_size(mesh, split[level]) * sizes[name]) == 0:
                 split[level] = (*split[level], name)

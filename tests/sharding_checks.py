@@ -226,6 +226,12 @@ def per_shard_jit(mesh, xs):
         np.sort(X) * 6.0,
         elements=8,
     )
+    # A mesh mixing explicit and automatic axes: mapped on one device.
+    mixed = jax.make_mesh(
+        (2, 2), ("x", "y"), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
+    xm = jax.device_put(X, NamedSharding(mixed, P("x")))
+    check("Explicit and Auto axes", f(xm, A), SORTED, [("scaled_sort", (8,))])
     # A batch too small to split over every device: mapped on one device.
     x1 = jax.device_put(X[:2], NamedSharding(mesh2, P("x")))
     check("Explicit batch of 2 on 4 devices", f(x1, A), SORTED[:2], elements=2)

@@ -68,6 +68,8 @@ def bind(prim_bind: Bind, *args: Any, spec: BatchSpec, **params: Any) -> Any:
         mesh=mesh,
         in_specs=tuple(in_specs),
         out_specs=[out_spec(k, split) for k in range(num_outs)],
+        # Named: jax 0.8.3 takes the default (none named: all) as none manual.
+        axis_names=set(mesh.axis_names),
     )(*args)
     if split == levels:
         return outs

@@ -126,19 +126,32 @@ def main():
     # per shard by itself, so each process maps its own devices' 4 rows on its
     # own threads, and the result keeps the rows' sharding.
     explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    # (jax 0.7 to 0.9 refuse that, and map every row in process 0 as above.)
+    since, until = jax_threadmap._compat.PER_SHARD_REFUSED
+    refused = since <= jax_threadmap._compat.JAX_VERSION < until
     erows = global_rows(explicit)
     del calls[:]
-    out = jax.jit(per_row)(erows, A)
+    # Where refused, without out_shardings jax 0.8.3 fails to place the result
+    # ("Cannot convert GSPMDSharding {maximal device=0} into SdyArray").
+    shardings = NamedSharding(explicit, P("d")) if refused else None
+    out = jax.jit(per_row, out_shardings=shardings)(erows, A)
     check("explicit jit values", np.array_equal(gathered(out["v"]), expected))
-    check("explicit jit ran here", local_pids(out["pid"]) == {os.getpid()})
+    pids = set(gathered(out["pid"]).tolist())
+    check(
+        "explicit jit ran here",
+        len(pids) == 1 if refused else local_pids(out["pid"]) == {os.getpid()},
+        pids,
+    )
     check(
         "explicit jit on this process's threads",
-        len(calls) == 4 and main_thread not in calls,
+        (len(calls) == (8 if INDEX == 0 else 0))
+        if refused
+        else (len(calls) == 4 and main_thread not in calls),
         calls,
     )
     check(
         "explicit jit keeps the sharding",
-        out["v"].sharding.is_equivalent_to(erows.sharding, 2),
+        refused or out["v"].sharding.is_equivalent_to(erows.sharding, 2),
         out["v"].sharding,
     )
 

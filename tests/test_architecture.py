@@ -34,6 +34,7 @@ LAYERS = [
     "_api",
     "_leaves",
     "_task",
+    "_streams",
     "_dispatch",
     "_async",
     "_inner_threads",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import sys
 import threading
 from types import CodeType, FrameType
@@ -34,21 +33,22 @@ from typing import Any
 
 from . import _compat
 
-#: Pending streams' ids start here: far above the ids XLA derives from thread
-#: ids, so that a pending stream never merges with a thread's usual stream.
+#: A thread's pending stream is this plus its ``threading.get_ident()``: far
+#: above the ids XLA derives from thread ids, so that a pending stream never
+#: merges with a thread's usual stream; and since the OS reuses the idents of
+#: threads that ended, XLA's table of streams grows with the threads alive at
+#: once, not with every thread that ever dispatched.
 FIRST_PENDING_STREAM = 1 << 62
 
 #: How many frames up from the argument handler to look for the frame that runs
 #: the compiled program (about 4 in jax 0.6.2 ... 0.12).
 MAX_FRAMES_UP = 32
 
-_next_stream = itertools.count(FIRST_PENDING_STREAM)
-
 
 class _State(threading.local):
     def __init__(self) -> None:
-        #: This thread's pending stream, made on its first pending dispatch.
-        self.stream: int | None = None
+        #: This thread's pending stream.
+        self.stream = FIRST_PENDING_STREAM + threading.get_ident() % (1 << 61)
         #: The frame whose return puts the thread back, while switched.
         self.until: FrameType | None = None
 
@@ -98,8 +98,6 @@ def switch_for_this_dispatch() -> bool:
     get_stream = _compat.get("get_execution_stream_id")
     set_stream = _compat.get("set_execution_stream_id")
     usual = get_stream()
-    if state.stream is None:
-        state.stream = next(_next_stream)
     state.until = frame
 
     def back_after(event_frame: FrameType, event: str, arg: Any) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 #: map (see :func:`share`) rather than in every task.
 SHARE_BYTES = 64 * 1024
 
-#: Runs elements ``[start, stop)``; ``job.failed`` stops it early.
+#: Runs elements ``[start, stop)``; ``job.halt`` stops it early.
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -51,7 +51,7 @@ class ElementLoops(Protocol):
 
 
 class _NeverFailed:
-    failed = False
+    failed = halt = False
 
 
 class RemoteChunk:

@@ -18,6 +18,7 @@ LAYERS = [
     "_compat",
     "_validate",
     "_batch_spec",
+    "_summing",
     "_progress",
     "_remote",
     "_loops",

@@ -13,7 +13,10 @@ store. Other signatures fall back to the caller's general ``call`` and
 ``result_leaves``.
 
 So the cost per element is the kernel call, one index per batched operand, a type
-check and a write per result: the bare loop's.
+check and a write per result: the bare loop's. A plain closure for the commonest
+signatures (``fn(*args)``, one argument list refilled per element) measured 11-42%
+slower per element (``benchmarks/plain_loop.py``, numbers in docs/architecture.md),
+so the loops stay generated.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ LAYERS = [
     "_task",
     "_dispatch",
     "_async",
+    "_calls",
     "_inner_threads",
     "_demo",
     "__init__",

@@ -82,20 +82,28 @@ def _literal(node: Any) -> str | None:
     if node is None:
         return "None"
     if type(node) in (tuple, list):
-        parts = [_literal(x) for x in node]
-        if any(p is None for p in parts):
-            return None
-        inner = ", ".join(parts)  # type: ignore[arg-type]
-        if type(node) is list:
-            return f"[{inner}]"
-        return f"({inner},)" if parts else "()"
+        return _sequence_literal(node)
     if type(node) is dict and all(type(k) in (str, int) for k in node):
-        parts = [_literal(v) for v in node.values()]
-        if any(p is None for p in parts):
-            return None
-        items = ", ".join(f"{k!r}: {p}" for k, p in zip(node, parts, strict=True))
-        return "{" + items + "}"
+        return _dict_literal(node)
     return None
+
+
+def _sequence_literal(node: tuple[Any, ...] | list[Any]) -> str | None:
+    parts = [_literal(x) for x in node]
+    if any(p is None for p in parts):
+        return None
+    inner = ", ".join(parts)  # type: ignore[arg-type]
+    if type(node) is list:
+        return f"[{inner}]"
+    return f"({inner},)" if parts else "()"
+
+
+def _dict_literal(node: dict[Any, Any]) -> str | None:
+    parts = [_literal(v) for v in node.values()]
+    if any(p is None for p in parts):
+        return None
+    items = ", ".join(f"{k!r}: {p}" for k, p in zip(node, parts, strict=True))
+    return "{" + items + "}"
 
 
 def _placeholders(tree: Any, names: Sequence[str]) -> Any:

@@ -147,22 +147,11 @@ def pack(
     flat = np.arange(start, stop)
     sums = [_summing.remote_sum_index(rows) for rows in sum_rows]
     if len(shape) == 1:
-        data: list[Any] = []
-        gathers: list[np.ndarray | slice | None] = []
-        for i, v in enumerate(in_v):
-            if i in shared:
-                data.append(Shared(shared[i]))
-                gathers.append(None)
-            elif v.strides[0] == 0:
-                data.append(_contiguous(v[0, ...]))
-                gathers.append(None)
-            else:
-                data.append(_contiguous(v[start:stop]))
-                gathers.append(slice(None))
-        return RemoteChunk(loops, data, gathers, flat, sums)
+        return RemoteChunk(loops, *_pack_rows(in_v, start, stop, shared), flat, sums)
     nb = len(shape)
     cols = np.unravel_index(flat, shape)
-    data, gathers = [], []
+    data: list[Any] = []
+    gathers: list[np.ndarray | slice | None] = []
     for i, v in enumerate(in_v):
         dims = [d for d in range(nb) if v.strides[d] != 0 and shape[d] > 1]
         if i in shared:
@@ -182,6 +171,26 @@ def pack(
         data.append(_contiguous(v[tuple(index)]))
         gathers.append(inverse.reshape(-1))
     return RemoteChunk(loops, data, gathers, flat, sums)
+
+
+def _pack_rows(
+    in_v: Sequence[np.ndarray], start: int, stop: int, shared: dict[int, int]
+) -> tuple[list[Any], list[np.ndarray | slice | None]]:
+    """``(data, gathers)`` of elements ``[start, stop)`` of 1-D batch views:
+    each batched operand's rows, as they are."""
+    data: list[Any] = []
+    gathers: list[np.ndarray | slice | None] = []
+    for i, v in enumerate(in_v):
+        if i in shared:
+            data.append(Shared(shared[i]))
+            gathers.append(None)
+        elif v.strides[0] == 0:
+            data.append(_contiguous(v[0, ...]))
+            gathers.append(None)
+        else:
+            data.append(_contiguous(v[start:stop]))
+            gathers.append(slice(None))
+    return data, gathers
 
 
 class ChunkCall(Protocol):

@@ -1,10 +1,10 @@
 """Outputs summed over batch levels on the host: how a summed output works.
 
-The transpose rule (:func:`._autodiff.transpose_rule`) decides, from the program
+The transpose rule (:func:`._autodiff.transpose_rule`) asks, from the program
 alone, which batch levels the host sums each output over: the levels at which
-the operand whose cotangent it is was not batched. It records them in the
-equation's spec (:attr:`._batch_spec.BatchSpec.out_sum`). Everything after
-that decision lives here:
+the operand whose cotangent it is was not batched (:func:`summed_levels`). It
+records them in the equation's spec (:attr:`._batch_spec.BatchSpec.out_sum`).
+Everything after that decision lives here too:
 
 - the output buffer holds only the kept levels, zero-filled, and is seen with
   the full batch shape through a view with stride 0 at the summed levels
@@ -30,6 +30,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ._batch_spec import BatchSpec
+
+
+def summed_levels(axes: Sequence[int | None]) -> tuple[int, ...]:
+    """The decision: the batch levels the host sums the cotangent of an operand
+    over, given the operand's axis at each level (``None``: not batched there).
+    The transpose rule records these in the equation's spec."""
+    return tuple(level for level, axis in enumerate(axes) if axis is None)
 
 
 def new_output(

@@ -77,8 +77,11 @@ def current_job() -> Job | None:
 class Job:
     """One flat map: ``n`` elements, run by ``fn(start, stop, job)`` per chunk.
 
-    ``fn`` checks :attr:`failed` between elements, so that a failure stops the
-    chunks already running; the chunks not yet started are never handed out.
+    ``fn`` checks :attr:`failed` (element loops: :attr:`halt`, then
+    :meth:`halted`) between elements, so that a failure stops the chunks already
+    running; the chunks not yet started are never handed out. A thread with
+    nothing left to claim takes the tail of another's running chunk
+    (:meth:`_steal`), guided maps only.
 
     Lock rule: the job's fields are written under the job's lock (``_lock``),
     with two exceptions, each owned by one other lock: :attr:`hands` belongs to
@@ -87,7 +90,11 @@ class Job:
     :attr:`grow` is set once by the runner before the job is handed a thread.
     Reads without the lock are of single values whose staleness is harmless:
     :attr:`failed` (one more element runs), :attr:`limit` (a watch comes a
-    period later), :attr:`completed` (a progress bar lags).
+    period later), :attr:`completed` (a progress bar lags), except :attr:`halt`,
+    which a chunk loop reads before each element: it is set under the lock
+    before a tail is taken, so a loop that reads it false is at most in the
+    element the taker sees, and one that reads it true asks :meth:`halted`,
+    which waits for the lock.
 
     Args:
         n: The number of elements.

@@ -179,9 +179,11 @@ def unrelated_work(where: str) -> float:
     """Seconds until ``g(jnp.ones(3))`` is done while ``y = f(x)`` waits for ``x``.
 
     ``where`` is ``"same thread"`` (the thread that dispatched ``f(x)``) or
-    ``"other thread"``. The target is < 0.1 s in both; XLA's CPU client runs
-    one thread's programs in order, so on the same thread it is about
-    ``UNRELATED_LOAD_S`` (see docs/async.md, "Ordering").
+    ``"other thread"``. The target is < 0.1 s in both. XLA's CPU client runs
+    the programs of one execution stream in order: without a stream of their
+    own for programs on pending data (``async_dispatch_status()`` is not
+    ``"async"``), on the same thread it is about ``UNRELATED_LOAD_S`` (see
+    docs/async.md, "Ordering").
     """
     release = threading.Event()
     x = jtm.async_call(lambda: (release.wait(UNRELATED_LOAD_S), DATA)[1], SPEC)
@@ -253,7 +255,7 @@ def report(r: dict) -> str:
         "(target < 0.1 s):"
     )
     for where, t in r["unrelated"].items():
-        lines.append(f"  {where + ':':<19} {t:.3f} s")
+        lines.append(f"  {where + ':':<19} {t * 1e3:.2f} ms")
     return "\n".join(lines)
 
 

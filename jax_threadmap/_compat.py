@@ -46,6 +46,10 @@ SHARD_MAP = "shard_map"
 #: Optional: where one of its hooks is missing, async arrays dispatch blocking
 #: (:func:`async_dispatch_unavailable` says why) instead of raising.
 ASYNC_DISPATCH = "async dispatch"
+#: Optional: where one of its hooks is missing, the programs that wait for
+#: pending data stay in their thread's execution stream, so that later programs
+#: of the thread wait for them (:func:`dispatch_streams_unavailable` says why).
+DISPATCH_STREAMS = "dispatch streams"
 
 
 def _v(version: tuple[int, ...]) -> str:
@@ -490,6 +494,32 @@ HOOKS: tuple[Hook, ...] = (
         (ASYNC_DISPATCH,),
         _everywhere("jax._src.callback:logger"),
     ),
+    # XLA orders the programs of one execution stream (by default, one per
+    # dispatching thread). jaxlib lets a thread pick the stream of what it
+    # dispatches (jaxlib.xla_client.execution_stream_id, a context manager over
+    # these two functions; the same in 0.6.2 ... 0.12). `_streams.py` puts a
+    # dispatch on pending data on a stream of its own until JAX's frame that runs
+    # the compiled program (ExecuteReplicated.__call__) returns.
+    Hook(
+        "get_execution_stream_id",
+        "reads the execution stream of the programs this thread dispatches",
+        (DISPATCH_STREAMS,),
+        _everywhere("jaxlib._jax:get_execution_stream_id"),
+    ),
+    Hook(
+        "set_execution_stream_id",
+        "sets it: programs that wait for pending data get a stream of their own, "
+        "so that the thread's later programs do not wait behind them",
+        (DISPATCH_STREAMS,),
+        _everywhere("jaxlib._jax:set_execution_stream_id"),
+    ),
+    Hook(
+        "ExecuteReplicated",
+        "its __call__ runs a compiled program after the argument handlers: the "
+        "thread goes back to its usual stream when that frame returns",
+        (DISPATCH_STREAMS,),
+        _everywhere("jax._src.interpreters.pxla:ExecuteReplicated"),
+    ),
 )
 
 
@@ -773,6 +803,15 @@ start_transfer_server: Callable[..., Any] | None = _or_missing(
 CALLBACK_LOGGER_NAME: str = getattr(
     _or_missing("callback_logger", None), "name", "jax._src.callback"
 )
+
+
+def dispatch_streams_unavailable() -> str | None:
+    """Why dispatches on pending data cannot get a stream of their own, or ``None``."""
+    for hook in HOOKS:
+        value = RESOLVED[hook.name]
+        if DISPATCH_STREAMS in hook.features and isinstance(value, Missing):
+            return f"{hook.name} is missing: {value.reason}"
+    return None
 
 
 def async_dispatch_unavailable() -> str | None:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _compat, _task
+from . import _compat, _streams, _task
 from ._task import FINISHED, FINISHING, PENDING, POLL_S, RUNNING, Task, worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -33,8 +33,10 @@ logger = logging.getLogger("jax_threadmap._async")
 # loopback transfer server (jax.experimental.transfer) that the call offers when it
 # ends; the program then runs and its host callback copies the call's result into
 # the output buffers (the data never crosses the socket), or raises the call's
-# error, which then reaches every dependent. XLA orders executions per dispatching
-# thread and caps executions in flight per device (32 on CPU), so one program
+# error, which then reaches every dependent. XLA orders executions per execution
+# stream (by default one per dispatching thread; the gate programs and the program
+# that waits for them go on a stream of their own, see _streams.py) and caps
+# executions in flight per device (32 on CPU), so one program
 # covers all the pending arrays of one call, and at most MAX_WAITING_PROGRAMS wait
 # per device; beyond that, and where the mechanism is missing, dispatch waits for
 # the data as before ("blocking dispatch").
@@ -49,7 +51,8 @@ MAX_WAITING_PROGRAMS = 8
 
 #: Programs that one thread may dispatch (with ``AsyncArray`` s) behind a call
 #: still running before the next such dispatch waits, in Python, for that call.
-#: XLA runs a thread's programs in order, so they all wait for the call; with
+#: XLA runs them in order (they share the thread's pending stream, see
+#: :mod:`._streams`), so they all wait for the call; with
 #: the gate programs (MAX_WAITING_PROGRAMS per device) this keeps the programs
 #: in flight well under XLA's CPU limit of 32 per device, where dispatch
 #: itself would block inside XLA (where Ctrl-C does not reach it) and a loader
@@ -201,9 +204,9 @@ def _hold_back() -> _Queue:
                     f"programs queued behind {stuck.name} "
                     f"(jax_threadmap.{stuck.api}), which has not returned "
                     f"after {DISPATCH_WAIT_S:g} s more. XLA runs the programs "
-                    "that one thread dispatches in order, so none of them, nor "
-                    "anything else this thread dispatches, runs before it "
-                    "returns. Give the call a timeout (async_call(..., "
+                    "that one thread dispatches on pending data in order, so "
+                    "none of them runs before it returns. Give the call a "
+                    "timeout (async_call(..., "
                     "timeout=SECONDS)) or cancel it (AsyncArray.cancel()), wait "
                     "for its arrays (block_until_ready) before queuing more, or "
                     "dispatch the other work from another thread."
@@ -276,6 +279,9 @@ class Dispatch:
         queue: _Queue,
     ) -> None:
         """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs."""
+        # The gate programs and the program being dispatched go on this thread's
+        # pending stream, so that what the thread dispatches next does not wait.
+        _streams.switch_for_this_dispatch()
         try:
             made = self._pending_arrays(
                 [xs[i] for i in todo], [shardings[i] for i in todo]
@@ -514,14 +520,18 @@ mechanism = Dispatch()
 def async_dispatch_status() -> str:
     """Says whether jitted calls with pending ``AsyncArray`` s return at once.
 
-    Even with ``"async"``, XLA runs the programs that one thread dispatches in
-    order: after ``y = f(x)`` with ``x`` pending, every later program of the
-    same thread (even one that does not use ``y``) runs when ``x`` has
-    arrived; programs of other threads do not wait (docs/async.md, "Ordering").
+    With ``"async"``, ``y = f(x)`` with ``x`` pending returns at once, and later
+    work of the same thread that does not use ``y`` runs without waiting for
+    ``x``: the programs that wait for pending data go on an execution stream of
+    their own (docs/async.md, "Ordering"). Where the JAX hooks for that are
+    missing, the status says ``"async, in thread order (...)"``: calls still
+    return at once, but every later program of the same thread runs when ``x``
+    has arrived.
 
     Returns:
-        ``"async"``, or ``"blocking: <reason>"`` (the reason names the switch or
-        the missing JAX feature).
+        ``"async"``, ``"async, in thread order (<reason>)"``, or
+        ``"blocking: <reason>"`` (the reason names the switch or the missing JAX
+        feature).
 
     Examples:
         >>> import jax_threadmap as jtm
@@ -529,7 +539,15 @@ def async_dispatch_status() -> str:
         'async'
     """
     reason = mechanism.status()
-    return "async" if reason is None else f"blocking: {reason}"
+    if reason is not None:
+        return f"blocking: {reason}"
+    in_order = _streams.unavailable()
+    if in_order is not None:
+        return (
+            "async, in thread order (later programs of the thread that dispatched "
+            f"on pending data wait for that data: {in_order})"
+        )
+    return "async"
 
 
 def _release(task: Task, gates: dict) -> None:
@@ -539,6 +557,7 @@ def _release(task: Task, gates: dict) -> None:
 def _after_fork_in_child() -> None:
     # Servers, gates and programs in flight belong to the parent.
     mechanism.after_fork()
+    _streams.after_fork_in_child()
 
 
 _task.set_gate_release(_release)

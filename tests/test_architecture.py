@@ -35,6 +35,7 @@ LAYERS = [
     "_api",
     "_leaves",
     "_task",
+    "_streams",
     "_dispatch",
     "_async",
     "_calls",

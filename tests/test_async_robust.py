@@ -25,7 +25,10 @@ pytestmark = pytest.mark.timeout(120)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-ASYNC = _async.async_dispatch_status() == "async"
+STATUS = _async.async_dispatch_status()
+ASYNC = STATUS.startswith("async")
+#: Programs on pending data have a stream of their own (not only thread order).
+OWN_STREAM = STATUS == "async"
 
 
 def in_thread(fn, *args, limit: float = WAIT):
@@ -50,8 +53,9 @@ def in_thread(fn, *args, limit: float = WAIT):
 class Blocker:
     """A pending call with a program dispatched on it by this thread.
 
-    XLA runs the programs one thread dispatches in order, so while it is held,
-    every later program of this thread waits behind it.
+    XLA runs the programs that one thread dispatches on pending data in order
+    (they share the thread's pending stream), so while it is held, every later
+    program of this thread on pending data waits behind it.
     """
 
     def __enter__(self):
@@ -112,6 +116,100 @@ def test_a_value_is_there_as_soon_as_the_call_returns():
     np.testing.assert_array_equal(got, [0, 1, 2])
     np.testing.assert_array_equal(in_thread(np.asarray, y), [1, 2, 3])
     assert elapsed < 1.5, f"result() took {elapsed:.2f} s after the data was there"
+
+
+# --- unrelated work does not wait behind a load -----------------------------------
+
+
+class Pending:
+    """A load held until the test ends, and a program dispatched on it."""
+
+    def __enter__(self):
+        self.release = threading.Event()
+        self.x = async_call(
+            lambda: (self.release.wait(WAIT), np.full(3, 4, np.float32))[1],
+            SDS((3,), np.float32),
+        )
+        self.y = jax.jit(lambda v: v * 2)(self.x)
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        np.testing.assert_array_equal(in_thread(np.asarray, self.y), [8, 8, 8])
+
+
+@pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
+def test_unrelated_work_of_the_same_thread_does_not_wait_for_a_pending_load():
+    # Was: XLA ran the thread's programs in order, so g ran only once x arrived.
+    g = jax.jit(lambda v: v + 1)
+    with Pending() as p:
+        got = in_thread(lambda: np.asarray(g(jnp.ones(3))))
+        assert not p.release.is_set()
+        np.testing.assert_array_equal(got, [2, 2, 2])
+        # The same, dispatched from this thread itself, with a jitted call on a
+        # value already loaded, an eager jnp call and an eager threadmap.
+        done = async_call(lambda: np.ones(3, np.float32), SDS((3,), np.float32))
+        done.result(timeout=WAIT)
+        outs = [
+            g(jnp.ones(3)),
+            jax.jit(lambda v: v * 3)(done),
+            jnp.sin(jnp.zeros(3)),
+            threadmap(lambda v: v + 5, SDS((3,), np.float32), np.ones(3, np.float32)),
+        ]
+        for out in outs:
+            in_thread(out.block_until_ready, limit=WAIT / 2)
+        assert not p.release.is_set()
+    np.testing.assert_array_equal(np.asarray(outs[1]), [3, 3, 3])
+    np.testing.assert_array_equal(np.asarray(outs[3]), [6, 6, 6])
+
+
+@pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
+def test_programs_on_pending_data_keep_their_order_and_the_thread_its_stream():
+    from jax_threadmap import _compat
+
+    stream_of_thread = _compat.get("get_execution_stream_id")
+    before = stream_of_thread()
+    with Pending() as p:
+        assert stream_of_thread() == before  # switched back after the dispatch
+        # A program that uses the pending result waits for it (data), and a
+        # second program on pending data waits behind the first (its stream),
+        # even once its own data is there.
+        z = jax.jit(lambda v: v - 1)(p.y)
+        go = threading.Event()
+        later = async_call(
+            lambda: (go.wait(WAIT), np.ones(3, np.float32))[1], SDS((3,), np.float32)
+        )
+        w = jax.jit(lambda v: v + 9)(later)
+        assert stream_of_thread() == before
+        go.set()
+        later.result(timeout=WAIT)
+        time.sleep(0.2)
+        assert not z.is_ready() and not w.is_ready()
+        assert not p.release.is_set()
+    np.testing.assert_array_equal(in_thread(np.asarray, z), [7, 7, 7])
+    np.testing.assert_array_equal(in_thread(np.asarray, w), [10, 10, 10])
+
+
+@pytest.mark.skipif(not ASYNC, reason=f"async dispatch status: {STATUS}")
+def test_a_profiler_already_set_is_kept_and_dispatch_stays_in_thread_order():
+    calls = []
+
+    def profiler(frame, event, arg):
+        calls.append(event)
+
+    release = threading.Event()
+    x = async_call(
+        lambda: (release.wait(WAIT), np.ones(2, np.float32))[1], SDS((2,), np.float32)
+    )
+    sys.setprofile(profiler)
+    try:
+        y = jax.jit(lambda v: v + 1)(x)
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+        release.set()
+    assert calls
+    np.testing.assert_array_equal(in_thread(np.asarray, y), [2, 2])
 
 
 # --- errors that cannot be printed, errors shared between calls ---------------------

@@ -62,6 +62,7 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.DERIVATIVES,
         _compat.ASYNC_ARRAYS,
         _compat.ASYNC_DISPATCH,
+        _compat.DISPATCH_STREAMS,
         _compat.SHARD_MAP,
     }
     for form in hook.forms:
@@ -187,6 +188,13 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
     if hook.features == (_compat.ASYNC_DISPATCH,):  # optional: dispatch blocks
         status = jax_threadmap.async_dispatch_status()
         assert status.startswith("blocking: unavailable"), status
+        assert f"{hook.name} is missing" in status and "_moved" in status
+        for use in FEATURE_USES.values():
+            use()
+        return
+    if hook.features == (_compat.DISPATCH_STREAMS,):  # optional: thread order
+        status = jax_threadmap.async_dispatch_status()
+        assert status.startswith("async, in thread order ("), status
         assert f"{hook.name} is missing" in status and "_moved" in status
         for use in FEATURE_USES.values():
             use()

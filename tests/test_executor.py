@@ -576,7 +576,7 @@ def test_exit_without_waiting_for_dispatched_maps_is_clean(devices, program):
 
 # Maps on a process pool, in flight in a daemon and a non-daemon thread at exit.
 PROCESS_POOL_AT_EXIT = """
-    import concurrent.futures, multiprocessing, threading, time
+    import concurrent.futures, multiprocessing, os, threading, time
     import jax, jax.numpy as jnp, numpy as np
     from jax_threadmap import _executor, threadmap
     import worker_kernels
@@ -596,7 +596,9 @@ PROCESS_POOL_AT_EXIT = """
             try:
                 f(np.zeros(64, np.float32))  # 16 s of kernels on 2 workers
             except Exception as e:
-                print(name, type(e).__name__, e, flush=True)
+                # One write per line: the two threads end at the same moment,
+                # and print() writes its parts one by one.
+                os.write(1, f"{name} {type(e).__name__} {e}\\n".encode())
 
         for daemon in (True, False):
             threading.Thread(target=run, args=(daemon,), daemon=daemon).start()

@@ -178,11 +178,15 @@ def test_values_grad_and_jvp_match_jax_numpy(
 
         return run
 
-    want = jax.jit(checks(nest(reference, sizes, levels)))(args, tangents)
+    want_fn = checks(nest(reference, sizes, levels))
     got_fn = checks(nest(kern, sizes, levels))
-    # One program for all three checks: each jit costs a compile, the most
-    # expensive part of an example.
-    got = (jax.jit(got_fn) if jit else got_fn)(args, tangents)
+    # One program for all the checks (and the reference, under jit): each jit
+    # costs a compile, the most expensive part of an example.
+    if jit:
+        got, want = jax.jit(lambda *a: (got_fn(*a), want_fn(*a)))(args, tangents)
+    else:
+        want = jax.jit(want_fn)(args, tangents)
+        got = got_fn(args, tangents)
     assert_exact(got, want)
 
 

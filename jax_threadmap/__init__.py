@@ -9,9 +9,9 @@ from ._api import KernelFunction as KernelFunction
 from ._api import kernel as kernel
 from ._api import threadmap as threadmap
 from ._async import AsyncArray as AsyncArray
-from ._async import async_call as async_call
 from ._async import async_dispatch_status as async_dispatch_status
-from ._async import deferred_call as deferred_call
+from ._calls import async_call as async_call
+from ._calls import deferred_call as deferred_call
 from ._compat import UnsupportedJaxError as UnsupportedJaxError
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError

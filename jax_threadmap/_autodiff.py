@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from . import _compat
+from . import _compat, _summing
 from ._batch_spec import Axes, BatchSpec
 from ._params import (
     JvpParam,
@@ -231,13 +231,7 @@ def transpose_rule(
     if not any(undefined) or not any(has_ct):
         return [None] * n + out
     _, ct_ops = partition_list(has_ct, per_output)
-    # The positional leaves whose tangent operand is a linear input.
-    wanted: list[int] = []
-    slots: list[int] = []
-    for leaf, slot in enumerate(jvp.tangent_slots):
-        if slot is not None and undefined[slot]:
-            wanted.append(leaf)
-            slots.append(slot)
+    wanted, slots = _linear_leaves(jvp, undefined)
     axes = [spec.in_axes[n + s] for s in slots]
     avals = [tangent_ops[s].aval for s in slots]
     cts_out = bind(
@@ -256,13 +250,25 @@ def transpose_rule(
         spec=BatchSpec(
             spec.shape,
             spec.in_axes[:n] + (tuple(range(len(spec.shape))),) * len(ct_ops),
-            tuple(tuple(lv for lv, a in enumerate(ax) if a is None) for ax in axes),
+            tuple(_summing.summed_levels(ax) for ax in axes),
         ),
         **params,
     )
     for s, ax, aval, ct in zip(slots, axes, avals, cts_out, strict=True):
         out[s] = _to_operand(ct, ax, aval)
     return [None] * n + out
+
+
+def _linear_leaves(jvp: JvpParam, undefined: list[bool]) -> tuple[list[int], list[int]]:
+    """The positional leaves whose tangent operand is a linear input, and
+    those operands' slots."""
+    wanted: list[int] = []
+    slots: list[int] = []
+    for leaf, slot in enumerate(jvp.tangent_slots):
+        if slot is not None and undefined[slot]:
+            wanted.append(leaf)
+            slots.append(slot)
+    return wanted, slots
 
 
 def _transposable(kernel: Any) -> JvpParam:

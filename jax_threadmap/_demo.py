@@ -476,6 +476,15 @@ def format_table(rows: list[Row], n: int, cpus: int, rounds: int = 1) -> str:
         )
     lines.append("-" * 71)
     lines.append(f"Median of {rounds} round{'s' * (rounds > 1)} per row.")
+    lines += _footnotes(rows, n, cpus)
+    lines.append(f"This machine: {cpus} CPUs.")
+    return "\n".join(lines)
+
+
+def _footnotes(rows: list[Row], n: int, cpus: int) -> list[str]:
+    """The table's notes on extrapolated rows (*) and rows taken while the
+    machine was busy (†)."""
+    lines = []
     for timed in sorted({r[2] for r in rows if r[2] < n}):
         which = ", ".join(f"{r[0]} ({r[1]})" for r in rows if r[2] == timed)
         lines.append(
@@ -488,8 +497,7 @@ def format_table(rows: list[Row], n: int, cpus: int, rounds: int = 1) -> str:
             f"† taken while other processes kept up to {busiest:.1f} of the {cpus} "
             "CPUs busy: slower than on a quiet machine."
         )
-    lines.append(f"This machine: {cpus} CPUs.")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(rows: list[Row], path: str, case: Case) -> None:

@@ -13,22 +13,19 @@ integer per element, and the element loop is specialised for the common kernel
 signatures so that its cost per element stays close to a bare Python loop.
 
 Outputs summed over some batch levels (the cotangents of operands not batched at
-those levels) are seen through views with zero strides at the summed levels, so
-each element adds into its sum; every chunk adds into a partial sum of its own,
-and the partials are added in chunk order.
+those levels) are the business of :mod:`._summing`, which this module calls.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _remote
+from . import _remote, _summing
 from ._batch_spec import Axes, BatchSpec
 from ._errors import KernelError, describe, kernel_traceback
 from ._loops import element_loop
@@ -79,24 +76,6 @@ def merge_view(v: np.ndarray, groups: list[list[int]]) -> np.ndarray:
     strides = tuple(v.strides[g[-1]] for g in groups) + v.strides[nb:]
     return np.lib.stride_tricks.as_strided(
         v, shape + v.shape[nb:], strides, writeable=v.flags.writeable
-    )
-
-
-def summed_view(buf: np.ndarray, spec: BatchSpec, k: int) -> np.ndarray:
-    """Output ``k``'s buffer seen with the full batch shape.
-
-    The levels summed away in output ``k`` get stride 0, so every element of
-    those levels adds into the same place.
-    """
-    summed = spec.summed(k)
-    if not summed:
-        return buf
-    nb = len(spec.shape)
-    kept_ndim = nb - len(summed)
-    kept = iter(buf.strides[:kept_ndim])
-    strides = tuple(0 if level in summed else next(kept) for level in range(nb))
-    return np.lib.stride_tricks.as_strided(
-        buf, spec.shape + buf.shape[kept_ndim:], strides + buf.strides[kept_ndim:]
     )
 
 
@@ -311,10 +290,10 @@ class HostMap:
             for x, axes in zip(operands, spec.in_axes, strict=True)
         ]
         self.outs = [
-            (np.zeros if spec.summed(k) else np.empty)(spec.out_batch_shape(k) + s, d)
+            _summing.new_output(spec, k, s, d)
             for k, (s, d) in enumerate(caller.out_core)
         ]
-        out_views = [summed_view(o, spec, k) for k, o in enumerate(self.outs)]
+        out_views = [_summing.summed_view(o, spec, k) for k, o in enumerate(self.outs)]
         if not spec.shape:
             in_views = [v[None] for v in in_views]
             out_views = [o[None] for o in out_views]
@@ -322,16 +301,13 @@ class HostMap:
         self.in_v = [merge_view(v, self._groups) for v in in_views]
         self.out_v = [merge_view(o, self._groups) for o in out_views]
         self.shape = tuple(math.prod([batch[d] for d in g]) for g in self._groups)
-        # Per output, the merged dims it is summed over (a merged dim groups only
-        # levels that are all summed, or none, since their strides differ).
         self._summed_dims = [
-            {g for g, levels in enumerate(self._groups) if levels[0] in spec.summed(k)}
-            for k in range(len(self.outs))
+            _summing.summed_dims(spec, self._groups, k) for k in range(len(self.outs))
         ]
+        self.partials = _summing.PartialSums(
+            spec, self.outs, lambda v: merge_view(v, self._groups)
+        )
         self._shared: dict[int, int] | None = None  # see shared()
-        self._lock = threading.Lock()
-        self._partials: dict[int, tuple[int, list[np.ndarray | None]]] = {}
-        self._folded = 0  # the outputs hold the partials of [0, _folded)
 
     @property
     def element_bytes(self) -> int:
@@ -367,55 +343,6 @@ class HostMap:
     def finish(self) -> tuple[np.ndarray, ...]:
         return tuple(self.outs)
 
-    # -- partial sums --
-
-    def _new_partials(self) -> list[np.ndarray | None]:
-        return [
-            np.zeros_like(o) if self.spec.summed(k) else None
-            for k, o in enumerate(self.outs)
-        ]
-
-    def _out_views(self, partials: list[np.ndarray | None]) -> list[np.ndarray]:
-        """The merged output views a chunk writes: partial sums where summed."""
-        return [
-            self.out_v[k] if p is None else self._merged_summed_view(p, k)
-            for k, p in enumerate(partials)
-        ]
-
-    def _merged_summed_view(self, partial: np.ndarray, k: int) -> np.ndarray:
-        view = summed_view(partial, self.spec, k)
-        return merge_view(view if self.spec.shape else view[None], self._groups)
-
-    def _sum_rows(self, start: int, stop: int) -> list[np.ndarray | None]:
-        """Per output: ``None``, or for a summed output the row of its buffer
-        (batch levels flattened) that each element of ``[start, stop)`` adds into."""
-        flat = np.arange(start, stop)
-        rows: list[np.ndarray | None] = []
-        for k in range(len(self.outs)):
-            summed = self.spec.summed(k)
-            if not summed:
-                rows.append(None)
-                continue
-            cols = np.unravel_index(flat, self.spec.shape)
-            kept = tuple(c for level, c in enumerate(cols) if level not in summed)
-            rows.append(
-                np.ravel_multi_index(kept, self.spec.out_batch_shape(k))
-                if kept
-                else np.zeros(len(flat), np.intp)
-            )
-        return rows
-
-    def _fold(self, start: int, stop: int, partials: list[np.ndarray | None]) -> None:
-        with self._lock:
-            self._partials[start] = (stop, partials)
-            # Add the partials that are next in chunk order, now.
-            while self._folded in self._partials:
-                stop, done = self._partials.pop(self._folded)
-                for o, p in zip(self.outs, done, strict=True):
-                    if p is not None:
-                        o += p
-                self._folded = stop
-
 
 class ElementMap(HostMap):
     """A host map that calls the kernel once per element (generated loops)."""
@@ -438,10 +365,10 @@ class ElementMap(HostMap):
         if self._run is not None:
             self._run(start, stop, job)
             return
-        partials = self._new_partials()
-        out_v = self._out_views(partials)
+        partials = self.partials.new()
+        out_v = self.partials.views(self.out_v, partials)
         self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
-        self._fold(start, stop, partials)
+        self.partials.fold(start, stop, partials)
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Elements ``[start, stop)``, packed for a worker in another process."""
@@ -451,16 +378,16 @@ class ElementMap(HostMap):
             self.shape,
             start,
             stop,
-            self._sum_rows(start, stop),
+            self.partials.rows(start, stop),
             self._shared,
         )
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
         """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
-        partials = self._new_partials()
+        partials = self.partials.new()
         self._store_rows(start, stop, outs, partials)
         if self.sums:
-            self._fold(start, stop, partials)
+            self.partials.fold(start, stop, partials)
 
     def _store_rows(
         self,
@@ -475,12 +402,12 @@ class ElementMap(HostMap):
         else:
             index = np.unravel_index(np.arange(start, stop), self.shape)
         for o, p, r, rows in zip(
-            self.out_v, partials, outs, self._sum_rows(start, stop), strict=True
+            self.out_v, partials, outs, self.partials.rows(start, stop), strict=True
         ):
             if p is None or rows is None:
                 o[index] = r
-            else:  # the chunk's sums, one per distinct row (in increasing order)
-                p.reshape(-1, *r.shape[1:])[np.unique(rows)] += r
+            else:  # the chunk's sums, one per distinct row
+                _summing.PartialSums.add_rows(p, rows, r)
 
 
 class ChunkMap(HostMap):
@@ -505,8 +432,8 @@ class ChunkMap(HostMap):
 
     def run_chunk(self, start: int, stop: int, job: Any) -> None:
         """Runs pieces ``[start, stop)`` in this thread."""
-        partials = self._new_partials()
-        out_v = self._out_views(partials)
+        partials = self.partials.new()
+        out_v = self.partials.views(self.out_v, partials)
         for piece in range(start, stop):
             if job.failed:
                 return
@@ -514,7 +441,7 @@ class ChunkMap(HostMap):
             leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
             self._store_piece(out_v, index, k, self.caller.call(leaves, first, k))
         if self.sums:
-            self._fold(start, stop, partials)
+            self.partials.fold(start, stop, partials)
 
     def _piece(self, i: int) -> tuple[tuple[Any, ...], int, int]:
         assert self.plan is not None, "split() first"
@@ -534,15 +461,10 @@ class ChunkMap(HostMap):
         for o, dims, value in zip(out_v, self._summed_dims, values, strict=True):
             dst = o[index]
             value = value.reshape(rect + value.shape[1:])
-            if not dims:
+            if dims:
+                _summing.add_piece(dst, value, len(rect), first_dim, dims)
+            else:
                 dst[...] = value
-                continue
-            # A summed output adds, always: its summed dims may lie in the piece
-            # (reduced here) or in the piece's fixed index (stride 0 there, so
-            # every piece along them adds into the same place).
-            summed = tuple(i for i in range(len(rect)) if first_dim + i in dims)
-            kept = tuple(0 if i in summed else slice(None) for i in range(len(rect)))
-            dst[kept] += value.sum(axis=summed) if summed else value
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Pieces ``[start, stop)``, packed for a worker in another process."""
@@ -555,10 +477,10 @@ class ChunkMap(HostMap):
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
         """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
-        partials = self._new_partials()
-        out_v = self._out_views(partials)
+        partials = self.partials.new()
+        out_v = self.partials.views(self.out_v, partials)
         for i, values in zip(range(start, stop), outs, strict=True):
             index, _, k = self._piece(i)
             self._store_piece(out_v, index, k, values)
         if self.sums:
-            self._fold(start, stop, partials)
+            self.partials.fold(start, stop, partials)

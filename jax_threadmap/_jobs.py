@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 from . import _scheduling as policy
 from ._errors import ExecutorError
+from ._loops import running_element
 
 #: Runs elements ``[start, stop)`` of a job; checks ``job.failed`` between elements.
 ChunkFn = Callable[[int, int, "Job"], None]
@@ -75,8 +77,11 @@ def current_job() -> Job | None:
 class Job:
     """One flat map: ``n`` elements, run by ``fn(start, stop, job)`` per chunk.
 
-    ``fn`` checks :attr:`failed` between elements, so that a failure stops the
-    chunks already running; the chunks not yet started are never handed out.
+    ``fn`` checks :attr:`failed` (element loops: :attr:`halt`, then
+    :meth:`halted`) between elements, so that a failure stops the chunks already
+    running; the chunks not yet started are never handed out. A thread with
+    nothing left to claim takes the tail of another's running chunk
+    (:meth:`_steal`), guided maps only.
 
     Lock rule: the job's fields are written under the job's lock (``_lock``),
     with two exceptions, each owned by one other lock: :attr:`hands` belongs to
@@ -85,7 +90,11 @@ class Job:
     :attr:`grow` is set once by the runner before the job is handed a thread.
     Reads without the lock are of single values whose staleness is harmless:
     :attr:`failed` (one more element runs), :attr:`limit` (a watch comes a
-    period later), :attr:`completed` (a progress bar lags).
+    period later), :attr:`completed` (a progress bar lags), except :attr:`halt`,
+    which a chunk loop reads before each element: it is set under the lock
+    before a tail is taken, so a loop that reads it false is at most in the
+    element the taker sees, and one that reads it true asks :meth:`halted`,
+    which waits for the lock.
 
     Args:
         n: The number of elements.
@@ -129,6 +138,16 @@ class Job:
         # While limited: when each thread's chunk started (wall and CPU clocks).
         self._started: dict[int, tuple[float, float]] = {}
         self.failed = False
+        #: Set when a running chunk loop must look before its next element
+        #: (:meth:`halted`): the map failed, or a chunk's tail was taken.
+        self.halt = False
+        # Guided maps: per thread, its running chunk [start, stop) if longer
+        # than one element (its stop
+        # lowered when another thread takes the tail), where lowered stops
+        # wait to be seen by their threads, and the tails taken, to be claimed.
+        self._running: dict[int, list[int]] = {}
+        self._splits: dict[int, int] = {}
+        self._given_back: list[tuple[int, int]] = []
         self.error: BaseException | None = None
         self.completed = 0  # elements done, for progress bars
         self.done = threading.Event()
@@ -148,11 +167,17 @@ class Job:
         return self.limit < self.workers
 
     def claim(self) -> tuple[int, int] | None:
-        """The next chunk to run, or ``None`` when none is left."""
+        """The next chunk to run, or ``None`` when none is left: a chunk given
+        back (:meth:`_steal`), else the next one from the front."""
         with self._lock:
+            back = self._given_back
             remaining = self.n - self._next
+            if back:
+                remaining += sum(stop - start for start, stop in back)
             if remaining <= 0 or self.failed:
-                return None
+                if self.failed or self.fixed or not self._steal():
+                    return None
+                remaining = sum(stop - start for start, stop in back)
             if self.fixed:
                 size = self.fixed
             elif self.limited:
@@ -163,10 +188,79 @@ class Job:
                 )
             else:
                 size = policy.chunk_size(remaining, self.divisor, self._measure, False)
+            if back:
+                return self._claim_given_back(size)
             start = self._next
             self._next = stop = min(self.n, start + size)
+            if stop - start > 1 and not self.fixed:  # a tail another may take
+                self._running[threading.get_ident()] = [start, stop]
             self._outstanding += 1
             return start, stop
+
+    def _claim_given_back(self, size: int) -> tuple[int, int]:  # lock held
+        back = self._given_back
+        start, end = back[0]
+        stop = min(end, start + size)
+        if stop == end:
+            back.pop(0)
+        else:
+            back[0] = (stop, end)
+        if stop - start > 1:
+            self._running[threading.get_ident()] = [start, stop]
+        self._outstanding += 1
+        return start, stop
+
+    def _steal(self) -> bool:  # lock held
+        """Takes the elements not yet started of another thread's running chunk
+        (:func:`._scheduling.steal_split`) and gives them back to be claimed;
+        whether there were any.
+
+        The chunk's thread learns its new end at its next element
+        (:meth:`halted`); :attr:`halt` is set first, so that it cannot start
+        one more element before the end is recorded. Only loops generated by
+        :mod:`._loops` say where they are (:func:`._loops.running_element`);
+        other chunks keep their elements.
+        """
+        if not self._running:  # (chunks of one element are not in it)
+            return False
+        me = threading.get_ident()
+        others = [k for k, (a, b) in self._running.items() if b - a > 1 and k != me]
+        if not others:
+            return False
+        self.halt = True
+        try:
+            frames = sys._current_frames()
+            where: dict[int, tuple[int, int]] = {}
+            for ident in others:
+                current = running_element(frames.get(ident), self)
+                if current is not None:
+                    where[ident] = (current, self._running[ident][1])
+            del frames
+            split = policy.steal_split(where)
+            if split is None:
+                return False
+            ident, at = split
+            chunk = self._running[ident]
+            self._given_back.append((at, chunk[1]))
+            chunk[1] = self._splits[ident] = at
+            return True
+        finally:
+            self.halt = self.failed or bool(self._splits)
+
+    def halted(self, i: int) -> bool:
+        """Called by a chunk loop before element ``i`` once :attr:`halt` is set:
+        whether the chunk stops there (the map failed, or another thread took
+        the chunk's elements from ``i`` on)."""
+        with self._lock:
+            if self.failed:
+                return True
+            ident = threading.get_ident()
+            at = self._splits.get(ident)
+            if at is None or i < at:
+                return False
+            del self._splits[ident]
+            self.halt = bool(self._splits)
+            return True
 
     def _measured(self, elements: int) -> bool:  # lock held
         """Times the chunk this thread just ran, if the map was limited when it
@@ -227,7 +321,7 @@ class Job:
                 return
             if self.error is None:
                 self.error = error
-            self.failed = True
+            self.failed = self.halt = True
             self._check_done()
             children = list(self._children)
         for child in children:
@@ -250,20 +344,39 @@ class Job:
             self.fail(e)
         finally:
             _local.job = outer
-            if self.limited:
-                with self._lock:
-                    rose = self._measured(stop - start)
+            with self._lock:
+                if self._running:  # (never for chunks of one element)
+                    stop = self._ran(stop)
+                rose = self.limited and self._measured(stop - start)
+                if not rose:
+                    self._count(start, stop, began)
+            if rose:
                 # Before the chunk counts as done, so that the map (and its
                 # executor) is still there for the threads added.
-                if rose and self.grow is not None:
-                    self.grow()
-            with self._lock:
-                if self.fixed is None:
-                    wall = time.perf_counter() - began
-                    policy.record_time(self._measure, stop - start, wall)
-                self.completed += stop - start
-                self._outstanding -= 1
-                self._check_done()
+                try:
+                    if self.grow is not None:
+                        self.grow()
+                finally:
+                    with self._lock:
+                        self._count(start, stop, began)
+
+    def _ran(self, stop: int) -> int:  # lock held
+        """Where the chunk this thread just ran stopped (earlier than claimed
+        when another thread took its tail)."""
+        ident = threading.get_ident()
+        chunk = self._running.pop(ident, None) if self._running else None
+        if self._splits and self._splits.pop(ident, None) is not None:
+            self.halt = self.failed or bool(self._splits)  # the loop raised first
+        return stop if chunk is None else chunk[1]
+
+    def _count(self, start: int, stop: int, began: float) -> None:  # lock held
+        """Counts a chunk as done."""
+        if self.fixed is None:
+            wall = time.perf_counter() - began
+            policy.record_time(self._measure, stop - start, wall)
+        self.completed += stop - start
+        self._outstanding -= 1
+        self._check_done()
 
     def add_completed(self, elements: int) -> None:
         """Counts elements done elsewhere (shipped to another process)."""
@@ -277,7 +390,7 @@ class Job:
 
     def exhausted(self) -> bool:
         with self._lock:
-            return self.failed or self._next >= self.n
+            return self.failed or (self._next >= self.n and not self._given_back)
 
     def detach(self) -> None:
         """Forgets the parent, once this map is over."""
@@ -294,7 +407,8 @@ class Job:
             child.fail(_stopped_by_parent())
 
     def _check_done(self) -> None:  # lock held
-        if self._outstanding == 0 and (self.failed or self._next >= self.n):
+        left = self._next < self.n or self._given_back
+        if self._outstanding == 0 and (self.failed or not left):
             self.done.set()
 
 

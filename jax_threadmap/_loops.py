@@ -13,7 +13,10 @@ store. Other signatures fall back to the caller's general ``call`` and
 ``result_leaves``.
 
 So the cost per element is the kernel call, one index per batched operand, a type
-check and a write per result: the bare loop's.
+check and a write per result: the bare loop's. A plain closure for the commonest
+signatures (``fn(*args)``, one argument list refilled per element) measured 11-42%
+slower per element (``benchmarks/plain_loop.py``, numbers in docs/architecture.md),
+so the loops stay generated.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import functools
 import keyword
 import linecache
 import os
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -31,7 +35,8 @@ import numpy as np
 
 from ._errors import PASS_THROUGH
 
-#: Runs elements ``[start, stop)``; ``job.failed`` stops it early.
+#: Runs elements ``[start, stop)``; ``job.halt`` and ``job.halted(i)`` stop it
+#: before element ``i`` (a failure, or the chunk's tail taken by another thread).
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -77,20 +82,28 @@ def _literal(node: Any) -> str | None:
     if node is None:
         return "None"
     if type(node) in (tuple, list):
-        parts = [_literal(x) for x in node]
-        if any(p is None for p in parts):
-            return None
-        inner = ", ".join(parts)  # type: ignore[arg-type]
-        if type(node) is list:
-            return f"[{inner}]"
-        return f"({inner},)" if parts else "()"
+        return _sequence_literal(node)
     if type(node) is dict and all(type(k) in (str, int) for k in node):
-        parts = [_literal(v) for v in node.values()]
-        if any(p is None for p in parts):
-            return None
-        items = ", ".join(f"{k!r}: {p}" for k, p in zip(node, parts, strict=True))
-        return "{" + items + "}"
+        return _dict_literal(node)
     return None
+
+
+def _sequence_literal(node: tuple[Any, ...] | list[Any]) -> str | None:
+    parts = [_literal(x) for x in node]
+    if any(p is None for p in parts):
+        return None
+    inner = ", ".join(parts)  # type: ignore[arg-type]
+    if type(node) is list:
+        return f"[{inner}]"
+    return f"({inner},)" if parts else "()"
+
+
+def _dict_literal(node: dict[Any, Any]) -> str | None:
+    parts = [_literal(v) for v in node.values()]
+    if any(p is None for p in parts):
+        return None
+    items = ", ".join(f"{k!r}: {p}" for k, p in zip(node, parts, strict=True))
+    return "{" + items + "}"
 
 
 def _placeholders(tree: Any, names: Sequence[str]) -> Any:
@@ -227,7 +240,7 @@ def _source(
         for k, const in enumerate(consts)
     ]
     body = [
-        "if job.failed:",
+        "if job.halt and job.halted(base + j):",
         "    return",
         "try:",
         f"    r = {_invoke(consts, call)}",
@@ -297,6 +310,34 @@ def show_loops(kernel_name: str) -> str:
     return "\n".join(parts)
 
 
+#: Per compiled chunk loop (its code object), the line of its kernel call: a
+#: frame of that code at that line is calling the kernel on element ``base + j``
+#: (see :func:`running_element`).
+_call_lines: dict[Any, int] = {}
+
+
+def running_element(frame: Any, job: Any) -> int | None:
+    """The element whose kernel call ``job``'s chunk loop is in, in the thread
+    whose innermost frame is ``frame``; ``None`` when no loop of ``job`` runs
+    there or it is between two calls.
+
+    Reads the loop's own variables, so that the loops pay nothing per element
+    for being watched: the caller (``_jobs.Job``, stealing a chunk's tail)
+    holds the job's lock and has set ``job.halt``, so the thread cannot pass
+    the next element's check before the chunk's new end is recorded.
+    """
+    while frame is not None:
+        line = _call_lines.get(frame.f_code)
+        if line is not None:
+            names = frame.f_locals
+            if names.get("job") is job:
+                if frame.f_lineno != line:
+                    return None
+                return int(names["base"] + names["j"])
+        frame = frame.f_back
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def _compile(source: str, label: str) -> Callable[..., ChunkFn]:
     """Compiles a loop builder under the file name ``label`` (inside the
@@ -311,8 +352,20 @@ def _compile(source: str, label: str) -> Callable[..., ChunkFn]:
         "_unravel": _unravel,
         "_next": _next,
     }
-    exec(compile(source, filename, "exec"), namespace)
+    code = compile(source, filename, "exec")
+    exec(code, namespace)
     build: Callable[..., ChunkFn] = namespace["build"]
+    chunk = next(
+        c
+        for c in build.__code__.co_consts
+        if isinstance(c, types.CodeType) and c.co_name == "chunk"
+    )
+    call = next(
+        k for k, line in enumerate(lines, 1) if line.lstrip().startswith("r = ")
+    )
+    if len(_call_lines) >= 1024:  # the cache above forgot some: start over
+        _call_lines.clear()
+    _call_lines[chunk] = call
     return build
 
 

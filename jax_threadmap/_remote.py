@@ -28,11 +28,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import _summing
+
 #: Bytes from which an operand read whole by every element is shipped once per
 #: map (see :func:`share`) rather than in every task.
 SHARE_BYTES = 64 * 1024
 
-#: Runs elements ``[start, stop)``; ``job.failed`` stops it early.
+#: Runs elements ``[start, stop)``; ``job.halt`` stops it early.
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -51,7 +53,7 @@ class ElementLoops(Protocol):
 
 
 class _NeverFailed:
-    failed = False
+    failed = halt = False
 
 
 class RemoteChunk:
@@ -106,26 +108,17 @@ class RemoteChunk:
             views.append(v)
         outs, views_out = [], []
         for (shape, dtype), index in zip(self.loops.out_core, self.sums, strict=True):
-            if index is not None and not index.any():  # one sum: add in place
-                out = np.zeros((1, *shape), dtype)
-                view = np.lib.stride_tricks.as_strided(
-                    out, (n, *shape), (0, *out.strides[1:])
-                )
-            else:  # the loop adds into zeros for summed outputs
-                out = view = np.zeros((n, *shape), dtype)
+            out, view = _summing.remote_output(index, n, shape, dtype)
             outs.append(out)
             views_out.append(view)
         run = self.loops.loop(views, views_out, (n,), self.flat_index)
         t = time.perf_counter()  # the kernel's time, not the loop's making
         run(0, n, _NeverFailed)
         seconds = (time.perf_counter() - t) / max(n, 1)
-        for k, index in enumerate(self.sums):
-            if index is not None and index.any():
-                sums = np.zeros(
-                    (int(index.max()) + 1, *outs[k].shape[1:]), outs[k].dtype
-                )
-                np.add.at(sums, index, outs[k])  # in element order
-                outs[k] = sums
+        outs = [
+            _summing.remote_sums(o, index)
+            for o, index in zip(outs, self.sums, strict=True)
+        ]
         return outs, seconds
 
 
@@ -152,27 +145,13 @@ def pack(
     """
     shared = shared or {}
     flat = np.arange(start, stop)
-    sums = [
-        None if rows is None else np.unique(rows, return_inverse=True)[1].reshape(-1)
-        for rows in sum_rows
-    ]
+    sums = [_summing.remote_sum_index(rows) for rows in sum_rows]
     if len(shape) == 1:
-        data: list[Any] = []
-        gathers: list[np.ndarray | slice | None] = []
-        for i, v in enumerate(in_v):
-            if i in shared:
-                data.append(Shared(shared[i]))
-                gathers.append(None)
-            elif v.strides[0] == 0:
-                data.append(_contiguous(v[0, ...]))
-                gathers.append(None)
-            else:
-                data.append(_contiguous(v[start:stop]))
-                gathers.append(slice(None))
-        return RemoteChunk(loops, data, gathers, flat, sums)
+        return RemoteChunk(loops, *_pack_rows(in_v, start, stop, shared), flat, sums)
     nb = len(shape)
     cols = np.unravel_index(flat, shape)
-    data, gathers = [], []
+    data: list[Any] = []
+    gathers: list[np.ndarray | slice | None] = []
     for i, v in enumerate(in_v):
         dims = [d for d in range(nb) if v.strides[d] != 0 and shape[d] > 1]
         if i in shared:
@@ -192,6 +171,26 @@ def pack(
         data.append(_contiguous(v[tuple(index)]))
         gathers.append(inverse.reshape(-1))
     return RemoteChunk(loops, data, gathers, flat, sums)
+
+
+def _pack_rows(
+    in_v: Sequence[np.ndarray], start: int, stop: int, shared: dict[int, int]
+) -> tuple[list[Any], list[np.ndarray | slice | None]]:
+    """``(data, gathers)`` of elements ``[start, stop)`` of 1-D batch views:
+    each batched operand's rows, as they are."""
+    data: list[Any] = []
+    gathers: list[np.ndarray | slice | None] = []
+    for i, v in enumerate(in_v):
+        if i in shared:
+            data.append(Shared(shared[i]))
+            gathers.append(None)
+        elif v.strides[0] == 0:
+            data.append(_contiguous(v[0, ...]))
+            gathers.append(None)
+        else:
+            data.append(_contiguous(v[start:stop]))
+            gathers.append(slice(None))
+    return data, gathers
 
 
 class ChunkCall(Protocol):

@@ -188,6 +188,26 @@ def is_stuck(started: float, now: float) -> bool:
     return now - started >= STUCK_CHUNK
 
 
+def steal_split(running: dict[int, tuple[int, int]]) -> tuple[int, int] | None:
+    """Which running chunk a thread that found nothing left to claim takes the
+    tail of, and where that chunk now stops: ``(key, split)``.
+
+    ``running`` maps each chunk (any key) to ``(current, stop)``: the element its
+    thread is calling now and where the chunk stops. The chunk with the most
+    elements not yet started gives up all of them, from the one after
+    ``current``: an element that waits for the next one (a barrier of adjacent
+    elements) then finds it run by another thread rather than queued behind it
+    in its own chunk, and a chunk slow to finish gives its rest to idle threads.
+    ``None`` when no chunk has an element not yet started.
+    """
+    best: tuple[int, int] | None = None
+    left = 0
+    for key, (current, stop) in running.items():
+        if stop - (current + 1) > left:
+            best, left = (key, current + 1), stop - (current + 1)
+    return best
+
+
 def vector_chunk_length(
     n: int, workers: int, element_bytes: int, max_chunk: int | None = None
 ) -> int:

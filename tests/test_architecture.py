@@ -8,6 +8,8 @@ the offending import named.
 import ast
 import pathlib
 
+import pytest
+
 import jax_threadmap
 
 PACKAGE = pathlib.Path(jax_threadmap.__file__).parent
@@ -18,6 +20,7 @@ LAYERS = [
     "_compat",
     "_validate",
     "_batch_spec",
+    "_summing",
     "_progress",
     "_remote",
     "_loops",
@@ -38,6 +41,7 @@ LAYERS = [
     "_streams",
     "_dispatch",
     "_async",
+    "_calls",
     "_inner_threads",
     "_demo",
     "__init__",
@@ -84,3 +88,31 @@ def test_the_checker_sees_upward_imports(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from ._api import threadmap\n\nfrom . import _host\n")
     assert package_imports(bad) == {"_api", "_host"}
+
+
+#: A module a newcomer reads in one sitting; the table of JAX hooks may stay one file.
+MAX_MODULE_LINES = 600
+LONG_MODULES_ALLOWED = {"_compat"}
+#: Cyclomatic complexity (radon) of any function of the package.
+MAX_COMPLEXITY = 15
+
+
+def test_no_module_above_600_lines():
+    long = {
+        p.stem: n
+        for p in PACKAGE.glob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert set(long) <= LONG_MODULES_ALLOWED, f"split these modules: {long}"
+
+
+def test_no_function_above_complexity_15():
+    complexity = pytest.importorskip("radon.complexity", reason="lint extra")
+    over = [
+        f"{p.name}:{f.lineno} {f.fullname} {f.complexity}"
+        for p in sorted(PACKAGE.glob("*.py"))
+        for b in complexity.cc_visit(p.read_text())
+        for f in getattr(b, "methods", None) or [b]
+        if f.complexity > MAX_COMPLEXITY
+    ]
+    assert over == [], "split these functions: " + "; ".join(over)

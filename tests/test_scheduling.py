@@ -156,7 +156,7 @@ def quoted_facts():
             "docs/executors.md",
             f"fewer than\n{2 * policy.GUIDED_SHARE} elements per thread",
         ),
-        ("docs/executors.md", f"stuck for {_ms(policy.STUCK_CHUNK)}, too late"),
+        ("docs/executors.md", f"stuck for {_ms(policy.STUCK_CHUNK)} hands it"),
         (
             "docs/executors.md",
             f"more than a {_SHARES[2 * policy.GUIDED_SHARE]}\nas many threads",
@@ -194,3 +194,11 @@ def test_after_a_stuck_chunk_every_chunk_is_one_element():
     m = Measure(per_element=1e-7, one_each=True)
     assert policy.chunk_size(10**6, 64, m, limited=False) == 1
     assert policy.chunk_size(10**6, 64, m, limited=True) == 1
+
+
+def test_an_idle_thread_takes_the_longest_tail_after_the_running_element():
+    # (current element, stop) per running chunk.
+    assert policy.steal_split({}) is None
+    assert policy.steal_split({1: (4, 5), 2: (9, 10)}) is None  # no tails
+    assert policy.steal_split({1: (0, 2)}) == (1, 1)  # a pair in one chunk
+    assert policy.steal_split({1: (3, 8), 2: (20, 40), 3: (50, 52)}) == (2, 21)

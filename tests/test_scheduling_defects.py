@@ -81,18 +81,78 @@ def test_two_large_maps_whose_elements_wait_for_each_other(
     assert errors == [None, None]
 
 
-def test_the_documented_layout_for_pairs_that_wait_for_each_other():
-    # docs/executors.md: fewer than 4 elements per thread of the executor run one
-    # element per chunk, so a pair of elements never waits in one thread.
-    n = 64
+def pairs_map(n, ex):
+    """Elements 2k and 2k + 1 wait for each other at a barrier."""
     barriers = [threading.Barrier(2, timeout=BARRIER_TIMEOUT) for _ in range(n // 2)]
 
     def pair(i):
         barriers[int(i) // 2].wait()
         return i
 
-    errors = in_threads([lambda: flat_map(pair, n, n // 2)])
+    np.testing.assert_array_equal(flat_map(pair, n, ex), np.arange(n))
+
+
+def test_the_documented_layout_for_pairs_that_wait_for_each_other():
+    # docs/executors.md: fewer than 4 elements per thread of the executor.
+    errors = in_threads([lambda: pairs_map(64, 32)])
     assert errors == [None]
+
+
+@pytest.mark.parametrize("kind", ["shared", "user"])
+@pytest.mark.parametrize(
+    "workers, n, cpus",
+    [
+        (8, 64, 2),  # starts limited: chunks of several elements once timed
+        (8, 32, 2),  # 4 elements per thread: the first chunk holds a pair
+        (4, 16, 2),
+        (8, 256, 2),
+    ],
+)
+def test_adjacent_elements_that_wait_for_each_other(
+    monkeypatch, kind, workers, n, cpus
+):
+    # Before the fix a guided chunk held both elements of a pair, and its thread
+    # waited at the first for the second, queued behind it in its own chunk,
+    # until the barrier broke. Now a thread with nothing left to claim takes
+    # the elements not yet started of a chunk whose thread is in a kernel.
+    monkeypatch.setattr(_executor, "available_cpus", lambda: cpus)
+    with executor_of(kind, workers) as ex:
+        errors = in_threads([lambda: pairs_map(n, ex)])
+    assert errors == [None]
+
+
+def test_a_chunks_tail_taken_by_another_thread_runs_once_and_counts_once():
+    # A chunk whose first element waits until every other element has run: the
+    # rest of its chunk must be taken by the other thread, each element run
+    # exactly once, and the map's count of elements done must be n.
+    n = 40
+    calls = collections.Counter()
+    lock = threading.Lock()
+    rest = threading.Event()
+
+    def kernel(i):
+        i = int(i)
+        with lock:
+            calls[i] += 1
+            if sum(calls.values()) == n:
+                rest.set()
+        if i == 0:
+            assert rest.wait(BARRIER_TIMEOUT), "element 0's chunk kept its tail"
+        return i
+
+    seen = []
+    real = _jobs.Job.run
+
+    def run(job, start, stop):
+        real(job, start, stop)
+        seen.append(job)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_jobs.Job, "run", run)
+        errors = in_threads([lambda: flat_map(kernel, n, 2)])
+    assert errors == [None]
+    assert calls == collections.Counter(range(n))
+    assert {job.completed for job in seen} == {n}
 
 
 def test_a_limited_map_waits_at_the_gate_only_for_another_limited_map():

@@ -1,6 +1,7 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
 
 import sys
+import threading
 
 import jax
 import jax.extend
@@ -201,3 +202,23 @@ def numpy_keeps_value(value, dtype) -> bool:
         np.isfinite(src.imag) & ~np.isfinite(dst.imag)
     )
     return not lost.any()
+
+
+def returns_within(fn, *args, limit: float, what: str = "return"):
+    """Runs ``fn(*args)`` in a daemon thread and returns its value (or raises its
+    error); fails, naming ``fn``, unless it ends within ``limit`` seconds."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # reported to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"{fn} did not {what}"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import returns_within
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, _async, _dispatch, async_call, deferred_call
@@ -82,21 +83,9 @@ def run_script(
 
 def returns_while_gated(fn, *args, limit: float = 20.0):
     """Runs fn(*args) in a thread; fails unless it returns within ``limit`` s."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # reported below
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(limit)
-    assert not t.is_alive(), f"{fn} did not return while the data was missing"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return returns_within(
+        fn, *args, limit=limit, what="return while the data was missing"
+    )
 
 
 def _model(p, x):

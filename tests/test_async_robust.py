@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import returns_within
 
 from jax_threadmap import _async, _dispatch, async_call, deferred_call, threadmap
 
@@ -33,21 +34,7 @@ OWN_STREAM = STATUS == "async"
 
 def in_thread(fn, *args, limit: float = WAIT):
     """Runs ``fn(*args)`` in a daemon thread; fails if it does not end in time."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # reported to the caller
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(limit)
-    assert not t.is_alive(), f"{fn} did not return within {limit} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return returns_within(fn, *args, limit=limit, what=f"return within {limit} s")
 
 
 class Blocker:

@@ -211,19 +211,20 @@ def _hidden(hook):
     )
 
 
+#: Optional features: without one of their hooks nothing fails, and
+#: async_dispatch_status() starts with this.
+OPTIONAL_STATUS = {
+    (_compat.ASYNC_DISPATCH,): "blocking: unavailable",  # dispatch waits for data
+    (_compat.DISPATCH_STREAMS,): "async, in thread order (",
+}
+
+
 @pytest.mark.parametrize("hook", HOOKS, ids=_ids)
 def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch):
     monkeypatch.setitem(_compat.RESOLVED, hook.name, _compat.resolve(_hidden(hook)))
-    if hook.features == (_compat.ASYNC_DISPATCH,):  # optional: dispatch blocks
+    if hook.features in OPTIONAL_STATUS:  # optional: the status says why
         status = jax_threadmap.async_dispatch_status()
-        assert status.startswith("blocking: unavailable"), status
-        assert f"{hook.name} is missing" in status and "_moved" in status
-        for use in FEATURE_USES.values():
-            use()
-        return
-    if hook.features == (_compat.DISPATCH_STREAMS,):  # optional: thread order
-        status = jax_threadmap.async_dispatch_status()
-        assert status.startswith("async, in thread order ("), status
+        assert status.startswith(OPTIONAL_STATUS[hook.features]), status
         assert f"{hook.name} is missing" in status and "_moved" in status
         for use in FEATURE_USES.values():
             use()

@@ -23,7 +23,7 @@ from typing import Any, overload
 import jax
 import numpy as np
 
-from . import _compat, _dispatch, _task
+from . import _compat, _deadlock, _dispatch, _task
 from ._dispatch import ENV_ASYNC_DISPATCH as ENV_ASYNC_DISPATCH
 from ._dispatch import MAX_WAITING_PROGRAMS as MAX_WAITING_PROGRAMS
 from ._dispatch import AsyncCallFailed as AsyncCallFailed
@@ -39,6 +39,7 @@ EXIT_PLACE_S = 5.0
 
 
 def _at_exit() -> None:
+    _deadlock.watchdog.stop()
     with _task.live_lock:
         live = list(_task.live)
     # A call whose function returned may still be copying its values to the

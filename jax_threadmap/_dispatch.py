@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _compat, _streams, _task
+from . import _compat, _deadlock, _streams, _task
 from ._task import FINISHED, FINISHING, PENDING, POLL_S, RUNNING, Task, worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -367,6 +367,8 @@ class Dispatch:
         for task, device in [(t, d) for t, d in owed if t in refused]:
             owed.remove((task, device))
             self._program_ran(task)
+        if claimed - refused:  # not under a task's lock: the watchdog takes them
+            _deadlock.watchdog.ensure_running()
         return claimed - refused
 
     def _run_gate_program(

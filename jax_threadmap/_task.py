@@ -185,6 +185,7 @@ class Task:
         "programs",
         "offered",
         "timeout",
+        "thread",
         "__weakref__",
     )
 
@@ -231,6 +232,8 @@ class Task:
         self.offered = False
         # Seconds fn may run before the call is given up on (TimeoutError).
         self.timeout = timeout
+        # The ident of the thread running fn, while it runs (_deadlock reads it).
+        self.thread: int | None = None
 
     @property
     def state(self) -> str:
@@ -257,6 +260,13 @@ class Task:
         if self.timeout is not None:
             _deadlines.add(self, self.timeout)
         return True
+
+    def waiting_devices(self) -> list[Any]:
+        """The devices whose gate programs wait for this call (none once it ends)."""
+        with self._lock:
+            if self._state not in (PENDING, RUNNING) or self.offered:
+                return []
+            return list(self.gates)
 
     def time_out(self) -> None:
         """Gives up on the call because it ran past its timeout."""
@@ -286,11 +296,14 @@ class Task:
         # The arguments may be large (raw bytes, file handles): do not keep them.
         self._fn = self._args = self._kwargs = None
         assert fn is not None  # runnable
+        self.thread = threading.get_ident()
         try:
             out = fn(*args, **kwargs)
         except BaseException as e:  # routed to every use, like a Future does
             self._fail(e, raised_by_fn=True)
             return
+        finally:
+            self.thread = None
         self._finish(out)
 
     def on_source_done(self, source: concurrent.futures.Future) -> None:

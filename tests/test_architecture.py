@@ -39,6 +39,7 @@ LAYERS = [
     "_leaves",
     "_task",
     "_streams",
+    "_deadlock",
     "_dispatch",
     "_async",
     "_calls",

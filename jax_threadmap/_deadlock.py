@@ -1,0 +1,302 @@
+"""Detects the one deadlock of async dispatch that XLA leaves to us, and ends it.
+
+XLA's CPU client admits at most 32 programs per device at a time, and a program
+that waits for pending data holds its slot until the data is there. jax_threadmap
+counts the programs it dispatches with ``AsyncArray`` s, but not the plain ones
+that use their results (``h(y)`` after ``y = f(x)``). With all slots of a device
+held by such programs, a loader that itself runs JAX on that device waits for a
+slot that only its own result frees: neither can go on, and the dispatching
+thread may wait inside XLA too, where Ctrl-C does not reach it.
+
+A watchdog thread runs while a call whose arrays were dispatched is running.
+Every :data:`POLL_S` it dispatches a *probe* (a one-element program) to each
+device on which such a call's gate programs wait, from a thread of its own; a
+probe that has not got a slot for :data:`STALL_S` means that every slot of the
+device is held. If, then, every running call that programs on that device wait
+for is stuck in JAX (the thread running it has a frame of ``jax`` or ``jaxlib``
+on its stack, or its current line calls a jitted function, and it has not moved
+for :data:`STALL_S`), nothing can free a slot: those calls are failed with a
+``RuntimeError`` that says so. Failing them lets their gate programs raise, which
+frees the slots; the loader's own JAX call then returns, and what the loader
+returns is dropped (as after a ``timeout``).
+
+Calls wrapped by ``AsyncArray.from_future`` run where jax_threadmap cannot see
+them, so a device whose slots wait for one of them is never judged stuck.
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+import logging
+import os
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _task
+from ._task import Task
+
+logger = logging.getLogger("jax_threadmap._async")
+
+#: Seconds between two looks at the devices and the calls' threads.
+POLL_S = 0.5
+
+#: Seconds a probe must wait for a slot, and a call's thread stay at one place in
+#: JAX, before the device counts as deadlocked. Long enough that a loader in a
+#: JAX computation of its own, which holds a slot, is seldom taken for stuck.
+STALL_S = 10.0
+
+#: Seconds without a running call with dispatched arrays before the watchdog
+#: thread exits (the next dispatch on pending data starts it again).
+IDLE_EXIT_S = 5.0
+
+#: XLA's CPU client: at most this many programs per device at a time.
+CPU_SLOTS = 32
+
+_JAX_MODULES = ("jax.", "jaxlib")
+
+
+def _is_jax_module(name: Any) -> bool:
+    return isinstance(name, str) and (name == "jax" or name.startswith(_JAX_MODULES))
+
+
+def _is_jax_object(obj: Any) -> bool:
+    """Whether calling ``obj`` (or using it) enters JAX: a jitted function, an array."""
+    return _is_jax_module(type(obj).__module__) or _is_jax_module(
+        getattr(obj, "__module__", None)
+    )
+
+
+def _line_calls_jax(frame: types.FrameType) -> bool:
+    """Whether the names that the frame's current line loads include a JAX object.
+
+    Catches a jitted function (``jnp.sin`` is one) called from the loader's own
+    code, which enters C++ without a Python frame of JAX.
+    """
+    line = frame.f_lineno
+    on = None  # the line of the instructions being read
+    current: Any = None
+    scopes = (frame.f_locals, frame.f_globals, frame.f_builtins)
+    for instr in dis.get_instructions(frame.f_code):
+        at = _line_of(instr)
+        if at is not None:
+            on = at
+        if on != line:
+            current = None
+            continue
+        name = instr.argval
+        if not isinstance(name, str):
+            continue
+        if instr.opname.startswith(_LOADS_NAME):
+            current = next((s[name] for s in scopes if name in s), None)
+        elif instr.opname.startswith(_LOADS_ATTR) and current is not None:
+            try:
+                current = inspect.getattr_static(current, name)
+            except (AttributeError, TypeError):
+                current = None
+        else:
+            continue
+        if current is not None and _is_jax_object(current):
+            return True
+    return False
+
+
+_LOADS_NAME = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF")
+_LOADS_ATTR = ("LOAD_ATTR", "LOAD_METHOD")
+
+
+def _line_of(instr: dis.Instruction) -> int | None:
+    """The source line of an instruction, where ``dis`` says (3.10 ... 3.13)."""
+    positions = getattr(instr, "positions", None)  # 3.11+
+    if positions is not None:
+        return positions.lineno
+    starts = instr.starts_line  # 3.10: the line number where a line starts
+    return starts if isinstance(starts, int) and not isinstance(starts, bool) else None
+
+
+def _in_jax(frame: types.FrameType | None) -> bool:
+    """Whether a thread whose innermost frame is ``frame`` is in a JAX call."""
+    innermost = frame
+    while frame is not None:
+        if _is_jax_module(frame.f_globals.get("__name__")):
+            return True
+        frame = frame.f_back
+    try:
+        return innermost is not None and _line_calls_jax(innermost)
+    except Exception:  # a frame that cannot be read is not evidence of a deadlock
+        logger.debug("jax_threadmap: could not read a loader's frame", exc_info=True)
+        return False
+
+
+class _Probe:
+    """Dispatches a one-element program to one device, from a thread of its own."""
+
+    def __init__(self, device: Any):
+        self.device = device
+        self.since: float | None = None  # when the dispatch now waiting began
+        self._compiled: Any = None
+
+    def waited(self, now: float) -> float:
+        """Seconds the dispatch in flight has waited for a slot (0 if none)."""
+        since = self.since
+        return 0.0 if since is None else now - since
+
+    def start(self) -> None:
+        if self.since is not None:
+            return  # still waiting for its slot
+        self.since = time.monotonic()
+        threading.Thread(
+            target=self._dispatch, name="jax_threadmap-slot-probe", daemon=True
+        ).start()
+
+    def _dispatch(self) -> None:
+        try:
+            arg = jax.device_put(np.int8(0), self.device)
+            if self._compiled is None:
+                # Compiling needs no slot: only the dispatch below is timed.
+                self._compiled = jax.jit(lambda v: v + 1).lower(arg).compile()
+                self.since = time.monotonic()
+            self._compiled(arg)  # returns once XLA admitted it
+        except Exception:
+            logger.debug("jax_threadmap: slot probe failed", exc_info=True)
+        finally:
+            self.since = None
+
+
+class _Place:
+    """Where a call's thread was, and since when."""
+
+    __slots__ = ("frame", "lasti", "since")
+
+    def __init__(self, frame: types.FrameType | None, now: float):
+        self.frame = frame
+        self.lasti = frame.f_lasti if frame is not None else -1
+        self.since = now
+
+
+class Watchdog:
+    """One daemon thread; see the module's docstring."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._probes: dict[Any, _Probe] = {}
+        self._places: dict[Task, _Place] = {}
+        self._stopped = False
+
+    def stop(self) -> None:
+        """At exit: no more probes (JAX is being torn down); the thread ends."""
+        self._stopped = True
+
+    def ensure_running(self) -> None:
+        """Starts the thread if it is not running (called at each gate pull)."""
+        with self._lock:
+            if self._thread is not None or self._stopped:
+                return
+            self._thread = threading.Thread(
+                target=self._run, name="jax_threadmap-deadlock-watch", daemon=True
+            )
+            self._thread.start()
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._thread = None
+        self._probes = {}
+        self._places = {}
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        while not self._stopped:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            watched = _watched_tasks()
+            if watched:
+                idle_since = now
+            elif now - idle_since > IDLE_EXIT_S:
+                with self._lock:
+                    if not _watched_tasks():
+                        self._thread = None
+                        self._places.clear()
+                        return
+            try:
+                self.look(watched, now)
+            except Exception:  # never let the watchdog die of a bug
+                logger.exception("jax_threadmap: the deadlock watchdog failed")
+
+    def look(self, watched: dict[Task, list[Any]], now: float) -> list[Task]:
+        """One round: probes, places, and the calls failed to end a deadlock."""
+        self._track_places(watched, now)
+        failed: list[Task] = []
+        for device in {d for devices in watched.values() for d in devices}:
+            probe = self._probes.setdefault(device, _Probe(device))
+            if probe.waited(now) < STALL_S:
+                if not self._stopped:
+                    probe.start()
+                continue
+            waited_for = [t for t, devices in watched.items() if device in devices]
+            if waited_for and all(self._stuck_in_jax(t, now) for t in waited_for):
+                for task in waited_for:
+                    if task.give_up(RuntimeError(_message(task, device, waited_for))):
+                        failed.append(task)
+        return failed
+
+    def _track_places(self, watched: dict[Task, list[Any]], now: float) -> None:
+        frames = sys._current_frames()
+        for task in list(self._places):
+            if task not in watched:
+                del self._places[task]
+        for task in watched:
+            ident = task.thread
+            frame = frames.get(ident) if ident is not None else None
+            place = self._places.get(task)
+            if (
+                place is None
+                or frame is not place.frame
+                or frame is None
+                or frame.f_lasti != place.lasti
+            ):
+                self._places[task] = _Place(frame, now)
+
+    def _stuck_in_jax(self, task: Task, now: float) -> bool:
+        place = self._places.get(task)
+        if place is None or place.frame is None or now - place.since < STALL_S:
+            return False
+        return _in_jax(place.frame)
+
+
+def _watched_tasks() -> dict[Task, list[Any]]:
+    """The running calls that dispatched programs wait for, with their devices."""
+    with _task.live_lock:
+        tasks = list(_task.live)
+    out = {}
+    for task in tasks:
+        devices = task.waiting_devices()
+        if devices:
+            out[task] = devices
+    return out
+
+
+def _message(task: Task, device: Any, waited_for: list[Task]) -> str:
+    names = ", ".join(t.name for t in waited_for)
+    return (
+        f"jax_threadmap ended a deadlock: {task.name} ({task.api}) was stuck in a "
+        f"JAX call on {device} for {STALL_S:g} s while every program slot of that "
+        f"device (XLA's CPU client admits {CPU_SLOTS} programs at a time) was held "
+        f"by programs waiting for the result of {names}, so neither could ever go "
+        "on. Keep JAX computations out of the function (return NumPy arrays), or "
+        "wait for its arrays (jax.block_until_ready) before dispatching more than "
+        "about 20 programs that use results computed from them. What the function "
+        "returns now is dropped."
+    )
+
+
+watchdog = Watchdog()
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=watchdog.after_fork)

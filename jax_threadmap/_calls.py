@@ -215,6 +215,7 @@ def deferred_call(
     /,
     *args: Any,
     device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
     **kwargs: Any,
 ) -> Any: ...
 

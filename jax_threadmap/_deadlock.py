@@ -139,7 +139,8 @@ class _Probe:
 
     def __init__(self, device: Any):
         self.device = device
-        self.since: float | None = None  # when the dispatch now waiting began
+        self.busy = False  # a probe thread is running
+        self.since: float | None = None  # when its dispatch began to wait
         self._compiled: Any = None
 
     def waited(self, now: float) -> float:
@@ -148,9 +149,9 @@ class _Probe:
         return 0.0 if since is None else now - since
 
     def start(self) -> None:
-        if self.since is not None:
+        if self.busy:
             return  # still waiting for its slot
-        self.since = time.monotonic()
+        self.busy = True
         threading.Thread(
             target=self._dispatch, name="jax_threadmap-slot-probe", daemon=True
         ).start()
@@ -161,12 +162,13 @@ class _Probe:
             if self._compiled is None:
                 # Compiling needs no slot: only the dispatch below is timed.
                 self._compiled = jax.jit(lambda v: v + 1).lower(arg).compile()
-                self.since = time.monotonic()
+            self.since = time.monotonic()
             self._compiled(arg)  # returns once XLA admitted it
         except Exception:
             logger.debug("jax_threadmap: slot probe failed", exc_info=True)
         finally:
             self.since = None
+            self.busy = False
 
 
 class _Place:

@@ -6,7 +6,7 @@ data hold theirs. With 40 plain programs ``h(y)`` dispatched on ``y = f(x)`` and
 frees: before ``_deadlock`` this hung for good (the scripts here never printed
 their results). Each scenario runs in a subprocess, bounded in time, since the
 failure mode is a hang; the watchdog's thresholds are lowered there so the tests
-take seconds, not the default ``STALL_S``.
+take seconds, not the default ``STALL_S`` (10 s).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys, threading, time
 import numpy as np, jax, jax.numpy as jnp
 import jax_threadmap as jtm
 from jax_threadmap import _deadlock
-_deadlock.STALL_S = 1.0
+_deadlock.STALL_S = 2.0
 _deadlock.POLL_S = 0.1
 SDS = jax.ShapeDtypeStruct
 f = jax.jit(lambda v: v * 2)
@@ -125,15 +125,15 @@ def test_fewer_programs_behind_a_loader_that_runs_jax_get_their_values():
 
 @pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
 def test_a_slow_loader_without_jax_behind_a_full_device_is_not_failed():
-    # The device stays full for 4 x STALL_S, but the loader is not in JAX: it
-    # will free the slots, so it must not be taken for a deadlock.
+    # The device stays full for about twice STALL_S, but the loader is not in
+    # JAX: it will free the slots, so it must not be taken for a deadlock.
     body = """
 def load():
     go.wait(60)
     return np.ones(4, np.float32)
 
 x = jtm.async_call(load, SDS((4,), np.float32))
-release(4.0)
+release(5.0)
 outs = dispatch_behind(x, 40)
 print("x", outcome(x.result), flush=True)
 print("last", outcome(lambda: outs[-1]), flush=True)

@@ -30,7 +30,6 @@ import dis
 import inspect
 import logging
 import os
-import sys
 import threading
 import time
 import types
@@ -39,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _task
+from . import _compat, _task
 from ._task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -249,7 +248,7 @@ class Watchdog:
         return failed
 
     def _track_places(self, watched: dict[Task, list[Any]], now: float) -> None:
-        frames = sys._current_frames()
+        frames = _compat.current_frames()
         for task in list(self._places):
             if task not in watched:
                 del self._places[task]

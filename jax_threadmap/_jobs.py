@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from . import _compat
 from . import _scheduling as policy
 from ._errors import ExecutorError
 from ._loops import running_element
@@ -229,7 +229,7 @@ class Job:
             return False
         self.halt = True
         try:
-            frames = sys._current_frames()
+            frames = _compat.current_frames()
             where: dict[int, tuple[int, int]] = {}
             for ident in others:
                 current = running_element(frames.get(ident), self)

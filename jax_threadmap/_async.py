@@ -37,6 +37,9 @@ from ._task import default_async_threads as default_async_threads
 #: How long exit waits for calls whose function returned to place their values.
 EXIT_PLACE_S = 5.0
 
+#: How long exit waits for the deadlock watchdog's thread and probes to end.
+EXIT_PROBES_S = 2.0
+
 
 def _at_exit() -> None:
     _deadlock.watchdog.stop()
@@ -62,6 +65,7 @@ def _at_exit() -> None:
         )
         for task in unfinished:
             task.abandon()
+    _deadlock.watchdog.wait_stopped(EXIT_PROBES_S)
     _dispatch.mechanism.clean_up_at_exit()
 
 

@@ -190,10 +190,28 @@ class Watchdog:
         self._probes: dict[Any, _Probe] = {}
         self._places: dict[Task, _Place] = {}
         self._stopped = False
+        self._wake = threading.Event()  # set by stop(): the thread ends now
 
     def stop(self) -> None:
         """At exit: no more probes (JAX is being torn down); the thread ends."""
         self._stopped = True
+        self._wake.set()
+
+    def wait_stopped(self, timeout: float) -> None:
+        """At exit, after :meth:`stop`: waits for the thread and the probes.
+
+        A daemon thread still inside XLA when the interpreter finalizes is
+        ended there, and XLA's C++ aborts the process ("FATAL: exception not
+        rethrown"); a probe returns at once unless the device is full, which
+        the abandoned calls have just ended.
+        """
+        deadline = time.monotonic() + timeout
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        for probe in list(self._probes.values()):
+            while probe.busy and time.monotonic() < deadline:
+                time.sleep(0.01)
 
     def ensure_running(self) -> None:
         """Starts the thread if it is not running (called at each gate pull)."""
@@ -210,11 +228,14 @@ class Watchdog:
         self._thread = None
         self._probes = {}
         self._places = {}
+        self._wake = threading.Event()
 
     def _run(self) -> None:
         idle_since = time.monotonic()
         while not self._stopped:
-            time.sleep(POLL_S)
+            self._wake.wait(POLL_S)
+            if self._stopped:
+                return
             now = time.monotonic()
             watched = _watched_tasks()
             if watched:

@@ -13,12 +13,13 @@ Every :data:`POLL_S` it dispatches a *probe* (a one-element program) to each
 device on which such a call's gate programs wait, from a thread of its own; a
 probe that has not got a slot for :data:`STALL_S` means that every slot of the
 device is held. If, then, every running call that programs on that device wait
-for is stuck in JAX (the thread running it has a frame of ``jax`` or ``jaxlib``
-on its stack, or its current line calls a jitted function, and it has not moved
-for :data:`STALL_S`), nothing can free a slot: those calls are failed with a
-``RuntimeError`` that says so. Failing them lets their gate programs raise, which
-frees the slots; the loader's own JAX call then returns, and what the loader
-returns is dropped (as after a ``timeout``).
+for is stuck in a JAX dispatch (the innermost frame of the thread running it is
+a frame of ``jax`` that is not compiling, or a line of its own that calls a
+jitted function, and it has not moved for :data:`STALL_S`), nothing can free a
+slot: those calls are failed with a ``RuntimeError`` that says so. Failing
+them lets their gate programs raise, which frees the slots; the loader's own
+JAX call then returns, and what the loader returns is dropped (as after a
+``timeout``).
 
 Calls wrapped by ``AsyncArray.from_future`` run where jax_threadmap cannot see
 them, so a device whose slots wait for one of them is never judged stuck.
@@ -27,6 +28,7 @@ them, so a device whose slots wait for one of them is never judged stuck.
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import logging
 import os
@@ -60,54 +62,88 @@ CPU_SLOTS = 32
 
 _JAX_MODULES = ("jax.", "jaxlib")
 
+#: How many wrappers (``functools.partial``, ``__wrapped__``) to look through.
+MAX_UNWRAP = 8
+
 
 def _is_jax_module(name: Any) -> bool:
     return isinstance(name, str) and (name == "jax" or name.startswith(_JAX_MODULES))
 
 
-def _is_jax_object(obj: Any) -> bool:
-    """Whether calling ``obj`` (or using it) enters JAX: a jitted function, an array."""
-    return _is_jax_module(type(obj).__module__) or _is_jax_module(
-        getattr(obj, "__module__", None)
-    )
+def _runs_jax_in_cpp(obj: Any) -> bool:
+    """Whether calling ``obj`` enters JAX's C++ dispatch without a Python frame.
+
+    That is a jitted function (``jax.jit``'s ``PjitFunction``, which ``jnp.sin``
+    and the other ``jax.numpy`` ufuncs are), possibly behind ``functools.partial``
+    or a ``functools.wraps`` wrapper. Dtypes, shapes and arrays are not.
+    """
+    for _ in range(MAX_UNWRAP):
+        if isinstance(obj, type) or not callable(obj):
+            return False
+        if type(obj).__module__.startswith("jaxlib"):
+            return True
+        if isinstance(obj, functools.partial):
+            obj = obj.func
+            continue
+        try:
+            obj = vars(obj)["__wrapped__"]
+        except (TypeError, KeyError):
+            return False
+    return False
 
 
 def _line_calls_jax(frame: types.FrameType) -> bool:
-    """Whether the names that the frame's current line loads include a JAX object.
+    """Whether the frame's current line loads a jitted function (see above).
 
-    Catches a jitted function (``jnp.sin`` is one) called from the loader's own
-    code, which enters C++ without a Python frame of JAX.
+    Follows names, attributes (without running properties) and subscripts of a
+    dict, list or tuple by a constant: ``g(a)``, ``jnp.sin(a)``,
+    ``self.model(a)``, ``FNS["k"](a)``.
     """
     line = frame.f_lineno
     on = None  # the line of the instructions being read
-    current: Any = None
     scopes = (frame.f_locals, frame.f_globals, frame.f_builtins)
+    loaded: list[Any] = []  # what this line's loads produced, most recent last
     for instr in dis.get_instructions(frame.f_code):
         at = _line_of(instr)
         if at is not None:
             on = at
         if on != line:
-            current = None
+            loaded.clear()
             continue
-        name = instr.argval
-        if not isinstance(name, str):
-            continue
-        if instr.opname.startswith(_LOADS_NAME):
-            current = next((s[name] for s in scopes if name in s), None)
-        elif instr.opname.startswith(_LOADS_ATTR) and current is not None:
-            try:
-                current = inspect.getattr_static(current, name)
-            except (AttributeError, TypeError):
-                current = None
-        else:
-            continue
-        if current is not None and _is_jax_object(current):
-            return True
+        value = _load(instr, loaded, scopes)
+        if value is not _NOT_A_LOAD:
+            loaded.append(value)
+            if _runs_jax_in_cpp(value):
+                return True
     return False
 
 
+_NOT_A_LOAD = object()
 _LOADS_NAME = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF")
 _LOADS_ATTR = ("LOAD_ATTR", "LOAD_METHOD")
+
+
+def _load(instr: dis.Instruction, loaded: list[Any], scopes: tuple) -> Any:
+    """What a load instruction of the line produces, as far as it can be known."""
+    name = instr.argval
+    if instr.opname.startswith(_LOADS_NAME) and isinstance(name, str):
+        return next((s[name] for s in scopes if name in s), None)
+    if instr.opname == "LOAD_CONST":
+        return name
+    if instr.opname.startswith(_LOADS_ATTR) and isinstance(name, str) and loaded:
+        try:
+            return inspect.getattr_static(loaded.pop(), name)
+        except (AttributeError, TypeError):
+            return None
+    if instr.opname == "BINARY_SUBSCR" and len(loaded) >= 2:
+        key, container = loaded.pop(), loaded.pop()
+        if type(container) in (dict, list, tuple):
+            try:
+                return container[key]
+            except (LookupError, TypeError):
+                return None
+        return None
+    return _NOT_A_LOAD
 
 
 def _line_of(instr: dis.Instruction) -> int | None:
@@ -120,17 +156,27 @@ def _line_of(instr: dis.Instruction) -> int | None:
 
 
 def _in_jax(frame: types.FrameType | None) -> bool:
-    """Whether a thread whose innermost frame is ``frame`` is in a JAX call."""
-    innermost = frame
-    while frame is not None:
-        if _is_jax_module(frame.f_globals.get("__name__")):
-            return True
-        frame = frame.f_back
-    try:
-        return innermost is not None and _line_calls_jax(innermost)
-    except Exception:  # a frame that cannot be read is not evidence of a deadlock
-        logger.debug("jax_threadmap: could not read a loader's frame", exc_info=True)
+    """Whether a thread whose innermost frame is ``frame`` waits in a JAX dispatch.
+
+    Its innermost frame decides: a frame of ``jax`` (dispatch, or a wait for an
+    array) unless JAX is compiling there (which needs no slot); user code only
+    where its current line calls a jitted function. User code that JAX called
+    (``jax.tree.map(download, urls)``) is user code.
+    """
+    if frame is None:
         return False
+    if not _is_jax_module(frame.f_globals.get("__name__")):
+        try:
+            return _line_calls_jax(frame)
+        except Exception:  # a frame that cannot be read is no evidence
+            logger.debug("jax_threadmap: could not read a frame", exc_info=True)
+            return False
+    inner: types.FrameType | None = frame
+    while inner is not None and _is_jax_module(inner.f_globals.get("__name__")):
+        if "compile" in inner.f_code.co_name:
+            return False
+        inner = inner.f_back
+    return True
 
 
 class _Probe:
@@ -189,6 +235,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._probes: dict[Any, _Probe] = {}
         self._places: dict[Task, _Place] = {}
+        self._failed: list[Task] = []  # calls failed here, their threads running
         self._stopped = False
         self._wake = threading.Event()  # set by stop(): the thread ends now
 
@@ -212,6 +259,10 @@ class Watchdog:
         for probe in list(self._probes.values()):
             while probe.busy and time.monotonic() < deadline:
                 time.sleep(0.01)
+        # A failed call's thread is in JAX, and goes on once the slots are free.
+        for task in list(self._failed):
+            while task.thread is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
 
     def ensure_running(self) -> None:
         """Starts the thread if it is not running (called at each gate pull)."""
@@ -228,6 +279,7 @@ class Watchdog:
         self._thread = None
         self._probes = {}
         self._places = {}
+        self._failed = []
         self._wake = threading.Event()
 
     def _run(self) -> None:
@@ -266,6 +318,7 @@ class Watchdog:
                 for task in waited_for:
                     if task.give_up(RuntimeError(_message(task, device, waited_for))):
                         failed.append(task)
+        self._failed = [t for t in self._failed if t.thread is not None] + failed
         return failed
 
     def _track_places(self, watched: dict[Task, list[Any]], now: float) -> None:

@@ -11,6 +11,7 @@ take seconds, not the default ``STALL_S`` (10 s).
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -151,26 +152,56 @@ def _calls_numpy_on_this_line():
     return _deadlock._line_calls_jax(sys._getframe()) or np.sin is None
 
 
-def _with_a_local_jitted_function(fn):
+def _with_a_local(fn):
     return _deadlock._line_calls_jax(sys._getframe()) and fn is not None
+
+
+FNS = {"jitted": jax.jit(lambda a: a), "plain": np.sin}
+
+
+def _from_a_dict(key):
+    return _deadlock._line_calls_jax(sys._getframe()) and FNS["jitted"] is not None
+
+
+def _from_a_dict_plain(key):
+    return _deadlock._line_calls_jax(sys._getframe()) or FNS["plain"] is None
+
+
+def _reads_a_dtype_and_a_shape(spec):
+    return _deadlock._line_calls_jax(sys._getframe()) or (jnp.float32, spec.shape)
 
 
 def test_the_current_line_is_read_for_jitted_functions():
     assert _calls_jnp_on_this_line()
     assert not _calls_numpy_on_this_line()
-    assert _with_a_local_jitted_function(jnp.cos)
-    assert not _with_a_local_jitted_function(np.cos)
+    assert _with_a_local(jnp.cos)
+    assert _with_a_local(functools.partial(jax.jit(lambda a, b: a + b), 1))
+    assert not _with_a_local(np.cos)
+    assert not _with_a_local(functools.partial(np.add, 1))
+    assert _from_a_dict("jitted")
+    assert not _from_a_dict_plain("plain")
+    # A dtype and a ShapeDtypeStruct on the line are not a call into JAX.
+    assert _reads_a_dtype_and_a_shape(jax.ShapeDtypeStruct((2,), jnp.float32))
 
 
-def test_a_frame_of_jax_on_the_stack_counts_as_in_jax():
-    seen = []
+def _frame_of(module: str, name: str):
+    """A frame of a function named ``name`` whose module is ``module``."""
+    scope = {"__name__": module, "sys": sys}
+    exec(f"def {name}():\n    return sys._getframe()\n", scope)
+    return scope[name]()
+
+
+def test_the_innermost_frame_decides_whether_a_thread_is_in_jax():
+    assert _deadlock._in_jax(_frame_of("jax._src.interpreters.pxla", "__call__"))
+    # Compiling needs no slot.
+    assert not _deadlock._in_jax(_frame_of("jax._src.compiler", "backend_compile"))
+    # User code that JAX called (jax.tree.map(download, urls)) is user code.
     frames = []
 
-    def spy(x):
-        frames.append(sys._getframe().f_back)  # a frame of jax's tracing
-        return x
+    def download(url):
+        frames.append(sys._getframe())
+        return url
 
-    jax.make_jaxpr(lambda v: spy(v) + 1)(1.0)
-    seen.append(_deadlock._in_jax(frames[0]))
-    seen.append(_deadlock._in_jax(sys._getframe()))  # this test: no jax frame
-    assert seen == [True, False]
+    jax.tree.map(download, ["a"])
+    assert _deadlock._in_jax(frames[0].f_back)  # tree.map itself
+    assert not _deadlock._in_jax(frames[0])

@@ -887,6 +887,13 @@ def async_dispatch_unavailable() -> str | None:
 
 # -- CPython --------------------------------------------------------------------
 
+#: Whether walking another running thread's frames (``f_back``, ``f_code``) is
+#: safe here. Not on CPython 3.11: a frame object of another thread can point
+#: at an interpreter frame that thread has already popped, and reading it
+#: crashes the process (python/cpython#99110, #111363; seen once in CI on
+#: 3.11.7, a segfault in tail stealing's frame walk). Tail stealing is off there.
+OTHER_THREADS_FRAMES_SAFE = sys.version_info[:2] != (3, 11)
+
 _frames_lock = threading.Lock()
 
 

@@ -217,14 +217,20 @@ class _Probe:
 
 
 class _Place:
-    """Where a call's thread was, and since when."""
+    """Where a call's thread was (its innermost frame's identity, code and
+    instruction), since when, and that frame as read in the latest round.
 
-    __slots__ = ("frame", "lasti", "since")
+    Only frames of the latest snapshot are read: on CPython 3.11 a frame object
+    of another thread kept from an earlier round may point at a frame that
+    thread has popped since (see ``_compat.OTHER_THREADS_FRAMES_SAFE``).
+    """
 
-    def __init__(self, frame: types.FrameType | None, now: float):
-        self.frame = frame
-        self.lasti = frame.f_lasti if frame is not None else -1
+    __slots__ = ("key", "since", "frame")
+
+    def __init__(self, key: tuple | None, now: float, frame: types.FrameType | None):
+        self.key = key
         self.since = now
+        self.frame = frame
 
 
 class Watchdog:
@@ -329,19 +335,21 @@ class Watchdog:
         for task in watched:
             ident = task.thread
             frame = frames.get(ident) if ident is not None else None
+            key = (
+                (id(frame), frame.f_code, frame.f_lasti) if frame is not None else None
+            )
             place = self._places.get(task)
-            if (
-                place is None
-                or frame is not place.frame
-                or frame is None
-                or frame.f_lasti != place.lasti
-            ):
-                self._places[task] = _Place(frame, now)
+            if place is None or key is None or key != place.key:
+                self._places[task] = _Place(key, now, frame)
+            else:
+                place.frame = frame
+        del frames
 
     def _stuck_in_jax(self, task: Task, now: float) -> bool:
         place = self._places.get(task)
         if place is None or place.frame is None or now - place.since < STALL_S:
             return False
+        # The thread has not moved for STALL_S: it is blocked, its frames stay.
         return _in_jax(place.frame)
 
 

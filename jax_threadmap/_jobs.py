@@ -221,8 +221,8 @@ class Job:
         :mod:`._loops` say where they are (:func:`._loops.running_element`);
         other chunks keep their elements.
         """
-        if not self._running:  # (chunks of one element are not in it)
-            return False
+        if not self._running or not _compat.OTHER_THREADS_FRAMES_SAFE:
+            return False  # (chunks of one element are not in it)
         me = threading.get_ident()
         others = [k for k, (a, b) in self._running.items() if b - a > 1 and k != me]
         if not others:

@@ -83,23 +83,22 @@ def test_versions_in_the_table_are_those_declared_and_tested():
     assert re.search(rf'"3\.13 {re.escape(NEWEST)} [ab]"', ci)
 
 
-def test_jax_internals_are_used_only_in_compat():
-    pattern = re.compile(r"^\s*(from|import)\s+jax\._src", re.MULTILINE)
-    offenders = [
+def modules_outside_compat(found) -> list[str]:
+    """The package's modules other than _compat.py whose source ``found`` accepts."""
+    return [
         p.name
         for p in PACKAGE.glob("*.py")
-        if p.name != "_compat.py" and pattern.search(p.read_text())
+        if p.name != "_compat.py" and found(p.read_text())
     ]
-    assert offenders == []
+
+
+def test_jax_internals_are_used_only_in_compat():
+    pattern = re.compile(r"^\s*(from|import)\s+jax\._src", re.MULTILINE)
+    assert modules_outside_compat(pattern.search) == []
 
 
 def test_typeof_is_called_only_through_compat():
-    offenders = [
-        p.name
-        for p in PACKAGE.glob("*.py")
-        if p.name != "_compat.py" and "jax.typeof(" in p.read_text()
-    ]
-    assert offenders == []
+    assert modules_outside_compat(lambda text: "jax.typeof(" in text) == []
 
 
 def test_batching_rule_is_registered():
@@ -394,9 +393,4 @@ def test_current_frames_leaves_a_disabled_collector_disabled():
 
 
 def test_only_compat_calls_sys_current_frames():
-    offenders = [
-        p.name
-        for p in PACKAGE.glob("*.py")
-        if p.name != "_compat.py" and "sys._current_frames" in p.read_text()
-    ]
-    assert offenders == []
+    assert modules_outside_compat(lambda text: "sys._current_frames" in text) == []

@@ -221,8 +221,9 @@ class Job:
         :mod:`._loops` say where they are (:func:`._loops.running_element`);
         other chunks keep their elements.
         """
+        # (Chunks of one element are not in _running.)
         if not self._running or not _compat.OTHER_THREADS_FRAMES_SAFE:
-            return False  # (chunks of one element are not in it)
+            return False
         me = threading.get_ident()
         others = [k for k, (a, b) in self._running.items() if b - a > 1 and k != me]
         if not others:

@@ -31,7 +31,6 @@ import dis
 import functools
 import inspect
 import logging
-import os
 import threading
 import time
 import types
@@ -40,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, _task
+from . import _compat, _fork, _task
 from ._task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -381,5 +380,4 @@ def _message(task: Task, device: Any, waited_for: list[Task]) -> str:
 
 watchdog = Watchdog()
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=watchdog.after_fork)
+_fork.in_child(watchdog.after_fork)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _compat, _deadlock, _streams, _task
+from . import _compat, _deadlock, _fork, _streams, _task
 from ._task import FINISHED, FINISHING, PENDING, POLL_S, RUNNING, Task, worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -563,5 +563,4 @@ def _after_fork_in_child() -> None:
 
 
 _task.set_gate_release(_release)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.in_child(_after_fork_in_child)

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import os
 import threading
 import time
 
-from . import _pool, _runners, _validate
+from . import _fork, _pool, _runners, _validate
 from . import _scheduling as policy
 from ._errors import ExecutorError, KernelError
 from ._jobs import ChunkFn, Job, MapWork, _local, current_job
@@ -177,8 +176,7 @@ def _at_exit() -> None:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.in_child(_after_fork_in_child)
 atexit.register(_at_exit)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _executor
+from . import _executor, _fork
 from ._executor import available_cpus
 from ._leaves import LeafSpec, check_result, describe_error, host_view, place
 from ._validate import MAX_THREADS, env_positive_int
@@ -125,8 +125,7 @@ def _after_fork_in_child() -> None:
     _deadlines = _Deadlines()  # its thread and the calls it watched are the parent's
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.in_child(_after_fork_in_child)
 
 
 # --- one call, shared by the arrays of its result -------------------------------------

@@ -17,6 +17,7 @@ PACKAGE = pathlib.Path(jax_threadmap.__file__).parent
 #: Lowest first. A module may import only modules that come before it.
 LAYERS = [
     "_errors",
+    "_fork",
     "_compat",
     "_validate",
     "_batch_spec",
@@ -117,3 +118,14 @@ def test_no_function_above_complexity_15():
         if f.complexity > MAX_COMPLEXITY
     ]
     assert over == [], "split these functions: " + "; ".join(over)
+
+
+def test_one_fork_hook_for_the_package():
+    # Every module's after-fork reset goes through _fork.in_child, so the order in
+    # which a forked child starts afresh is read in one place.
+    calls = [
+        path.name
+        for path in PACKAGE.glob("*.py")
+        if "register_at_fork" in path.read_text() and path.stem != "_fork"
+    ]
+    assert calls == []

@@ -35,8 +35,13 @@ def _bind(
     vectorized: tuple[bool, int | None],
     jvp: Callable[..., Any] | None = None,
     vjp: Callable[..., Any] | None = None,
+    wrapped: bool = False,
 ) -> Any:
-    """Binds one ``threadmap`` equation; every argument is checked already."""
+    """Binds one ``threadmap`` equation; every argument is checked already.
+
+    ``wrapped``: called by a ``KernelFunction`` (for the message when it lacks a
+    derivative kernel).
+    """
     _compat.require(_compat.THREADMAP, "jax_threadmap.threadmap")
     avals, out_tree = _validate.result_avals(result_shape_dtypes)
     leaves, in_tree = _validate.check_operands(args, kwargs)
@@ -49,6 +54,7 @@ def _bind(
             None if jvp is None else hashable(jvp),
             None if vjp is None else hashable(vjp),
             *vectorized,
+            wrapped=wrapped,
         ),
         result_avals=avals,
         spec=BatchSpec.unbatched(len(leaves)),
@@ -313,6 +319,7 @@ class KernelFunction(Generic[R]):
             vectorized=self._vectorized,
             jvp=self.jvp,
             vjp=self.vjp,
+            wrapped=True,
         )
         return result
 

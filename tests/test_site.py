@@ -213,7 +213,8 @@ def test_browser_check_finds_a_broken_image_and_a_console_error(chromium, tmp_pa
         '<html><body><img src="missing.png">'
         '<script>console.error("broken script")</script></body></html>'
     )
-    for path, text in zip(browser_check.PAGES, [good, bad, good], strict=True):
+    pages = [good, bad] + [good] * (len(browser_check.PAGES) - 2)
+    for path, text in zip(browser_check.PAGES, pages, strict=True):
         (tmp_path / path).mkdir(parents=True, exist_ok=True)
         (tmp_path / path / "index.html").write_text(text)
     problems = browser_check.check_site(tmp_path, chromium=chromium, search=False)

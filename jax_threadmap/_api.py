@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 import jax
 
@@ -15,12 +16,12 @@ from ._params import KernelParam, hashable
 from ._primitive import threadmap_p
 from ._validate import RESERVED_KWARGS, Executor
 
-F = TypeVar("F", bound=Callable[..., Any])
+#: A JVP or VJP kernel: ``defjvp``/``defvjp`` return the function they are given.
+DerivativeKernel = TypeVar("DerivativeKernel", bound=Callable[..., Any])
 #: What a kernel call returns, for type checkers: ``jax.Array`` for one
 #: ``jax.ShapeDtypeStruct``, a tuple of them for a tuple, else ``Any`` (a pytree).
 R = TypeVar("R")
-
-_Arrays = tuple[jax.Array, ...]
+M = TypeVar("M", bound=Callable[..., Any])
 
 
 def _bind(
@@ -34,8 +35,13 @@ def _bind(
     vectorized: tuple[bool, int | None],
     jvp: Callable[..., Any] | None = None,
     vjp: Callable[..., Any] | None = None,
+    wrapped: bool = False,
 ) -> Any:
-    """Binds one ``threadmap`` equation; every argument is checked already."""
+    """Binds one ``threadmap`` equation; every argument is checked already.
+
+    ``wrapped``: called by a ``KernelFunction`` (for the message when it lacks a
+    derivative kernel).
+    """
     _compat.require(_compat.THREADMAP, "jax_threadmap.threadmap")
     avals, out_tree = _validate.result_avals(result_shape_dtypes)
     leaves, in_tree = _validate.check_operands(args, kwargs)
@@ -48,6 +54,7 @@ def _bind(
             None if jvp is None else hashable(jvp),
             None if vjp is None else hashable(vjp),
             *vectorized,
+            wrapped=wrapped,
         ),
         result_avals=avals,
         spec=BatchSpec.unbatched(len(leaves)),
@@ -62,7 +69,7 @@ def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: jax.ShapeDtypeStruct,
     *args: Any,
-    executor: Executor = None,
+    executor: int | concurrent.futures.Executor | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
     **kwargs: Any,
@@ -74,11 +81,11 @@ def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
     *args: Any,
-    executor: Executor = None,
+    executor: int | concurrent.futures.Executor | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
     **kwargs: Any,
-) -> _Arrays: ...
+) -> tuple[jax.Array, ...]: ...
 
 
 @overload
@@ -86,7 +93,7 @@ def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: Any,
     *args: Any,
-    executor: Executor = None,
+    executor: int | concurrent.futures.Executor | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
     **kwargs: Any,
@@ -97,7 +104,7 @@ def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: Any,
     *args: Any,
-    executor: Executor = None,
+    executor: int | concurrent.futures.Executor | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
     **kwargs: Any,
@@ -210,6 +217,33 @@ def threadmap(
     )
 
 
+def _one_derivative_kernel(method: M) -> M:
+    """Makes ``defjvp``/``defvjp`` refuse the shapes of JAX's own rules
+    (``custom_vjp.defvjp(fwd, bwd)``, ``custom_jvp.defjvps(*tangent_fns)``) with the
+    signature expected instead of Python's "takes 2 positional arguments", while
+    their signature stays ``(kernel)`` for readers and type checkers."""
+
+    @functools.wraps(method)
+    def checked(self: KernelFunction[Any], *args: Any, **kwargs: Any) -> Any:
+        given = len(args) + len(kwargs)
+        if given > 1:
+            name = method.__name__
+            jax_api = (
+                "jax.custom_vjp's defvjp(fwd, bwd): there is no forward function, "
+                "the VJP kernel gets the primals themselves"
+                if name == "defvjp"
+                else "jax.custom_jvp's defjvps(*tangent_fns)"
+            )
+            raise TypeError(
+                f"{name} takes one derivative kernel, "
+                f"{_expected_rule(name, self.fn)}; it is not {jax_api}. Got "
+                f"{given} arguments."
+            )
+        return method(self, *args, **kwargs)
+
+    return cast(M, checked)
+
+
 class KernelFunction(Generic[R]):
     """A per-element NumPy kernel, callable like ``threadmap(fn, ...)``.
 
@@ -243,7 +277,7 @@ class KernelFunction(Generic[R]):
         fn: Callable[..., Any],
         result_shape_dtypes: Any,
         *,
-        executor: Executor = None,
+        executor: int | concurrent.futures.Executor | None = None,
         progress: bool | None = None,
         vectorized: bool | int = False,
     ):
@@ -285,10 +319,12 @@ class KernelFunction(Generic[R]):
             vectorized=self._vectorized,
             jvp=self.jvp,
             vjp=self.vjp,
+            wrapped=True,
         )
         return result
 
-    def defjvp(self, jvp: F, *unexpected: object) -> F:
+    @_one_derivative_kernel
+    def defjvp(self, jvp: DerivativeKernel) -> DerivativeKernel:
         """Attaches the JVP kernel: for ``jax.jvp``, ``jacfwd`` and ``linearize``.
 
         Args:
@@ -314,10 +350,11 @@ class KernelFunction(Generic[R]):
             >>> jax.jvp(jax.vmap(square), (jnp.arange(3.0),), (jnp.ones(3),))[1]
             Array([0., 2., 4.], dtype=float32)
         """
-        self.jvp = _check_rule(jvp, "defjvp", self.fn, unexpected)
+        self.jvp = _check_rule(jvp, "defjvp", self.fn)
         return jvp
 
-    def defvjp(self, vjp: F, *unexpected: object) -> F:
+    @_one_derivative_kernel
+    def defvjp(self, vjp: DerivativeKernel) -> DerivativeKernel:
         """Attaches the VJP kernel: for ``jax.grad``, ``vjp`` and ``jacrev``.
 
         Args:
@@ -343,7 +380,7 @@ class KernelFunction(Generic[R]):
             >>> jax.grad(lambda x: jax.vmap(square)(x).sum())(jnp.arange(3.0))
             Array([0., 2., 4.], dtype=float32)
         """
-        self.vjp = _check_rule(vjp, "defvjp", self.fn, unexpected)
+        self.vjp = _check_rule(vjp, "defvjp", self.fn)
         return vjp
 
     def __repr__(self) -> str:
@@ -355,23 +392,11 @@ class KernelFunction(Generic[R]):
 
 
 def _check_rule(
-    rule: F, method: str, fn: Callable[..., Any], unexpected: tuple[object, ...]
-) -> F:
-    """Checks a derivative kernel, and refuses the shapes of JAX's own
-    ``custom_vjp.defvjp(fwd, bwd)`` and ``custom_jvp`` rules with the signature
-    expected instead."""
+    rule: DerivativeKernel, method: str, fn: Callable[..., Any]
+) -> DerivativeKernel:
+    """Checks a derivative kernel, and refuses a ``custom_jvp`` rule with the
+    signature expected instead."""
     expected = _expected_rule(method, fn)
-    if unexpected:
-        jax_api = (
-            "jax.custom_vjp's defvjp(fwd, bwd): there is no forward function, the "
-            "VJP kernel gets the primals themselves"
-            if method == "defvjp"
-            else "jax.custom_jvp's defjvps(*tangent_fns)"
-        )
-        raise TypeError(
-            f"{method} takes one derivative kernel, {expected}; it is not "
-            f"{jax_api}. Got {1 + len(unexpected)} arguments."
-        )
     if not callable(rule):
         raise TypeError(
             f"{method} expects a callable derivative kernel, {expected}. Got "
@@ -412,7 +437,7 @@ def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
 def kernel(
     result_shape_dtypes: jax.ShapeDtypeStruct,
     *,
-    executor: Executor = None,
+    executor: int | concurrent.futures.Executor | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
 ) -> Callable[[Callable[..., Any]], KernelFunction[jax.Array]]: ...
@@ -422,17 +447,17 @@ def kernel(
 def kernel(
     result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
     *,
-    executor: Executor = None,
+    executor: int | concurrent.futures.Executor | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
-) -> Callable[[Callable[..., Any]], KernelFunction[_Arrays]]: ...
+) -> Callable[[Callable[..., Any]], KernelFunction[tuple[jax.Array, ...]]]: ...
 
 
 @overload
 def kernel(
     result_shape_dtypes: Any,
     *,
-    executor: Executor = None,
+    executor: int | concurrent.futures.Executor | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
 ) -> Callable[[Callable[..., Any]], KernelFunction[Any]]: ...
@@ -441,7 +466,7 @@ def kernel(
 def kernel(
     result_shape_dtypes: Any,
     *,
-    executor: Executor = None,
+    executor: int | concurrent.futures.Executor | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
 ) -> Callable[[Callable[..., Any]], KernelFunction[Any]]:

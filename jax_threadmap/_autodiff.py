@@ -66,10 +66,24 @@ def _slots(which: Sequence[bool]) -> tuple[int | None, ...]:
 # --- messages -------------------------------------------------------------------------
 
 
-def no_derivative_rule_message(name: str) -> str:
+def no_derivative_rule_message(kernel: KernelParam) -> str:
+    name = kernel.name
+    cannot = (
+        f"threadmap kernel {name!r} has no derivative rule, so jax.grad, jax.jvp "
+        "and friends cannot differentiate through it."
+    )
+    if kernel.wrapped:
+        name = name.rpartition(".")[2]  # the decorated name: "f", not "g.<locals>.f"
+        return (
+            f"{cannot} It is a jax_threadmap.kernel without derivative kernels: "
+            f"attach them with {name}.defvjp(vjp_kernel) (for jax.grad, jax.vjp, "
+            "jax.jacrev; vjp_kernel(*primals, cotangent) returns a tuple with one "
+            f"cotangent per positional argument) and/or {name}.defjvp(jvp_kernel) "
+            "(for jax.jvp, jax.jacfwd, jax.linearize; jvp_kernel(*primals, "
+            "*tangents) returns the tangent of the output)."
+        )
     return (
-        f"threadmap kernel {name!r} has no derivative rule, so jax.grad, "
-        "jax.jvp and friends cannot differentiate through it. Wrap the kernel with "
+        f"{cannot} Wrap the kernel with "
         "jax_threadmap.kernel(result_shape_dtypes)(fn) and attach threaded "
         "derivative kernels with .defjvp(...) and/or .defvjp(...), or wrap the call "
         "in jax.custom_jvp / jax.custom_vjp."
@@ -145,7 +159,7 @@ def jvp_rule(
     if isinstance(kernel, VjpParam):
         raise TypeError(_higher_order_message(kernel))
     if kernel.jvp is None and kernel.vjp is None:
-        raise TypeError(no_derivative_rule_message(kernel.name))
+        raise TypeError(no_derivative_rule_message(kernel))
     outs = bind(*primals, kernel=kernel, result_avals=result_avals, spec=spec, **params)
     num_pos = kernel.num_positional
     _check_kwargs_not_differentiated(kernel, tangents[num_pos:])
@@ -274,7 +288,7 @@ def _linear_leaves(jvp: JvpParam, undefined: list[bool]) -> tuple[list[int], lis
 def _transposable(kernel: Any) -> JvpParam:
     """``kernel`` if it is a JVP equation's with a VJP kernel; else a clear error."""
     if isinstance(kernel, KernelParam):
-        raise TypeError(no_derivative_rule_message(kernel.name))
+        raise TypeError(no_derivative_rule_message(kernel))
     if not isinstance(kernel, JvpParam):
         raise TypeError(_higher_order_message(kernel))
     if kernel.primal.vjp is None:

@@ -84,6 +84,9 @@ class KernelParam:
             instead of one element.
         max_chunk: For vectorized kernels, the most elements per chunk, or
             ``None`` for an automatic length.
+        wrapped: Whether the call came from a ``jax_threadmap.kernel`` (which
+            takes ``.defjvp``/``.defvjp``) rather than a bare ``threadmap``; only
+            the message for a missing derivative differs.
     """
 
     fn: Fn
@@ -93,6 +96,7 @@ class KernelParam:
     vjp: Fn | None = None
     vectorized: bool = False
     max_chunk: int | None = None
+    wrapped: bool = False
 
     @property
     def name(self) -> str:

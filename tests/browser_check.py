@@ -1,9 +1,10 @@
 """Opens the built docs site in headless Chromium, as a reader would.
 
 Serves the site on 127.0.0.1 (a port the OS picks), opens the home page, the API
-reference and a guide, and fails on a console error (a script error, a resource
-that did not load), a broken image, or a search for "vmap" (typed into the
-search box of mkdocs-material) that finds nothing. Nothing is fetched from
+reference and two guides, and fails on a console error (a script error, a resource
+that did not load), a broken image, a formula that MathJax did not typeset, or a
+search for "vmap" (typed into the search box of mkdocs-material) that finds
+nothing. Nothing is fetched from
 outside 127.0.0.1: a request elsewhere is blocked and counts as a failure, so
 the site must work offline.
 
@@ -41,8 +42,12 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-#: The pages opened: home, the API reference, and a guide with images.
-PAGES = ["", "api/", "performance/"]
+#: The pages opened: home, the API reference, a guide with images, and one with
+#: maths (MathJax, served by the site itself).
+PAGES = ["", "api/", "performance/", "gridding/"]
+#: Opened again on a phone's width (the theme lays maths out differently there).
+NARROW_PAGES = ["gridding/"]
+NARROW = {"width": 390, "height": 844}
 SEARCH_TERM = "vmap"
 #: Bounds every wait on the browser, in milliseconds.
 TIMEOUT_MS = 30_000
@@ -104,6 +109,53 @@ def check_page(page, url: str, problems: list[str]) -> None:
     problems.extend(f"{url}: console error: {e}" for e in errors)
     for src in page.evaluate(_BROKEN_IMAGES):
         problems.append(f"{url}: broken image {src}")
+    problems.extend(f"{url}: {p}" for p in check_maths(page))
+
+
+#: Per formula of the page (pymdownx.arithmatex's elements): its TeX, whether
+#: MathJax typeset it (an SVG of some size), and whether MathJax reported an error.
+_FORMULAS = """() => Array.from(document.querySelectorAll('.arithmatex')).map((el) => {
+    const svg = el.querySelector('mjx-container > svg');
+    const box = svg ? svg.getBoundingClientRect() : null;
+    const shown = Boolean(box && box.width > 2 && box.height > 2);
+    const error = Boolean(el.querySelector('[data-mjx-error], mjx-merror'));
+    return [el.textContent.slice(0, 60), shown, error];
+})"""
+
+
+#: The prose of a page (no code, no typeset formula) where a "$" is left: maths that
+#: pymdownx.arithmatex did not recognise (a "$$" block without blank lines around
+#: it), shown as TeX source. The pages use no "$" otherwise.
+_LEFT_AS_TEX = """() => {
+    const page = document.querySelector('article') || document.body;
+    const text = page.cloneNode(true);
+    text.querySelectorAll('pre, code, .arithmatex').forEach((el) => el.remove());
+    const prose = text.textContent.replace(/\\s+/g, ' ');
+    return prose.match(/.{0,30}[$].{0,30}/g) || [];
+}"""
+
+
+def check_maths(page) -> list[str]:
+    """Problems with the page's formulas: each must be typeset, without an error."""
+    problems = [f"maths left as TeX: {t!r}" for t in page.evaluate(_LEFT_AS_TEX)]
+    if not page.evaluate("document.querySelector('.arithmatex') !== null"):
+        return problems
+    try:  # MathJax loads asynchronously, then typesets the page
+        page.wait_for_function(
+            "() => window.MathJax && MathJax.startup && MathJax.startup.promise"
+            " && document.querySelectorAll('.arithmatex mjx-container').length"
+            " === document.querySelectorAll('.arithmatex').length",
+            timeout=TIMEOUT_MS,
+        )
+    except Exception as e:  # playwright's TimeoutError
+        return problems + [f"MathJax did not typeset the formulas ({e})"]
+    page.evaluate("MathJax.startup.promise")
+    for tex, shown, error in page.evaluate(_FORMULAS):
+        if error or not shown:
+            problems.append(
+                f"formula {'with an error' if error else 'not shown'}: {tex}"
+            )
+    return problems
 
 
 def check_search(page, url: str, problems: list[str]) -> int:
@@ -161,6 +213,16 @@ def check_site(
                         "e => { e.scrollIntoView(); window.scrollBy(0, -80); }"
                     )
                     page.screenshot(path=str(screenshot))
+                page.close()
+            narrow = browser.new_context(viewport=NARROW)
+            narrow.route("**/*", lambda route: _block_outside(route, base))
+            for path in NARROW_PAGES:
+                page = narrow.new_page()
+                before = len(problems)
+                check_page(page, base + path, problems)
+                problems[before:] = [
+                    f"{p} ({NARROW['width']} px)" for p in problems[before:]
+                ]
                 page.close()
             if search:
                 hits = check_search(context.new_page(), base, problems)

@@ -454,6 +454,7 @@ def test_derivatives_of_bare_threadmap_say_how_to_get_them(transform):
     msg = str(info.value)
     assert "no derivative rule" in msg
     assert "defjvp" in msg and "defvjp" in msg and "custom_jvp" in msg
+    assert "Wrap the kernel with jax_threadmap.kernel(" in msg
 
 
 def test_public_names():

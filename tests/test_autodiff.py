@@ -554,13 +554,18 @@ def test_forward_mode_without_jvp_names_defjvp(transform):
     assert calls == []
 
 
-def test_kernel_without_rules_has_no_derivative_rule():
+def test_kernel_without_rules_says_to_attach_them_not_to_wrap_it():
+    # Was "Wrap the kernel with jax_threadmap.kernel(...)", about a kernel that
+    # jax_threadmap.kernel had made already.
     f = make_scaled_sin(np.float32, jvp=False, vjp=False)
-    for transform in (jax.grad, jax.jacfwd):
+    for transform in (jax.grad, jax.jacfwd, jax.jacrev):
         with pytest.raises(TypeError) as info:
             transform(lambda x: f(x, 2.0).sum())(jnp.ones(3))
-        assert "no derivative rule" in str(info.value)
-        assert "defjvp" in str(info.value) and "defvjp" in str(info.value)
+        msg = str(info.value)
+        assert "scaled_sin' has no derivative rule" in msg
+        assert " scaled_sin.defvjp(vjp_kernel) (for jax.grad" in msg
+        assert " scaled_sin.defjvp(jvp_kernel) (for jax.jvp" in msg
+        assert "Wrap the kernel" not in msg
 
 
 @pytest.mark.parametrize(

@@ -281,6 +281,48 @@ def test_demo_plots(tmp_path):
     assert 1000 < png.stat().st_size < 200_000
 
 
+def test_demo_plot_shows_the_docs_coordinates_and_colour_bars(tmp_path, monkeypatch):
+    # Was: three bare images, no axes or colour bar, in an orientation that the
+    # page's coordinates did not say.
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    import matplotlib.figure
+
+    saved = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(
+        matplotlib.figure.Figure,
+        "savefig",
+        lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k))[1],
+    )
+    demo.main(
+        [
+            "--steps",
+            "1",
+            "--times",
+            "2",
+            "--channels",
+            "1",
+            "--plot",
+            str(tmp_path / "g.png"),
+        ]
+    )
+    (fig,) = saved
+    panels = [ax for ax in fig.axes if ax.images]
+    bars = [ax for ax in fig.axes if not ax.images]
+    assert len(panels) == 3 and len(bars) == 3
+    assert [b.get_ylabel() for b in bars] == ["Jy per pixel"] * 3
+    assert all(ax.get_xlabel().startswith("pixel i") for ax in panels)
+    assert panels[0].get_ylabel().startswith("pixel j")
+    # The true sky: pixel (i, j) of the image, as docs/gridding.md names the
+    # sources, is drawn at x = i, y = j with y upwards.
+    (truth,) = panels[0].images
+    assert truth.origin == "lower"
+    shown = np.asarray(truth.get_array())  # rows are y (j), columns x (i)
+    for i, j, flux in demo.SOURCES:
+        assert shown[j, i] == np.float32(flux)
+    assert np.count_nonzero(shown) == len(demo.SOURCES)
+
+
 def test_docstring_examples():
     import doctest
 

@@ -27,7 +27,8 @@ import numpy as np
 
 from examples.gridding.operators import SPEED_OF_LIGHT, Gridder
 
-# The sky: two point sources, (row, column, flux in Jy), on a 64 x 64 image.
+# The sky: two point sources, (i, j, flux in Jy), on a 64 x 64 image: pixel indices,
+# the first (i) along l, the second (j) along m, as in docs/gridding.md.
 SOURCES = ((22, 40, 1.0), (42, 24, 0.6))
 
 
@@ -69,8 +70,8 @@ def observe(
     pixsize = float(1.0 / (2.2 * longest))
     gridder = Gridder(npix_x=npix, npix_y=npix, pixsize_x=pixsize, pixsize_y=pixsize)
     sky = np.zeros((npix, npix), np.float32)
-    for row, col, flux in SOURCES:
-        sky[row * npix // 64, col * npix // 64] = flux
+    for i, j, flux in SOURCES:
+        sky[i * npix // 64, j * npix // 64] = flux
     vis = np.asarray(forward(gridder, sky, uvw, freq))
     vis = vis + noise * (
         rng.standard_normal(vis.shape) + 1j * rng.standard_normal(vis.shape)
@@ -110,7 +111,7 @@ class Result:
     dirty: np.ndarray  # the first step's image (the scaled back-projection)
     image: np.ndarray  # after ``steps`` steps
     losses: list[float]
-    peaks: list[tuple[int, int, float]]  # the two brightest pixels: row, col, flux
+    peaks: list[tuple[int, int, float]]  # the two brightest pixels: i, j, flux
     seconds_per_step: float
 
 
@@ -139,7 +140,7 @@ def reconstruct(obs: Observation, steps: int = 100) -> Result:
 
 
 def find_peaks(image: np.ndarray, count: int = 2, box: int = 2):
-    """The ``count`` brightest sources: row, column and the flux summed over a
+    """The ``count`` brightest sources: pixel i, j and the flux summed over a
     ``(2 box + 1)^2`` box, each found outside the boxes of the brighter ones."""
     rest = image.copy()
     peaks = []
@@ -151,26 +152,55 @@ def find_peaks(image: np.ndarray, count: int = 2, box: int = 2):
     return peaks
 
 
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 def plot(obs: Observation, result: Result, path: str) -> None:
-    """Truth, first-step image and recovered image side by side, as a PNG."""
+    """Truth, first-step image and recovered image side by side, as a PNG.
+
+    In the coordinates of docs/gridding.md: pixel ``i`` (the first index, the
+    ``l`` direction) left to right, pixel ``j`` (the second, ``m``) bottom to top,
+    and a colour bar per panel in the image's units (Jy per pixel). Circles mark
+    the true sources.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(9, 3.2))
+    npix_x, npix_y = obs.sky.shape
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6), layout="constrained")
     panels = [
         ("true sky", obs.sky),
         ("after 1 step (dirty image)", result.dirty),
-        (f"after {len(result.losses) - 1} steps", result.image),
+        (f"after {_steps(len(result.losses) - 1)}", result.image),
     ]
-    for ax, (title, img) in zip(axes, panels, strict=True):
-        ax.imshow(img.T, origin="lower", cmap="inferno")
+    for k, (ax, (title, img)) in enumerate(zip(axes, panels, strict=True)):
+        # imshow draws img[row, col] at (x=col, y=row): transposed, x is i and y is j.
+        shown = ax.imshow(
+            img.T,
+            origin="lower",
+            cmap="inferno",
+            extent=(-0.5, npix_x - 0.5, -0.5, npix_y - 0.5),
+        )
+        ax.scatter(
+            [i for i, _, _ in SOURCES],
+            [j for _, j, _ in SOURCES],
+            s=160,
+            facecolors="none",
+            edgecolors="cyan",
+            linewidths=0.8,
+        )
         ax.set_title(title, fontsize=10)
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
+        ax.set_xlabel("pixel i  (l →)")
+        if k == 0:
+            ax.set_ylabel("pixel j  (m →)")
+        ticks = range(0, max(npix_x, npix_y) + 1, 16)
+        ax.set_xticks([t for t in ticks if t < npix_x])
+        ax.set_yticks([t for t in ticks if t < npix_y])
+        fig.colorbar(shown, ax=ax, shrink=0.85, label="Jy per pixel")
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -192,8 +222,8 @@ def main(argv: Sequence[str] | None = None) -> Result:
         f"loss {result.losses[0]:.3g} -> {result.losses[-1]:.3g} in "
         f"{args.steps} steps, {result.seconds_per_step * 1e3:.1f} ms per step"
     )
-    for (row, col, flux), (r0, c0, f0) in zip(result.peaks, SOURCES, strict=True):
-        print(f"source at ({r0}, {c0}) flux {f0}: found ({row}, {col}) {flux:.3f}")
+    for (i, j, flux), (i0, j0, f0) in zip(result.peaks, SOURCES, strict=True):
+        print(f"source at ({i0}, {j0}) flux {f0}: found ({i}, {j}) {flux:.3f}")
     if args.plot:
         plot(obs, result, args.plot)
         print(f"saved {args.plot}")

@@ -103,6 +103,8 @@ def check_page(page, url: str, problems: list[str]) -> None:
         "requestfailed",
         lambda r: errors.append(f"request failed: {r.url} ({r.failure})"),
     )
+    mathjax: list[str] = []
+    page.on("request", lambda r: mathjax.append(r.url) if "tex-svg" in r.url else None)
     response = page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
     if response is None or not response.ok:
         problems.append(f"{url}: HTTP {response.status if response else 'none'}")
@@ -110,6 +112,8 @@ def check_page(page, url: str, problems: list[str]) -> None:
     for src in page.evaluate(_BROKEN_IMAGES):
         problems.append(f"{url}: broken image {src}")
     problems.extend(f"{url}: {p}" for p in check_maths(page))
+    if mathjax and not page.evaluate("document.querySelector('.arithmatex') !== null"):
+        problems.append(f"{url}: loads MathJax (2 MB) but has no formula")
 
 
 #: Per formula of the page (pymdownx.arithmatex's elements): its TeX, whether

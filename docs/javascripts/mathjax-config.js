@@ -16,3 +16,15 @@ window.MathJax = {
   },
   svg: { fontCache: "global" },
 };
+
+// MathJax (2 MB) is loaded only by pages that have formulas, from beside this file.
+(function () {
+  const here = document.currentScript.src;
+  document.addEventListener("DOMContentLoaded", function () {
+    if (document.querySelector(".arithmatex") === null) return;
+    const script = document.createElement("script");
+    script.src = new URL("mathjax/tex-svg.js", here).href;
+    script.async = true;
+    document.head.appendChild(script);
+  });
+})();

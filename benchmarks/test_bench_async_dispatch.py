@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap as jtm
-from jax_threadmap import _async
+from jax_threadmap import _dispatch
 
 LOAD_S = float(os.environ.get("LOAD_S", "1.0"))
 COMPILE_S = 1.0  # target; calibrated below
@@ -92,15 +92,15 @@ def n_ops() -> int:
 
 @contextlib.contextmanager
 def dispatch_mode(mode: str):
-    old = os.environ.get(_async.ENV_ASYNC_DISPATCH)
-    os.environ[_async.ENV_ASYNC_DISPATCH] = "1" if mode == "async" else "0"
+    old = os.environ.get(_dispatch.ENV_ASYNC_DISPATCH)
+    os.environ[_dispatch.ENV_ASYNC_DISPATCH] = "1" if mode == "async" else "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ[_async.ENV_ASYNC_DISPATCH]
+            del os.environ[_dispatch.ENV_ASYNC_DISPATCH]
         else:
-            os.environ[_async.ENV_ASYNC_DISPATCH] = old
+            os.environ[_dispatch.ENV_ASYNC_DISPATCH] = old
 
 
 def blocking_order() -> list[np.ndarray]:

@@ -23,15 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import returns_within
+from jax.experimental import io_callback
 
 import jax_threadmap as jtm
-from jax_threadmap import AsyncArray, _async, _dispatch, async_call, deferred_call
+from jax_threadmap import (
+    AsyncArray,
+    _async_threads,
+    _dispatch,
+    async_call,
+    deferred_call,
+)
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        _async.async_dispatch_status() != "async",
-        reason=f"async dispatch is off here: {_async.async_dispatch_status()}",
+        _dispatch.async_dispatch_status() != "async",
+        reason=f"async dispatch is off here: {_dispatch.async_dispatch_status()}",
     ),
 ]
 
@@ -319,7 +326,7 @@ def test_200_pending_arrays_in_one_call():
 
 
 def test_more_waiting_programs_than_the_cap_fall_back_to_blocking():
-    cap = _async.MAX_WAITING_PROGRAMS
+    cap = _dispatch.MAX_WAITING_PROGRAMS
     release = threading.Event()
 
     def load(i):
@@ -343,6 +350,66 @@ def test_more_waiting_programs_than_the_cap_fall_back_to_blocking():
     gate = Gate(np.zeros(2, np.float32))
     returns_while_gated(f, async_call(gate, SDS((2,), np.float32)))
     gate.release.set()
+
+
+# --- ordered effects -------------------------------------------------------------
+
+
+def _with_ordered_effect(kind: str, seen: list):
+    """A jitted ``v * 2`` that records ``v`` through an ordered effect."""
+
+    def record(v):
+        seen.append(np.asarray(v).tolist())
+
+    def g(v):
+        if kind == "io_callback":
+            io_callback(record, None, v, ordered=True)
+        else:
+            jax.debug.callback(record, v, ordered=True)
+        return v * 2
+
+    return jax.jit(g)
+
+
+@pytest.mark.parametrize("kind", ["io_callback", "debug_callback"])
+def test_a_program_with_ordered_effects_waits_for_its_data_at_dispatch(kind):
+    # JAX dispatches the next program with that effect only once this one ran:
+    # it waits here, in Python, rather than in the next dispatch, inside JAX.
+    seen: list = []
+    h = _with_ordered_effect(kind, seen)
+    h(jnp.zeros(2)).block_until_ready()
+    seen.clear()
+    gate = Gate(np.ones(2, np.float32))
+    x = async_call(gate, SDS((2,), np.float32))
+    box: dict = {}
+    waits = threading.Thread(target=lambda: box.update(a=h(x)), daemon=True)
+    waits.start()
+    waits.join(0.5)
+    assert waits.is_alive() and not gate.release.is_set()
+    gate.release.set()
+    waits.join(WAIT)
+    assert not waits.is_alive()
+    b = returns_while_gated(h, jnp.full(2, 3.0, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(box["a"]), [2.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(b), [6.0, 6.0])
+    jax.effects_barrier()
+    assert seen == [[1.0, 1.0], [3.0, 3.0]]
+
+
+def test_a_failed_load_under_an_ordered_effect_fails_only_its_dispatch():
+    # Had the program been dispatched, its failure would fail every later
+    # program with the effect (JAX before 0.12) and JAX's exit handler too.
+    seen: list = []
+    h = _with_ordered_effect("io_callback", seen)
+    gate = Gate(error=LoadError("gone"))
+    x = async_call(gate, SDS((2,), np.float32))
+    assert gate.started.wait(WAIT)
+    threading.Timer(0.1, gate.release.set).start()  # while h(x) waits, usually
+    with pytest.raises(LoadError, match="gone"):
+        returns_while_gated(h, x, limit=WAIT)
+    np.testing.assert_array_equal(np.asarray(h(jnp.ones(2))), [2.0, 2.0])
+    jax.effects_barrier()
+    assert seen == [[1.0, 1.0]]
 
 
 # --- the other constructors and threadmap ----------------------------------------
@@ -412,7 +479,7 @@ def test_dispatch_inside_a_pool_call_still_waits_for_its_data():
     # A call run by the pool that jits with another call's arrays waits for them
     # there (running the other call itself if it has not started), so a full
     # pool cannot deadlock.
-    bound = _async.default_async_threads()
+    bound = _async_threads.default_async_threads()
 
     def inner(i):
         return np.full((1,), i, np.float32)
@@ -430,8 +497,8 @@ def test_dispatch_inside_a_pool_call_still_waits_for_its_data():
 
 
 def test_switch_off_gives_blocking_dispatch(monkeypatch):
-    monkeypatch.setenv(_async.ENV_ASYNC_DISPATCH, "0")
-    assert _async.async_dispatch_status().startswith("blocking: disabled by")
+    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "0")
+    assert _dispatch.async_dispatch_status().startswith("blocking: disabled by")
     gate = Gate(np.ones(2, np.float32))
     a = async_call(gate, SDS((2,), np.float32))
     box = {}
@@ -442,9 +509,9 @@ def test_switch_off_gives_blocking_dispatch(monkeypatch):
     gate.release.set()
     t.join(WAIT)
     np.testing.assert_array_equal(box["y"], [-1.0, -1.0])
-    monkeypatch.setenv(_async.ENV_ASYNC_DISPATCH, "maybe")
+    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "maybe")
     with pytest.raises(ValueError, match="JAX_THREADMAP_ASYNC_DISPATCH='maybe'"):
-        _async.async_dispatch_enabled()
+        _dispatch.async_dispatch_enabled()
 
 
 def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplog):
@@ -452,7 +519,7 @@ def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplo
         raise OSError("no loopback here")
 
     monkeypatch.setattr(_dispatch, "mechanism", _dispatch.Dispatch())
-    monkeypatch.setattr(_async._compat, "start_transfer_server", refuse)
+    monkeypatch.setattr(_dispatch._compat, "start_transfer_server", refuse)
     gate = Gate(np.arange(3, dtype=np.float32))
     a = async_call(gate, SDS((3,), np.float32))
     box = {}
@@ -464,7 +531,7 @@ def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplo
         gate.release.set()
         t.join(WAIT)
     np.testing.assert_array_equal(box["y"], [0.0, 3.0, 6.0])
-    status = _async.async_dispatch_status()
+    status = _dispatch.async_dispatch_status()
     assert status.startswith("blocking: unavailable") and "no loopback here" in status
     assert any("no loopback here" in r.getMessage() for r in caplog.records)
 
@@ -573,13 +640,13 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
         import threading, time
         import jax, numpy as np
         import jax_threadmap as jtm
-        from jax_threadmap import _task
+        from jax_threadmap import _background
 
-        place = _task.place
+        place = _background.place
         def slow_place(task, flat):
             time.sleep(1.0)
             return place(task, flat)
-        _task.place = slow_place
+        _background.place = slow_place
 
         go = threading.Event()
         def slow():

@@ -605,6 +605,7 @@ def test_hundreds_of_pending_arrays_use_a_bounded_pool():
     assert bound < n
     baseline = threading.active_count()
     release = threading.Event()
+    started = threading.Semaphore(0)
     running = []
     lock = threading.Lock()
     peak = [0]
@@ -613,6 +614,7 @@ def test_hundreds_of_pending_arrays_use_a_bounded_pool():
         with lock:
             running.append(i)
             peak[0] = max(peak[0], len(running))
+        started.release()
         try:
             release.wait(WAIT)
             return np.full((2,), i, np.int32)
@@ -622,9 +624,8 @@ def test_hundreds_of_pending_arrays_use_a_bounded_pool():
 
     try:
         arrays = [async_call(fn, SDS((2,), np.int32), i) for i in range(n)]
-        deadline = time.monotonic() + WAIT
-        while len(running) < bound and time.monotonic() < deadline:
-            time.sleep(0.01)
+        for _ in range(bound):
+            assert started.acquire(timeout=WAIT)
         assert len(running) == bound  # the pool is full ...
         time.sleep(0.2)
         assert len(running) == bound  # ... and no more start

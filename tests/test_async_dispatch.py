@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -315,14 +314,13 @@ def test_200_pending_arrays_in_one_call():
     f = jax.jit(lambda xs: jnp.stack(xs) * 2)
     y = returns_while_gated(f, arrays)
     assert not y.is_ready()
-    t0 = time.monotonic()
     release.set()
-    np.testing.assert_array_equal(
-        np.asarray(y), 2 * np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, 1)
-    )
     # About a second; no call may wait for the shared gate program one by one
-    # (that took a minute).
-    assert time.monotonic() - t0 < 30
+    # (that took a minute): a hang bound, not a timing.
+    np.testing.assert_array_equal(
+        returns_within(np.asarray, y, limit=WAIT),
+        2 * np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, 1),
+    )
 
 
 def test_more_waiting_programs_than_the_cap_fall_back_to_blocking():
@@ -417,19 +415,18 @@ def test_a_failed_load_under_an_ordered_effect_fails_only_its_dispatch():
 
 def test_deferred_call_starts_on_the_pool_when_dispatched():
     calls = []
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
 
     def fn(seed):
         calls.append(threading.current_thread())
+        started.set()
         assert release.wait(WAIT)
         return _weights(seed=seed)
 
     params = deferred_call(fn, _shapes(), 5)
     x = jnp.ones(3, jnp.float32)
     y = returns_while_gated(jax.jit(_model), params, x)
-    deadline = time.monotonic() + WAIT
-    while not calls and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert started.wait(WAIT)
     assert len(calls) == 1 and calls[0].name.startswith("jax_threadmap-async")
     release.set()
     np.testing.assert_allclose(y, _reference(_model, _weights(seed=5), x), rtol=1e-6)
@@ -592,16 +589,12 @@ _EXTRAS = {
 @pytest.mark.parametrize("extra", sorted(_EXTRAS))
 def test_a_call_that_never_returns_does_not_hold_the_exit(extra):
     script = _EXIT_SCRIPT.format(extra=_EXTRAS[extra])
-    t0 = time.monotonic()
     proc = run_script(script)  # the call sleeps 10,000 s: a hang fails here
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "script ends" in proc.stdout
     assert "`never_returns` (async_call)" in proc.stderr, proc.stderr[-3000:]
     assert "RuntimeWarning" in proc.stderr
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
-    # Generous for a busy machine; the call itself would take hours.
-    assert elapsed < 60, elapsed
 
 
 def test_a_failed_call_with_dispatched_dependents_exits_cleanly():

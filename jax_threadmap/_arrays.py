@@ -449,12 +449,13 @@ def async_call(
             ready; the arrays are then committed there. ``None`` (default) puts
             them on the default device, uncommitted. To pass a keyword argument
             named ``device`` to ``fn``, bind it with ``functools.partial``.
-        timeout: Reserved keyword (not passed to ``fn``). Seconds that ``fn``
-            may run, counted from when it starts; then the call is given up
-            on: every use of its arrays raises a ``TimeoutError`` naming
-            ``fn``, and so do the results of the jitted calls already
-            dispatched with them (as ``JaxRuntimeError``). ``fn``'s thread
-            runs on until it returns (Python cannot stop a thread); what it
+        timeout: Reserved keyword (not passed to ``fn``). Seconds from this
+            call (time waiting for a pool thread included) after which the
+            call is given up on: every use of its arrays raises a
+            ``TimeoutError`` naming ``fn``, and so do the results of the
+            jitted calls already dispatched with them (as
+            ``JaxRuntimeError``). ``fn``'s thread runs on until it returns
+            (Python cannot stop a thread), outside the pool's bound; what it
             returns then is dropped. ``None`` (default): no limit. To pass a
             keyword argument named ``timeout`` to ``fn``, bind it with
             ``functools.partial``.
@@ -467,9 +468,10 @@ def async_call(
     Raises:
         TypeError: If ``fn`` is not callable, or a leaf of
             ``result_shape_dtypes`` lacks a shape or dtype, or ``device`` is not
-            a device or sharding.
+            a device or sharding, or ``timeout`` is not a number.
         ValueError: If ``result_shape_dtypes`` has no leaves, or ``device``
-            cannot hold a declared shape.
+            cannot hold a declared shape, or ``timeout`` is not positive and
+            finite.
 
     Errors of ``fn`` are not raised here: every use of any of its arrays
     re-raises them. A result of the wrong structure, shape or dtype makes every
@@ -557,7 +559,8 @@ def deferred_call(
         result_shape_dtypes: A pytree whose leaves have ``shape`` and ``dtype``.
         *args: Positional arguments of ``fn``.
         device: Reserved keyword, as in [`async_call`][jax_threadmap.async_call].
-        timeout: Reserved keyword, as in [`async_call`][jax_threadmap.async_call].
+        timeout: Reserved keyword, as in [`async_call`][jax_threadmap.async_call],
+            counted from the first use.
         **kwargs: Keyword arguments of ``fn``.
 
     Returns:

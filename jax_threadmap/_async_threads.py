@@ -82,7 +82,7 @@ class Worker:
 
     def __init__(self) -> None:
         self.counted = True
-        self.task: Call | None = None  # its given-up call, while abandoned
+        self.task: Call | None = None  # the call it runs (given up on or not)
 
 
 class AsyncPoolStatus(NamedTuple):
@@ -127,10 +127,9 @@ class _Pool:
     def abandon(self, worker: Worker, task: Call) -> None:
         """Takes the thread of a call given up on out of the bound."""
         with self._cond:
-            if not worker.counted:
+            if not worker.counted or worker.task is not task:  # it has moved on
                 return
             worker.counted = False
-            worker.task = task
             self._counted -= 1
             self._abandoned.add(worker)
             self._grow()
@@ -158,9 +157,16 @@ class _Pool:
                 exc_info=True,
             )
 
-    def _next(self) -> Call | None:
+    def _next(self, worker: Worker) -> Call | None:
         """The next call to run, or ``None`` when this thread should exit."""
         with self._cond:
+            worker.task = None
+            if not worker.counted:  # its call was given up on: back if there is room
+                self._abandoned.discard(worker)
+                if self._counted >= self._bound:
+                    return None
+                worker.counted = True
+                self._counted += 1
             self._idle += 1
             try:
                 while not self._queue:
@@ -169,11 +175,12 @@ class _Pool:
                         return None
             finally:
                 self._idle -= 1
-            return self._queue.popleft()
+            worker.task = self._queue.popleft()
+            return worker.task
 
     def _work(self, worker: Worker) -> None:
         thread = threading.current_thread()
-        while (task := self._next()) is not None:
+        while (task := self._next(worker)) is not None:
             worker_state.in_pool = True
             thread.name = f"jax_threadmap-async ({task.name})"  # for tracebacks
             try:
@@ -183,14 +190,6 @@ class _Pool:
             finally:
                 worker_state.in_pool = False
                 thread.name = "jax_threadmap-async (idle)"
-            with self._cond:
-                if not worker.counted:  # its call was given up on
-                    self._abandoned.discard(worker)
-                    worker.task = None
-                    if self._counted >= self._bound:
-                        return
-                    worker.counted = True
-                    self._counted += 1
 
     def status(self) -> AsyncPoolStatus:
         with self._cond:

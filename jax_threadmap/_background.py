@@ -1,23 +1,23 @@
-"""Background calls: the :class:`Task` behind every ``AsyncArray``, and what runs it.
+"""Background calls: the :class:`Task` behind every ``AsyncArray``.
 
 - :class:`Task`: one call of ``fn`` (or one wrapped ``Future``) and its outcome,
   shared by every array of the call's result: the placed ``jax.Array`` leaves, or
   the exception. A task ends once, by one of :meth:`Task.run` (``fn`` returned or
   raised), :meth:`Task.on_source_done` (a wrapped ``Future`` completed) or
-  :meth:`Task.give_up` (timeout, ``cancel()``, exit); what comes later is dropped.
-- The async pool (:class:`_Pool`): threads of its own that run the calls, at most
-  ``JAX_THREADMAP_ASYNC_THREADS`` of them counted at once. A call given up on
-  while it runs leaves that bound at once (Python cannot stop its thread): a
-  replacement may start, and the thread is counted as *abandoned* until its
-  function returns (:func:`pool_status`, and the warning at exit, name them).
-- Timeouts (:class:`_Deadlines`): one daemon thread gives up on the calls whose
-  ``timeout`` has passed, counted from the call (``async_call``) or its first use
-  (``deferred_call``), time spent waiting for a thread included.
-- Exit (:func:`abandon_at_exit`): calls still running are reported and abandoned.
+  :meth:`Task.give_up` (timeout, ``cancel()``); what comes later is dropped.
+- Its ``timeout`` counts from the call (``async_call``) or its first use
+  (``deferred_call``), time spent waiting for a thread included: the clock starts
+  in :meth:`Task.submit` (or when the call first runs in place), and the
+  timeouts' thread of :mod:`._async_threads` calls :meth:`Task.time_out`.
+- A call given up on while it runs takes its thread out of the pool's bound
+  (:meth:`._async_threads._Pool.abandon`), so that later calls start at once.
+- Exit (:func:`abandon_at_exit`): calls still running, and threads still in calls
+  given up on, are reported; the calls are abandoned.
 
-A thread that needs a value whose call has not started yet runs that call itself
-instead of waiting on work queued behind it (:meth:`Task.wait`), so a call that
-waits on another call's arrays cannot deadlock a full pool.
+The threads that run calls live in :mod:`._async_threads`. A thread that needs a
+value whose call has not started yet runs that call itself instead of waiting on
+work queued behind it (:meth:`Task.wait`), so a call that waits on another call's
+arrays cannot deadlock a full pool.
 
 The dispatch mechanism keeps per-call state on the task (its gates, under the
 task's lock) and is told when a call ends through :func:`set_gate_release`, so

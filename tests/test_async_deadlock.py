@@ -114,6 +114,24 @@ def test_the_timeout_ends_a_loader_that_runs_jax_behind_a_full_device(loader, n)
     assert "FATAL" not in out["stderr"], out["stderr"][-3000:]
 
 
+NUMPY_LOADER = """
+def load():
+    go.wait(60)  # a download: no JAX
+    returned.set()
+    return np.ones(4, np.float32)
+"""
+
+
+@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
+@pytest.mark.parametrize("n", [30, 40])
+def test_a_loader_without_jax_behind_a_full_device_gets_its_values(n):
+    # Nothing fails a call that has no timeout, however full the device.
+    out = run_script(NUMPY_LOADER + f"N = {n}\nTIMEOUT = None\n" + SCENARIO)
+    assert out["x"] == "value [1.0, 1.0, 1.0, 1.0]", out
+    assert out["last"] == f"value [{n + 1.0}, {n + 1.0}, {n + 1.0}, {n + 1.0}]", out
+    assert out["first"] == "value [2.0, 2.0, 2.0, 2.0]", out
+
+
 @pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
 @pytest.mark.parametrize("loader", sorted(LOADERS))
 def test_fewer_programs_behind_a_loader_that_runs_jax_get_their_values(loader):

@@ -29,11 +29,11 @@ i); params = step(params, batch)``, each load BATCH_LOAD_S (a sleep), then the f
 parameters used; with async dispatch the loop queues steps while batches load (on the
 pool, several at once); with blocking dispatch each step waits for its batch.
 
-Program runs from Python: ``_compat.wrap_program_runs`` wraps JAX's
-``ExecuteReplicated.__call__`` (to put the thread back on its execution stream);
-a jitted program with a host callback (always run from Python) is timed with the
-wrapper and without, alternated, best of many. Ordinary jitted calls run on
-JAX's C++ fast path and never reach the wrapper (tests/test_compat_async.py).
+Program runs: ``_compat.wrap_program_runs`` wraps JAX's
+``ExecuteReplicated.__call__`` (to put the thread back on its execution stream).
+A jitted program with a host callback (always run from Python) and an ordinary
+jitted call (JAX's C++ fast path, which never reaches the wrapper:
+tests/test_compat_async.py) are timed with the wrapper and without.
 
 Every comparison alternates its sides round by round and keeps the best of
 ROUNDS (the shared machine's speed swings about 2x minute to minute).
@@ -245,24 +245,35 @@ def training_loop(mode: str) -> tuple[float, np.ndarray]:
         return time.perf_counter() - t0, out
 
 
-def program_run_ns(wrapped: bool, calls: int = 2000) -> float:
-    """Nanoseconds per run of a program that JAX always runs from Python."""
+_programs: dict = {}
+
+
+def program_run_ns(wrapped: bool, fast: bool = False, calls: int = 3000) -> float:
+    """Nanoseconds per run of a program, with JAX's run from Python wrapped or not.
+
+    ``fast``: an ordinary jitted call (JAX's C++ fast path, which never reaches
+    the wrapper); else a program with a host callback, which JAX always runs
+    from Python.
+    """
     from jax_threadmap import _compat, _dispatch
 
     _dispatch.mechanism.prepare()
     cls = _compat.get("ExecuteReplicated")
     wrapper = cls.__call__
     original = getattr(wrapper, "__jax_threadmap_original__", wrapper)
-    f = jax.jit(lambda v: jax.pure_callback(lambda a: a, SPEC, v))
-    x = jnp.asarray(DATA)
+    if not _programs:
+        _programs[False] = jax.jit(lambda v: jax.pure_callback(lambda a: a, SPEC, v))
+        _programs[True] = jax.jit(lambda v: v + 1)
+    f, x = _programs[fast], jnp.asarray(DATA)
     f(x).block_until_ready()
+    n = calls * 5 if fast else calls
     cls.__call__ = wrapper if wrapped else original
     try:
         t0 = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(n):
             y = f(x)
         y.block_until_ready()
-        return (time.perf_counter() - t0) / calls * 1e9
+        return (time.perf_counter() - t0) / n * 1e9
     finally:
         cls.__call__ = wrapper
 
@@ -314,8 +325,9 @@ def compare(rounds: int = ROUNDS) -> dict:
         ),
         "runs": _best_alternated(
             {
-                "wrapped": lambda: program_run_ns(True),
-                "not wrapped": lambda: program_run_ns(False),
+                (wrapped, fast): lambda w=wrapped, f=fast: program_run_ns(w, f)
+                for fast in (False, True)
+                for wrapped in (True, False)
             },
             3 * rounds,
         ),
@@ -348,11 +360,12 @@ def report(r: dict) -> str:
         f"(blocking / async = {loop['blocking'] / loop['async']:.2f})"
     )
     runs = r["runs"]
-    lines.append(
-        "a program run from Python (host callback): wrapped "
-        f"{runs['wrapped'] / 1e3:.2f} us, not wrapped {runs['not wrapped'] / 1e3:.2f} "
-        f"us (ratio {runs['wrapped'] / runs['not wrapped']:.3f})"
-    )
+    for fast, what in ((False, "run from Python (host callback)"), (True, "C++ path")):
+        on, off = runs[True, fast], runs[False, fast]
+        lines.append(
+            f"a program {what}: wrapped {on / 1e3:.2f} us, not wrapped "
+            f"{off / 1e3:.2f} us (ratio {on / off:.3f})"
+        )
     lines.append(
         f"g(jnp.ones(3)) done while a {UNRELATED_LOAD_S:.0f} s load is pending "
         "(target < 0.1 s):"
@@ -385,10 +398,11 @@ def test_training_loop_fed_by_loads(benchmark, mode):
     assert out.shape == (N,)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["from_python", "cpp_fast_path"])
 @pytest.mark.parametrize("wrapped", [True, False], ids=["wrapped", "not_wrapped"])
-def test_program_run_from_python(benchmark, wrapped):
-    benchmark.group = "a program run from Python (host callback), ns"
-    benchmark.pedantic(program_run_ns, args=(wrapped,), rounds=ROUNDS)
+def test_program_run_wrapped_or_not(benchmark, wrapped, fast):
+    benchmark.group = f"a program run ({'C++' if fast else 'from Python'}), ns"
+    benchmark.pedantic(program_run_ns, args=(wrapped, fast), rounds=ROUNDS)
 
 
 @pytest.mark.parametrize("where", ["same thread", "other thread"])

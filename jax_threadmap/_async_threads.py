@@ -22,6 +22,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from typing import NamedTuple, Protocol
 
 from . import _fork
@@ -190,6 +191,7 @@ class _Pool:
             finally:
                 worker_state.in_pool = False
                 thread.name = "jax_threadmap-async (idle)"
+            del task  # not kept (with its values) while the thread waits for work
 
     def status(self) -> AsyncPoolStatus:
         with self._cond:
@@ -244,17 +246,21 @@ def pool() -> _Pool:
 
 
 class _Deadlines:
-    """One daemon thread that gives up on calls whose timeout has passed."""
+    """One daemon thread that gives up on calls whose timeout has passed.
+
+    It holds the calls weakly: a call that ended and whose arrays are gone is
+    not kept (with its values) until its deadline.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Call]] = []
+        self._heap: list[tuple[float, int, weakref.ref[Call]]] = []
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
     def add(self, task: Call, seconds: float) -> None:
         with self._cond:
-            entry = (time.monotonic() + seconds, next(self._ids), task)
+            entry = (time.monotonic() + seconds, next(self._ids), weakref.ref(task))
             heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -269,7 +275,9 @@ class _Deadlines:
                 now = time.monotonic()
                 due = []
                 while self._heap and self._heap[0][0] <= now:
-                    due.append(heapq.heappop(self._heap)[2])
+                    task = heapq.heappop(self._heap)[2]()
+                    if task is not None:
+                        due.append(task)
                 if due:
                     return due
                 self._cond.wait(self._heap[0][0] - now if self._heap else None)

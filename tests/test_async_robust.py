@@ -6,12 +6,15 @@ Each test here failed (or hung, bounded by its timeouts) before the fix it names
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -390,6 +393,19 @@ def test_a_bad_timeout_of_result_is_refused(timeout, exc, pattern):
         x.result(timeout=timeout)  # at once: nan used to wait without limit
     load.release.set()
     assert x.result(timeout=np.float32(WAIT)).shape == (3,)  # NumPy numbers work
+
+
+def test_a_finished_call_with_a_long_timeout_is_not_kept_until_its_deadline():
+    x = async_call(np.zeros, SDS((2,), np.float32), 2, timeout=3600)
+    x.result(timeout=WAIT)
+    task = weakref.ref(x._task)
+    del x
+    for _ in range(200):  # until its pool thread has let go of it
+        gc.collect()
+        if task() is None:
+            break
+        time.sleep(0.05)
+    assert task() is None, "the timeouts' thread keeps the call and its values"
 
 
 def run_script(script: str, env: dict | None = None, timeout: float = 90):

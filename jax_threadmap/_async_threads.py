@@ -213,10 +213,12 @@ def async_pool_status() -> AsyncPoolStatus:
     leaves the pool's bound at once, but Python cannot stop its thread: such
     calls are listed in ``abandoned`` until their function returns.
 
+    The result's fields: ``bound``, the most calls that run at once; ``running`` and
+    ``queued``, the calls now; ``abandoned``, the names of the calls given up on
+    whose function still runs.
+
     Returns:
-        An ``AsyncPoolStatus(bound, running, queued, abandoned)``: the most calls
-        that run at once, the calls running and queued now, and the names of
-        the calls given up on whose function still runs.
+        The named tuple ``AsyncPoolStatus(bound, running, queued, abandoned)``.
 
     Examples:
         >>> import threading

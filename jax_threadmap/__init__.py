@@ -8,11 +8,12 @@ import importlib.metadata
 from ._api import KernelFunction as KernelFunction
 from ._api import kernel as kernel
 from ._api import threadmap as threadmap
-from ._async import AsyncArray as AsyncArray
-from ._async import async_dispatch_status as async_dispatch_status
-from ._calls import async_call as async_call
-from ._calls import deferred_call as deferred_call
+from ._arrays import AsyncArray as AsyncArray
+from ._arrays import async_call as async_call
+from ._arrays import deferred_call as deferred_call
+from ._async_threads import async_pool_status as async_pool_status
 from ._compat import UnsupportedJaxError as UnsupportedJaxError
+from ._dispatch import async_dispatch_status as async_dispatch_status
 from ._errors import ExecutorError as ExecutorError
 from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
@@ -33,6 +34,7 @@ __all__ = [
     "UnsupportedJaxError",
     "async_call",
     "async_dispatch_status",
+    "async_pool_status",
     "deferred_call",
     "kernel",
     "limit_inner_threads",

@@ -22,6 +22,7 @@ and nothing else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import importlib
 import sys
@@ -432,7 +433,7 @@ HOOKS: tuple[Hook, ...] = (
             ("is_undefined_primal", "tells linear inputs in a transpose rule"),
         )
     ),
-    # Async arrays. An `AsyncArray` (jax_threadmap/_async.py) is passed to `jit`
+    # Async arrays. An `AsyncArray` (jax_threadmap/_arrays.py) is passed to `jit`
     # without its data: tracing and compilation need only its abstract value, and
     # the wait for the data belongs at execution. JAX has no public hook for such a
     # type, and since jax 0.8 `__jax_array__` is no longer honoured during
@@ -491,7 +492,7 @@ HOOKS: tuple[Hook, ...] = (
     # filled later. No public API makes one. `jax.experimental.transfer` (the same
     # module and signatures in 0.6.2 ... 0.12; experimental, so it may move) can:
     # `TransferConnection.pull` returns arrays whose buffers arrive when the
-    # server's `await_pull` offers them. `_async.py` pulls only a 4-byte gate
+    # server's `await_pull` offers them. `_dispatch.py` pulls only a 4-byte gate
     # through it (the data goes through a `pure_callback` program that waits on
     # the gate), so the loopback socket carries no data.
     Hook(
@@ -523,9 +524,10 @@ HOOKS: tuple[Hook, ...] = (
     # XLA orders the programs of one execution stream (by default, one per
     # dispatching thread). jaxlib lets a thread pick the stream of what it
     # dispatches (jaxlib.xla_client.execution_stream_id, a context manager over
-    # these two functions; the same in 0.6.2 ... 0.12). `_streams.py` puts a
-    # dispatch on pending data on a stream of its own until JAX's frame that runs
-    # the compiled program (ExecuteReplicated.__call__) returns.
+    # these two functions; the same in 0.6.2 ... 0.12). `_dispatch.py` puts a
+    # dispatch on pending data on a stream of its own, and puts the thread back
+    # when JAX's call that runs the compiled program (ExecuteReplicated.__call__,
+    # which it wraps: `wrap_program_runs`) returns.
     Hook(
         "get_execution_stream_id",
         "reads the execution stream of the programs this thread dispatches",
@@ -541,8 +543,10 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "ExecuteReplicated",
-        "its __call__ runs a compiled program after the argument handlers: the "
-        "thread goes back to its usual stream when that frame returns",
+        "its __call__ runs a compiled program from Python, after the argument "
+        "handlers; wrapped, so that a dispatch on pending data puts the thread "
+        "back on its usual stream when it returns (its ordered_effects name the "
+        "programs whose dispatch JAX orders)",
         (DISPATCH_STREAMS,),
         _everywhere("jax._src.interpreters.pxla:ExecuteReplicated"),
     ),
@@ -861,7 +865,7 @@ def register_array_like(
 start_transfer_server: Callable[..., Any] | None = _or_missing(
     "start_transfer_server", None
 )
-# The logger's name, for `_async.py` to filter; its module's name where it moved.
+# The logger's name, for `_dispatch.py` to filter; its module's name where it moved.
 CALLBACK_LOGGER_NAME: str = getattr(
     _or_missing("callback_logger", None), "name", "jax._src.callback"
 )
@@ -874,6 +878,38 @@ def dispatch_streams_unavailable() -> str | None:
         if DISPATCH_STREAMS in hook.features and isinstance(value, Missing):
             return f"{hook.name} is missing: {value.reason}"
     return None
+
+
+#: On the wrapper: the wrapper it calls, and JAX's own method it wraps.
+_AROUND, _ORIGINAL = "__jax_threadmap_around__", "__jax_threadmap_original__"
+
+
+def wrap_program_runs(around: Callable[..., Any]) -> bool:
+    """Makes every run of a compiled program from Python go through ``around``.
+
+    JAX runs a jitted program from Python (its C++ fast path aside, which never
+    sees an ``AsyncArray``) in ``ExecuteReplicated.__call__``: the argument
+    handlers first, then XLA's execute. After this, that call is
+    ``around(run, program, args, ordered_effects)``, which must return
+    ``run(program, *args)``; ``ordered_effects`` are the program's ordered
+    effects. A second call replaces the first one's ``around``. Returns whether
+    the hook is there (:func:`dispatch_streams_unavailable` says why not).
+    """
+    if dispatch_streams_unavailable() is not None:
+        return False
+    cls = get("ExecuteReplicated")
+    run = getattr(cls.__call__, _ORIGINAL, cls.__call__)
+    if getattr(cls.__call__, _AROUND, None) is around:
+        return True
+
+    @functools.wraps(run)
+    def __call__(self: Any, *args: Any) -> Any:
+        return around(run, self, args, self.ordered_effects)
+
+    setattr(__call__, _AROUND, around)
+    setattr(__call__, _ORIGINAL, run)
+    cls.__call__ = __call__
+    return True
 
 
 def async_dispatch_unavailable() -> str | None:

@@ -1,10 +1,28 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
-The mechanism behind ``AsyncArray``'s argument handler: :meth:`Dispatch.arrays_for`
-hands JAX, for each pending array, a ``jax.Array`` made by a *gate program* that
-runs once the call has returned. Swapping the mechanism means replacing this
-module; :mod:`._async` uses only :data:`mechanism`, :func:`async_dispatch_status`
-and :class:`AsyncCallFailed`.
+The one file to swap to change the mechanism: :mod:`._arrays` uses only
+:data:`mechanism`, :func:`async_dispatch_status` and :class:`AsyncCallFailed`.
+How it works (docs/async.md, "How it works", says the same):
+
+- **Gates.** The argument handler hands JAX, for the pending arrays of one
+  dispatch, the outputs of a small *gate program* per device, whose input is a
+  4-byte gate pulled from a loopback transfer server (``jax.experimental.
+  transfer``). The call offers the gate when it ends; the program's host
+  callback then copies the call's result (never through the socket) or raises
+  its error, which reaches every dependent.
+- **Streams.** XLA runs the programs of one execution stream in dispatch order
+  (by default a stream per thread). The gate programs and the program behind
+  them go on a new stream per dispatch, so that nothing else waits for this
+  data; the run of the program is wrapped (:func:`_around`, through
+  ``_compat.wrap_program_runs``) and puts the thread back on its stream when it
+  returns. A thread-local level says which run switched; no frame is read.
+- **The bound.** XLA's CPU client admits 32 programs per device, waiting ones
+  included. At most :data:`MAX_WAITING_PROGRAMS` gate programs (and as many
+  programs behind them) wait per device; beyond that a dispatch waits, in
+  Python, for its own data (blocking dispatch), never for another call.
+- **Ordered effects.** JAX dispatches a thread's program with an ordered effect
+  only once its previous one has run, and (before jax 0.12) fails every later
+  one after one failed: such a program waits for its pending data at dispatch.
 """
 
 from __future__ import annotations
@@ -21,47 +39,20 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _compat, _deadlock, _fork, _streams, _task
-from ._task import FINISHED, FINISHING, PENDING, POLL_S, RUNNING, Task, worker_state
+from . import _background, _compat, _fork
+from ._background import FINISHED, FINISHING, PENDING, RUNNING, Task, worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
 
-# --- async dispatch --------------------------------------------------------------
-# A jitted call whose AsyncArray arguments are still pending returns at once: the
-# argument handler hands JAX, for each one, a jax.Array made by a small "gate
-# program" that has not run yet. Its input is a gate, a 4-byte array pulled from a
-# loopback transfer server (jax.experimental.transfer) that the call offers when it
-# ends; the program then runs and its host callback copies the call's result into
-# the output buffers (the data never crosses the socket), or raises the call's
-# error, which then reaches every dependent. XLA orders executions per execution
-# stream (by default one per dispatching thread; the gate programs and the program
-# that waits for them go on a stream of their own, see _streams.py) and caps
-# executions in flight per device (32 on CPU), so one program
-# covers all the pending arrays of one call, and at most MAX_WAITING_PROGRAMS wait
-# per device; beyond that, and where the mechanism is missing, dispatch waits for
-# the data as before ("blocking dispatch").
-
 ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
 
-#: Gate programs that may wait on one device at once; more dispatches wait for
-#: their data. XLA's CPU client runs at most 32 executions per device at a time
-#: (waiting ones included); this leaves most of them to the programs that
-#: depend on pending data and to the loaders themselves.
+#: Gate programs that may wait on one device at once (each with the program
+#: dispatched behind it: twice as many of XLA's slots); more dispatches wait, in
+#: Python, for their own data. XLA's CPU client runs at most 32 programs per
+#: device at a time, waiting ones included: this leaves half of them to plain
+#: programs that use pending results, to the loaders' own JAX calls and to
+#: other work.
 MAX_WAITING_PROGRAMS = 8
-
-#: Programs that one thread may dispatch (with ``AsyncArray`` s) behind a call
-#: still running before the next such dispatch waits, in Python, for that call.
-#: XLA runs them in order (they share the thread's pending stream, see
-#: :mod:`._streams`), so they all wait for the call; with
-#: the gate programs (MAX_WAITING_PROGRAMS per device) this keeps the programs
-#: in flight well under XLA's CPU limit of 32 per device, where dispatch
-#: itself would block inside XLA (where Ctrl-C does not reach it) and a loader
-#: that runs JAX would wait for a slot that only its own result frees.
-MAX_QUEUED_BEHIND = 8
-
-#: How long such a dispatch waits for the call before it raises an error that
-#: names the call (instead of waiting for a call that may never return).
-DISPATCH_WAIT_S = 60.0
 
 #: Gate programs kept compiled, by device and layout. A program serves every call
 #: with the same leaf layout, so a steady workload needs a handful; the bound only
@@ -78,6 +69,13 @@ EXIT_DRAIN_S = 3.0
 #: How often the exit drain looks at the count of waiting programs: the programs
 #: need the GIL, which a sleep gives them.
 EXIT_POLL_S = 0.01
+
+#: The first execution stream of dispatches on pending data; each dispatch takes
+#: the next. Far above the ids XLA derives from thread ids, so that they never
+#: meet a thread's usual stream. XLA forgets a stream once its last program has
+#: run, so fresh ids cost nothing (measured on jax 0.6.2 and 0.12: 200,000
+#: dispatches on as many streams, memory unchanged).
+FIRST_PENDING_STREAM = 1 << 62
 
 # Platforms on which the gate mechanism was measured (dispatch latency, values,
 # failures, exit): others fall back to blocking dispatch.
@@ -162,56 +160,65 @@ def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
     return plan, layouts
 
 
-class _Queue(threading.local):
-    """What one thread has dispatched behind calls that are still running."""
+# --- streams: a dispatch on pending data gets one of its own -------------------------
+
+
+class _Thread(threading.local):
+    """Where this thread is in running compiled programs (see :func:`_around`)."""
 
     def __init__(self) -> None:
-        #: The calls whose gate programs this thread's programs wait for.
-        self.behind: list[Task] = []
-        #: Programs dispatched with AsyncArrays since ``behind`` was empty.
-        self.queued = 0
+        #: How many runs of compiled programs are in progress in this thread
+        #: (nested: a gate program dispatched by an argument handler).
+        self.depth = 0
+        #: The level of the run whose dispatch switched the stream (0: none).
+        self.switched_at = 0
+        #: The stream to go back to.
+        self.usual = 0
+        #: The ordered effects of the innermost run.
+        self.effects: Any = ()
 
 
-_queue = _Queue()
+_thread = _Thread()
+_stream_ids = itertools.count(FIRST_PENDING_STREAM)
 
 
-def _running(task: Task) -> bool:
-    return task.state in (PENDING, RUNNING)
+def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
+    """Every run of a compiled program from Python (``_compat.wrap_program_runs``).
 
-
-def _hold_back() -> _Queue:
-    """Waits while this thread has too many programs queued behind a call.
-
-    Waits in Python (in slices, so Ctrl-C gets through), at most
-    :data:`DISPATCH_WAIT_S` per call, then raises a ``RuntimeError`` naming
-    the call that does not return.
+    Puts the thread back on its usual stream when the run whose argument handler
+    switched it returns, whatever happens; tells the handler the program's
+    ordered effects.
     """
-    queue = _queue
-    while True:
-        queue.behind = [t for t in queue.behind if _running(t)]
-        if not queue.behind:
-            queue.queued = 0
-            return queue
-        if queue.queued < MAX_QUEUED_BEHIND:
-            return queue
-        stuck = queue.behind[0]
-        deadline = time.monotonic() + DISPATCH_WAIT_S
-        while _running(stuck):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(
-                    f"jax_threadmap: this thread has {queue.queued} jitted "
-                    f"programs queued behind {stuck.name} "
-                    f"(jax_threadmap.{stuck.api}), which has not returned "
-                    f"after {DISPATCH_WAIT_S:g} s more. XLA runs the programs "
-                    "that one thread dispatches on pending data in order, so "
-                    "none of them runs before it returns. Give the call a "
-                    "timeout (async_call(..., "
-                    "timeout=SECONDS)) or cancel it (AsyncArray.cancel()), wait "
-                    "for its arrays (block_until_ready) before queuing more, or "
-                    "dispatch the other work from another thread."
-                )
-            stuck.future_done(min(POLL_S, left))
+    state = _thread
+    level = state.depth + 1
+    outer = state.effects
+    state.depth, state.effects = level, effects
+    try:
+        return run(program, *args)
+    finally:
+        state.depth, state.effects = level - 1, outer
+        if state.switched_at == level:
+            state.switched_at = 0
+            _compat.get("set_execution_stream_id")(state.usual)
+
+
+def _switch_stream() -> bool:
+    """Puts what this thread dispatches next on a new stream.
+
+    Inside a run of a compiled program (a jitted call), the run's end puts the
+    thread back (:func:`_around`): returns ``False``. Outside one (``device_put``
+    of a pending array), returns ``True``: the caller puts it back after its gate
+    programs.
+    """
+    state = _thread
+    if state.switched_at or not mechanism._wrapped or mechanism.in_thread_order():
+        return False
+    state.usual = _compat.get("get_execution_stream_id")()
+    _compat.get("set_execution_stream_id")(next(_stream_ids))
+    if state.depth:
+        state.switched_at = state.depth
+        return False
+    return True
 
 
 class Dispatch:
@@ -229,6 +236,10 @@ class Dispatch:
         self._slots: dict[int, Task] = {}
         self._slot_ids = itertools.count(1)
         self._failed_devices: set[Any] = set()
+        # Whether prepare() ran, and whether program runs are wrapped (then a
+        # dispatch on pending data gets a stream of its own).
+        self._prepared = False
+        self._wrapped = False
 
     def after_fork(self) -> None:
         # Servers, gates and programs in flight belong to the parent.
@@ -249,11 +260,34 @@ class Dispatch:
             )
         return None
 
+    def prepare(self) -> None:
+        """Installs the wrapper of program runs (once; at the first async call).
+
+        No ``AsyncArray`` exists before that, so no dispatch on pending data can
+        happen earlier, and a process that never makes one runs JAX untouched.
+        """
+        if self._prepared:
+            return
+        with self._lock:
+            if not self._prepared:
+                self._wrapped = _compat.wrap_program_runs(_around)
+                self._prepared = True
+
+    def in_thread_order(self) -> str | None:
+        """Why dispatches on pending data keep their thread's stream, or ``None``."""
+        reason = _compat.dispatch_streams_unavailable()
+        if reason is None and self._prepared and not self._wrapped:
+            reason = "the runs of compiled programs could not be wrapped"
+        return reason
+
     # -- at dispatch, in the thread that calls the jitted function --
 
     def arrays_for(self, xs: list[Any], shardings: list[Any]) -> list[Any]:
-        """One jax.Array per x: the value if there, else a pending one (or wait)."""
-        queue = _hold_back()
+        """One jax.Array per x: the value if there, else a pending one.
+
+        Where async dispatch is off or its bound is reached, waits for the data
+        of ``xs`` (blocking dispatch): never for another call.
+        """
         out: list[Any] = [None] * len(xs)
         todo = []
         for i, x in enumerate(xs):
@@ -262,26 +296,19 @@ class Dispatch:
             else:
                 todo.append(i)
         if todo and self._may_dispatch([shardings[i] for i in todo]):
-            self._dispatch_pending(xs, shardings, todo, out, queue)
-        if queue.behind:
-            queue.queued += 1  # this program runs after theirs
+            self._dispatch_pending(xs, shardings, todo, out)
         for i in todo:
-            if out[i] is None:  # blocking dispatch, as before
+            if out[i] is None:  # blocking dispatch: its own data
                 out[i] = xs[i].result()
         return out
 
     def _dispatch_pending(
-        self,
-        xs: list[Any],
-        shardings: list[Any],
-        todo: list[int],
-        out: list[Any],
-        queue: _Queue,
+        self, xs: list[Any], shardings: list[Any], todo: list[int], out: list[Any]
     ) -> None:
         """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs."""
-        # The gate programs and the program being dispatched go on this thread's
-        # pending stream, so that what the thread dispatches next does not wait.
-        _streams.switch_for_this_dispatch()
+        # The gate programs (and the program being dispatched, if any) go on a
+        # stream of their own, so that nothing else waits for this data.
+        put_back = _switch_stream()
         try:
             made = self._pending_arrays(
                 [xs[i] for i in todo], [shardings[i] for i in todo]
@@ -294,12 +321,19 @@ class Dispatch:
                 exc_info=True,
             )
             return
+        finally:
+            if put_back:
+                _compat.get("set_execution_stream_id")(_thread.usual)
         for i, array in zip(todo, made, strict=True):
             out[i] = array
-            if array is not None and xs[i]._task not in queue.behind:
-                queue.behind.append(xs[i]._task)
 
     def _may_dispatch(self, shardings: list[Any]) -> bool:
+        if _thread.effects:
+            # JAX dispatches a program with an ordered effect only once the
+            # previous one with that effect has run, and a failed one fails
+            # every later one (before jax 0.12): wait for the data here, in
+            # Python, and a failed call raises at this dispatch instead.
+            return False
         if getattr(worker_state, "in_pool", False):
             # A call run by the pool that needs another call's value runs that
             # call itself (see Task.wait) rather than queue behind busy workers.
@@ -367,8 +401,6 @@ class Dispatch:
         for task, device in [(t, d) for t, d in owed if t in refused]:
             owed.remove((task, device))
             self._program_ran(task)
-        if claimed - refused:  # not under a task's lock: the watchdog takes them
-            _deadlock.watchdog.ensure_running()
         return claimed - refused
 
     def _run_gate_program(
@@ -522,13 +554,11 @@ mechanism = Dispatch()
 def async_dispatch_status() -> str:
     """Says whether jitted calls with pending ``AsyncArray`` s return at once.
 
-    With ``"async"``, ``y = f(x)`` with ``x`` pending returns at once, and later
-    work of the same thread that does not use ``y`` runs without waiting for
-    ``x``: the programs that wait for pending data go on an execution stream of
-    their own (docs/async.md, "Ordering"). Where the JAX hooks for that are
-    missing, the status says ``"async, in thread order (...)"``: calls still
-    return at once, but every later program of the same thread runs when ``x``
-    has arrived.
+    With ``"async"``, ``y = f(x)`` with ``x`` pending returns at once, and other
+    work (of the same thread too) that does not use ``y`` does not wait for
+    ``x`` (docs/async.md, "Ordering"). Where the JAX hooks for that are missing,
+    it is ``"async, in thread order (...)"``: calls still return at once, but
+    every later program of the same thread runs once ``x`` has arrived.
 
     Returns:
         ``"async"``, ``"async, in thread order (<reason>)"``, or
@@ -543,7 +573,7 @@ def async_dispatch_status() -> str:
     reason = mechanism.status()
     if reason is not None:
         return f"blocking: {reason}"
-    in_order = _streams.unavailable()
+    in_order = mechanism.in_thread_order()
     if in_order is not None:
         return (
             "async, in thread order (later programs of the thread that dispatched "
@@ -556,11 +586,13 @@ def _release(task: Task, gates: dict) -> None:
     mechanism.offer(task, gates)
 
 
+@_fork.in_child
 def _after_fork_in_child() -> None:
-    # Servers, gates and programs in flight belong to the parent.
+    # Servers, gates and programs in flight belong to the parent; the forking
+    # thread (the child's only one) is in no run of a program here.
+    global _thread
     mechanism.after_fork()
-    _streams.after_fork_in_child()
+    _thread = _Thread()
 
 
-_task.set_gate_release(_release)
-_fork.in_child(_after_fork_in_child)
+_background.set_gate_release(_release)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import numbers
 import operator
 import os
 from typing import Any
@@ -467,6 +468,39 @@ def _check_python_int(value: np.ndarray, dtype: np.dtype) -> None:
         largest = float(jax.numpy.finfo(dtype).max)
         why = f"the largest finite {dtype} is {largest:g}, so it would overflow"
         raise _does_not_fit(v, "Python int", None, dtype, why)
+
+
+# --- timeouts -------------------------------------------------------------------------
+
+
+def check_timeout(
+    timeout: Any, api: str, *, zero: bool, hint: str = ""
+) -> float | None:
+    """``timeout`` as seconds (a float), or ``None``; raises on anything else.
+
+    Args:
+        timeout: What the caller passed: ``None`` or a real number of seconds.
+        api: The function that took it, for the message.
+        zero: Whether 0 is accepted (``result(timeout=0)`` looks without waiting;
+            a call may not be given 0 s to run).
+        hint: A sentence added to the ``TypeError`` (e.g. how to pass a keyword
+            named ``timeout`` on to a user's function).
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"{api}: timeout must be None or a number of seconds. Got "
+            f"timeout={timeout!r} of type {type(timeout).__name__}.{hint}"
+        )
+    seconds = float(timeout)
+    if not (0 <= seconds if zero else 0 < seconds) or not math.isfinite(seconds):
+        what = "non-negative" if zero else "positive"
+        raise ValueError(
+            f"{api}: timeout must be a {what}, finite number of seconds. Got "
+            f"timeout={timeout!r}. Pass None to wait as long as it takes."
+        )
+    return seconds
 
 
 # --- environment variables ------------------------------------------------------------

@@ -7,6 +7,7 @@ the offending import named.
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -38,12 +39,10 @@ LAYERS = [
     "_primitive",
     "_api",
     "_leaves",
-    "_task",
-    "_streams",
-    "_deadlock",
+    "_async_threads",
+    "_background",
     "_dispatch",
-    "_async",
-    "_calls",
+    "_arrays",
     "_inner_threads",
     "_demo",
     "__init__",
@@ -129,3 +128,25 @@ def test_one_fork_hook_for_the_package():
         if "register_at_fork" in path.read_text() and path.stem != "_fork"
     ]
     assert calls == []
+
+
+#: What no module may use to learn what another thread (or the interpreter) is
+#: doing: profiler and tracer hooks, other threads' frames, bytecode.
+INTROSPECTION = re.compile(
+    r"\b(setprofile|settrace|_current_frames|current_frames|_getframe|f_locals"
+    r"|f_back|f_lineno|f_lasti|import dis|from dis)\b"
+)
+#: The executor layer's tail stealing still walks another thread's frames
+#: (being replaced by a published cursor); nothing else may.
+INTROSPECTION_LEFT = {"_compat", "_jobs", "_loops"}
+
+
+def test_no_module_reads_frames_or_sets_profilers():
+    found = {
+        p.stem for p in PACKAGE.glob("*.py") if INTROSPECTION.search(p.read_text())
+    }
+    assert found <= INTROSPECTION_LEFT, sorted(found - INTROSPECTION_LEFT)
+    assert not any(
+        INTROSPECTION.search((PACKAGE / f"{m}.py").read_text())
+        for m in ("_leaves", "_async_threads", "_background", "_dispatch", "_arrays")
+    )

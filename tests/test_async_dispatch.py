@@ -16,22 +16,28 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import returns_within
+from jax.experimental import io_callback
 
 import jax_threadmap as jtm
-from jax_threadmap import AsyncArray, _async, _dispatch, async_call, deferred_call
+from jax_threadmap import (
+    AsyncArray,
+    _async_threads,
+    _dispatch,
+    async_call,
+    deferred_call,
+)
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        _async.async_dispatch_status() != "async",
-        reason=f"async dispatch is off here: {_async.async_dispatch_status()}",
+        _dispatch.async_dispatch_status() != "async",
+        reason=f"async dispatch is off here: {_dispatch.async_dispatch_status()}",
     ),
 ]
 
@@ -308,18 +314,17 @@ def test_200_pending_arrays_in_one_call():
     f = jax.jit(lambda xs: jnp.stack(xs) * 2)
     y = returns_while_gated(f, arrays)
     assert not y.is_ready()
-    t0 = time.monotonic()
     release.set()
-    np.testing.assert_array_equal(
-        np.asarray(y), 2 * np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, 1)
-    )
     # About a second; no call may wait for the shared gate program one by one
-    # (that took a minute).
-    assert time.monotonic() - t0 < 30
+    # (that took a minute): a hang bound, not a timing.
+    np.testing.assert_array_equal(
+        returns_within(np.asarray, y, limit=WAIT),
+        2 * np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, 1),
+    )
 
 
 def test_more_waiting_programs_than_the_cap_fall_back_to_blocking():
-    cap = _async.MAX_WAITING_PROGRAMS
+    cap = _dispatch.MAX_WAITING_PROGRAMS
     release = threading.Event()
 
     def load(i):
@@ -345,24 +350,83 @@ def test_more_waiting_programs_than_the_cap_fall_back_to_blocking():
     gate.release.set()
 
 
+# --- ordered effects -------------------------------------------------------------
+
+
+def _with_ordered_effect(kind: str, seen: list):
+    """A jitted ``v * 2`` that records ``v`` through an ordered effect."""
+
+    def record(v):
+        seen.append(np.asarray(v).tolist())
+
+    def g(v):
+        if kind == "io_callback":
+            io_callback(record, None, v, ordered=True)
+        else:
+            jax.debug.callback(record, v, ordered=True)
+        return v * 2
+
+    return jax.jit(g)
+
+
+@pytest.mark.parametrize("kind", ["io_callback", "debug_callback"])
+def test_a_program_with_ordered_effects_waits_for_its_data_at_dispatch(kind):
+    # JAX dispatches the next program with that effect only once this one ran:
+    # it waits here, in Python, rather than in the next dispatch, inside JAX.
+    seen: list = []
+    h = _with_ordered_effect(kind, seen)
+    h(jnp.zeros(2)).block_until_ready()
+    seen.clear()
+    gate = Gate(np.ones(2, np.float32))
+    x = async_call(gate, SDS((2,), np.float32))
+    box: dict = {}
+    waits = threading.Thread(target=lambda: box.update(a=h(x)), daemon=True)
+    waits.start()
+    waits.join(0.5)
+    assert waits.is_alive() and not gate.release.is_set()
+    gate.release.set()
+    waits.join(WAIT)
+    assert not waits.is_alive()
+    b = returns_while_gated(h, jnp.full(2, 3.0, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(box["a"]), [2.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(b), [6.0, 6.0])
+    jax.effects_barrier()
+    assert seen == [[1.0, 1.0], [3.0, 3.0]]
+
+
+def test_a_failed_load_under_an_ordered_effect_fails_only_its_dispatch():
+    # Had the program been dispatched, its failure would fail every later
+    # program with the effect (JAX before 0.12) and JAX's exit handler too.
+    seen: list = []
+    h = _with_ordered_effect("io_callback", seen)
+    gate = Gate(error=LoadError("gone"))
+    x = async_call(gate, SDS((2,), np.float32))
+    assert gate.started.wait(WAIT)
+    threading.Timer(0.1, gate.release.set).start()  # while h(x) waits, usually
+    with pytest.raises(LoadError, match="gone"):
+        returns_while_gated(h, x, limit=WAIT)
+    np.testing.assert_array_equal(np.asarray(h(jnp.ones(2))), [2.0, 2.0])
+    jax.effects_barrier()
+    assert seen == [[1.0, 1.0]]
+
+
 # --- the other constructors and threadmap ----------------------------------------
 
 
 def test_deferred_call_starts_on_the_pool_when_dispatched():
     calls = []
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
 
     def fn(seed):
         calls.append(threading.current_thread())
+        started.set()
         assert release.wait(WAIT)
         return _weights(seed=seed)
 
     params = deferred_call(fn, _shapes(), 5)
     x = jnp.ones(3, jnp.float32)
     y = returns_while_gated(jax.jit(_model), params, x)
-    deadline = time.monotonic() + WAIT
-    while not calls and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert started.wait(WAIT)
     assert len(calls) == 1 and calls[0].name.startswith("jax_threadmap-async")
     release.set()
     np.testing.assert_allclose(y, _reference(_model, _weights(seed=5), x), rtol=1e-6)
@@ -412,7 +476,7 @@ def test_dispatch_inside_a_pool_call_still_waits_for_its_data():
     # A call run by the pool that jits with another call's arrays waits for them
     # there (running the other call itself if it has not started), so a full
     # pool cannot deadlock.
-    bound = _async.default_async_threads()
+    bound = _async_threads.default_async_threads()
 
     def inner(i):
         return np.full((1,), i, np.float32)
@@ -430,8 +494,8 @@ def test_dispatch_inside_a_pool_call_still_waits_for_its_data():
 
 
 def test_switch_off_gives_blocking_dispatch(monkeypatch):
-    monkeypatch.setenv(_async.ENV_ASYNC_DISPATCH, "0")
-    assert _async.async_dispatch_status().startswith("blocking: disabled by")
+    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "0")
+    assert _dispatch.async_dispatch_status().startswith("blocking: disabled by")
     gate = Gate(np.ones(2, np.float32))
     a = async_call(gate, SDS((2,), np.float32))
     box = {}
@@ -442,9 +506,9 @@ def test_switch_off_gives_blocking_dispatch(monkeypatch):
     gate.release.set()
     t.join(WAIT)
     np.testing.assert_array_equal(box["y"], [-1.0, -1.0])
-    monkeypatch.setenv(_async.ENV_ASYNC_DISPATCH, "maybe")
+    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "maybe")
     with pytest.raises(ValueError, match="JAX_THREADMAP_ASYNC_DISPATCH='maybe'"):
-        _async.async_dispatch_enabled()
+        _dispatch.async_dispatch_enabled()
 
 
 def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplog):
@@ -452,7 +516,7 @@ def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplo
         raise OSError("no loopback here")
 
     monkeypatch.setattr(_dispatch, "mechanism", _dispatch.Dispatch())
-    monkeypatch.setattr(_async._compat, "start_transfer_server", refuse)
+    monkeypatch.setattr(_dispatch._compat, "start_transfer_server", refuse)
     gate = Gate(np.arange(3, dtype=np.float32))
     a = async_call(gate, SDS((3,), np.float32))
     box = {}
@@ -464,7 +528,7 @@ def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplo
         gate.release.set()
         t.join(WAIT)
     np.testing.assert_array_equal(box["y"], [0.0, 3.0, 6.0])
-    status = _async.async_dispatch_status()
+    status = _dispatch.async_dispatch_status()
     assert status.startswith("blocking: unavailable") and "no loopback here" in status
     assert any("no loopback here" in r.getMessage() for r in caplog.records)
 
@@ -525,16 +589,12 @@ _EXTRAS = {
 @pytest.mark.parametrize("extra", sorted(_EXTRAS))
 def test_a_call_that_never_returns_does_not_hold_the_exit(extra):
     script = _EXIT_SCRIPT.format(extra=_EXTRAS[extra])
-    t0 = time.monotonic()
     proc = run_script(script)  # the call sleeps 10,000 s: a hang fails here
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "script ends" in proc.stdout
     assert "`never_returns` (async_call)" in proc.stderr, proc.stderr[-3000:]
     assert "RuntimeWarning" in proc.stderr
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
-    # Generous for a busy machine; the call itself would take hours.
-    assert elapsed < 60, elapsed
 
 
 def test_a_failed_call_with_dispatched_dependents_exits_cleanly():
@@ -573,13 +633,13 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
         import threading, time
         import jax, numpy as np
         import jax_threadmap as jtm
-        from jax_threadmap import _task
+        from jax_threadmap import _background
 
-        place = _task.place
+        place = _background.place
         def slow_place(task, flat):
             time.sleep(1.0)
             return place(task, flat)
-        _task.place = slow_place
+        _background.place = slow_place
 
         go = threading.Event()
         def slow():

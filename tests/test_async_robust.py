@@ -6,6 +6,7 @@ Each test here failed (or hung, bounded by its timeouts) before the fix it names
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +22,19 @@ import numpy as np
 import pytest
 from helpers import returns_within
 
-from jax_threadmap import _async, _dispatch, async_call, deferred_call, threadmap
+from jax_threadmap import (
+    _async_threads,
+    _dispatch,
+    async_call,
+    deferred_call,
+    threadmap,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-STATUS = _async.async_dispatch_status()
+STATUS = _dispatch.async_dispatch_status()
 ASYNC = STATUS.startswith("async")
 #: Programs on pending data have a stream of their own (not only thread order).
 OWN_STREAM = STATUS == "async"
@@ -37,72 +45,52 @@ def in_thread(fn, *args, limit: float = WAIT):
     return returns_within(fn, *args, limit=limit, what=f"return within {limit} s")
 
 
-class Blocker:
-    """A pending call with a program dispatched on it by this thread.
-
-    XLA runs the programs that one thread dispatches on pending data in order
-    (they share the thread's pending stream), so while it is held, every later
-    program of this thread on pending data waits behind it.
-    """
-
-    def __enter__(self):
-        self.release = threading.Event()
-        self.x = async_call(
-            lambda: (self.release.wait(WAIT), np.zeros(2, np.float32))[1],
-            SDS((2,), np.float32),
-        )
-        self.y = jax.jit(lambda v: v + 1)(self.x)
-        return self
-
-    def __exit__(self, *exc):
-        self.release.set()
-        in_thread(np.asarray, self.y)
-
-
 # --- never a wrong value ---------------------------------------------------------
 
 
 def test_a_buffer_the_loader_refills_later_changes_nothing():
     buf = np.zeros(4, np.int32)
-    first = {}
     go = threading.Event()
 
     def load(v):
-        if v == 1:
-            go.wait(WAIT)  # until its dependent is dispatched
-        else:  # the next load refills the buffer once the first is done
-            first["x"].result(timeout=WAIT)
+        go.wait(WAIT)
         buf[:] = v
         return buf
 
-    square = jax.jit(lambda v: v * v)
-    with Blocker():  # the dependent's copy of the data is queued behind it
-        x1 = first["x"] = async_call(load, SDS((4,), np.int32), 1)
-        y1 = square(x1)
-        go.set()
-        x2 = async_call(load, SDS((4,), np.int32), 2)
-        x2.result(timeout=WAIT)
+    x1 = async_call(load, SDS((4,), np.int32), 1)
+    y1 = jax.jit(lambda v: v * v)(x1)  # its gate program copies from the call
+    go.set()
+    x1.result(timeout=WAIT)
+    # What gate programs copy from is the call's own copy, taken when it returned,
+    # never the buffer the loader returned (which it may refill for its next call).
+    host = x1._task.host
+    assert host is None or not any(np.shares_memory(h, buf) for h in host)
+    buf[:] = 2
     np.testing.assert_array_equal(np.asarray(x1), [1, 1, 1, 1])
     np.testing.assert_array_equal(in_thread(np.asarray, y1), [1, 1, 1, 1])
-    np.testing.assert_array_equal(np.asarray(x2), [2, 2, 2, 2])
+    x2 = async_call(load, SDS((4,), np.int32), 3)
+    np.testing.assert_array_equal(np.asarray(x2), [3, 3, 3, 3])
+    np.testing.assert_array_equal(np.asarray(x1), [1, 1, 1, 1])
 
 
 def test_a_value_is_there_as_soon_as_the_call_returns():
-    # The data used to be held back (2 s) while its copy for a dependent queued.
-    go = threading.Event()
-    with Blocker():
-        x = async_call(
-            lambda: (go.wait(WAIT), np.arange(3, dtype=np.int32))[1],
-            SDS((3,), np.int32),
-        )
-        y = jax.jit(lambda v: v + 1)(x)  # its copy of x queues behind the blocker
-        go.set()
-        start = time.perf_counter()
-        got = x.result(timeout=WAIT)
-        elapsed = time.perf_counter() - start
+    # The data used to be held back while its copy for a dependent queued. The
+    # dependent here also waits for a second load, held until the end: result()
+    # must not wait for it (else it raises TimeoutError at WAIT).
+    go, other_go = threading.Event(), threading.Event()
+    x = async_call(
+        lambda: (go.wait(WAIT), np.arange(3, dtype=np.int32))[1], SDS((3,), np.int32)
+    )
+    other = async_call(
+        lambda: (other_go.wait(WAIT), np.ones(3, np.int32))[1], SDS((3,), np.int32)
+    )
+    y = jax.jit(lambda v, w: v + w)(x, other)
+    go.set()
+    got = x.result(timeout=WAIT)
+    assert not other_go.is_set()
+    other_go.set()
     np.testing.assert_array_equal(got, [0, 1, 2])
     np.testing.assert_array_equal(in_thread(np.asarray, y), [1, 2, 3])
-    assert elapsed < 1.5, f"result() took {elapsed:.2f} s after the data was there"
 
 
 # --- unrelated work does not wait behind a load -----------------------------------
@@ -125,42 +113,47 @@ class Pending:
         np.testing.assert_array_equal(in_thread(np.asarray, self.y), [8, 8, 8])
 
 
-@pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
-def test_unrelated_work_of_the_same_thread_does_not_wait_for_a_pending_load():
-    # Was: XLA ran the thread's programs in order, so g ran only once x arrived.
+def _unrelated_work_runs(p: Pending) -> None:
+    """Unrelated work of this thread is done while ``p`` is held (else: WAIT)."""
     g = jax.jit(lambda v: v + 1)
-    with Pending() as p:
-        got = in_thread(lambda: np.asarray(g(jnp.ones(3))))
-        assert not p.release.is_set()
-        np.testing.assert_array_equal(got, [2, 2, 2])
-        # The same, dispatched from this thread itself, with a jitted call on a
-        # value already loaded, an eager jnp call and an eager threadmap.
-        done = async_call(lambda: np.ones(3, np.float32), SDS((3,), np.float32))
-        done.result(timeout=WAIT)
-        outs = [
-            g(jnp.ones(3)),
-            jax.jit(lambda v: v * 3)(done),
-            jnp.sin(jnp.zeros(3)),
-            threadmap(lambda v: v + 5, SDS((3,), np.float32), np.ones(3, np.float32)),
-        ]
-        for out in outs:
-            in_thread(out.block_until_ready, limit=WAIT / 2)
-        assert not p.release.is_set()
+    done = async_call(lambda: np.ones(3, np.float32), SDS((3,), np.float32))
+    done.result(timeout=WAIT)
+    outs = [
+        g(jnp.ones(3)),
+        jax.jit(lambda v: v * 3)(done),  # a jitted call on a value already loaded
+        jnp.sin(jnp.zeros(3)),  # an eager jnp call
+        threadmap(lambda v: v + 5, SDS((3,), np.float32), np.ones(3, np.float32)),
+    ]
+    for out in outs:
+        in_thread(out.block_until_ready, limit=WAIT / 2)
+    assert not p.release.is_set()
+    np.testing.assert_array_equal(np.asarray(outs[0]), [2, 2, 2])
     np.testing.assert_array_equal(np.asarray(outs[1]), [3, 3, 3])
     np.testing.assert_array_equal(np.asarray(outs[3]), [6, 6, 6])
 
 
 @pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
-def test_programs_on_pending_data_keep_their_order_and_the_thread_its_stream():
+def test_unrelated_work_of_the_same_thread_does_not_wait_for_a_pending_load():
+    # Was: XLA ran the thread's programs in order, so g ran only once x arrived.
+    g = jax.jit(lambda v: v + 1)
+    with Pending() as p:
+        got = in_thread(lambda: np.asarray(g(jnp.ones(3))))  # another thread
+        assert not p.release.is_set()
+        np.testing.assert_array_equal(got, [2, 2, 2])
+        _unrelated_work_runs(p)  # this thread itself
+
+
+@pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
+def test_programs_on_pending_data_wait_only_for_their_own_data():
     from jax_threadmap import _compat
 
     stream_of_thread = _compat.get("get_execution_stream_id")
     before = stream_of_thread()
     with Pending() as p:
-        assert stream_of_thread() == before  # switched back after the dispatch
-        # A program that uses the pending result waits for it (data), and a
-        # second program on pending data waits behind the first (its stream),
-        # even once its own data is there.
+        assert stream_of_thread() == before  # put back after the dispatch
+        # A program that uses the pending result waits for it (data); a second
+        # program on pending data from this thread runs once its own data is
+        # there (it used to wait behind the first, on the thread's one stream).
         z = jax.jit(lambda v: v - 1)(p.y)
         go = threading.Event()
         later = async_call(
@@ -169,34 +162,54 @@ def test_programs_on_pending_data_keep_their_order_and_the_thread_its_stream():
         w = jax.jit(lambda v: v + 9)(later)
         assert stream_of_thread() == before
         go.set()
-        later.result(timeout=WAIT)
-        time.sleep(0.2)
-        assert not z.is_ready() and not w.is_ready()
-        assert not p.release.is_set()
+        np.testing.assert_array_equal(in_thread(np.asarray, w), [10, 10, 10])
+        assert not z.is_ready() and not p.release.is_set()
     np.testing.assert_array_equal(in_thread(np.asarray, z), [7, 7, 7])
-    np.testing.assert_array_equal(in_thread(np.asarray, w), [10, 10, 10])
+    assert stream_of_thread() == before
 
 
-@pytest.mark.skipif(not ASYNC, reason=f"async dispatch status: {STATUS}")
-def test_a_profiler_already_set_is_kept_and_dispatch_stays_in_thread_order():
+@pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
+def test_a_profiler_changes_nothing():
+    # The stream used to be put back by a one-shot profile function, so with a
+    # profiler set (cProfile) the thread's later work waited for the load.
     calls = []
 
     def profiler(frame, event, arg):
         calls.append(event)
 
-    release = threading.Event()
-    x = async_call(
-        lambda: (release.wait(WAIT), np.ones(2, np.float32))[1], SDS((2,), np.float32)
-    )
     sys.setprofile(profiler)
     try:
-        y = jax.jit(lambda v: v + 1)(x)
+        with Pending() as p:
+            assert sys.getprofile() is profiler
+            _unrelated_work_runs(p)
         assert sys.getprofile() is profiler
     finally:
         sys.setprofile(None)
-        release.set()
     assert calls
-    np.testing.assert_array_equal(in_thread(np.asarray, y), [2, 2])
+
+
+@pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
+def test_the_stream_is_put_back_when_the_program_run_fails():
+    from jax_threadmap import _compat
+
+    _dispatch.mechanism.prepare()  # as the first async_call does
+    stream_of_thread = _compat.get("get_execution_stream_id")
+    before = stream_of_thread()
+
+    def run(program, *args):
+        # What a dispatch on pending data does, then a failure in XLA's execute.
+        assert _dispatch._switch_stream() is False  # the run puts it back
+        assert stream_of_thread() != before
+        raise RuntimeError("execute failed")
+
+    with pytest.raises(RuntimeError, match="execute failed"):
+        _dispatch._around(run, None, (), ())
+    assert stream_of_thread() == before
+    assert _dispatch._thread.depth == 0 and _dispatch._thread.switched_at == 0
+    # Outside a run (device_put of a pending array), the caller puts it back.
+    assert _dispatch._switch_stream() is True
+    _compat.get("set_execution_stream_id")(_dispatch._thread.usual)
+    assert stream_of_thread() == before
 
 
 # --- errors that cannot be printed, errors shared between calls ---------------------
@@ -278,11 +291,11 @@ def test_a_shape_dtype_struct_returned_instead_of_data_is_named():
 
 
 def test_async_threads_are_capped(monkeypatch):
-    monkeypatch.setenv(_async.ENV_ASYNC_THREADS, "100000")
+    monkeypatch.setenv(_async_threads.ENV_ASYNC_THREADS, "100000")
     with pytest.raises(ValueError, match=r"JAX_THREADMAP_ASYNC_THREADS.*4096"):
-        _async.default_async_threads()
-    monkeypatch.setenv(_async.ENV_ASYNC_THREADS, "4096")
-    assert _async.default_async_threads() == 4096
+        _async_threads.default_async_threads()
+    monkeypatch.setenv(_async_threads.ENV_ASYNC_THREADS, "4096")
+    assert _async_threads.default_async_threads() == 4096
 
 
 # --- giving up on a stuck load -----------------------------------------------------
@@ -353,6 +366,8 @@ def test_a_timeout_holds_for_the_thread_that_waits_without_one():
         ("5", TypeError, r"timeout must be None or a number.*functools.partial"),
         (True, TypeError, r"timeout must be None or a number"),
         (0, ValueError, r"positive, finite number of seconds. Got timeout=0"),
+        (-1, ValueError, r"positive, finite number of seconds. Got timeout=-1"),
+        (float("nan"), ValueError, r"Got timeout=nan"),
         (float("inf"), ValueError, r"Got timeout=inf"),
     ],
 )
@@ -361,7 +376,113 @@ def test_a_bad_timeout_fails_at_the_call(timeout, exc, pattern):
         async_call(np.zeros, SDS((2,), np.float32), 2, timeout=timeout)
 
 
-# --- dispatch never waits forever -----------------------------------------------------
+@pytest.mark.parametrize(
+    "timeout, exc, pattern",
+    [
+        ("5", TypeError, r"AsyncArray.result: timeout must be None or a number"),
+        ([1], TypeError, r"Got timeout=\[1\] of type list"),
+        (-0.5, ValueError, r"non-negative, finite number of seconds. Got timeout=-0.5"),
+        (float("nan"), ValueError, r"AsyncArray.result: .*Got timeout=nan"),
+        (float("inf"), ValueError, r"Got timeout=inf. Pass None"),
+    ],
+)
+def test_a_bad_timeout_of_result_is_refused(timeout, exc, pattern):
+    load = Stuck()
+    x = async_call(load, SDS((3,), np.float32))
+    with pytest.raises(exc, match=pattern):
+        x.result(timeout=timeout)  # at once: nan used to wait without limit
+    load.release.set()
+    assert x.result(timeout=np.float32(WAIT)).shape == (3,)  # NumPy numbers work
+
+
+def test_a_finished_call_with_a_long_timeout_is_not_kept_until_its_deadline():
+    x = async_call(np.zeros, SDS((2,), np.float32), 2, timeout=3600)
+    x.result(timeout=WAIT)
+    task = weakref.ref(x._task)
+    del x
+    for _ in range(200):  # until its pool thread has let go of it
+        gc.collect()
+        if task() is None:
+            break
+        time.sleep(0.05)
+    assert task() is None, "the timeouts' thread keeps the call and its values"
+
+
+def run_script(script: str, env: dict | None = None, timeout: float = 90):
+    """Runs ``script`` in a fresh interpreter (a hang fails at ``timeout``)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+def test_calls_given_up_on_leave_the_pool_and_later_calls_start_at_once(how):
+    # Two threads, both in loads that never return: once given up on, they
+    # leave the bound, a later call starts at once and gets its value (it used
+    # to wait for good, its own timeout included), and both are reported.
+    script = f"""
+    import threading, jax, numpy as np
+    import jax_threadmap as jtm
+    SDS = jax.ShapeDtypeStruct((2,), np.float32)
+    started, never = threading.Semaphore(0), threading.Event()
+    def hang():
+        started.release()
+        never.wait()
+        return np.zeros(2, np.float32)
+    kw = {{"timeout": 0.3}} if "{how}" == "timeout" else {{}}
+    stuck = [jtm.async_call(hang, SDS, **kw) for _ in range(2)]
+    for _ in stuck:
+        assert started.acquire(timeout=30)
+    for x in stuck:
+        if "{how}" == "cancel":
+            assert x.cancel()
+        try:
+            x.result(timeout=30)
+        except Exception as e:
+            print("given up:", type(e).__name__)
+    print("status", jtm.async_pool_status())
+    fast = jtm.async_call(lambda: np.ones(2, np.float32), SDS, timeout=20)
+    print("fast", fast.result(timeout=30).tolist(), flush=True)
+    """
+    proc = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "2"})
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, err[-3000:]
+    name = "TimeoutError" if how == "timeout" else "CancelledError"
+    assert out.count(f"given up: {name}") == 2, out + err[-3000:]
+    assert "bound=2" in out and "abandoned=('`hang` (async_call)', '`hang`" in out
+    assert "fast [1.0, 1.0]" in out, out + err[-3000:]
+    assert "2 thread(s) still run calls given up on earlier" in err, err[-3000:]
+
+
+def test_a_timeout_counts_from_the_call_time_waiting_for_a_thread_included():
+    script = """
+    import threading, jax, numpy as np
+    import jax_threadmap as jtm
+    SDS = jax.ShapeDtypeStruct((2,), np.float32)
+    go, ran = threading.Event(), []
+    busy = jtm.async_call(lambda: (go.wait(60), np.ones(2, np.float32))[1], SDS)
+    queued = jtm.async_call(lambda: ran.append(1) or np.ones(2, np.float32), SDS,
+                            timeout=0.3)
+    try:
+        queued.result()
+    except TimeoutError as e:
+        print("timed out:", e)
+    go.set()
+    print("busy", busy.result(timeout=30).tolist(), "ran", ran, flush=True)
+    """
+    proc = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "timed out: `<lambda>`, which jax_threadmap.async_call ran, did not " in (
+        proc.stdout
+    ), proc.stdout + proc.stderr[-3000:]
+    assert "busy [1.0, 1.0] ran []" in proc.stdout  # never started
+
+
+# --- independent loads never wait behind a stuck one ---------------------------------
 
 
 def _loop(n, stuck, timeout=None):
@@ -382,64 +503,73 @@ def _loop(n, stuck, timeout=None):
 
 
 @pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
+def test_fifty_dispatches_behind_a_stuck_load_return_and_49_values_arrive():
+    # The 9th dispatch used to wait (60 s, then an error) for load(0), though
+    # it needs only its own data.
+    stuck = threading.Event()
+    try:
+        xs, ys = in_thread(_loop, 50, stuck)
+        for i in range(1, 50):
+            np.testing.assert_array_equal(in_thread(np.asarray, ys[i]), [2 * i] * 3)
+        assert not stuck.is_set() and not xs[0].done()
+        assert xs[0].cancel()
+        with pytest.raises(Exception, match="CancelledError.*load.*was cancelled"):
+            in_thread(np.asarray, ys[0])
+    finally:
+        stuck.set()
+
+
+@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
 def test_a_loop_behind_a_load_that_times_out_finishes_with_right_values():
     stuck = threading.Event()
     try:
         xs, ys = in_thread(_loop, 50, stuck, 2.0)
-        with pytest.raises(Exception, match="TimeoutError.*load.*timeout=2.0"):
-            in_thread(np.asarray, ys[0])
         for i in range(1, 50):
             np.testing.assert_array_equal(in_thread(np.asarray, ys[i]), [2 * i] * 3)
+        text = r"TimeoutError: `\S*load`.*timeout=2 s"
+        with pytest.raises(Exception, match=text) as e:
+            in_thread(np.asarray, ys[0])
+        assert str(e.value).count("async_call ran") == 1  # named once
     finally:
         stuck.set()
 
 
 @pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
-def test_a_loop_behind_a_stuck_load_raises_a_clear_error(monkeypatch):
-    monkeypatch.setattr(_dispatch, "DISPATCH_WAIT_S", 1.0)
-    stuck = threading.Event()
+def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits():
+    # Every load hangs: once MAX_WAITING_PROGRAMS gate programs wait, the next
+    # dispatch waits for its own data, in Python, where Ctrl-C reaches it.
+    script = """
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if ignored
+    import threading, jax, numpy as np
+    import jax_threadmap as jtm
+    from jax_threadmap import _dispatch
+
+    def load(i):
+        threading.Event().wait()  # a download that hangs
+        return np.full(3, i, np.float32)
+
+    f = jax.jit(lambda v: v * 2)
     try:
-        with pytest.raises(RuntimeError, match=r"queued behind `\S*load`.*timeout="):
-            in_thread(_loop, 50, stuck)
-    finally:
-        stuck.set()
-
-
-@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
-def test_ctrl_c_ends_a_loop_behind_a_stuck_load_and_the_process_exits():
-    script = textwrap.dedent(
-        """
-        import threading, jax, numpy as np
-        import jax_threadmap as jtm
-
-        def load(i):
-            if i == 0:
-                threading.Event().wait()  # a download that hangs
-            return np.full(3, i, np.float32)
-
-        f = jax.jit(lambda v: v * 2)
-        try:
-            for i in range(500):
-                y = f(jtm.async_call(load, jax.ShapeDtypeStruct((3,), np.float32), i))
-                if i == 5:
-                    print("queued", flush=True)
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-        """
-    )
+        for i in range(500):
+            if i == _dispatch.MAX_WAITING_PROGRAMS:
+                print("waiting", flush=True)
+            y = f(jtm.async_call(load, jax.ShapeDtypeStruct((3,), np.float32), i))
+    except KeyboardInterrupt:
+        print("interrupted at", i, flush=True)
+    """
     proc = subprocess.Popen(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", textwrap.dedent(script)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     try:
-        assert proc.stdout.readline().strip() == "queued"
-        time.sleep(2.0)  # into the wait of dispatch (call 9 or so)
+        assert proc.stdout.readline().strip() == "waiting"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert "interrupted" in out, (out, err)
+    assert "interrupted at" in out, (out, err)
     assert "`load` (async_call)" in err

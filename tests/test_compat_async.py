@@ -172,3 +172,106 @@ def test_a_pulled_gate_holds_a_callback_program_until_offered():
     )
     server.await_pull(12345, [jax.device_put(np.int32(3), dev)])
     np.testing.assert_array_equal(np.asarray(box["y"]), data * 3 + 1)
+
+
+# --- dispatch streams (the "dispatch streams" section of _compat) -------------------
+
+
+def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
+    # _dispatch puts the thread back on its usual stream when the wrapped
+    # ExecuteReplicated.__call__ returns: the handler must run inside it, for
+    # every way a jitted program runs from Python, and ordinary calls on the C++
+    # fast path must never reach the wrapper (it costs them nothing).
+    if _compat.dispatch_streams_unavailable() is not None:
+        pytest.skip(_compat.dispatch_streams_unavailable())
+    from jax.experimental import io_callback
+
+    from jax_threadmap import _dispatch
+
+    _dispatch.mechanism.prepare()  # wraps the runs, as the first async_call does
+    runs, inside = [], []
+    original = _compat.get("ExecuteReplicated").__call__
+    assert getattr(original, "__jax_threadmap_around__", None) is _dispatch._around
+
+    def handler(xs, shardings):
+        inside.append(_dispatch._thread.depth)
+        return [jnp.asarray(x.value) for x in xs]
+
+    class Other(_Probe):
+        pass
+
+    _compat.register_array_like(Other, lambda x: x.aval, handler)
+    real_around = _dispatch._around
+
+    def counting(run, program, args, effects):
+        runs.append(list(effects))
+        return real_around(run, program, args, effects)
+
+    try:
+        _compat.wrap_program_runs(counting)
+        x = Other(np.arange(3.0, dtype=np.float32))
+        f = jax.jit(lambda a: a * 2)
+        f(x), f(x)  # the first call compiles; the second is a plain Python call
+        jax.jit(lambda a: a + 1).lower(x).compile()(x)
+        jnp.sin(x)  # eager
+        assert inside == [1, 1, 1, 1], (
+            f"an argument handler ran outside the wrapped run ({inside}). {UPDATE}"
+        )
+        jax.device_put(x)  # no program runs: the handler is outside any
+        assert inside[-1] == 0
+        g = jax.jit(lambda a: a + 1)
+        a = jnp.ones(3)
+        g(a).block_until_ready()
+        runs.clear()
+        for _ in range(5):
+            g(a)
+        assert runs == [], "ordinary calls on the C++ fast path reached the wrapper"
+        h = jax.jit(lambda a: (io_callback(lambda v: None, None, a, ordered=True), a))
+        h(a)
+        assert runs and runs[-1], (
+            "ExecuteReplicated no longer reports ordered_effects; programs with "
+            f"ordered effects would be dispatched on pending data. {UPDATE}"
+        )
+    finally:
+        _compat.wrap_program_runs(real_around)
+
+
+def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():
+    # Why a program with ordered effects waits for its pending data at dispatch
+    # (docs/async.md): JAX dispatches the thread's next program with that effect
+    # only once this one has run. If JAX stops doing that, those programs could be
+    # dispatched on pending data like the others.
+    import threading
+
+    from jax.experimental import io_callback
+
+    dev = jax.devices()[0]
+    server = _compat.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
+    conn = server.connect(server.address())
+    aval = jax.ShapeDtypeStruct(
+        (), np.int32, sharding=jax.sharding.SingleDeviceSharding(dev)
+    )
+    gate = conn.pull(777, [aval])[0]
+    h = jax.jit(
+        lambda v: (io_callback(lambda a: None, None, v, ordered=True), v + 1)[1]
+    )
+    h(jnp.int32(0)).block_until_ready()
+    box = {}
+
+    def dispatch_both():  # JAX's tokens of ordered effects are per thread
+        box["first"] = h(gate)  # waits for the gate, inside XLA
+        box["second"] = h(jnp.int32(5))
+
+    thread = threading.Thread(target=dispatch_both, daemon=True)
+    thread.start()
+    thread.join(0.5)
+    waited = thread.is_alive() and "second" not in box
+    server.await_pull(777, [jax.device_put(np.int32(1), dev)])
+    thread.join(30)
+    assert not thread.is_alive()
+    assert int(box["first"]) == 2 and int(box["second"]) == 6
+    assert waited, (
+        "JAX dispatched a program with an ordered effect before the thread's "
+        "previous one ran; _dispatch could let such programs dispatch on pending "
+        "data now."
+    )

@@ -363,6 +363,16 @@ def test_every_page_has_blocks_that_parse():
         compile(b["code"], f"{path.name}:{b['line']}", "exec")
 
 
+def test_no_table_has_an_empty_header_row():
+    # A table's first row names its columns (an empty one renders as a grey bar).
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines[1:], 1):
+            if re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", line.strip()):
+                cells = lines[i - 1].strip().strip("|").split("|")
+                assert any(c.strip() for c in cells), f"{path.name}:{i}: {lines[i - 1]}"
+
+
 def test_readme_has_exactly_the_two_commands_that_ci_runs():
     shell = [b for b in blocks(ROOT / "README.md") if b["lang"] == "bash"]
     assert [len(b["code"].splitlines()) for b in shell] == [1, 1]

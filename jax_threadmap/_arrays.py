@@ -1,71 +1,32 @@
-"""Arrays whose values a background call is still computing.
+"""Async arrays and their constructors: what users hold and make.
 
-``async_call(fn, result_shape_dtypes, *args)`` (:mod:`._calls`) starts
-``fn(*args)`` on a small shared pool and returns at once a pytree of
-:class:`AsyncArray`. An
-``AsyncArray`` knows its shape and dtype, so ``jax.jit`` traces and compiles with
-it while ``fn`` still runs. When the compiled program is called, the
-argument-sharding hook in :mod:`._compat` asks the dispatch mechanism
-(:mod:`._dispatch`) for its buffers.
-
-One :class:`~._task.Task` backs all the arrays of one call (:mod:`._task`). At
-exit, calls still running are reported and abandoned (:func:`_at_exit`).
+- :class:`AsyncArray`: an array whose value a background call is still
+  computing. ``jax.jit`` traces and compiles with its shape and dtype while the
+  call runs; when a compiled program runs with it, the argument handler
+  registered here (through :mod:`._compat`) asks :mod:`._dispatch` for buffers.
+- :func:`async_call`, :func:`deferred_call`, :meth:`AsyncArray.from_future`: each
+  makes the :class:`~._background.Task` behind every array of one call.
+- Exit (:func:`_at_exit`): calls still running are reported and abandoned.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, overload
 
 import jax
 import numpy as np
 
-from . import _compat, _deadlock, _dispatch, _task
-from ._dispatch import ENV_ASYNC_DISPATCH as ENV_ASYNC_DISPATCH
-from ._dispatch import MAX_WAITING_PROGRAMS as MAX_WAITING_PROGRAMS
-from ._dispatch import AsyncCallFailed as AsyncCallFailed
-from ._dispatch import async_dispatch_enabled as async_dispatch_enabled
-from ._dispatch import async_dispatch_status as async_dispatch_status
-from ._leaves import LeafSpec, describe_error, leaf_specs
-from ._task import ENV_ASYNC_THREADS as ENV_ASYNC_THREADS
-from ._task import PENDING, Task
-from ._task import default_async_threads as default_async_threads
-
-#: How long exit waits for calls whose function returned to place their values.
-EXIT_PLACE_S = 5.0
-
-#: How long exit waits for the deadlock watchdog's thread and probes to end.
-EXIT_PROBES_S = 2.0
+from . import _background, _compat, _dispatch
+from ._background import Task
+from ._leaves import LeafSpec
+from ._validate import check_timeout
 
 
 def _at_exit() -> None:
-    _deadlock.watchdog.stop()
-    with _task.live_lock:
-        live = list(_task.live)
-    # A call whose function returned may still be copying its values to the
-    # device after its dependents got them (async dispatch): it is not abandoned.
-    returned = [t.future for t in live if t.state == _task.FINISHING]
-    concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
-    unfinished = [t for t in live if not t.future.done()]
-    if unfinished:
-        names = ", ".join(f"{t.name} ({t.api})" for t in unfinished[:5])
-        if len(unfinished) > 5:
-            names += f" and {len(unfinished) - 5} more"
-        warnings.warn(
-            f"jax_threadmap: the interpreter is exiting while {len(unfinished)} "
-            f"background call(s) have not returned: {names}. They are abandoned "
-            "(their threads stop with the process) and their arrays never get "
-            "values. Wait for them (x.block_until_ready()) before the script ends, "
-            "or give the function a timeout.",
-            RuntimeWarning,
-            stacklevel=1,
-        )
-        for task in unfinished:
-            task.abandon()
-    _deadlock.watchdog.wait_stopped(EXIT_PROBES_S)
+    _background.abandon_at_exit()
     _dispatch.mechanism.clean_up_at_exit()
 
 
@@ -225,27 +186,8 @@ class AsyncArray:
             ...     print(x + 1)
             [1. 2. 3.]
         """
-        if not isinstance(future, concurrent.futures.Future):
-            raise TypeError(
-                "AsyncArray.from_future: future must be a concurrent.futures.Future. "
-                f"Got {future!r} of type {type(future).__name__}. For a plain "
-                "function use jax_threadmap.async_call(fn, result_shape_dtypes)."
-            )
-        treedef, specs = leaf_specs(
-            result_shape_dtypes, device, "AsyncArray.from_future"
-        )
-        task = Task(
-            None,
-            None,
-            None,
-            name=f"a {type(future).__name__} of the caller",
-            api="AsyncArray.from_future",
-            treedef=treedef,
-            specs=specs,
-        )
+        task = _background.Task.for_future(future, result_shape_dtypes, device)
         out = make_arrays(task)
-        with _task.live_lock:
-            _task.live.add(task)
         future.add_done_callback(task.on_source_done)
         return out
 
@@ -318,13 +260,16 @@ class AsyncArray:
         """Waits for the value and returns it as a ``jax.Array``.
 
         Args:
-            timeout: Seconds to wait at most; ``None`` waits as long as needed.
+            timeout: Seconds to wait at most (0: do not wait); ``None`` waits as
+                long as needed.
 
         Returns:
             The ``jax.Array``, on its target device.
 
         Raises:
             TimeoutError: If ``timeout`` expires first. The array stays usable.
+            TypeError: If ``timeout`` is not ``None`` or a number.
+            ValueError: If ``timeout`` is negative, NaN or infinite.
             Exception: Whatever the call raised, or a ``ValueError`` if it
                 returned values that do not match ``result_shape_dtypes``.
 
@@ -336,7 +281,8 @@ class AsyncArray:
             >>> x.result(timeout=30)
             Array([0., 0.], dtype=float32)
         """
-        return self._task.wait(timeout, self._describe())[self._index]
+        seconds = check_timeout(timeout, "AsyncArray.result", zero=True)
+        return self._task.wait(seconds, self._describe())[self._index]
 
     def block_until_ready(self) -> AsyncArray:
         """Waits until the value is on its device; returns ``self``."""
@@ -351,25 +297,13 @@ class AsyncArray:
 
     # -- never blocks --
 
-    def _status(self) -> str:
-        task = self._task
-        fut = task.future
-        if fut.done():
-            error = fut.exception()
-            if error is None:
-                return "done"
-            return f"failed: {describe_error(error)}"
-        if task.state == PENDING and task.runnable and not task._submitted:
-            return "deferred"
-        return "pending"
-
     def _describe(self) -> str:
         return f"AsyncArray(shape={self.shape}, dtype={self.dtype})"
 
     def __repr__(self) -> str:
         return (
             f"AsyncArray(shape={self.shape}, dtype={self.dtype}, "
-            f"{self._status()}, from {self._task.name})"
+            f"{self._task.status()}, from {self._task.name})"
         )
 
     __str__ = __repr__
@@ -401,53 +335,33 @@ class AsyncArray:
 
     __hash__ = None  # type: ignore[assignment]  # like jax.Array
 
-    __add__ = _binary("__add__")
-    __radd__ = _binary("__radd__")
-    __sub__ = _binary("__sub__")
-    __rsub__ = _binary("__rsub__")
-    __mul__ = _binary("__mul__")
-    __rmul__ = _binary("__rmul__")
-    __truediv__ = _binary("__truediv__")
-    __rtruediv__ = _binary("__rtruediv__")
-    __floordiv__ = _binary("__floordiv__")
-    __rfloordiv__ = _binary("__rfloordiv__")
-    __mod__ = _binary("__mod__")
-    __rmod__ = _binary("__rmod__")
-    __divmod__ = _binary("__divmod__")
-    __rdivmod__ = _binary("__rdivmod__")
-    __pow__ = _binary("__pow__")
-    __rpow__ = _binary("__rpow__")
-    __matmul__ = _binary("__matmul__")
-    __rmatmul__ = _binary("__rmatmul__")
-    __and__ = _binary("__and__")
-    __rand__ = _binary("__rand__")
-    __or__ = _binary("__or__")
-    __ror__ = _binary("__ror__")
-    __xor__ = _binary("__xor__")
-    __rxor__ = _binary("__rxor__")
-    __lshift__ = _binary("__lshift__")
-    __rlshift__ = _binary("__rlshift__")
-    __rshift__ = _binary("__rshift__")
-    __rrshift__ = _binary("__rrshift__")
-    __eq__ = _binary("__eq__")
-    __ne__ = _binary("__ne__")
-    __lt__ = _binary("__lt__")
-    __le__ = _binary("__le__")
-    __gt__ = _binary("__gt__")
-    __ge__ = _binary("__ge__")
-    __neg__ = _unary("__neg__")
-    __pos__ = _unary("__pos__")
-    __abs__ = _unary("__abs__")
-    __invert__ = _unary("__invert__")
-    __bool__ = _unary("__bool__")
-    __int__ = _unary("__int__")
-    __float__ = _unary("__float__")
-    __complex__ = _unary("__complex__")
+    __add__, __radd__ = _binary("__add__"), _binary("__radd__")
+    __sub__, __rsub__ = _binary("__sub__"), _binary("__rsub__")
+    __mul__, __rmul__ = _binary("__mul__"), _binary("__rmul__")
+    __truediv__, __rtruediv__ = _binary("__truediv__"), _binary("__rtruediv__")
+    __floordiv__, __rfloordiv__ = _binary("__floordiv__"), _binary("__rfloordiv__")
+    __mod__, __rmod__ = _binary("__mod__"), _binary("__rmod__")
+    __divmod__, __rdivmod__ = _binary("__divmod__"), _binary("__rdivmod__")
+    __pow__, __rpow__ = _binary("__pow__"), _binary("__rpow__")
+    __matmul__, __rmatmul__ = _binary("__matmul__"), _binary("__rmatmul__")
+    __and__, __rand__ = _binary("__and__"), _binary("__rand__")
+    __or__, __ror__ = _binary("__or__"), _binary("__ror__")
+    __xor__, __rxor__ = _binary("__xor__"), _binary("__rxor__")
+    __lshift__, __rlshift__ = _binary("__lshift__"), _binary("__rlshift__")
+    __rshift__, __rrshift__ = _binary("__rshift__"), _binary("__rrshift__")
+    __eq__, __ne__ = _binary("__eq__"), _binary("__ne__")
+    __lt__, __le__ = _binary("__lt__"), _binary("__le__")
+    __gt__, __ge__ = _binary("__gt__"), _binary("__ge__")
+    __neg__, __pos__ = _unary("__neg__"), _unary("__pos__")
+    __abs__, __invert__ = _unary("__abs__"), _unary("__invert__")
+    __bool__, __int__ = _unary("__bool__"), _unary("__int__")
+    __float__, __complex__ = _unary("__float__"), _unary("__complex__")
     __index__ = _unary("__index__")
 
 
 def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
+    _dispatch.mechanism.prepare()  # before any dispatch with them
     arrays = [AsyncArray._new(task, i) for i in range(len(task.specs))]
     return jax.tree_util.tree_unflatten(task.treedef, arrays)
 
@@ -458,3 +372,216 @@ def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
 
 
 _compat.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
+
+
+# --- the constructors -----------------------------------------------------------------
+
+
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> AsyncArray: ...
+
+
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> tuple[AsyncArray, ...]: ...
+
+
+@overload
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any: ...
+
+
+def async_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Starts ``fn(*args, **kwargs)`` in the background; returns its arrays now.
+
+    ``fn`` starts at once on a shared pool of at most ``JAX_THREADMAP_ASYNC_THREADS``
+    threads (default ``min(32, cpus + 4)``) and runs exactly once, however many arrays
+    it returns. When it finishes, its result is checked against ``result_shape_dtypes``
+    and copied to its device. Meanwhile the returned
+    [`AsyncArray`][jax_threadmap.AsyncArray] leaves can be passed to ``jax.jit``
+    functions, which trace and compile with their shapes and dtypes and wait for the
+    data only when the compiled program runs, so compilation hides behind the call.
+
+    A thread that needs a value whose call has not started yet (all workers
+    busy) runs the call itself rather than waiting.
+
+    Args:
+        fn: The function to call. It returns a pytree of arrays (NumPy arrays,
+            ``jax.Array``, anything with ``shape`` and ``dtype`` that
+            ``jax.device_put`` accepts) with the structure, shapes and dtypes of
+            ``result_shape_dtypes``.
+        result_shape_dtypes: A pytree whose leaves have ``shape`` and ``dtype``,
+            such as ``jax.ShapeDtypeStruct``. A ``ShapeDtypeStruct`` leaf with a
+            ``sharding`` sends that leaf there when ``device`` is not given.
+        *args: Positional arguments of ``fn``.
+        device: Reserved keyword (not passed to ``fn``). A ``jax.Device`` or
+            ``jax.sharding.Sharding`` to put every leaf on as soon as it is
+            ready; the arrays are then committed there. ``None`` (default) puts
+            them on the default device, uncommitted. To pass a keyword argument
+            named ``device`` to ``fn``, bind it with ``functools.partial``.
+        timeout: Reserved keyword (not passed to ``fn``). Seconds from this
+            call (time waiting for a pool thread included) after which the
+            call is given up on: every use of its arrays raises a
+            ``TimeoutError`` naming ``fn``, and so do the results of the
+            jitted calls already dispatched with them (as
+            ``JaxRuntimeError``). ``fn``'s thread runs on until it returns
+            (Python cannot stop a thread), outside the pool's bound; what it
+            returns then is dropped. ``None`` (default): no limit. To pass a
+            keyword argument named ``timeout`` to ``fn``, bind it with
+            ``functools.partial``.
+        **kwargs: Keyword arguments of ``fn``.
+
+    Returns:
+        A pytree of [`AsyncArray`][jax_threadmap.AsyncArray] with the structure of
+        ``result_shape_dtypes``.
+
+    Raises:
+        TypeError: If ``fn`` is not callable, or a leaf of
+            ``result_shape_dtypes`` lacks a shape or dtype, or ``device`` is not
+            a device or sharding, or ``timeout`` is not a number.
+        ValueError: If ``result_shape_dtypes`` has no leaves, or ``device``
+            cannot hold a declared shape, or ``timeout`` is not positive and
+            finite.
+
+    Errors of ``fn`` are not raised here: every use of any of its arrays
+    re-raises them. A result of the wrong structure, shape or dtype makes every
+    use raise a ``ValueError`` naming the expected and actual values.
+
+    Examples:
+        >>> import time
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> import jax_threadmap as jtm
+        >>> def load_weights(n):
+        ...     time.sleep(0.1)  # a slow download
+        ...     return {"w": np.ones((n, n), np.float32), "b": np.zeros(n, np.float32)}
+        >>> shapes = {"w": jax.ShapeDtypeStruct((3, 3), jnp.float32),
+        ...           "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+        >>> params = jtm.async_call(load_weights, shapes, 3)
+        >>> predict = jax.jit(lambda p, x: p["w"] @ x + p["b"])
+        >>> predict(params, jnp.arange(3.0))  # compiles while loading
+        Array([3., 3., 3.], dtype=float32)
+    """
+    task = Task.for_call(
+        fn, result_shape_dtypes, args, kwargs, device, "async_call", timeout
+    )
+    out = make_arrays(task)
+    task.submit()
+    return out
+
+
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: jax.ShapeDtypeStruct,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> AsyncArray: ...
+
+
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> tuple[AsyncArray, ...]: ...
+
+
+@overload
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any: ...
+
+
+def deferred_call(
+    fn: Callable[..., Any],
+    result_shape_dtypes: Any,
+    /,
+    *args: Any,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Like ``async_call``, but runs ``fn`` only when a value is first needed.
+
+    A thunk-backed array: nothing runs until the first use of any of the
+    returned arrays (``result()``, ``block_until_ready()``, a jitted program
+    that executes with it, ``np.asarray``, an operator...). That first use runs
+    ``fn`` in its own thread, or on the pool when it is ``result(timeout=...)``,
+    so that the timeout holds. ``done()`` and ``repr`` never start it, and
+    ``jax.jit`` tracing and compiling with the arrays does not either, so
+    a program that is traced but never run never pays for the call.
+
+    Args:
+        fn: The function to call, as in [`async_call`][jax_threadmap.async_call].
+        result_shape_dtypes: A pytree whose leaves have ``shape`` and ``dtype``.
+        *args: Positional arguments of ``fn``.
+        device: Reserved keyword, as in [`async_call`][jax_threadmap.async_call].
+        timeout: Reserved keyword, as in [`async_call`][jax_threadmap.async_call],
+            counted from the first use.
+        **kwargs: Keyword arguments of ``fn``.
+
+    Returns:
+        A pytree of [`AsyncArray`][jax_threadmap.AsyncArray] with the structure of
+        ``result_shape_dtypes``.
+
+    Raises:
+        TypeError: As [`async_call`][jax_threadmap.async_call].
+        ValueError: As [`async_call`][jax_threadmap.async_call].
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> import jax_threadmap as jtm
+        >>> x = jtm.deferred_call(np.full, jax.ShapeDtypeStruct((2,), np.float32),
+        ...                       2, 7.0, dtype=np.float32)
+        >>> x.done()
+        False
+        >>> x + 1
+        Array([8., 8.], dtype=float32)
+    """
+    task = Task.for_call(
+        fn, result_shape_dtypes, args, kwargs, device, "deferred_call", timeout
+    )
+    return make_arrays(task)

@@ -1,0 +1,310 @@
+"""The threads of background calls: the async pool that runs them, and timeouts.
+
+- The async pool (:class:`_Pool`): daemon threads of its own, started on demand,
+  at most ``JAX_THREADMAP_ASYNC_THREADS`` of them counted at once, idle ones
+  exiting after :data:`IDLE_S`. A call given up on while it runs (timeout,
+  ``cancel()``) takes its thread out of the bound at once, since Python cannot
+  stop the thread: a replacement may start for the calls queued, and the thread
+  is counted as *abandoned* until its function returns, then takes its place
+  again if there is room (:meth:`_Pool.status`; the warning at exit names them).
+- Timeouts (:class:`_Deadlines`): one daemon thread gives up on each call whose
+  timeout has passed.
+
+Both only call the methods of :class:`Call` (which ``_background.Task`` has), so
+this module knows nothing of what a call computes.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import threading
+import time
+import weakref
+from typing import NamedTuple, Protocol
+
+from . import _fork
+from ._scheduling import available_cpus
+from ._validate import MAX_THREADS, env_positive_int
+
+logger = logging.getLogger("jax_threadmap._async")
+
+ENV_ASYNC_THREADS = "JAX_THREADMAP_ASYNC_THREADS"
+
+#: Seconds an idle pool thread waits for a call before it exits.
+IDLE_S = 5.0
+
+
+def default_async_threads() -> int:
+    """The number of threads that run ``async_call`` s at once (not abandoned).
+
+    ``JAX_THREADMAP_ASYNC_THREADS`` when set, else ``min(32, cpus + 4)``: the
+    calls are mostly I/O (network, disk) or native code that releases the GIL,
+    so a few more threads than cores pay off, as in CPython's
+    ``ThreadPoolExecutor`` default; the cap keeps hundreds of pending arrays
+    from becoming hundreds of threads. The pool is separate from the one that
+    runs ``threadmap`` kernels, so a kernel that waits on an ``AsyncArray``
+    never waits on work queued behind itself.
+    """
+    n = env_positive_int(
+        ENV_ASYNC_THREADS,
+        "the number of threads that run jax_threadmap.async_call",
+        maximum=MAX_THREADS,
+    )
+    return min(32, available_cpus() + 4) if n is None else n
+
+
+class Call(Protocol):
+    """What the threads here need of a background call."""
+
+    #: Shown in the name of the thread that runs it (tracebacks, profilers).
+    name: str
+
+    def run(self, worker: Worker | None = None) -> None:
+        """Runs the call here, unless it has already started (or ended)."""
+
+    def time_out(self) -> None:
+        """Gives up on the call because its timeout has passed."""
+
+
+#: ``in_pool``: whether this thread is one of the pool's (while it runs a call).
+worker_state = threading.local()
+
+
+# --- the async pool -------------------------------------------------------------------
+
+
+class Worker:
+    """One pool thread: whether it counts against the bound, what it runs."""
+
+    __slots__ = ("counted", "task")
+
+    def __init__(self) -> None:
+        self.counted = True
+        self.task: Call | None = None  # the call it runs (given up on or not)
+
+
+class AsyncPoolStatus(NamedTuple):
+    """What the threads that run ``async_call`` s are doing now."""
+
+    #: At most this many calls run at once (``JAX_THREADMAP_ASYNC_THREADS``).
+    bound: int
+    #: Calls running on the pool's threads now.
+    running: int
+    #: Calls waiting for a thread.
+    queued: int
+    #: Calls given up on (a ``timeout`` or ``cancel()``) whose function still
+    #: runs, by name: their threads are outside the bound until it returns.
+    abandoned: tuple[str, ...]
+
+
+class _Pool:
+    """The threads that run the calls, at most ``bound`` counted at once.
+
+    Lock rule: every field is read and written under ``_cond``. ``counted``
+    threads are alive and count against the bound (running a call or idle);
+    a thread whose call is given up on stops counting at once (:meth:`abandon`)
+    and counts again, if there is room, when its function returns.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Call] = collections.deque()
+        self._bound = 1
+        self._counted = 0
+        self._idle = 0
+        self._abandoned: set[Worker] = set()
+        self._names = itertools.count()
+
+    def submit(self, task: Call) -> None:
+        with self._cond:
+            self._bound = default_async_threads()
+            self._queue.append(task)
+            self._cond.notify()
+            self._grow()
+
+    def abandon(self, worker: Worker, task: Call) -> None:
+        """Takes the thread of a call given up on out of the bound."""
+        with self._cond:
+            if not worker.counted or worker.task is not task:  # it has moved on
+                return
+            worker.counted = False
+            self._counted -= 1
+            self._abandoned.add(worker)
+            self._grow()
+
+    def _grow(self) -> None:  # lock held
+        """Starts a thread if calls wait that the idle threads will not take."""
+        if len(self._queue) <= self._idle or self._counted >= self._bound:
+            return
+        worker = Worker()
+        thread = threading.Thread(
+            target=self._work,
+            args=(worker,),
+            name=f"jax_threadmap-async-{next(self._names)}",
+            daemon=True,
+        )
+        self._counted += 1
+        try:
+            thread.start()
+        except RuntimeError:  # too many threads: the queue waits for one to free
+            self._counted -= 1
+            logger.warning(
+                "jax_threadmap: could not start a thread for async calls (%d "
+                "threads alive); the calls wait for a running one.",
+                threading.active_count(),
+                exc_info=True,
+            )
+
+    def _next(self, worker: Worker) -> Call | None:
+        """The next call to run, or ``None`` when this thread should exit."""
+        with self._cond:
+            worker.task = None
+            if not worker.counted:  # its call was given up on: back if there is room
+                self._abandoned.discard(worker)
+                if self._counted >= self._bound:
+                    return None
+                worker.counted = True
+                self._counted += 1
+            self._idle += 1
+            try:
+                while not self._queue:
+                    if not self._cond.wait(IDLE_S) and not self._queue:
+                        self._counted -= 1
+                        return None
+            finally:
+                self._idle -= 1
+            worker.task = self._queue.popleft()
+            return worker.task
+
+    def _work(self, worker: Worker) -> None:
+        thread = threading.current_thread()
+        while (task := self._next(worker)) is not None:
+            worker_state.in_pool = True
+            thread.name = f"jax_threadmap-async ({task.name})"  # for tracebacks
+            try:
+                task.run(worker)
+            except BaseException:  # Task.run routes errors; this is a last resort
+                logger.exception("jax_threadmap: an async call escaped its task")
+            finally:
+                worker_state.in_pool = False
+                thread.name = "jax_threadmap-async (idle)"
+            del task  # not kept (with its values) while the thread waits for work
+
+    def status(self) -> AsyncPoolStatus:
+        with self._cond:
+            return AsyncPoolStatus(
+                bound=self._bound if self._counted else default_async_threads(),
+                running=self._counted - self._idle,
+                queued=len(self._queue),
+                abandoned=tuple(str(w.task) for w in self._abandoned),
+            )
+
+
+_pool = _Pool()
+
+
+def async_pool_status() -> AsyncPoolStatus:
+    """Says what the threads that run ``async_call`` s are doing now.
+
+    A call given up on (its ``timeout`` passed, or ``AsyncArray.cancel()``)
+    leaves the pool's bound at once, but Python cannot stop its thread: such
+    calls are listed in ``abandoned`` until their function returns.
+
+    The result's fields: ``bound``, the most calls that run at once; ``running`` and
+    ``queued``, the calls now; ``abandoned``, the names of the calls given up on
+    whose function still runs.
+
+    Returns:
+        The named tuple ``AsyncPoolStatus(bound, running, queued, abandoned)``.
+
+    Examples:
+        >>> import threading
+        >>> import jax, numpy as np
+        >>> import jax_threadmap as jtm
+        >>> started, never = threading.Event(), threading.Event()
+        >>> def hangs():
+        ...     started.set()
+        ...     never.wait()
+        ...     return np.zeros(2, np.float32)
+        >>> x = jtm.async_call(hangs, jax.ShapeDtypeStruct((2,), np.float32))
+        >>> started.wait(30), x.cancel()
+        (True, True)
+        >>> jtm.async_pool_status().abandoned
+        ('`hangs` (async_call)',)
+        >>> never.set()
+    """
+    return _pool.status()
+
+
+def pool() -> _Pool:
+    """The async pool (a new one in a forked child)."""
+    return _pool
+
+
+# --- timeouts -------------------------------------------------------------------------
+
+
+class _Deadlines:
+    """One daemon thread that gives up on calls whose timeout has passed.
+
+    It holds the calls weakly: a call that ended and whose arrays are gone is
+    not kept (with its values) until its deadline.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, weakref.ref[Call]]] = []
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, task: Call, seconds: float) -> None:
+        with self._cond:
+            entry = (time.monotonic() + seconds, next(self._ids), weakref.ref(task))
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="jax_threadmap-timeouts", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def _due(self) -> list[Call]:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    task = heapq.heappop(self._heap)[2]()
+                    if task is not None:
+                        due.append(task)
+                if due:
+                    return due
+                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+
+    def _run(self) -> None:
+        while True:
+            for task in self._due():
+                try:
+                    task.time_out()
+                except BaseException:  # one call's failure must not stop the rest
+                    logger.exception("jax_threadmap: could not time out %s", task)
+
+
+_deadlines = _Deadlines()
+
+
+def deadlines() -> _Deadlines:
+    """The timeouts' thread (a new one in a forked child)."""
+    return _deadlines
+
+
+@_fork.in_child
+def _after_fork_in_child() -> None:
+    # The parent's threads, and the calls they ran or queued, do not exist here,
+    # and a lock one of them held at the fork stays held: start afresh.
+    global _pool, _deadlines
+    _pool = _Pool()
+    _deadlines = _Deadlines()

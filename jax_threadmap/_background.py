@@ -1,0 +1,597 @@
+"""Background calls: the :class:`Task` behind every ``AsyncArray``.
+
+- :class:`Task`: one call of ``fn`` (or one wrapped ``Future``) and its outcome,
+  shared by every array of the call's result: the placed ``jax.Array`` leaves, or
+  the exception. A task ends once, by one of :meth:`Task.run` (``fn`` returned or
+  raised), :meth:`Task.on_source_done` (a wrapped ``Future`` completed) or
+  :meth:`Task.give_up` (timeout, ``cancel()``); what comes later is dropped.
+- Its ``timeout`` counts from the call (``async_call``) or its first use
+  (``deferred_call``), time spent waiting for a thread included: the clock starts
+  in :meth:`Task.submit` (or when the call first runs in place), and the
+  timeouts' thread of :mod:`._async_threads` calls :meth:`Task.time_out`.
+- A call given up on while it runs takes its thread out of the pool's bound
+  (:meth:`._async_threads._Pool.abandon`), so that later calls start at once.
+- Exit (:func:`abandon_at_exit`): calls still running, and threads still in calls
+  given up on, are reported; the calls are abandoned.
+
+The threads that run calls live in :mod:`._async_threads`. A thread that needs a
+value whose call has not started yet runs that call itself instead of waiting on
+work queued behind it (:meth:`Task.wait`), so a call that waits on another call's
+arrays cannot deadlock a full pool.
+
+The dispatch mechanism keeps per-call state on the task (its gates, under the
+task's lock) and is told when a call ends through :func:`set_gate_release`, so
+that this module does not depend on how dispatch works.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _async_threads, _fork
+from ._async_threads import worker_state
+from ._leaves import (
+    LeafSpec,
+    check_result,
+    describe_error,
+    host_view,
+    leaf_specs,
+    place,
+)
+from ._validate import callable_name, check_timeout
+
+logger = logging.getLogger("jax_threadmap._async")
+
+#: The longest a wait in Python sleeps at once. Lock waits are interruptible on
+#: POSIX anyway; the slices keep Ctrl-C prompt on every platform, and cost
+#: nothing measurable (a wake-up per slice).
+POLL_S = 0.5
+
+PENDING, RUNNING, FINISHING, FINISHED = "pending", "running", "finishing", "finished"
+
+# The start of the note added to a loader's exception (once per call).
+_NOTE_START = "This error was raised by"
+
+
+# --- what the dispatch mechanism is told ----------------------------------------------
+
+#: A function ``(task, gates)`` that releases the gate programs of a task when its
+#: call ends (with ``task.host`` or ``task.error_text`` set); set by the dispatch
+#: mechanism, so that tasks need not import it.
+GateRelease = Callable[["Task", dict], None]
+
+
+def _no_gates(task: Task, gates: dict) -> None:
+    del task, gates
+
+
+_gate_release_fn: GateRelease = _no_gates
+
+
+def set_gate_release(fn: GateRelease) -> None:
+    """Installs the mechanism's handler for the gates of a finished call."""
+    global _gate_release_fn
+    _gate_release_fn = fn
+
+
+# --- one call, shared by the arrays of its result -------------------------------------
+
+# Calls submitted or running and not finished, for the report at exit.
+live_lock = threading.Lock()
+live: set[Task] = set()
+
+
+class Task:
+    """One call of ``fn`` (or one wrapped Future) and its shared outcome.
+
+    Lock rule: ``_lock`` guards the state and the dispatch fields (``gates``,
+    ``programs``). Gates are only added while the state is pending or running,
+    and the call's end offers exactly those that exist when it moves the state
+    on, so every gate is offered once and none is missed.
+    """
+
+    __slots__ = (
+        "_lock",
+        "_state",
+        "_submitted",
+        "_clock",
+        "_pid",
+        "_fn",
+        "_args",
+        "_kwargs",
+        "name",
+        "api",
+        "treedef",
+        "specs",
+        "future",
+        "runnable",
+        "_traceback",
+        "_notes",
+        "_chain",
+        "slot",
+        "gates",
+        "host",
+        "error_text",
+        "programs",
+        "offered",
+        "timeout",
+        "worker",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None,
+        args: Any,
+        kwargs: Any,
+        *,
+        name: str,
+        api: str,
+        treedef: Any,
+        specs: list[LeafSpec],
+        timeout: float | None = None,
+    ):
+        self._lock = threading.Lock()
+        self._state = PENDING
+        self._submitted = False
+        self._clock = False  # whether the timeout's clock runs
+        self._pid = os.getpid()
+        self._fn = fn
+        self._args = args
+        self._kwargs = kwargs
+        self.name = name
+        self.api = api
+        self.treedef = treedef
+        self.specs: list[LeafSpec] = specs
+        # Holds the list of placed leaves, or the exception of the call.
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        # False for a wrapped Future: there is nothing to run, only to wait for.
+        self.runnable = fn is not None
+        self._traceback: Any = None
+        self._notes: list[str] | None = None
+        self._chain: tuple[Any, Any, bool] = (None, None, False)
+        # Async dispatch: the value the gates carry, the gates by device
+        # ({device: (pull id, gate array)}), the checked leaves as NumPy arrays
+        # for the gate programs, the error text they raise, and how many gate
+        # programs that read this call are still to run.
+        self.slot = 0
+        self.gates: dict[Any, tuple[int, jax.Array]] = {}
+        self.host: list[np.ndarray] | None = None
+        self.error_text: str | None = None
+        self.programs = 0
+        # Whether the gates were offered with the result (then never again).
+        self.offered = False
+        # Seconds from the call (or first use) before it is given up on.
+        self.timeout = timeout
+        # The pool thread running fn, while it runs (it leaves the bound if the
+        # call is given up on).
+        self.worker: _async_threads.Worker | None = None
+
+    @classmethod
+    def for_call(
+        cls,
+        fn: Any,
+        result_shape_dtypes: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        device: Any,
+        api: str,
+        timeout: Any,
+    ) -> Task:
+        """The task of ``api(fn, result_shape_dtypes, *args, **kwargs)``, checked."""
+        if not callable(fn):
+            raise TypeError(
+                f"jax_threadmap.{api}: fn must be callable. Got {fn!r} of type "
+                f"{type(fn).__name__}. Pass the function first, then "
+                "result_shape_dtypes, then its arguments."
+            )
+        treedef, specs = leaf_specs(result_shape_dtypes, device, api)
+        seconds = check_timeout(
+            timeout,
+            f"jax_threadmap.{api}",
+            zero=False,
+            hint=" To pass a keyword argument named timeout to fn, bind it with "
+            "functools.partial.",
+        )
+        name = f"`{callable_name(fn)}`"
+        return cls(
+            fn,
+            args,
+            kwargs,
+            name=name,
+            api=api,
+            treedef=treedef,
+            specs=specs,
+            timeout=seconds,
+        )
+
+    @classmethod
+    def for_future(cls, future: Any, result_shape_dtypes: Any, device: Any) -> Task:
+        """The task that waits for ``future`` (``AsyncArray.from_future``), live."""
+        api = "AsyncArray.from_future"
+        if not isinstance(future, concurrent.futures.Future):
+            raise TypeError(
+                f"{api}: future must be a concurrent.futures.Future. Got "
+                f"{future!r} of type {type(future).__name__}. For a plain "
+                "function use jax_threadmap.async_call(fn, result_shape_dtypes)."
+            )
+        treedef, specs = leaf_specs(result_shape_dtypes, device, api)
+        name = f"a {type(future).__name__} of the caller"
+        task = cls(None, None, None, name=name, api=api, treedef=treedef, specs=specs)
+        with live_lock:
+            live.add(task)
+        return task
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def deferred(self) -> bool:
+        """Whether nothing has asked for the call yet (a ``deferred_call``)."""
+        return self._state == PENDING and self.runnable and not self._submitted
+
+    def status(self) -> str:
+        """``done``, ``failed: <error>``, ``deferred`` or ``pending``; never blocks."""
+        if self.future.done():
+            error = self.future.exception()
+            return "done" if error is None else f"failed: {describe_error(error)}"
+        return "deferred" if self.deferred else "pending"
+
+    def _start_clock(self) -> None:
+        with self._lock:
+            if self._clock or self.timeout is None:
+                return
+            self._clock = True
+        _async_threads.deadlines().add(self, self.timeout)
+
+    def submit(self) -> None:
+        """Queues the call on the pool (once); its timeout counts from now."""
+        with self._lock:
+            if not self.runnable or self._submitted or self._state != PENDING:
+                return
+            self._submitted = True
+        with live_lock:
+            live.add(self)
+        self._start_clock()
+        _async_threads.pool().submit(self)
+
+    def _claim(self, worker: _async_threads.Worker | None) -> bool:
+        with self._lock:
+            if self._state != PENDING:
+                return False
+            self._state = RUNNING
+            self._pid = os.getpid()
+            self.worker = worker
+        with live_lock:
+            live.add(self)
+        self._start_clock()
+        return True
+
+    def run(self, worker: _async_threads.Worker | None = None) -> None:
+        """Runs the call here, unless it has already started (or ended)."""
+        if not self.runnable or not self._claim(worker):
+            return
+        fn, args, kwargs = self._fn, self._args, self._kwargs
+        # The arguments may be large (raw bytes, file handles): do not keep them.
+        self._fn = self._args = self._kwargs = None
+        assert fn is not None  # runnable
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:  # routed to every use, like a Future does
+            self._fail(e, raised_by_fn=True)
+            return
+        finally:
+            self.worker = None
+        self._finish(out)
+
+    def on_source_done(self, source: concurrent.futures.Future) -> None:
+        """Done-callback of a wrapped Future: checks and places its value."""
+        if not self._claim(None):
+            return
+        try:
+            out = source.result()
+        except BaseException as e:
+            self._fail(e, raised_by_fn=True)
+            return
+        self._finish(out)
+
+    def time_out(self) -> None:
+        """Gives up on the call because its timeout has passed."""
+        self.give_up(
+            TimeoutError(
+                f"{self.name}, which jax_threadmap.{self.api} ran, did not return "
+                f"within timeout={self.timeout:g} s and was given up on (its "
+                "thread runs on until it returns; what it returns is dropped)."
+            )
+        )
+
+    def cancel(self) -> bool:
+        """Gives up on the call (``CancelledError``) unless it has finished."""
+        verb = "ran" if self.runnable else "waited for"
+        return self.give_up(
+            concurrent.futures.CancelledError(
+                f"{self.name}, which jax_threadmap.{self.api} {verb}, was "
+                "cancelled (AsyncArray.cancel)."
+            )
+        )
+
+    def give_up(self, error: BaseException) -> bool:
+        """Fails the call with ``error`` (which names it) now, unless it has ended.
+
+        The call's thread, if any, keeps running (Python cannot stop it) but
+        leaves the pool's bound at once; what it returns or raises later is
+        dropped. Returns whether the call was given up on.
+        """
+        with self._lock:
+            if self._state not in (PENDING, RUNNING):
+                return False
+            self._state = FINISHING
+            gates = dict(self.gates)
+            worker = self.worker
+        if worker is not None:
+            _async_threads.pool().abandon(worker, self)
+        self._conclude(error, gates, raised_by_fn=False, names_call=True)
+        return True
+
+    def _settle(self) -> dict[Any, tuple[int, jax.Array]] | None:
+        """Ends the time in which gates can be added; returns the gates.
+
+        ``None`` when the call was already given up on: its outcome is set.
+        """
+        with self._lock:
+            if self._state != RUNNING:
+                return None
+            self._state = FINISHING
+            return dict(self.gates)
+
+    def _finish(self, out: Any) -> None:
+        try:
+            # Checked and copied now: a loader that refills the buffer it
+            # returned (for its next call) changes nothing here.
+            frozen = check_result(self, out)
+        except BaseException as e:
+            self._fail(e, raised_by_fn=False)
+            return
+        gates = self._settle()
+        if gates is None:
+            logger.debug("%s of %s returned after it was given up on", self.api, self)
+            return
+        try:
+            if gates:
+                # The gate programs copy from these, once their gate arrives.
+                self.host = [host_view(leaf) for leaf in frozen]
+                _gate_release_fn(self, gates)
+                self.offered = True
+            leaves = place(self, frozen)
+        except BaseException as e:
+            self._conclude(e, gates, raised_by_fn=False)
+            return
+        self._end()
+        self.future.set_result(leaves)
+
+    def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
+        gates = self._settle()
+        if gates is None:
+            logger.debug("%s of %s failed after it was given up on", self.api, self)
+            return
+        self._conclude(error, gates, raised_by_fn=raised_by_fn)
+
+    def _end(self) -> None:
+        with self._lock:
+            self._state = FINISHED
+        with live_lock:
+            live.discard(self)
+
+    def _conclude(
+        self,
+        error: BaseException,
+        gates: dict,
+        *,
+        raised_by_fn: bool,
+        names_call: bool = False,
+    ) -> None:
+        """Sets the call's error: every use raises it, every gate program too.
+
+        ``names_call``: the error is one of this module's, whose message already
+        names the call (a timeout, a cancel); it is then not named twice.
+        """
+        verb = "ran" if self.runnable else "waited for"
+        if raised_by_fn:
+            _add_note(
+                error,
+                f"{_NOTE_START} {self.name}, which jax_threadmap.{self.api} {verb} "
+                f"to compute {len(self.specs)} array(s); every use of any of "
+                "those arrays raises it.",
+            )
+        try:
+            self._traceback = error.__traceback__
+            self._chain = (
+                error.__cause__,
+                error.__context__,
+                error.__suppress_context__,
+            )
+            if hasattr(error, "__notes__"):
+                self._notes = list(error.__notes__)
+        except Exception:  # an exception that refuses these still reaches uses
+            logger.debug("jax_threadmap: could not annotate %s", type(error).__name__)
+        if gates and not self.offered:  # the gate programs did not get the data
+            self.error_text = describe_error(error)
+            if not names_call:
+                self.error_text = (
+                    f"{self.name}, which jax_threadmap.{self.api} {verb}, failed "
+                    f"with {self.error_text}"
+                )
+            logger.warning(
+                "jax_threadmap: the jitted programs dispatched with the arrays of "
+                "%s (%s) raise this error when their results are used: %s",
+                self.name,
+                self.api,
+                self.error_text,
+            )
+            try:
+                _gate_release_fn(self, gates)
+            except Exception:  # the call's own uses must still get the error
+                logger.exception("jax_threadmap: could not release the gates")
+        self._end()
+        self.future.set_exception(error)
+
+    def abandon(self) -> None:
+        """At exit: fails the gates of a call that is still running."""
+        with self._lock:
+            if self._state in (FINISHING, FINISHED):
+                return
+            self._state = FINISHING
+            gates = dict(self.gates)
+        if gates:
+            self.error_text = (
+                f"{self.name}, which jax_threadmap.{self.api} "
+                f"{'ran' if self.runnable else 'waited for'}, had not returned "
+                "when the interpreter exited"
+            )
+            _gate_release_fn(self, gates)
+
+    def wait_done(self) -> None:
+        """Waits, in slices (Ctrl-C gets through), until the call has ended."""
+        _wait_polling(self.future, None)
+
+    def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
+        """Returns the placed leaves; raises the call's error or TimeoutError."""
+        if not self.future.done():
+            if timeout is None and (
+                self.timeout is None or getattr(worker_state, "in_pool", False)
+            ):
+                # Run it here rather than wait on work queued behind busy (or
+                # not yet started, or deferred) threads. No-op once started.
+                # Not a call with a timeout (but in a pool thread, where it may
+                # be what frees the pool): its timeout must hold for the caller.
+                self.run()
+            else:
+                self.submit()
+            if self._state != PENDING and self._pid != os.getpid():
+                raise RuntimeError(
+                    f"{what} was being computed by a thread of the parent process "
+                    "when this process was forked, so its value will never arrive "
+                    "here. Create the arrays after the fork, or wait for them "
+                    "(block_until_ready) before forking."
+                )
+            if not _wait_polling(self.future, timeout):
+                raise TimeoutError(
+                    f"{what} was not ready within timeout={timeout:g} s. The call "
+                    "keeps running and the array stays usable: call result() "
+                    "again, with a longer timeout or none."
+                )
+        error = self.future.exception()
+        if error is not None:
+            # Every use raises the same exception object, as Future.result()
+            # does: restore the worker's traceback and the notes each time, so
+            # that repeated uses (and JAX's traceback-filtering note, added at
+            # each API boundary it crosses) do not pile up. On Python 3.10 that
+            # filter chains a marker into __cause__ instead: restore the chain too.
+            if self._notes is not None:
+                error.__notes__ = list(self._notes)  # type: ignore[attr-defined]
+            error.__cause__, error.__context__, error.__suppress_context__ = self._chain
+            raise error.with_traceback(self._traceback)
+        return self.future.result()
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.api})"
+
+
+def _wait_polling(future: concurrent.futures.Future, timeout: float | None) -> bool:
+    """Waits for ``future`` in slices of :data:`POLL_S`; returns whether done."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+        if left <= 0:
+            return future.done()
+        done, _ = concurrent.futures.wait([future], timeout=left)
+        if done:
+            return True
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """Adds jax_threadmap's note to ``error``, replacing one from another call.
+
+    One exception object raised by two calls (a cached error, say) carries the
+    note of the call whose use raised it, once.
+    """
+    if not hasattr(error, "add_note"):  # Python < 3.11
+        return
+    try:
+        notes = getattr(error, "__notes__", None)
+        if notes is not None:
+            notes[:] = [n for n in notes if not str(n).startswith(_NOTE_START)]
+        error.add_note(note)
+    except Exception:  # an exception that refuses notes still reaches uses
+        logger.debug("jax_threadmap: could not add a note to %s", type(error).__name__)
+
+
+# --- fork and exit --------------------------------------------------------------------
+
+
+@_fork.in_child
+def _after_fork_in_child() -> None:
+    # The parent's threads, and the calls they ran or queued, do not exist here;
+    # a lock one of them held at the fork stays held: everything afresh. A call
+    # that had not started runs in the thread that first needs it (Task.wait).
+    global live_lock
+    live_lock = threading.Lock()
+
+
+#: How long exit waits for calls whose function returned to place their values.
+EXIT_PLACE_S = 5.0
+
+
+def abandon_at_exit() -> None:
+    """Warns about the calls still running at exit, and abandons them.
+
+    A call whose function returned may still be copying its values to the
+    device after its dependents got them (async dispatch): exit waits for it
+    (at most :data:`EXIT_PLACE_S`) rather than report it.
+    """
+    with live_lock:
+        tasks = list(live)
+    returned = [t.future for t in tasks if t.state == FINISHING]
+    concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
+    unfinished = [t for t in tasks if not t.future.done()]
+    abandoned = _async_threads.pool().status().abandoned
+    if not unfinished and not abandoned:
+        return
+    parts = []
+    if unfinished:
+        parts.append(
+            f"{len(unfinished)} background call(s) have not returned: "
+            f"{_names([str(t) for t in unfinished])}. They are abandoned (their "
+            "threads stop with the process) and their arrays never get values"
+        )
+    if abandoned:
+        parts.append(
+            f"{len(abandoned)} thread(s) still run calls given up on earlier "
+            f"(timeout or cancel): {_names(list(abandoned))}"
+        )
+    warnings.warn(
+        "jax_threadmap: the interpreter is exiting while "
+        + "; and ".join(parts)
+        + ". Wait for the arrays you need (jax.block_until_ready) before the "
+        "script ends, and give calls that may hang a timeout.",
+        RuntimeWarning,
+        stacklevel=1,
+    )
+    for task in unfinished:
+        task.abandon()
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -14,6 +14,24 @@ os.environ.setdefault("JAX_THREADMAP_NUM_THREADS", "4")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from helpers import EXAMPLES  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Hypothesis runs are reproducible: the seed is fixed (pyproject.toml's addopts pass
+# --hypothesis-seed=0; pass another to draw other examples) and no example database
+# replays what an earlier run on this machine found.
+settings.register_profile("jax_threadmap", database=None, deadline=None)
+settings.load_profile("jax_threadmap")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # Printed under -q too (a report header is not), at the end where a failure is.
+    del exitstatus
+    seed = config.getoption("hypothesis_seed", None)
+    terminalreporter.write_line(
+        f"hypothesis: seed {seed}, {EXAMPLES} example counts "
+        "(JAX_THREADMAP_TEST_EXAMPLES=quick|full; CI runs full)"
+    )
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
 
+import os
 import sys
 import threading
 
@@ -8,6 +9,21 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
+
+#: How many examples each hypothesis test draws: "quick" (the default: a quarter of
+#: the full count, for a test run in minutes) or "full" (CI sets it).
+EXAMPLES = os.environ.get("JAX_THREADMAP_TEST_EXAMPLES", "quick")
+if EXAMPLES not in ("quick", "full"):
+    raise ValueError(
+        f"JAX_THREADMAP_TEST_EXAMPLES must be 'quick' or 'full', got {EXAMPLES!r}. "
+        "Unset it for quick counts; CI sets 'full'."
+    )
+
+
+def examples(full: int) -> int:
+    """A hypothesis test's ``max_examples``: ``full`` in CI, a quarter otherwise."""
+    return full if EXAMPLES == "full" else max(3, full // 4)
+
 
 #: One element's core shapes of x and z in the nested-vmap property tests.
 X_CORE, Z_CORE = (2,), (3,)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_eqns, jaxprs_in_params
+from helpers import count_eqns, examples, jaxprs_in_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -462,7 +462,7 @@ def nestings(draw):
 F32_KERNEL = make_scaled_sin(np.float32)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), suppress_health_check=[HealthCheck.too_slow])
 @given(nestings())
 def test_random_nestings_match_jax_numpy(case):
     levels, sizes, jit = case

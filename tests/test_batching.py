@@ -10,6 +10,7 @@ from helpers import (
     assert_trees_close,
     build,
     count_eqns,
+    examples,
     make_inputs,
     nestings,
 )
@@ -47,8 +48,7 @@ def with_jnp(x, y, z):
 
 
 @settings(
-    max_examples=40,
-    deadline=None,
+    max_examples=examples(40),
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(

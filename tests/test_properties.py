@@ -11,8 +11,9 @@ per-example gradients are) and ``jax.jvp`` through its
 vmaps. Every value is a small integer, so every sum is exact in float32 and the
 order in which the host sums does not change a bit.
 
-``JAX_THREADMAP_PROPERTY_EXAMPLES=N`` runs N examples with a random seed instead
-of the fixed ones CI runs.
+It draws 120 examples in CI (``JAX_THREADMAP_TEST_EXAMPLES=full``) and 30 otherwise,
+from the seed the run prints; ``JAX_THREADMAP_PROPERTY_EXAMPLES=N`` runs N, and
+``--hypothesis-seed=S`` draws other ones.
 """
 
 import os
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import worker_kernels as wk
+from helpers import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,9 +31,7 @@ import jax_threadmap
 
 _EXAMPLES = int(os.environ.get("JAX_THREADMAP_PROPERTY_EXAMPLES", "0"))
 _SETTINGS = settings(
-    max_examples=_EXAMPLES or 120,
-    deadline=None,
-    derandomize=not _EXAMPLES,  # CI: the same examples every run
+    max_examples=_EXAMPLES or examples(120),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 

@@ -14,6 +14,7 @@ from helpers import (
     assert_trees_close,
     build,
     count_eqns,
+    examples,
     make_inputs,
     nestings,
 )
@@ -60,7 +61,7 @@ def call(kernel, vectorized, executor):
     return f
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), suppress_health_check=[HealthCheck.too_slow])
 @given(
     nesting=nestings(),
     dtype=st.sampled_from(["float32", "int32", "bool", "complex64"]),

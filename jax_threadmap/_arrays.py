@@ -19,14 +19,15 @@ from typing import Any, overload
 import jax
 import numpy as np
 
-from . import _background, _compat, _dispatch
+from . import _async_threads, _background, _compat, _dispatch, _event_loop
 from ._background import Task
 from ._leaves import LeafSpec
 from ._validate import check_timeout
 
 
 def _at_exit() -> None:
-    _background.abandon_at_exit()
+    _async_threads.abandon_at_exit()
+    _event_loop.close_at_exit()
     _dispatch.mechanism.clean_up_at_exit()
 
 

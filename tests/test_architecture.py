@@ -40,6 +40,7 @@ LAYERS = [
     "_api",
     "_leaves",
     "_async_threads",
+    "_event_loop",
     "_background",
     "_dispatch",
     "_arrays",
@@ -148,5 +149,12 @@ def test_no_module_reads_frames_or_sets_profilers():
     assert found <= INTROSPECTION_LEFT, sorted(found - INTROSPECTION_LEFT)
     assert not any(
         INTROSPECTION.search((PACKAGE / f"{m}.py").read_text())
-        for m in ("_leaves", "_async_threads", "_background", "_dispatch", "_arrays")
+        for m in (
+            "_leaves",
+            "_async_threads",
+            "_event_loop",
+            "_background",
+            "_dispatch",
+            "_arrays",
+        )
     )

@@ -15,12 +15,10 @@
   timeouts' thread of :mod:`._async_threads` calls :meth:`Task.time_out`.
 - A call given up on while it runs takes its thread out of the pool's bound
   (:meth:`._async_threads._Pool.abandon`), so that later calls start at once.
-- Calls in flight are listed in ``_async_threads.live`` for the report at exit.
 
-The threads that run calls live in :mod:`._async_threads`. A thread that needs a
-value whose call has not started yet runs that call itself instead of waiting on
-work queued behind it (:meth:`Task.wait`), so a call that waits on another call's
-arrays cannot deadlock a full pool.
+A thread that needs a value whose call has not started yet runs that call itself
+instead of waiting on work queued behind it (:meth:`Task.wait`), so a call that
+waits on another call's arrays cannot deadlock a full pool.
 
 The dispatch mechanism keeps per-call state on the task (its gates, under the
 task's lock) and is told when a call ends through :func:`set_gate_release`, so
@@ -41,7 +39,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from . import _async_threads, _event_loop
 from ._async_threads import worker_state
@@ -51,6 +48,7 @@ from ._leaves import (
     check_result,
     describe_error,
     host_view,
+    index_of,
     leaf_specs,
     place,
 )
@@ -148,9 +146,7 @@ class Task:
         self._submitted = False
         self._clock = False  # whether the timeout's clock runs
         self._pid = os.getpid()
-        self._fn = fn
-        self._args = args
-        self._kwargs = kwargs
+        self._fn, self._args, self._kwargs = fn, args, kwargs
         self.name = name
         self.api = api
         self.treedef = treedef
@@ -166,7 +162,7 @@ class Task:
         # programs that read this call are still to run.
         self.slot = 0
         self.gates: dict[Any, tuple[int, jax.Array]] = {}
-        self.host: list[np.ndarray] | None = None
+        self.host: Any = None
         self.error_text: str | None = None
         self.programs = 0
         # Whether the gates were offered with the result (then never again).
@@ -237,10 +233,6 @@ class Task:
         return task
 
     @property
-    def state(self) -> str:
-        return self._state
-
-    @property
     def returned(self) -> bool:
         """Whether ``fn`` returned and its values are being placed."""
         return self._state == FINISHING
@@ -256,6 +248,24 @@ class Task:
             error = self.future.exception()
             return "done" if error is None else f"failed: {describe_error(error)}"
         return "deferred" if self.deferred else "pending"
+
+    # -- what the dispatch mechanism asks (a sharded load answers otherwise) --
+
+    def serves(self, sharding: Any, shape: tuple[int, ...]) -> bool:
+        """Whether gate programs can hand this call's data laid out by ``sharding``."""
+        del sharding, shape
+        return True
+
+    def ready_shard(self, device: Any) -> jax.Array | None:
+        """The shard of ``device``, placed before the call's end (lock held)."""
+        del device
+        return None
+
+    def gate_data(self, leaf: int, where: tuple, device: Any) -> Any:
+        """What the gate program of ``device`` copies; ``None``: the call failed."""
+        del device
+        host = self.host
+        return None if host is None else host[leaf][index_of(where)]
 
     def _start_clock(self) -> None:
         with self._lock:

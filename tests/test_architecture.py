@@ -44,6 +44,7 @@ LAYERS = [
     "_background",
     "_dispatch",
     "_arrays",
+    "_shard_loads",
     "_inner_threads",
     "_demo",
     "__init__",
@@ -156,5 +157,6 @@ def test_no_module_reads_frames_or_sets_profilers():
             "_background",
             "_dispatch",
             "_arrays",
+            "_shard_loads",
         )
     )

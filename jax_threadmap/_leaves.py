@@ -88,9 +88,7 @@ def leaf_specs(
         if sharding is None and isinstance(leaf_sharding, jax.sharding.Sharding):
             sharding = leaf_sharding
         try:
-            if sharding is not None:
-                sharding.shard_shape(shape)
-            aval = _compat.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+            aval = _aval(shape, dtype, sharding)
         except (ValueError, TypeError, IndexError) as e:
             raise ValueError(
                 f"jax_threadmap.{api}: the target sharding {sharding} cannot hold "
@@ -101,6 +99,31 @@ def leaf_specs(
             ) from e
         specs.append(LeafSpec(where, shape, dtype, aval, sharding))
     return treedef, specs
+
+
+def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
+    """The abstract value ``jit`` sees (the sharding checked), cached: JAX takes
+    about 10 us to make one, which a thousand calls in flight would pay."""
+    key: Any = (shape, dtype, sharding, jax.config.jax_enable_x64)
+    try:
+        return _avals[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable sharding
+        key = None
+    if sharding is not None:
+        sharding.shard_shape(shape)
+    aval = _compat.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    if key is not None:
+        if len(_avals) >= MAX_CACHED_AVALS:
+            _avals.clear()
+        _avals[key] = aval
+    return aval
+
+
+#: Abstract values kept by :func:`_aval` (a bound against ever new shapes).
+MAX_CACHED_AVALS = 1024
+_avals: dict[Any, Any] = {}
 
 
 def _target_sharding(device: Any, api: str) -> jax.sharding.Sharding | None:
@@ -227,10 +250,15 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
     for spec, leaf in zip(task.specs, frozen, strict=True):
         if spec.sharding is None and isinstance(leaf, jax.Array):
             placed.append(leaf)
-        else:
-            # The frozen copy is ours and never written: JAX may keep it as
-            # the buffer (on CPU) instead of copying it once more.
-            placed.append(jax.device_put(leaf, spec.sharding, may_alias=True))
+            continue
+        # The frozen copy is ours and never written: JAX may keep it as the
+        # buffer (on CPU) instead of copying it once more.
+        out = None
+        if spec.sharding is None and isinstance(leaf, np.ndarray):
+            out = _compat.put_on_device(spec.aval, leaf, None)  # 5x device_put's speed
+        if out is None:
+            out = jax.device_put(leaf, spec.sharding, may_alias=True)
+        placed.append(out)
     # The copies to device run while we wait here, in a pool thread: done()
     # then means the data is on its device.
     return jax.block_until_ready(placed)

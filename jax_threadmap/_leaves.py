@@ -301,8 +301,8 @@ def slice_shape(index: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
 def check_shard(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     """The shard to place: ``value`` checked as :func:`check_result` checks a leaf.
 
-    No copy is made (placing it is the copy, :func:`place_shard`), except the
-    cast into ``dtype`` where it differs. Raises ``ValueError`` saying what is
+    No copy is made here (:func:`place_shard` makes the one copy), but the cast
+    into ``dtype`` where the dtype differs. Raises ``ValueError`` saying what is
     wrong with it (the caller names the shard).
     """
     try:
@@ -314,12 +314,19 @@ def check_shard(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     return checked
 
 
-def place_shard(shard: Any, devices: list[Any]) -> list[jax.Array]:
-    """A copy of ``shard`` on each of ``devices``, there when this returns.
+def place_shard(shard: Any, value: Any, devices: list[Any]) -> list[jax.Array]:
+    """``shard`` on each of ``devices``, there when this returns; never aliased.
 
-    ``jax.device_put`` copies a NumPy array (measured on CPU in jax 0.6.2, 0.10.2
-    and 0.12), so the caller's buffer may be reused or dropped at once.
+    ``value`` is what the callback returned (``shard`` itself unless cast). On
+    CPU, ``jax.device_put`` keeps an aligned NumPy buffer as the device buffer
+    instead of copying it (seen in jax 0.6.2, 0.10.2 and 0.12, with any
+    ``may_alias``), so the callback's buffer is copied once first, and that copy
+    may become the buffer: one copy either way. Elsewhere the transfer to the
+    device is the copy.
     """
+    if shard is value and isinstance(shard, np.ndarray):
+        if devices and devices[0].platform == "cpu":
+            shard = np.array(shard, order="C")
     placed = [
         jax.device_put(shard, jax.sharding.SingleDeviceSharding(d)) for d in devices
     ]

@@ -233,6 +233,8 @@ class ShardedLoad(Task):
     # -- a shard lands, in the thread that fetched it --
 
     def _part_arrived(self, part: Part, out: Any) -> None:
+        if part.state != RUNNING:  # the load ended meanwhile: not even placed
+            return
         try:
             shard = check_shard(
                 out, slice_shape(part.index, self.shape), self.specs[0].aval.dtype
@@ -240,13 +242,12 @@ class ShardedLoad(Task):
         except ValueError as e:
             self._part_failed(part, ValueError(self._bad_shard(part, e)), ours=True)
             return
-        del out  # the callback's buffer goes once it is placed
         try:
-            placed = place_shard(shard, part.devices)
+            placed = place_shard(shard, out, part.devices)
         except BaseException as e:
             self._part_failed(part, e, ours=True)
             return
-        del shard
+        del out, shard  # the callback's buffer is not kept
         with self._lock:
             if self._state != RUNNING or part.state != RUNNING:
                 return  # the load ended meanwhile: dropped
@@ -290,6 +291,10 @@ class ShardedLoad(Task):
     def _part_failed(
         self, part: Part, error: BaseException, ours: bool = False
     ) -> None:
+        with self._lock:  # its own thread or coroutine is not stopped
+            if part.state == RUNNING:
+                part.state = STOPPED
+            part.worker = part.source = None
         gates = self._settle()
         if gates is None:
             logger.debug("%s: %s failed after the load ended", self, part.where())

@@ -104,7 +104,8 @@ def leaf_specs(
 def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
     """The abstract value ``jit`` sees (the sharding checked), cached: JAX takes
     about 10 us to make one, which a thousand calls in flight would pay."""
-    key: Any = (shape, dtype, sharding, jax.config.jax_enable_x64)
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+    key: Any = (shape, dtype, sharding, x64)
     try:
         return _avals[key]
     except KeyError:

@@ -262,8 +262,12 @@ class ShardedLoad(Task):
             if last:
                 self._state = FINISHING
                 rest = dict(self.gates)
+        # Arrays are freed before the result is set, never after: a daemon
+        # thread still in JAX's C++ when the interpreter exits aborts it.
+        del placed
         if released:
             _background._gate_release_fn(self, released)
+        del released
         if last:
             self._assemble(rest)
 
@@ -308,8 +312,8 @@ class ShardedLoad(Task):
         )
 
     def _conclude(self, error: BaseException, gates: dict, **how: Any) -> None:
+        self._stop_parts()  # first: the placed shards go before uses are told
         super()._conclude(error, gates, **how)
-        self._stop_parts()
 
     def _stop_parts(self) -> None:
         """Parts not placed never start, or leave the pool's bound, or are cancelled."""

@@ -99,3 +99,41 @@ def test_the_async_pool_can_start_every_shard_of_one_array_together():
 def test_indices_are_written_as_numpy_code_writes_them(index, text):
     assert _leaves.index_str(index) == text
     assert _leaves.index_of(_leaves.index_key(index)) == index
+
+
+EXIT_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_threadmap as jtm
+sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+def fetch(index):
+    out = np.empty((4096, 1024), np.float32)  # 16 MB, a fresh buffer each
+    out[...] = index[0].start
+    return out
+x = jtm.async_array_from_callback((8 * 4096, 1024), sharding, fetch, np.float32)
+jax.block_until_ready(x)
+print("loaded", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_exit_right_after_a_large_load_is_clean():
+    # Was: the pool thread that assembled the array freed the last shard's
+    # arrays after the result was set, inside JAX's C++, while the interpreter
+    # exited: "FATAL: exception not rethrown", in about half of the runs.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p
+    )
+    env.pop("JAX_PLATFORMS", None)
+    for _ in range(4):
+        proc = subprocess.run(
+            [sys.executable, "-c", EXIT_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]

@@ -116,8 +116,10 @@ logging.getLogger(_compat.CALLBACK_LOGGER_NAME).addFilter(
 
 #: What the gate programs of one dispatch make: by device, by task, the shards.
 Plan = dict[Any, dict[Task, list[Shard]]]
-#: The tasks that serve a dispatch, each with its shards placed already, by device.
-Claimed = dict[Task, dict[Any, jax.Array]]
+#: The tasks that serve a dispatch, with each device's gate (taken under the task's
+#: lock: a sharded load offers and drops it when that device's shard lands) or, for
+#: a shard placed already, the shard: ``{task: {device: (gated, array)}}``.
+Claimed = dict[Task, dict[Any, tuple[bool, jax.Array]]]
 
 
 def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
@@ -355,13 +357,14 @@ class Dispatch:
         """The array of each (argument position, device): placed, or gated."""
         shards: dict[tuple[int, Any], jax.Array] = {}
         for device, by_task in plan.items():
-            tasks = [t for t in by_task if t in claimed]
-            for t in [t for t in tasks if device in claimed[t]]:
-                tasks.remove(t)
-                for s in by_task[t]:
-                    shards[s.position, device] = claimed[t][device]
+            tasks = [t for t in by_task if t in claimed and claimed[t][device][0]]
+            for t in by_task:
+                if t in claimed and not claimed[t][device][0]:
+                    for s in by_task[t]:
+                        shards[s.position, device] = claimed[t][device][1]
             if tasks:
-                outs = self._run_gate_program(device, tasks, by_task, owed)
+                gates = [claimed[t][device][1] for t in tasks]
+                outs = self._run_gate_program(device, tasks, by_task, owed, gates)
                 positions = [s.position for t in tasks for s in by_task[t]]
                 for k, array in zip(positions, outs, strict=True):
                     shards[k, device] = array
@@ -388,9 +391,9 @@ class Dispatch:
                             task.gates[device] = self._pull_gate(task, device)
                         task.programs += 1
                         owed.append((task, device))
-                claimed.setdefault(task, {})
-                if shard is not None:
-                    claimed[task][device] = shard
+                    gated = shard is None
+                    array = task.gates[device][1] if shard is None else shard
+                claimed.setdefault(task, {})[device] = (gated, array)
         # A call that finished between two devices waits for its value instead.
         for task, device in [(t, d) for t, d in owed if t in refused]:
             owed.remove((task, device))
@@ -405,13 +408,13 @@ class Dispatch:
         tasks: list[Task],
         by_task: dict[Task, list[Shard]],
         owed: list[tuple[Task, Any]],
+        gates: list[jax.Array],
     ) -> list[jax.Array]:
         spec = tuple(tuple((s.leaf, s.where) for s in by_task[t]) for t in tasks)
         avals = tuple(
             jax.ShapeDtypeStruct(s.shape, s.dtype) for t in tasks for s in by_task[t]
         )
         program = self._program(device, spec, avals)
-        gates = [t.gates[device][1] for t in tasks]
         with self._lock:
             self._waiting[device] = self._waiting.get(device, 0) + 1
         try:

@@ -252,6 +252,23 @@ def each_device_waits_for_its_own_shard():
     check("reduction: value", float(z) == float(DATA.sum()))
 
 
+def shards_landing_while_dispatching():
+    # Was: a shard that landed between a dispatch's claim of its gate and the gate
+    # program's dispatch took the gate away: "async dispatch failed" (KeyError).
+    sharding = NamedSharding(mesh((8,), ("x",), "auto"), P("x"))
+    f = jax.jit(lambda a: a * 2)
+
+    async def fetch(index):
+        await asyncio.sleep(0)
+        return DATA[index]
+
+    for _ in range(30):
+        x = jtm.async_array_from_callback(SHAPE, sharding, fetch, np.float32)
+        if not np.array_equal(np.asarray(f(x)), DATA * 2):
+            check("shards landing while dispatching: values", False)
+    check("shards landing while dispatching: values", True)
+
+
 def another_layout_waits_for_the_array():
     sharding = NamedSharding(mesh((8,), ("x",), "auto"), P("x"))
     other = NamedSharding(sharding.mesh, P(None, "x"))
@@ -520,6 +537,7 @@ if __name__ == "__main__":
     same_as_make_array_from_callback()
     dispatch_before_the_data()
     each_device_waits_for_its_own_shard()
+    shards_landing_while_dispatching()
     another_layout_waits_for_the_array()
     a_failing_shard()
     bad_shards_are_named()

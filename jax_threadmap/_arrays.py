@@ -426,18 +426,21 @@ def async_call(
     """Starts ``fn(*args, **kwargs)`` in the background; returns its arrays now.
 
     ``fn`` starts at once on a shared pool of at most ``JAX_THREADMAP_ASYNC_THREADS``
-    threads (default ``min(32, cpus + 4)``) and runs exactly once, however many arrays
-    it returns. When it finishes, its result is checked against ``result_shape_dtypes``
-    and copied to its device. Meanwhile the returned
-    [`AsyncArray`][jax_threadmap.AsyncArray] leaves can be passed to ``jax.jit``
-    functions, which trace and compile with their shapes and dtypes and wait for the
-    data only when the compiled program runs, so compilation hides behind the call.
+    threads (default ``min(32, cpus + 4)``, or the number of local devices if more), or,
+    if it is ``async def``, as a coroutine on the package's one event loop thread, and
+    runs exactly once, however many arrays it returns. When it finishes, its result
+    is checked against ``result_shape_dtypes`` and copied to its device. Meanwhile the
+    returned [`AsyncArray`][jax_threadmap.AsyncArray] leaves can be passed to
+    ``jax.jit`` functions, which trace and compile with their shapes and dtypes and
+    wait for the data only when the compiled program runs, so compilation hides
+    behind the call.
 
     A thread that needs a value whose call has not started yet (all workers
     busy) runs the call itself rather than waiting.
 
     Args:
-        fn: The function to call. It returns a pytree of arrays (NumPy arrays,
+        fn: The function to call, plain or ``async def`` (or returning an
+            awaitable, which is awaited). It returns a pytree of arrays (NumPy arrays,
             ``jax.Array``, anything with ``shape`` and ``dtype`` that
             ``jax.device_put`` accepts) with the structure, shapes and dtypes of
             ``result_shape_dtypes``.

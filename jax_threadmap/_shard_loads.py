@@ -411,7 +411,7 @@ def async_array_from_callback(
 ) -> AsyncArray:
     """Fetches every shard of an array at once; returns the array now.
 
-    The counterpart of [jax.make_array_from_callback][] that returns an
+    The counterpart of ``jax.make_array_from_callback`` that returns an
     [`AsyncArray`][jax_threadmap.AsyncArray] at once, instead of calling
     ``data_callback`` for one device after another. Every shard of this
     process's devices is fetched together: a plain ``data_callback`` runs once

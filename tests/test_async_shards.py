@@ -51,7 +51,7 @@ def test_shard_loads_on_8_devices(shardy):
     assert proc.returncode == 0, report
     assert "all shard load checks passed" in proc.stdout, report
     # Every check printed its line (the script stops at the first failure).
-    assert proc.stdout.count("\nok ") >= 164, report
+    assert proc.stdout.count("\nok ") >= 163, report  # 164 with notes (3.11+)
     assert "was destroyed but it is pending" not in proc.stderr, report
     assert "async dispatch failed" not in proc.stderr, report
 

@@ -262,7 +262,9 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
         placed.append(out)
     # The copies to device run while we wait here, in a pool thread: done()
     # then means the data is on its device.
-    return jax.block_until_ready(placed)
+    for array in placed:
+        array.block_until_ready()
+    return placed
 
 
 # --- one shard of a sharded load ------------------------------------------------------

@@ -268,10 +268,8 @@ class Task:
         return None if host is None else host[leaf][index_of(where)]
 
     def _start_clock(self) -> None:
-        if self.timeout is None:
-            return
         with self._lock:
-            if self._clock:
+            if self._clock or self.timeout is None:
                 return
             self._clock = True
         _async_threads.deadlines().add(self, self.timeout)

@@ -19,6 +19,7 @@ from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
 from ._inner_threads import limit_inner_threads as limit_inner_threads
 from ._primitive import threadmap_p as threadmap_p
+from ._shard_loads import async_array_from_callback as async_array_from_callback
 
 try:
     __version__ = importlib.metadata.version("jax_threadmap")
@@ -32,6 +33,7 @@ __all__ = [
     "KernelFunction",
     "ThreadmapError",
     "UnsupportedJaxError",
+    "async_array_from_callback",
     "async_call",
     "async_dispatch_status",
     "async_pool_status",

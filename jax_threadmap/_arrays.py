@@ -19,14 +19,15 @@ from typing import Any, overload
 import jax
 import numpy as np
 
-from . import _background, _compat, _dispatch
+from . import _async_threads, _background, _compat, _dispatch, _event_loop
 from ._background import Task
 from ._leaves import LeafSpec
 from ._validate import check_timeout
 
 
 def _at_exit() -> None:
-    _background.abandon_at_exit()
+    _async_threads.abandon_at_exit()
+    _event_loop.close_at_exit()
     _dispatch.mechanism.clean_up_at_exit()
 
 
@@ -281,8 +282,11 @@ class AsyncArray:
             >>> x.result(timeout=30)
             Array([0., 0.], dtype=float32)
         """
+        task = self._task
+        if timeout is None and task.future.done() and task._kept is None:
+            return task.future.result()[self._index]  # the common case, cheaply
         seconds = check_timeout(timeout, "AsyncArray.result", zero=True)
-        return self._task.wait(seconds, self._describe())[self._index]
+        return task.wait(seconds, self._describe())[self._index]
 
     def block_until_ready(self) -> AsyncArray:
         """Waits until the value is on its device; returns ``self``."""
@@ -425,18 +429,21 @@ def async_call(
     """Starts ``fn(*args, **kwargs)`` in the background; returns its arrays now.
 
     ``fn`` starts at once on a shared pool of at most ``JAX_THREADMAP_ASYNC_THREADS``
-    threads (default ``min(32, cpus + 4)``) and runs exactly once, however many arrays
-    it returns. When it finishes, its result is checked against ``result_shape_dtypes``
-    and copied to its device. Meanwhile the returned
-    [`AsyncArray`][jax_threadmap.AsyncArray] leaves can be passed to ``jax.jit``
-    functions, which trace and compile with their shapes and dtypes and wait for the
-    data only when the compiled program runs, so compilation hides behind the call.
+    threads (default ``min(32, cpus + 4)``, or the number of local devices if more), or,
+    if it is ``async def``, as a coroutine on the package's one event loop thread, and
+    runs exactly once, however many arrays it returns. When it finishes, its result
+    is checked against ``result_shape_dtypes`` and copied to its device. Meanwhile the
+    returned [`AsyncArray`][jax_threadmap.AsyncArray] leaves can be passed to
+    ``jax.jit`` functions, which trace and compile with their shapes and dtypes and
+    wait for the data only when the compiled program runs, so compilation hides
+    behind the call.
 
     A thread that needs a value whose call has not started yet (all workers
     busy) runs the call itself rather than waiting.
 
     Args:
-        fn: The function to call. It returns a pytree of arrays (NumPy arrays,
+        fn: The function to call, plain or ``async def`` (or returning an
+            awaitable, which is awaited). It returns a pytree of arrays (NumPy arrays,
             ``jax.Array``, anything with ``shape`` and ``dtype`` that
             ``jax.device_put`` accepts) with the structure, shapes and dtypes of
             ``result_shape_dtypes``.

@@ -1,4 +1,4 @@
-"""The threads of background calls: the async pool that runs them, and timeouts.
+"""The threads of background calls: the pool that runs them, timeouts, exit.
 
 - The async pool (:class:`_Pool`): daemon threads of its own, started on demand,
   at most ``JAX_THREADMAP_ASYNC_THREADS`` of them counted at once, idle ones
@@ -9,21 +9,30 @@
   again if there is room (:meth:`_Pool.status`; the warning at exit names them).
 - Timeouts (:class:`_Deadlines`): one daemon thread gives up on each call whose
   timeout has passed.
+- The calls in flight (:data:`live`) and the report at exit
+  (:func:`abandon_at_exit`): calls still running, and threads still in calls
+  given up on, are named in one warning; the calls are abandoned.
 
-Both only call the methods of :class:`Call` (which ``_background.Task`` has), so
-this module knows nothing of what a call computes.
+``async def`` calls run on the event loop of :mod:`._event_loop` instead of the
+pool. Everything here only calls the methods of :class:`Call` and
+:class:`LiveCall` (which ``_background.Task`` has), so this module knows nothing
+of what a call computes.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import heapq
 import itertools
 import logging
 import threading
 import time
+import warnings
 import weakref
 from typing import NamedTuple, Protocol
+
+import jax
 
 from . import _fork
 from ._scheduling import available_cpus
@@ -40,20 +49,33 @@ IDLE_S = 5.0
 def default_async_threads() -> int:
     """The number of threads that run ``async_call`` s at once (not abandoned).
 
-    ``JAX_THREADMAP_ASYNC_THREADS`` when set, else ``min(32, cpus + 4)``: the
-    calls are mostly I/O (network, disk) or native code that releases the GIL,
-    so a few more threads than cores pay off, as in CPython's
-    ``ThreadPoolExecutor`` default; the cap keeps hundreds of pending arrays
-    from becoming hundreds of threads. The pool is separate from the one that
-    runs ``threadmap`` kernels, so a kernel that waits on an ``AsyncArray``
-    never waits on work queued behind itself.
+    ``JAX_THREADMAP_ASYNC_THREADS`` when set, else ``min(32, cpus + 4)``, or
+    the number of local devices when that is more: the calls are mostly I/O
+    (network, disk) or native code that releases the GIL, so a few more threads
+    than cores pay off, as in CPython's ``ThreadPoolExecutor`` default; the cap
+    keeps hundreds of pending arrays from becoming hundreds of threads; and the
+    shards of one ``async_array_from_callback`` start together on a machine
+    with more devices than cores. The pool is separate from the one that runs
+    ``threadmap`` kernels, so a kernel that waits on an ``AsyncArray`` never
+    waits on work queued behind itself.
     """
     n = env_positive_int(
         ENV_ASYNC_THREADS,
         "the number of threads that run jax_threadmap.async_call",
         maximum=MAX_THREADS,
     )
-    return min(32, available_cpus() + 4) if n is None else n
+    if n is not None:
+        return n
+    return max(min(32, available_cpus() + 4), _local_devices())
+
+
+_devices: list[int] = []  # jax.local_device_count(), read once
+
+
+def _local_devices() -> int:
+    if not _devices:
+        _devices.append(jax.local_device_count())
+    return _devices[0]
 
 
 class Call(Protocol):
@@ -67,6 +89,19 @@ class Call(Protocol):
 
     def time_out(self) -> None:
         """Gives up on the call because its timeout has passed."""
+
+
+class LiveCall(Protocol):
+    """What the report at exit needs of a call in flight."""
+
+    future: concurrent.futures.Future
+
+    @property
+    def returned(self) -> bool:
+        """Whether its function returned (its values are being placed)."""
+
+    def abandon(self) -> None:
+        """At exit: fails what waits for the call (its dispatched programs)."""
 
 
 #: ``in_pool``: whether this thread is one of the pool's (while it runs a call).
@@ -301,10 +336,67 @@ def deadlines() -> _Deadlines:
     return _deadlines
 
 
+# --- the calls in flight, and exit ---------------------------------------------------
+
+# Calls submitted or running and not finished, for the report at exit.
+live_lock = threading.Lock()
+live: set[LiveCall] = set()
+
+#: How long exit waits for calls whose function returned to place their values.
+EXIT_PLACE_S = 5.0
+
+
+def abandon_at_exit() -> None:
+    """Warns about the calls still running at exit, and abandons them.
+
+    A call whose function returned may still be copying its values to the
+    device after its dependents got them (async dispatch): exit waits for it
+    (at most :data:`EXIT_PLACE_S`) rather than report it.
+    """
+    with live_lock:
+        calls = list(live)
+    returned = [c.future for c in calls if c.returned]
+    concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
+    unfinished = [c for c in calls if not c.future.done()]
+    abandoned = _pool.status().abandoned
+    if not unfinished and not abandoned:
+        return
+    parts = []
+    if unfinished:
+        parts.append(
+            f"{len(unfinished)} background call(s) have not returned: "
+            f"{_names([str(c) for c in unfinished])}. They are abandoned (their "
+            "threads stop with the process, their coroutines are cancelled) and "
+            "their arrays never get values"
+        )
+    if abandoned:
+        parts.append(
+            f"{len(abandoned)} thread(s) still run calls given up on earlier "
+            f"(timeout or cancel): {_names(list(abandoned))}"
+        )
+    warnings.warn(
+        "jax_threadmap: the interpreter is exiting while "
+        + "; and ".join(parts)
+        + ". Wait for the arrays you need (jax.block_until_ready) before the "
+        "script ends, and give calls that may hang a timeout.",
+        RuntimeWarning,
+        stacklevel=1,
+    )
+    for call in unfinished:
+        call.abandon()
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 @_fork.in_child
 def _after_fork_in_child() -> None:
     # The parent's threads, and the calls they ran or queued, do not exist here,
-    # and a lock one of them held at the fork stays held: start afresh.
-    global _pool, _deadlines
+    # and a lock one of them held at the fork stays held: start afresh. A call
+    # that had not started runs in the thread that first needs it (Task.wait).
+    global _pool, _deadlines, live_lock
     _pool = _Pool()
     _deadlines = _Deadlines()
+    live_lock = threading.Lock()

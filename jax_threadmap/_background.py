@@ -5,19 +5,20 @@
   the exception. A task ends once, by one of :meth:`Task.run` (``fn`` returned or
   raised), :meth:`Task.on_source_done` (a wrapped ``Future`` completed) or
   :meth:`Task.give_up` (timeout, ``cancel()``); what comes later is dropped.
+- An ``async def`` ``fn`` (or a plain one that returns an awaitable) runs as a
+  coroutine on the package's event loop (:mod:`._event_loop`), not on the pool:
+  :meth:`Task._run_coroutine` claims the call there first (a call given up on
+  before it started never calls ``fn``), and giving up cancels the coroutine.
 - Its ``timeout`` counts from the call (``async_call``) or its first use
   (``deferred_call``), time spent waiting for a thread included: the clock starts
   in :meth:`Task.submit` (or when the call first runs in place), and the
   timeouts' thread of :mod:`._async_threads` calls :meth:`Task.time_out`.
 - A call given up on while it runs takes its thread out of the pool's bound
   (:meth:`._async_threads._Pool.abandon`), so that later calls start at once.
-- Exit (:func:`abandon_at_exit`): calls still running, and threads still in calls
-  given up on, are reported; the calls are abandoned.
 
-The threads that run calls live in :mod:`._async_threads`. A thread that needs a
-value whose call has not started yet runs that call itself instead of waiting on
-work queued behind it (:meth:`Task.wait`), so a call that waits on another call's
-arrays cannot deadlock a full pool.
+A thread that needs a value whose call has not started yet runs that call itself
+instead of waiting on work queued behind it (:meth:`Task.wait`), so a call that
+waits on another call's arrays cannot deadlock a full pool.
 
 The dispatch mechanism keeps per-call state on the task (its gates, under the
 task's lock) and is told when a call ends through :func:`set_gate_release`, so
@@ -26,29 +27,32 @@ that this module does not depend on how dispatch works.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import functools
+import inspect
 import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
-from . import _async_threads, _fork
+from . import _async_threads, _event_loop
 from ._async_threads import worker_state
+from ._errors import KeptError, add_note
 from ._leaves import (
     LeafSpec,
     check_result,
     describe_error,
     host_view,
+    index_of,
     leaf_specs,
     place,
 )
-from ._validate import callable_name, check_timeout
+from ._validate import callable_name, check_callable, check_timeout
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -86,10 +90,6 @@ def set_gate_release(fn: GateRelease) -> None:
 
 # --- one call, shared by the arrays of its result -------------------------------------
 
-# Calls submitted or running and not finished, for the report at exit.
-live_lock = threading.Lock()
-live: set[Task] = set()
-
 
 class Task:
     """One call of ``fn`` (or one wrapped Future) and its shared outcome.
@@ -115,9 +115,7 @@ class Task:
         "specs",
         "future",
         "runnable",
-        "_traceback",
-        "_notes",
-        "_chain",
+        "_kept",
         "slot",
         "gates",
         "host",
@@ -126,6 +124,8 @@ class Task:
         "offered",
         "timeout",
         "worker",
+        "coroutine",
+        "source",
         "__weakref__",
     )
 
@@ -146,9 +146,7 @@ class Task:
         self._submitted = False
         self._clock = False  # whether the timeout's clock runs
         self._pid = os.getpid()
-        self._fn = fn
-        self._args = args
-        self._kwargs = kwargs
+        self._fn, self._args, self._kwargs = fn, args, kwargs
         self.name = name
         self.api = api
         self.treedef = treedef
@@ -157,16 +155,14 @@ class Task:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         # False for a wrapped Future: there is nothing to run, only to wait for.
         self.runnable = fn is not None
-        self._traceback: Any = None
-        self._notes: list[str] | None = None
-        self._chain: tuple[Any, Any, bool] = (None, None, False)
+        self._kept: KeptError | None = None  # the error, raised by every use
         # Async dispatch: the value the gates carry, the gates by device
         # ({device: (pull id, gate array)}), the checked leaves as NumPy arrays
         # for the gate programs, the error text they raise, and how many gate
         # programs that read this call are still to run.
         self.slot = 0
         self.gates: dict[Any, tuple[int, jax.Array]] = {}
-        self.host: list[np.ndarray] | None = None
+        self.host: Any = None
         self.error_text: str | None = None
         self.programs = 0
         # Whether the gates were offered with the result (then never again).
@@ -176,6 +172,10 @@ class Task:
         # The pool thread running fn, while it runs (it leaves the bound if the
         # call is given up on).
         self.worker: _async_threads.Worker | None = None
+        # Whether fn runs on the event loop; its asyncio task while it runs
+        # there (cancelled if the call is given up on).
+        self.coroutine = _event_loop.is_coroutine_function(fn)
+        self.source: asyncio.Task | None = None
 
     @classmethod
     def for_call(
@@ -189,12 +189,12 @@ class Task:
         timeout: Any,
     ) -> Task:
         """The task of ``api(fn, result_shape_dtypes, *args, **kwargs)``, checked."""
-        if not callable(fn):
-            raise TypeError(
-                f"jax_threadmap.{api}: fn must be callable. Got {fn!r} of type "
-                f"{type(fn).__name__}. Pass the function first, then "
-                "result_shape_dtypes, then its arguments."
-            )
+        check_callable(
+            fn,
+            f"jax_threadmap.{api}",
+            "fn",
+            "Pass the function first, then result_shape_dtypes, then its arguments.",
+        )
         treedef, specs = leaf_specs(result_shape_dtypes, device, api)
         seconds = check_timeout(
             timeout,
@@ -228,13 +228,14 @@ class Task:
         treedef, specs = leaf_specs(result_shape_dtypes, device, api)
         name = f"a {type(future).__name__} of the caller"
         task = cls(None, None, None, name=name, api=api, treedef=treedef, specs=specs)
-        with live_lock:
-            live.add(task)
+        with _async_threads.live_lock:
+            _async_threads.live.add(task)
         return task
 
     @property
-    def state(self) -> str:
-        return self._state
+    def returned(self) -> bool:
+        """Whether ``fn`` returned and its values are being placed."""
+        return self._state == FINISHING
 
     @property
     def deferred(self) -> bool:
@@ -248,6 +249,24 @@ class Task:
             return "done" if error is None else f"failed: {describe_error(error)}"
         return "deferred" if self.deferred else "pending"
 
+    # -- what the dispatch mechanism asks (a sharded load answers otherwise) --
+
+    def serves(self, sharding: Any, shape: tuple[int, ...]) -> bool:
+        """Whether gate programs can hand this call's data laid out by ``sharding``."""
+        del sharding, shape
+        return True
+
+    def ready_shard(self, device: Any) -> jax.Array | None:
+        """The shard of ``device``, placed before the call's end (lock held)."""
+        del device
+        return None
+
+    def gate_data(self, leaf: int, where: tuple, device: Any) -> Any:
+        """What the gate program of ``device`` copies; ``None``: the call failed."""
+        del device
+        host = self.host
+        return None if host is None else host[leaf][index_of(where)]
+
     def _start_clock(self) -> None:
         with self._lock:
             if self._clock or self.timeout is None:
@@ -256,30 +275,43 @@ class Task:
         _async_threads.deadlines().add(self, self.timeout)
 
     def submit(self) -> None:
-        """Queues the call on the pool (once); its timeout counts from now."""
+        """Queues the call on the pool or loop (once); its timeout counts from now."""
         with self._lock:
             if not self.runnable or self._submitted or self._state != PENDING:
                 return
             self._submitted = True
-        with live_lock:
-            live.add(self)
+        with _async_threads.live_lock:
+            _async_threads.live.add(self)
         self._start_clock()
-        _async_threads.pool().submit(self)
+        if self.coroutine:
+            _event_loop.event_loop().submit(self._run_coroutine, self.name)
+        else:
+            _async_threads.pool().submit(self)
 
-    def _claim(self, worker: _async_threads.Worker | None) -> bool:
+    def _claim(
+        self, worker: _async_threads.Worker | None, source: asyncio.Task | None = None
+    ) -> bool:
         with self._lock:
             if self._state != PENDING:
                 return False
             self._state = RUNNING
             self._pid = os.getpid()
             self.worker = worker
-        with live_lock:
-            live.add(self)
+            self.source = source
+        with _async_threads.live_lock:
+            _async_threads.live.add(self)
         self._start_clock()
         return True
 
     def run(self, worker: _async_threads.Worker | None = None) -> None:
-        """Runs the call here, unless it has already started (or ended)."""
+        """Runs the call here, unless it has already started (or ended).
+
+        A coroutine call is submitted to the event loop instead: there is no
+        bounded pool to get around.
+        """
+        if self.coroutine:
+            self.submit()
+            return
         if not self.runnable or not self._claim(worker):
             return
         fn, args, kwargs = self._fn, self._args, self._kwargs
@@ -293,7 +325,41 @@ class Task:
             return
         finally:
             self.worker = None
+        if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
+            awaited = functools.partial(self._run_coroutine, out)
+            _event_loop.event_loop().submit(awaited, self.name)
+            return
         self._finish(out)
+
+    async def _run_coroutine(self, awaitable: Any = None) -> None:
+        """Runs the call on the event loop: ``fn``'s coroutine, or ``awaitable``.
+
+        Claimed here, on the loop, before ``fn`` is called: asyncio would run a
+        task cancelled before its first step up to its first ``await``.
+        """
+        source = asyncio.current_task()
+        if awaitable is not None and not self._adopt(source):
+            _close(awaitable)  # given up on while on its way here
+            return
+        if awaitable is None and not self._claim(None, source):
+            return
+        call = (self._fn, self._args, self._kwargs)
+        self._fn = self._args = self._kwargs = None
+        try:
+            out = _call(*call) if awaitable is None else awaitable
+            while inspect.isawaitable(out):
+                out = await out
+        except BaseException as e:  # our cancel included: then dropped by _fail
+            self.source = None
+            self._fail(e, raised_by_fn=True)
+            return
+        self.source = None
+        self._finish(out)
+
+    def _adopt(self, source: asyncio.Task | None) -> bool:
+        with self._lock:
+            self.source = source
+            return self._state == RUNNING
 
     def on_source_done(self, source: concurrent.futures.Future) -> None:
         """Done-callback of a wrapped Future: checks and places its value."""
@@ -311,8 +377,13 @@ class Task:
         self.give_up(
             TimeoutError(
                 f"{self.name}, which jax_threadmap.{self.api} ran, did not return "
-                f"within timeout={self.timeout:g} s and was given up on (its "
-                "thread runs on until it returns; what it returns is dropped)."
+                f"within timeout={self.timeout:g} s and was given up on ("
+                + (
+                    "its coroutine is cancelled)."
+                    if self.coroutine or self.source is not None
+                    else "its thread runs on until it returns; what it returns "
+                    "is dropped)."
+                )
             )
         )
 
@@ -338,9 +409,11 @@ class Task:
                 return False
             self._state = FINISHING
             gates = dict(self.gates)
-            worker = self.worker
+            worker, source = self.worker, self.source
         if worker is not None:
             _async_threads.pool().abandon(worker, self)
+        if source is not None:
+            _event_loop.event_loop().cancel(source)
         self._conclude(error, gates, raised_by_fn=False, names_call=True)
         return True
 
@@ -390,8 +463,8 @@ class Task:
     def _end(self) -> None:
         with self._lock:
             self._state = FINISHED
-        with live_lock:
-            live.discard(self)
+        with _async_threads.live_lock:
+            _async_threads.live.discard(self)
 
     def _conclude(
         self,
@@ -400,37 +473,35 @@ class Task:
         *,
         raised_by_fn: bool,
         names_call: bool = False,
+        part: str = "",
     ) -> None:
         """Sets the call's error: every use raises it, every gate program too.
 
         ``names_call``: the error is one of this module's, whose message already
         names the call (a timeout, a cancel); it is then not named twice.
+        ``part``: the part of the call that failed (a shard), for the messages.
         """
         verb = "ran" if self.runnable else "waited for"
         if raised_by_fn:
-            _add_note(
+            what = (
+                f"for {part}; every use of the array"
+                if part
+                else f"to compute {len(self.specs)} array(s); every use of any of "
+                "those arrays"
+            )
+            add_note(
                 error,
                 f"{_NOTE_START} {self.name}, which jax_threadmap.{self.api} {verb} "
-                f"to compute {len(self.specs)} array(s); every use of any of "
-                "those arrays raises it.",
+                f"{what} raises it.",
+                _NOTE_START,
             )
-        try:
-            self._traceback = error.__traceback__
-            self._chain = (
-                error.__cause__,
-                error.__context__,
-                error.__suppress_context__,
-            )
-            if hasattr(error, "__notes__"):
-                self._notes = list(error.__notes__)
-        except Exception:  # an exception that refuses these still reaches uses
-            logger.debug("jax_threadmap: could not annotate %s", type(error).__name__)
+        self._kept = KeptError(error)
         if gates and not self.offered:  # the gate programs did not get the data
             self.error_text = describe_error(error)
             if not names_call:
                 self.error_text = (
                     f"{self.name}, which jax_threadmap.{self.api} {verb}, failed "
-                    f"with {self.error_text}"
+                    f"{f'for {part} ' if part else ''}with {self.error_text}"
                 )
             logger.warning(
                 "jax_threadmap: the jitted programs dispatched with the arrays of "
@@ -468,6 +539,14 @@ class Task:
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
         """Returns the placed leaves; raises the call's error or TimeoutError."""
         if not self.future.done():
+            if _event_loop.event_loop().in_loop_thread():
+                raise RuntimeError(
+                    f"{what} was used inside an async def loader, on jax_threadmap's "
+                    "event loop, before its value arrived: waiting there would "
+                    "block every async def loader (maybe the one that computes "
+                    "it). Wait in a thread instead: await asyncio.to_thread("
+                    "x.result), or pass the array on without its value."
+                )
             if timeout is None and (
                 self.timeout is None or getattr(worker_state, "in_pool", False)
             ):
@@ -491,17 +570,8 @@ class Task:
                     "keeps running and the array stays usable: call result() "
                     "again, with a longer timeout or none."
                 )
-        error = self.future.exception()
-        if error is not None:
-            # Every use raises the same exception object, as Future.result()
-            # does: restore the worker's traceback and the notes each time, so
-            # that repeated uses (and JAX's traceback-filtering note, added at
-            # each API boundary it crosses) do not pile up. On Python 3.10 that
-            # filter chains a marker into __cause__ instead: restore the chain too.
-            if self._notes is not None:
-                error.__notes__ = list(self._notes)  # type: ignore[attr-defined]
-            error.__cause__, error.__context__, error.__suppress_context__ = self._chain
-            raise error.with_traceback(self._traceback)
+        if self._kept is not None:
+            self._kept.reraise()
         return self.future.result()
 
     def __str__(self) -> str:
@@ -520,78 +590,11 @@ def _wait_polling(future: concurrent.futures.Future, timeout: float | None) -> b
             return True
 
 
-def _add_note(error: BaseException, note: str) -> None:
-    """Adds jax_threadmap's note to ``error``, replacing one from another call.
-
-    One exception object raised by two calls (a cached error, say) carries the
-    note of the call whose use raised it, once.
-    """
-    if not hasattr(error, "add_note"):  # Python < 3.11
-        return
-    try:
-        notes = getattr(error, "__notes__", None)
-        if notes is not None:
-            notes[:] = [n for n in notes if not str(n).startswith(_NOTE_START)]
-        error.add_note(note)
-    except Exception:  # an exception that refuses notes still reaches uses
-        logger.debug("jax_threadmap: could not add a note to %s", type(error).__name__)
+def _call(fn: Any, args: Any, kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
-# --- fork and exit --------------------------------------------------------------------
-
-
-@_fork.in_child
-def _after_fork_in_child() -> None:
-    # The parent's threads, and the calls they ran or queued, do not exist here;
-    # a lock one of them held at the fork stays held: everything afresh. A call
-    # that had not started runs in the thread that first needs it (Task.wait).
-    global live_lock
-    live_lock = threading.Lock()
-
-
-#: How long exit waits for calls whose function returned to place their values.
-EXIT_PLACE_S = 5.0
-
-
-def abandon_at_exit() -> None:
-    """Warns about the calls still running at exit, and abandons them.
-
-    A call whose function returned may still be copying its values to the
-    device after its dependents got them (async dispatch): exit waits for it
-    (at most :data:`EXIT_PLACE_S`) rather than report it.
-    """
-    with live_lock:
-        tasks = list(live)
-    returned = [t.future for t in tasks if t.state == FINISHING]
-    concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
-    unfinished = [t for t in tasks if not t.future.done()]
-    abandoned = _async_threads.pool().status().abandoned
-    if not unfinished and not abandoned:
-        return
-    parts = []
-    if unfinished:
-        parts.append(
-            f"{len(unfinished)} background call(s) have not returned: "
-            f"{_names([str(t) for t in unfinished])}. They are abandoned (their "
-            "threads stop with the process) and their arrays never get values"
-        )
-    if abandoned:
-        parts.append(
-            f"{len(abandoned)} thread(s) still run calls given up on earlier "
-            f"(timeout or cancel): {_names(list(abandoned))}"
-        )
-    warnings.warn(
-        "jax_threadmap: the interpreter is exiting while "
-        + "; and ".join(parts)
-        + ". Wait for the arrays you need (jax.block_until_ready) before the "
-        "script ends, and give calls that may hang a timeout.",
-        RuntimeWarning,
-        stacklevel=1,
-    )
-    for task in unfinished:
-        task.abandon()
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:5])
-    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+def _close(awaitable: Any) -> None:
+    """Closes a coroutine that will never be awaited (no "never awaited" warning)."""
+    if inspect.iscoroutine(awaitable):
+        awaitable.close()

@@ -9,7 +9,9 @@ How it works (docs/async.md, "How it works", says the same):
   4-byte gate pulled from a loopback transfer server (``jax.experimental.
   transfer``). The call offers the gate when it ends; the program's host
   callback then copies the call's result (never through the socket) or raises
-  its error, which reaches every dependent.
+  its error, which reaches every dependent. A sharded load offers each device's
+  gate when that device's shard is placed, and a later dispatch takes the placed
+  shard itself (``Task.ready_shard``); asked for in another layout, it waits.
 - **Streams.** XLA runs the programs of one execution stream in dispatch order
   (by default a stream per thread). The gate programs and the program behind
   them go on a new stream per dispatch, so that nothing else waits for this
@@ -30,7 +32,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import secrets
 import threading
 import time
@@ -41,10 +42,10 @@ import numpy as np
 
 from . import _background, _compat, _fork
 from ._background import FINISHED, FINISHING, PENDING, RUNNING, Task, worker_state
+from ._leaves import index_key
+from ._validate import ENV_ASYNC_DISPATCH, async_dispatch_enabled
 
 logger = logging.getLogger("jax_threadmap._async")
-
-ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
 
 #: Gate programs that may wait on one device at once (each with the program
 #: dispatched behind it: twice as many of XLA's slots); more dispatches wait, in
@@ -54,16 +55,14 @@ ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
 #: other work.
 MAX_WAITING_PROGRAMS = 8
 
-#: Gate programs kept compiled, by device and layout. A program serves every call
-#: with the same leaf layout, so a steady workload needs a handful; the bound only
-#: keeps a program that makes ever new layouts from growing the cache without
-#: end (cleared when full: rare, and a miss costs one compile of a tiny program).
+#: Gate programs kept compiled, by device and layout (a steady workload needs a
+#: handful): a bound against ever new layouts, cleared when full (a miss costs
+#: one compile of a tiny program).
 MAX_CACHED_PROGRAMS = 256
 
 #: At exit, how long to let the gate programs of failed or abandoned calls run
-#: (they raise at once once released) before JAX's own exit handler waits for
-#: them; long enough for XLA's threads to get the GIL on a busy machine, short
-#: enough not to hold an exiting process noticeably.
+#: (they raise at once) before JAX's own exit handler waits for them: long
+#: enough for XLA's threads to get the GIL on a busy machine.
 EXIT_DRAIN_S = 3.0
 
 #: How often the exit drain looks at the count of waiting programs: the programs
@@ -71,10 +70,9 @@ EXIT_DRAIN_S = 3.0
 EXIT_POLL_S = 0.01
 
 #: The first execution stream of dispatches on pending data; each dispatch takes
-#: the next. Far above the ids XLA derives from thread ids, so that they never
-#: meet a thread's usual stream. XLA forgets a stream once its last program has
-#: run, so fresh ids cost nothing (measured on jax 0.6.2 and 0.12: 200,000
-#: dispatches on as many streams, memory unchanged).
+#: the next. Far above the ids XLA derives from thread ids. XLA forgets a stream
+#: once its last program has run, so fresh ids cost nothing (measured on jax
+#: 0.6.2 and 0.12: 200,000 dispatches on as many streams, memory unchanged).
 FIRST_PENDING_STREAM = 1 << 62
 
 # Platforms on which the gate mechanism was measured (dispatch latency, values,
@@ -89,7 +87,7 @@ class Shard(NamedTuple):
     position: int
     #: The leaf of the call's result (``AsyncArray._index``).
     leaf: int
-    #: The shard's index into the leaf, hashable (see :func:`_index_key`).
+    #: The shard's index into the leaf, hashable (see :func:`._leaves.index_key`).
     where: tuple
     shape: tuple[int, ...]
     dtype: Any
@@ -102,31 +100,6 @@ class AsyncCallFailed(RuntimeError):
     (``JaxRuntimeError: ... AsyncCallFailed: <fn> ... failed with <Type>:
     <message>``) when its results are used.
     """
-
-
-def async_dispatch_enabled() -> bool:
-    """Whether ``JAX_THREADMAP_ASYNC_DISPATCH`` allows async dispatch (default on)."""
-    value = os.environ.get(ENV_ASYNC_DISPATCH, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(
-        f"{ENV_ASYNC_DISPATCH}={value!r} is not understood. Set it to 1 (jitted "
-        "calls with pending AsyncArrays return at once, the default) or 0 (they "
-        "wait for the data, as in earlier releases)."
-    )
-
-
-def _index_key(index: tuple) -> tuple:
-    # Slices are not hashable before Python 3.12; the program cache needs keys.
-    return tuple(
-        (i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index
-    )
-
-
-def _index_of(key: tuple) -> tuple:
-    return tuple(slice(*k) if isinstance(k, tuple) else k for k in key)
 
 
 def _keep_gate_errors_out_of_jax_log(record: logging.LogRecord) -> bool:
@@ -143,6 +116,10 @@ logging.getLogger(_compat.CALLBACK_LOGGER_NAME).addFilter(
 
 #: What the gate programs of one dispatch make: by device, by task, the shards.
 Plan = dict[Any, dict[Task, list[Shard]]]
+#: The tasks that serve a dispatch, with each device's gate (taken under the task's
+#: lock: a sharded load offers and drops it when that device's shard lands) or, for
+#: a shard placed already, the shard: ``{task: {device: (gated, array)}}``.
+Claimed = dict[Task, dict[Any, tuple[bool, jax.Array]]]
 
 
 def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
@@ -155,7 +132,7 @@ def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
         shard_shape = sharding.shard_shape(x.shape)
         for device, index in indices.items():
             plan.setdefault(device, {}).setdefault(x._task, []).append(
-                Shard(k, x._index, _index_key(index), shard_shape, x.dtype)
+                Shard(k, x._index, index_key(index), shard_shape, x.dtype)
             )
     return plan, layouts
 
@@ -291,7 +268,8 @@ class Dispatch:
         out: list[Any] = [None] * len(xs)
         todo = []
         for i, x in enumerate(xs):
-            if x._task.future.done():
+            # Blocking for a sharded load asked for in another layout.
+            if x._task.future.done() or not x._task.serves(shardings[i], x.shape):
                 out[i] = x.result()
             else:
                 todo.append(i)
@@ -355,14 +333,7 @@ class Dispatch:
         owed: list[tuple[Task, Any]] = []
         try:
             claimed = self._claim(plan, owed)
-            shards: dict[tuple[int, Any], jax.Array] = {}
-            for device, by_task in plan.items():
-                tasks = [t for t in by_task if t in claimed]
-                if tasks:
-                    outs = self._run_gate_program(device, tasks, by_task, owed)
-                    positions = [s.position for t in tasks for s in by_task[t]]
-                    for k, array in zip(positions, outs, strict=True):
-                        shards[k, device] = array
+            shards = self._run_gate_programs(plan, claimed, owed)
         except BaseException:
             for task, _ in owed:
                 self._program_ran(task)
@@ -380,9 +351,31 @@ class Dispatch:
             )
         return made
 
-    def _claim(self, plan: Plan, owed: list[tuple[Task, Any]]) -> set[Task]:
-        """Adds gates and program counts to the tasks still running."""
-        claimed: set[Task] = set()
+    def _run_gate_programs(
+        self, plan: Plan, claimed: Claimed, owed: list[tuple[Task, Any]]
+    ) -> dict[tuple[int, Any], jax.Array]:
+        """The array of each (argument position, device): placed, or gated."""
+        shards: dict[tuple[int, Any], jax.Array] = {}
+        for device, by_task in plan.items():
+            tasks = [t for t in by_task if t in claimed and claimed[t][device][0]]
+            for t in by_task:
+                if t in claimed and not claimed[t][device][0]:
+                    for s in by_task[t]:
+                        shards[s.position, device] = claimed[t][device][1]
+            if tasks:
+                gates = [claimed[t][device][1] for t in tasks]
+                outs = self._run_gate_program(device, tasks, by_task, owed, gates)
+                positions = [s.position for t in tasks for s in by_task[t]]
+                for k, array in zip(positions, outs, strict=True):
+                    shards[k, device] = array
+        return shards
+
+    def _claim(self, plan: Plan, owed: list[tuple[Task, Any]]) -> Claimed:
+        """Adds gates and program counts to the tasks still running.
+
+        A sharded load's device whose shard is placed gets no gate: the shard.
+        """
+        claimed: Claimed = {}
         refused: set[Task] = set()
         for device, by_task in plan.items():
             for task in by_task:
@@ -392,16 +385,22 @@ class Dispatch:
                     if task._state not in (PENDING, RUNNING):
                         refused.add(task)
                         continue
-                    if device not in task.gates:
-                        task.gates[device] = self._pull_gate(task, device)
-                    task.programs += 1
-                owed.append((task, device))
-                claimed.add(task)
+                    shard = task.ready_shard(device)
+                    if shard is None:
+                        if device not in task.gates:
+                            task.gates[device] = self._pull_gate(task, device)
+                        task.programs += 1
+                        owed.append((task, device))
+                    gated = shard is None
+                    array = task.gates[device][1] if shard is None else shard
+                claimed.setdefault(task, {})[device] = (gated, array)
         # A call that finished between two devices waits for its value instead.
         for task, device in [(t, d) for t, d in owed if t in refused]:
             owed.remove((task, device))
             self._program_ran(task)
-        return claimed - refused
+        for task in refused:
+            claimed.pop(task, None)
+        return claimed
 
     def _run_gate_program(
         self,
@@ -409,13 +408,13 @@ class Dispatch:
         tasks: list[Task],
         by_task: dict[Task, list[Shard]],
         owed: list[tuple[Task, Any]],
+        gates: list[jax.Array],
     ) -> list[jax.Array]:
         spec = tuple(tuple((s.leaf, s.where) for s in by_task[t]) for t in tasks)
         avals = tuple(
             jax.ShapeDtypeStruct(s.shape, s.dtype) for t in tasks for s in by_task[t]
         )
         program = self._program(device, spec, avals)
-        gates = [t.gates[device][1] for t in tasks]
         with self._lock:
             self._waiting[device] = self._waiting.get(device, 0) + 1
         try:
@@ -490,13 +489,12 @@ class Dispatch:
         try:
             outs = []
             for task, leaves in zip(tasks, spec, strict=True):
-                if task.error_text is not None:
-                    self._failed_devices.add(device)
-                    raise AsyncCallFailed(task.error_text)
-                host = task.host
-                assert host is not None  # set before the gates were offered
                 for leaf, index in leaves:
-                    outs.append(host[leaf][_index_of(index)])
+                    data = task.gate_data(leaf, index, device)
+                    if data is None:  # offered with the call's error
+                        self._failed_devices.add(device)
+                        raise AsyncCallFailed(task.error_text)
+                    outs.append(data)
             return outs
         finally:
             with self._lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 
 class ThreadmapError(RuntimeError):
@@ -175,3 +175,58 @@ def kernel_traceback(e: BaseException) -> str:
         if source:
             lines.append(f"    {source}")
     return "\n".join(lines)
+
+
+def add_note(error: BaseException, note: str, replaces: str) -> None:
+    """Adds jax_threadmap's ``note`` to ``error``, dropping notes that start with
+    ``replaces``: one exception object raised by two background calls (a cached
+    error, say) carries the note of the call whose use raised it, once.
+
+    Does nothing on Python < 3.11 (no notes), or for an exception that refuses.
+    """
+    if not hasattr(error, "add_note"):
+        return
+    try:
+        notes = getattr(error, "__notes__", None)
+        if notes is not None:
+            notes[:] = [n for n in notes if not str(n).startswith(replaces)]
+        error.add_note(note)
+    except Exception:  # an exception that refuses notes still reaches uses
+        pass
+
+
+class KeptError:
+    """An exception raised again, the same object, at every use of a result.
+
+    As ``Future.result()`` does, every use raises the same exception object;
+    :meth:`reraise` restores, each time, the traceback, notes and chain it had
+    when kept, so that repeated uses (and JAX's traceback-filtering note, added
+    at each API boundary it crosses; on Python 3.10 a marker chained into
+    ``__cause__`` instead) do not pile up.
+    """
+
+    __slots__ = ("error", "_traceback", "_notes", "_chain")
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self._traceback: Any = None
+        self._notes: list[str] | None = None
+        self._chain: tuple[Any, Any, bool] = (None, None, False)
+        try:
+            self._traceback = error.__traceback__
+            self._chain = (
+                error.__cause__,
+                error.__context__,
+                error.__suppress_context__,
+            )
+            if hasattr(error, "__notes__"):
+                self._notes = list(error.__notes__)
+        except Exception:  # an exception that refuses these still reaches uses
+            pass
+
+    def reraise(self) -> NoReturn:
+        error = self.error
+        if self._notes is not None:
+            error.__notes__ = list(self._notes)  # type: ignore[attr-defined]
+        error.__cause__, error.__context__, error.__suppress_context__ = self._chain
+        raise error.with_traceback(self._traceback)

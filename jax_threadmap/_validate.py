@@ -544,6 +544,23 @@ def env_num_threads() -> int | None:
     )
 
 
+ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
+
+
+def async_dispatch_enabled() -> bool:
+    """Whether ``JAX_THREADMAP_ASYNC_DISPATCH`` allows async dispatch (default on)."""
+    value = os.environ.get(ENV_ASYNC_DISPATCH, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"{ENV_ASYNC_DISPATCH}={value!r} is not understood. Set it to 1 (jitted "
+        "calls with pending AsyncArrays return at once, the default) or 0 (they "
+        "wait for the data, as in earlier releases)."
+    )
+
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 

@@ -15,6 +15,7 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import asyncio  # noqa: E402
 import threading  # noqa: E402
 
 import jax  # noqa: E402
@@ -90,6 +91,95 @@ def check(name, ok, detail=""):
 
 def local_pids(x):
     return {int(p) for s in x.addressable_shards for p in np.asarray(s.data).ravel()}
+
+
+def index_text(index):
+    return jax_threadmap._leaves.index_str(index)
+
+
+def async_array_from_callback_checks(f, expected):
+    """Each process fetches only its own devices' shards, each distinct one once."""
+    seen = []
+    arrived = threading.Event()
+
+    async def fetch(index):
+        await asyncio.get_running_loop().run_in_executor(None, arrived.wait, 60)
+        seen.append(index_text(index))
+        return ROWS[index]
+
+    sharding = NamedSharding(MESH, P("d"))
+    x = jax_threadmap.async_array_from_callback(ROWS.shape, sharding, fetch, np.float32)
+    out = f(x, A)  # shard_map over the pending array: its data arrives after
+    arrived.set()
+    check(
+        "async_array_from_callback + shard_map",
+        np.array_equal(gathered(out["v"]), expected),
+    )
+    mine = sorted(
+        index_text(i)
+        for i in sharding.addressable_devices_indices_map(ROWS.shape).values()
+    )
+    check(
+        "async_array_from_callback: only this process's shards, once",
+        sorted(seen) == mine,
+        seen,
+    )
+    ref = global_rows()
+
+    def local(a):
+        return {
+            (s.device.id, index_text(s.index)): np.asarray(s.data)
+            for s in a.addressable_shards
+        }
+
+    got, want = local(x.result(60)), local(ref)
+    check(
+        "async_array_from_callback: the addressable shards of make_array_from_callback",
+        got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got),
+        (sorted(got), sorted(want)),
+    )
+    check(
+        "async_array_from_callback: gathered",
+        np.array_equal(gathered(x.result()), ROWS),
+    )
+
+    # A replicated axis: both devices of this process hold the same rows.
+    seen.clear()
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh2 = jax.make_mesh((2, 2), ("x", "y"), axis_types=auto)
+    y = jax_threadmap.async_array_from_callback(
+        ROWS.shape, NamedSharding(mesh2, P("x")), fetch, np.float32
+    )
+    y.result(60)
+    rows = f"[{4 * INDEX}:{4 * INDEX + 4}, :]"
+    check("replicated axis: fetched once per process", seen == [rows], seen)
+
+    # A shard that fails in process 1 only names its index and global device.
+    def flaky(index):
+        if INDEX == 1:
+            raise OSError(f"no object for rows {index_text(index)}")
+        return ROWS[index]
+
+    z = jax_threadmap.async_array_from_callback(ROWS.shape, sharding, flaky, np.float32)
+    try:
+        z.result(60)
+        error = None
+    except OSError as e:
+        error = e
+    if INDEX == 0:
+        check("process 0's shards are fine", error is None, repr(error))
+        return
+    named = [
+        f"the shard at index {index_text(i)} (device {d.id})"
+        for d, i in sharding.addressable_devices_indices_map(ROWS.shape).items()
+    ]
+    notes = " ".join(getattr(error, "__notes__", []))
+    check(
+        "a failing shard in process 1 names its index and global device",
+        isinstance(error, OSError)
+        and (sys.version_info < (3, 11) or any(n in notes for n in named)),
+        (notes, named),
+    )
 
 
 def main():
@@ -174,6 +264,8 @@ def main():
     )
     doubled = jax.jit(lambda x: x * 2)(arr)
     check("async_call + jit", np.array_equal(np.asarray(doubled), (ROWS + INDEX) * 2))
+
+    async_array_from_callback_checks(f, expected)
 
     # A kernel that raises in process 1 only: the error there names its batch
     # index (local to the shard: row 5 is row 1 of the third shard); process 0

@@ -40,9 +40,11 @@ LAYERS = [
     "_api",
     "_leaves",
     "_async_threads",
+    "_event_loop",
     "_background",
     "_dispatch",
     "_arrays",
+    "_shard_loads",
     "_inner_threads",
     "_demo",
     "__init__",
@@ -148,5 +150,13 @@ def test_no_module_reads_frames_or_sets_profilers():
     assert found <= INTROSPECTION_LEFT, sorted(found - INTROSPECTION_LEFT)
     assert not any(
         INTROSPECTION.search((PACKAGE / f"{m}.py").read_text())
-        for m in ("_leaves", "_async_threads", "_background", "_dispatch", "_arrays")
+        for m in (
+            "_leaves",
+            "_async_threads",
+            "_event_loop",
+            "_background",
+            "_dispatch",
+            "_arrays",
+            "_shard_loads",
+        )
     )

@@ -20,7 +20,6 @@ import jax_threadmap as jtm
 from jax_threadmap import (
     AsyncArray,
     _async_threads,
-    _background,
     _dispatch,
     async_call,
     deferred_call,
@@ -838,9 +837,9 @@ def test_a_call_running_at_fork_fails_clearly_in_the_child():
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_the_set_of_live_calls_is_unlocked_in_a_forked_child():
 
-    with _background.live_lock:  # held by this thread at the fork
+    with _async_threads.live_lock:  # held by this thread at the fork
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
-            os._exit(0 if _background.live_lock.acquire(timeout=5) else 1)
+            os._exit(0 if _async_threads.live_lock.acquire(timeout=5) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

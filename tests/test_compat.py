@@ -68,6 +68,7 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.DISPATCH_STREAMS,
         _compat.SHARD_MAP,
         _compat.PER_SHARD_JIT,
+        _compat.FAST_PLACEMENT,
     }
     for form in hook.forms:
         assert form.where and all(re.fullmatch(r"[\w.]+:\w+", w) for w in form.where)
@@ -230,6 +231,11 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         status = jax_threadmap.async_dispatch_status()
         assert status.startswith(OPTIONAL_STATUS[hook.features]), status
         assert f"{hook.name} is missing" in status and "_moved" in status
+        for use in FEATURE_USES.values():
+            use()
+        return
+    if hook.features == (_compat.FAST_PLACEMENT,):  # optional: jax.device_put
+        assert _compat.put_on_device(None, np.zeros(2), None) is None
         for use in FEATURE_USES.values():
             use()
         return

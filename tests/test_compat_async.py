@@ -115,6 +115,36 @@ def test_jax_array_protocol_alone_is_still_not_enough():
         assert calls, "jit traced a __jax_array__ type without asking for its data"
 
 
+# --- fast placement (the "fast placement" hooks) -------------------------------------
+
+
+def test_fast_placement_is_jax_device_put_without_its_overhead():
+    # The results of background calls are placed with JAX's batched placement;
+    # it must give what jax.device_put gives: the default device, uncommitted,
+    # the same abstract value, values and behaviour under jit.
+    for name in ("batched_device_put", "get_default_device"):
+        value = _compat.RESOLVED[name]
+        assert not isinstance(value, _compat.Missing), (
+            f"JAX {jax.__version__} no longer provides {name} ({value.reason}); "
+            "async calls place their results with jax.device_put (slower). "
+            "Update the 'fast placement' entries of HOOKS in jax_threadmap/_compat.py."
+        )
+    for x in (np.arange(6, dtype=np.float32).reshape(2, 3), np.int8(3), np.zeros(0)):
+        x = np.asarray(x)
+        aval = _compat.typeof(jax.ShapeDtypeStruct(x.shape, x.dtype))
+        fast = _compat.put_on_device(aval, x, None)
+        slow = jax.device_put(x)
+        assert isinstance(fast, jax.Array) and fast.is_fully_replicated
+        assert fast.sharding == slow.sharding
+        assert fast.committed is slow.committed is False
+        assert _compat.typeof(fast) == _compat.typeof(slow)
+        np.testing.assert_array_equal(np.asarray(fast), x)
+        np.testing.assert_array_equal(jax.jit(lambda a: a * 2)(fast), x * 2)
+    with jax.default_device(jax.devices()[-1]):  # jax_default_device is read
+        fast = _compat.put_on_device(aval, x, None)
+        assert fast.devices() == jax.device_put(x).devices()
+
+
 # --- async dispatch (the "async dispatch" section of _compat) -----------------------
 
 

@@ -50,3 +50,31 @@ with concurrent.futures.ThreadPoolExecutor(1) as ex:
     future = ex.submit(load)
     assert_type(AsyncArray.from_future(future, F32), AsyncArray)
     assert_type(AsyncArray.from_future(future, (F32, F32)), tuple[AsyncArray, ...])
+
+sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+ROWS = np.zeros((4, 3), np.float32)
+
+
+def fetch(index: tuple[slice, ...]) -> np.ndarray:
+    return ROWS[index]
+
+
+async def fetch_async(index: tuple[slice, ...]) -> np.ndarray:
+    return ROWS[index]
+
+
+sharded = jax_threadmap.async_array_from_callback((4, 3), sharding, fetch, np.float32)
+assert_type(sharded, AsyncArray)
+assert_type(
+    jax_threadmap.async_array_from_callback(
+        (4, 3), sharding, fetch_async, jnp.float32, timeout=10.0
+    ),
+    AsyncArray,
+)
+
+
+async def load_async() -> np.ndarray:
+    return np.zeros(3, np.float32)
+
+
+assert_type(jax_threadmap.async_call(load_async, F32), AsyncArray)

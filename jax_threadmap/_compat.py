@@ -22,12 +22,8 @@ and nothing else.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import importlib
-import sys
-import threading
 from collections.abc import Callable, Sequence
-from types import FrameType
 from typing import Any
 
 import jax
@@ -883,39 +879,3 @@ def async_dispatch_unavailable() -> str | None:
         if ASYNC_DISPATCH in hook.features and isinstance(value, Missing):
             return f"{hook.name} is missing: {value.reason}"
     return None
-
-
-# -- CPython --------------------------------------------------------------------
-
-#: Whether walking another running thread's frames (``f_back``, ``f_code``) is
-#: safe here. Not on CPython 3.11: a frame object of another thread can point
-#: at an interpreter frame that thread has already popped, and reading it
-#: crashes the process (python/cpython#99110, #111363; seen once in CI on
-#: 3.11.7, a segfault in tail stealing's frame walk). Tail stealing is off there.
-OTHER_THREADS_FRAMES_SAFE = sys.version_info[:2] != (3, 11)
-
-_frames_lock = threading.Lock()
-
-
-def current_frames() -> dict[int, FrameType]:
-    """``sys._current_frames()``, with the cyclic garbage collector paused.
-
-    ``sys._current_frames`` holds the interpreter's lock on its list of threads
-    while it makes frame objects. A collection started by one of those
-    allocations runs ``gc.callbacks`` (Python code, which may hand the GIL to
-    another thread); a thread that then starts or ends a thread waits for the
-    list's lock while holding the GIL, and the process hangs for good
-    (python/cpython#106883, not fixed in 3.10 and 3.11). Seen in CI as a
-    ``threadmap`` map that never finished: a tail-stealing thread inside a gc
-    callback, a pool thread in ``Thread.start``. With the collector paused, no
-    Python code runs inside the call. A collector that was already disabled
-    stays so; the lock keeps two of these calls from re-enabling it early.
-    """
-    with _frames_lock:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return sys._current_frames()
-        finally:
-            if enabled:
-                gc.enable()

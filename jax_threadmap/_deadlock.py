@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dis
 import functools
+import gc
 import inspect
 import logging
+import sys
 import threading
 import time
 import types
@@ -39,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, _fork, _task
+from . import _fork, _task
 from ._task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -215,13 +217,39 @@ class _Probe:
             self.busy = False
 
 
+_frames_lock = threading.Lock()
+
+
+def current_frames() -> dict[int, types.FrameType]:
+    """``sys._current_frames()``, with the cyclic garbage collector paused.
+
+    ``sys._current_frames`` holds the interpreter's lock on its list of threads
+    while it makes frame objects. A collection started by one of those
+    allocations runs ``gc.callbacks`` (Python code, which may hand the GIL to
+    another thread); a thread that then starts or ends a thread waits for the
+    list's lock while holding the GIL, and the process hangs for good
+    (python/cpython#106883, not fixed in 3.10 and 3.11). With the collector
+    paused, no Python code runs inside the call. A collector that was already
+    disabled stays so; the lock keeps two of these calls from re-enabling it
+    early. (Moved here from ``_compat``, which holds JAX internals only.)
+    """
+    with _frames_lock:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return sys._current_frames()
+        finally:
+            if enabled:
+                gc.enable()
+
+
 class _Place:
     """Where a call's thread was (its innermost frame's identity, code and
     instruction), since when, and that frame as read in the latest round.
 
     Only frames of the latest snapshot are read: on CPython 3.11 a frame object
     of another thread kept from an earlier round may point at a frame that
-    thread has popped since (see ``_compat.OTHER_THREADS_FRAMES_SAFE``).
+    thread has popped since (python/cpython#99110, #111363).
     """
 
     __slots__ = ("key", "since", "frame")
@@ -327,7 +355,7 @@ class Watchdog:
         return failed
 
     def _track_places(self, watched: dict[Task, list[Any]], now: float) -> None:
-        frames = _compat.current_frames()
+        frames = current_frames()
         for task in list(self._places):
             if task not in watched:
                 del self._places[task]

@@ -34,7 +34,13 @@ from . import _summing
 #: map (see :func:`share`) rather than in every task.
 SHARE_BYTES = 64 * 1024
 
-#: Runs elements ``[start, stop)``; ``job.halt`` stops it early.
+#: What to do when an executor that pickles work broke (a worker died).
+BROKEN_HINT = (
+    "A worker probably died; the map was abandoned. Pass a working executor to "
+    "the next call (a Dask cluster replaces its dead workers)."
+)
+
+#: Runs elements ``[start, stop)``, publishing each at a cursor (``_jobs.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -52,8 +58,12 @@ class ElementLoops(Protocol):
     ) -> ChunkFn: ...
 
 
-class _NeverFailed:
-    failed = halt = False
+class _Alone:
+    """The cursor of a chunk run in a worker process: no other thread takes its
+    elements, and the map's failure is seen in the process that shipped it."""
+
+    __slots__ = ("at",)
+    halt = False
 
 
 class RemoteChunk:
@@ -113,7 +123,7 @@ class RemoteChunk:
             views_out.append(view)
         run = self.loops.loop(views, views_out, (n,), self.flat_index)
         t = time.perf_counter()  # the kernel's time, not the loop's making
-        run(0, n, _NeverFailed)
+        run(0, n, _Alone())
         seconds = (time.perf_counter() - t) / max(n, 1)
         outs = [
             _summing.remote_sums(o, index)

@@ -32,9 +32,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _executor, _fork
-from ._executor import available_cpus
+from . import _fork, _threads
 from ._leaves import LeafSpec, check_result, describe_error, host_view, place
+from ._scheduling import available_cpus
 from ._validate import MAX_THREADS, env_positive_int
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -86,8 +86,8 @@ def submit_background(fn: Callable[[], None]) -> None:
             worker_state.in_pool = False
             thread.name = name
 
-    pool = _executor.get_pool(default_async_threads(), purpose="async_call")
-    _executor.run_in_background(pool, run)
+    pool = _threads.get_pool(default_async_threads(), purpose="async_call")
+    _threads.run_in_background(pool, run)
 
 
 # --- what the dispatch mechanism is told ----------------------------------------------
@@ -116,7 +116,7 @@ def _gate_release(task: Task, gates: dict) -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The async pool is reset with the other shared pools (_executor). Calls that
+    # The async pool is reset with the other shared pools (_threads). Calls that
     # had not started yet run in the thread that first needs them (Task.wait).
     # The lock of the set of live calls may have been held by a thread that does
     # not exist in the child: a fresh one.

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
-from jax_threadmap import _compat
+from jax_threadmap import _compat, _deadlock
 
 PACKAGE = pathlib.Path(_compat.__file__).parent
 ROOT = PACKAGE.parent
@@ -339,7 +339,7 @@ def test_import_never_fails_when_every_hook_is_missing():
     assert all(f"Pin jax<={NEWEST}" in line for line in lines)
 
 
-# -- CPython: sys._current_frames ----------------------------------------------------
+# -- sys._current_frames: the deadlock watchdog's only (not _compat's) -------------
 
 
 def test_current_frames_runs_no_gc_callback_inside_the_call():
@@ -347,8 +347,8 @@ def test_current_frames_runs_no_gc_callback_inside_the_call():
     # the thread list's lock can hang the process. With a threshold of 1, every
     # frame object it makes would start a collection (and the callback).
     inside = []
-    code = _compat.current_frames.__code__
-    lines, first = inspect.getsourcelines(_compat.current_frames)
+    code = _deadlock.current_frames.__code__
+    lines, first = inspect.getsourcelines(_deadlock.current_frames)
     (call_line,) = [
         first + i
         for i, line in enumerate(lines)
@@ -371,7 +371,7 @@ def test_current_frames_runs_no_gc_callback_inside_the_call():
     gc.set_threshold(1)
     try:
         for _ in range(50):
-            frames = _compat.current_frames()
+            frames = _deadlock.current_frames()
             assert threading.get_ident() in frames
         assert gc.isenabled()
     finally:
@@ -386,11 +386,21 @@ def test_current_frames_runs_no_gc_callback_inside_the_call():
 def test_current_frames_leaves_a_disabled_collector_disabled():
     gc.disable()
     try:
-        _compat.current_frames()
+        _deadlock.current_frames()
         assert not gc.isenabled()
     finally:
         gc.enable()
 
 
-def test_only_compat_calls_sys_current_frames():
-    assert modules_outside_compat(lambda text: "sys._current_frames" in text) == []
+def test_no_module_reads_other_threads_frames_but_the_watchdog():
+    # The scheduler learns where another thread's chunk is from its cursor
+    # (_jobs.Cursor), never from frames; _compat holds JAX internals only.
+    readers = sorted(
+        p.name
+        for p in PACKAGE.glob("*.py")
+        if any(
+            name in p.read_text()
+            for name in ("sys._current_frames", "f_lineno", "f_locals")
+        )
+    )
+    assert readers == ["_deadlock.py"]

@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 
 import jax_threadmap
-from jax_threadmap import ExecutorError, _executor, _pool, _scheduling, threadmap
+from jax_threadmap import (
+    ExecutorError,
+    _jobs,
+    _maps,
+    _progress,
+    _scheduling,
+    _threads,
+    threadmap,
+)
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
@@ -75,13 +83,13 @@ def test_env_var_rejects_garbage(monkeypatch):
 def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     rec = Recorder()
     np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
-    started = _pool._threads.started
+    started = _threads._threads.started
     for _ in range(2):
         np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
     assert rec.max_running == n
-    assert _executor.get_pool(n).peak <= n
+    assert _threads.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
-    assert _pool._threads.started == started
+    assert _threads._threads.started == started
 
 
 def test_bound_is_per_pool_not_per_map():
@@ -95,7 +103,7 @@ def test_bound_is_per_pool_not_per_map():
 
 
 def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
-    monkeypatch.setattr(_pool, "IDLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(_threads, "IDLE_TIMEOUT", 0.2)
     x = np.zeros(40, np.float32)
     for n in range(1, 21):
         np.testing.assert_array_equal(
@@ -105,11 +113,11 @@ def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
     # threads are handed from pool to pool: far fewer than 1 + 2 + ... + 20 = 210
     # threads ever start (a few more than 20 when a map's threads are still
     # finishing as the next map starts).
-    assert _executor.num_threads() <= 40
+    assert _threads.num_threads() <= 40
     deadline = time.monotonic() + 30
-    while _executor.num_threads() and time.monotonic() < deadline:
+    while _threads.num_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _executor.num_threads() == 0
+    assert _threads.num_threads() == 0
     rec = Recorder()
     np.testing.assert_array_equal(run(rec, X, executor=4), X * 2)  # restarted
     assert rec.max_running == 4
@@ -224,25 +232,25 @@ def test_shut_down_executor_is_a_clear_error():
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_pool_is_fresh_after_fork():
-    pool = _executor.get_pool(2)
+    pool = _threads.get_pool(2)
     out = np.zeros(10)
 
     def fill(start, stop, job):
         out[start:stop] = 1
 
-    pool.run(_executor.Job(10, fill))
+    pool.run(_jobs.Job(10, fill))
     pid = os.fork()
     if pid == 0:  # child: the parent's workers do not exist here
         code = 1
         try:
-            child_pool = _executor.get_pool(2)
-            ok = child_pool is not pool and _executor.num_threads() == 0
+            child_pool = _threads.get_pool(2)
+            ok = child_pool is not pool and _threads.num_threads() == 0
             res = np.zeros(10)
 
             def fill_child(start, stop, job):
                 res[start:stop] = 2
 
-            child_pool.run(_executor.Job(10, fill_child))
+            child_pool.run(_jobs.Job(10, fill_child))
             code = 0 if ok and (res == 2).all() else 1
         finally:
             os._exit(code)
@@ -269,20 +277,20 @@ def test_interpreter_exit_is_clean():
 
 
 def test_job_of_pool_directly_reports_first_error():
-    pool = _executor.ThreadPool(3)
+    pool = _threads.ThreadPool(3)
 
-    def fn(start, stop, job):
+    def fn(start, stop, cursor):
         for i in range(start, stop):
             if i == 5:
                 raise KeyError(i)
 
-    job = _executor.Job(50, fn)
+    job = _jobs.Job(50, fn)
     pool.run(job)
     assert isinstance(job.error, KeyError)
     pool.shutdown()
     pool.shutdown()  # twice is fine
     with pytest.raises(ExecutorError, match="shut down"):
-        pool.run(_executor.Job(3, fn))
+        pool.run(_jobs.Job(3, fn))
 
 
 def test_concurrent_failing_maps_never_hang():
@@ -315,7 +323,7 @@ def test_concurrent_failing_maps_never_hang():
 
 
 def test_interrupt_while_waiting_stops_work_not_started():
-    class Interrupting(_executor.Progress):
+    class Interrupting(_progress.Progress):
         interval = 0.01
 
         def update(self, completed):
@@ -323,15 +331,16 @@ def test_interrupt_while_waiting_stops_work_not_started():
 
     ran = []
 
-    def fn(start, stop, job):
+    def fn(start, stop, cursor):
         for i in range(start, stop):
-            if job.failed:
+            cursor.at = i
+            if cursor.halt and cursor.halted():
                 return
             ran.append(i)
             time.sleep(0.01)
 
-    pool = _executor.ThreadPool(2)
-    job = _executor.Job(1000, fn)
+    pool = _threads.ThreadPool(2)
+    job = _jobs.Job(1000, fn)
     with pytest.raises(KeyboardInterrupt):
         pool.run(job, Interrupting(1000, "k"))
     job.done.wait(5)
@@ -578,7 +587,7 @@ def test_exit_without_waiting_for_dispatched_maps_is_clean(devices, program):
 PROCESS_POOL_AT_EXIT = """
     import concurrent.futures, multiprocessing, os, threading, time
     import jax, jax.numpy as jnp, numpy as np
-    from jax_threadmap import _executor, threadmap
+    from jax_threadmap import _maps, threadmap
     import worker_kernels
 
     if __name__ == "__main__":
@@ -602,7 +611,7 @@ PROCESS_POOL_AT_EXIT = """
 
         for daemon in (True, False):
             threading.Thread(target=run, args=(daemon,), daemon=daemon).start()
-        while len(_executor._flights) < 2:  # both maps are in flight
+        while len(_maps._flights) < 2:  # both maps are in flight
             time.sleep(0.01)
         print("ready", flush=True)
 """
@@ -735,7 +744,7 @@ def test_ctrl_c_stops_nested_maps_across_pools():
     "error", [RuntimeError("can't start new thread"), KeyboardInterrupt()]
 )
 def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
-    monkeypatch.setattr(_pool, "_threads", _pool._Threads())  # none idle
+    monkeypatch.setattr(_threads, "_threads", _threads._Threads())  # none idle
     real_start = threading.Thread.start
 
     def failing_start(self):
@@ -745,13 +754,13 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
 
     rec = Recorder()
 
-    def fn(start, stop, job):
+    def fn(start, stop, cursor):
         for i in range(start, stop):
             rec(i)
 
-    pool = _executor.ThreadPool(3)
+    pool = _threads.ThreadPool(3)
     monkeypatch.setattr(threading.Thread, "start", failing_start)
-    job = _executor.Job(12, fn)
+    job = _jobs.Job(12, fn)
     if isinstance(error, KeyboardInterrupt):
         with pytest.raises(KeyboardInterrupt):
             pool.run(job)
@@ -760,8 +769,8 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
         assert isinstance(job.error, ExecutorError)
         assert "Could not start a thread" in str(job.error)
     monkeypatch.setattr(threading.Thread, "start", real_start)
-    assert pool.active == 0 and _executor.num_threads() == 0
-    job = _executor.Job(12, fn)
+    assert pool.active == 0 and _threads.num_threads() == 0
+    job = _jobs.Job(12, fn)
     pool.run(job)
     assert job.error is None and rec.max_running == 3
 
@@ -812,7 +821,7 @@ def executor_of(kind, n):
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_fast_map_runs_on_one_thread_per_cpu(monkeypatch, cpus, executor):
     _only_the_watchdog(monkeypatch)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: cpus)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
     with executor_of(executor, 32) as ex:
         x = np.arange(4096, dtype=np.float32).reshape(64, 64)
         k = Counter()
@@ -825,7 +834,7 @@ def test_fast_map_runs_on_one_thread_per_cpu(monkeypatch, cpus, executor):
 @pytest.mark.parametrize("n", [1, 2, 3, 31, 100, 4097])
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
     with executor_of(executor, 32) as ex:
         x = np.arange(n, dtype=np.float32)[None]
         k = Counter()
@@ -835,7 +844,7 @@ def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
 
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_slow_elements_get_every_thread(monkeypatch, executor):
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)  # from the chunks' times
     with executor_of(executor, 8) as ex:
         rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
@@ -846,7 +855,7 @@ def test_slow_elements_get_every_thread(monkeypatch, executor):
 
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_waiting_elements_get_every_thread(monkeypatch, executor):
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))  # from CPU time
     with executor_of(executor, 8) as ex:
@@ -862,7 +871,7 @@ def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
     # chunk finishes; the thread that waits for the map sees the chunk stuck
     # and hands the map every thread.
     _only_the_watchdog(monkeypatch, stuck=0.05)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     with executor_of(executor, 8) as ex:
         pair = threading.Barrier(2, timeout=60)
 
@@ -883,7 +892,7 @@ def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, execut
     # Starting them on one thread per CPU split the places between the maps,
     # and both waited for good.
     _only_the_watchdog(monkeypatch, stuck=0.05)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
     with executor_of(executor, 32) as ex:
         start = threading.Barrier(2, timeout=60)
         errors = []
@@ -916,7 +925,7 @@ def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, execut
 def test_executor_shut_down_while_the_map_grows(monkeypatch):
     # The threads added when the limit rises are refused: the ones already
     # running finish the map.
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     ex = user_pool(8)
     rec = Recorder(sleep=0.002)
@@ -931,17 +940,17 @@ def test_executor_shut_down_while_the_map_grows(monkeypatch):
 
 
 def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     work = type("W", (), {"sums": True, "vectorized": False, "n": 64})()
     work.run_chunk = lambda start, stop, job: None
-    assert not _executor.new_job(work, 8).limited  # fixed bounds: not measured
+    assert not _maps.new_job(work, 8).limited  # fixed bounds: not measured
     work.sums = False
-    assert _executor.new_job(work, 8).limited
-    parent = _executor.Job(1, lambda *a: None)
-    assert not _executor.new_job(work, 8, parent=parent).limited
-    assert not _executor.new_job(work, 1).limited  # no more threads than CPUs
+    assert _maps.new_job(work, 8).limited
+    parent = _jobs.Job(1, lambda *a: None)
+    assert not _maps.new_job(work, 8, parent=parent).limited
+    assert not _maps.new_job(work, 1).limited  # no more threads than CPUs
     work.n = 32
-    assert not _executor.new_job(work, 8).limited  # 4 elements per thread: small
+    assert not _maps.new_job(work, 8).limited  # 4 elements per thread: small
 
 
 @pytest.mark.parametrize("executor", [16, "user"])
@@ -951,7 +960,7 @@ def test_small_map_does_not_group_elements_it_would_run_alone(monkeypatch, execu
     # several fast elements measured on fewer threads held barrier elements
     # back).
     _only_the_watchdog(monkeypatch, stuck=0.05)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
     with executor_of(executor, 16) as ex:
         all_running = threading.Barrier(8, timeout=60)
 

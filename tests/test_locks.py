@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _executor, _jobs, _pool, _runners, threadmap
+from jax_threadmap import _jobs, _maps, _threads, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -49,17 +49,17 @@ def switch_often():
 
 def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
     jobs = []
-    new_job = _executor.new_job
+    new_job = _maps.new_job
 
     def recording(*args, **kwargs):
         job = new_job(*args, **kwargs)
         jobs.append(job)
         return job
 
-    monkeypatch.setattr(_executor, "new_job", recording)
+    monkeypatch.setattr(_maps, "new_job", recording)
     user = concurrent.futures.ThreadPoolExecutor(4)
     shipped = InThreads(3)
-    assert isinstance(_runners.runner_for(shipped), _runners.PicklingExecutor)
+    assert isinstance(_maps.runner_for(shipped), _maps.PicklingExecutor)
     executors = [None, 3, 16, user, shipped]
     errors = []
     x = np.arange(200, dtype=np.float32)
@@ -93,9 +93,9 @@ def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
         assert job.completed == job.n
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # places come back as threads finish
-        with _pool._threads.lock:
-            active = [p.active for p in _pool._pools.values()]
-            queued = len(_pool._threads.queue)
+        with _threads._threads.lock:
+            active = [p.active for p in _threads._pools.values()]
+            queued = len(_threads._threads.queue)
         if not any(active) and not queued:
             break
         time.sleep(0.01)
@@ -124,11 +124,11 @@ def test_fork_while_the_layer_is_busy():
         f(np.zeros(2, np.float32))
 
     holder = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
-    _runners._gate_fallback.enter(holder)
+    _threads._fallback.gate.enter(holder)
     held = threading.Event()
 
     def hold_locks():
-        with _runners._queue_locks_lock, _runners._queue_locks_fallback:
+        with _threads._states_lock, _threads._fallback.queueing:
             held.set()
             release.wait(60)
 
@@ -144,8 +144,8 @@ def test_fork_while_the_layer_is_busy():
             try:
                 x = np.arange(40, dtype=np.float32)
                 limited = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
-                _runners._gate_fallback.enter(limited)  # would wait for good
-                ok = _executor.num_threads() == 0
+                _threads._fallback.gate.enter(limited)  # would wait for good
+                ok = _threads.num_threads() == 0
                 with concurrent.futures.ThreadPoolExecutor(3) as ex:
                     for executor in (2, ex):
                         f = jax.vmap(
@@ -168,6 +168,6 @@ def test_fork_while_the_layer_is_busy():
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         release.set()
-        _runners._gate_fallback.leave(holder)
+        _threads._fallback.gate.leave(holder)
         for t in threads:
             t.join(60)

@@ -17,7 +17,7 @@ import worker_kernels
 from helpers import cause_of
 
 import jax_threadmap
-from jax_threadmap import ExecutorError, KernelError, _executor, threadmap
+from jax_threadmap import ExecutorError, KernelError, _maps, threadmap
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -268,7 +268,7 @@ def test_worker_killed_mid_map_is_an_error_not_a_hang():
 
 def test_dask_local_cluster_runs_elements_in_worker_processes(dask_client):
     ex = dask_client.get_executor()
-    assert _executor.known_workers(ex) == 2
+    assert _maps.known_workers(ex) == 2
     pids = check_nested(ex)
     worker_pids = set(dask_client.run(os.getpid).values())
     assert pids and pids <= worker_pids
@@ -296,7 +296,7 @@ def test_unknown_size_executor_runs_slow_elements_at_once():
     import threading
 
     ex = OpaqueExecutor(64)
-    assert _executor.known_workers(ex) is None
+    assert _maps.known_workers(ex) is None
     # Each element waits until all 64 run at once: only one element per task in
     # the first wave lets that happen (tasks of two would wait for good). No
     # timing involved, so a busy machine cannot fail it.

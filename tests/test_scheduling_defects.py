@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _compat, _executor, _jobs, _pool, threadmap
+from jax_threadmap import _jobs, _maps, _threads, threadmap
 
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 #: Seconds a barrier waits before it breaks: far above a working map's time.
@@ -65,7 +65,7 @@ def test_two_large_maps_whose_elements_wait_for_each_other(
     # (more than LIMITED_FROM elements per thread), so each starts on one thread
     # per CPU: before the fix each held part of the executor and waited for
     # good (here: until the barrier broke) for the part the other held.
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
 
     def one_map(ex):
         barrier = threading.Barrier(4, timeout=BARRIER_TIMEOUT)
@@ -117,17 +117,12 @@ def test_adjacent_elements_that_wait_for_each_other(
 ):
     # A guided chunk that holds both elements of a pair waits at the first for
     # the second, queued behind it in its own chunk, until the barrier breaks.
-    monkeypatch.setattr(_executor, "available_cpus", lambda: cpus)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
     with executor_of(kind, workers) as ex:
         errors = in_threads([lambda: pairs_map(n, ex)])
     assert errors == [None]
 
 
-@pytest.mark.skipif(
-    not _compat.OTHER_THREADS_FRAMES_SAFE,
-    reason="no tail stealing on CPython 3.11 (reading another thread's frames "
-    "can crash it)",
-)
 def test_a_chunks_tail_taken_by_another_thread_runs_once_and_counts_once():
     # A chunk whose first element waits until every other element has run: the
     # rest of its chunk must be taken by the other thread, each element run
@@ -150,8 +145,8 @@ def test_a_chunks_tail_taken_by_another_thread_runs_once_and_counts_once():
     seen = []
     real = _jobs.Job.run
 
-    def run(job, start, stop):
-        real(job, start, stop)
+    def run(job, start, stop, cursor):
+        real(job, start, stop, cursor)
         seen.append(job)
 
     with pytest.MonkeyPatch.context() as m:
@@ -206,10 +201,10 @@ def test_threads_follow_the_kernels_running_at_once(monkeypatch):
     # 300 calls of a 50-element map on a pool of 1000: at most 50 kernels run at
     # once. A thread done with a map's chunks takes the next map a moment later;
     # before the fix each call started threads rather than wait for them.
-    monkeypatch.setattr(_pool, "_threads", _pool._Threads())
+    monkeypatch.setattr(_threads, "_threads", _threads._Threads())
     f = jax.jit(jax.vmap(lambda i: threadmap(lambda v: v, I32, i, executor=1000)))
     x = jnp.arange(50, dtype=jnp.int32)
     for _ in range(300):
         np.testing.assert_array_equal(f(x), np.arange(50))
-    started = _pool._threads.started
-    assert started <= 50 + _executor.available_cpus(), started
+    started = _threads._threads.started
+    assert started <= 50 + _maps.available_cpus(), started

@@ -431,13 +431,15 @@ class ChunkMap(HostMap):
         return self.plan.count
 
     def run_chunk(self, start: int, stop: int, cursor: Any) -> None:
-        """Runs pieces ``[start, stop)`` in this thread, each published at the
-        chunk's cursor first (``_jobs.Cursor``), as the element loops do."""
+        """Runs pieces ``[start, stop)`` in this thread, their range iterator
+        published at the chunk's cursor (``_jobs.Cursor``), as the element
+        loops do."""
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
-        for piece in range(start, stop):
-            cursor.at = piece
-            if cursor.halt and cursor.halted():
+        pieces = iter(range(start, stop))
+        cursor.row = (stop, pieces)
+        for piece in pieces:
+            if cursor.halt and cursor.halted(piece):
                 return
             index, first, k = self._piece(piece)
             leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]

@@ -29,9 +29,10 @@
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from . import _fork
@@ -43,45 +44,62 @@ from ._progress import POLL_INTERVAL
 class Cursor:
     """Where a running chunk is: the one thing a thread learns of another's chunk.
 
-    The chunk's loop runs element ``i`` only after ``cursor.at = i`` and then
-    ``if cursor.halt and cursor.halted(): return``. A thread that takes the
-    chunk's tail holds the job's lock, sets :attr:`halt`, then reads :attr:`at`:
-    the loop may still run that element, but it reads :attr:`halt` before the
-    next one and then asks the lock (:meth:`halted`), so every element from
-    ``at + 1`` on is the taker's. (A store then a load on each side, which the
-    interpreter does in order: at least one side sees the other's store.)
+    The chunk's loop publishes each row of units it runs, before running it:
+    ``js = iter(range(j, end))``, ``cursor.row = (base + end, js)``, then
+    ``for j in js: if cursor.halt and cursor.halted(base + j): return``. The
+    range iterator is the position: advancing it is the loop's own step, and
+    its length hint (``operator.length_hint``, the public protocol) says how
+    many units of the row the loop has not taken yet. A thread that takes the
+    chunk's tail holds the job's lock, sets :attr:`halt`, then reads where the
+    loop is (:meth:`running`): the loop may still run that unit, but it reads
+    :attr:`halt` after taking the next one and then asks the lock
+    (:meth:`halted`), so every unit after it is the taker's. (A store then a
+    load on each side, which the interpreter does in order: at least one side
+    sees the other's store.) The loop pays nothing per unit for being
+    watched but the check of :attr:`halt`, which a failure needs anyway.
 
-    Lock rule: :attr:`at` is written only by the loop's thread; :attr:`halt` and
-    :attr:`stop` are written under the job's lock. :attr:`halt`, once set by a
-    failure or a taken tail, stays set until the chunk ends.
+    Lock rule: :attr:`row` is written only by the loop's thread; :attr:`halt`
+    and :attr:`stop` are written under the job's lock. :attr:`halt`, once set
+    by a failure or a taken tail, stays set until the chunk ends.
     """
 
-    __slots__ = ("_job", "at", "halt", "started", "stop")
+    __slots__ = ("_job", "halt", "row", "start", "started", "stop")
 
     def __init__(self, job: Job, start: int, stop: int):
         self._job = job
-        #: The element the loop is about to run, or runs. The loop runs its
-        #: first element whatever happens, so no taker can take it.
-        self.at = start
+        self.start = start
         #: Set (under the job's lock) when the loop must ask :meth:`halted`
-        #: before its next element.
+        #: before its next unit.
         self.halt = False
         #: Where the chunk stops: lowered (under the job's lock) when another
         #: thread takes its tail.
         self.stop = stop
+        #: The row the loop runs: ``(flat end of the row, its range iterator)``;
+        #: ``None`` before the loop starts.
+        self.row: tuple[int, Iterator[int]] | None = None
         #: Wall and thread-CPU clocks when a chunk of a limited map started.
         self.started: tuple[float, float] | None = None
 
-    def halted(self) -> bool:
-        """Whether the loop stops before element :attr:`at`: the map failed, or
-        another thread took the chunk's elements from there on."""
+    def running(self) -> int | None:
+        """The unit the loop runs, or the one before the next it takes (read
+        by another thread after setting :attr:`halt`); ``None`` before the loop
+        publishes a row (a chunk function that never does keeps its units)."""
+        row = self.row
+        if row is None:
+            return None
+        end, units = row
+        return end - 1 - operator.length_hint(units)
+
+    def halted(self, i: int) -> bool:
+        """Whether the loop stops before unit ``i``: the map failed, or another
+        thread took the chunk's units from there on."""
         job = self._job
         with job._lock:
-            return job.failed or self.at >= self.stop
+            return job.failed or i >= self.stop
 
 
-#: Runs units ``[start, stop)`` of a job, publishing each unit at the cursor
-#: before running it (see :class:`Cursor`).
+#: Runs units ``[start, stop)`` of a job, publishing each row of units at the
+#: cursor before running it (see :class:`Cursor`).
 ChunkFn = Callable[[int, int, Cursor], None]
 
 
@@ -271,7 +289,10 @@ class Job:
     def _steal(self) -> bool:  # lock held
         """Gives back the tail of the running chunk with the most units not yet
         started (:func:`._scheduling.steal_split`); whether there was one."""
-        split = policy.steal_split({c: (c.at, c.stop) for c in self._running})
+        where = {
+            c: (at, c.stop) for c in self._running if (at := c.running()) is not None
+        }
+        split = policy.steal_split(where)
         return split is not None and self._cut(split[0])
 
     def _cut(self, cursor: Cursor) -> bool:  # lock held
@@ -279,8 +300,8 @@ class Job:
         runs (see :class:`Cursor`); whether there were any."""
         was = cursor.halt
         cursor.halt = True  # first: the loop then asks before its next unit
-        at = cursor.at
-        if at + 1 >= cursor.stop:
+        at = cursor.running()
+        if at is None or at + 1 >= cursor.stop:
             cursor.halt = was
             return False
         bisect.insort(self._back, (at + 1, cursor.stop))

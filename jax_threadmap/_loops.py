@@ -12,12 +12,12 @@ ones is written at once, and anything else goes through the caller's checked
 store. Other signatures fall back to the caller's general ``call`` and
 ``result_leaves``.
 
-Before each element the loop publishes it at its chunk's cursor (``c.at = i``)
-and checks ``c.halt`` (``_jobs.Cursor``): that is how another thread takes the
-elements not yet started of a chunk, or a failure stops it, with no thread ever
-looking into another. So the cost per element is the kernel call, one index per
-batched operand, a type check and a write per result, and that one store and
-one check. A plain closure for the commonest
+Each row's range iterator is published at the chunk's cursor (``c.row``) before
+the row runs, and ``c.halt`` is checked before each element (``_jobs.Cursor``):
+that is how another thread takes the elements not yet started of a chunk, or a
+failure stops it, with no thread ever looking into another. So the cost per
+element is the kernel call, one index per batched operand, a type check and a
+write per result, and that one check. A plain closure for the commonest
 signatures (``fn(*args)``, one argument list refilled per element) measured 11-42%
 slower per element (``benchmarks/plain_loop.py``, numbers in docs/architecture.md),
 so the loops stay generated.
@@ -38,10 +38,10 @@ import numpy as np
 
 from ._errors import PASS_THROUGH
 
-#: Runs elements ``[start, stop)``, publishing each element at the cursor before
-#: running it: ``cursor.at = i``, then ``cursor.halt`` and ``cursor.halted()``
-#: stop it there (a failure, or the chunk's tail taken by another thread; see
-#: ``_jobs.Cursor``).
+#: Runs elements ``[start, stop)``, publishing each row's range iterator at the
+#: cursor before running it; ``cursor.halt`` and ``cursor.halted(i)`` stop it
+#: before element ``i`` (a failure, or the chunk's tail taken by another
+#: thread; see ``_jobs.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -245,8 +245,7 @@ def _source(
         for k, const in enumerate(consts)
     ]
     body = [
-        "c.at = base + j",
-        "if c.halt and c.halted():",
+        "if c.halt and c.halted(base + j):",
         "    return",
         "try:",
         f"    r = {_invoke(consts, call)}",
@@ -277,7 +276,9 @@ def _source(
         "            end = min(stop - base, last)",
         *[f"            {line}" for line in row_reads],
         *[f"            p{k} = o{k}[prefix]" for k in range(n_out)],
-        "            for j in range(j, end):",
+        "            js = iter(range(j, end))",
+        "            c.row = (base + end, js)",
+        "            for j in js:",
         *[f"                {line}" for line in body],
         "            start = base + end",
         "            row, j = row + 1, 0",

@@ -40,7 +40,7 @@ BROKEN_HINT = (
     "the next call (a Dask cluster replaces its dead workers)."
 )
 
-#: Runs elements ``[start, stop)``, publishing each at a cursor (``_jobs.Cursor``).
+#: Runs elements ``[start, stop)``, publishing its rows at a cursor (``_jobs.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -62,7 +62,7 @@ class _Alone:
     """The cursor of a chunk run in a worker process: no other thread takes its
     elements, and the map's failure is seen in the process that shipped it."""
 
-    __slots__ = ("at",)
+    __slots__ = ("row",)
     halt = False
 
 

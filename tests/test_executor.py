@@ -333,8 +333,7 @@ def test_interrupt_while_waiting_stops_work_not_started():
 
     def fn(start, stop, cursor):
         for i in range(start, stop):
-            cursor.at = i
-            if cursor.halt and cursor.halted():
+            if cursor.halt and cursor.halted(i):
                 return
             ran.append(i)
             time.sleep(0.01)

@@ -248,6 +248,25 @@ def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, .
     return (Form(OLDEST_JAX, None, where, note, adapt),)
 
 
+def _mesh_axes_of_enclosing_vmaps(trace_ctx: Any) -> Any:
+    def vmapped_mesh_axes() -> frozenset[str]:
+        # The current trace and its parents: each vmap (a BatchTrace) over an
+        # axis sharded over explicit mesh axes records them in its axis data
+        # (one name before jax 0.8, a tuple from then on).
+        names: set[str] = set()
+        trace = trace_ctx.trace
+        while trace is not None:
+            axes = getattr(
+                getattr(trace, "axis_data", None), "explicit_mesh_axis", None
+            )
+            if axes is not None:
+                names.update((axes,) if isinstance(axes, str) else axes)
+            trace = getattr(trace, "parent_trace", None)
+        return frozenset(names)
+
+    return vmapped_mesh_axes
+
+
 # --- the table -----------------------------------------------------------------------
 
 HOOKS: tuple[Hook, ...] = (
@@ -409,6 +428,16 @@ HOOKS: tuple[Hook, ...] = (
                 "in jax.experimental.shard (moved to jax.sharding in jax 0.7.0)",
             ),
         ),
+    ),
+    # Per-shard maps under nested vmaps (issue 27): a level's batching rule
+    # must not split its elements over a mesh axis that an enclosing vmap maps
+    # over (the enclosing vmap's own rule then plans every level at once).
+    Hook(
+        "trace_ctx",
+        "the mesh axes that the vmaps enclosing a batching rule map over, read "
+        "from the current trace and its parents",
+        (PER_SHARD_JIT,),
+        _everywhere("jax._src.core:trace_ctx", adapt=_mesh_axes_of_enclosing_vmaps),
     ),
     # Derivative rules on the primitive.
     *(
@@ -666,6 +695,11 @@ Primitive: Any = _or_missing("Primitive", _PrimitiveStandIn)
 ShapedArray: Any = RESOLVED["ShapedArray"]
 # Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
 Zero: Any = RESOLVED["Zero"]
+
+
+def vmapped_mesh_axes() -> frozenset[str]:
+    """The explicit mesh axes that the vmaps around the current trace map over."""
+    return get("trace_ctx")()
 
 
 def typeof(x: Any) -> Any:

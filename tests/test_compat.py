@@ -404,3 +404,17 @@ def test_no_module_reads_other_threads_frames_but_the_watchdog():
         )
     )
     assert readers == ["_deadlock.py"]
+
+
+def test_vmapped_mesh_axes_are_those_of_enclosing_vmaps():
+    # Outside any vmap, and under a vmap over an axis not sharded over explicit
+    # mesh axes: none (tests/sharding_checks.py covers the sharded case).
+    assert _compat.vmapped_mesh_axes() == frozenset()
+    seen = []
+
+    def f(x):
+        seen.append(_compat.vmapped_mesh_axes())
+        return x
+
+    jax.vmap(f)(jnp.ones(3))
+    assert seen == [frozenset()]

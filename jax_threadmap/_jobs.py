@@ -63,11 +63,10 @@ class Cursor:
     by a failure or a taken tail, stays set until the chunk ends.
     """
 
-    __slots__ = ("_job", "halt", "row", "start", "started", "stop")
+    __slots__ = ("_job", "halt", "row", "started", "stop")
 
-    def __init__(self, job: Job, start: int, stop: int):
+    def __init__(self, job: Job, stop: int):
         self._job = job
-        self.start = start
         #: Set (under the job's lock) when the loop must ask :meth:`halted`
         #: before its next unit.
         self.halt = False
@@ -220,7 +219,8 @@ class Job:
         # Units given back by cut chunks, to be claimed before the front, lowest
         # first (sorted).
         self._back: list[tuple[int, int]] = []
-        self._running: set[Cursor] = set()
+        self._running: set[Cursor] = set()  # but chunks of one unit, not timed:
+        self._single = Cursor(self, 0)  # theirs, shared (its row is never read)
         self._outstanding = 0  # chunks claimed and not yet counted done
         self._children: set[Job] = set()
         self.parent = parent
@@ -260,31 +260,39 @@ class Job:
         with self._lock:
             if self.failed:
                 return None
-            if not self._back and self._next >= self.n:
+            back = self._back
+            if not back and self._next >= self.n:
                 if self.fixed or not self._steal():
                     return None
+            limited = self.limit < self.workers
             size = self.fixed or policy.chunk_size(
-                self._remaining(), self.divisor, self._measure, self.limited
+                self._remaining(), self.divisor, self._measure, limited
             )
-            if self._back:
-                start, end = self._back[0]
+            if back:
+                start, end = back[0]
                 stop = min(end, start + size)
                 if stop == end:
-                    del self._back[0]
+                    del back[0]
                 else:
-                    self._back[0] = (stop, end)
+                    back[0] = (stop, end)
             else:
                 start = self._next
                 self._next = stop = min(self.n, start + size)
-            cursor = Cursor(self, start, stop)
-            if self.limited:
+            self._outstanding += 1
+            if stop - start == 1 and not limited:
+                # Nothing to take from it, nothing to time: the shared cursor.
+                return start, stop, self._single
+            cursor = Cursor(self, stop)
+            if limited:
                 cursor.started = (time.perf_counter(), time.thread_time())
             self._running.add(cursor)
-            self._outstanding += 1
             return start, stop, cursor
 
     def _remaining(self) -> int:  # lock held
-        return self.n - self._next + sum(end - start for start, end in self._back)
+        left = self.n - self._next
+        return (
+            left + sum(end - start for start, end in self._back) if self._back else left
+        )
 
     def _steal(self) -> bool:  # lock held
         """Gives back the tail of the running chunk with the most units not yet
@@ -319,9 +327,12 @@ class Job:
         finally:
             _local.job = outer
             with self._lock:
-                self._running.discard(cursor)
-                stop = cursor.stop  # lowered if another thread took the tail
-                rose = self._measured(cursor, stop - start)
+                if cursor is not self._single:
+                    self._running.discard(cursor)
+                    stop = cursor.stop  # lowered if another thread took the tail
+                rose = cursor.started is not None and self._measured(
+                    cursor, stop - start
+                )
                 if not rose:
                     self._count(start, stop, began)
             if rose:
@@ -342,7 +353,7 @@ class Job:
     def _measured(self, cursor: Cursor, units: int) -> bool:  # lock held
         """Times a chunk of a limited map; whether the map rose to every thread."""
         if cursor.started is None or not self.limited or units <= 0:
-            return False
+            return False  # (a chunk claimed before the map rose)
         wall = time.perf_counter() - cursor.started[0]
         cpu = time.thread_time() - cursor.started[1]
         if not policy.record_chunk(self._measure, units, wall, cpu, self.limit):
@@ -361,12 +372,14 @@ class Job:
 
     def _count(self, start: int, stop: int, began: float) -> None:  # lock held
         """Counts a chunk as done."""
-        if self.fixed is None and stop > start:
+        units = stop - start
+        if self.fixed is None and units > 0:
             wall = time.perf_counter() - began
-            policy.record_time(self._measure, stop - start, wall)
-        self.completed += max(0, stop - start)
+            policy.record_time(self._measure, units, wall)
+        self.completed += units
         self._outstanding -= 1
-        self._check_done()
+        if self._outstanding == 0:
+            self._check_done()
 
     def add_completed(self, units: int) -> None:
         """Counts units done elsewhere (shipped to another process)."""
@@ -432,7 +445,7 @@ class Job:
                 return
             if self.error is None:
                 self.error = error
-            self.failed = True
+            self.failed = self._single.halt = True
             for cursor in self._running:
                 cursor.halt = True
             self._check_done()

@@ -97,6 +97,9 @@ class Cursor:
             return job.failed or i >= self.stop
 
 
+#: A claimed chunk: units ``[start, stop)`` and the cursor its loop publishes at.
+Chunk = tuple[int, int, Cursor]
+
 #: Runs units ``[start, stop)`` of a job, publishing each row of units at the
 #: cursor before running it (see :class:`Cursor`).
 ChunkFn = Callable[[int, int, Cursor], None]
@@ -253,40 +256,46 @@ class Job:
 
     # --- claiming and running chunks -----------------------------------------------
 
-    def claim(self) -> tuple[int, int, Cursor] | None:
+    def claim(self) -> Chunk | None:
         """The next chunk ``(start, stop, cursor)``, or ``None`` when none is
         left: units given back (lowest first), else the front, else the tail of
         another thread's running chunk."""
         with self._lock:
-            if self.failed:
+            return self._claim()
+
+    def _claim(self) -> Chunk | None:  # lock held
+        if self.failed:
+            return None
+        back = self._back
+        if not back and self._next >= self.n:
+            if self.fixed or not self._steal():
                 return None
-            back = self._back
-            if not back and self._next >= self.n:
-                if self.fixed or not self._steal():
-                    return None
-            limited = self.limit < self.workers
-            size = self.fixed or policy.chunk_size(
-                self._remaining(), self.divisor, self._measure, limited
-            )
-            if back:
-                start, end = back[0]
-                stop = min(end, start + size)
-                if stop == end:
-                    del back[0]
-                else:
-                    back[0] = (stop, end)
+        limited = self.limit < self.workers
+        measure = self._measure
+        size = (
+            self.fixed
+            or (measure.one_each and 1)
+            or policy.chunk_size(self._remaining(), self.divisor, measure, limited)
+        )
+        if back:
+            start, end = back[0]
+            stop = min(end, start + size)
+            if stop == end:
+                del back[0]
             else:
-                start = self._next
-                self._next = stop = min(self.n, start + size)
-            self._outstanding += 1
-            if stop - start == 1 and not limited:
-                # Nothing to take from it, nothing to time: the shared cursor.
-                return start, stop, self._single
-            cursor = Cursor(self, stop)
-            if limited:
-                cursor.started = (time.perf_counter(), time.thread_time())
-            self._running.add(cursor)
-            return start, stop, cursor
+                back[0] = (stop, end)
+        else:
+            start = self._next
+            self._next = stop = min(self.n, start + size)
+        self._outstanding += 1
+        if stop - start == 1 and not limited:
+            # Nothing to take from it, nothing to time: the shared cursor.
+            return start, stop, self._single
+        cursor = Cursor(self, stop)
+        if limited:
+            cursor.started = (time.perf_counter(), time.thread_time())
+        self._running.add(cursor)
+        return start, stop, cursor
 
     def _remaining(self) -> int:  # lock held
         left = self.n - self._next
@@ -316,8 +325,12 @@ class Job:
         cursor.stop = at + 1
         return True
 
-    def run(self, start: int, stop: int, cursor: Cursor) -> None:
-        """Runs a claimed chunk; its exception fails the job."""
+    def run(
+        self, start: int, stop: int, cursor: Cursor, then_claim: bool = False
+    ) -> Chunk | None:
+        """Runs a claimed chunk (its exception fails the job); with
+        ``then_claim``, returns the next chunk, claimed under the same hold of
+        the lock as this one is counted done."""
         outer, _local.job = _local.job, self
         began = time.perf_counter()
         try:
@@ -326,29 +339,29 @@ class Job:
             self.fail(e)
         finally:
             _local.job = outer
+        with self._lock:
+            if cursor is not self._single:
+                self._running.discard(cursor)
+                stop = cursor.stop  # lowered if another thread took the tail
+            rose = cursor.started is not None and self._measured(cursor, stop - start)
+            if not rose:
+                self._count(start, stop, began)
+                return self._claim() if then_claim else None
+        # The map rose: more threads before the chunk counts as done, so that
+        # the map (and its executor) is still there for them.
+        try:
+            if self.grow is not None:
+                self.grow()
+        finally:
             with self._lock:
-                if cursor is not self._single:
-                    self._running.discard(cursor)
-                    stop = cursor.stop  # lowered if another thread took the tail
-                rose = cursor.started is not None and self._measured(
-                    cursor, stop - start
-                )
-                if not rose:
-                    self._count(start, stop, began)
-            if rose:
-                # Before the chunk counts as done, so that the map (and its
-                # executor) is still there for the threads added.
-                try:
-                    if self.grow is not None:
-                        self.grow()
-                finally:
-                    with self._lock:
-                        self._count(start, stop, began)
+                self._count(start, stop, began)
+        return self.claim() if then_claim else None
 
     def drain(self) -> None:
         """Claims and runs chunks until none are left."""
-        while (chunk := self.claim()) is not None:
-            self.run(*chunk)
+        chunk = self.claim()
+        while chunk is not None:
+            chunk = self.run(*chunk, then_claim=True)
 
     def _measured(self, cursor: Cursor, units: int) -> bool:  # lock held
         """Times a chunk of a limited map; whether the map rose to every thread."""
@@ -373,7 +386,7 @@ class Job:
     def _count(self, start: int, stop: int, began: float) -> None:  # lock held
         """Counts a chunk as done."""
         units = stop - start
-        if self.fixed is None and units > 0:
+        if self.fixed is None and units > 0 and not self._measure.one_each:
             wall = time.perf_counter() - began
             policy.record_time(self._measure, units, wall)
         self.completed += units

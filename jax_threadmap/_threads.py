@@ -279,10 +279,11 @@ class _Threads:
                 return
             worker.started = True
         while (job := worker.job) is not None:
-            while (chunk := job.claim()) is not None:
+            chunk = job.claim()
+            while chunk is not None:
                 worker.running = True
-                job.run(*chunk)
-                worker.running = False
+                chunk = job.run(*chunk, then_claim=True)
+            worker.running = False
             with self.lock:
                 self._hand_next(worker)
                 idle = worker.job is None and not self.exiting

@@ -256,22 +256,27 @@ def run_map(
         _flights.pop(job, None)
         job.detach()
     if job.error is not None:
-        raise _map_error(job.error, work.name)
+        raise _map_error(job.error, work.name, executor)
 
 
-def _map_error(e: BaseException, name: str) -> BaseException:
+def said(e: BaseException) -> str:
+    """``Type: message`` of an exception, to go on with a sentence (no period
+    of its own: "pending.. A worker" was what the messages read)."""
+    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
+
+
+def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
     """The error a failed map raises: kernel errors as they are, the rest wrapped."""
     if isinstance(e, (KernelError, ExecutorError, KeyboardInterrupt, SystemExit)):
         return e
     if isinstance(e, concurrent.futures.BrokenExecutor):
         return ExecutorError(
             f"The executor running threadmap kernel {name!r} broke while the map ran "
-            f"({type(e).__name__}: {e}). {_remote.BROKEN_HINT}",
+            f"({said(e)}). {_remote.broken_hint(executor)}",
             cause=e,
         )
     return ExecutorError(
-        f"threadmap kernel {name!r}: the executor failed with {type(e).__name__}: {e}",
-        cause=e,
+        f"threadmap kernel {name!r}: the executor failed with {said(e)}.", cause=e
     )
 
 
@@ -282,7 +287,7 @@ def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
     return ExecutorError(
         f"threadmap kernel {name!r} could not be sent to the executor "
         f"{executor!r}, which runs work in other processes and so pickles it: "
-        f"{type(e).__name__}: {e}. Define the kernel at module level (not a lambda "
+        f"{said(e)}. Define the kernel at module level (not a lambda "
         "or closure), or use executor=None / a ThreadPoolExecutor.",
         cause=e,
     )
@@ -295,13 +300,14 @@ def _chunk_failed(
     or could not load the task)."""
     unit = "pieces" if work.vectorized else "elements"
     if isinstance(e, concurrent.futures.BrokenExecutor):
-        hint = _remote.BROKEN_HINT
+        hint = " " + _remote.broken_hint(executor)
+    elif isinstance(e, _remote.KernelNotLoaded):
+        hint = ""  # the worker's own account says what to do
     else:
-        hint = "Pass a working executor to the next call."
+        hint = " Pass a working executor to the next call."
     return ExecutorError(
         f"The executor {executor!r} failed to run {unit} [{start}, {stop}) (flat "
-        f"indices, of {work.n}) of threadmap kernel {work.name!r}: "
-        f"{type(e).__name__}: {e}. {hint}",
+        f"indices, of {work.n}) of threadmap kernel {work.name!r}: {said(e)}." + hint,
         cause=e,
     )
 

@@ -443,10 +443,18 @@ def refused(executor: Any, e: BaseException) -> ExecutorError:
             "thread.",
             cause=e,
         )
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        return ExecutorError(
+            f"The executor {executor!r} passed as executor= is broken: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. A worker of it ended "
+            "earlier (the error of the map that ran then said how); pass a new "
+            "executor.",
+            cause=e,
+        )
     return ExecutorError(
         f"The executor {executor!r} passed as executor= refused new work: "
-        f"{type(e).__name__}: {e}. Pass an executor that is running, or "
-        "executor=None for the shared pool.",
+        f"{type(e).__name__}: {str(e).rstrip('.')}. Pass an executor that is "
+        "running, or executor=None for the shared pool.",
         cause=e,
     )
 

@@ -4,6 +4,7 @@ cursor protocol (tails taken from running chunks, a failure stopping them) under
 the same switching, and a fork while threads hold the layer's locks."""
 
 import concurrent.futures
+import functools
 import os
 import sys
 import threading
@@ -194,9 +195,7 @@ def _protocol_chunk(calls, lock, slow):
 
 
 @pytest.mark.parametrize("limited", [False, True], ids=["guided", "rising"])
-def test_tails_taken_while_chunks_run_leave_every_unit_run_once(
-    switch_often, limited
-):
+def test_tails_taken_while_chunks_run_leave_every_unit_run_once(switch_often, limited):
     # The cursor protocol hammered: six threads drain maps whose slow units let
     # the others take the tails of running chunks, again and again, with the
     # interpreter switching threads every microsecond; a limited map also rises
@@ -230,6 +229,29 @@ def test_tails_taken_while_chunks_run_leave_every_unit_run_once(
         assert not job._running and not job._back
 
 
+def _failing_chunk(calls, late, job_of):
+    """A protocol chunk that fails at unit 150 and notes, per thread, the units
+    it began after the failure was recorded (read under the job's lock)."""
+
+    def chunk(start, stop, cursor):
+        job = job_of()
+        units = iter(range(start, stop))
+        cursor.row = (stop, units)
+        for i in units:
+            if cursor.halt and cursor.halted(i):
+                return
+            with job._lock:  # the order of this unit and the failure
+                calls[i] += 1
+                if job.failed:
+                    me = threading.get_ident()
+                    late[me] = late.get(me, 0) + 1
+            if i == 150:
+                raise ValueError(i)
+            time.sleep(0)
+
+    return chunk
+
+
 def test_a_failure_stops_every_running_chunk_at_its_next_unit(switch_often):
     # fail() sets halt on every running cursor under the job's lock: a thread
     # may finish the unit it had passed its check for, but starts no other one
@@ -238,24 +260,10 @@ def test_a_failure_stops_every_running_chunk_at_its_next_unit(switch_often):
         n = 400
         calls = [0] * n
         late: dict[int, int] = {}  # per thread: units begun with the map failed
-        job = None
-
-        def chunk(start, stop, cursor):
-            units = iter(range(start, stop))
-            cursor.row = (stop, units)
-            for i in units:
-                if cursor.halt and cursor.halted(i):
-                    return
-                with job._lock:  # the order of this unit and the failure
-                    calls[i] += 1
-                    if job.failed:
-                        me = threading.get_ident()
-                        late[me] = late.get(me, 0) + 1
-                if i == 150:
-                    raise ValueError(i)
-                time.sleep(0)
-
+        jobs: list[_jobs.Job] = []
+        chunk = _failing_chunk(calls, late, functools.partial(jobs.__getitem__, 0))
         job = _jobs.Job(n, chunk, divisor=8, workers=6)
+        jobs.append(job)
         threads = [threading.Thread(target=job.drain) for _ in range(6)]
         for t in threads:
             t.start()

@@ -32,11 +32,22 @@ F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
 
 
-class Recorder:
-    """A sleepy kernel that records its threads and how many run at once."""
+#: Seconds a gated kernel waits for the others to start: only a broken pool
+#: waits that long (the test then fails on the count, not on a hang).
+GATE_TIMEOUT = 30.0
 
-    def __init__(self, sleep=0.01):
+
+class Recorder:
+    """A sleepy kernel that records its threads and how many run at once.
+
+    With ``gate=k``, no call returns before ``k`` calls have run at once (or
+    ``GATE_TIMEOUT`` passed): a pool that can run ``k`` kernels at once reaches
+    ``max_running == k`` whatever the machine's load, with no timing."""
+
+    def __init__(self, sleep=0.01, gate=None):
         self.sleep = sleep
+        self.gate = gate
+        self.all_in = threading.Event()
         self.lock = threading.Lock()
         self.threads = set()
         self.running = 0
@@ -47,7 +58,12 @@ class Recorder:
             self.threads.add(threading.current_thread())
             self.running += 1
             self.max_running = max(self.max_running, self.running)
-        time.sleep(self.sleep)
+            if self.gate is not None and self.running >= self.gate:
+                self.all_in.set()
+        if self.gate is None:
+            time.sleep(self.sleep)
+        else:
+            self.all_in.wait(GATE_TIMEOUT)
         with self.lock:
             self.running -= 1
         return x * 2
@@ -66,9 +82,9 @@ X = np.arange(24, dtype=np.float32).reshape(4, 6)
 @pytest.mark.parametrize("n", [1, 3])
 def test_env_var_sets_default_pool_size(monkeypatch, n):
     monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(n))
-    rec = Recorder()
+    rec = Recorder(gate=n)
     np.testing.assert_array_equal(run(rec, X), X * 2)
-    assert rec.max_running == n  # 24 sleepy elements fill the pool
+    assert rec.max_running == n  # the pool's n threads run at once, no more
     assert threading.main_thread() not in rec.threads
     assert all(t.name.startswith("jax_threadmap") for t in rec.threads)
 
@@ -81,7 +97,7 @@ def test_env_var_rejects_garbage(monkeypatch):
 
 @pytest.mark.parametrize("n", [2, 5])
 def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
-    rec = Recorder()
+    rec = Recorder(gate=n)
     np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
     started = _threads._threads.started
     for _ in range(2):
@@ -93,7 +109,7 @@ def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
 
 
 def test_bound_is_per_pool_not_per_map():
-    rec = Recorder()
+    rec = Recorder(gate=3)
     callers = [threading.Thread(target=run, args=(rec, X, 3)) for _ in range(4)]
     for t in callers:
         t.start()
@@ -118,7 +134,7 @@ def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
     while _threads.num_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _threads.num_threads() == 0
-    rec = Recorder()
+    rec = Recorder(gate=4)
     np.testing.assert_array_equal(run(rec, X, executor=4), X * 2)  # restarted
     assert rec.max_running == 4
 
@@ -465,7 +481,16 @@ class Child:
 
 
 # n kernels that block for good in a socket read with no timeout.
-BLOCKED_KERNELS = """
+#: First in a child that a test sends Ctrl-C: a child started from a process
+#: that ignores SIGINT (pytest run as a background job) inherits the ignoring.
+SIGINT_AS_USUAL = """
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+BLOCKED_KERNELS = (
+    SIGINT_AS_USUAL
+    + """
     import socket, sys, threading
     import jax, jax.numpy as jnp, numpy as np
     from jax_threadmap import threadmap
@@ -497,6 +522,7 @@ BLOCKED_KERNELS = """
         ).start()
         f(x)
 """
+)
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
@@ -687,7 +713,9 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
 
 # Shared pool -> a user ThreadPoolExecutor(1) -> shared pool: the pool's workers
 # wait on maps on T, whose one thread waits on a map queued behind them.
-NESTED_ACROSS_POOLS = """
+NESTED_ACROSS_POOLS = (
+    SIGINT_AS_USUAL
+    + """
     import sys, time
     from concurrent.futures import ThreadPoolExecutor
     import jax, jax.numpy as jnp, numpy as np
@@ -714,6 +742,7 @@ NESTED_ACROSS_POOLS = """
     outer = jax.jit(jax.vmap(lambda m: threadmap(outer_k, F32, m, executor=2)))
     print(np.asarray(outer(np.ones((4, 2, inner_n), np.float32))).tolist(), flush=True)
 """
+)
 
 
 def test_nested_maps_across_pools_complete():
@@ -769,6 +798,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
         assert "Could not start a thread" in str(job.error)
     monkeypatch.setattr(threading.Thread, "start", real_start)
     assert pool.active == 0 and _threads.num_threads() == 0
+    rec = Recorder(gate=3)
     job = _jobs.Job(12, fn)
     pool.run(job)
     assert job.error is None and rec.max_running == 3
@@ -841,12 +871,28 @@ def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
         assert k.calls == n
 
 
+class RisenRecorder(Recorder):
+    """Sleeps ``sleep`` seconds per call while its map is limited (so that its
+    chunks vote); once the map has every thread, no call returns before
+    ``gate`` calls run at once: a map that really got its executor's threads
+    reaches ``max_running == gate`` however loaded the machine."""
+
+    def __call__(self, x):
+        job = _jobs.current_job()
+        if job is not None and job.limited:
+            with self.lock:
+                self.threads.add(threading.current_thread())
+            time.sleep(self.sleep)
+            return x * 2
+        return super().__call__(x)
+
+
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_slow_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)  # from the chunks' times
     with executor_of(executor, 8) as ex:
-        rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
+        rec = RisenRecorder(sleep=0.01, gate=8)  # 10 ms: far above SLOW_ELEMENT
         x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
         np.testing.assert_array_equal(run(rec, x, executor=ex), x)
         assert rec.max_running == 8
@@ -858,7 +904,8 @@ def test_waiting_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))  # from CPU time
     with executor_of(executor, 8) as ex:
-        rec = Recorder(sleep=0.002)  # sleeps: its thread is on a CPU a few % of it
+        # Sleeps: its thread is on a CPU a few % of the time.
+        rec = RisenRecorder(sleep=0.002, gate=8)
         x = np.zeros((8, 64), np.float32)
         np.testing.assert_array_equal(run(rec, x, executor=ex), x)
         assert rec.max_running == 8

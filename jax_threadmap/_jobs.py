@@ -97,6 +97,12 @@ class Cursor:
             return job.failed or i >= self.stop
 
 
+class Busy(Protocol):
+    """A thread's flag that says whether it runs a kernel (see :meth:`Job.run`)."""
+
+    running: bool
+
+
 #: A claimed chunk: units ``[start, stop)`` and the cursor its loop publishes at.
 Chunk = tuple[int, int, Cursor]
 
@@ -326,19 +332,30 @@ class Job:
         return True
 
     def run(
-        self, start: int, stop: int, cursor: Cursor, then_claim: bool = False
+        self,
+        start: int,
+        stop: int,
+        cursor: Cursor,
+        then_claim: bool = False,
+        busy: Busy | None = None,
     ) -> Chunk | None:
         """Runs a claimed chunk (its exception fails the job); with
         ``then_claim``, returns the next chunk, claimed under the same hold of
-        the lock as this one is counted done."""
+        the lock as this one is counted done. ``busy.running`` is true while the
+        chunk's kernels run, false before the chunk counts as done (so that
+        whoever sees the map done sees this thread free)."""
         outer, _local.job = _local.job, self
         began = time.perf_counter()
+        if busy is not None:
+            busy.running = True
         try:
             self.fn(start, stop, cursor)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
             _local.job = outer
+            if busy is not None:
+                busy.running = False
         with self._lock:
             if cursor is not self._single:
                 self._running.discard(cursor)

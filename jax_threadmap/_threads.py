@@ -118,8 +118,10 @@ class _Worker:
         self.job: Job | None = job
         self.started = False  # its thread runs (set by the thread, under the lock)
         self.cancelled = False  # its thread must not run: the start failed
-        # Its thread runs a chunk (a kernel). Written by its thread only, read
-        # under the threads' lock: a stale read only delays a thread's start.
+        # Its thread runs a chunk's kernels. Written by its thread only (by
+        # Job.run, false again before the chunk counts as done), read under the
+        # threads' lock: a thread that sees a map done sees its threads free, so
+        # the next map starts no thread for a place one of them will take.
         self.running = False
         # Released (under the threads' lock) to wake the idle thread: it then
         # finds its job set, without taking the threads' lock again.
@@ -281,9 +283,7 @@ class _Threads:
         while (job := worker.job) is not None:
             chunk = job.claim()
             while chunk is not None:
-                worker.running = True
-                chunk = job.run(*chunk, then_claim=True)
-            worker.running = False
+                chunk = job.run(*chunk, then_claim=True, busy=worker)
             with self.lock:
                 self._hand_next(worker)
                 idle = worker.job is None and not self.exiting

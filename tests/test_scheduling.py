@@ -153,9 +153,12 @@ def quoted_facts():
         ),
         (
             "docs/executors.md",
-            f"fewer than\n{2 * policy.GUIDED_SHARE} elements per thread",
+            f"Fewer than {2 * policy.GUIDED_SHARE} elements per thread",
         ),
-        ("docs/executors.md", f"stuck for {_ms(policy.STUCK_CHUNK)} hands it"),
+        (
+            "docs/executors.md",
+            f"been stuck for {_ms(policy.STUCK_CHUNK)}, by the map taking every",
+        ),
         (
             "docs/executors.md",
             f"more than a {_SHARES[2 * policy.GUIDED_SHARE]}\nas many threads",

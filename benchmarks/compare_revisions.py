@@ -14,7 +14,8 @@ Both packages register their own primitive. The groups:
 - ``trivial``: trivial kernels (the cost is the library's) on the paths the
   scheduling touches: the default pool, a pool with more threads than CPUs (a
   map that starts limited), a user's ThreadPoolExecutor, nested vmaps, small
-  maps called in a loop, a long map;
+  maps called in a loop, a long map, a long map whose first element is slow (a
+  first call that fills a cache);
 - ``signatures``: the kernel signatures of ``test_bench_signatures.py`` (4096
   elements each: 1 to 4 operands, a keyword, two outputs, a dict operand, a
   ``ThreadPoolExecutor(32)``, a 3-level outer product);
@@ -63,6 +64,14 @@ def _compiled(f: Callable[..., Any], *args: Any) -> Callable[[], object]:
     return lambda: jax.block_until_ready(compiled(*args))
 
 
+def _warm_up_once(x):
+    # A kernel whose first call is slow (it fills a cache): the map's first
+    # timed chunk is slow, the others are not.
+    if int(x) == 0:
+        time.sleep(5e-3)
+    return x * np.float32(2)
+
+
 def trivial(tm: Callable[..., Any], user: object) -> Cases:
     x = jnp.arange(4096, dtype=jnp.float32)
     xy = jnp.arange(16 * 256, dtype=jnp.float32).reshape(16, 256)
@@ -76,6 +85,7 @@ def trivial(tm: Callable[..., Any], user: object) -> Cases:
         jax.vmap(jax.vmap(lambda a, b: tm(_add, F32, a, b), (0, None)), (None, 0))
     )
     f_none, f_32, f_user, f_1000 = flat(None), flat(32), flat(user), flat(1000)
+    warm = jax.jit(jax.vmap(lambda v: tm(_warm_up_once, F32, v, executor=32)))
 
     def loop_small() -> None:
         for _ in range(20):
@@ -90,6 +100,7 @@ def trivial(tm: Callable[..., Any], user: object) -> Cases:
         ).block_until_ready(),
         "100k el, executor=None": lambda: f_none(big).block_until_ready(),
         "20 calls of 50 el, executor=1000": loop_small,
+        "100k el, the first slow, executor=32": lambda: warm(big).block_until_ready(),
     }
 
 

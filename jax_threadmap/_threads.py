@@ -188,6 +188,8 @@ class _Threads:
         new: list[tuple[threading.Thread, _Worker]] = []
         returning = None  # threads about to look for work, once counted
         while pool.active < pool.max_workers:
+            if job.hands >= min(job.n, job.limit):
+                break  # (read without the job's lock: add_hand decides)
             if not self.idle:
                 if returning is None:
                     returning = self._returning()

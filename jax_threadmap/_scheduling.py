@@ -12,17 +12,24 @@ The heuristics, each shown necessary by switching it off:
 
 - a large map on an executor with more threads than CPUs starts *limited*, on
   one thread per CPU (:func:`starts_limited`): ``benchmarks/compare_revisions.py``
-  "4096 el, executor=32" is slower on every thread (threads taking turns at the
-  GIL);
+  "4096 el, executor=32" and "ThreadPoolExecutor(32)" take 1.33-1.42x as long on
+  every thread (threads taking turns at the GIL);
 - one limited map at a time per executor (``_jobs.LimitedGate``):
   ``test_two_large_maps_whose_elements_wait_for_each_other`` hangs without it;
 - *slow-element votes* raise a limited map to every thread
-  (:func:`record_chunk`): the "sleep" cases of ``compare_revisions.py`` run on
-  one thread per CPU without them;
+  (:func:`record_chunk`): without them the "sleep 1 ms" case of
+  ``compare_revisions.py`` takes 15x as long (one thread per CPU), "sleep 50 us"
+  3.5x; with one vote instead of :data:`SLOW_VOTES`, "100k el, the first slow"
+  takes 9.3x as long (its first chunk alone raises it);
 - the *stuck-chunk watch* (:data:`STUCK_CHUNK`) raises it when a chunk runs too
-  long: ``test_pairs_that_wait_for_each_other`` hangs without it.
+  long: ``test_pairs_that_wait_for_each_other`` and
+  ``test_elements_that_wait_for_each_other_all_start`` hang without it;
+- once raised, a map runs one element per chunk in index order (:func:`rise`):
+  without it every case of ``test_pairs_that_wait_for_each_other`` hung, in 3
+  runs of 3 under two busy loops.
 
-Once raised, a map runs one element per chunk in index order (:func:`rise`).
+The watch has no period of its own: the waiting thread wakes when the oldest
+running chunk reaches :data:`STUCK_CHUNK` (``_jobs.Job.poll``).
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ SLOW_ELEMENT = 200e-6
 WAIT_SHARE = 0.5
 #: Chunks in a row that must find the elements slow, or waiting, before a map
 #: gets all its threads: one chunk may be slow for reasons of its own (a first
-#: call that fills a cache, a thread that lost its CPU for a moment).
+#: call that fills a cache, a thread that lost its CPU for a moment). With 1,
+#: ``compare_revisions.py`` "100k el, the first slow" takes 9.3x as long.
 SLOW_VOTES = 2
 #: While a map holds fewer threads than its executor has: seconds of work in a
 #: chunk at least (measuring one costs a few us; the same number as

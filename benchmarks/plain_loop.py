@@ -42,7 +42,7 @@ from jax_threadmap._jobs import Cursor, Job
 
 def _cursor(n: int) -> Cursor:
     """A chunk's cursor that no other thread cuts (a real one, for its cost)."""
-    return Cursor(Job(n, lambda *a: None), 0, n)
+    return Cursor(Job(n, lambda *a: None), n)
 
 
 class _OldJob:

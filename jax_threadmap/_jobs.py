@@ -10,8 +10,8 @@
   for a map whose outputs are summed on the host (sums that do not depend on
   timing).
 - Help finish: each running chunk has a :class:`Cursor`, where its loop
-  publishes the element it is about to run. A thread that finds nothing left to
-  claim takes the elements not yet started of another thread's chunk
+  publishes the range of units it iterates. A thread that finds nothing left to
+  claim takes the units not yet started of another thread's chunk
   (:meth:`Job.claim`, then ``_cut``): an element that waits for the next one in
   its chunk (a pair at a barrier) then finds it run by another thread, and a
   chunk slow to finish gives its rest to idle threads. Threads never inspect
@@ -173,8 +173,8 @@ class Job:
     Lock rule: every field that more than one thread uses is written under
     the job's lock (``_lock``), :attr:`hands` included; :attr:`grow` is set once
     by the runner before the job is handed a thread. Reads without the lock are
-    of single values whose staleness is harmless: :attr:`failed` (one more chunk
-    is claimed and stops at its first check), :attr:`limit` and :attr:`hands`
+    of single values whose staleness is harmless: :attr:`failed` (a shipper or
+    a gate looks again a moment later), :attr:`limit` and :attr:`hands`
     (a thread more or fewer is offered, and :meth:`add_hand` decides under the
     lock), :attr:`completed` (a progress bar lags). A lock that the job's
     runner holds (the shared threads' lock) is taken before the job's, never

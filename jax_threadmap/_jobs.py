@@ -60,7 +60,10 @@ class Cursor:
 
     Lock rule: :attr:`row` is written only by the loop's thread; :attr:`halt`
     and :attr:`stop` are written under the job's lock. :attr:`halt`, once set
-    by a failure or a taken tail, stays set until the chunk ends.
+    by a failure or a taken tail, stays set until the chunk ends. (The one
+    cursor that a job's chunks of one unit share, when not timed, is written
+    by each of their loops; no thread reads its :attr:`row`, since a chunk of
+    one unit has no tail, and only a failure sets its :attr:`halt`.)
     """
 
     __slots__ = ("_job", "halt", "row", "started", "stop")

@@ -221,20 +221,32 @@ def test_many_python_threads_calling_at_once():
 
 
 def test_failure_cancels_work_not_started():
+    # The first element fails once another thread runs an element, and every
+    # other element waits until the map has failed (events, not sleeps): the
+    # other thread is inside its chunk when the failure comes, and must start
+    # no other element of it, whatever the machine's load.
     started = []
+    other_started = threading.Event()
 
     def k(v):
+        if int(v) >= 1000:  # the map after: runs as usual
+            return v
         started.append(int(v))
         if int(v) == 0:
+            other_started.wait(GATE_TIMEOUT)
             raise RuntimeError("first element fails")
-        time.sleep(0.005)
+        other_started.set()
+        job = _jobs.current_job()
+        deadline = time.monotonic() + GATE_TIMEOUT
+        while job is not None and not job.failed and time.monotonic() < deadline:
+            time.sleep(0.001)
         return v
 
     x = np.arange(400, dtype=np.float32)
     f = jax.vmap(lambda v: threadmap(k, F32, v, executor=2))
     with pytest.raises(Exception, match="first element fails"):
         f(x)
-    assert len(started) < 100
+    assert 0 in started and len(started) <= 2, started
     np.testing.assert_array_equal(f(x + 1000), x + 1000)
 
 

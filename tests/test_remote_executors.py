@@ -481,7 +481,9 @@ def test_dask_gets_a_large_unbatched_operand_once_per_worker(dask_client):
             np.testing.assert_allclose(f(x, w), x + w[0] + w[-1])
     finally:
         del dask_client.scatter
-    assert len(shipped) >= 8 and sum(shipped) < w.nbytes / 8, shipped
+    # Several tasks (each map's first wave alone is one per worker: 2 here; how
+    # many follow depends on the measured cost), none carrying w.
+    assert len(shipped) >= 4 and sum(shipped) < w.nbytes / 8, shipped
     assert scattered == [(w.nbytes, True)] * 2  # once per map, to every worker
     # Released after the map: the workers hold nothing of it.
     deadline = time.monotonic() + 30

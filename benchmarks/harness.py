@@ -55,7 +55,7 @@ from jax_threadmap._demo import (  # noqa: F401 - re-exported for the benchmarks
     threadmap_runner,
     time_runs,
 )
-from jax_threadmap._executor import available_cpus as num_cpus
+from jax_threadmap._scheduling import available_cpus as num_cpus
 
 # --- kernels ------------------------------------------------------------------------
 
@@ -409,11 +409,11 @@ def _vector_memory_child(shape: Sequence[int]) -> dict[str, Any]:
     x, y, z = arrays
     assert np.allclose(result, x[:, None, None] + y[None, :, None] + z[None, None, :])
     out_bytes = result.nbytes
-    from jax_threadmap import _executor
+    from jax_threadmap import _scheduling, _threads
 
     # One chunk per worker in flight: three gathered operands and the result.
-    workers = _executor.default_num_threads()
-    chunk = _executor.VECTOR_CHUNK_BYTES
+    workers = _threads.default_num_threads()
+    chunk = _scheduling.VECTOR_CHUNK_BYTES
     return {
         "elements": int(result.size),
         "input_bytes": sum(a.nbytes for a in arrays),

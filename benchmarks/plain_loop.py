@@ -10,9 +10,15 @@ called with ``fn(*args)``, and the same fast store and checks as the generated
 loop. Both run the same kernels on the same views on one thread, alternating
 rep by rep, best of many reps.
 
+With ``--old MODULE`` (another revision's package copied under another name,
+as for ``compare_revisions.py``), it also times that revision's generated loops
+on the same views, alternated with this one's: the per-element cost of a change
+to the loops (the cursor each element is published at, for one).
+
 Usage::
 
     PYTHONPATH=. python benchmarks/plain_loop.py [--reps 15] [--n 20000]
+    PYTHONPATH=.:/tmp/oldpkg python benchmarks/plain_loop.py --old jax_threadmap_old
 
 Not collected by pytest (not a ``test_`` file): it is a measurement, and its
 numbers are in docs/architecture.md.
@@ -21,6 +27,7 @@ numbers are in docs/architecture.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,10 +37,19 @@ import numpy as np
 
 from jax_threadmap._errors import PASS_THROUGH
 from jax_threadmap._host import ElementCaller
+from jax_threadmap._jobs import Cursor, Job
 
 
-class _Never:
-    failed = halt = False
+def _cursor(n: int) -> Cursor:
+    """A chunk's cursor that no other thread cuts (a real one, for its cost)."""
+    return Cursor(Job(n, lambda *a: None), n)
+
+
+class _OldJob:
+    """What an older revision's loops read per element (``job.halt``)."""
+
+    def __init__(self) -> None:
+        self.failed = self.halt = False
 
 
 def plain_loop(caller: ElementCaller, in_v: list[np.ndarray], out: np.ndarray) -> Any:
@@ -48,7 +64,9 @@ def plain_loop(caller: ElementCaller, in_v: list[np.ndarray], out: np.ndarray) -
     def chunk(start: int, stop: int, job: Any) -> None:
         args = [v[0, ...] for v in in_v]
         views = [(k, in_v[k]) for k in batched]
-        for i in range(start, stop):
+        indices = iter(range(start, stop))
+        job.row = (stop, indices)
+        for i in indices:
             if job.halt and job.halted(i):
                 return
             for k, v in views:
@@ -70,14 +88,17 @@ def plain_loop(caller: ElementCaller, in_v: list[np.ndarray], out: np.ndarray) -
 
 
 def case(
-    kernel: Callable[..., Any], operands: list[np.ndarray], out_shape: tuple[int, ...]
+    kernel: Callable[..., Any],
+    operands: list[np.ndarray],
+    out_shape: tuple[int, ...],
+    caller_type: Any = ElementCaller,
 ) -> tuple[ElementCaller, list[np.ndarray], np.ndarray]:
     n = max(len(x) for x in operands if x.ndim and x.strides[0])
     args = tuple(0 for _ in operands)
     in_tree = jax.tree_util.tree_structure((args, {}))
     out_tree = jax.tree_util.tree_structure(0)
     dtype = np.dtype(np.float32)
-    caller = ElementCaller(kernel, "k", in_tree, out_tree, [(out_shape, dtype)], (n,))
+    caller = caller_type(kernel, "k", in_tree, out_tree, [(out_shape, dtype)], (n,))
     out = np.empty((n, *out_shape), dtype)
     return caller, operands, out
 
@@ -96,6 +117,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--n", type=int, default=20_000)
+    p.add_argument("--old", default="", help="another revision's package")
     a = p.parse_args()
     n = a.n
     x = np.arange(n, dtype=np.float32)
@@ -110,26 +132,37 @@ def main() -> None:
         "v * c (vector, 1 unbatched)": (lambda v, c: v * c, [v3, c3], (3,)),
         "a + b + c (3 scalars)": (lambda a, b, c: a + b + c, [x, x, x], ()),
     }
-    print(f"{'kernel':32s} {'generated':>12s} {'plain':>12s}  plain/generated")
+    old = None
+    if a.old:
+        old = importlib.import_module(f"{a.old}._host").ElementCaller
+    head = f"{'kernel':32s} {'generated':>12s} {'plain':>12s}  plain/generated"
+    print(head + ("  old generated  generated/old" if old else ""))
     for name, (kernel, ops, shape) in cases.items():
         caller, in_v, out = case(kernel, ops, shape)
         generated = caller.loop(in_v, [out], (n,))
         plain = plain_loop(caller, in_v, out)
-        plain(0, n, _Never)
+        plain(0, n, _cursor(n))
         expected = out.copy()
         out[...] = 0
-        generated(0, n, _Never)
+        generated(0, n, _cursor(n))
         np.testing.assert_array_equal(out, expected)  # the same results
         runs = {
-            "generated": lambda g=generated: g(0, n, _Never),
-            "plain": lambda p=plain: p(0, n, _Never),
+            "generated": lambda g=generated: g(0, n, _cursor(n)),
+            "plain": lambda p=plain: p(0, n, _cursor(n)),
         }
-        t: dict[str, list[float]] = {"generated": [], "plain": []}
-        for _ in range(a.rounds):
-            for side in ("generated", "plain"):
+        if old is not None:
+            old_loop = case(kernel, ops, shape, old)[0].loop(in_v, [out], (n,))
+            runs["old"] = lambda o=old_loop: o(0, n, _OldJob())
+        t: dict[str, list[float]] = {side: [] for side in runs}
+        for r in range(a.rounds):
+            for side in list(runs)[:: 1 if r % 2 == 0 else -1]:
                 t[side].append(best(runs[side], a.reps) / n)
         g, q = min(t["generated"]), min(t["plain"])
-        print(f"{name:32s} {g * 1e9:9.0f} ns {q * 1e9:9.0f} ns  {q / g:6.2f}")
+        line = f"{name:32s} {g * 1e9:9.0f} ns {q * 1e9:9.0f} ns  {q / g:6.2f}"
+        if old is not None:
+            o = min(t["old"])
+            line += f"  {o * 1e9:10.0f} ns  {g / o:12.3f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import importlib
-import sys
-import threading
 from collections.abc import Callable, Sequence
-from types import FrameType
 from typing import Any
 
 import jax
@@ -257,6 +253,25 @@ def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, .
     return (Form(OLDEST_JAX, None, where, note, adapt),)
 
 
+def _mesh_axes_of_enclosing_vmaps(trace_ctx: Any) -> Any:
+    def vmapped_mesh_axes() -> frozenset[str]:
+        # The current trace and its parents: each vmap (a BatchTrace) over an
+        # axis sharded over explicit mesh axes records them in its axis data
+        # (one name before jax 0.8, a tuple from then on).
+        names: set[str] = set()
+        trace = trace_ctx.trace
+        while trace is not None:
+            axes = getattr(
+                getattr(trace, "axis_data", None), "explicit_mesh_axis", None
+            )
+            if axes is not None:
+                names.update((axes,) if isinstance(axes, str) else axes)
+            trace = getattr(trace, "parent_trace", None)
+        return frozenset(names)
+
+    return vmapped_mesh_axes
+
+
 # --- the table -----------------------------------------------------------------------
 
 HOOKS: tuple[Hook, ...] = (
@@ -418,6 +433,16 @@ HOOKS: tuple[Hook, ...] = (
                 "in jax.experimental.shard (moved to jax.sharding in jax 0.7.0)",
             ),
         ),
+    ),
+    # Per-shard maps under nested vmaps (issue 27): a level's batching rule
+    # must not split its elements over a mesh axis that an enclosing vmap maps
+    # over (the enclosing vmap's own rule then plans every level at once).
+    Hook(
+        "trace_ctx",
+        "the mesh axes that the vmaps enclosing a batching rule map over, read "
+        "from the current trace and its parents",
+        (PER_SHARD_JIT,),
+        _everywhere("jax._src.core:trace_ctx", adapt=_mesh_axes_of_enclosing_vmaps),
     ),
     # Derivative rules on the primitive.
     *(
@@ -705,6 +730,11 @@ ShapedArray: Any = RESOLVED["ShapedArray"]
 Zero: Any = RESOLVED["Zero"]
 
 
+def vmapped_mesh_axes() -> frozenset[str]:
+    """The explicit mesh axes that the vmaps around the current trace map over."""
+    return get("trace_ctx")()
+
+
 def typeof(x: Any) -> Any:
     """``jax.typeof(x)``, with the sharding check of JAX >= 0.8.2 on older ones."""
     return get("typeof")(x)
@@ -969,39 +999,3 @@ def async_dispatch_unavailable() -> str | None:
         if ASYNC_DISPATCH in hook.features and isinstance(value, Missing):
             return f"{hook.name} is missing: {value.reason}"
     return None
-
-
-# -- CPython --------------------------------------------------------------------
-
-#: Whether walking another running thread's frames (``f_back``, ``f_code``) is
-#: safe here. Not on CPython 3.11: a frame object of another thread can point
-#: at an interpreter frame that thread has already popped, and reading it
-#: crashes the process (python/cpython#99110, #111363; seen once in CI on
-#: 3.11.7, a segfault in tail stealing's frame walk). Tail stealing is off there.
-OTHER_THREADS_FRAMES_SAFE = sys.version_info[:2] != (3, 11)
-
-_frames_lock = threading.Lock()
-
-
-def current_frames() -> dict[int, FrameType]:
-    """``sys._current_frames()``, with the cyclic garbage collector paused.
-
-    ``sys._current_frames`` holds the interpreter's lock on its list of threads
-    while it makes frame objects. A collection started by one of those
-    allocations runs ``gc.callbacks`` (Python code, which may hand the GIL to
-    another thread); a thread that then starts or ends a thread waits for the
-    list's lock while holding the GIL, and the process hangs for good
-    (python/cpython#106883, not fixed in 3.10 and 3.11). Seen in CI as a
-    ``threadmap`` map that never finished: a tail-stealing thread inside a gc
-    callback, a pool thread in ``Thread.start``. With the collector paused, no
-    Python code runs inside the call. A collector that was already disabled
-    stays so; the lock keeps two of these calls from re-enabling it early.
-    """
-    with _frames_lock:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return sys._current_frames()
-        finally:
-            if enabled:
-                gc.enable()

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._api import threadmap
-from ._executor import available_cpus
+from ._scheduling import available_cpus
 
 # --- kernels and inputs ---------------------------------------------------------------
 

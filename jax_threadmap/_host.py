@@ -321,8 +321,8 @@ class HostMap:
         del max_elements
         return self.n
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs work units ``[start, stop)`` in this thread."""
+    def run_chunk(self, start: int, stop: int, cursor: Any) -> None:
+        """Runs work units ``[start, stop)`` in this thread (see ``_jobs.Cursor``)."""
         raise NotImplementedError
 
     def shared(self) -> list[np.ndarray]:
@@ -360,14 +360,14 @@ class ElementMap(HostMap):
         if not self.sums:
             self._run = self.caller.loop(self.in_v, self.out_v, self.shape)
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
+    def run_chunk(self, start: int, stop: int, cursor: Any) -> None:
         """Runs elements ``[start, stop)`` in this thread."""
         if self._run is not None:
-            self._run(start, stop, job)
+            self._run(start, stop, cursor)
             return
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
-        self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
+        self.caller.loop(self.in_v, out_v, self.shape)(start, stop, cursor)
         self.partials.fold(start, stop, partials)
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
@@ -430,12 +430,16 @@ class ChunkMap(HostMap):
         self.plan = PiecePlan(self.shape, max(1, max_elements))
         return self.plan.count
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs pieces ``[start, stop)`` in this thread."""
+    def run_chunk(self, start: int, stop: int, cursor: Any) -> None:
+        """Runs pieces ``[start, stop)`` in this thread, their range iterator
+        published at the chunk's cursor (``_jobs.Cursor``), as the element
+        loops do."""
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
-        for piece in range(start, stop):
-            if job.failed:
+        pieces = iter(range(start, stop))
+        cursor.row = (stop, pieces)
+        for piece in pieces:
+            if cursor.halt and cursor.halted(piece):
                 return
             index, first, k = self._piece(piece)
             leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]

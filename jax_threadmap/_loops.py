@@ -12,8 +12,12 @@ ones is written at once, and anything else goes through the caller's checked
 store. Other signatures fall back to the caller's general ``call`` and
 ``result_leaves``.
 
-So the cost per element is the kernel call, one index per batched operand, a type
-check and a write per result: the bare loop's. A plain closure for the commonest
+Each row's range iterator is published at the chunk's cursor (``c.row``) before
+the row runs, and ``c.halt`` is checked before each element (``_jobs.Cursor``):
+that is how another thread takes the elements not yet started of a chunk, or a
+failure stops it, with no thread ever looking into another. So the cost per
+element is the kernel call, one index per batched operand, a type check and a
+write per result, and that one check. A plain closure for the commonest
 signatures (``fn(*args)``, one argument list refilled per element) measured 11-42%
 slower per element (``benchmarks/plain_loop.py``, numbers in docs/architecture.md),
 so the loops stay generated.
@@ -26,7 +30,6 @@ import functools
 import keyword
 import linecache
 import os
-import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -35,8 +38,10 @@ import numpy as np
 
 from ._errors import PASS_THROUGH
 
-#: Runs elements ``[start, stop)``; ``job.halt`` and ``job.halted(i)`` stop it
-#: before element ``i`` (a failure, or the chunk's tail taken by another thread).
+#: Runs elements ``[start, stop)``, publishing each row's range iterator at the
+#: cursor before running it; ``cursor.halt`` and ``cursor.halted(i)`` stop it
+#: before element ``i`` (a failure, or the chunk's tail taken by another
+#: thread; see ``_jobs.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -240,7 +245,7 @@ def _source(
         for k, const in enumerate(consts)
     ]
     body = [
-        "if job.halt and job.halted(base + j):",
+        "if c.halt and c.halted(base + j):",
         "    return",
         "try:",
         f"    r = {_invoke(consts, call)}",
@@ -263,7 +268,7 @@ def _source(
             f"shapes[{k}]"
             for k in range(n_out)
         ],
-        "    def chunk(start, stop, job):",
+        "    def chunk(start, stop, c):",
         "        row, j = divmod(start, last)",
         "        prefix = _unravel(row, outer)",
         "        while start < stop:",
@@ -271,7 +276,9 @@ def _source(
         "            end = min(stop - base, last)",
         *[f"            {line}" for line in row_reads],
         *[f"            p{k} = o{k}[prefix]" for k in range(n_out)],
-        "            for j in range(j, end):",
+        "            js = iter(range(j, end))",
+        "            c.row = (base + end, js)",
+        "            for j in js:",
         *[f"                {line}" for line in body],
         "            start = base + end",
         "            row, j = row + 1, 0",
@@ -310,34 +317,6 @@ def show_loops(kernel_name: str) -> str:
     return "\n".join(parts)
 
 
-#: Per compiled chunk loop (its code object), the line of its kernel call: a
-#: frame of that code at that line is calling the kernel on element ``base + j``
-#: (see :func:`running_element`).
-_call_lines: dict[Any, int] = {}
-
-
-def running_element(frame: Any, job: Any) -> int | None:
-    """The element whose kernel call ``job``'s chunk loop is in, in the thread
-    whose innermost frame is ``frame``; ``None`` when no loop of ``job`` runs
-    there or it is between two calls.
-
-    Reads the loop's own variables, so that the loops pay nothing per element
-    for being watched: the caller (``_jobs.Job``, stealing a chunk's tail)
-    holds the job's lock and has set ``job.halt``, so the thread cannot pass
-    the next element's check before the chunk's new end is recorded.
-    """
-    while frame is not None:
-        line = _call_lines.get(frame.f_code)
-        if line is not None:
-            names = frame.f_locals
-            if names.get("job") is job:
-                if frame.f_lineno != line:
-                    return None
-                return int(names["base"] + names["j"])
-        frame = frame.f_back
-    return None
-
-
 @functools.lru_cache(maxsize=256)
 def _compile(source: str, label: str) -> Callable[..., ChunkFn]:
     """Compiles a loop builder under the file name ``label`` (inside the
@@ -355,17 +334,6 @@ def _compile(source: str, label: str) -> Callable[..., ChunkFn]:
     code = compile(source, filename, "exec")
     exec(code, namespace)
     build: Callable[..., ChunkFn] = namespace["build"]
-    chunk = next(
-        c
-        for c in build.__code__.co_consts
-        if isinstance(c, types.CodeType) and c.co_name == "chunk"
-    )
-    call = next(
-        k for k, line in enumerate(lines, 1) if line.lstrip().startswith("r = ")
-    )
-    if len(_call_lines) >= 1024:  # the cache above forgot some: start over
-        _call_lines.clear()
-    _call_lines[chunk] = call
     return build
 
 

@@ -6,7 +6,8 @@ equation is bound with batch axes sharded over such mesh axes, :func:`bind` bind
 it inside a ``jax.shard_map`` over those axes: each device's block of elements
 is one flat map, run by the process that holds the device, and the results keep
 the batch sharding (``docs/sharding.md``). Elsewhere (no explicit sharding of a
-batch axis, automatic mode, or inside ``shard_map`` already) the equation is
+batch axis, automatic mode, inside ``shard_map`` already, or under a vmap over
+explicit mesh axes, whose own rule plans every level at once) the equation is
 bound as it is.
 
 The plan is made per batch level (``BatchSpec.shape``): the mesh axes of the
@@ -109,6 +110,12 @@ def _plan(
             levels[level] = mesh_axes
     if mesh is None or jax.sharding.AxisType.Manual in tuple(mesh.axis_types):
         return None  # inside a shard_map over part of the mesh: left as it was
+    if _compat.vmapped_mesh_axes():
+        # An enclosing vmap maps over mesh axes this level cannot see (they are
+        # not in the operands' types here): splitting over them would shard one
+        # mesh axis twice once that vmap batches the shard_map. Its own rule
+        # binds the equation again with every level, and plans it then.
+        return None
     split = _split_over_other_axes(mesh, levels, spec.shape)
     return None if split is None else (mesh, levels, split)
 

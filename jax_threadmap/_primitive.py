@@ -4,7 +4,7 @@ One equation per call site, however many ``vmap`` levels wrap it: the batching
 rule rebinds ``threadmap_p`` with the batch spec grown by one level and never
 moves or tiles an operand. The lowering emits one host callback; the eager impl
 calls the same host function directly. Both run the flat map of :mod:`._host` on
-the executor named in the params (:mod:`._executor`). The derivative rules are in
+the executor named in the params (:func:`._maps.run_map`). The derivative rules are in
 :mod:`._autodiff`; all six registrations are at the bottom of this file.
 
 Params of every equation:
@@ -26,8 +26,8 @@ import numpy as np
 
 from . import _autodiff, _compat, _per_shard
 from ._batch_spec import BatchSpec
-from ._executor import run_map
 from ._host import ElementCaller, HostMap
+from ._maps import run_map
 from ._params import HostCall
 from ._validate import Executor
 from ._vectorized import ChunkCaller

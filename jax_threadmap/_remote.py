@@ -8,6 +8,12 @@ those slices and runs the same element loop as the threads of this process do,
 then sends back the chunk's outputs, one row per element, with the measured
 seconds per element (the executor sizes later tasks from it).
 
+The kernel's caller travels pickled on its own inside each task (:class:`_Task`):
+a worker that cannot load it (its module does not import there) returns why as
+the task's error, and the pool lives on. When a pool breaks all the same (a
+worker crashed, or could not start), :func:`broken_hint` says where its own
+error went and the usual causes.
+
 An operand that every element reads whole (unbatched) and that is large
 (:data:`SHARE_BYTES`) is not packed in each task: :func:`share` ships it once
 per map, by the route that the executor offers (:class:`Sharing`), and the
@@ -19,9 +25,12 @@ from __future__ import annotations
 import concurrent.futures
 import mmap
 import os
+import pickle
+import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -34,7 +43,103 @@ from . import _summing
 #: map (see :func:`share`) rather than in every task.
 SHARE_BYTES = 64 * 1024
 
-#: Runs elements ``[start, stop)``; ``job.halt`` stops it early.
+
+def broken_hint(executor: Any) -> str:
+    """What to say when an executor that pickles work broke: a worker process
+    ended. Its own traceback, if it wrote one, went to its stderr, which the
+    user may not see (a notebook, a captured subprocess); so this names where
+    to look and the usual causes, and the one this process can tell: workers
+    that import a main script that has no file."""
+    hint = (
+        "A worker process ended: it crashed (native code, out of memory), or it "
+        "could not start, and then its own traceback is on its stderr (the "
+        "terminal of this program, or the Jupyter server's log). A worker "
+        "started with 'spawn' or 'forkserver' imports the main script again: "
+        'its top-level code must be under `if __name__ == "__main__":`, and '
+        "every module it imports must import there."
+    )
+    context = getattr(executor, "_mp_context", None)  # ProcessPoolExecutor's
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    method = context.get_start_method() if context is not None else None
+    if method in ("spawn", "forkserver") and main and not os.path.isfile(main):
+        hint += (
+            f" Here the main script is {main!r}, which is no file (code read from "
+            "stdin or passed with -c), so the workers cannot start: put the "
+            "program in a script file, or the kernel in a module."
+        )
+    return (
+        hint + " The map was abandoned, and a broken process pool stays broken: "
+        "pass a new executor to the next call (a Dask cluster replaces its dead "
+        "workers)."
+    )
+
+
+class KernelNotLoaded(RuntimeError):
+    """A worker process could not load the kernel of the task it was sent (the
+    task's error, raised in the worker, so that the pool lives on)."""
+
+
+def _not_loaded_message(e: BaseException) -> str:
+    where = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:])
+    return (
+        f"The worker process {os.getpid()} could not load the kernel it was "
+        f"sent: {type(e).__name__}: {e}. A worker imports the kernel's module "
+        "again (and, when started with 'spawn' or 'forkserver', the main "
+        "script): define the kernel in a module that every worker can import. "
+        f"In the worker:\n{where}"
+    )
+
+
+class _Pickled:
+    """A task's caller, pickled on its own (see :class:`_Task`)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+class _Task:
+    """A task that carries the map's caller (the kernel) pickled on its own,
+    so that a worker that cannot load it reports why as the task's error. A
+    ``ProcessPoolExecutor`` worker that fails to unpickle a whole task exits
+    instead, and the pool breaks with no word of the cause (the worker's
+    traceback goes to its stderr). A caller that pickle cannot ship by
+    reference (a lambda) is left to the executor's own pickler (Dask's ships
+    it by value)."""
+
+    caller: Any
+    #: Why the worker could not load the caller (set in the worker).
+    not_loaded: str | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        state = dict(self.__dict__)
+        caller = state.pop("caller")
+        try:
+            caller = _Pickled(pickle.dumps(caller, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:  # noqa: BLE001, S110 - left to the executor's pickler
+            pass
+        return (_restore, (type(self), caller, state))
+
+    def _caller(self) -> Any:
+        if self.not_loaded is not None:
+            raise KernelNotLoaded(self.not_loaded)
+        return self.caller
+
+
+def _restore(cls: type[_Task], caller: Any, state: dict[str, Any]) -> _Task:
+    task = cls.__new__(cls)
+    task.__dict__.update(state)
+    if isinstance(caller, _Pickled):
+        try:
+            caller = pickle.loads(caller.data)  # noqa: S301 - our own task
+        except Exception as e:  # noqa: BLE001 - the task's error, in the worker
+            caller, task.not_loaded = None, _not_loaded_message(e)
+    task.caller = caller
+    return task
+
+
+#: Runs elements ``[start, stop)``, publishing its rows at a cursor (``_jobs.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -52,11 +157,15 @@ class ElementLoops(Protocol):
     ) -> ChunkFn: ...
 
 
-class _NeverFailed:
-    failed = halt = False
+class _Alone:
+    """The cursor of a chunk run in a worker process: no other thread takes its
+    elements, and the map's failure is seen in the process that shipped it."""
+
+    __slots__ = ("row",)
+    halt = False
 
 
-class RemoteChunk:
+class RemoteChunk(_Task):
     """One chunk of a map, packed for a worker that does not share our memory.
 
     Calling it runs the element loop and returns ``(outputs, seconds_per_element)``:
@@ -65,7 +174,8 @@ class RemoteChunk:
     (added in element order, as the host's own loop does).
 
     Args:
-        loops: The map's element caller (pickled with the task).
+        caller: The map's element caller (pickled on its own, see
+            :class:`_Task`).
         data: Per operand, its distinct elements for this chunk (or its one
             element, for an operand that the chunk reads unbatched), or a
             :class:`Shared` marker for an operand shipped once per map (the
@@ -80,19 +190,20 @@ class RemoteChunk:
 
     def __init__(
         self,
-        loops: ElementLoops,
+        caller: ElementLoops,
         data: list[Any],
         gathers: list[np.ndarray | slice | None],
         flat_index: np.ndarray,
         sums: list[np.ndarray | None],
     ):
-        self.loops = loops
+        self.caller = caller
         self.data = data
         self.gathers = gathers
         self.flat_index = flat_index
         self.sums = sums
 
     def __call__(self, *shared: Any) -> tuple[list[np.ndarray], float]:
+        caller = self._caller()
         n = len(self.flat_index)
         views = []
         for d, g in zip(self.data, self.gathers, strict=True):
@@ -107,13 +218,13 @@ class RemoteChunk:
                 v.flags.writeable = False
             views.append(v)
         outs, views_out = [], []
-        for (shape, dtype), index in zip(self.loops.out_core, self.sums, strict=True):
+        for (shape, dtype), index in zip(caller.out_core, self.sums, strict=True):
             out, view = _summing.remote_output(index, n, shape, dtype)
             outs.append(out)
             views_out.append(view)
-        run = self.loops.loop(views, views_out, (n,), self.flat_index)
+        run = caller.loop(views, views_out, (n,), self.flat_index)
         t = time.perf_counter()  # the kernel's time, not the loop's making
-        run(0, n, _NeverFailed)
+        run(0, n, _Alone())
         seconds = (time.perf_counter() - t) / max(n, 1)
         outs = [
             _summing.remote_sums(o, index)
@@ -201,14 +312,15 @@ class ChunkCall(Protocol):
     ) -> list[np.ndarray]: ...
 
 
-class RemotePieces:
+class RemotePieces(_Task):
     """Pieces of a vectorized map, packed for a worker in another process.
 
     Calling it runs the kernel once per piece and returns ``(results, seconds
     per piece)``, ``results`` holding each piece's checked result leaves.
 
     Args:
-        caller: The map's chunk caller (pickled with the task).
+        caller: The map's chunk caller (pickled on its own, see
+            :class:`_Task`).
         pieces: ``(first, k, leaves)`` per piece: its first flat element, its
             length and its operand chunks. A chunk that repeats one element
             (stride 0: an unbatched operand) ships as that element only.
@@ -238,11 +350,12 @@ class RemotePieces:
         ]
 
     def __call__(self, *shared: Any) -> tuple[list[list[np.ndarray]], float]:
+        caller = self._caller()
         t = time.perf_counter()
         results = []
         for first, k, leaves in self.pieces:
             views = [_expand(x, k, shared) for x in leaves]
-            results.append(self.caller.call(views, first, k))
+            results.append(caller.call(views, first, k))
         return results, (time.perf_counter() - t) / max(len(self.pieces), 1)
 
 

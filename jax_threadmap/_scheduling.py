@@ -2,17 +2,43 @@
 when a chunk counts as stuck.
 
 Pure functions of what a map has measured (:class:`Measure`) and the clocks'
-readings, which their callers (:mod:`._jobs`, :mod:`._runners`) pass in, so
+readings, which their callers (:mod:`._jobs`, :mod:`._maps`) pass in, so
 that each decision is tested with made-up times rather than sleeps. Every
-threshold is a named constant here, with its reason; the docs quote them
-through ``tests/test_scheduling.py``, which fails when the prose and the
-numbers part.
+threshold is a named constant here, with its reason and the test or benchmark
+that fails without it; the docs quote them through ``tests/test_scheduling.py``,
+which fails when the prose and the numbers part.
+
+The heuristics, each shown necessary by switching it off:
+
+- a large map on an executor with more threads than CPUs starts *limited*, on
+  one thread per CPU (:func:`starts_limited`): ``benchmarks/compare_revisions.py``
+  "4096 el, executor=32" and "ThreadPoolExecutor(32)" take 1.33-1.42x as long on
+  every thread (threads taking turns at the GIL);
+- one limited map at a time per executor (``_jobs.LimitedGate``):
+  ``test_two_large_maps_whose_elements_wait_for_each_other`` hangs without it;
+- *slow-element votes* raise a limited map to every thread
+  (:func:`record_chunk`): without them the "sleep 1 ms" case of
+  ``compare_revisions.py`` takes 15x as long (one thread per CPU), "sleep 50 us"
+  3.5x; with one vote instead of :data:`SLOW_VOTES`, "100k el, the first slow"
+  takes 9.3x as long (its first chunk alone raises it);
+- the *stuck-chunk watch* (:data:`STUCK_CHUNK`) raises it when a chunk runs too
+  long: ``test_pairs_that_wait_for_each_other`` and
+  ``test_elements_that_wait_for_each_other_all_start`` hang without it;
+- once raised, a map runs one element per chunk in index order (:func:`rise`):
+  without it every case of ``test_pairs_that_wait_for_each_other`` hung, in 3
+  runs of 3 under two busy loops.
+
+The watch has no period of its own: the waiting thread wakes when the oldest
+running chunk reaches :data:`STUCK_CHUNK` (``_jobs.Job.poll``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TypeVar
+
+K = TypeVar("K")
 
 #: Seconds of kernel work per task that amortise the per-task cost of an executor
 #: that pickles work (about 1 ms for a process pool or Dask).
@@ -44,7 +70,8 @@ SLOW_ELEMENT = 200e-6
 WAIT_SHARE = 0.5
 #: Chunks in a row that must find the elements slow, or waiting, before a map
 #: gets all its threads: one chunk may be slow for reasons of its own (a first
-#: call that fills a cache, a thread that lost its CPU for a moment).
+#: call that fills a cache, a thread that lost its CPU for a moment). With 1,
+#: ``compare_revisions.py`` "100k el, the first slow" takes 9.3x as long.
 SLOW_VOTES = 2
 #: While a map holds fewer threads than its executor has: seconds of work in a
 #: chunk at least (measuring one costs a few us; the same number as
@@ -56,10 +83,13 @@ SLOW_VOTES = 2
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
 #: Seconds a chunk of a map on fewer threads may run before the thread that
-#: waits for the map gives it every thread, and one element per chunk from then
-#: on: elements that wait for each other (at a barrier, for replies that come
-#: once all requests are out) all start, and none waits behind another in its
-#: own thread's chunk.
+#: waits for the map gives it every thread, one element per chunk from then on
+#: (see :func:`rises`): elements that wait for each other (at a barrier, for
+#: replies that come once all requests are out) all start, and none waits
+#: behind another in its own thread's chunk. The waiting thread wakes when the
+#: oldest running chunk reaches this age, not on a period. Without the watch,
+#: ``tests/test_scheduling_defects.py::test_pairs_that_wait_for_each_other``
+#: waits until its barriers break: a limited map's threads all wait at a pair.
 STUCK_CHUNK = 0.05
 #: Elements per executor thread from which a map starts on fewer threads. A
 #: smaller map runs as it did before maps were limited: on every thread at once,
@@ -90,10 +120,6 @@ REMOTE_IN_FLIGHT_PER_WORKER = 2
 #: (executors that pickle work): each task's measure counts half, so one odd
 #: task moves the estimate only halfway.
 SMOOTHING = 0.5
-#: The thread that waits for a limited map looks for a stuck chunk this often:
-#: twice per ``STUCK_CHUNK``, so that a stuck chunk is seen at most half of
-#: ``STUCK_CHUNK`` late.
-WATCH_PERIOD = STUCK_CHUNK / 2
 
 
 def SPARE_THREADS() -> int:  # noqa: N802 - a constant of the machine
@@ -121,7 +147,8 @@ class Measure:
     per_element: float = 0.0
     #: Chunks in a row that found the elements slow or waiting.
     votes: int = 0
-    #: A chunk was stuck (:func:`is_stuck`): one element per chunk from now on.
+    #: The map rose to every thread (:func:`rises`): one element per chunk from
+    #: now on.
     one_each: bool = False
 
 
@@ -177,6 +204,19 @@ def record_chunk(
     return measure.votes >= SLOW_VOTES
 
 
+def rise(measure: Measure) -> None:
+    """A limited map gets every thread (its elements proved slow or waiting, or
+    a chunk was stuck): from now on every chunk is one element, claimed in index
+    order, and the running chunks give back the elements they have not started
+    (``_jobs.Job``). The map then runs as ``ThreadPoolExecutor.map`` does, so
+    that elements that wait for each other meet. With chunks of several
+    elements on every thread, each thread could wait at the first element of a
+    pair for the second, queued behind it in its own chunk, with no thread left
+    to take it (2-3 runs in 10 of 64 pairs on ``executor=8``, under load;
+    ``test_pairs_that_wait_for_each_other`` fails so without this)."""
+    measure.one_each = True
+
+
 def record_time(measure: Measure, elements: int, wall: float) -> None:
     """Records a chunk of a map on every thread that took ``wall`` seconds."""
     measure.per_element = max(wall / elements, 1e-9)
@@ -188,19 +228,19 @@ def is_stuck(started: float, now: float) -> bool:
     return now - started >= STUCK_CHUNK
 
 
-def steal_split(running: dict[int, tuple[int, int]]) -> tuple[int, int] | None:
+def steal_split(running: dict[K, tuple[int, int]]) -> tuple[K, int] | None:
     """Which running chunk a thread that found nothing left to claim takes the
-    tail of, and where that chunk now stops: ``(key, split)``.
+    tail of, and where that chunk would then stop: ``(key, split)``.
 
     ``running`` maps each chunk (any key) to ``(current, stop)``: the element its
-    thread is calling now and where the chunk stops. The chunk with the most
-    elements not yet started gives up all of them, from the one after
-    ``current``: an element that waits for the next one (a barrier of adjacent
-    elements) then finds it run by another thread rather than queued behind it
-    in its own chunk, and a chunk slow to finish gives its rest to idle threads.
-    ``None`` when no chunk has an element not yet started.
+    loop last published (``_jobs.Cursor``) and where the chunk stops. The chunk
+    with the most elements not yet started gives up all of them, from the one
+    after ``current``: an element that waits for the next one (a barrier of
+    adjacent elements) then finds it run by another thread rather than queued
+    behind it in its own chunk, and a chunk slow to finish gives its rest to
+    idle threads. ``None`` when no chunk has an element not yet started.
     """
-    best: tuple[int, int] | None = None
+    best: tuple[K, int] | None = None
     left = 0
     for key, (current, stop) in running.items():
         if stop - (current + 1) > left:

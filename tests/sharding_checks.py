@@ -122,6 +122,59 @@ def compiled_without_movement(f, *args):
     return compiled
 
 
+OUT16 = jax.ShapeDtypeStruct((16,), jnp.float32)
+
+
+@jax_threadmap.kernel(OUT16)
+def sin16(x, c):
+    return np.sin(x) * c
+
+
+@sin16.defjvp
+def sin16_jvp(x, c, tx, tc):
+    return np.cos(x) * c * tx + np.sin(x) * tc
+
+
+@sin16.defvjp
+def sin16_vjp(x, c, ct):
+    return ct * np.cos(x) * c, np.sum(ct * np.sin(x))
+
+
+def two_levels_on_2x2(mesh2):
+    """Issue 27: ``jit(vmap(vmap(f, (0, None)), (0, None)))(xs, 0.7)`` with ``xs``
+    on ``P("x", "y")`` raised DuplicateSpecError (``P('x', ('y', 'x'), None)``)
+    when the inner level's size let it be split over "x" too: the inner level's
+    rule cannot see that the outer vmap maps over "x". For threadmap, kernel and
+    grad, against jax.numpy on the same sharding: one flat map per device."""
+
+    def by_threadmap(x, c):
+        return threadmap(lambda x, c: np.sin(x) * c, OUT16, x, c)
+
+    def two_levels(f):
+        return jax.vmap(jax.vmap(f, (0, None)), (0, None))
+
+    def total(f):
+        return lambda x, c: two_levels(f)(x, c).sum()
+
+    ref = jax.jit(two_levels(lambda x, c: jnp.sin(x) * c))
+    ref_grad = jax.jit(jax.grad(total(lambda x, c: jnp.sin(x) * c), argnums=(0, 1)))
+    for shape in ((2, 4, 16), (4, 4, 16), (4, 6, 16), (2, 2, 16)):
+        data = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        xs = jax.device_put(data, NamedSharding(mesh2, P("x", "y")))
+        want = ref(xs, 0.7)
+        block = (shape[0] // 2, shape[1] // 2)
+        for name, f in (("threadmap", by_threadmap), ("kernel", sin16)):
+            out = compiled_without_movement(jax.jit(two_levels(f)), xs, 0.7)(xs, 0.7)
+            calls = [("<lambda>" if f is by_threadmap else "sin16", block)] * 4
+            check(f"Explicit {name} 2 levels {shape} on P(x, y)", out, want, calls)
+            assert out.sharding.is_equivalent_to(want.sharding, 3), out.sharding
+        gx, gc = jax.jit(jax.grad(total(sin16), argnums=(0, 1)))(xs, 0.7)
+        rx, rc = ref_grad(xs, 0.7)
+        check(f"Explicit grad 2 levels {shape} on P(x, y) (x)", gx, rx)
+        check(f"Explicit grad 2 levels {shape} on P(x, y) (c)", gc, rc)
+        assert gx.sharding.is_equivalent_to(rx.sharding, 3), gx.sharding
+
+
 def per_shard_jit(mesh, xs):
     """jit with explicitly sharded inputs ("sharding in types"): one flat map
     per shard, by the process holding the device, results sharded as the
@@ -200,6 +253,8 @@ def per_shard_jit(mesh, xs):
     out = jax.vmap(per_row(scaled_sort), in_axes=(0, None))(x22, A)  # eager
     check("Explicit eager", out, SORTED.reshape(4, 2, 3), calls)
     assert_same_sharding(out, x22)
+
+    two_levels_on_2x2(mesh2)
 
     # The per-row gradient of an unbatched parameter: the VJP equation sums the
     # inner level away, and that level is split over "y" (the outer one, of 2,

@@ -6,14 +6,11 @@ imports are driven by, so a hook added there is checked here without a second li
 """
 
 import dataclasses
-import gc
-import inspect
 import os
 import pathlib
 import re
 import subprocess
 import sys
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -345,58 +342,15 @@ def test_import_never_fails_when_every_hook_is_missing():
     assert all(f"Pin jax<={NEWEST}" in line for line in lines)
 
 
-# -- CPython: sys._current_frames ----------------------------------------------------
+def test_vmapped_mesh_axes_are_those_of_enclosing_vmaps():
+    # Outside any vmap, and under a vmap over an axis not sharded over explicit
+    # mesh axes: none (tests/sharding_checks.py covers the sharded case).
+    assert _compat.vmapped_mesh_axes() == frozenset()
+    seen = []
 
+    def f(x):
+        seen.append(_compat.vmapped_mesh_axes())
+        return x
 
-def test_current_frames_runs_no_gc_callback_inside_the_call():
-    # python/cpython#106883: a gc callback run while sys._current_frames holds
-    # the thread list's lock can hang the process. With a threshold of 1, every
-    # frame object it makes would start a collection (and the callback).
-    inside = []
-    code = _compat.current_frames.__code__
-    lines, first = inspect.getsourcelines(_compat.current_frames)
-    (call_line,) = [
-        first + i
-        for i, line in enumerate(lines)
-        if "return sys._current_frames()" in line
-    ]
-
-    def callback(phase, info):
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code is code and frame.f_lineno == call_line:
-                inside.append(phase)  # run from within sys._current_frames
-            frame = frame.f_back
-
-    release = threading.Event()
-    threads = [threading.Thread(target=release.wait) for _ in range(8)]
-    for t in threads:
-        t.start()
-    old = gc.get_threshold()
-    gc.callbacks.append(callback)
-    gc.set_threshold(1)
-    try:
-        for _ in range(50):
-            frames = _compat.current_frames()
-            assert threading.get_ident() in frames
-        assert gc.isenabled()
-    finally:
-        gc.set_threshold(*old)
-        gc.callbacks.remove(callback)
-        release.set()
-        for t in threads:
-            t.join()
-    assert inside == []
-
-
-def test_current_frames_leaves_a_disabled_collector_disabled():
-    gc.disable()
-    try:
-        _compat.current_frames()
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
-
-
-def test_only_compat_calls_sys_current_frames():
-    assert modules_outside_compat(lambda text: "sys._current_frames" in text) == []
+    jax.vmap(f)(jnp.ones(3))
+    assert seen == [frozenset()]

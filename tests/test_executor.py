@@ -18,17 +18,36 @@ import numpy as np
 import pytest
 
 import jax_threadmap
-from jax_threadmap import ExecutorError, _executor, _pool, _scheduling, threadmap
+from jax_threadmap import (
+    ExecutorError,
+    _jobs,
+    _maps,
+    _progress,
+    _scheduling,
+    _threads,
+    threadmap,
+)
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
 
 
-class Recorder:
-    """A sleepy kernel that records its threads and how many run at once."""
+#: Seconds a gated kernel waits for the others to start: only a broken pool
+#: waits that long (the test then fails on the count, not on a hang).
+GATE_TIMEOUT = 30.0
 
-    def __init__(self, sleep=0.01):
+
+class Recorder:
+    """A sleepy kernel that records its threads and how many run at once.
+
+    With ``gate=k``, no call returns before ``k`` calls have run at once (or
+    ``GATE_TIMEOUT`` passed): a pool that can run ``k`` kernels at once reaches
+    ``max_running == k`` whatever the machine's load, with no timing."""
+
+    def __init__(self, sleep=0.01, gate=None):
         self.sleep = sleep
+        self.gate = gate
+        self.all_in = threading.Event()
         self.lock = threading.Lock()
         self.threads = set()
         self.running = 0
@@ -39,7 +58,12 @@ class Recorder:
             self.threads.add(threading.current_thread())
             self.running += 1
             self.max_running = max(self.max_running, self.running)
-        time.sleep(self.sleep)
+            if self.gate is not None and self.running >= self.gate:
+                self.all_in.set()
+        if self.gate is None:
+            time.sleep(self.sleep)
+        else:
+            self.all_in.wait(GATE_TIMEOUT)
         with self.lock:
             self.running -= 1
         return x * 2
@@ -58,9 +82,9 @@ X = np.arange(24, dtype=np.float32).reshape(4, 6)
 @pytest.mark.parametrize("n", [1, 3])
 def test_env_var_sets_default_pool_size(monkeypatch, n):
     monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(n))
-    rec = Recorder()
+    rec = Recorder(gate=n)
     np.testing.assert_array_equal(run(rec, X), X * 2)
-    assert rec.max_running == n  # 24 sleepy elements fill the pool
+    assert rec.max_running == n  # the pool's n threads run at once, no more
     assert threading.main_thread() not in rec.threads
     assert all(t.name.startswith("jax_threadmap") for t in rec.threads)
 
@@ -73,19 +97,19 @@ def test_env_var_rejects_garbage(monkeypatch):
 
 @pytest.mark.parametrize("n", [2, 5])
 def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
-    rec = Recorder()
+    rec = Recorder(gate=n)
     np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
-    started = _pool._threads.started
+    started = _threads._threads.started
     for _ in range(2):
         np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
     assert rec.max_running == n
-    assert _executor.get_pool(n).peak <= n
+    assert _threads.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
-    assert _pool._threads.started == started
+    assert _threads._threads.started == started
 
 
 def test_bound_is_per_pool_not_per_map():
-    rec = Recorder()
+    rec = Recorder(gate=3)
     callers = [threading.Thread(target=run, args=(rec, X, 3)) for _ in range(4)]
     for t in callers:
         t.start()
@@ -95,7 +119,7 @@ def test_bound_is_per_pool_not_per_map():
 
 
 def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
-    monkeypatch.setattr(_pool, "IDLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(_threads, "IDLE_TIMEOUT", 0.2)
     x = np.zeros(40, np.float32)
     for n in range(1, 21):
         np.testing.assert_array_equal(
@@ -105,12 +129,12 @@ def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
     # threads are handed from pool to pool: far fewer than 1 + 2 + ... + 20 = 210
     # threads ever start (a few more than 20 when a map's threads are still
     # finishing as the next map starts).
-    assert _executor.num_threads() <= 40
+    assert _threads.num_threads() <= 40
     deadline = time.monotonic() + 30
-    while _executor.num_threads() and time.monotonic() < deadline:
+    while _threads.num_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _executor.num_threads() == 0
-    rec = Recorder()
+    assert _threads.num_threads() == 0
+    rec = Recorder(gate=4)
     np.testing.assert_array_equal(run(rec, X, executor=4), X * 2)  # restarted
     assert rec.max_running == 4
 
@@ -197,20 +221,32 @@ def test_many_python_threads_calling_at_once():
 
 
 def test_failure_cancels_work_not_started():
+    # The first element fails once another thread runs an element, and every
+    # other element waits until the map has failed (events, not sleeps): the
+    # other thread is inside its chunk when the failure comes, and must start
+    # no other element of it, whatever the machine's load.
     started = []
+    other_started = threading.Event()
 
     def k(v):
+        if int(v) >= 1000:  # the map after: runs as usual
+            return v
         started.append(int(v))
         if int(v) == 0:
+            other_started.wait(GATE_TIMEOUT)
             raise RuntimeError("first element fails")
-        time.sleep(0.005)
+        other_started.set()
+        job = _jobs.current_job()
+        deadline = time.monotonic() + GATE_TIMEOUT
+        while job is not None and not job.failed and time.monotonic() < deadline:
+            time.sleep(0.001)
         return v
 
     x = np.arange(400, dtype=np.float32)
     f = jax.vmap(lambda v: threadmap(k, F32, v, executor=2))
     with pytest.raises(Exception, match="first element fails"):
         f(x)
-    assert len(started) < 100
+    assert 0 in started and len(started) <= 2, started
     np.testing.assert_array_equal(f(x + 1000), x + 1000)
 
 
@@ -224,25 +260,25 @@ def test_shut_down_executor_is_a_clear_error():
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_pool_is_fresh_after_fork():
-    pool = _executor.get_pool(2)
+    pool = _threads.get_pool(2)
     out = np.zeros(10)
 
     def fill(start, stop, job):
         out[start:stop] = 1
 
-    pool.run(_executor.Job(10, fill))
+    pool.run(_jobs.Job(10, fill))
     pid = os.fork()
     if pid == 0:  # child: the parent's workers do not exist here
         code = 1
         try:
-            child_pool = _executor.get_pool(2)
-            ok = child_pool is not pool and _executor.num_threads() == 0
+            child_pool = _threads.get_pool(2)
+            ok = child_pool is not pool and _threads.num_threads() == 0
             res = np.zeros(10)
 
             def fill_child(start, stop, job):
                 res[start:stop] = 2
 
-            child_pool.run(_executor.Job(10, fill_child))
+            child_pool.run(_jobs.Job(10, fill_child))
             code = 0 if ok and (res == 2).all() else 1
         finally:
             os._exit(code)
@@ -269,20 +305,20 @@ def test_interpreter_exit_is_clean():
 
 
 def test_job_of_pool_directly_reports_first_error():
-    pool = _executor.ThreadPool(3)
+    pool = _threads.ThreadPool(3)
 
-    def fn(start, stop, job):
+    def fn(start, stop, cursor):
         for i in range(start, stop):
             if i == 5:
                 raise KeyError(i)
 
-    job = _executor.Job(50, fn)
+    job = _jobs.Job(50, fn)
     pool.run(job)
     assert isinstance(job.error, KeyError)
     pool.shutdown()
     pool.shutdown()  # twice is fine
     with pytest.raises(ExecutorError, match="shut down"):
-        pool.run(_executor.Job(3, fn))
+        pool.run(_jobs.Job(3, fn))
 
 
 def test_concurrent_failing_maps_never_hang():
@@ -315,7 +351,7 @@ def test_concurrent_failing_maps_never_hang():
 
 
 def test_interrupt_while_waiting_stops_work_not_started():
-    class Interrupting(_executor.Progress):
+    class Interrupting(_progress.Progress):
         interval = 0.01
 
         def update(self, completed):
@@ -323,15 +359,15 @@ def test_interrupt_while_waiting_stops_work_not_started():
 
     ran = []
 
-    def fn(start, stop, job):
+    def fn(start, stop, cursor):
         for i in range(start, stop):
-            if job.failed:
+            if cursor.halt and cursor.halted(i):
                 return
             ran.append(i)
             time.sleep(0.01)
 
-    pool = _executor.ThreadPool(2)
-    job = _executor.Job(1000, fn)
+    pool = _threads.ThreadPool(2)
+    job = _jobs.Job(1000, fn)
     with pytest.raises(KeyboardInterrupt):
         pool.run(job, Interrupting(1000, "k"))
     job.done.wait(5)
@@ -457,7 +493,16 @@ class Child:
 
 
 # n kernels that block for good in a socket read with no timeout.
-BLOCKED_KERNELS = """
+#: First in a child that a test sends Ctrl-C: a child started from a process
+#: that ignores SIGINT (pytest run as a background job) inherits the ignoring.
+SIGINT_AS_USUAL = """
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+BLOCKED_KERNELS = (
+    SIGINT_AS_USUAL
+    + """
     import socket, sys, threading
     import jax, jax.numpy as jnp, numpy as np
     from jax_threadmap import threadmap
@@ -489,6 +534,7 @@ BLOCKED_KERNELS = """
         ).start()
         f(x)
 """
+)
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
@@ -578,7 +624,7 @@ def test_exit_without_waiting_for_dispatched_maps_is_clean(devices, program):
 PROCESS_POOL_AT_EXIT = """
     import concurrent.futures, multiprocessing, os, threading, time
     import jax, jax.numpy as jnp, numpy as np
-    from jax_threadmap import _executor, threadmap
+    from jax_threadmap import _maps, threadmap
     import worker_kernels
 
     if __name__ == "__main__":
@@ -602,7 +648,7 @@ PROCESS_POOL_AT_EXIT = """
 
         for daemon in (True, False):
             threading.Thread(target=run, args=(daemon,), daemon=daemon).start()
-        while len(_executor._flights) < 2:  # both maps are in flight
+        while len(_maps._flights) < 2:  # both maps are in flight
             time.sleep(0.01)
         print("ready", flush=True)
 """
@@ -679,7 +725,9 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
 
 # Shared pool -> a user ThreadPoolExecutor(1) -> shared pool: the pool's workers
 # wait on maps on T, whose one thread waits on a map queued behind them.
-NESTED_ACROSS_POOLS = """
+NESTED_ACROSS_POOLS = (
+    SIGINT_AS_USUAL
+    + """
     import sys, time
     from concurrent.futures import ThreadPoolExecutor
     import jax, jax.numpy as jnp, numpy as np
@@ -706,6 +754,7 @@ NESTED_ACROSS_POOLS = """
     outer = jax.jit(jax.vmap(lambda m: threadmap(outer_k, F32, m, executor=2)))
     print(np.asarray(outer(np.ones((4, 2, inner_n), np.float32))).tolist(), flush=True)
 """
+)
 
 
 def test_nested_maps_across_pools_complete():
@@ -735,7 +784,7 @@ def test_ctrl_c_stops_nested_maps_across_pools():
     "error", [RuntimeError("can't start new thread"), KeyboardInterrupt()]
 )
 def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
-    monkeypatch.setattr(_pool, "_threads", _pool._Threads())  # none idle
+    monkeypatch.setattr(_threads, "_threads", _threads._Threads())  # none idle
     real_start = threading.Thread.start
 
     def failing_start(self):
@@ -745,13 +794,13 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
 
     rec = Recorder()
 
-    def fn(start, stop, job):
+    def fn(start, stop, cursor):
         for i in range(start, stop):
             rec(i)
 
-    pool = _executor.ThreadPool(3)
+    pool = _threads.ThreadPool(3)
     monkeypatch.setattr(threading.Thread, "start", failing_start)
-    job = _executor.Job(12, fn)
+    job = _jobs.Job(12, fn)
     if isinstance(error, KeyboardInterrupt):
         with pytest.raises(KeyboardInterrupt):
             pool.run(job)
@@ -760,8 +809,9 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
         assert isinstance(job.error, ExecutorError)
         assert "Could not start a thread" in str(job.error)
     monkeypatch.setattr(threading.Thread, "start", real_start)
-    assert pool.active == 0 and _executor.num_threads() == 0
-    job = _executor.Job(12, fn)
+    assert pool.active == 0 and _threads.num_threads() == 0
+    rec = Recorder(gate=3)
+    job = _jobs.Job(12, fn)
     pool.run(job)
     assert job.error is None and rec.max_running == 3
 
@@ -812,7 +862,7 @@ def executor_of(kind, n):
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_fast_map_runs_on_one_thread_per_cpu(monkeypatch, cpus, executor):
     _only_the_watchdog(monkeypatch)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: cpus)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
     with executor_of(executor, 32) as ex:
         x = np.arange(4096, dtype=np.float32).reshape(64, 64)
         k = Counter()
@@ -825,7 +875,7 @@ def test_fast_map_runs_on_one_thread_per_cpu(monkeypatch, cpus, executor):
 @pytest.mark.parametrize("n", [1, 2, 3, 31, 100, 4097])
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
     with executor_of(executor, 32) as ex:
         x = np.arange(n, dtype=np.float32)[None]
         k = Counter()
@@ -833,12 +883,28 @@ def test_limited_maps_run_every_element_once(monkeypatch, n, executor):
         assert k.calls == n
 
 
+class RisenRecorder(Recorder):
+    """Sleeps ``sleep`` seconds per call while its map is limited (so that its
+    chunks vote); once the map has every thread, no call returns before
+    ``gate`` calls run at once: a map that really got its executor's threads
+    reaches ``max_running == gate`` however loaded the machine."""
+
+    def __call__(self, x):
+        job = _jobs.current_job()
+        if job is not None and job.limited:
+            with self.lock:
+                self.threads.add(threading.current_thread())
+            time.sleep(self.sleep)
+            return x * 2
+        return super().__call__(x)
+
+
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_slow_elements_get_every_thread(monkeypatch, executor):
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)  # from the chunks' times
     with executor_of(executor, 8) as ex:
-        rec = Recorder(sleep=0.01)  # 10 ms: far above SLOW_ELEMENT
+        rec = RisenRecorder(sleep=0.01, gate=8)  # 10 ms: far above SLOW_ELEMENT
         x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
         np.testing.assert_array_equal(run(rec, x, executor=ex), x)
         assert rec.max_running == 8
@@ -846,11 +912,12 @@ def test_slow_elements_get_every_thread(monkeypatch, executor):
 
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_waiting_elements_get_every_thread(monkeypatch, executor):
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))  # from CPU time
     with executor_of(executor, 8) as ex:
-        rec = Recorder(sleep=0.002)  # sleeps: its thread is on a CPU a few % of it
+        # Sleeps: its thread is on a CPU a few % of the time.
+        rec = RisenRecorder(sleep=0.002, gate=8)
         x = np.zeros((8, 64), np.float32)
         np.testing.assert_array_equal(run(rec, x, executor=ex), x)
         assert rec.max_running == 8
@@ -862,7 +929,7 @@ def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
     # chunk finishes; the thread that waits for the map sees the chunk stuck
     # and hands the map every thread.
     _only_the_watchdog(monkeypatch, stuck=0.05)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     with executor_of(executor, 8) as ex:
         pair = threading.Barrier(2, timeout=60)
 
@@ -883,7 +950,7 @@ def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, execut
     # Starting them on one thread per CPU split the places between the maps,
     # and both waited for good.
     _only_the_watchdog(monkeypatch, stuck=0.05)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
     with executor_of(executor, 32) as ex:
         start = threading.Barrier(2, timeout=60)
         errors = []
@@ -916,7 +983,7 @@ def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, execut
 def test_executor_shut_down_while_the_map_grows(monkeypatch):
     # The threads added when the limit rises are refused: the ones already
     # running finish the map.
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     ex = user_pool(8)
     rec = Recorder(sleep=0.002)
@@ -931,17 +998,17 @@ def test_executor_shut_down_while_the_map_grows(monkeypatch):
 
 
 def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 1)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     work = type("W", (), {"sums": True, "vectorized": False, "n": 64})()
     work.run_chunk = lambda start, stop, job: None
-    assert not _executor.new_job(work, 8).limited  # fixed bounds: not measured
+    assert not _maps.new_job(work, 8).limited  # fixed bounds: not measured
     work.sums = False
-    assert _executor.new_job(work, 8).limited
-    parent = _executor.Job(1, lambda *a: None)
-    assert not _executor.new_job(work, 8, parent=parent).limited
-    assert not _executor.new_job(work, 1).limited  # no more threads than CPUs
+    assert _maps.new_job(work, 8).limited
+    parent = _jobs.Job(1, lambda *a: None)
+    assert not _maps.new_job(work, 8, parent=parent).limited
+    assert not _maps.new_job(work, 1).limited  # no more threads than CPUs
     work.n = 32
-    assert not _executor.new_job(work, 8).limited  # 4 elements per thread: small
+    assert not _maps.new_job(work, 8).limited  # 4 elements per thread: small
 
 
 @pytest.mark.parametrize("executor", [16, "user"])
@@ -951,7 +1018,7 @@ def test_small_map_does_not_group_elements_it_would_run_alone(monkeypatch, execu
     # several fast elements measured on fewer threads held barrier elements
     # back).
     _only_the_watchdog(monkeypatch, stuck=0.05)
-    monkeypatch.setattr(_executor, "available_cpus", lambda: 2)
+    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
     with executor_of(executor, 16) as ex:
         all_running = threading.Barrier(8, timeout=60)
 

@@ -1,8 +1,10 @@
 """The lock rules of the executor layer, hammered: many maps on every kind of
-runner at once with the interpreter switching threads every microsecond, and a
-fork while threads hold the layer's locks."""
+runner at once with the interpreter switching threads every microsecond, the
+cursor protocol (tails taken from running chunks, a failure stopping them) under
+the same switching, and a fork while threads hold the layer's locks."""
 
 import concurrent.futures
+import functools
 import os
 import sys
 import threading
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _executor, _jobs, _pool, _runners, threadmap
+from jax_threadmap import _jobs, _maps, _threads, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -49,17 +51,17 @@ def switch_often():
 
 def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
     jobs = []
-    new_job = _executor.new_job
+    new_job = _maps.new_job
 
     def recording(*args, **kwargs):
         job = new_job(*args, **kwargs)
         jobs.append(job)
         return job
 
-    monkeypatch.setattr(_executor, "new_job", recording)
+    monkeypatch.setattr(_maps, "new_job", recording)
     user = concurrent.futures.ThreadPoolExecutor(4)
     shipped = InThreads(3)
-    assert isinstance(_runners.runner_for(shipped), _runners.PicklingExecutor)
+    assert isinstance(_maps.runner_for(shipped), _maps.PicklingExecutor)
     executors = [None, 3, 16, user, shipped]
     errors = []
     x = np.arange(200, dtype=np.float32)
@@ -91,11 +93,12 @@ def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
     for job in jobs:  # every count kept under its lock adds up
         assert job.error is None
         assert job.completed == job.n
+        assert job.hands <= min(job.n, job.workers)  # Job.add_hand's bound
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # places come back as threads finish
-        with _pool._threads.lock:
-            active = [p.active for p in _pool._pools.values()]
-            queued = len(_pool._threads.queue)
+        with _threads._threads.lock:
+            active = [p.active for p in _threads._pools.values()]
+            queued = len(_threads._threads.queue)
         if not any(active) and not queued:
             break
         time.sleep(0.01)
@@ -124,11 +127,11 @@ def test_fork_while_the_layer_is_busy():
         f(np.zeros(2, np.float32))
 
     holder = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
-    _runners._gate_fallback.enter(holder)
+    _threads._fallback.gate.enter(holder)
     held = threading.Event()
 
     def hold_locks():
-        with _runners._queue_locks_lock, _runners._queue_locks_fallback:
+        with _threads._states_lock, _threads._fallback.queueing:
             held.set()
             release.wait(60)
 
@@ -144,8 +147,8 @@ def test_fork_while_the_layer_is_busy():
             try:
                 x = np.arange(40, dtype=np.float32)
                 limited = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
-                _runners._gate_fallback.enter(limited)  # would wait for good
-                ok = _executor.num_threads() == 0
+                _threads._fallback.gate.enter(limited)  # would wait for good
+                ok = _threads.num_threads() == 0
                 with concurrent.futures.ThreadPoolExecutor(3) as ex:
                     for executor in (2, ex):
                         f = jax.vmap(
@@ -168,6 +171,105 @@ def test_fork_while_the_layer_is_busy():
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         release.set()
-        _runners._gate_fallback.leave(holder)
+        _threads._fallback.gate.leave(holder)
         for t in threads:
             t.join(60)
+
+
+def _protocol_chunk(calls, lock, slow):
+    """A chunk function that follows the cursor protocol (``_jobs.Cursor``), as
+    the generated loops do: each row published, ``halt`` read before each unit."""
+
+    def chunk(start, stop, cursor):
+        units = iter(range(start, stop))
+        cursor.row = (stop, units)
+        for i in units:
+            if cursor.halt and cursor.halted(i):
+                return
+            with lock:
+                calls[i] += 1
+            if i in slow:
+                time.sleep(0.002)  # a tail to take while this unit runs
+
+    return chunk
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["guided", "rising"])
+def test_tails_taken_while_chunks_run_leave_every_unit_run_once(switch_often, limited):
+    # The cursor protocol hammered: six threads drain maps whose slow units let
+    # the others take the tails of running chunks, again and again, with the
+    # interpreter switching threads every microsecond; a limited map also rises
+    # mid-way (its running tails given back at once). Every unit runs once, the
+    # counts add up, and nothing is left running or given back.
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = 600
+        calls = [0] * n
+        lock = threading.Lock()
+        slow = set(rng.choice(n, 40, replace=False).tolist())
+        job = _jobs.Job(
+            n,
+            _protocol_chunk(calls, lock, slow),
+            divisor=8,
+            workers=6,
+            cpus=2 if limited else None,
+        )
+        job.limit = job.workers  # every thread drains at once; it may still rise
+        if limited:
+            job.limit = 5
+        threads = [threading.Thread(target=job.drain) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a drain hung"
+        assert job.done.is_set() and job.error is None
+        assert calls == [1] * n, [i for i, c in enumerate(calls) if c != 1]
+        assert job.completed == n
+        assert not job._running and not job._back
+
+
+def _failing_chunk(calls, late, job_of):
+    """A protocol chunk that fails at unit 150 and notes, per thread, the units
+    it began after the failure was recorded (read under the job's lock)."""
+
+    def chunk(start, stop, cursor):
+        job = job_of()
+        units = iter(range(start, stop))
+        cursor.row = (stop, units)
+        for i in units:
+            if cursor.halt and cursor.halted(i):
+                return
+            with job._lock:  # the order of this unit and the failure
+                calls[i] += 1
+                if job.failed:
+                    me = threading.get_ident()
+                    late[me] = late.get(me, 0) + 1
+            if i == 150:
+                raise ValueError(i)
+            time.sleep(0)
+
+    return chunk
+
+
+def test_a_failure_stops_every_running_chunk_at_its_next_unit(switch_often):
+    # fail() sets halt on every running cursor under the job's lock: a thread
+    # may finish the unit it had passed its check for, but starts no other one
+    # once the failure is recorded; no unit runs twice.
+    for _ in range(20):
+        n = 400
+        calls = [0] * n
+        late: dict[int, int] = {}  # per thread: units begun with the map failed
+        jobs: list[_jobs.Job] = []
+        chunk = _failing_chunk(calls, late, functools.partial(jobs.__getitem__, 0))
+        job = _jobs.Job(n, chunk, divisor=8, workers=6)
+        jobs.append(job)
+        threads = [threading.Thread(target=job.drain) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a drain hung"
+        assert isinstance(job.error, ValueError)
+        assert max(calls) == 1
+        assert all(k <= 1 for k in late.values()), late

@@ -8,27 +8,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_threadmap import _runners, threadmap
+from jax_threadmap import _maps, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 def test_each_kind_of_executor_gets_its_runner():
-    assert isinstance(_runners.runner_for(None), _runners.SharedThreads)
-    assert _runners.runner_for(3).workers == 3
+    assert isinstance(_maps.runner_for(None), _maps.SharedThreads)
+    assert _maps.runner_for(3).workers == 3
     with concurrent.futures.ThreadPoolExecutor(5) as ex:
-        runner = _runners.runner_for(ex)
-        assert isinstance(runner, _runners.ThreadExecutor)
+        runner = _maps.runner_for(ex)
+        assert isinstance(runner, _maps.ThreadExecutor)
         assert runner.workers == 5 and runner.on_threads
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) as ex:
-        runner = _runners.runner_for(ex)
-        assert isinstance(runner, _runners.PicklingExecutor)
+        runner = _maps.runner_for(ex)
+        assert isinstance(runner, _maps.PicklingExecutor)
         assert runner.workers == 2 and not runner.on_threads
 
 
 def test_the_size_hooks_answer_on_the_installed_versions():
-    hook = next(h for h in _runners.SIZE_HOOKS if "_max_workers" in h.name)
+    hook = next(h for h in _maps.SIZE_HOOKS if "_max_workers" in h.name)
     with concurrent.futures.ThreadPoolExecutor(7) as ex:
         assert hook.read(ex) == 7
     spawn = multiprocessing.get_context("spawn")
@@ -47,8 +47,8 @@ class _Odd(concurrent.futures.Executor):
 
 
 def test_a_size_hook_that_fails_means_the_executor_does_not_say():
-    assert _runners.known_workers(_Odd()) is None
-    assert _runners.known_workers(concurrent.futures.Executor()) is None
+    assert _maps.known_workers(_Odd()) is None
+    assert _maps.known_workers(concurrent.futures.Executor()) is None
 
 
 class InlineExecutor(concurrent.futures.Executor):
@@ -71,7 +71,7 @@ def test_a_new_kind_of_executor_is_one_class_and_one_line(monkeypatch):
             job.drain()
 
     kind = (lambda ex: isinstance(ex, InlineExecutor), Inline)
-    monkeypatch.setattr(_runners, "RUNNERS", (kind, *_runners.RUNNERS))
+    monkeypatch.setattr(_maps, "RUNNERS", (kind, *_maps.RUNNERS))
     x = np.arange(6, dtype=np.float32)
     f = jax.vmap(lambda v: threadmap(lambda a: a * 2, F32, v, executor=ex))
     ex = InlineExecutor()

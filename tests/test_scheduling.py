@@ -83,7 +83,6 @@ def test_a_chunk_is_stuck_after_stuck_chunk_seconds():
     start = 1000.0
     assert not policy.is_stuck(start, start + policy.STUCK_CHUNK * 0.9)
     assert policy.is_stuck(start, start + policy.STUCK_CHUNK * 1.1)
-    assert policy.WATCH_PERIOD < policy.STUCK_CHUNK
 
 
 def test_which_maps_start_limited():
@@ -154,9 +153,12 @@ def quoted_facts():
         ),
         (
             "docs/executors.md",
-            f"fewer than\n{2 * policy.GUIDED_SHARE} elements per thread",
+            f"Fewer than {2 * policy.GUIDED_SHARE} elements per thread",
         ),
-        ("docs/executors.md", f"stuck for {_ms(policy.STUCK_CHUNK)} hands it"),
+        (
+            "docs/executors.md",
+            f"been stuck for {_ms(policy.STUCK_CHUNK)}, by the map taking every",
+        ),
         (
             "docs/executors.md",
             f"more than a {_SHARES[2 * policy.GUIDED_SHARE]}\nas many threads",

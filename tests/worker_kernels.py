@@ -193,3 +193,7 @@ def prop_vjp_chunk(x, w, extra, ct):
     gw = (ca * x).sum(-1) + cb * (x * x).sum(-1)
     gy = np.repeat(ca.sum(-1)[:, None], 3, axis=1)
     return gx, gw, jax.tree_util.tree_map(lambda y: gy, extra)
+
+
+def double(x):
+    return x * np.float32(2)

@@ -1,4 +1,5 @@
-"""The shared threads: the daemon threads that run the kernels of every pool.
+"""Threads of this process that run a map's chunks: the shared threads and the
+pools that bound them, and a user's thread executor.
 
 - :class:`ThreadPool` (``executor=None`` and ``executor=N``) is a bound, not a
   set of threads: at most ``N`` kernels of its maps run at once. The kernels of
@@ -7,16 +8,25 @@
   never outnumber the most places (threads running, or about to run, a pool's
   kernels) the pools have held at once, and a thread idle for ``IDLE_TIMEOUT``
   seconds exits.
+- A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
+  until none are left (:func:`run_on_executor`): the same claim-and-run loop
+  (``_jobs.Job.drain``) as the shared threads.
+- Nesting: a thread that starts a map from inside a kernel (a nested map) works
+  on its chunks while it waits, so it never waits on work queued behind itself.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import concurrent.futures.thread  # now, not lazily at exit (it then fails)
 import threading
+import weakref
 from collections.abc import Callable
+from typing import Any
 
+from . import _fork, _validate
 from . import _scheduling as policy
-from . import _validate
 from ._errors import ExecutorError
 from ._jobs import Job, LimitedGate, _local
 from ._progress import Progress, wait
@@ -34,12 +44,15 @@ def default_num_threads() -> int:
     return available_cpus() if n is None else n
 
 
+# --- the shared threads and their pools -----------------------------------------------
+
+
 class ThreadPool:
     """A bound on the kernels of its maps that run at once, on the shared threads.
 
     Args:
         max_workers: At most this many kernels of this pool's maps run at once
-            (see :func:`run_map` for the one exception, nested maps).
+            (a nested map's waiting thread, lent to it, is the one exception).
     """
 
     def __init__(self, max_workers: int):
@@ -105,8 +118,10 @@ class _Worker:
         self.job: Job | None = job
         self.started = False  # its thread runs (set by the thread, under the lock)
         self.cancelled = False  # its thread must not run: the start failed
-        # Its thread runs a chunk (a kernel). Written by its thread only, read
-        # under the threads' lock: a stale read only delays a thread's start.
+        # Its thread runs a chunk's kernels. Written by its thread only (by
+        # Job.run, false again before the chunk counts as done), read under the
+        # threads' lock: a thread that sees a map done sees its threads free, so
+        # the next map starts no thread for a place one of them will take.
         self.running = False
         # Released (under the threads' lock) to wake the idle thread: it then
         # finds its job set, without taking the threads' lock again.
@@ -117,14 +132,15 @@ class _Worker:
 class _Threads:
     """The daemon threads that run the kernels of every :class:`ThreadPool`.
 
-    Every field is read and written under :attr:`lock`. A job is queued with its
-    pool; each thread holds one place of one pool while it drains one of the
-    pool's jobs, and is handed work directly: an idle thread wakes with its job
-    set, and no thread wakes to find nothing.
-    A thread that finishes a job takes the next queued job of the same pool,
-    keeping its place, else gives the place back and takes any queued job whose
-    pool has a free place, else waits ``IDLE_TIMEOUT`` seconds to be handed one
-    and exits.
+    Lock rule: every field here, and each pool's ``active``, ``peak`` and
+    ``_shutdown``, is read and written under :attr:`lock`; a job's own lock
+    is taken inside it (``Job.add_hand``), never the reverse. A job is queued
+    with its pool; each thread holds one place of one pool while it drains one
+    of the pool's jobs, and is handed work directly: an idle thread wakes with
+    its job set, and no thread wakes to find nothing. A thread that finishes a
+    job takes the next queued job of the same pool, keeping its place, else
+    gives the place back and takes any queued job whose pool has a free place,
+    else waits ``IDLE_TIMEOUT`` seconds to be handed one and exits.
     """
 
     def __init__(self) -> None:
@@ -160,8 +176,6 @@ class _Threads:
                 )
             if queue:
                 self.queue.append((pool, job))
-            elif job.exhausted():
-                return
             new = self._place(pool, job)
         # Outside the lock, so that the other threads keep going meanwhile.
         self._start(pool, job, new)
@@ -173,21 +187,22 @@ class _Threads:
         started) unless threads done with their maps will take it soon."""
         new: list[tuple[threading.Thread, _Worker]] = []
         returning = None  # threads about to look for work, once counted
-        for _ in range(min(job.n, job.limit) - job.hands):
-            if pool.active >= pool.max_workers:
+        while pool.active < pool.max_workers:
+            if job.hands >= min(job.n, job.limit):
+                break  # (read without the job's lock: add_hand decides)
+            if not self.idle:
+                if returning is None:
+                    returning = self._returning()
+                if returning >= policy.SPARE_THREADS():
+                    break  # they take the job from the queue (_hand_next)
+            if not _take_place(pool, job):
                 break
             if self.idle:
-                _take_place(pool, job)
                 worker = self.idle.pop()
                 worker.pool, worker.job = pool, job
                 worker.wake.release()
-                continue
-            if returning is None:
-                returning = self._returning()
-            if returning >= policy.SPARE_THREADS():
-                break  # they take the job from the queue (_hand_next)
-            _take_place(pool, job)
-            new.append(self._new_thread(pool, job))
+            else:
+                new.append(self._new_thread(pool, job))
         return new
 
     def _start(
@@ -237,7 +252,7 @@ class _Threads:
                     self.workers.discard(worker)
                     pool.active -= 1
                     if worker.job is not None:
-                        worker.job.hands -= 1
+                        worker.job.drop_hand()
 
     def forget(self, job: Job) -> None:
         """Drops ``job`` from the queue, where a thread has not yet done so."""
@@ -268,10 +283,9 @@ class _Threads:
                 return
             worker.started = True
         while (job := worker.job) is not None:
-            while (chunk := job.claim()) is not None:
-                worker.running = True
-                job.run(*chunk)
-                worker.running = False
+            chunk = job.claim()
+            while chunk is not None:
+                chunk = job.run(*chunk, then_claim=True, busy=worker)
             with self.lock:
                 self._hand_next(worker)
                 idle = worker.job is None and not self.exiting
@@ -300,23 +314,22 @@ class _Threads:
         pool = worker.pool
         assert pool is not None
         worker.pool = worker.job = None
-        other = None
+        others = []
         for entry in list(self.queue):
             p, job = entry
             if job.exhausted():
                 self.queue.remove(entry)
-            elif job.hands >= job.limit:  # as many threads as it may use
-                continue
             elif p is pool:  # keep our place for the next map of our pool
-                worker.pool, worker.job = entry
-                job.hands += 1
-                return
-            elif other is None and p.active < p.max_workers:
-                other = entry
+                if job.add_hand():
+                    worker.pool, worker.job = entry
+                    return
+            elif p.active < p.max_workers:
+                others.append(entry)
         pool.active -= 1
-        if other is not None:
-            _take_place(*other)
-            worker.pool, worker.job = other
+        for other in others:
+            if _take_place(*other):
+                worker.pool, worker.job = other
+                return
 
     def exit(self, keep: Callable[[Job], bool]) -> list[threading.Thread]:
         """Refuses new maps but those that ``keep`` accepts; idle threads exit.
@@ -334,25 +347,20 @@ class _Threads:
             return len(self.threads)
 
 
-def _take_place(pool: ThreadPool, job: Job) -> None:  # shared threads' lock held
+def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock held
+    """Hands ``job`` one more thread of ``pool``, if it can use one."""
+    if not job.add_hand():
+        return False
     pool.active += 1
     pool.peak = max(pool.peak, pool.active)
-    job.hands += 1
+    return True
 
 
 _threads = _Threads()
 _pools_lock = threading.Lock()
-#: The shared pools by (what for, size): ``threadmap``'s ``executor=N`` pools, and
-#: the pool of ``async_call`` (whose bound is its own, whatever its size).
-_pools: dict[tuple[str, int], ThreadPool] = {}
-
-
-def reset_after_fork() -> None:
-    """The parent's threads do not exist in a forked child: start afresh."""
-    global _threads, _pools_lock
-    _threads = _Threads()
-    _pools_lock = threading.Lock()
-    _pools.clear()
+#: The shared pools by size: ``threadmap``'s ``executor=N`` pools (``async_call``
+#: has a pool of its own, in ``_async_threads``).
+_pools: dict[int, ThreadPool] = {}
 
 
 def num_threads() -> int:
@@ -360,28 +368,172 @@ def num_threads() -> int:
     return _threads.count()
 
 
-def get_pool(num_threads: int | None, purpose: str = "threadmap") -> ThreadPool:
+def get_pool(num_threads: int | None) -> ThreadPool:
     """The shared pool of ``num_threads`` threads (default: from the environment)."""
     n = default_num_threads() if num_threads is None else num_threads
-    key = (purpose, n)
-    pool = _pools.get(key)
+    pool = _pools.get(n)
     if pool is None:
         with _pools_lock:
-            pool = _pools.get(key)
+            pool = _pools.get(n)
             if pool is None:
-                pool = _pools[key] = ThreadPool(n)
+                pool = _pools[n] = ThreadPool(n)
     return pool
 
 
-def run_in_background(pool: ThreadPool, fn: Callable[[], None]) -> None:
-    """Runs ``fn()`` on the shared threads, within ``pool``'s bound, and returns.
+# --- a user's thread executor ---------------------------------------------------------
 
-    For ``async_call``: the call runs on a daemon thread, never joined at exit,
-    and nothing waits for it here (``fn`` routes its own outcome).
+
+class _ExecutorState:
+    """What this module keeps per user thread executor.
+
+    Lock rule: :attr:`queueing` is held while a map queues its first pullers, so
+    that two maps started at once do not split the executor's workers between
+    them (each could then wait for good for elements queued behind the
+    other's); :attr:`gate` has its own lock.
     """
 
-    def chunk(start: int, stop: int, job: Job) -> None:
-        del start, stop, job
-        fn()
+    def __init__(self) -> None:
+        self.queueing = threading.Lock()
+        self.gate = LimitedGate()
 
-    _threads.submit(pool, Job(1, chunk))
+
+#: Per thread executor, its state; guarded by ``_states_lock`` (the table, not
+#: the states). An executor that takes no weak references shares ``_fallback``.
+_states: weakref.WeakKeyDictionary[Any, _ExecutorState] = weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
+_fallback = _ExecutorState()
+
+
+def _state(executor: concurrent.futures.Executor) -> _ExecutorState:
+    with _states_lock:
+        try:
+            state = _states.get(executor)
+            if state is None:
+                state = _states[executor] = _ExecutorState()
+        except TypeError:  # an executor that takes no weak references
+            state = _fallback
+        return state
+
+
+#: Set when the interpreter starts to exit (by ``_maps``), for messages.
+interpreter_exiting = threading.Event()
+
+
+def refused(executor: Any, e: BaseException) -> ExecutorError:
+    """The error of a map whose executor refused its work."""
+    if interpreter_exiting.is_set() or "interpreter shutdown" in str(e):
+        return ExecutorError(
+            "The interpreter is exiting: this threadmap was stopped before it "
+            f"finished, because the executor {executor!r} refuses new work once "
+            "the main thread has ended (concurrent.futures stops its executors at "
+            "exit). Wait for maps on such executors before the end of the main "
+            "thread.",
+            cause=e,
+        )
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        return ExecutorError(
+            f"The executor {executor!r} passed as executor= is broken: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. A worker of it ended "
+            "earlier (the error of the map that ran then said how); pass a new "
+            "executor.",
+            cause=e,
+        )
+    return ExecutorError(
+        f"The executor {executor!r} passed as executor= refused new work: "
+        f"{type(e).__name__}: {str(e).rstrip('.')}. Pass an executor that is "
+        "running, or executor=None for the shared pool.",
+        cause=e,
+    )
+
+
+def _puller(job: Job) -> None:
+    """A task of a thread executor: claims chunks of ``job`` until none are left."""
+    job.drain()
+
+
+def run_on_executor(
+    executor: concurrent.futures.Executor,
+    job: Job,
+    workers: int,
+    progress: Progress | None,
+) -> None:
+    """Runs ``job`` on a thread executor of ``workers`` threads: one puller task
+    per thread it may use (more once its limit rises, see ``_jobs.Job``).
+
+    A thread that runs a kernel itself (a nested map) also drains ``job``, since
+    the executor's workers may all be busy waiting, for this very thread among
+    others: the pullers are then extra hands, and the ones that never start are
+    cancelled.
+    """
+    count = min(workers, job.n)
+    lock = threading.Lock()  # guards ``left`` and ``futures``
+    left = [0]  # pullers submitted and not yet done
+    futures: list[concurrent.futures.Future[None]] = []
+
+    def on_done(f: concurrent.futures.Future[None]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if f.cancelled():
+            if last:  # no puller will ever claim the rest
+                job.fail(ExecutorError(f"The executor {executor!r} cancelled the map."))
+        elif f.exception() is not None:
+            job.fail(f.exception())  # type: ignore[arg-type]
+
+    def hand() -> None:
+        """Submits pullers up to the job's limit. A refusal fails the map only
+        when no puller runs it; later ones leave the work to those running."""
+        while job.add_hand(count):
+            with lock:
+                left[0] += 1
+            try:
+                future = executor.submit(_puller, job)
+            except RuntimeError as e:
+                job.drop_hand()
+                with lock:
+                    left[0] -= 1
+                    alone = not futures
+                if alone:
+                    job.fail(refused(executor, e))
+                return
+            with lock:
+                futures.append(future)
+            future.add_done_callback(on_done)
+
+    state = _state(executor)
+
+    def grow() -> None:
+        # Pullers first: the next limited map, let in by the gate, queues its
+        # pullers behind these, not before them.
+        try:
+            hand()
+        finally:
+            state.gate.leave(job)
+
+    job.grow = grow
+    state.gate.enter(job)
+    try:
+        with state.queueing:
+            hand()
+        if _local.job is not None:
+            job.drain()
+        wait(job, job.poll, progress)
+    finally:
+        state.gate.leave(job)
+        with lock:
+            started = list(futures)
+        for f in started:  # pullers that never started: nothing left to claim
+            f.cancel()
+
+
+@_fork.in_child
+def _start_afresh() -> None:
+    """A forked child has none of the parent's threads, and any of this module's
+    locks may have been held at the fork: every table, lock and gate is new."""
+    global _threads, _pools_lock, _states, _states_lock, _fallback
+    _threads = _Threads()
+    _pools_lock = threading.Lock()
+    _pools.clear()
+    _states = weakref.WeakKeyDictionary()
+    _states_lock = threading.Lock()
+    _fallback = _ExecutorState()

@@ -1,0 +1,510 @@
+"""One map from start to end: :func:`run_map` picks its runner, makes its job,
+runs it, raises its error; the maps in flight at interpreter exit.
+
+The executor layer, read from here down (``docs/architecture.md``):
+
+- this module: :func:`run_map`, one runner per kind of ``executor=``
+  (:data:`RUNNERS`), the sizes executors tell (:data:`SIZE_HOOKS`), shipping
+  chunks to executors that pickle work (:class:`_Shipper`), and exit;
+- :mod:`._threads`: the shared threads and pools, and a user's thread executor;
+- :mod:`._jobs`: a map's chunks (``Job``), claimed and run by any thread;
+- :mod:`._scheduling`: the policy, pure functions and named constants.
+
+Exit: at interpreter exit the maps still in flight in the user's (daemon)
+threads are stopped and their waiting threads released, and the exit waits at
+most ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked in
+a kernel are left behind; they are daemon threads, so they do not hold up the
+exit. The maps of jitted programs that XLA runs on its own threads run to the
+end: JAX waits for those programs at exit. Maps on user executors of daemon
+threads are stopped before ``concurrent.futures`` shuts its executors down, so
+that their tasks not yet started are cancelled, not waited for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from . import _fork, _remote, _threads, _validate
+from . import _scheduling as policy
+from ._errors import ExecutorError, KernelError, restore_shipped_cause
+from ._jobs import Job, MapWork, _local
+from ._progress import Progress, progress_enabled, wait
+from ._scheduling import (
+    EXIT_GRACE,
+    UNKNOWN_WORKERS,
+    UNKNOWN_WORKERS_IN_FLIGHT,
+    available_cpus,
+)
+from ._threads import interpreter_exiting, refused
+
+# --- what executors tell of their size ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeHook:
+    """A private attribute of another library's executor that tells its size.
+
+    No public API says how many workers an executor has. Each hook is optional,
+    like a JAX hook of :mod:`._compat`: an executor without the attribute, or
+    one that fails or answers nonsense, counts as one that does not say
+    (:data:`._scheduling.UNKNOWN_WORKERS` for chunk sizes), never as an error.
+    ``tests/test_runners.py`` checks that each still answers on the installed
+    versions.
+    """
+
+    name: str
+    why: str
+    read: Callable[[Any], int | None]
+
+
+def _max_workers(executor: Any) -> int | None:
+    n = getattr(executor, "_max_workers", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def _dask_threads(executor: Any) -> int | None:
+    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
+    return None if client is None else max(1, sum(client.nthreads().values()))
+
+
+SIZE_HOOKS: tuple[SizeHook, ...] = (
+    SizeHook(
+        "concurrent.futures Executor._max_workers",
+        "ThreadPoolExecutor and ProcessPoolExecutor (and loky) keep their size there",
+        _max_workers,
+    ),
+    SizeHook(
+        "distributed ClientExecutor._client",
+        "Client.get_executor() keeps its client there; the client's nthreads() "
+        "is the cluster's size",
+        _dask_threads,
+    ),
+)
+
+
+def known_workers(executor: concurrent.futures.Executor) -> int | None:
+    """The number of workers of ``executor``, where it tells (:class:`SizeHook`)."""
+    for hook in SIZE_HOOKS:
+        try:
+            n = hook.read(executor)
+        except Exception:  # noqa: BLE001 - an executor that cannot say: unknown
+            return None
+        if n is not None:
+            return n
+    return None
+
+
+# --- one runner per kind of executor --------------------------------------------------
+
+
+class Runner(Protocol):
+    """Where a map's chunks run: one class per kind of executor, chosen once per
+    map by :func:`runner_for`."""
+
+    #: Kernels it runs at once (a guess where the executor does not say).
+    workers: int
+    #: Whether its workers are threads of this process (a map may then start
+    #: limited, and a nested map's waiting thread works on its chunks).
+    on_threads: bool
+
+    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+        """Runs ``job`` (the chunks of ``work``) to completion or first failure."""
+        ...
+
+
+class SharedThreads:
+    """``executor=None`` or ``executor=N``: a :class:`._threads.ThreadPool`."""
+
+    on_threads = True
+
+    def __init__(self, executor: int | None):
+        self.pool = _threads.get_pool(executor)
+        self.workers = self.pool.max_workers
+
+    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+        self.pool.run(job, progress)
+
+
+class ThreadExecutor:
+    """A user's ``ThreadPoolExecutor``: puller tasks
+    (:func:`._threads.run_on_executor`)."""
+
+    on_threads = True
+
+    def __init__(self, executor: concurrent.futures.Executor):
+        self.executor = executor
+        self.known = known_workers(executor)
+        self.workers = self.known or UNKNOWN_WORKERS
+
+    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+        pullers = self.known or UNKNOWN_WORKERS_IN_FLIGHT
+        _threads.run_on_executor(self.executor, job, pullers, progress)
+
+
+class PicklingExecutor:
+    """An executor that runs work in other processes: packed chunks
+    (:class:`_Shipper`)."""
+
+    on_threads = False
+
+    def __init__(self, executor: concurrent.futures.Executor):
+        self.executor = executor
+        self.known = known_workers(executor)
+        self.workers = self.known or UNKNOWN_WORKERS
+
+    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+        _Shipper(self.executor, work, job, self.known).run(progress)
+
+
+def _is_shared(executor: Any) -> bool:
+    return executor is None or isinstance(executor, int)
+
+
+def shares_memory(executor: concurrent.futures.Executor) -> bool:
+    """Whether the executor's workers are threads of this process."""
+    return isinstance(executor, concurrent.futures.ThreadPoolExecutor)
+
+
+#: The kinds of executor, first match first: whether ``executor=`` is of the
+#: kind, and its runner. A new kind is a class above and a line here.
+RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], Runner]], ...] = (
+    (_is_shared, SharedThreads),
+    (shares_memory, ThreadExecutor),
+    (lambda executor: True, PicklingExecutor),
+)
+
+
+def runner_for(executor: Any) -> Runner:
+    """The runner of ``executor=`` (see :data:`RUNNERS`)."""
+    return next(make(executor) for is_kind, make in RUNNERS if is_kind(executor))
+
+
+# --- one map --------------------------------------------------------------------------
+
+#: Every map in flight, with the thread waiting for it. No lock: setting, popping
+#: and listing the items of a dict are atomic, in free-threaded builds too.
+_flights: dict[Job, threading.Thread] = {}
+
+
+def new_job(
+    work: MapWork,
+    executor: _validate.Executor,
+    max_chunk: int | None = None,
+    parent: Job | None = None,
+    runner: Runner | None = None,
+) -> Job:
+    """The job of ``work`` on ``executor`` (whose ``runner`` the caller may have
+    chosen already), with its chunking policy."""
+    runner = runner_for(executor) if runner is None else runner
+    workers = runner.workers
+    units = work.n
+    if work.vectorized and units:
+        length = policy.vector_chunk_length(
+            work.n, workers, work.element_bytes, max_chunk
+        )
+        units = work.split(length)
+    # Host-side sums need chunk bounds that do not depend on timing. Otherwise
+    # guided chunks, each a share of what is left.
+    fixed = policy.fixed_chunk(units, workers) if work.sums else None
+    nested = parent is not None
+    limited = policy.starts_limited(units, workers, nested, runner.on_threads)
+    return Job(
+        units,
+        work.run_chunk,
+        fixed=fixed,
+        divisor=policy.guided_divisor(workers),
+        parent=parent,
+        workers=workers,
+        cpus=available_cpus() if limited else None,
+    )
+
+
+def run_map(
+    executor: _validate.Executor,
+    work: MapWork,
+    *,
+    progress: bool | None,
+    max_chunk: int | None = None,
+) -> None:
+    """Runs every element of ``work`` on ``executor``; raises the map's error.
+
+    ``max_chunk`` bounds the chunks of a vectorized map. Called from a kernel (a
+    nested map), the calling thread works on the map's chunks while it waits,
+    when the map runs on threads of this process: the kernel's thread is lent to
+    the nested map, which can then run one kernel more than its executor's bound.
+    """
+    if work.n == 0:
+        return
+    runner = runner_for(executor)
+    job = new_job(work, executor, max_chunk, parent=_local.job, runner=runner)
+    bar = None
+    if progress_enabled(progress):
+        bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
+    if not _is_shared(executor):
+        register_early_exit_hook()
+    _flights[job] = threading.current_thread()
+    try:
+        runner.run(job, work, bar)
+    finally:
+        _flights.pop(job, None)
+        job.detach()
+    if job.error is not None:
+        raise _map_error(job.error, work.name, executor)
+
+
+def said(e: BaseException) -> str:
+    """``Type: message`` of an exception, to go on with a sentence (no period
+    of its own: "pending.. A worker" was what the messages read)."""
+    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
+
+
+def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
+    """The error a failed map raises: kernel errors as they are, the rest wrapped."""
+    if isinstance(e, (KernelError, ExecutorError, KeyboardInterrupt, SystemExit)):
+        return e
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        return ExecutorError(
+            f"The executor running threadmap kernel {name!r} broke while the map ran "
+            f"({said(e)}). {_remote.broken_hint(executor)}",
+            cause=e,
+        )
+    return ExecutorError(
+        f"threadmap kernel {name!r}: the executor failed with {said(e)}.", cause=e
+    )
+
+
+# --- executors that pickle work -------------------------------------------------------
+
+
+def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
+    return ExecutorError(
+        f"threadmap kernel {name!r} could not be sent to the executor "
+        f"{executor!r}, which runs work in other processes and so pickles it: "
+        f"{said(e)}. Define the kernel at module level (not a lambda "
+        "or closure), or use executor=None / a ThreadPoolExecutor.",
+        cause=e,
+    )
+
+
+def _chunk_failed(
+    executor: Any, work: MapWork, start: int, stop: int, e: BaseException
+) -> ExecutorError:
+    """The error of a chunk that the executor could not run (its worker died,
+    or could not load the task)."""
+    unit = "pieces" if work.vectorized else "elements"
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        hint = " " + _remote.broken_hint(executor)
+    elif isinstance(e, _remote.KernelNotLoaded):
+        hint = ""  # the worker's own account says what to do
+    else:
+        hint = " Pass a working executor to the next call."
+    return ExecutorError(
+        f"The executor {executor!r} failed to run {unit} [{start}, {stop}) (flat "
+        f"indices, of {work.n}) of threadmap kernel {work.name!r}: {said(e)}." + hint,
+        cause=e,
+    )
+
+
+def _unpicklable(e: BaseException) -> bool:
+    # Python 3.13 says "Can't get local object"; the pool's remote traceback
+    # (the cause) names the pickler.
+    return (
+        isinstance(e, (pickle.PicklingError, AttributeError, TypeError))
+        and "pickle" in f"{e} {e.__cause__}".lower()
+    )
+
+
+class _Shipper:
+    """Ships a map to an executor that pickles work, in chunks sized as it runs.
+
+    The first tasks hold one element each, one per worker, so slow elements all
+    start at once; later ones hold about ``TASK_SECONDS_REMOTE`` of kernel
+    work (:func:`._scheduling.remote_chunk_size`), from the measured seconds
+    per element. A map with host-side sums ships chunks of fixed size instead,
+    so its sums do not depend on timing. Only the thread that waits for the map
+    uses a shipper: no lock.
+    """
+
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor,
+        work: MapWork,
+        job: Job,
+        workers: int | None,
+    ):
+        self.executor = executor
+        self.work = work
+        self.job = job
+        self.cap = policy.remote_in_flight(workers)
+        self.first_wave = min(workers or UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
+        self.next = 0
+        self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
+        self.per_element: float | None = None
+        self.sharing = _remote.Sharing([])
+
+    def size(self) -> int:
+        if self.job.fixed:
+            return self.job.fixed
+        remaining = self.job.n - self.next
+        return policy.remote_chunk_size(self.per_element, remaining, self.cap)
+
+    def submit(self, size: int) -> None:
+        start, stop = self.next, min(self.job.n, self.next + size)
+        task = self.work.pack(start, stop)
+        try:
+            fut = self.executor.submit(task, *self.sharing.args)
+        except RuntimeError as e:
+            raise refused(self.executor, e) from e
+        except Exception as e:  # e.g. the kernel cannot be pickled
+            raise _cannot_ship(self.executor, self.work.name, e) from e
+        self.pending[fut] = (start, stop)
+        self.next = stop
+
+    def start(self) -> None:
+        while self.next < self.job.n and len(self.pending) < self.first_wave:
+            self.submit(self.job.fixed or 1)
+
+    def poll(self, timeout: float) -> bool:
+        """Stores what has come back, ships more; whether the map is done."""
+        if self.job.failed:  # stopped from outside: its parent failed, or exit
+            return True
+        done, _ = concurrent.futures.wait(
+            list(self.pending), timeout, concurrent.futures.FIRST_COMPLETED
+        )
+        for fut in done:
+            start, stop = self.pending.pop(fut)
+            try:
+                outs, per_element = fut.result()
+            except KernelError as e:
+                restore_shipped_cause(e)
+                raise
+            except Exception as e:
+                if _unpicklable(e):
+                    raise _cannot_ship(self.executor, self.work.name, e) from e
+                raise _chunk_failed(self.executor, self.work, start, stop, e) from e
+            self.work.store_packed(start, stop, outs)
+            self.job.add_completed(stop - start)
+            self.per_element = policy.smoothed(self.per_element, per_element)
+        while self.next < self.job.n and len(self.pending) < self.cap:
+            self.submit(self.size())
+        return not self.pending
+
+    def run(self, progress: Progress | None) -> None:
+        try:
+            # Large operands read whole by every element: once per map.
+            self.sharing = _remote.share(self.executor, self.work.shared())
+            self.start()
+            wait(self.job, self.poll, progress)
+        except BaseException as e:
+            self.job.fail(e)
+        finally:
+            if self.job.failed:
+                for fut in self.pending:
+                    fut.cancel()
+            self.sharing.close()
+
+
+# --- fork and exit --------------------------------------------------------------------
+
+
+@_fork.in_child
+def _forget_flights() -> None:
+    # A forked child runs none of the parent's maps.
+    _flights.clear()
+
+
+def _run_for_jax(job: Job) -> bool:
+    """Whether XLA runs the program that waits for ``job``, on a thread of its
+    own (a program dispatched to several devices, or asynchronously).
+
+    JAX waits for such programs at exit, after this module's exit hook (atexit
+    runs the hooks registered last first), so their maps must run to the end,
+    new ones included. Python sees XLA's threads as dummy threads.
+    """
+    return isinstance(_flights.get(job), threading._DummyThread)
+
+
+def _exiting_error() -> ExecutorError:
+    return ExecutorError(
+        "The interpreter is exiting: this threadmap was stopped before it "
+        "finished. Wait for maps running in other threads before the end "
+        "of the program, or make those threads non-daemon."
+    )
+
+
+def _stop_maps_of_daemon_threads(deadline: float) -> None:
+    """Stops the maps that the user's daemon threads wait for, and waits until
+    those threads have left them (they do at once, unless the GIL is slow to
+    come) or until ``deadline``."""
+    stopped = [
+        job
+        for job, waiter in list(_flights.items())
+        if waiter.daemon and not _run_for_jax(job)
+    ]
+    for job in stopped:
+        job.abandon(_exiting_error())
+    while any(job in _flights for job in stopped) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+_early_hook_lock = threading.Lock()
+_early_hook = False  # under _early_hook_lock (read once without it: set once)
+
+
+def register_early_exit_hook() -> None:
+    """Registers, once, :func:`_before_executors_exit` with threading's exit hooks.
+
+    Called when a map first runs on a user executor: ``concurrent.futures``
+    registers its own hook when its executor module is first imported, and
+    threading runs these hooks in reverse order, so ours then runs first.
+    """
+    global _early_hook
+    if _early_hook:
+        return
+    with _early_hook_lock:
+        register = getattr(threading, "_register_atexit", None)
+        if not _early_hook and register is not None:
+            try:
+                register(_before_executors_exit)
+            except RuntimeError:  # the interpreter is exiting already
+                interpreter_exiting.set()
+            _early_hook = True
+
+
+def _before_executors_exit() -> None:
+    """At exit, before ``concurrent.futures`` waits for every task its pools
+    hold and refuses new ones: stops the maps of daemon threads, whose tasks
+    not yet started are then cancelled rather than waited for."""
+    interpreter_exiting.set()
+    _stop_maps_of_daemon_threads(time.monotonic() + EXIT_GRACE)
+
+
+def _at_exit() -> None:
+    """Stops the maps in flight in the user's threads and waits at most
+    ``EXIT_GRACE`` seconds in all for them to stop.
+
+    Only daemon threads (or XLA's) can still be waiting for a map here (Python
+    joins the others before running atexit). Releasing a daemon thread lets it
+    leave a jitted program before the interpreter finalizes (a thread that needs
+    the GIL inside XLA then aborts the process). The maps of programs that JAX
+    waits for at exit (:func:`_run_for_jax`) run on. Only the shared threads are
+    joined: XLA's cannot be, and the user's are not ours to wait for.
+    """
+    deadline = time.monotonic() + EXIT_GRACE
+    interpreter_exiting.set()
+    ours = _threads._threads.exit(keep=_run_for_jax)
+    _stop_maps_of_daemon_threads(deadline)
+    me = threading.current_thread()
+    for t in ours:
+        if t is not me and t.is_alive():  # one still starting is not joinable
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_at_exit)

@@ -294,14 +294,12 @@ def test_interpreter_exit_is_clean():
         "jax.ShapeDtypeStruct((), v.dtype), v)))\n"
         "print(float(f(np.arange(16.0, dtype=np.float32)).sum()))\n"
     )
-    t = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert abs(float(proc.stdout) - np.sqrt(np.arange(16.0)).sum()) < 1e-3
-    assert time.perf_counter() - t < 60
 
 
 def test_job_of_pool_directly_reports_first_error():
@@ -478,14 +476,14 @@ class Child:
             pytest.fail(f"the child never got ready: {self.err()}")
         assert line == "ready", self.err()
 
-    def seconds_to_exit(self, timeout: float = 60) -> float:
-        start = time.perf_counter()
+    def exits(self, timeout: float = 60) -> None:
+        """Waits for the child's exit; fails if it takes ``timeout`` s (a hang:
+        the tests give it work that would hold it far longer)."""
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             pytest.fail(f"the child did not exit in {timeout} s: {self.err()}")
-        return time.perf_counter() - start
 
     def err(self) -> str:
         self.stderr.seek(0)
@@ -539,14 +537,14 @@ BLOCKED_KERNELS = (
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_ctrl_c_with_blocked_kernels_exits_at_once(mode):
-    # Was 10 s per blocked thread: 160 s here.
+    # Was 10 s per blocked thread: 160 s here. The kernels block for good, so the
+    # child exits only if Ctrl-C leaves them behind.
     child = Child(BLOCKED_KERNELS, "16", mode)
     child.wait_ready()
     child.proc.send_signal(signal.SIGINT)
-    seconds = child.seconds_to_exit()
+    child.exits()
     assert child.proc.returncode != 0
     assert "KeyboardInterrupt" in child.err()
-    assert seconds < 10, seconds
 
 
 def test_exit_with_a_map_in_flight_in_another_thread_is_prompt_and_clean():
@@ -554,11 +552,10 @@ def test_exit_with_a_map_in_flight_in_another_thread_is_prompt_and_clean():
     # the daemon thread waited inside the jitted program.
     child = Child(BLOCKED_KERNELS, "16", "daemon")
     child.wait_ready()
-    seconds = child.seconds_to_exit()
+    child.exits()  # the kernels block for good
     assert child.proc.returncode == 0, child.err()
     assert "Fatal Python error" not in child.err()
     assert "The interpreter is exiting: this threadmap was stopped" in child.err()
-    assert seconds < 10, seconds
 
 
 # A program that dispatches maps and ends without waiting for them; JAX waits for
@@ -636,11 +633,11 @@ PROCESS_POOL_AT_EXIT = """
                 kernel, jax.ShapeDtypeStruct((), jnp.float32), v, executor=ex))
 
         on_pool(worker_kernels.raises_at_five)(np.zeros(4, np.float32))  # warm
-        f = on_pool(worker_kernels.slow_identity)
+        f = on_pool(worker_kernels.slow_identity)  # 64 elements: 64 s a map
 
         def run(name):
             try:
-                f(np.zeros(64, np.float32))  # 16 s of kernels on 2 workers
+                f(np.zeros(64, np.float32))  # 64 s of kernels on 2 workers
             except Exception as e:
                 # One write per line: the two threads end at the same moment,
                 # and print() writes its parts one by one.
@@ -670,12 +667,13 @@ def test_exit_with_process_pool_maps_in_flight_says_the_interpreter_exits():
         text=True,
     )
     assert proc.stdout.readline().strip() == "ready"
-    start = time.perf_counter()
     try:
+        # Exit waits for the tasks that the pool has queued already (a few
+        # seconds) and for the pool's own shutdown (seconds: its workers import
+        # JAX), not for the maps (64 s each), or this times out.
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    seconds = time.perf_counter() - start
     assert proc.returncode == 0, err
     lines = sorted(out.splitlines())
     assert len(lines) == 2, (out, err)
@@ -686,10 +684,6 @@ def test_exit_with_process_pool_maps_in_flight_says_the_interpreter_exits():
     assert lines[1].startswith("True ExecutorError The interpreter is exiting")
     assert "refused new work" not in out + err
     assert "Traceback" not in err, err
-    # Exit waits for the tasks that the pool has queued already (about a second
-    # here) and for the pool's own shutdown (seconds: its workers import JAX),
-    # not for the maps (16 s each).
-    assert seconds < 12, seconds
 
 
 def test_threads_of_many_pool_sizes_do_not_pile_up():
@@ -770,14 +764,14 @@ def test_nested_maps_across_pools_complete():
 
 
 def test_ctrl_c_stops_nested_maps_across_pools():
-    # Long inner maps: one Ctrl-C stops the outer map and the maps its kernels
-    # started, including those on the user's (non-daemon) thread executor.
-    child = Child(NESTED_ACROSS_POOLS, "400", "0.05")
+    # Long inner maps (8 of 4,000 elements of 50 ms on 2 threads: 800 s): one
+    # Ctrl-C stops the outer map and the maps its kernels started, including
+    # those on the user's (non-daemon) thread executor, or the child never exits.
+    child = Child(NESTED_ACROSS_POOLS, "4000", "0.05")
     child.wait_ready()
     child.proc.send_signal(signal.SIGINT)
-    seconds = child.seconds_to_exit()
+    child.exits()
     assert "KeyboardInterrupt" in child.err()
-    assert seconds < 10, seconds
 
 
 @pytest.mark.parametrize(

@@ -127,8 +127,8 @@ def unprintable_at_two(x):
 
 
 def slow_identity(x):
-    """Half a second per element: a process-pool map still running at exit."""
-    time.sleep(0.5)
+    """Two seconds per element: a process-pool map still running at exit."""
+    time.sleep(2.0)
     return x
 
 

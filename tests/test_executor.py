@@ -635,6 +635,8 @@ PROCESS_POOL_AT_EXIT = """
         on_pool(worker_kernels.raises_at_five)(np.zeros(4, np.float32))  # warm
         f = on_pool(worker_kernels.slow_identity)  # 64 elements: 64 s a map
 
+        daemon_said = threading.Event()
+
         def run(name):
             try:
                 f(np.zeros(64, np.float32))  # 64 s of kernels on 2 workers
@@ -642,9 +644,16 @@ PROCESS_POOL_AT_EXIT = """
                 # One write per line: the two threads end at the same moment,
                 # and print() writes its parts one by one.
                 os.write(1, f"{name} {type(e).__name__} {e}\\n".encode())
+            finally:
+                if name:
+                    daemon_said.set()
 
         for daemon in (True, False):
             threading.Thread(target=run, args=(daemon,), daemon=daemon).start()
+        # A daemon thread may be cut short by the interpreter's end before it
+        # writes: a non-daemon thread keeps the interpreter until it has (the
+        # daemon thread's map is stopped before Python joins non-daemon threads).
+        threading.Thread(target=daemon_said.wait, args=(50,)).start()
         while len(_maps._flights) < 2:  # both maps are in flight
             time.sleep(0.01)
         print("ready", flush=True)
@@ -659,21 +668,27 @@ def test_exit_with_process_pool_maps_in_flight_says_the_interpreter_exits():
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.dirname(here), here, env.get("PYTHONPATH")) if p
     )
+    stderr = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(PROCESS_POOL_AT_EXIT)],
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
-    assert proc.stdout.readline().strip() == "ready"
     try:
+        assert proc.stdout.readline().strip() == "ready"
         # Exit waits for the tasks that the pool has queued already (a few
         # seconds) and for the pool's own shutdown (seconds: its workers import
         # JAX), not for the maps (64 s each), or this times out.
-        out, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         proc.kill()
+    # The rest of stdout through the same reader as "ready": the lines may have
+    # come in one read with it, and sit in that reader's buffer.
+    out = proc.stdout.read()
+    stderr.seek(0)
+    err = stderr.read()
     assert proc.returncode == 0, err
     lines = sorted(out.splitlines())
     assert len(lines) == 2, (out, err)

@@ -152,9 +152,16 @@ def _use_async_arrays():
 
 def _use_shard_map():
     mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    # A kernel of its own: JAX caches abstract evaluation by the equation's params,
+    # and an equation traced earlier in this process (np.sin, the same shapes,
+    # inside shard_map) would skip the hook this test hides.
+    def kernel(v):
+        return np.sin(v)
+
     body = jax.shard_map(
         lambda x: jax.vmap(
-            lambda v: jax_threadmap.threadmap(np.sin, SDS((), jnp.float32), v)
+            lambda v: jax_threadmap.threadmap(kernel, SDS((), jnp.float32), v)
         )(x),
         mesh=mesh,
         in_specs=jax.sharding.PartitionSpec("d"),

@@ -35,9 +35,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_threadmap._claims import Cursor
 from jax_threadmap._errors import PASS_THROUGH
 from jax_threadmap._host import ElementCaller
-from jax_threadmap._jobs import Cursor, Job
+from jax_threadmap._jobs import Job
 
 
 def _cursor(n: int) -> Cursor:

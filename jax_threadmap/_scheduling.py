@@ -109,10 +109,15 @@ FAST_ELEMENT = 20e-6
 #: map takes chunks of several elements. Elements that wait for each other in
 #: groups cannot do it: each group's last element returns at once, the others
 #: wait, and fewer groups than threads run at a time, so at most about one
-#: fast element per thread comes between two that waited.
-#: ``test_pairs_that_wait_for_each_other`` (8 and 16 CPUs) hangs with 0.
+#: fast element per thread comes between two that waited. With 0 (8 in a
+#: row whatever the threads), 256 elements in pairs on ``executor=32`` with 32
+#: CPUs waited until their barriers broke in 1 run of 12
+#: (``test_pairs_that_wait_for_each_other``, 32 CPUs).
 FAST_RUN_PER_WORKER = 2
 #: The least of those elements in a row, for executors of one or two threads.
+#: With 0 as well (the probe ends at its first element), every 8- and 16-CPU
+#: case of ``test_pairs_that_wait_for_each_other`` waits until its barriers
+#: break.
 FAST_RUN_MIN = 8
 #: A probing map that has run this many runs' worth of elements
 #: (``PROBE_RUNS * fast_run(workers)``) without a fast run stops timing them

@@ -19,9 +19,15 @@
 - A limited map (:func:`._scheduling.starts_limited`) starts on one thread per
   CPU, times its chunks, and rises to every thread of its executor when its
   elements prove slow or waiting, or when the thread that waits for it sees a
-  chunk stuck (:meth:`Job.poll`); it then runs one element per chunk, in index
-  order (:func:`._scheduling.rise`). :class:`LimitedGate` lets one limited map
-  at a time start on an executor.
+  chunk stuck (:meth:`Job.poll`); it then runs one element per claim, in
+  index order (:func:`._scheduling.rise`). :class:`LimitedGate` lets one
+  limited map at a time start on an executor. A large map on no more threads
+  than CPUs, or a nested one, probes instead
+  (:func:`._scheduling.starts_probing`): one element per claim in index order,
+  each timed, until a run of fast elements gives it guided chunks.
+- In index order, threads draw units one at a time from a range iterator that
+  they share, without the job's lock (:meth:`Job._run_in_order`; the lock rule
+  of :class:`Job` says why that is sound).
 - The first failure stops every running chunk at its next element and every
   map that the failed map's kernels started.
 """

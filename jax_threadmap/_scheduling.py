@@ -24,9 +24,15 @@ The heuristics, each shown necessary by switching it off:
 - the *stuck-chunk watch* (:data:`STUCK_CHUNK`) raises it when a chunk runs too
   long: ``test_pairs_that_wait_for_each_other`` and
   ``test_elements_that_wait_for_each_other_all_start`` hang without it;
-- once raised, a map runs one element per chunk in index order (:func:`rise`):
+- once raised, a map runs one element per claim in index order (:func:`rise`):
   without it every case of ``test_pairs_that_wait_for_each_other`` hung, in 3
-  runs of 3 under two busy loops.
+  runs of 3 under two busy loops. Its threads draw the elements from one shared
+  range iterator, without the job's lock (``_jobs.Job._run_in_order``);
+- a large map on no more threads than CPUs, or a nested one, *probes*
+  (:func:`starts_probing`, :func:`record_probe`): one element per claim in
+  index order, each timed, until :func:`fast_run` fast elements in a row give
+  it guided chunks; without it the 8- and 16-CPU cases of
+  ``test_pairs_that_wait_for_each_other`` wait until their barriers break.
 
 The watch has no period of its own: the waiting thread wakes when the oldest
 running chunk reaches :data:`STUCK_CHUNK` (``_jobs.Job.poll``).
@@ -83,8 +89,8 @@ SLOW_VOTES = 2
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
 #: Seconds a chunk of a map on fewer threads may run before the thread that
-#: waits for the map gives it every thread, one element per chunk from then on
-#: (see :func:`rises`): elements that wait for each other (at a barrier, for
+#: waits for the map gives it every thread, one element per claim from then on
+#: (see :func:`rise`): elements that wait for each other (at a barrier, for
 #: replies that come once all requests are out) all start, and none waits
 #: behind another in its own thread's chunk. The waiting thread wakes when the
 #: oldest running chunk reaches this age, not on a period. Without the watch,

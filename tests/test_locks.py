@@ -180,7 +180,9 @@ def test_fork_while_the_layer_is_busy():
 def _protocol_chunk(calls, lock, slow, pause=0.002, at_0=None):
     """A chunk function that follows the cursor protocol (``_claims.Cursor``), as
     the generated loops do: each row published, ``halt`` read before each unit;
-    ``at_0`` is called once, as unit 0 runs."""
+    ``at_0`` is called once, as unit 0 runs, and every other unit waits for it
+    to be done (each thread holds one chunk at a time, so units are left at the
+    front for the in-order run)."""
 
     def chunk(start, stop, cursor):
         units = iter(range(start, stop))
@@ -190,8 +192,11 @@ def _protocol_chunk(calls, lock, slow, pause=0.002, at_0=None):
                 return
             with lock:
                 calls[i] += 1
-            if i == 0 and at_0 is not None:
-                at_0()
+            if at_0 is not None:
+                if i == 0:
+                    at_0()
+                else:  # the front is not all claimed before the rise
+                    assert at_0.done.wait(60), "unit 0 never ran"
             if i in slow:
                 time.sleep(pause)  # a tail to take while this unit runs
 
@@ -206,7 +211,9 @@ def _rise(job_of):
         job = job_of()
         with job._lock:
             job._rise()
+        rise.done.set()
 
+    rise.done = threading.Event()
     return rise
 
 

@@ -35,9 +35,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_threadmap._claims import Cursor
 from jax_threadmap._errors import PASS_THROUGH
 from jax_threadmap._host import ElementCaller
-from jax_threadmap._jobs import Cursor, Job
+from jax_threadmap._jobs import Job
 
 
 def _cursor(n: int) -> Cursor:
@@ -139,7 +140,7 @@ def main() -> None:
     print(head + ("  old generated  generated/old" if old else ""))
     for name, (kernel, ops, shape) in cases.items():
         caller, in_v, out = case(kernel, ops, shape)
-        generated = caller.loop(in_v, [out], (n,))
+        generated = caller.loop(in_v, [out], (n,))[0]  # (chunk loop, units loop)
         plain = plain_loop(caller, in_v, out)
         plain(0, n, _cursor(n))
         expected = out.copy()
@@ -152,6 +153,8 @@ def main() -> None:
         }
         if old is not None:
             old_loop = case(kernel, ops, shape, old)[0].loop(in_v, [out], (n,))
+            if isinstance(old_loop, tuple):  # a revision with the units loop
+                old_loop = old_loop[0]
             runs["old"] = lambda o=old_loop: o(0, n, _OldJob())
         t: dict[str, list[float]] = {side: [] for side in runs}
         for r in range(a.rounds):

@@ -19,9 +19,15 @@
 - A limited map (:func:`._scheduling.starts_limited`) starts on one thread per
   CPU, times its chunks, and rises to every thread of its executor when its
   elements prove slow or waiting, or when the thread that waits for it sees a
-  chunk stuck (:meth:`Job.poll`); it then runs one element per chunk, in index
-  order (:func:`._scheduling.rise`). :class:`LimitedGate` lets one limited map
-  at a time start on an executor.
+  chunk stuck (:meth:`Job.poll`); it then runs one element per claim, in
+  index order (:func:`._scheduling.rise`). :class:`LimitedGate` lets one
+  limited map at a time start on an executor. A large map on no more threads
+  than CPUs, or a nested one, probes instead
+  (:func:`._scheduling.starts_probing`): one element per claim in index order,
+  each timed, until a run of fast elements gives it guided chunks.
+- In index order, threads draw units one at a time from a range iterator that
+  they share, without the job's lock (:meth:`Job._run_in_order`; the lock rule
+  of :class:`Job` says why that is sound).
 - The first failure stops every running chunk at its next element and every
   map that the failed map's kernels started.
 """
@@ -33,122 +39,22 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
 
 from . import _fork
 from . import _scheduling as policy
+from ._claims import (
+    IN_ORDER,
+    Busy,
+    ChunkFn,
+    Claim,
+    Cursor,
+    InOrder,
+    UnitsFn,
+    in_order,
+    one_by_one,
+)
 from ._errors import ExecutorError
 from ._progress import POLL_INTERVAL
-
-
-class Cursor:
-    """Where a running chunk is: the one thing a thread learns of another's chunk.
-
-    The chunk's loop publishes each row of units it runs, before running it:
-    ``js = iter(range(j, end))``, ``cursor.row = (base + end, js)``, then
-    ``for j in js: if cursor.halt and cursor.halted(base + j): return``. The
-    range iterator is the position: advancing it is the loop's own step, and
-    its length hint (``operator.length_hint``, the public protocol) says how
-    many units of the row the loop has not taken yet. A thread that takes the
-    chunk's tail holds the job's lock, sets :attr:`halt`, then reads where the
-    loop is (:meth:`running`): the loop may still run that unit, but it reads
-    :attr:`halt` after taking the next one and then asks the lock
-    (:meth:`halted`), so every unit after it is the taker's. (A store then a
-    load on each side, which the interpreter does in order: at least one side
-    sees the other's store.) The loop pays nothing per unit for being
-    watched but the check of :attr:`halt`, which a failure needs anyway.
-
-    Lock rule: :attr:`row` is written only by the loop's thread; :attr:`halt`
-    and :attr:`stop` are written under the job's lock. :attr:`halt`, once set
-    by a failure or a taken tail, stays set until the chunk ends. (The one
-    cursor that a job's chunks of one unit share, when not timed, is written
-    by each of their loops; no thread reads its :attr:`row`, since a chunk of
-    one unit has no tail, and only a failure sets its :attr:`halt`.)
-    """
-
-    __slots__ = ("_job", "halt", "row", "started", "stop")
-
-    def __init__(self, job: Job, stop: int):
-        self._job = job
-        #: Set (under the job's lock) when the loop must ask :meth:`halted`
-        #: before its next unit.
-        self.halt = False
-        #: Where the chunk stops: lowered (under the job's lock) when another
-        #: thread takes its tail.
-        self.stop = stop
-        #: The row the loop runs: ``(flat end of the row, its range iterator)``;
-        #: ``None`` before the loop starts.
-        self.row: tuple[int, Iterator[int]] | None = None
-        #: Wall and thread-CPU clocks when a chunk of a limited map started.
-        self.started: tuple[float, float] | None = None
-
-    def running(self) -> int | None:
-        """The unit the loop runs, or the one before the next it takes (read
-        by another thread after setting :attr:`halt`); ``None`` before the loop
-        publishes a row (a chunk function that never does keeps its units)."""
-        row = self.row
-        if row is None:
-            return None
-        end, units = row
-        return end - 1 - operator.length_hint(units)
-
-    def halted(self, i: int) -> bool:
-        """Whether the loop stops before unit ``i``: the map failed, or another
-        thread took the chunk's units from there on."""
-        job = self._job
-        with job._lock:
-            return job.failed or i >= self.stop
-
-
-class Busy(Protocol):
-    """A thread's flag that says whether it runs a kernel (see :meth:`Job.run`)."""
-
-    running: bool
-
-
-#: A claimed chunk: units ``[start, stop)`` and the cursor its loop publishes at.
-Chunk = tuple[int, int, Cursor]
-
-#: Runs units ``[start, stop)`` of a job, publishing each row of units at the
-#: cursor before running it (see :class:`Cursor`).
-ChunkFn = Callable[[int, int, Cursor], None]
-
-
-class MapWork(Protocol):
-    """What the executor layer needs of a map (``_host.HostMap`` provides it)."""
-
-    @property
-    def name(self) -> str: ...  # for messages and progress bars
-
-    @property
-    def n(self) -> int: ...  # elements
-
-    @property
-    def sums(self) -> bool: ...  # chunk bounds must not depend on timing
-
-    @property
-    def vectorized(self) -> bool: ...  # one kernel call per chunk
-
-    @property
-    def element_bytes(self) -> int: ...  # one element's operands and results
-
-    def split(self, max_elements: int) -> int:
-        """Cuts a vectorized map into chunks of at most ``max_elements``; returns
-        how many. Work units are then chunks, not elements."""
-        ...
-
-    def run_chunk(self, start: int, stop: int, cursor: Cursor) -> None: ...
-
-    def shared(self) -> list[Any]:
-        """Operands shipped once per map to an executor that pickles work."""
-        ...
-
-    def pack(self, start: int, stop: int) -> Callable[..., Any]:
-        """A picklable task running ``[start, stop)`` in another process, called
-        with the map's shared operands (see ``_remote.share``)."""
-        ...
-
-    def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
 
 
 class _Local(threading.local):
@@ -174,18 +80,32 @@ class Job:
     """One flat map: ``n`` units, run by ``fn(start, stop, cursor)`` per chunk.
 
     Lock rule: every field that more than one thread uses is written under
-    the job's lock (``_lock``), :attr:`hands` included; :attr:`grow` is set once
-    by the runner before the job is handed a thread. Reads without the lock are
-    of single values whose staleness is harmless: :attr:`failed` (a shipper or
-    a gate looks again a moment later), :attr:`limit` and :attr:`hands`
-    (a thread more or fewer is offered, and :meth:`add_hand` decides under the
-    lock), :attr:`completed` (a progress bar lags). A lock that the job's
-    runner holds (the shared threads' lock) is taken before the job's, never
-    after it.
+    the job's lock (``_lock``), :attr:`hands` included, but one: the in-order
+    iterator (``_order``). It is assigned once, under the lock, before any
+    thread may draw from it (a thread joins the in-order run by a claim under
+    the lock, counted in ``_racers``, and reads ``_order`` after it), and from
+    then on those threads advance it without the job's lock. That is sound
+    because each ``next()`` is atomic: with the GIL (every CPython 3.10-3.13
+    build but the free-threaded one), one step of a ``range`` iterator is a C
+    function that calls no Python code and never releases the GIL, so no other
+    thread's step interleaves with it, and each unit is drawn exactly once. The
+    free-threaded build (3.13t) makes no such promise for iterators, so there
+    (``_claims.FREE_THREADED``) the iterator is a ``_claims.LockedRange``, whose
+    steps take a lock of their own. Its length hint (the units left to draw)
+    is read under the job's lock. :attr:`grow` is set once by the runner
+    before the job is handed a thread. Reads without the lock are of single
+    values whose staleness is harmless: :attr:`failed` (a shipper or a gate
+    looks again a moment later), :attr:`limit` and :attr:`hands` (a thread
+    more or fewer is offered, and :meth:`add_hand` decides under the lock),
+    whether the map probes (:meth:`run` times one chunk more or fewer;
+    :meth:`_count` decides under the lock). A lock that the job's runner holds
+    (the shared threads' lock) is taken before the job's, never after it.
 
     Args:
         n: The number of units.
         fn: Runs one chunk.
+        units: Runs the units a shared iterator yields (``MapWork.run_units``);
+            default: ``fn`` on one unit at a time.
         fixed: Chunks of exactly this many units (fixed bounds); ``None`` for
             guided chunks.
         divisor: Guided chunks take ``1 / divisor`` of what is left.
@@ -195,6 +115,10 @@ class Job:
             (limited), and gets all ``workers`` once its chunks find its
             elements slow or waiting (:func:`._scheduling.record_chunk`) or a
             chunk is stuck (:meth:`poll`). Guided maps only.
+        probe: The map starts probing (:func:`._scheduling.starts_probing`): one
+            unit per claim in index order, each timed, until its elements prove
+            fast (then guided chunks) or not (then in index order to the end,
+            without the lock). Guided maps only.
     """
 
     def __init__(
@@ -202,14 +126,17 @@ class Job:
         n: int,
         fn: ChunkFn,
         *,
+        units: UnitsFn | None = None,
         fixed: int | None = None,
         divisor: int = 2,
         parent: Job | None = None,
         workers: int | None = None,
         cpus: int | None = None,
+        probe: bool = False,
     ):
         self.n = n
         self.fn = fn
+        self.run_units = one_by_one(fn) if units is None else units
         self.fixed = fixed
         self.divisor = divisor
         self.workers = n if workers is None else max(1, workers)
@@ -221,10 +148,10 @@ class Job:
         self.hands = 0
         #: Hands the map more threads once its limit rises (set by its runner).
         self.grow: Callable[[], None] | None = None
-        self._measure = policy.Measure()
+        self._measure = policy.Measure(probing=probe and fixed is None)
         self.failed = False
         self.error: BaseException | None = None
-        self.completed = 0  # units done, for progress bars
+        self._completed = 0  # units counted done by chunks (and shipped ones)
         self.done = threading.Event()
         self._lock = threading.Lock()
         self._next = 0  # the front: units from here on were never claimed
@@ -234,6 +161,11 @@ class Job:
         self._running: set[Cursor] = set()  # but chunks of one unit, not timed:
         self._single = Cursor(self, 0)  # theirs, shared (its row is never read)
         self._outstanding = 0  # chunks claimed and not yet counted done
+        # In index order: the front, drawn one unit at a time without the lock
+        # (see the lock rule), the units it held, the threads drawing from it.
+        self._order: Iterator[int] | None = None
+        self._order_units = 0
+        self._racers = 0
         self._children: set[Job] = set()
         self.parent = parent
         if n == 0:
@@ -245,6 +177,18 @@ class Job:
     def limited(self) -> bool:
         """Whether the map holds fewer threads than its executor has."""
         return self.limit < self.workers
+
+    @property
+    def completed(self) -> int:
+        """Units done, for progress bars: exact once the map is over; while
+        threads draw units in index order, those drawn but the ones that may
+        still run."""
+        with self._lock:
+            done = self._completed
+            if self._order is not None:
+                drawn = self._order_units - operator.length_hint(self._order)
+                done += max(0, drawn - self._racers)
+            return done
 
     # --- threads handed to the map -------------------------------------------------
 
@@ -265,18 +209,34 @@ class Job:
 
     # --- claiming and running chunks -----------------------------------------------
 
-    def claim(self) -> Chunk | None:
-        """The next chunk ``(start, stop, cursor)``, or ``None`` when none is
-        left: units given back (lowest first), else the front, else the tail of
-        another thread's running chunk."""
+    def drain(self, busy: Busy | None = None) -> None:
+        """Claims and runs chunks until none are left: the one claim-and-run
+        loop of every thread that runs the map's kernels (see :meth:`run` for
+        ``busy``)."""
+        claim = self.claim()
+        while claim is not None:
+            if isinstance(claim, InOrder):
+                self._run_in_order(busy)
+                claim = self.claim()
+            else:
+                claim = self.run(*claim, then_claim=True, busy=busy)
+
+    def claim(self) -> Claim:
+        """The next chunk ``(start, stop, cursor)``: units given back (lowest
+        first), else the front, else the tail of another thread's running
+        chunk; or :data:`IN_ORDER` (the front is drawn one unit at a time); or
+        ``None`` when none is left."""
         with self._lock:
             return self._claim()
 
-    def _claim(self) -> Chunk | None:  # lock held
+    def _claim(self) -> Claim:  # lock held
         if self.failed:
             return None
         back = self._back
         if not back and self._next >= self.n:
+            if self._order is not None and operator.length_hint(self._order):
+                self._racers += 1
+                return IN_ORDER
             if self.fixed or not self._steal():
                 return None
         limited = self.limit < self.workers
@@ -286,16 +246,7 @@ class Job:
             or (measure.one_each and 1)
             or policy.chunk_size(self._remaining(), self.divisor, measure, limited)
         )
-        if back:
-            start, end = back[0]
-            stop = min(end, start + size)
-            if stop == end:
-                del back[0]
-            else:
-                back[0] = (stop, end)
-        else:
-            start = self._next
-            self._next = stop = min(self.n, start + size)
+        start, stop = self._take(size)
         self._outstanding += 1
         if stop - start == 1 and not limited:
             # Nothing to take from it, nothing to time: the shared cursor.
@@ -305,6 +256,22 @@ class Job:
             cursor.started = (time.perf_counter(), time.thread_time())
         self._running.add(cursor)
         return start, stop, cursor
+
+    def _take(self, size: int) -> tuple[int, int]:  # lock held
+        """Units ``[start, stop)``, at most ``size``: the lowest given back,
+        else the front's."""
+        back = self._back
+        if back:
+            start, end = back[0]
+            stop = min(end, start + size)
+            if stop == end:
+                del back[0]
+            else:
+                back[0] = (stop, end)
+            return start, stop
+        start = self._next
+        self._next = stop = min(self.n, start + size)
+        return start, stop
 
     def _remaining(self) -> int:  # lock held
         left = self.n - self._next
@@ -341,21 +308,26 @@ class Job:
         cursor: Cursor,
         then_claim: bool = False,
         busy: Busy | None = None,
-    ) -> Chunk | None:
+    ) -> Claim:
         """Runs a claimed chunk (its exception fails the job); with
-        ``then_claim``, returns the next chunk, claimed under the same hold of
-        the lock as this one is counted done. ``busy.running`` is true while the
-        chunk's kernels run, false before the chunk counts as done (so that
-        whoever sees the map done sees this thread free)."""
+        ``then_claim``, returns the next claim, made under the same hold of
+        the lock as this chunk is counted done. ``busy.running`` is true while
+        the chunk's kernels run, false before the chunk counts as done (so
+        that whoever sees the map done sees this thread free)."""
         outer, _local.job = _local.job, self
-        began = time.perf_counter()
+        probing = self._measure.probing  # (see the lock rule)
         if busy is not None:
             busy.running = True
+        began = time.perf_counter()
+        cpu = time.thread_time() if probing else 0.0
         try:
             self.fn(start, stop, cursor)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
+            wall = time.perf_counter() - began
+            if probing:
+                cpu = time.thread_time() - cpu
             _local.job = outer
             if busy is not None:
                 busy.running = False
@@ -365,7 +337,7 @@ class Job:
                 stop = cursor.stop  # lowered if another thread took the tail
             rose = cursor.started is not None and self._measured(cursor, stop - start)
             if not rose:
-                self._count(start, stop, began)
+                self._count(start, stop, wall, cpu if probing else None)
                 return self._claim() if then_claim else None
         # The map rose: more threads before the chunk counts as done, so that
         # the map (and its executor) is still there for them.
@@ -374,14 +346,35 @@ class Job:
                 self.grow()
         finally:
             with self._lock:
-                self._count(start, stop, began)
+                self._count(start, stop, wall, None)
         return self.claim() if then_claim else None
 
-    def drain(self) -> None:
-        """Claims and runs chunks until none are left."""
-        chunk = self.claim()
-        while chunk is not None:
-            chunk = self.run(*chunk, then_claim=True)
+    def _run_in_order(self, busy: Busy | None) -> None:
+        """Runs units drawn one at a time from the shared iterator, in index
+        order, as ``ThreadPoolExecutor.map`` hands out its elements, until it
+        is exhausted or the map fails. The claim of a unit is a step of the
+        iterator, with no lock (see the lock rule): with a lock per unit, 32
+        threads on 2 CPUs queued at it (the front-loaded benchmark took
+        1.08-1.15x as long as with chunks of several units). The thread
+        counted itself in ``_racers`` when it claimed the run, and takes the
+        lock once more, to leave it; the job is done once no thread is in it
+        and nothing is left to draw."""
+        units = self._order
+        assert units is not None  # set before any thread is counted in the run
+        outer, _local.job = _local.job, self
+        if busy is not None:
+            busy.running = True
+        try:
+            self.run_units(units, self._single)
+        except BaseException as e:  # routed to the waiting thread
+            self.fail(e)
+        finally:
+            _local.job = outer
+            if busy is not None:
+                busy.running = False
+        with self._lock:
+            self._racers -= 1
+            self._check_done()
 
     def _measured(self, cursor: Cursor, units: int) -> bool:  # lock held
         """Times a chunk of a limited map; whether the map rose to every thread."""
@@ -394,22 +387,39 @@ class Job:
         return self._rise()
 
     def _rise(self) -> bool:  # lock held
-        """Lets the map use every thread, one unit per chunk in index order,
+        """Lets the map use every thread, one unit per claim in index order,
         the running chunks' tails given back (:func:`._scheduling.rise`);
         whether threads should be added."""
         self.limit = self.workers
         policy.rise(self._measure)
         for cursor in list(self._running):
             self._cut(cursor)
+        self._go_in_order()
         return not self._exhausted()
 
-    def _count(self, start: int, stop: int, began: float) -> None:  # lock held
-        """Counts a chunk as done."""
+    def _go_in_order(self) -> None:  # lock held
+        """From now on the front is drawn one unit at a time, in index order,
+        without the lock (:meth:`_run_in_order`); units given back by cut
+        chunks, all below it, are claimed first, one at a time, under it."""
+        if self._order is None and self._next < self.n:
+            self._order = in_order(self._next, self.n)
+            self._order_units = self.n - self._next
+            self._next = self.n
+
+    def _count(
+        self, start: int, stop: int, wall: float, cpu: float | None
+    ) -> None:  # lock held
+        """Counts a chunk as done, which took ``wall`` seconds (``cpu`` on a
+        CPU, when the map probed it)."""
         units = stop - start
-        if self.fixed is None and units > 0 and not self._measure.one_each:
-            wall = time.perf_counter() - began
-            policy.record_time(self._measure, units, wall)
-        self.completed += units
+        measure = self._measure
+        if self.fixed is None and units > 0 and not measure.one_each:
+            if cpu is not None and measure.probing:
+                if policy.record_probe(measure, wall, cpu, self.workers):
+                    self._go_in_order()
+            else:
+                policy.record_time(measure, units, wall)
+        self._completed += units
         self._outstanding -= 1
         if self._outstanding == 0:
             self._check_done()
@@ -417,7 +427,7 @@ class Job:
     def add_completed(self, units: int) -> None:
         """Counts units done elsewhere (shipped to another process)."""
         with self._lock:
-            self.completed += units
+            self._completed += units
 
     def exhausted(self) -> bool:
         """Whether no unit is left to claim (but tails of running chunks)."""
@@ -425,10 +435,14 @@ class Job:
             return self._exhausted()
 
     def _exhausted(self) -> bool:  # lock held
-        return self.failed or (self._next >= self.n and not self._back)
+        if self.failed:
+            return True
+        if self._next < self.n or self._back:
+            return False
+        return self._order is None or not operator.length_hint(self._order)
 
     def _check_done(self) -> None:  # lock held
-        if self._outstanding == 0 and self._exhausted():
+        if self._outstanding == 0 and self._racers == 0 and self._exhausted():
             self.done.set()
 
     # --- the thread that waits -----------------------------------------------------

@@ -13,7 +13,7 @@ store. Other signatures fall back to the caller's general ``call`` and
 ``result_leaves``.
 
 Each row's range iterator is published at the chunk's cursor (``c.row``) before
-the row runs, and ``c.halt`` is checked before each element (``_jobs.Cursor``):
+the row runs, and ``c.halt`` is checked before each element (``_claims.Cursor``):
 that is how another thread takes the elements not yet started of a chunk, or a
 failure stops it, with no thread ever looking into another. So the cost per
 element is the kernel call, one index per batched operand, a type check and a
@@ -30,7 +30,7 @@ import functools
 import keyword
 import linecache
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -41,8 +41,15 @@ from ._errors import PASS_THROUGH
 #: Runs elements ``[start, stop)``, publishing each row's range iterator at the
 #: cursor before running it; ``cursor.halt`` and ``cursor.halted(i)`` stop it
 #: before element ``i`` (a failure, or the chunk's tail taken by another
-#: thread; see ``_jobs.Cursor``).
+#: thread; see ``_claims.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
+#: Runs each element that a shared iterator yields, in this thread, until it
+#: is exhausted: the claim of a map that runs one element at a time in index
+#: order (``_jobs.Job``), each ``next()`` one atomic step of the iterator;
+#: ``cursor.halt`` and ``cursor.halted(i)`` stop it before element ``i``.
+UnitsFn = Callable[[Iterator[int], Any], None]
+#: The two functions of one generated loop.
+Loop = tuple[ChunkFn, UnitsFn]
 
 
 class Caller(Protocol):
@@ -245,8 +252,6 @@ def _source(
         for k, const in enumerate(consts)
     ]
     body = [
-        "if c.halt and c.halted(base + j):",
-        "    return",
         "try:",
         f"    r = {_invoke(consts, call)}",
         "except PASS_THROUGH:",
@@ -279,11 +284,25 @@ def _source(
         "            js = iter(range(j, end))",
         "            c.row = (base + end, js)",
         "            for j in js:",
+        "                if c.halt and c.halted(base + j):",
+        "                    return",
         *[f"                {line}" for line in body],
         "            start = base + end",
         "            row, j = row + 1, 0",
         "            prefix = _next(prefix, outer)",
-        "    return chunk",
+        "    def units(it, c):",
+        "        row = -1",
+        "        for i in it:",
+        "            if c.halt and c.halted(i):",
+        "                return",
+        "            at, j = divmod(i, last)",
+        "            if at != row:",
+        "                row, base = at, at * last",
+        "                prefix = _unravel(row, outer)",
+        *[f"                {line}" for line in row_reads],
+        *[f"                p{k} = o{k}[prefix]" for k in range(n_out)],
+        *[f"            {line}" for line in body],
+        "    return chunk, units",
     ]
     return "\n".join(lines) + "\n"
 
@@ -318,7 +337,7 @@ def show_loops(kernel_name: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(source: str, label: str) -> Callable[..., ChunkFn]:
+def _compile(source: str, label: str) -> Callable[..., Loop]:
     """Compiles a loop builder under the file name ``label`` (inside the
     package, so that kernel tracebacks leave its frame out), its source
     registered with :mod:`linecache` so that tracebacks show its lines."""
@@ -333,7 +352,7 @@ def _compile(source: str, label: str) -> Callable[..., ChunkFn]:
     }
     code = compile(source, filename, "exec")
     exec(code, namespace)
-    build: Callable[..., ChunkFn] = namespace["build"]
+    build: Callable[..., Loop] = namespace["build"]
     return build
 
 
@@ -391,8 +410,9 @@ def element_loop(
     out_v: Sequence[np.ndarray],
     shape: tuple[int, ...],
     flat_of: Any = None,
-) -> ChunkFn:
-    """The loop that runs elements ``[start, stop)`` of ``caller``'s kernel.
+) -> Loop:
+    """The loop that runs elements ``[start, stop)`` of ``caller``'s kernel, and
+    its twin that runs the elements a shared iterator yields (:data:`UnitsFn`).
 
     Args:
         caller: Calls, checks and stores one element (the slow paths).

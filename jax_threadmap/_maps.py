@@ -33,8 +33,9 @@ from typing import Any, Protocol
 
 from . import _fork, _remote, _threads, _validate
 from . import _scheduling as policy
+from ._claims import MapWork
 from ._errors import ExecutorError, KernelError, restore_shipped_cause
-from ._jobs import Job, MapWork, _local
+from ._jobs import Job, _local
 from ._progress import Progress, progress_enabled, wait
 from ._scheduling import (
     EXIT_GRACE,
@@ -214,15 +215,18 @@ def new_job(
     # guided chunks, each a share of what is left.
     fixed = policy.fixed_chunk(units, workers) if work.sums else None
     nested = parent is not None
-    limited = policy.starts_limited(units, workers, nested, runner.on_threads)
+    cpus = available_cpus()
+    start = (units, workers, cpus, nested, runner.on_threads)
     return Job(
         units,
         work.run_chunk,
+        units=work.run_units,
         fixed=fixed,
         divisor=policy.guided_divisor(workers),
         parent=parent,
         workers=workers,
-        cpus=available_cpus() if limited else None,
+        cpus=cpus if policy.starts_limited(*start) else None,
+        probe=policy.starts_probing(*start),
     )
 
 

@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -139,8 +139,11 @@ def _restore(cls: type[_Task], caller: Any, state: dict[str, Any]) -> _Task:
     return task
 
 
-#: Runs elements ``[start, stop)``, publishing its rows at a cursor (``_jobs.Cursor``).
+#: Runs elements ``[start, stop)``, publishing its rows at a cursor
+#: (``_claims.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
+#: Runs the elements that a shared iterator yields (``_loops.UnitsFn``).
+UnitsFn = Callable[[Iterator[int], Any], None]
 
 
 class ElementLoops(Protocol):
@@ -154,7 +157,7 @@ class ElementLoops(Protocol):
         out_v: Sequence[np.ndarray],
         shape: tuple[int, ...],
         flat_of: Any = None,
-    ) -> ChunkFn: ...
+    ) -> tuple[ChunkFn, UnitsFn]: ...
 
 
 class _Alone:
@@ -222,7 +225,7 @@ class RemoteChunk(_Task):
             out, view = _summing.remote_output(index, n, shape, dtype)
             outs.append(out)
             views_out.append(view)
-        run = caller.loop(views, views_out, (n,), self.flat_index)
+        run, _ = caller.loop(views, views_out, (n,), self.flat_index)
         t = time.perf_counter()  # the kernel's time, not the loop's making
         run(0, n, _Alone())
         seconds = (time.perf_counter() - t) / max(n, 1)

@@ -24,9 +24,15 @@ The heuristics, each shown necessary by switching it off:
 - the *stuck-chunk watch* (:data:`STUCK_CHUNK`) raises it when a chunk runs too
   long: ``test_pairs_that_wait_for_each_other`` and
   ``test_elements_that_wait_for_each_other_all_start`` hang without it;
-- once raised, a map runs one element per chunk in index order (:func:`rise`):
+- once raised, a map runs one element per claim in index order (:func:`rise`):
   without it every case of ``test_pairs_that_wait_for_each_other`` hung, in 3
-  runs of 3 under two busy loops.
+  runs of 3 under two busy loops. Its threads draw the elements from one shared
+  range iterator, without the job's lock (``_jobs.Job._run_in_order``);
+- a large map on no more threads than CPUs, or a nested one, *probes*
+  (:func:`starts_probing`, :func:`record_probe`): one element per claim in
+  index order, each timed, until :func:`fast_run` fast elements in a row give
+  it guided chunks; without it the 8- and 16-CPU cases of
+  ``test_pairs_that_wait_for_each_other`` wait until their barriers break.
 
 The watch has no period of its own: the waiting thread wakes when the oldest
 running chunk reaches :data:`STUCK_CHUNK` (``_jobs.Job.poll``).
@@ -83,20 +89,46 @@ SLOW_VOTES = 2
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
 #: Seconds a chunk of a map on fewer threads may run before the thread that
-#: waits for the map gives it every thread, one element per chunk from then on
-#: (see :func:`rises`): elements that wait for each other (at a barrier, for
+#: waits for the map gives it every thread, one element per claim from then on
+#: (see :func:`rise`): elements that wait for each other (at a barrier, for
 #: replies that come once all requests are out) all start, and none waits
 #: behind another in its own thread's chunk. The waiting thread wakes when the
 #: oldest running chunk reaches this age, not on a period. Without the watch,
 #: ``tests/test_scheduling_defects.py::test_pairs_that_wait_for_each_other``
 #: waits until its barriers break: a limited map's threads all wait at a pair.
 STUCK_CHUNK = 0.05
-#: Elements per executor thread from which a map starts on fewer threads. A
-#: smaller map runs as it did before maps were limited: on every thread at once,
-#: mostly one element per chunk, so that elements which wait for each other all
-#: start whatever else runs on the executor; its few elements cost little on
-#: many threads.
+#: Elements per executor thread from which a map starts on fewer threads (or,
+#: on an executor with no more threads than CPUs, probing: see
+#: :func:`starts_probing`). A smaller map runs as it did before maps were
+#: limited: on every thread at once, mostly one element per chunk, so that
+#: elements which wait for each other all start whatever else runs on the
+#: executor; its few elements cost little on many threads.
 LIMITED_FROM = 4
+#: Seconds under which an element of a probing map counts as fast (if its
+#: thread was also on a CPU for at least ``WAIT_SHARE`` of them): chunks of
+#: several elements then save a claim per element, about a tenth of a trivial
+#: kernel's time in index order (``benchmarks/compare_revisions.py``
+#: signatures). Longer elements run in index order, where the claim costs them
+#: under 1% and no element waits behind another in a chunk.
+FAST_ELEMENT = 20e-6
+#: Elements in a row, per executor thread, that must be fast before a probing
+#: map takes chunks of several elements. Elements that wait for each other in
+#: groups cannot do it: each group's last element returns at once, the others
+#: wait, and fewer groups than threads run at a time, so at most about one
+#: fast element per thread comes between two that waited. With 0 (8 in a
+#: row whatever the threads), 256 elements in pairs on ``executor=32`` with 32
+#: CPUs waited until their barriers broke in 1 run of 12
+#: (``test_pairs_that_wait_for_each_other``, 32 CPUs).
+FAST_RUN_PER_WORKER = 2
+#: The least of those elements in a row, for executors of one or two threads.
+#: With 0 as well (the probe ends at its first element), every 8- and 16-CPU
+#: case of ``test_pairs_that_wait_for_each_other`` waits until its barriers
+#: break.
+FAST_RUN_MIN = 8
+#: A probing map that has run this many runs' worth of elements
+#: (``PROBE_RUNS * fast_run(workers)``) without a fast run stops timing them
+#: and runs in index order to the end, claiming without the job's lock.
+PROBE_RUNS = 4
 #: Guided chunks take ``1 / (GUIDED_SHARE * workers)`` of the elements left:
 #: fast kernels run in about ``GUIDED_SHARE`` large chunks per thread (few
 #: claims), and the last chunks shrink to one element (no thread idles at the
@@ -147,9 +179,17 @@ class Measure:
     per_element: float = 0.0
     #: Chunks in a row that found the elements slow or waiting.
     votes: int = 0
-    #: The map rose to every thread (:func:`rises`): one element per chunk from
-    #: now on.
+    #: One element per claim in index order, to the end: the map rose to every
+    #: thread (:func:`rise`) or a probe found its elements slow or waiting
+    #: (:func:`record_probe`).
     one_each: bool = False
+    #: One element per claim in index order, each timed, until a run of fast
+    #: ones (:func:`record_probe`).
+    probing: bool = False
+    #: Elements of a probing map in a row that were fast.
+    fast: int = 0
+    #: Elements of a probing map timed so far.
+    probed: int = 0
 
 
 def guided_divisor(workers: int) -> int:
@@ -162,13 +202,42 @@ def fixed_chunk(units: int, workers: int) -> int | None:
     return -(-units // (FIXED_CHUNKS_PER_WORKER * workers)) if units else None
 
 
-def starts_limited(units: int, workers: int, nested: bool, on_threads: bool) -> bool:
-    """Whether a map starts on one thread per CPU (see :data:`LIMITED_FROM`).
+def starts_limited(
+    units: int, workers: int, cpus: int, nested: bool, on_threads: bool
+) -> bool:
+    """Whether a map starts on one thread per CPU: a large map (see
+    :data:`LIMITED_FROM`) on an executor with more threads than CPUs.
 
     A small map and a nested one take every thread at once, since their
     elements may wait on each other (and the thread that waits for a nested
     map runs a kernel and watches nothing)."""
-    return on_threads and not nested and units > LIMITED_FROM * workers
+    large = units > LIMITED_FROM * workers
+    return on_threads and not nested and large and cpus < workers
+
+
+def starts_probing(
+    units: int, workers: int, cpus: int, nested: bool, on_threads: bool
+) -> bool:
+    """Whether a map starts *probing*: every thread of its executor at once, one
+    element per claim in index order, each timed (:func:`record_probe`).
+
+    A large map on threads that does not start limited: on an executor with no
+    more threads than CPUs (``executor=None``, ``executor=8`` on 8 CPUs), or a
+    nested one. No thread is spare there to take the rest of a chunk whose
+    thread waits at one element for the next, queued behind it: 64 elements
+    where ``2k`` and ``2k + 1`` wait for each other, on ``executor=8`` with 8
+    CPUs, waited for good with guided chunks from the start
+    (``test_pairs_that_wait_for_each_other``), and finish in index order, as
+    with ``ThreadPoolExecutor(8).map``."""
+    large = units > LIMITED_FROM * workers
+    limited = starts_limited(units, workers, cpus, nested, on_threads)
+    return on_threads and large and not limited
+
+
+def fast_run(workers: int) -> int:
+    """Fast elements in a row after which a probing map takes chunks of several
+    (:data:`FAST_RUN_PER_WORKER`, :data:`FAST_RUN_MIN`)."""
+    return max(FAST_RUN_MIN, FAST_RUN_PER_WORKER * workers)
 
 
 def chunk_size(remaining: int, divisor: int, measure: Measure, limited: bool) -> int:
@@ -181,7 +250,7 @@ def chunk_size(remaining: int, divisor: int, measure: Measure, limited: bool) ->
     the share of what is left, at most :data:`MAX_CHUNK_SECONDS` of work once an
     element has been timed; a map that had a stuck chunk, one element."""
     per = measure.per_element
-    if measure.one_each or (limited and per <= 0.0):
+    if measure.one_each or measure.probing or (limited and per <= 0.0):
         return 1
     size = remaining // divisor
     if limited:
@@ -217,6 +286,32 @@ def rise(measure: Measure) -> None:
     measure.one_each = True
 
 
+def record_probe(measure: Measure, wall: float, cpu: float, workers: int) -> bool:
+    """Records one element of a probing map, which took ``wall`` seconds (``cpu``
+    of them on a CPU) on an executor of ``workers`` threads; returns whether the
+    map now runs in index order to the end.
+
+    An element is fast when it took less than :data:`FAST_ELEMENT` and its
+    thread was on a CPU for at least :data:`WAIT_SHARE` of it (it did not wait:
+    for another element, a lock, a sleep). After :func:`fast_run` fast elements
+    in a row the map stops probing and takes guided chunks (a slow first
+    element, a thread that lost its CPU for a moment, only restart the run).
+    After :data:`PROBE_RUNS` runs' worth of elements without one, its elements
+    wait or take long, and it runs in index order to the end, untimed."""
+    measure.per_element = max(wall, 1e-9)
+    measure.probed += 1
+    fast = wall < FAST_ELEMENT and cpu >= WAIT_SHARE * wall
+    measure.fast = measure.fast + 1 if fast else 0
+    run = fast_run(workers)
+    if measure.fast >= run:
+        measure.probing = False
+    elif measure.probed >= PROBE_RUNS * run:
+        measure.probing = False
+        measure.one_each = True
+        return True
+    return False
+
+
 def record_time(measure: Measure, elements: int, wall: float) -> None:
     """Records a chunk of a map on every thread that took ``wall`` seconds."""
     measure.per_element = max(wall / elements, 1e-9)
@@ -233,7 +328,7 @@ def steal_split(running: dict[K, tuple[int, int]]) -> tuple[K, int] | None:
     tail of, and where that chunk would then stop: ``(key, split)``.
 
     ``running`` maps each chunk (any key) to ``(current, stop)``: the element its
-    loop last published (``_jobs.Cursor``) and where the chunk stops. The chunk
+    loop last published (``_claims.Cursor``) and where the chunk stops. The chunk
     with the most elements not yet started gives up all of them, from the one
     after ``current``: an element that waits for the next one (a barrier of
     adjacent elements) then finds it run by another thread rather than queued

@@ -283,9 +283,7 @@ class _Threads:
                 return
             worker.started = True
         while (job := worker.job) is not None:
-            chunk = job.claim()
-            while chunk is not None:
-                chunk = job.run(*chunk, then_claim=True, busy=worker)
+            job.drain(busy=worker)
             with self.lock:
                 self._hand_next(worker)
                 idle = worker.job is None and not self.exiting

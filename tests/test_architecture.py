@@ -29,6 +29,7 @@ LAYERS = [
     "_host",
     "_progress",
     "_scheduling",
+    "_claims",
     "_jobs",
     "_threads",
     "_maps",

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jax_threadmap import _jobs, _maps, _threads, threadmap
+from jax_threadmap._claims import LockedRange, in_order
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -176,9 +177,12 @@ def test_fork_while_the_layer_is_busy():
             t.join(60)
 
 
-def _protocol_chunk(calls, lock, slow):
-    """A chunk function that follows the cursor protocol (``_jobs.Cursor``), as
-    the generated loops do: each row published, ``halt`` read before each unit."""
+def _protocol_chunk(calls, lock, slow, pause=0.002, at_0=None):
+    """A chunk function that follows the cursor protocol (``_claims.Cursor``), as
+    the generated loops do: each row published, ``halt`` read before each unit;
+    ``at_0`` is called once, as unit 0 runs, and every other unit waits for it
+    to be done (each thread holds one chunk at a time, so units are left at the
+    front for the in-order run)."""
 
     def chunk(start, stop, cursor):
         units = iter(range(start, stop))
@@ -188,32 +192,68 @@ def _protocol_chunk(calls, lock, slow):
                 return
             with lock:
                 calls[i] += 1
+            if at_0 is not None:
+                if i == 0:
+                    at_0()
+                else:  # the front is not all claimed before the rise
+                    assert at_0.done.wait(60), "unit 0 never ran"
             if i in slow:
-                time.sleep(0.002)  # a tail to take while this unit runs
+                time.sleep(pause)  # a tail to take while this unit runs
 
     return chunk
 
 
-@pytest.mark.parametrize("limited", [False, True], ids=["guided", "rising"])
-def test_tails_taken_while_chunks_run_leave_every_unit_run_once(switch_often, limited):
+def _rise(job_of):
+    """Raises the map to every thread (as its waiting thread does when it sees
+    a chunk stuck): the rest of the front is drawn in index order."""
+
+    def rise():
+        job = job_of()
+        with job._lock:
+            job._rise()
+        rise.done.set()
+
+    rise.done = threading.Event()
+    return rise
+
+
+@pytest.mark.parametrize(
+    "limited, probe, locked",
+    [(False, False, False), (True, False, False), (True, False, True)]
+    + [(False, True, False), (False, True, True)],
+    ids=["guided", "rising", "rising-locked", "probing", "probing-locked"],
+)
+def test_tails_taken_while_chunks_run_leave_every_unit_run_once(
+    monkeypatch, switch_often, limited, probe, locked
+):
     # The cursor protocol hammered: six threads drain maps whose slow units let
     # the others take the tails of running chunks, again and again, with the
     # interpreter switching threads every microsecond; a limited map also rises
-    # mid-way (its running tails given back at once). Every unit runs once, the
+    # at unit 0 (its running tails given back at once), and a probing one
+    # finds its elements waiting: both then draw the rest in index order from one shared
+    # iterator without the job's lock (on a free-threaded build through a lock
+    # of its own, which "locked" uses here too). Every unit runs once, the
     # counts add up, and nothing is left running or given back.
+    monkeypatch.setattr(_jobs, "in_order", functools.partial(in_order, locked=locked))
     rng = np.random.default_rng(0)
     for _ in range(20):
         n = 600
         calls = [0] * n
         lock = threading.Lock()
         slow = set(rng.choice(n, 40, replace=False).tolist())
+        pause, jobs = 0.002, []
+        if probe:  # every unit waits: the probe finds none fast
+            slow, pause = set(range(n)), 50e-6
+        at_0 = _rise(functools.partial(jobs.__getitem__, 0)) if limited else None
         job = _jobs.Job(
             n,
-            _protocol_chunk(calls, lock, slow),
+            _protocol_chunk(calls, lock, slow, pause, at_0),
             divisor=8,
             workers=6,
             cpus=2 if limited else None,
+            probe=probe,
         )
+        jobs.append(job)
         job.limit = job.workers  # every thread drains at once; it may still rise
         if limited:
             job.limit = 5
@@ -227,6 +267,9 @@ def test_tails_taken_while_chunks_run_leave_every_unit_run_once(switch_often, li
         assert calls == [1] * n, [i for i, c in enumerate(calls) if c != 1]
         assert job.completed == n
         assert not job._running and not job._back
+        if limited or probe:  # the rest was drawn in index order
+            assert job._order is not None
+            assert isinstance(job._order, LockedRange) == locked
 
 
 def _failing_chunk(calls, late, job_of):

@@ -85,12 +85,65 @@ def test_a_chunk_is_stuck_after_stuck_chunk_seconds():
     assert policy.is_stuck(start, start + policy.STUCK_CHUNK * 1.1)
 
 
-def test_which_maps_start_limited():
-    w = 8
-    assert policy.starts_limited(policy.LIMITED_FROM * w + 1, w, False, True)
-    assert not policy.starts_limited(policy.LIMITED_FROM * w, w, False, True)
-    assert not policy.starts_limited(10**6, w, nested=True, on_threads=True)
-    assert not policy.starts_limited(10**6, w, nested=False, on_threads=False)
+def test_which_maps_start_limited_and_which_probing():
+    w, large, small = 8, policy.LIMITED_FROM * 8 + 1, policy.LIMITED_FROM * 8
+    for cpus in (2, 7):  # fewer CPUs than threads: limited
+        assert policy.starts_limited(large, w, cpus, False, True)
+        assert not policy.starts_probing(large, w, cpus, False, True)
+    for cpus in (8, 16):  # no more threads than CPUs: probing
+        assert not policy.starts_limited(large, w, cpus, False, True)
+        assert policy.starts_probing(large, w, cpus, False, True)
+    # Nested: every thread at once, probing whatever the CPUs.
+    assert not policy.starts_limited(large, w, 2, nested=True, on_threads=True)
+    assert policy.starts_probing(large, w, 2, nested=True, on_threads=True)
+    # Small maps, and maps on other processes: neither.
+    for cpus in (2, 16):
+        assert not policy.starts_limited(small, w, cpus, False, True)
+        assert not policy.starts_probing(small, w, cpus, False, True)
+        assert not policy.starts_limited(large, w, cpus, False, on_threads=False)
+        assert not policy.starts_probing(large, w, cpus, False, on_threads=False)
+
+
+def _probe(measure, wall, cpu_share=1.0, workers=4):
+    return policy.record_probe(measure, wall, cpu_share * wall, workers)
+
+
+def test_a_probing_map_takes_one_element_per_chunk():
+    m = Measure(per_element=1e-7, probing=True)
+    assert policy.chunk_size(10**6, 8, m, limited=False) == 1
+
+
+def test_a_run_of_fast_elements_ends_the_probe_with_guided_chunks():
+    run = policy.fast_run(4)
+    assert run == max(policy.FAST_RUN_MIN, policy.FAST_RUN_PER_WORKER * 4)
+    m = Measure(probing=True)
+    fast = policy.FAST_ELEMENT / 10
+    assert not _probe(m, policy.FAST_ELEMENT * 100)  # a slow first call
+    for _ in range(run - 1):
+        assert not _probe(m, fast)
+        assert m.probing
+    assert not _probe(m, fast)
+    assert not m.probing and not m.one_each
+    assert policy.chunk_size(10**6, 8, m, limited=False) > 1
+
+
+def test_elements_that_wait_or_take_long_never_end_the_probe_with_chunks():
+    run = policy.fast_run(4)
+    fast = policy.FAST_ELEMENT / 10
+    # Pairs: every other element waits (its thread off the CPU), and runs of
+    # fast ones stay shorter than fast_run; long elements are never fast.
+    for other in (
+        lambda m: _probe(m, fast, cpu_share=policy.WAIT_SHARE / 2),
+        lambda m: _probe(m, policy.FAST_ELEMENT * 2),
+    ):
+        m = Measure(probing=True)
+        settled = []
+        for k in range(policy.PROBE_RUNS * run):
+            settled.append(other(m) if k % (run // 2) == 0 else _probe(m, fast))
+        # After PROBE_RUNS runs' worth of elements: in index order to the end.
+        assert settled == [False] * (len(settled) - 1) + [True]
+        assert m.one_each and not m.probing
+        assert policy.chunk_size(10**6, 8, m, limited=False) == 1
 
 
 def test_fixed_chunks_and_vector_lengths():

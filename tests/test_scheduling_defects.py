@@ -113,8 +113,12 @@ def test_adjacent_elements_that_wait_for_each_other_in_a_small_map(
 
 
 @pytest.mark.parametrize("kind", ["shared", "user"])
-@pytest.mark.parametrize("n, cpus", [(64, 2), (64, 6), (256, 2)])
-def test_pairs_that_wait_for_each_other(monkeypatch, kind, n, cpus):
+@pytest.mark.parametrize(
+    "n, cpus, workers",
+    [(64, 2, 8), (64, 6, 8), (256, 2, 8), (64, 8, 8), (64, 16, 8), (256, 8, 8)]
+    + [(256, 32, 32)],
+)
+def test_pairs_that_wait_for_each_other(monkeypatch, kind, n, cpus, workers):
     # Issue 27: elements 2k and 2k + 1 meet at a barrier, on executor=8, as a
     # user would with ThreadPoolExecutor(8).map. The map starts on one thread
     # per CPU with chunks of several elements; a thread waiting at the first
@@ -123,9 +127,14 @@ def test_pairs_that_wait_for_each_other(monkeypatch, kind, n, cpus):
     # map rising to every thread, one element per chunk in index order, with
     # the running chunks' tails given back (a chunk stuck for STUCK_CHUNK).
     # Before: 2-3 runs in 10 waited until the barriers broke under load, and
-    # every run on CPython 3.11 (no tail stealing there).
+    # every run on CPython 3.11 (no tail stealing there). With 8 or 16 CPUs
+    # (no more threads than CPUs, no spare thread to take a tail) the map
+    # probes instead: one element per claim in index order, each timed; the
+    # pairs never make a run of fast elements, so it stays in index order, as
+    # ThreadPoolExecutor(8).map does (before, those waited for good); and on
+    # executor=32 with 32 CPUs.
     monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
-    with executor_of(kind, 8) as ex:
+    with executor_of(kind, workers) as ex:
         errors = in_threads([lambda: pairs_map(n, ex)])
     assert errors == [None]
 

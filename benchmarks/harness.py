@@ -273,15 +273,34 @@ def in_subprocess(call: str, timeout: float = 300) -> dict[str, Any]:
     code = f"import json\nimport harness\nprint(json.dumps(harness.{call}))\n"
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": path},
+    env = {**os.environ, "PYTHONPATH": path}
+    return _json_from([sys.executable, "-c", code], env, timeout, call)
+
+
+def script_in_child(
+    script: str, *args: str, devices: int, timeout: float = 600
+) -> dict[str, Any]:
+    """Runs ``python script *args`` in a fresh process with ``devices`` CPU
+    devices (``--xla_force_host_platform_device_count``, which must be set before
+    JAX starts) and this checkout first on its path; returns the dict that its
+    last line of output holds as JSON."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     )
+    env.pop("JAX_PLATFORMS", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    what = " ".join([os.path.basename(script), *args])
+    return _json_from([sys.executable, script, *args], env, timeout, what)
+
+
+def _json_from(
+    cmd: list[str], env: dict[str, str], timeout: float, what: str
+) -> dict[str, Any]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"{call} failed in its subprocess:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed in its subprocess:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

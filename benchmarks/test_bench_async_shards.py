@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -51,28 +50,10 @@ MEMORY_METHODS = (
 )
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
-    env.pop("JAX_PLATFORMS", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _run_child(*args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, *args],
-        env=_child_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    import harness  # here: the child runs this file too, and needs none of it
+
+    return harness.script_in_child(__file__, *args, devices=8, timeout=900)
 
 
 # --- in the child --------------------------------------------------------------------

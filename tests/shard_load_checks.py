@@ -46,6 +46,21 @@ def check(name, ok, detail=""):
     print(f"ok {name}", flush=True)
 
 
+def raised(error, fn, *args, **kwargs):
+    """The ``error`` that ``fn(*args, **kwargs)`` raises, or None if it returns."""
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        return e
+    return None
+
+
+def message(error, fn, *args, **kwargs):
+    """The message of the ``error`` that ``fn(*args, **kwargs)`` raises, or None."""
+    e = raised(error, fn, *args, **kwargs)
+    return None if e is None else str(e)
+
+
 def key(index):
     return tuple((s.start, s.stop, s.step) for s in index)
 
@@ -306,11 +321,7 @@ def a_failing_shard():
     y = jax.jit(lambda a: a + 1)(x)
     check("3 shards fetching", all(started.acquire(timeout=WAIT) for _ in range(3)))
     go.set()
-    try:
-        x.result(WAIT)
-        error = None
-    except FileNotFoundError as e:
-        error = e
+    error = raised(FileNotFoundError, x.result, WAIT)
     check("the callback's own exception", error is not None, repr(error))
     where = "index [2:4, :] (devices 2, 3) of the array of shape (8, 16)"
     if sys.version_info >= (3, 11):
@@ -320,21 +331,13 @@ def a_failing_shard():
     while len(cancelled) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     check("the other coroutines are cancelled", sorted(cancelled) == [0, 2, 3])
-    try:
-        y.block_until_ready()
-        text = ""
-    except jax.errors.JaxRuntimeError as e:
-        text = str(e)
+    text = message(jax.errors.JaxRuntimeError, y.block_until_ready) or ""
     check(
         "dependents raise with the index and devices",
         where in text and "FileNotFoundError: object 1: no such key" in text,
         text[-600:],
     )
-    try:
-        jax.jit(lambda a: a * 3)(x)
-        later = None
-    except FileNotFoundError as e:
-        later = e
+    later = raised(FileNotFoundError, jax.jit(lambda a: a * 3), x)
     check("a later dispatch raises the error", later is error)
 
 
@@ -395,17 +398,13 @@ def bad_shards_are_named():
             lambda i, bad=bad: bad(i) if i[0].start == 4 else DATA[i],
             np.float32,
         )
-        try:
-            x.result(WAIT)
-            message = None
-        except ValueError as e:
-            message = str(e)
+        text = message(ValueError, x.result, WAIT)
         check(
             f"bad shard named ({what})",
-            message is not None
-            and what in message
-            and "for the shard at index [4:6, :] (devices 4, 5)" in message,
-            message,
+            text is not None
+            and what in text
+            and "for the shard at index [4:6, :] (devices 4, 5)" in text,
+            text,
         )
     ints = jtm.async_array_from_callback(
         SHAPE, sharding, lambda i: DATA[i].astype(np.int64), np.float32
@@ -430,17 +429,13 @@ def timeout_and_cancel():
             raise
 
     x = jtm.async_array_from_callback(SHAPE, sharding, hangs, np.float32, timeout=0.5)
-    try:
-        x.result(WAIT)
-        message = None
-    except TimeoutError as e:
-        message = str(e)
+    text = message(TimeoutError, x.result, WAIT)
     check(
         "timeout names the missing shards",
-        message is not None
-        and "for 3 of 4 shard(s)" in message
-        and "index [2:4, :] (devices 2, 3)" in message,
-        message,
+        text is not None
+        and "for 3 of 4 shard(s)" in text
+        and "index [2:4, :] (devices 2, 3)" in text,
+        text,
     )
     check(
         "timeout cancels them", all(cancelled.acquire(timeout=WAIT) for _ in range(3))
@@ -449,11 +444,7 @@ def timeout_and_cancel():
     check("started", all(started.acquire(timeout=WAIT) for _ in range(6)))
     check("cancel", y.cancel() is True)
     check("cancel cancels them", all(cancelled.acquire(timeout=WAIT) for _ in range(3)))
-    try:
-        y.result(WAIT)
-        got = None
-    except concurrent.futures.CancelledError as e:
-        got = e
+    got = raised(concurrent.futures.CancelledError, y.result, WAIT)
     check("cancel: uses raise CancelledError", got is not None)
 
 
@@ -517,17 +508,13 @@ def bad_arguments():
             "timeout",
         ),
     ):
-        try:
-            jtm.async_array_from_callback(*args, **kwargs)
-            message = None
-        except error as e:
-            message = str(e)
+        text = message(error, jtm.async_array_from_callback, *args, **kwargs)
         check(
             f"bad argument: {words}",
-            message is not None
-            and message.startswith("jax_threadmap.async_array_from_callback")
-            and words in message,
-            message,
+            text is not None
+            and text.startswith("jax_threadmap.async_array_from_callback")
+            and words in text,
+            text,
         )
 
 

@@ -162,6 +162,20 @@ def test_async_dispatch_hook_is_still_where_we_expect_it(hook):
     assert _compat.async_dispatch_unavailable() is None
 
 
+def _pulled_gate(uuid: int):
+    """A scalar int32 array on the first device, pulled from a transfer server of
+    this process and not yet offered (``server.await_pull(uuid, ...)`` offers it):
+    the gate of _dispatch.Dispatch. Returns the device, the server, the gate and
+    the connection it was pulled over (the test keeps it, as _dispatch does)."""
+    dev = jax.devices()[0]
+    server = _compat.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
+    conn = server.connect(server.address())
+    aval = jax.ShapeDtypeStruct(
+        (), np.int32, sharding=jax.sharding.SingleDeviceSharding(dev)
+    )
+    return dev, server, conn.pull(uuid, [aval])[0], conn
+
+
 def test_a_pulled_gate_holds_a_callback_program_until_offered():
     # The gate mechanism of _dispatch.Dispatch, reduced to its parts: a program
     # whose input is a pulled, not yet offered array is dispatched without
@@ -169,13 +183,7 @@ def test_a_pulled_gate_holds_a_callback_program_until_offered():
     import threading
     import time
 
-    dev = jax.devices()[0]
-    server = _compat.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
-    conn = server.connect(server.address())
-    gate_aval = jax.ShapeDtypeStruct(
-        (), np.int32, sharding=jax.sharding.SingleDeviceSharding(dev)
-    )
-    gate = conn.pull(12345, [gate_aval])[0]
+    dev, server, gate, _conn = _pulled_gate(12345)
     ran = threading.Event()
     data = np.arange(5, dtype=np.float32)
 
@@ -275,13 +283,7 @@ def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():
 
     from jax.experimental import io_callback
 
-    dev = jax.devices()[0]
-    server = _compat.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
-    conn = server.connect(server.address())
-    aval = jax.ShapeDtypeStruct(
-        (), np.int32, sharding=jax.sharding.SingleDeviceSharding(dev)
-    )
-    gate = conn.pull(777, [aval])[0]
+    dev, server, gate, _conn = _pulled_gate(777)
     h = jax.jit(
         lambda v: (io_callback(lambda a: None, None, v, ordered=True), v + 1)[1]
     )

@@ -1,6 +1,8 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
 
 import os
+import pathlib
+import subprocess
 import sys
 import threading
 
@@ -238,3 +240,27 @@ def returns_within(fn, *args, limit: float, what: str = "return"):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def run_checks(
+    script: str, *, shardy: str, timeout: float, unset: tuple[str, ...] = ()
+) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs ``tests/<script>`` (a script of checks on several CPU devices, which
+    it sets up itself) in a fresh process, with this checkout first on its path,
+    Shardy (``shardy="1"``) or GSPMD (``"0"``) as the partitioner, and neither
+    ``JAX_PLATFORMS`` nor the variables ``unset``. Returns the process and a
+    report (its stdout and the end of its stderr) for assertion messages."""
+    here = pathlib.Path(__file__).parent
+    env = dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy)
+    root = str(here.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    for name in ("JAX_PLATFORMS", *unset):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, str(here / script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, proc.stdout + proc.stderr[-5000:]

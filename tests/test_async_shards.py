@@ -21,6 +21,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from helpers import run_checks
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,19 +36,12 @@ WAIT = 30.0
 @pytest.mark.parametrize("shardy", ["1", "0"], ids=["shardy", "gspmd"])
 @pytest.mark.timeout(300)
 def test_shard_loads_on_8_devices(shardy):
-    env = dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.pop("JAX_PLATFORMS", None)
-    env.pop("JAX_THREADMAP_ASYNC_THREADS", None)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "shard_load_checks.py")],
-        env=env,
-        capture_output=True,
-        text=True,
+    proc, report = run_checks(
+        "shard_load_checks.py",
+        shardy=shardy,
         timeout=280,
+        unset=("JAX_THREADMAP_ASYNC_THREADS",),
     )
-    report = proc.stdout + proc.stderr[-5000:]
     assert proc.returncode == 0, report
     assert "all shard load checks passed" in proc.stdout, report
     # Every check printed its line (the script stops at the first failure).

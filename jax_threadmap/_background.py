@@ -532,10 +532,6 @@ class Task:
             )
             _gate_release_fn(self, gates)
 
-    def wait_done(self) -> None:
-        """Waits, in slices (Ctrl-C gets through), until the call has ended."""
-        _wait_polling(self.future, None)
-
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
         """Returns the placed leaves; raises the call's error or TimeoutError."""
         if not self.future.done():

@@ -19,6 +19,7 @@ from ._errors import KernelError as KernelError
 from ._errors import ThreadmapError as ThreadmapError
 from ._inner_threads import limit_inner_threads as limit_inner_threads
 from ._primitive import threadmap_p as threadmap_p
+from ._scheduling import InOrder as InOrder
 from ._shard_loads import async_array_from_callback as async_array_from_callback
 
 try:
@@ -29,6 +30,7 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree
 __all__ = [
     "AsyncArray",
     "ExecutorError",
+    "InOrder",
     "KernelError",
     "KernelFunction",
     "ThreadmapError",

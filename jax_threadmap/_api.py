@@ -14,6 +14,7 @@ from . import _compat, _validate
 from ._batch_spec import BatchSpec
 from ._params import KernelParam, hashable
 from ._primitive import threadmap_p
+from ._scheduling import InOrder
 from ._validate import RESERVED_KWARGS, Executor
 
 #: A JVP or VJP kernel: ``defjvp``/``defvjp`` return the function they are given.
@@ -69,7 +70,7 @@ def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: jax.ShapeDtypeStruct,
     *args: Any,
-    executor: int | concurrent.futures.Executor | None = None,
+    executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
     **kwargs: Any,
@@ -81,7 +82,7 @@ def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
     *args: Any,
-    executor: int | concurrent.futures.Executor | None = None,
+    executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
     **kwargs: Any,
@@ -93,7 +94,7 @@ def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: Any,
     *args: Any,
-    executor: int | concurrent.futures.Executor | None = None,
+    executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
     **kwargs: Any,
@@ -104,7 +105,7 @@ def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: Any,
     *args: Any,
-    executor: int | concurrent.futures.Executor | None = None,
+    executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
     **kwargs: Any,
@@ -139,7 +140,10 @@ def threadmap(
             and its place in its own pool), so a nested map on another pool or executor
             can run one kernel more than its bound per kernel waiting for it; on the
             same pool the bound is exact. The pools' threads are shared by every size,
-            started on demand, and exit after 2 s idle.
+            started on demand, and exit after 2 s idle. Any of these in
+            [`InOrder`][jax_threadmap.InOrder]: the elements run one per claim in
+            index order on every thread at once, as `ThreadPoolExecutor.map` does,
+            for elements that wait for each other.
         progress: Show a progress bar (tqdm when installed, else lines on
             stderr) for maps that run longer than about a second. ``None``: on
             when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.
@@ -277,7 +281,7 @@ class KernelFunction(Generic[R]):
         fn: Callable[..., Any],
         result_shape_dtypes: Any,
         *,
-        executor: int | concurrent.futures.Executor | None = None,
+        executor: int | concurrent.futures.Executor | InOrder | None = None,
         progress: bool | None = None,
         vectorized: bool | int = False,
     ):
@@ -437,7 +441,7 @@ def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
 def kernel(
     result_shape_dtypes: jax.ShapeDtypeStruct,
     *,
-    executor: int | concurrent.futures.Executor | None = None,
+    executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
 ) -> Callable[[Callable[..., Any]], KernelFunction[jax.Array]]: ...
@@ -447,7 +451,7 @@ def kernel(
 def kernel(
     result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
     *,
-    executor: int | concurrent.futures.Executor | None = None,
+    executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
 ) -> Callable[[Callable[..., Any]], KernelFunction[tuple[jax.Array, ...]]]: ...
@@ -457,7 +461,7 @@ def kernel(
 def kernel(
     result_shape_dtypes: Any,
     *,
-    executor: int | concurrent.futures.Executor | None = None,
+    executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
 ) -> Callable[[Callable[..., Any]], KernelFunction[Any]]: ...
@@ -466,7 +470,7 @@ def kernel(
 def kernel(
     result_shape_dtypes: Any,
     *,
-    executor: int | concurrent.futures.Executor | None = None,
+    executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
 ) -> Callable[[Callable[..., Any]], KernelFunction[Any]]:

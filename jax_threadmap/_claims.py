@@ -45,12 +45,13 @@ class Cursor:
     Lock rule: :attr:`row` is written only by the loop's thread; :attr:`halt`
     and :attr:`stop` are written under the job's lock. :attr:`halt`, once set
     by a failure or a taken tail, stays set until the chunk ends. (The one
-    cursor that a job's chunks of one unit share, when not timed, is written
-    by each of their loops; no thread reads its :attr:`row`, since a chunk of
-    one unit has no tail, and only a failure sets its :attr:`halt`.)
+    cursor that a job's chunks of one unit share is written
+    by each of their loops, and by the in-order run's; no thread reads its
+    :attr:`row`, since a chunk of one unit has no tail, and only a failure
+    sets its :attr:`halt`.)
     """
 
-    __slots__ = ("_job", "halt", "row", "started", "stop")
+    __slots__ = ("_job", "halt", "row", "stop")
 
     def __init__(self, job: Owner, stop: int):
         self._job = job
@@ -63,8 +64,6 @@ class Cursor:
         #: The row the loop runs: ``(flat end of the row, its range iterator)``;
         #: ``None`` before the loop starts.
         self.row: tuple[int, Iterator[int]] | None = None
-        #: Wall and thread-CPU clocks when a chunk of a limited map started.
-        self.started: tuple[float, float] | None = None
 
     def running(self) -> int | None:
         """The unit the loop runs, or the one before the next it takes (read

@@ -3,31 +3,23 @@
 - A map is a :class:`Job` over ``n`` work units (elements, or pieces of a
   vectorized map). Any thread that runs the map's kernels (a shared thread, a
   worker of a user's thread executor, the thread that waits for a nested map)
-  claims chunks (:meth:`Job.claim`) and runs them (:meth:`Job.run`) until none
-  are left (:meth:`Job.drain`). Chunk sizes are the policy's
-  (:mod:`._scheduling`): guided (a share of what is left, so that fast kernels
-  run in few chunks and the last chunks shrink to one element), or fixed bounds
-  for a map whose outputs are summed on the host (sums that do not depend on
-  timing).
+  claims work (:meth:`Job.claim`) and runs it until none is left
+  (:meth:`Job.drain`). How a map is cut is decided when it starts
+  (:mod:`._scheduling`): in index order, one unit per claim, or chunks
+  (guided, sized from timings; or fixed bounds for a map whose outputs are
+  summed on the host, sums that do not depend on timing).
+- In index order, threads draw units one at a time from a range iterator that
+  they share, without the job's lock (:meth:`Job._run_in_order`; the lock rule
+  of :class:`Job` says why that is sound). No clock is read.
 - Help finish: each running chunk has a :class:`Cursor`, where its loop
   publishes the range of units it iterates. A thread that finds nothing left to
   claim takes the units not yet started of another thread's chunk
-  (:meth:`Job.claim`, then ``_cut``): an element that waits for the next one in
-  its chunk (a pair at a barrier) then finds it run by another thread, and a
-  chunk slow to finish gives its rest to idle threads. Threads never inspect
-  each other: the cursor is all that one learns of another.
+  (:meth:`Job.claim`, then ``_cut``), so that a chunk slow to finish gives its
+  rest to idle threads. Threads never inspect each other: the cursor is all
+  that one learns of another.
 - A limited map (:func:`._scheduling.starts_limited`) starts on one thread per
-  CPU, times its chunks, and rises to every thread of its executor when its
-  elements prove slow or waiting, or when the thread that waits for it sees a
-  chunk stuck (:meth:`Job.poll`); it then runs one element per claim, in
-  index order (:func:`._scheduling.rise`). :class:`LimitedGate` lets one
-  limited map at a time start on an executor. A large map on no more threads
-  than CPUs, or a nested one, probes instead
-  (:func:`._scheduling.starts_probing`): one element per claim in index order,
-  each timed, until a run of fast elements gives it guided chunks.
-- In index order, threads draw units one at a time from a range iterator that
-  they share, without the job's lock (:meth:`Job._run_in_order`; the lock rule
-  of :class:`Job` says why that is sound).
+  CPU, times its chunks, and gets every thread of its executor when its
+  elements prove slow or waiting (:func:`._scheduling.record_chunk`).
 - The first failure stops every running chunk at its next element and every
   map that the failed map's kernels started.
 """
@@ -40,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from . import _claims as claims
 from . import _fork
 from . import _scheduling as policy
 from ._claims import (
@@ -50,11 +43,9 @@ from ._claims import (
     Cursor,
     InOrder,
     UnitsFn,
-    in_order,
     one_by_one,
 )
 from ._errors import ExecutorError
-from ._progress import POLL_INTERVAL
 
 
 class _Local(threading.local):
@@ -81,25 +72,23 @@ class Job:
 
     Lock rule: every field that more than one thread uses is written under
     the job's lock (``_lock``), :attr:`hands` included, but one: the in-order
-    iterator (``_order``). It is assigned once, under the lock, before any
-    thread may draw from it (a thread joins the in-order run by a claim under
-    the lock, counted in ``_racers``, and reads ``_order`` after it), and from
-    then on those threads advance it without the job's lock. That is sound
-    because each ``next()`` is atomic: with the GIL (every CPython 3.10-3.13
-    build but the free-threaded one), one step of a ``range`` iterator is a C
-    function that calls no Python code and never releases the GIL, so no other
-    thread's step interleaves with it, and each unit is drawn exactly once. The
-    free-threaded build (3.13t) makes no such promise for iterators, so there
-    (``_claims.FREE_THREADED``) the iterator is a ``_claims.LockedRange``, whose
-    steps take a lock of their own. Its length hint (the units left to draw)
-    is read under the job's lock. :attr:`grow` is set once by the runner
+    iterator (``_order``). It is assigned once, in ``__init__``, before any
+    thread may draw from it, and from then on the threads of the in-order run
+    (each counted in ``_racers`` by a claim under the lock) advance it without
+    the job's lock. That is sound because each ``next()`` is atomic: with the
+    GIL (every CPython 3.10-3.13 build but the free-threaded one), one step of
+    a ``range`` iterator is a C function that calls no Python code and never
+    releases the GIL, so each unit is drawn exactly once. The free-threaded
+    build (3.13t) makes no such promise for iterators, so there
+    (``_claims.FREE_THREADED``) the iterator is a ``_claims.LockedRange``,
+    whose steps take a lock of their own. Its length hint (the units left to
+    draw) is read under the job's lock. :attr:`grow` is set once by the runner
     before the job is handed a thread. Reads without the lock are of single
-    values whose staleness is harmless: :attr:`failed` (a shipper or a gate
-    looks again a moment later), :attr:`limit` and :attr:`hands` (a thread
-    more or fewer is offered, and :meth:`add_hand` decides under the lock),
-    whether the map probes (:meth:`run` times one chunk more or fewer;
-    :meth:`_count` decides under the lock). A lock that the job's runner holds
-    (the shared threads' lock) is taken before the job's, never after it.
+    values whose staleness is harmless: :attr:`failed` (a shipper looks again a
+    moment later), :attr:`limit` and :attr:`hands` (a thread more or fewer is
+    offered, and :meth:`add_hand` decides under the lock). A lock that the
+    job's runner holds (the shared threads' lock) is taken before the job's,
+    never after it.
 
     Args:
         n: The number of units.
@@ -113,12 +102,11 @@ class Job:
         workers: The threads the map's executor has (default: one per unit).
         cpus: When fewer than ``workers``, the map starts on this many threads
             (limited), and gets all ``workers`` once its chunks find its
-            elements slow or waiting (:func:`._scheduling.record_chunk`) or a
-            chunk is stuck (:meth:`poll`). Guided maps only.
-        probe: The map starts probing (:func:`._scheduling.starts_probing`): one
-            unit per claim in index order, each timed, until its elements prove
-            fast (then guided chunks) or not (then in index order to the end,
-            without the lock). Guided maps only.
+            elements slow or waiting (:func:`._scheduling.record_chunk`).
+            Guided maps only.
+        in_order: One unit per claim, in index order, on every thread
+            (:func:`._scheduling.runs_in_order`); ``fixed`` and ``cpus`` are
+            then ignored.
     """
 
     def __init__(
@@ -132,23 +120,24 @@ class Job:
         parent: Job | None = None,
         workers: int | None = None,
         cpus: int | None = None,
-        probe: bool = False,
+        in_order: bool = False,
     ):
         self.n = n
         self.fn = fn
         self.run_units = one_by_one(fn) if units is None else units
-        self.fixed = fixed
+        self.in_order = in_order
+        self.fixed = None if in_order else fixed
         self.divisor = divisor
         self.workers = n if workers is None else max(1, workers)
-        #: Threads the map may hold now; raised to ``workers`` by ``_rise``.
+        #: Threads the map may hold now; raised to ``workers`` by its votes.
         self.limit = self.workers
-        if cpus is not None and fixed is None and cpus < self.workers:
-            self.limit = max(1, cpus)
+        if cpus is not None and self.fixed is None and not in_order:
+            self.limit = max(1, min(cpus, self.workers))
         #: Threads handed the map by its runner (:meth:`add_hand`).
         self.hands = 0
         #: Hands the map more threads once its limit rises (set by its runner).
         self.grow: Callable[[], None] | None = None
-        self._measure = policy.Measure(probing=probe and fixed is None)
+        self._measure = policy.Measure()
         self.failed = False
         self.error: BaseException | None = None
         self._completed = 0  # units counted done by chunks (and shipped ones)
@@ -158,14 +147,15 @@ class Job:
         # Units given back by cut chunks, to be claimed before the front, lowest
         # first (sorted).
         self._back: list[tuple[int, int]] = []
-        self._running: set[Cursor] = set()  # but chunks of one unit, not timed:
+        self._running: set[Cursor] = set()  # but chunks of one unit:
         self._single = Cursor(self, 0)  # theirs, shared (its row is never read)
         self._outstanding = 0  # chunks claimed and not yet counted done
-        # In index order: the front, drawn one unit at a time without the lock
-        # (see the lock rule), the units it held, the threads drawing from it.
+        # In index order: the units, drawn one at a time without the lock (see
+        # the lock rule), and the threads drawing from them.
         self._order: Iterator[int] | None = None
-        self._order_units = 0
         self._racers = 0
+        if in_order:
+            self._order, self._next = claims.in_order(0, n), n
         self._children: set[Job] = set()
         self.parent = parent
         if n == 0:
@@ -186,7 +176,7 @@ class Job:
         with self._lock:
             done = self._completed
             if self._order is not None:
-                drawn = self._order_units - operator.length_hint(self._order)
+                drawn = self.n - operator.length_hint(self._order)
                 done += max(0, drawn - self._racers)
             return done
 
@@ -210,8 +200,8 @@ class Job:
     # --- claiming and running chunks -----------------------------------------------
 
     def drain(self, busy: Busy | None = None) -> None:
-        """Claims and runs chunks until none are left: the one claim-and-run
-        loop of every thread that runs the map's kernels (see :meth:`run` for
+        """Claims and runs work until none is left: the one claim-and-run loop
+        of every thread that runs the map's kernels (see :meth:`run` for
         ``busy``)."""
         claim = self.claim()
         while claim is not None:
@@ -224,7 +214,7 @@ class Job:
     def claim(self) -> Claim:
         """The next chunk ``(start, stop, cursor)``: units given back (lowest
         first), else the front, else the tail of another thread's running
-        chunk; or :data:`IN_ORDER` (the front is drawn one unit at a time); or
+        chunk; or :data:`IN_ORDER` (the thread joins the in-order run); or
         ``None`` when none is left."""
         with self._lock:
             return self._claim()
@@ -232,28 +222,22 @@ class Job:
     def _claim(self) -> Claim:  # lock held
         if self.failed:
             return None
-        back = self._back
-        if not back and self._next >= self.n:
-            if self._order is not None and operator.length_hint(self._order):
-                self._racers += 1
-                return IN_ORDER
+        if self._order is not None:
+            if not operator.length_hint(self._order):
+                return None
+            self._racers += 1
+            return IN_ORDER
+        if not self._back and self._next >= self.n:
             if self.fixed or not self._steal():
                 return None
-        limited = self.limit < self.workers
-        measure = self._measure
-        size = (
-            self.fixed
-            or (measure.one_each and 1)
-            or policy.chunk_size(self._remaining(), self.divisor, measure, limited)
+        size = self.fixed or policy.chunk_size(
+            self._remaining(), self.divisor, self._measure, self.limited
         )
         start, stop = self._take(size)
         self._outstanding += 1
-        if stop - start == 1 and not limited:
-            # Nothing to take from it, nothing to time: the shared cursor.
+        if stop - start == 1:  # nothing to take from it: the shared cursor
             return start, stop, self._single
         cursor = Cursor(self, stop)
-        if limited:
-            cursor.started = (time.perf_counter(), time.thread_time())
         self._running.add(cursor)
         return start, stop, cursor
 
@@ -274,10 +258,7 @@ class Job:
         return start, stop
 
     def _remaining(self) -> int:  # lock held
-        left = self.n - self._next
-        return (
-            left + sum(end - start for start, end in self._back) if self._back else left
-        )
+        return self.n - self._next + sum(end - start for start, end in self._back)
 
     def _steal(self) -> bool:  # lock held
         """Gives back the tail of the running chunk with the most units not yet
@@ -313,21 +294,21 @@ class Job:
         ``then_claim``, returns the next claim, made under the same hold of
         the lock as this chunk is counted done. ``busy.running`` is true while
         the chunk's kernels run, false before the chunk counts as done (so
-        that whoever sees the map done sees this thread free)."""
+        that whoever sees the map done sees this thread free). The chunk's
+        time sizes the next chunks, and may give the map more threads."""
         outer, _local.job = _local.job, self
-        probing = self._measure.probing  # (see the lock rule)
+        limited = self.limited  # (see the lock rule)
         if busy is not None:
             busy.running = True
         began = time.perf_counter()
-        cpu = time.thread_time() if probing else 0.0
+        cpu = time.thread_time() if limited else 0.0
         try:
             self.fn(start, stop, cursor)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
             wall = time.perf_counter() - began
-            if probing:
-                cpu = time.thread_time() - cpu
+            cpu = time.thread_time() - cpu if limited else 0.0
             _local.job = outer
             if busy is not None:
                 busy.running = False
@@ -335,9 +316,9 @@ class Job:
             if cursor is not self._single:
                 self._running.discard(cursor)
                 stop = cursor.stop  # lowered if another thread took the tail
-            rose = cursor.started is not None and self._measured(cursor, stop - start)
+            rose = self._record(stop - start, wall, cpu if limited else None)
             if not rose:
-                self._count(start, stop, wall, cpu if probing else None)
+                self._count(stop - start)
                 return self._claim() if then_claim else None
         # The map rose: more threads before the chunk counts as done, so that
         # the map (and its executor) is still there for them.
@@ -346,19 +327,31 @@ class Job:
                 self.grow()
         finally:
             with self._lock:
-                self._count(start, stop, wall, None)
+                self._count(stop - start)
         return self.claim() if then_claim else None
+
+    def _record(self, units: int, wall: float, cpu: float | None) -> bool:  # lock
+        """Records a chunk's time (``cpu``: its thread's CPU time, when the map
+        was limited as it started); whether the map now gets every thread."""
+        if self.fixed or units <= 0:
+            return False
+        if cpu is None or not self.limited:
+            policy.record_time(self._measure, units, wall)
+            return False
+        if not policy.record_chunk(self._measure, units, wall, cpu, self.limit):
+            return False
+        self.limit = self.workers
+        return not self._exhausted()
 
     def _run_in_order(self, busy: Busy | None) -> None:
         """Runs units drawn one at a time from the shared iterator, in index
         order, as ``ThreadPoolExecutor.map`` hands out its elements, until it
         is exhausted or the map fails. The claim of a unit is a step of the
         iterator, with no lock (see the lock rule): with a lock per unit, 32
-        threads on 2 CPUs queued at it (the front-loaded benchmark took
-        1.08-1.15x as long as with chunks of several units). The thread
-        counted itself in ``_racers`` when it claimed the run, and takes the
-        lock once more, to leave it; the job is done once no thread is in it
-        and nothing is left to draw."""
+        threads on 2 CPUs queued at it. The thread counted itself in
+        ``_racers`` when it claimed the run, and takes the lock once more, to
+        leave it; the job is done once no thread is in it and nothing is left
+        to draw."""
         units = self._order
         assert units is not None  # set before any thread is counted in the run
         outer, _local.job = _local.job, self
@@ -376,49 +369,8 @@ class Job:
             self._racers -= 1
             self._check_done()
 
-    def _measured(self, cursor: Cursor, units: int) -> bool:  # lock held
-        """Times a chunk of a limited map; whether the map rose to every thread."""
-        if cursor.started is None or not self.limited or units <= 0:
-            return False  # (a chunk claimed before the map rose)
-        wall = time.perf_counter() - cursor.started[0]
-        cpu = time.thread_time() - cursor.started[1]
-        if not policy.record_chunk(self._measure, units, wall, cpu, self.limit):
-            return False
-        return self._rise()
-
-    def _rise(self) -> bool:  # lock held
-        """Lets the map use every thread, one unit per claim in index order,
-        the running chunks' tails given back (:func:`._scheduling.rise`);
-        whether threads should be added."""
-        self.limit = self.workers
-        policy.rise(self._measure)
-        for cursor in list(self._running):
-            self._cut(cursor)
-        self._go_in_order()
-        return not self._exhausted()
-
-    def _go_in_order(self) -> None:  # lock held
-        """From now on the front is drawn one unit at a time, in index order,
-        without the lock (:meth:`_run_in_order`); units given back by cut
-        chunks, all below it, are claimed first, one at a time, under it."""
-        if self._order is None and self._next < self.n:
-            self._order = in_order(self._next, self.n)
-            self._order_units = self.n - self._next
-            self._next = self.n
-
-    def _count(
-        self, start: int, stop: int, wall: float, cpu: float | None
-    ) -> None:  # lock held
-        """Counts a chunk as done, which took ``wall`` seconds (``cpu`` on a
-        CPU, when the map probed it)."""
-        units = stop - start
-        measure = self._measure
-        if self.fixed is None and units > 0 and not measure.one_each:
-            if cpu is not None and measure.probing:
-                if policy.record_probe(measure, wall, cpu, self.workers):
-                    self._go_in_order()
-            else:
-                policy.record_time(measure, units, wall)
+    def _count(self, units: int) -> None:  # lock held
+        """Counts a chunk of ``units`` as done."""
         self._completed += units
         self._outstanding -= 1
         if self._outstanding == 0:
@@ -445,37 +397,10 @@ class Job:
         if self._outstanding == 0 and self._racers == 0 and self._exhausted():
             self.done.set()
 
-    # --- the thread that waits -----------------------------------------------------
-
     def poll(self, timeout: float) -> bool:
         """Waits at most ``timeout`` seconds for the map to finish; says whether
-        it has. Meanwhile, for a limited map, wakes when its oldest running
-        chunk reaches :data:`._scheduling.STUCK_CHUNK` seconds, and then raises
-        the map to every thread (its elements may wait for each other)."""
-        end = time.monotonic() + timeout
-        while (wake := self._watch()) is not None:
-            left = end - time.monotonic()
-            if self.done.wait(max(0.0, min(left, wake))):
-                return True
-            if left <= wake:
-                return False
-        return self.done.wait(max(0.0, end - time.monotonic()))
-
-    def _watch(self) -> float | None:
-        """Raises a limited map whose oldest chunk is stuck; returns the seconds
-        until the oldest chunk would be, or ``None`` once the map is not limited."""
-        with self._lock:
-            if not self.limited or self.failed:
-                return None
-            now = time.perf_counter()
-            starts = [c.started[0] for c in self._running if c.started is not None]
-            oldest = min(starts, default=now)
-            if not policy.is_stuck(oldest, now):
-                return oldest + policy.STUCK_CHUNK - now
-            rose = self._rise()
-        if rose and self.grow is not None:
-            self.grow()
-        return None
+        it has (the waiting thread's step, ``_progress.wait``)."""
+        return self.done.wait(timeout)
 
     # --- failing ---------------------------------------------------------------------
 
@@ -520,43 +445,6 @@ class Job:
                 self._children.add(child)
         if failed:
             child.fail(_stopped_by_parent())
-
-
-class LimitedGate:
-    """One limited map at a time on an executor (a pool, a user's executor).
-
-    A limited map starts on fewer threads than its executor has, and takes the
-    rest once its elements prove slow, waiting, or stuck. Two limited maps at
-    once could each hold part of the executor and wait for good for the rest,
-    held by the other (elements that wait for each other:
-    ``test_two_large_maps_whose_elements_wait_for_each_other`` hangs without the
-    gate). So a second limited map starts only once the first holds every
-    thread it may use, or is over. This costs fast maps nothing: a limited map
-    already keeps every CPU busy.
-
-    Lock rule: :attr:`_holder` is read and written under :attr:`_cond`.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._holder: Job | None = None
-
-    def enter(self, job: Job) -> None:
-        """Waits until ``job``, if limited, is the only limited map here."""
-        if not job.limited:
-            return
-        with self._cond:
-            while self._holder is not None and not job.failed:
-                # Timed: a job failed from outside (its parent, exit) leaves.
-                self._cond.wait(POLL_INTERVAL)
-            self._holder = job
-
-    def leave(self, job: Job) -> None:
-        """``job`` is unlimited or over: the next limited map may start."""
-        with self._cond:
-            if self._holder is job:
-                self._holder = None
-                self._cond.notify_all()
 
 
 def _stopped_by_parent() -> ExecutorError:

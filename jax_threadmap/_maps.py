@@ -41,6 +41,7 @@ from ._scheduling import (
     EXIT_GRACE,
     UNKNOWN_WORKERS,
     UNKNOWN_WORKERS_IN_FLIGHT,
+    InOrder,
     available_cpus,
 )
 from ._threads import interpreter_exiting, refused
@@ -200,9 +201,11 @@ def new_job(
     max_chunk: int | None = None,
     parent: Job | None = None,
     runner: Runner | None = None,
+    in_order: bool = False,
 ) -> Job:
     """The job of ``work`` on ``executor`` (whose ``runner`` the caller may have
-    chosen already), with its chunking policy."""
+    chosen already), with its chunking policy; ``in_order``: the user asked
+    for one element per claim in index order (:class:`._scheduling.InOrder`)."""
     runner = runner_for(executor) if runner is None else runner
     workers = runner.workers
     units = work.n
@@ -211,12 +214,15 @@ def new_job(
             work.n, workers, work.element_bytes, max_chunk
         )
         units = work.split(length)
+    on_threads = runner.on_threads
+    ordered = policy.runs_in_order(in_order, units, workers, on_threads, work.sums)
     # Host-side sums need chunk bounds that do not depend on timing. Otherwise
     # guided chunks, each a share of what is left.
     fixed = policy.fixed_chunk(units, workers) if work.sums else None
-    nested = parent is not None
     cpus = available_cpus()
-    start = (units, workers, cpus, nested, runner.on_threads)
+    limited = policy.starts_limited(
+        units, workers, cpus, parent is not None, on_threads
+    )
     return Job(
         units,
         work.run_chunk,
@@ -225,13 +231,13 @@ def new_job(
         divisor=policy.guided_divisor(workers),
         parent=parent,
         workers=workers,
-        cpus=cpus if policy.starts_limited(*start) else None,
-        probe=policy.starts_probing(*start),
+        cpus=cpus if limited else None,
+        in_order=ordered,
     )
 
 
 def run_map(
-    executor: _validate.Executor,
+    executor: _validate.Executor | InOrder,
     work: MapWork,
     *,
     progress: bool | None,
@@ -239,15 +245,19 @@ def run_map(
 ) -> None:
     """Runs every element of ``work`` on ``executor``; raises the map's error.
 
-    ``max_chunk`` bounds the chunks of a vectorized map. Called from a kernel (a
-    nested map), the calling thread works on the map's chunks while it waits,
-    when the map runs on threads of this process: the kernel's thread is lent to
-    the nested map, which can then run one kernel more than its executor's bound.
+    ``executor=InOrder(e)`` runs the elements one per claim in index order on
+    ``e``. ``max_chunk`` bounds the chunks of a vectorized map. Called from a
+    kernel (a nested map), the calling thread works on the map's chunks while
+    it waits, when the map runs on threads of this process: the kernel's thread
+    is lent to the nested map, which can then run one kernel more than its
+    executor's bound.
     """
     if work.n == 0:
         return
+    in_order = isinstance(executor, InOrder)
+    executor = executor.executor if isinstance(executor, InOrder) else executor
     runner = runner_for(executor)
-    job = new_job(work, executor, max_chunk, parent=_local.job, runner=runner)
+    job = new_job(work, executor, max_chunk, _local.job, runner, in_order)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
@@ -354,6 +364,8 @@ class _Shipper:
         self.sharing = _remote.Sharing([])
 
     def size(self) -> int:
+        if self.job.in_order:
+            return 1
         if self.job.fixed:
             return self.job.fixed
         remaining = self.job.n - self.next
@@ -365,6 +377,11 @@ class _Shipper:
         try:
             fut = self.executor.submit(task, *self.sharing.args)
         except RuntimeError as e:
+            if self.pending and isinstance(e, concurrent.futures.BrokenExecutor):
+                # It broke while running this map's tasks, before their futures
+                # said so: the error they will have, naming one of them.
+                lost = next(iter(self.pending.values()))
+                raise _chunk_failed(self.executor, self.work, *lost, e) from e
             raise refused(self.executor, e) from e
         except Exception as e:  # e.g. the kernel cannot be pickled
             raise _cannot_ship(self.executor, self.work.name, e) from e

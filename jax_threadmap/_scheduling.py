@@ -1,48 +1,40 @@
-"""Scheduling policy: what size the next chunk is, when a map gets every thread,
-when a chunk counts as stuck.
+"""Scheduling policy: what size the next chunk is, how many threads a map
+gets, and which maps run in index order.
 
-Pure functions of what a map has measured (:class:`Measure`) and the clocks'
-readings, which their callers (:mod:`._jobs`, :mod:`._maps`) pass in, so
-that each decision is tested with made-up times rather than sleeps. Every
-threshold is a named constant here, with its reason and the test or benchmark
-that fails without it; the docs quote them through ``tests/test_scheduling.py``,
-which fails when the prose and the numbers part.
+Pure functions of what a map has measured (:class:`Measure`) and of its size,
+which their callers (:mod:`._jobs`, :mod:`._maps`) pass in, so that each
+decision is tested with made-up times rather than sleeps. Every threshold is a
+named constant here, with its reason; the docs quote them through
+``tests/test_scheduling.py``, which fails when the prose and the numbers part.
 
-The heuristics, each shown necessary by switching it off:
+Timings decide only *how fast* a map runs (chunk sizes, thread counts), never
+*whether* it finishes. Which elements run, and in what order, is decided before
+the map starts, from its size and the user's request:
 
-- a large map on an executor with more threads than CPUs starts *limited*, on
-  one thread per CPU (:func:`starts_limited`): ``benchmarks/compare_revisions.py``
-  "4096 el, executor=32" and "ThreadPoolExecutor(32)" take 1.33-1.42x as long on
-  every thread (threads taking turns at the GIL);
-- one limited map at a time per executor (``_jobs.LimitedGate``):
-  ``test_two_large_maps_whose_elements_wait_for_each_other`` hangs without it;
-- *slow-element votes* raise a limited map to every thread
-  (:func:`record_chunk`): without them the "sleep 1 ms" case of
-  ``compare_revisions.py`` takes 15x as long (one thread per CPU), "sleep 50 us"
-  3.5x; with one vote instead of :data:`SLOW_VOTES`, "100k el, the first slow"
-  takes 9.3x as long (its first chunk alone raises it);
-- the *stuck-chunk watch* (:data:`STUCK_CHUNK`) raises it when a chunk runs too
-  long: ``test_pairs_that_wait_for_each_other`` and
-  ``test_elements_that_wait_for_each_other_all_start`` hang without it;
-- once raised, a map runs one element per claim in index order (:func:`rise`):
-  without it every case of ``test_pairs_that_wait_for_each_other`` hung, in 3
-  runs of 3 under two busy loops. Its threads draw the elements from one shared
-  range iterator, without the job's lock (``_jobs.Job._run_in_order``);
-- a large map on no more threads than CPUs, or a nested one, *probes*
-  (:func:`starts_probing`, :func:`record_probe`): one element per claim in
-  index order, each timed, until :func:`fast_run` fast elements in a row give
-  it guided chunks; without it the 8- and 16-CPU cases of
-  ``test_pairs_that_wait_for_each_other`` wait until their barriers break.
-
-The watch has no period of its own: the waiting thread wakes when the oldest
-running chunk reaches :data:`STUCK_CHUNK` (``_jobs.Job.poll``).
+- *in index order* (:func:`runs_in_order`): one element per claim, in index
+  order, on every thread of the executor at once, as ``ThreadPoolExecutor.map``
+  does, with no clock read. The user asks for it with :class:`InOrder`, and a
+  small map (at most :data:`IN_ORDER_UP_TO` elements per thread) runs so
+  anyway. Elements that wait for each other in groups of at most as many
+  elements as the executor has threads always finish there: the elements
+  claimed and not done are a run of consecutive indices, and a group's last
+  element is claimed as soon as a thread is free.
+- *guided chunks* otherwise: a share of what is left (:func:`chunk_size`), at
+  most :data:`MAX_CHUNK_SECONDS` of the work measured so far, one element until
+  one has been timed. A large map on an executor with more threads than CPUs
+  starts on one thread per CPU (:func:`starts_limited`: threads taking turns
+  at the GIL made ``benchmarks/compare_revisions.py`` "4096 el, executor=32"
+  1.33-1.42x as long) and gets every thread once :data:`SLOW_VOTES` chunks in
+  a row find its elements slow or waiting (:func:`record_chunk`: without it
+  the "sleep 1 ms" case took 15x as long). Elements that wait for each other
+  may wait for good here: chunk bounds come from timings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TypeVar
+from typing import Any, TypeVar
 
 K = TypeVar("K")
 
@@ -88,47 +80,12 @@ SLOW_VOTES = 2
 #: what is left would pack them onto a few threads).
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
-#: Seconds a chunk of a map on fewer threads may run before the thread that
-#: waits for the map gives it every thread, one element per claim from then on
-#: (see :func:`rise`): elements that wait for each other (at a barrier, for
-#: replies that come once all requests are out) all start, and none waits
-#: behind another in its own thread's chunk. The waiting thread wakes when the
-#: oldest running chunk reaches this age, not on a period. Without the watch,
-#: ``tests/test_scheduling_defects.py::test_pairs_that_wait_for_each_other``
-#: waits until its barriers break: a limited map's threads all wait at a pair.
-STUCK_CHUNK = 0.05
-#: Elements per executor thread from which a map starts on fewer threads (or,
-#: on an executor with no more threads than CPUs, probing: see
-#: :func:`starts_probing`). A smaller map runs as it did before maps were
-#: limited: on every thread at once, mostly one element per chunk, so that
-#: elements which wait for each other all start whatever else runs on the
-#: executor; its few elements cost little on many threads.
-LIMITED_FROM = 4
-#: Seconds under which an element of a probing map counts as fast (if its
-#: thread was also on a CPU for at least ``WAIT_SHARE`` of them): chunks of
-#: several elements then save a claim per element, about a tenth of a trivial
-#: kernel's time in index order (``benchmarks/compare_revisions.py``
-#: signatures). Longer elements run in index order, where the claim costs them
-#: under 1% and no element waits behind another in a chunk.
-FAST_ELEMENT = 20e-6
-#: Elements in a row, per executor thread, that must be fast before a probing
-#: map takes chunks of several elements. Elements that wait for each other in
-#: groups cannot do it: each group's last element returns at once, the others
-#: wait, and fewer groups than threads run at a time, so at most about one
-#: fast element per thread comes between two that waited. With 0 (8 in a
-#: row whatever the threads), 256 elements in pairs on ``executor=32`` with 32
-#: CPUs waited until their barriers broke in 1 run of 12
-#: (``test_pairs_that_wait_for_each_other``, 32 CPUs).
-FAST_RUN_PER_WORKER = 2
-#: The least of those elements in a row, for executors of one or two threads.
-#: With 0 as well (the probe ends at its first element), every 8- and 16-CPU
-#: case of ``test_pairs_that_wait_for_each_other`` waits until its barriers
-#: break.
-FAST_RUN_MIN = 8
-#: A probing map that has run this many runs' worth of elements
-#: (``PROBE_RUNS * fast_run(workers)``) without a fast run stops timing them
-#: and runs in index order to the end, claiming without the job's lock.
-PROBE_RUNS = 4
+#: Elements per executor thread up to which a map on threads runs in index
+#: order, on every thread at once (:func:`runs_in_order`); a larger one on an
+#: executor with more threads than CPUs starts limited. Guided chunks of so
+#: small a map would be one element each anyway (:data:`GUIDED_SHARE`), and
+#: its few elements cost little on many threads.
+IN_ORDER_UP_TO = 4
 #: Guided chunks take ``1 / (GUIDED_SHARE * workers)`` of the elements left:
 #: fast kernels run in about ``GUIDED_SHARE`` large chunks per thread (few
 #: claims), and the last chunks shrink to one element (no thread idles at the
@@ -171,25 +128,49 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class InOrder:
+    """``executor=InOrder(executor)``: the map runs its elements one per claim,
+    in index order, on every thread of ``executor`` at once, as
+    ``ThreadPoolExecutor.map`` does. No decision reads a clock.
+
+    For maps whose elements wait for each other (at a barrier, for replies that
+    come once every request is out): such a map finishes whenever each group of
+    elements that wait for each other has no more elements than ``executor``
+    has threads. Without it, a large map takes chunks of several elements sized
+    from timings, and a thread may wait at one element of a group for another
+    queued behind it in its own chunk, for good (docs/executors.md).
+
+    Args:
+        executor: Where the elements run, as for [`threadmap`][jax_threadmap.threadmap]:
+            ``None`` (the shared pool), an int (a shared pool of that many
+            threads) or a ``concurrent.futures.Executor``.
+
+    Examples:
+        >>> import threading
+        >>> import jax, jax.numpy as jnp
+        >>> from jax_threadmap import InOrder, threadmap
+        >>> pairs = [threading.Barrier(2, timeout=60) for _ in range(32)]
+        >>> def meet(i):  # elements 2k and 2k + 1 wait for each other
+        ...     pairs[int(i) // 2].wait()
+        ...     return i
+        >>> f = jax.vmap(lambda i: threadmap(
+        ...     meet, jax.ShapeDtypeStruct((), jnp.int32), i, executor=InOrder(4)))
+        >>> int(f(jnp.arange(64, dtype=jnp.int32)).sum())
+        2016
+    """
+
+    executor: Any = None
+
+
 @dataclasses.dataclass
 class Measure:
     """What a map on threads has learned of its elements from its chunks."""
 
     #: Seconds per element, from the last chunk measured (0: none yet).
     per_element: float = 0.0
-    #: Chunks in a row that found the elements slow or waiting.
+    #: Chunks in a row of a limited map that found the elements slow or waiting.
     votes: int = 0
-    #: One element per claim in index order, to the end: the map rose to every
-    #: thread (:func:`rise`) or a probe found its elements slow or waiting
-    #: (:func:`record_probe`).
-    one_each: bool = False
-    #: One element per claim in index order, each timed, until a run of fast
-    #: ones (:func:`record_probe`).
-    probing: bool = False
-    #: Elements of a probing map in a row that were fast.
-    fast: int = 0
-    #: Elements of a probing map timed so far.
-    probed: int = 0
 
 
 def guided_divisor(workers: int) -> int:
@@ -202,62 +183,44 @@ def fixed_chunk(units: int, workers: int) -> int | None:
     return -(-units // (FIXED_CHUNKS_PER_WORKER * workers)) if units else None
 
 
+def runs_in_order(
+    asked: bool, units: int, workers: int, on_threads: bool, sums: bool
+) -> bool:
+    """Whether a map runs one element per claim in index order on every thread:
+    the user asked (:class:`InOrder`), or a small map on threads (at most
+    :data:`IN_ORDER_UP_TO` elements per thread) whose outputs are not summed
+    on the host (those keep fixed chunk bounds, so that the sums do not change
+    with the size of the map)."""
+    small = on_threads and not sums and units <= IN_ORDER_UP_TO * workers
+    return asked or small
+
+
 def starts_limited(
     units: int, workers: int, cpus: int, nested: bool, on_threads: bool
 ) -> bool:
-    """Whether a map starts on one thread per CPU: a large map (see
-    :data:`LIMITED_FROM`) on an executor with more threads than CPUs.
-
-    A small map and a nested one take every thread at once, since their
-    elements may wait on each other (and the thread that waits for a nested
-    map runs a kernel and watches nothing)."""
-    large = units > LIMITED_FROM * workers
+    """Whether a guided map starts on one thread per CPU: a large map (more than
+    :data:`IN_ORDER_UP_TO` elements per thread) on an executor with more
+    threads than CPUs, not started from a kernel (the thread that waits for a
+    nested map works on it, and a limit would leave its executor idle)."""
+    large = units > IN_ORDER_UP_TO * workers
     return on_threads and not nested and large and cpus < workers
-
-
-def starts_probing(
-    units: int, workers: int, cpus: int, nested: bool, on_threads: bool
-) -> bool:
-    """Whether a map starts *probing*: every thread of its executor at once, one
-    element per claim in index order, each timed (:func:`record_probe`).
-
-    A large map on threads that does not start limited: on an executor with no
-    more threads than CPUs (``executor=None``, ``executor=8`` on 8 CPUs), or a
-    nested one. No thread is spare there to take the rest of a chunk whose
-    thread waits at one element for the next, queued behind it: 64 elements
-    where ``2k`` and ``2k + 1`` wait for each other, on ``executor=8`` with 8
-    CPUs, waited for good with guided chunks from the start
-    (``test_pairs_that_wait_for_each_other``), and finish in index order, as
-    with ``ThreadPoolExecutor(8).map``."""
-    large = units > LIMITED_FROM * workers
-    limited = starts_limited(units, workers, cpus, nested, on_threads)
-    return on_threads and large and not limited
-
-
-def fast_run(workers: int) -> int:
-    """Fast elements in a row after which a probing map takes chunks of several
-    (:data:`FAST_RUN_PER_WORKER`, :data:`FAST_RUN_MIN`)."""
-    return max(FAST_RUN_MIN, FAST_RUN_PER_WORKER * workers)
 
 
 def chunk_size(remaining: int, divisor: int, measure: Measure, limited: bool) -> int:
     """Elements in the next guided chunk of a map with ``remaining`` left.
 
-    A limited map takes one element until an element has been timed, then the
-    share of what is left that it would take on every thread, between
-    :data:`MIN_CHUNK_SECONDS` and :data:`MAX_CHUNK_SECONDS` of work: the first
-    elements' time says little of the later ones'. Any other guided map takes
-    the share of what is left, at most :data:`MAX_CHUNK_SECONDS` of work once an
-    element has been timed; a map that had a stuck chunk, one element."""
+    One element until one has been timed (the first elements' time says
+    little, and slow first elements must not queue in one chunk); then the
+    share of what is left, at most :data:`MAX_CHUNK_SECONDS` of work, so that
+    slow elements spread over every thread; on a limited map at least
+    :data:`MIN_CHUNK_SECONDS` of work (its chunks are timed)."""
     per = measure.per_element
-    if measure.one_each or measure.probing or (limited and per <= 0.0):
+    if per <= 0.0:
         return 1
     size = remaining // divisor
     if limited:
         size = max(size, int(MIN_CHUNK_SECONDS / per))
-    if per > 0.0:
-        size = min(size, int(MAX_CHUNK_SECONDS / per))
-    return max(1, size)
+    return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
 
 
 def record_chunk(
@@ -266,61 +229,17 @@ def record_chunk(
     """Records a chunk of a limited map that took ``wall`` seconds (``cpu`` on a
     CPU) on one of ``threads``; returns whether the map now gets every thread:
     :data:`SLOW_VOTES` chunks in a row found its elements slow
-    (:data:`SLOW_ELEMENT`) or waiting (:data:`WAIT_SHARE`)."""
+    (:data:`SLOW_ELEMENT`) or waiting (:data:`WAIT_SHARE`). Only speed rests on
+    this: a map that never gets every thread finishes on the ones it has."""
     measure.per_element = per = max(wall / elements, 1e-9)
     waits = cpu * threads < WAIT_SHARE * wall
     measure.votes = measure.votes + 1 if per >= SLOW_ELEMENT or waits else 0
     return measure.votes >= SLOW_VOTES
 
 
-def rise(measure: Measure) -> None:
-    """A limited map gets every thread (its elements proved slow or waiting, or
-    a chunk was stuck): from now on every chunk is one element, claimed in index
-    order, and the running chunks give back the elements they have not started
-    (``_jobs.Job``). The map then runs as ``ThreadPoolExecutor.map`` does, so
-    that elements that wait for each other meet. With chunks of several
-    elements on every thread, each thread could wait at the first element of a
-    pair for the second, queued behind it in its own chunk, with no thread left
-    to take it (2-3 runs in 10 of 64 pairs on ``executor=8``, under load;
-    ``test_pairs_that_wait_for_each_other`` fails so without this)."""
-    measure.one_each = True
-
-
-def record_probe(measure: Measure, wall: float, cpu: float, workers: int) -> bool:
-    """Records one element of a probing map, which took ``wall`` seconds (``cpu``
-    of them on a CPU) on an executor of ``workers`` threads; returns whether the
-    map now runs in index order to the end.
-
-    An element is fast when it took less than :data:`FAST_ELEMENT` and its
-    thread was on a CPU for at least :data:`WAIT_SHARE` of it (it did not wait:
-    for another element, a lock, a sleep). After :func:`fast_run` fast elements
-    in a row the map stops probing and takes guided chunks (a slow first
-    element, a thread that lost its CPU for a moment, only restart the run).
-    After :data:`PROBE_RUNS` runs' worth of elements without one, its elements
-    wait or take long, and it runs in index order to the end, untimed."""
-    measure.per_element = max(wall, 1e-9)
-    measure.probed += 1
-    fast = wall < FAST_ELEMENT and cpu >= WAIT_SHARE * wall
-    measure.fast = measure.fast + 1 if fast else 0
-    run = fast_run(workers)
-    if measure.fast >= run:
-        measure.probing = False
-    elif measure.probed >= PROBE_RUNS * run:
-        measure.probing = False
-        measure.one_each = True
-        return True
-    return False
-
-
 def record_time(measure: Measure, elements: int, wall: float) -> None:
     """Records a chunk of a map on every thread that took ``wall`` seconds."""
     measure.per_element = max(wall / elements, 1e-9)
-
-
-def is_stuck(started: float, now: float) -> bool:
-    """Whether a chunk of a limited map started at ``started`` (wall clock) has
-    run long enough that the map gets every thread (:data:`STUCK_CHUNK`)."""
-    return now - started >= STUCK_CHUNK
 
 
 def steal_split(running: dict[K, tuple[int, int]]) -> tuple[K, int] | None:

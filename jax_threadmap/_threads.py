@@ -28,7 +28,7 @@ from typing import Any
 from . import _fork, _validate
 from . import _scheduling as policy
 from ._errors import ExecutorError
-from ._jobs import Job, LimitedGate, _local
+from ._jobs import Job, _local
 from ._progress import Progress, wait
 from ._scheduling import IDLE_TIMEOUT, available_cpus
 
@@ -62,7 +62,6 @@ class ThreadPool:
         # Both under the shared threads' lock:
         self.active = 0  # threads that hold one of the pool's places
         self.peak = 0  # the most places held at once
-        self.gate = LimitedGate()
         self._shutdown = False
 
     def __repr__(self) -> str:
@@ -73,33 +72,20 @@ class ThreadPool:
         if job.n == 0:
             return
         threads = _threads
-
-        def grow() -> None:
-            # Threads first: the next limited map, let in by the gate, must not
-            # take the places this map is about to grow into.
-            try:
-                threads.hand(self, job)
-            finally:
-                self.gate.leave(job)
-
-        job.grow = grow
-        self.gate.enter(job)
+        job.grow = lambda: threads.hand(self, job)
+        threads.submit(self, job)
+        if _local.job is None:
+            # The pool's threads run every chunk, and the last one to finish
+            # drops the job from the queue.
+            wait(job, job.poll, progress)
+            return
+        # A kernel that calls threadmap: work on our own chunks rather than
+        # wait for them behind the outer maps.
         try:
-            threads.submit(self, job)
-            if _local.job is None:
-                # The pool's threads run every chunk, and the last one to finish
-                # drops the job from the queue.
-                wait(job, job.poll, progress)
-                return
-            # A kernel that calls threadmap: work on our own chunks rather than
-            # wait for them behind the outer maps.
-            try:
-                job.drain()
-                wait(job, job.poll, progress)
-            finally:
-                threads.forget(job)
+            job.drain()
+            wait(job, job.poll, progress)
         finally:
-            self.gate.leave(job)
+            threads.forget(job)
 
     def shutdown(self) -> None:
         """Refuses new maps. Safe to call twice; the threads are shared and exit
@@ -386,13 +372,12 @@ class _ExecutorState:
 
     Lock rule: :attr:`queueing` is held while a map queues its first pullers, so
     that two maps started at once do not split the executor's workers between
-    them (each could then wait for good for elements queued behind the
-    other's); :attr:`gate` has its own lock.
+    them (the elements of each, if they wait for each other, could then wait
+    for good for workers that the other holds).
     """
 
     def __init__(self) -> None:
         self.queueing = threading.Lock()
-        self.gate = LimitedGate()
 
 
 #: Per thread executor, its state; guarded by ``_states_lock`` (the table, not
@@ -498,26 +483,14 @@ def run_on_executor(
                 futures.append(future)
             future.add_done_callback(on_done)
 
-    state = _state(executor)
-
-    def grow() -> None:
-        # Pullers first: the next limited map, let in by the gate, queues its
-        # pullers behind these, not before them.
-        try:
-            hand()
-        finally:
-            state.gate.leave(job)
-
-    job.grow = grow
-    state.gate.enter(job)
+    job.grow = hand
     try:
-        with state.queueing:
+        with _state(executor).queueing:
             hand()
         if _local.job is not None:
             job.drain()
         wait(job, job.poll, progress)
     finally:
-        state.gate.leave(job)
         with lock:
             started = list(futures)
         for f in started:  # pullers that never started: nothing left to claim
@@ -527,7 +500,7 @@ def run_on_executor(
 @_fork.in_child
 def _start_afresh() -> None:
     """A forked child has none of the parent's threads, and any of this module's
-    locks may have been held at the fork: every table, lock and gate is new."""
+    locks may have been held at the fork: every table and lock is new."""
     global _threads, _pools_lock, _states, _states_lock, _fallback
     _threads = _Threads()
     _pools_lock = threading.Lock()

@@ -20,9 +20,11 @@ import jax
 import numpy as np
 
 from . import _compat
+from ._scheduling import InOrder
 
-#: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor.
-Executor = int | concurrent.futures.Executor | None
+#: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
+#: any of these in ``InOrder`` for one element per claim in index order.
+Executor = int | concurrent.futures.Executor | InOrder | None
 
 #: The most threads ``executor=N`` or ``JAX_THREADMAP_NUM_THREADS`` may ask for. Every
 #: thread has its own stack (8 MB of address space, some of it touched), and beyond a
@@ -84,11 +86,19 @@ def check_callable(fn: Any, api: str, what: str, hint: str) -> None:
 
 
 def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    """``executor`` as ``threadmap`` uses it (an int is normalised to ``int``).
+    """``executor`` as ``threadmap`` uses it (an int is normalised to ``int``;
+    ``InOrder(e)`` keeps its ``e`` checked the same way).
 
     ``None`` also checks ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails
     the call rather than the map.
     """
+    if isinstance(executor, InOrder):
+        if isinstance(executor.executor, InOrder):
+            raise TypeError(
+                f"{api}: InOrder takes the executor itself, not another InOrder. "
+                f"Got executor={executor!r}. Pass InOrder(8), for example."
+            )
+        return InOrder(check_executor(executor.executor, api))
     if executor is None:
         env_num_threads()
         return None
@@ -99,7 +109,8 @@ def check_executor(executor: Any, api: str = "threadmap") -> Executor:
     ):
         raise TypeError(
             f"{api}: executor must be None (the shared pool), a positive int (a pool "
-            "of that many threads) or a concurrent.futures.Executor. "
+            "of that many threads), a concurrent.futures.Executor, or one of these "
+            "in jax_threadmap.InOrder (elements in index order). "
             f"Got executor={executor!r} of type {type(executor).__name__}."
         )
     if executor < 1:

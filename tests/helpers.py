@@ -1,10 +1,15 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
 
+import concurrent.futures
+import contextlib
+import itertools
 import os
 import pathlib
+import resource
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.extend
@@ -264,3 +269,50 @@ def run_checks(
         timeout=timeout,
     )
     return proc, proc.stdout + proc.stderr[-5000:]
+
+
+@contextlib.contextmanager
+def executor_of(kind, n):
+    """``executor=n`` (a shared pool), or for ``kind == "user"`` a
+    ``ThreadPoolExecutor(n)`` that is shut down afterwards."""
+    if kind != "user":
+        yield n
+        return
+    ex = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="mine")
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+
+
+def peak_mb() -> float:
+    """This process's peak resident memory, in MB. Test scripts run in a child
+    get it with ``inspect.getsource(peak_mb)``."""
+    # VmHWM, this address space's own peak: ru_maxrss would start at the peak of
+    # the (pytest) parent, which Linux keeps across fork and exec.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+#: Seconds a faked clock advances per reading: "slow" makes every element
+#: look like it took an hour, "fast" like it took no time at all.
+CLOCK_STEPS = {"slow": 3600.0, "fast": 0.0}
+
+
+def fake_clocks(monkeypatch, speed: str) -> None:
+    """Replaces the clocks the package may read to time work
+    (``time.perf_counter``, ``time.thread_time``, ``time.process_time``,
+    ``time.monotonic``) with one that advances ``CLOCK_STEPS[speed]`` seconds per
+    reading. Waits with timeouts (``threading``'s) keep the real clock."""
+    step = CLOCK_STEPS[speed]
+    ticks = itertools.count()
+    now = time.monotonic()
+
+    def clock():
+        return now + step * next(ticks)
+
+    for name in ("perf_counter", "thread_time", "process_time", "monotonic"):
+        monkeypatch.setattr(time, name, clock)

@@ -1,7 +1,6 @@
 """Pools, thread bounds, nesting, concurrency, fork and shutdown."""
 
 import concurrent.futures
-import contextlib
 import os
 import queue
 import signal
@@ -16,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import executor_of, fake_clocks
 
 import jax_threadmap
 from jax_threadmap import (
     ExecutorError,
+    InOrder,
     _jobs,
     _maps,
     _progress,
@@ -845,36 +846,21 @@ class Counter:
         return self.rec(x)
 
 
-def _only_the_watchdog(monkeypatch, stuck=60.0):
-    """Maps on more threads than CPUs gain threads only from the watchdog, after
-    ``stuck`` seconds: no timing can then raise their limit on a busy machine."""
+def _no_votes(monkeypatch):
+    """Maps on more threads than CPUs never gain threads: no chunk finds its
+    elements slow or waiting, however busy the machine."""
     monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))
     monkeypatch.setattr(_scheduling, "WAIT_SHARE", 0.0)
-    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", stuck)
 
 
 def user_pool(n):
     return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="mine")
 
 
-@contextlib.contextmanager
-def executor_of(kind, n):
-    """``executor=n``, or for ``kind == "user"`` a ThreadPoolExecutor(n) that is
-    shut down afterwards."""
-    if kind != "user":
-        yield n
-        return
-    ex = user_pool(n)
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
-
-
 @pytest.mark.parametrize("cpus", [1, 2])
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_fast_map_runs_on_one_thread_per_cpu(monkeypatch, cpus, executor):
-    _only_the_watchdog(monkeypatch)
+    _no_votes(monkeypatch)
     monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
     with executor_of(executor, 32) as ex:
         x = np.arange(4096, dtype=np.float32).reshape(64, 64)
@@ -915,7 +901,6 @@ class RisenRecorder(Recorder):
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_slow_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)  # from the chunks' times
     with executor_of(executor, 8) as ex:
         rec = RisenRecorder(sleep=0.01, gate=8)  # 10 ms: far above SLOW_ELEMENT
         x = np.zeros((4, 16), np.float32)  # 64 elements: more than 4 per thread
@@ -926,7 +911,6 @@ def test_slow_elements_get_every_thread(monkeypatch, executor):
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_waiting_elements_get_every_thread(monkeypatch, executor):
     monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     monkeypatch.setattr(_scheduling, "SLOW_ELEMENT", float("inf"))  # from CPU time
     with executor_of(executor, 8) as ex:
         # Sleeps: its thread is on a CPU a few % of the time.
@@ -936,12 +920,14 @@ def test_waiting_elements_get_every_thread(monkeypatch, executor):
         assert rec.max_running == 8
 
 
+@pytest.mark.parametrize("clock", ["slow", "fast"])
 @pytest.mark.parametrize("executor", [8, "user"])
-def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
-    # A large map on one thread: its first element waits for its second, so no
-    # chunk finishes; the thread that waits for the map sees the chunk stuck
-    # and hands the map every thread.
-    _only_the_watchdog(monkeypatch, stuck=0.05)
+def test_elements_that_wait_for_each_other_all_start(monkeypatch, clock, executor):
+    # A large map on an executor with more threads than CPUs, in index order:
+    # its first element waits for its second, which another thread claims
+    # (without the mode, the map would start on one thread and both elements
+    # could sit in its first chunk).
+    fake_clocks(monkeypatch, clock)
     monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     with executor_of(executor, 8) as ex:
         pair = threading.Barrier(2, timeout=60)
@@ -952,17 +938,20 @@ def test_elements_that_wait_for_each_other_all_start(monkeypatch, executor):
             return v + 1
 
         x = np.arange(64, dtype=np.float32)[None]
-        np.testing.assert_array_equal(run(meet, x, executor=ex), x + 1)
+        np.testing.assert_array_equal(run(meet, x, executor=InOrder(ex)), x + 1)
 
 
+@pytest.mark.parametrize("clock", ["slow", "fast"])
 @pytest.mark.parametrize("executor", [32, "user"])
-def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, executor):
+def test_maps_at_once_with_elements_that_wait_for_each_other(
+    monkeypatch, clock, executor
+):
     # Two maps at once on one executor, the elements of each waiting for all 32
-    # of its elements to run. Small maps take every thread at once, and a map's
-    # tasks are queued together, so the second map queues behind the first.
-    # Starting them on one thread per CPU split the places between the maps,
-    # and both waited for good.
-    _only_the_watchdog(monkeypatch, stuck=0.05)
+    # of its elements to run. Maps in index order take every thread at once,
+    # and a map's tasks are queued together, so the second map queues behind
+    # the first. Starting them on one thread per CPU split the places between
+    # the maps, and both waited for good.
+    fake_clocks(monkeypatch, clock)
     monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
     with executor_of(executor, 32) as ex:
         start = threading.Barrier(2, timeout=60)
@@ -975,7 +964,8 @@ def test_maps_at_once_with_elements_that_wait_for_each_other(monkeypatch, execut
                 everyone.wait()
                 return v + m
 
-            f = jax.jit(jax.vmap(lambda v: threadmap(meet, F32, v, executor=ex)))
+            mine = InOrder(ex)
+            f = jax.jit(jax.vmap(lambda v: threadmap(meet, F32, v, executor=mine)))
             x = np.arange(32, dtype=np.float32)
             f = f.lower(x).compile()  # both maps start together, after compiling
             try:
@@ -997,7 +987,6 @@ def test_executor_shut_down_while_the_map_grows(monkeypatch):
     # The threads added when the limit rises are refused: the ones already
     # running finish the map.
     monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
-    monkeypatch.setattr(_scheduling, "STUCK_CHUNK", 60.0)
     ex = user_pool(8)
     rec = Recorder(sleep=0.002)
 
@@ -1022,16 +1011,23 @@ def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
     assert not _maps.new_job(work, 8, parent=parent).limited
     assert not _maps.new_job(work, 1).limited  # no more threads than CPUs
     work.n = 32
-    assert not _maps.new_job(work, 8).limited  # 4 elements per thread: small
+    small = _maps.new_job(work, 8)  # 4 elements per thread: in index order
+    assert small.in_order and not small.limited
+    work.n = 64
+    asked = _maps.new_job(work, 8, in_order=True)
+    assert asked.in_order and not asked.limited
 
 
+@pytest.mark.parametrize("clock", ["slow", "fast"])
 @pytest.mark.parametrize("executor", [16, "user"])
-def test_small_map_does_not_group_elements_it_would_run_alone(monkeypatch, executor):
-    # Fast first elements, then elements that meet at a barrier: on every thread
-    # each of the 16 elements is its own chunk, and so it stays (chunks of
-    # several fast elements measured on fewer threads held barrier elements
-    # back).
-    _only_the_watchdog(monkeypatch, stuck=0.05)
+def test_small_map_does_not_group_elements_it_would_run_alone(
+    monkeypatch, clock, executor
+):
+    # Fast first elements, then elements that meet at a barrier: a small map
+    # runs in index order on every thread, each of the 16 elements its own
+    # claim, whatever the clock says (chunks of several fast elements measured
+    # on fewer threads held barrier elements back).
+    fake_clocks(monkeypatch, clock)
     monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
     with executor_of(executor, 16) as ex:
         all_running = threading.Barrier(8, timeout=60)

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _jobs, _maps, _threads, threadmap
-from jax_threadmap._claims import LockedRange, in_order
+from jax_threadmap import _claims, _jobs, _maps, _threads, threadmap
+from jax_threadmap._claims import LockedRange
+from jax_threadmap._claims import in_order as in_order_of
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -112,9 +113,9 @@ FORK_TIMEOUT = 60
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_fork_while_the_layer_is_busy():
-    # At the fork: kernels block on the shared threads, a limited map holds its
-    # pool's gate, and other threads hold the runners' table lock, the fallback
-    # queueing lock and the fallback gate. The child must find none of it.
+    # At the fork: kernels block on the shared threads, and other threads hold
+    # the runners' table lock and the fallback queueing lock. The child must
+    # find none of it.
     release = threading.Event()
     started = threading.Barrier(3, timeout=60)
 
@@ -127,8 +128,6 @@ def test_fork_while_the_layer_is_busy():
         f = jax.vmap(lambda v: threadmap(blocked, F32, v, executor=2))
         f(np.zeros(2, np.float32))
 
-    holder = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
-    _threads._fallback.gate.enter(holder)
     held = threading.Event()
 
     def hold_locks():
@@ -147,8 +146,6 @@ def test_fork_while_the_layer_is_busy():
             code = 3
             try:
                 x = np.arange(40, dtype=np.float32)
-                limited = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
-                _threads._fallback.gate.enter(limited)  # would wait for good
                 ok = _threads.num_threads() == 0
                 with concurrent.futures.ThreadPoolExecutor(3) as ex:
                     for executor in (2, ex):
@@ -172,17 +169,15 @@ def test_fork_while_the_layer_is_busy():
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         release.set()
-        _threads._fallback.gate.leave(holder)
         for t in threads:
             t.join(60)
 
 
-def _protocol_chunk(calls, lock, slow, pause=0.002, at_0=None):
+def _protocol_chunk(calls, lock, slow, pause=0.002):
     """A chunk function that follows the cursor protocol (``_claims.Cursor``), as
-    the generated loops do: each row published, ``halt`` read before each unit;
-    ``at_0`` is called once, as unit 0 runs, and every other unit waits for it
-    to be done (each thread holds one chunk at a time, so units are left at the
-    front for the in-order run)."""
+    the generated loops do: each row published, ``halt`` read before each
+    unit; the ``slow`` units pause, so that other threads take the tails of
+    running chunks meanwhile."""
 
     def chunk(start, stop, cursor):
         units = iter(range(start, stop))
@@ -192,71 +187,38 @@ def _protocol_chunk(calls, lock, slow, pause=0.002, at_0=None):
                 return
             with lock:
                 calls[i] += 1
-            if at_0 is not None:
-                if i == 0:
-                    at_0()
-                else:  # the front is not all claimed before the rise
-                    assert at_0.done.wait(60), "unit 0 never ran"
             if i in slow:
                 time.sleep(pause)  # a tail to take while this unit runs
 
     return chunk
 
 
-def _rise(job_of):
-    """Raises the map to every thread (as its waiting thread does when it sees
-    a chunk stuck): the rest of the front is drawn in index order."""
-
-    def rise():
-        job = job_of()
-        with job._lock:
-            job._rise()
-        rise.done.set()
-
-    rise.done = threading.Event()
-    return rise
-
-
 @pytest.mark.parametrize(
-    "limited, probe, locked",
-    [(False, False, False), (True, False, False), (True, False, True)]
-    + [(False, True, False), (False, True, True)],
-    ids=["guided", "rising", "rising-locked", "probing", "probing-locked"],
+    "in_order, locked",
+    [(False, False), (True, False), (True, True)],
+    ids=["guided", "in-order", "in-order-locked"],
 )
 def test_tails_taken_while_chunks_run_leave_every_unit_run_once(
-    monkeypatch, switch_often, limited, probe, locked
+    monkeypatch, switch_often, in_order, locked
 ):
     # The cursor protocol hammered: six threads drain maps whose slow units let
     # the others take the tails of running chunks, again and again, with the
-    # interpreter switching threads every microsecond; a limited map also rises
-    # at unit 0 (its running tails given back at once), and a probing one
-    # finds its elements waiting: both then draw the rest in index order from one shared
-    # iterator without the job's lock (on a free-threaded build through a lock
-    # of its own, which "locked" uses here too). Every unit runs once, the
-    # counts add up, and nothing is left running or given back.
-    monkeypatch.setattr(_jobs, "in_order", functools.partial(in_order, locked=locked))
+    # interpreter switching threads every microsecond; a map in index order
+    # draws its units from one shared iterator without the job's lock (on a
+    # free-threaded build through a lock of its own, which "locked" uses here
+    # too). Every unit runs once, the counts add up, and nothing is left
+    # running or given back.
+    monkeypatch.setattr(
+        _claims, "in_order", functools.partial(in_order_of, locked=locked)
+    )
     rng = np.random.default_rng(0)
     for _ in range(20):
         n = 600
         calls = [0] * n
         lock = threading.Lock()
         slow = set(rng.choice(n, 40, replace=False).tolist())
-        pause, jobs = 0.002, []
-        if probe:  # every unit waits: the probe finds none fast
-            slow, pause = set(range(n)), 50e-6
-        at_0 = _rise(functools.partial(jobs.__getitem__, 0)) if limited else None
-        job = _jobs.Job(
-            n,
-            _protocol_chunk(calls, lock, slow, pause, at_0),
-            divisor=8,
-            workers=6,
-            cpus=2 if limited else None,
-            probe=probe,
-        )
-        jobs.append(job)
-        job.limit = job.workers  # every thread drains at once; it may still rise
-        if limited:
-            job.limit = 5
+        chunk = _protocol_chunk(calls, lock, slow)
+        job = _jobs.Job(n, chunk, divisor=8, workers=6, in_order=in_order)
         threads = [threading.Thread(target=job.drain) for _ in range(6)]
         for t in threads:
             t.start()
@@ -267,8 +229,8 @@ def test_tails_taken_while_chunks_run_leave_every_unit_run_once(
         assert calls == [1] * n, [i for i, c in enumerate(calls) if c != 1]
         assert job.completed == n
         assert not job._running and not job._back
-        if limited or probe:  # the rest was drawn in index order
-            assert job._order is not None
+        assert (job._order is not None) == in_order
+        if in_order:
             assert isinstance(job._order, LockedRange) == locked
 
 

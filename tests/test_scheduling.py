@@ -19,15 +19,40 @@ ROOT = pathlib.Path(__file__).parent.parent
 def test_guided_chunks_take_a_share_of_what_is_left():
     divisor = policy.guided_divisor(8)
     assert divisor == policy.GUIDED_SHARE * 8
-    assert policy.chunk_size(1600, divisor, Measure(), limited=False) == 100
-    assert policy.chunk_size(20, divisor, Measure(), limited=False) == 1
+    fast = Measure(per_element=1e-9)
+    assert policy.chunk_size(1600, divisor, fast, limited=False) == 100
+    assert policy.chunk_size(20, divisor, fast, limited=False) == 1
     # Fewer than 2 * GUIDED_SHARE elements per worker left: one element each.
     last = 2 * policy.GUIDED_SHARE * 8 - 1
-    assert policy.chunk_size(last, divisor, Measure(), limited=False) == 1
+    assert policy.chunk_size(last, divisor, fast, limited=False) == 1
 
 
-def test_a_limited_map_takes_one_element_until_one_is_timed():
-    assert policy.chunk_size(10_000, 16, Measure(), limited=True) == 1
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_guided_map_takes_one_element_until_one_is_timed(limited):
+    assert policy.chunk_size(10_000, 16, Measure(), limited=limited) == 1
+
+
+def test_which_maps_run_in_order_and_which_start_limited():
+    w = 8
+    large, small = policy.IN_ORDER_UP_TO * w + 1, policy.IN_ORDER_UP_TO * w
+    # Asked for: always, whatever the map, its executor or its sums.
+    for units in (large, small):
+        for on_threads in (True, False):
+            for sums in (True, False):
+                assert policy.runs_in_order(True, units, w, on_threads, sums)
+    # Small maps on threads, not summed: in order without being asked.
+    assert policy.runs_in_order(False, small, w, True, False)
+    assert not policy.runs_in_order(False, small, w, False, False)
+    assert not policy.runs_in_order(False, small, w, True, True)
+    assert not policy.runs_in_order(False, large, w, True, False)
+    # Limited: large, on threads, more threads than CPUs, not nested.
+    for cpus in (2, 7):
+        assert policy.starts_limited(large, w, cpus, False, True)
+    for cpus in (8, 16):
+        assert not policy.starts_limited(large, w, cpus, False, True)
+    assert not policy.starts_limited(large, w, 2, nested=True, on_threads=True)
+    assert not policy.starts_limited(small, w, 2, False, True)
+    assert not policy.starts_limited(large, w, 2, False, on_threads=False)
 
 
 def test_a_limited_maps_chunks_hold_between_min_and_max_seconds_of_work():
@@ -79,73 +104,6 @@ def test_waiting_elements_vote_by_their_share_of_cpu():
     assert not any(_chunk(m, fast, 0.5) for _ in range(5 * policy.SLOW_VOTES))
 
 
-def test_a_chunk_is_stuck_after_stuck_chunk_seconds():
-    start = 1000.0
-    assert not policy.is_stuck(start, start + policy.STUCK_CHUNK * 0.9)
-    assert policy.is_stuck(start, start + policy.STUCK_CHUNK * 1.1)
-
-
-def test_which_maps_start_limited_and_which_probing():
-    w, large, small = 8, policy.LIMITED_FROM * 8 + 1, policy.LIMITED_FROM * 8
-    for cpus in (2, 7):  # fewer CPUs than threads: limited
-        assert policy.starts_limited(large, w, cpus, False, True)
-        assert not policy.starts_probing(large, w, cpus, False, True)
-    for cpus in (8, 16):  # no more threads than CPUs: probing
-        assert not policy.starts_limited(large, w, cpus, False, True)
-        assert policy.starts_probing(large, w, cpus, False, True)
-    # Nested: every thread at once, probing whatever the CPUs.
-    assert not policy.starts_limited(large, w, 2, nested=True, on_threads=True)
-    assert policy.starts_probing(large, w, 2, nested=True, on_threads=True)
-    # Small maps, and maps on other processes: neither.
-    for cpus in (2, 16):
-        assert not policy.starts_limited(small, w, cpus, False, True)
-        assert not policy.starts_probing(small, w, cpus, False, True)
-        assert not policy.starts_limited(large, w, cpus, False, on_threads=False)
-        assert not policy.starts_probing(large, w, cpus, False, on_threads=False)
-
-
-def _probe(measure, wall, cpu_share=1.0, workers=4):
-    return policy.record_probe(measure, wall, cpu_share * wall, workers)
-
-
-def test_a_probing_map_takes_one_element_per_chunk():
-    m = Measure(per_element=1e-7, probing=True)
-    assert policy.chunk_size(10**6, 8, m, limited=False) == 1
-
-
-def test_a_run_of_fast_elements_ends_the_probe_with_guided_chunks():
-    run = policy.fast_run(4)
-    assert run == max(policy.FAST_RUN_MIN, policy.FAST_RUN_PER_WORKER * 4)
-    m = Measure(probing=True)
-    fast = policy.FAST_ELEMENT / 10
-    assert not _probe(m, policy.FAST_ELEMENT * 100)  # a slow first call
-    for _ in range(run - 1):
-        assert not _probe(m, fast)
-        assert m.probing
-    assert not _probe(m, fast)
-    assert not m.probing and not m.one_each
-    assert policy.chunk_size(10**6, 8, m, limited=False) > 1
-
-
-def test_elements_that_wait_or_take_long_never_end_the_probe_with_chunks():
-    run = policy.fast_run(4)
-    fast = policy.FAST_ELEMENT / 10
-    # Pairs: every other element waits (its thread off the CPU), and runs of
-    # fast ones stay shorter than fast_run; long elements are never fast.
-    for other in (
-        lambda m: _probe(m, fast, cpu_share=policy.WAIT_SHARE / 2),
-        lambda m: _probe(m, policy.FAST_ELEMENT * 2),
-    ):
-        m = Measure(probing=True)
-        settled = []
-        for k in range(policy.PROBE_RUNS * run):
-            settled.append(other(m) if k % (run // 2) == 0 else _probe(m, fast))
-        # After PROBE_RUNS runs' worth of elements: in index order to the end.
-        assert settled == [False] * (len(settled) - 1) + [True]
-        assert m.one_each and not m.probing
-        assert policy.chunk_size(10**6, 8, m, limited=False) == 1
-
-
 def test_fixed_chunks_and_vector_lengths():
     per = policy.FIXED_CHUNKS_PER_WORKER
     assert policy.fixed_chunk(100, 5) == -(-100 // (per * 5))
@@ -185,7 +143,6 @@ def _ms(seconds):
     return f"{round(seconds * 1e3)} ms"
 
 
-_SHARES = {2: "half", 3: "third", 4: "quarter"}
 _WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
 
 
@@ -194,27 +151,15 @@ def quoted_facts():
     constant, so that changing a constant fails here until the docs follow."""
     mb = policy.VECTOR_CHUNK_BYTES // 2**20
     return [
-        ("docs/executors.md", f"(more than {policy.LIMITED_FROM} elements"),
+        ("docs/executors.md", f"(more than {policy.IN_ORDER_UP_TO} elements"),
+        ("docs/executors.md", f"at most {policy.IN_ORDER_UP_TO} elements per thread"),
         ("docs/executors.md", f"as soon as {_WORDS[policy.SLOW_VOTES]} chunks in a"),
         ("docs/executors.md", f"slow ({_us(policy.SLOW_ELEMENT)} or more each)"),
-        ("docs/executors.md", f"a chunk that has run for {_ms(policy.STUCK_CHUNK)}"),
         ("docs/executors.md", f"idle for {policy.IDLE_TIMEOUT:g} seconds exits"),
         ("README.md", f"exit after {policy.IDLE_TIMEOUT:g} s idle"),
         (
             "docs/executors.md",
-            f"never holds more than about {_ms(policy.MAX_CHUNK_SECONDS)} of work",
-        ),
-        (
-            "docs/executors.md",
-            f"Fewer than {2 * policy.GUIDED_SHARE} elements per thread",
-        ),
-        (
-            "docs/executors.md",
-            f"been stuck for {_ms(policy.STUCK_CHUNK)}, by the map taking every",
-        ),
-        (
-            "docs/executors.md",
-            f"more than a {_SHARES[2 * policy.GUIDED_SHARE]}\nas many threads",
+            f"never more than about {_ms(policy.MAX_CHUNK_SECONDS)} of work",
         ),
         (
             "docs/vectorized.md",
@@ -243,12 +188,6 @@ def test_slow_elements_cap_every_guided_chunk():
     assert policy.chunk_size(9_000, 64, fast, limited=False) == 9_000 // 64
     policy.record_time(fast, 10, 10 * policy.MAX_CHUNK_SECONDS)
     assert policy.chunk_size(9_000, 64, fast, limited=False) == 1
-
-
-def test_after_a_stuck_chunk_every_chunk_is_one_element():
-    m = Measure(per_element=1e-7, one_each=True)
-    assert policy.chunk_size(10**6, 64, m, limited=False) == 1
-    assert policy.chunk_size(10**6, 64, m, limited=True) == 1
 
 
 def test_an_idle_thread_takes_the_longest_tail_after_the_running_element():

@@ -1,10 +1,11 @@
-"""The scheduling defects of issue 19, end to end on real threads, every wait
-bounded (a regression fails here rather than hangs). The decisions behind each
-fix are tested as pure functions in test_scheduling.py."""
+"""Maps on real threads, every wait bounded (a regression fails here rather than
+hangs): elements that wait for each other, in the explicit in-order mode
+(``executor=InOrder(...)``) and in the small maps that run in index order
+anyway, each with the clock faked very slow and very fast, since no decision
+of that mode reads one; and the guided chunks' tails and sizes. The policy's
+decisions are tested as pure functions in test_scheduling.py."""
 
 import collections
-import concurrent.futures
-import contextlib
 import threading
 import time
 
@@ -12,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import executor_of, fake_clocks
 
-from jax_threadmap import _jobs, _maps, _threads, threadmap
+from jax_threadmap import InOrder, _jobs, _maps, _threads, threadmap
 from jax_threadmap import _scheduling as policy
 
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
@@ -24,18 +26,6 @@ BARRIER_TIMEOUT = 20.0
 def flat_map(kernel, n, executor):
     f = jax.vmap(lambda i: threadmap(kernel, I32, i, executor=executor))
     return np.asarray(f(jnp.arange(n, dtype=jnp.int32)))
-
-
-@contextlib.contextmanager
-def executor_of(kind, n):
-    if kind == "shared":
-        yield n
-        return
-    ex = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="mine")
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
 
 
 def in_threads(fns, timeout=120):
@@ -57,86 +47,119 @@ def in_threads(fns, timeout=120):
     return errors
 
 
+def groups_map(n, size, ex):
+    """Elements ``size * k`` to ``size * k + size - 1`` wait for each other at a
+    barrier."""
+    barriers = [
+        threading.Barrier(size, timeout=BARRIER_TIMEOUT) for _ in range(n // size)
+    ]
+
+    def meet(i):
+        barriers[int(i) // size].wait()
+        return i
+
+    np.testing.assert_array_equal(flat_map(meet, n, ex), np.arange(n))
+
+
+#: Every case with the clock faked very slow and very fast (helpers.fake_clocks).
+CLOCKS = pytest.mark.parametrize("clock", ["slow", "fast"])
+
+
+@CLOCKS
 @pytest.mark.parametrize("kind", ["shared", "user"])
 @pytest.mark.parametrize("workers, n", [(4, 32), (8, 64)])
 def test_two_large_maps_whose_elements_wait_for_each_other(
-    monkeypatch, kind, workers, n
+    monkeypatch, clock, kind, workers, n
 ):
-    # Each map's elements meet four at a time at a barrier. Both maps are large
-    # (more than LIMITED_FROM elements per thread), so each starts on one thread
-    # per CPU: before the fix each held part of the executor and waited for
-    # good (here: until the barrier broke) for the part the other held.
+    # Each map's elements meet four at a time at a barrier; two such maps at
+    # once on one executor. In index order each map takes every thread at
+    # once, and the second queues behind the first.
     monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
-
-    def one_map(ex):
-        barrier = threading.Barrier(4, timeout=BARRIER_TIMEOUT)
-
-        def meet(i):
-            barrier.wait()
-            return i
-
-        np.testing.assert_array_equal(flat_map(meet, n, ex), np.arange(n))
-
+    fake_clocks(monkeypatch, clock)
     with executor_of(kind, workers) as ex:
-        errors = in_threads([lambda: one_map(ex), lambda: one_map(ex)])
+        one = lambda: groups_map(n, 4, InOrder(ex))  # noqa: E731
+        errors = in_threads([one, one])
     assert errors == [None, None]
 
 
-def pairs_map(n, ex):
-    """Elements 2k and 2k + 1 wait for each other at a barrier."""
-    barriers = [threading.Barrier(2, timeout=BARRIER_TIMEOUT) for _ in range(n // 2)]
-
-    def pair(i):
-        barriers[int(i) // 2].wait()
-        return i
-
-    np.testing.assert_array_equal(flat_map(pair, n, ex), np.arange(n))
-
-
-def test_the_documented_layout_for_pairs_that_wait_for_each_other():
-    # docs/executors.md: fewer than 4 elements per thread of the executor.
-    errors = in_threads([lambda: pairs_map(64, 32)])
-    assert errors == [None]
-
-
+@CLOCKS
 @pytest.mark.parametrize("kind", ["shared", "user"])
 @pytest.mark.parametrize("workers, n, cpus", [(32, 64, 2), (16, 32, 2), (4, 8, 2)])
-def test_adjacent_elements_that_wait_for_each_other_in_a_small_map(
-    monkeypatch, kind, workers, n, cpus
+def test_a_small_map_runs_in_index_order_without_being_asked(
+    monkeypatch, clock, kind, workers, n, cpus
 ):
-    # docs/executors.md's first layout: fewer than 4 elements per thread, where
-    # every chunk is one element from the start.
+    # At most IN_ORDER_UP_TO elements per thread: in index order on every
+    # thread, with or without InOrder (docs/executors.md).
     monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
+    fake_clocks(monkeypatch, clock)
     with executor_of(kind, workers) as ex:
-        errors = in_threads([lambda: pairs_map(n, ex)])
+        errors = in_threads([lambda: groups_map(n, 2, ex)])
     assert errors == [None]
 
 
+@CLOCKS
 @pytest.mark.parametrize("kind", ["shared", "user"])
 @pytest.mark.parametrize(
     "n, cpus, workers",
     [(64, 2, 8), (64, 6, 8), (256, 2, 8), (64, 8, 8), (64, 16, 8), (256, 8, 8)]
-    + [(256, 32, 32)],
+    + [(256, 32, 32), (64, 1, 2)],
 )
-def test_pairs_that_wait_for_each_other(monkeypatch, kind, n, cpus, workers):
-    # Issue 27: elements 2k and 2k + 1 meet at a barrier, on executor=8, as a
-    # user would with ThreadPoolExecutor(8).map. The map starts on one thread
-    # per CPU with chunks of several elements; a thread waiting at the first
-    # element of a pair for the second, queued behind it in its own chunk, is
-    # rescued by a thread that takes the chunk's tail (its cursor), or by the
-    # map rising to every thread, one element per chunk in index order, with
-    # the running chunks' tails given back (a chunk stuck for STUCK_CHUNK).
-    # Before: 2-3 runs in 10 waited until the barriers broke under load, and
-    # every run on CPython 3.11 (no tail stealing there). With 8 or 16 CPUs
-    # (no more threads than CPUs, no spare thread to take a tail) the map
-    # probes instead: one element per claim in index order, each timed; the
-    # pairs never make a run of fast elements, so it stays in index order, as
-    # ThreadPoolExecutor(8).map does (before, those waited for good); and on
-    # executor=32 with 32 CPUs.
+def test_pairs_that_wait_for_each_other(monkeypatch, clock, kind, n, cpus, workers):
+    # Elements 2k and 2k + 1 meet at a barrier, as a user would with
+    # ThreadPoolExecutor(8).map: large maps, on executors with fewer, as many
+    # and more threads than CPUs, with the clock faked so that every element
+    # looks slow (an hour) or free. Before the explicit mode these relied on
+    # probing, slow-element votes and a stuck-chunk watch, all read from the
+    # clock, and 2-3 runs in 10 waited until the barriers broke under load.
     monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
+    fake_clocks(monkeypatch, clock)
     with executor_of(kind, workers) as ex:
-        errors = in_threads([lambda: pairs_map(n, ex)])
+        errors = in_threads([lambda: groups_map(n, 2, InOrder(ex))])
     assert errors == [None]
+
+
+@CLOCKS
+@pytest.mark.parametrize("kind", ["shared", "user"])
+def test_groups_as_large_as_the_executor_in_order(monkeypatch, clock, kind):
+    # The bound of the mode: groups of as many elements as the executor has
+    # threads all meet.
+    fake_clocks(monkeypatch, clock)
+    with executor_of(kind, 4) as ex:
+        errors = in_threads([lambda: groups_map(64, 4, InOrder(ex))])
+    assert errors == [None]
+
+
+@CLOCKS
+def test_a_nested_map_in_order(monkeypatch, clock):
+    # A kernel that waits for an in-order map whose elements meet in pairs: the
+    # waiting thread works on the nested map too.
+    fake_clocks(monkeypatch, clock)
+
+    def outer(i):
+        groups_map(16, 2, InOrder(4))  # (on the full outer pool, one thread)
+        return i
+
+    errors = in_threads(
+        [
+            lambda: np.testing.assert_array_equal(
+                flat_map(outer, 4, InOrder(2)), np.arange(4)
+            )
+        ]
+    )
+    assert errors == [None]
+
+
+def test_in_order_claims_one_element_at_a_time_in_index_order(monkeypatch):
+    # The mode's contract, seen from the kernel: on one thread the elements run
+    # in index order, one at a time, and every one exactly once.
+    seen = []
+
+    def record(i):
+        seen.append(int(i))
+        return i
+
+    np.testing.assert_array_equal(flat_map(record, 100, InOrder(1)), np.arange(100))
+    assert seen == list(range(100))
 
 
 def test_a_chunks_tail_taken_by_another_thread_runs_once_and_counts_once():
@@ -171,24 +194,6 @@ def test_a_chunks_tail_taken_by_another_thread_runs_once_and_counts_once():
     assert errors == [None]
     assert calls == collections.Counter(range(n))
     assert {job.completed for job in seen} == {n}
-
-
-def test_a_limited_map_waits_at_the_gate_only_for_another_limited_map():
-    gate = _jobs.LimitedGate()
-    first = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
-    second = _jobs.Job(100, lambda *a: None, workers=8, cpus=2)
-    small = _jobs.Job(10, lambda *a: None, workers=8)
-    assert first.limited and second.limited and not small.limited
-    gate.enter(first)
-    gate.enter(small)  # not limited: never waits
-    entered = threading.Event()
-    t = threading.Thread(target=lambda: (gate.enter(second), entered.set()))
-    t.start()
-    assert not entered.wait(0.2)
-    gate.leave(first)
-    assert entered.wait(30)
-    t.join(30)
-    gate.leave(second)
 
 
 def test_front_loaded_costs_spread_over_every_thread(monkeypatch):

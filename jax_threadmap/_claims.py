@@ -1,18 +1,12 @@
-"""What a thread claims of a map, and the functions that run it.
-
-A thread that runs a map's kernels claims from its :class:`._jobs.Job` either a
-chunk, units ``[start, stop)`` with the :class:`Cursor` its loop publishes at,
-or a place in the map's in-order run (:data:`IN_ORDER`): units drawn one at a
-time, in index order, from an iterator that the run's threads share
-(:func:`in_order`). :class:`MapWork` is what the executor layer needs of a map
-(``_host.HostMap`` provides it): the functions that run a chunk and an
-in-order run, and those that ship work to other processes.
+"""What a thread claims of a map: a chunk of units ``[start, stop)`` with the
+:class:`Cursor` its loop publishes at, and what the executor layer needs of a
+map (:class:`MapWork`, which ``_host.HostMap`` provides): the function that
+runs a chunk, and those that ship work to other processes.
 """
 
 from __future__ import annotations
 
 import operator
-import sysconfig
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -45,10 +39,9 @@ class Cursor:
     Lock rule: :attr:`row` is written only by the loop's thread; :attr:`halt`
     and :attr:`stop` are written under the job's lock. :attr:`halt`, once set
     by a failure or a taken tail, stays set until the chunk ends. (The one
-    cursor that a job's chunks of one unit share is written
-    by each of their loops, and by the in-order run's; no thread reads its
-    :attr:`row`, since a chunk of one unit has no tail, and only a failure
-    sets its :attr:`halt`.)
+    cursor that a job's chunks of one unit share is written by each of their
+    loops; no thread reads its :attr:`row`, since a chunk of one unit has no
+    tail, and only a failure sets its :attr:`halt`.)
     """
 
     __slots__ = ("_job", "halt", "row", "stop")
@@ -95,22 +88,6 @@ Chunk = tuple[int, int, Cursor]
 #: Runs units ``[start, stop)`` of a job, publishing each row of units at the
 #: cursor before running it (see :class:`Cursor`).
 ChunkFn = Callable[[int, int, Cursor], None]
-#: Runs each unit that a shared iterator yields, until it is exhausted or the
-#: cursor halts (see :meth:`._jobs.Job._run_in_order`).
-UnitsFn = Callable[[Iterator[int], Cursor], None]
-
-
-class InOrder:
-    """What :meth:`._jobs.Job.claim` returns when the thread is to run units one at a
-    time in index order, drawing them from the job's shared iterator."""
-
-    __slots__ = ()
-
-
-#: The claim of a thread that joins the in-order run (:meth:`._jobs.Job._run_in_order`).
-IN_ORDER = InOrder()
-#: What :meth:`._jobs.Job.claim` hands a thread: a chunk, the in-order run, or nothing.
-Claim = Chunk | InOrder | None
 
 
 class MapWork(Protocol):
@@ -138,8 +115,6 @@ class MapWork(Protocol):
 
     def run_chunk(self, start: int, stop: int, cursor: Cursor) -> None: ...
 
-    def run_units(self, units: Iterator[int], cursor: Cursor) -> None: ...
-
     def shared(self) -> list[Any]:
         """Operands shipped once per map to an executor that pickles work."""
         ...
@@ -150,50 +125,3 @@ class MapWork(Protocol):
         ...
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
-
-
-#: Whether this CPython is a free-threaded build (3.13t: no GIL), where a
-#: ``range`` iterator that several threads advance at once may hand two of
-#: them the same unit (see :class:`._jobs.Job`'s lock rule).
-FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
-
-
-class LockedRange:
-    """A ``range`` iterator whose steps and length hint take a lock: the
-    in-order iterator on a free-threaded build (see :class:`._jobs.Job`)."""
-
-    __slots__ = ("_it", "_lock")
-
-    def __init__(self, start: int, stop: int):
-        self._it = iter(range(start, stop))
-        self._lock = threading.Lock()
-
-    def __iter__(self) -> LockedRange:
-        return self
-
-    def __next__(self) -> int:
-        with self._lock:
-            return next(self._it)
-
-    def __length_hint__(self) -> int:
-        with self._lock:
-            return operator.length_hint(self._it)
-
-
-def in_order(start: int, stop: int, locked: bool = FREE_THREADED) -> Iterator[int]:
-    """The shared iterator of an in-order run over units ``[start, stop)``."""
-    if locked:
-        return LockedRange(start, stop)
-    return iter(range(start, stop))
-
-
-def one_by_one(fn: ChunkFn) -> UnitsFn:
-    """Runs the units a shared iterator yields as chunks of one unit each."""
-
-    def units(it: Iterator[int], cursor: Cursor) -> None:
-        for i in it:
-            if cursor.halt and cursor.halted(i):
-                return
-            fn(i, i + 1, cursor)
-
-    return units

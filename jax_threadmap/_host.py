@@ -19,7 +19,7 @@ those levels) are the business of :mod:`._summing`, which this module calls.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +29,7 @@ from . import _remote, _summing
 from ._batch_spec import Axes, BatchSpec
 from ._errors import KernelError, describe, kernel_traceback
 from ._loops import element_loop
-from ._remote import ChunkFn, UnitsFn
+from ._remote import ChunkFn
 from ._validate import ResultCastError, check_result_cast
 from ._vectorized import ChunkCaller, KernelCaller, PiecePlan, chunk_of
 
@@ -226,9 +226,9 @@ class ElementCaller(KernelCaller):
         out_v: Sequence[np.ndarray],
         shape: tuple[int, ...],
         flat_of: Sequence[int] | None = None,
-    ) -> tuple[ChunkFn, UnitsFn]:
+    ) -> ChunkFn:
         """A function running elements ``[start, stop)`` of views with batch
-        ``shape``, and one running the elements a shared iterator yields.
+        ``shape``.
 
         The loop is generated for this kernel's signature (:mod:`._loops`); this
         caller's ``call``, ``result_leaves`` and ``store`` are its checked slow
@@ -326,15 +326,6 @@ class HostMap:
         """Runs work units ``[start, stop)`` in this thread (see ``_claims.Cursor``)."""
         raise NotImplementedError
 
-    def run_units(self, units: Iterator[int], cursor: Any) -> None:
-        """Runs each work unit that ``units`` yields (an iterator that other
-        threads draw from too), in this thread, until it is exhausted or
-        ``cursor`` halts (a failure)."""
-        for i in units:
-            if cursor.halt and cursor.halted(i):
-                return
-            self.run_chunk(i, i + 1, cursor)
-
     def shared(self) -> list[np.ndarray]:
         """The large operands that every element reads whole, which an executor
         that pickles work receives once per map (see :func:`._remote.share`);
@@ -367,9 +358,8 @@ class ElementMap(HostMap):
     ):
         super().__init__(caller, spec, operands)
         self._run: ChunkFn | None = None
-        self._units: UnitsFn | None = None
         if not self.sums:
-            self._run, self._units = self.caller.loop(self.in_v, self.out_v, self.shape)
+            self._run = self.caller.loop(self.in_v, self.out_v, self.shape)
 
     def run_chunk(self, start: int, stop: int, cursor: Any) -> None:
         """Runs elements ``[start, stop)`` in this thread."""
@@ -378,15 +368,8 @@ class ElementMap(HostMap):
             return
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
-        self.caller.loop(self.in_v, out_v, self.shape)[0](start, stop, cursor)
+        self.caller.loop(self.in_v, out_v, self.shape)(start, stop, cursor)
         self.partials.fold(start, stop, partials)
-
-    def run_units(self, units: Iterator[int], cursor: Any) -> None:
-        """Runs each element that ``units`` yields, in this thread."""
-        if self._units is None:  # summed outputs: partial sums per chunk
-            super().run_units(units, cursor)
-        else:
-            self._units(units, cursor)
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Elements ``[start, stop)``, packed for a worker in another process."""

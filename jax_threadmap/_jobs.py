@@ -3,14 +3,12 @@
 - A map is a :class:`Job` over ``n`` work units (elements, or pieces of a
   vectorized map). Any thread that runs the map's kernels (a shared thread, a
   worker of a user's thread executor, the thread that waits for a nested map)
-  claims work (:meth:`Job.claim`) and runs it until none is left
+  claims chunks (:meth:`Job.claim`) and runs them until none are left
   (:meth:`Job.drain`). How a map is cut is decided when it starts
-  (:mod:`._scheduling`): in index order, one unit per claim, or chunks
-  (guided, sized from timings; or fixed bounds for a map whose outputs are
-  summed on the host, sums that do not depend on timing).
-- In index order, threads draw units one at a time from a range iterator that
-  they share, without the job's lock (:meth:`Job._run_in_order`; the lock rule
-  of :class:`Job` says why that is sound). No clock is read.
+  (:mod:`._scheduling`): fixed bounds, claimed in index order (one unit each
+  for a map in index order; a few per thread for a map whose outputs are
+  summed on the host, sums that do not depend on timing), read no clock;
+  guided chunks are sized from the times of the chunks before them.
 - Help finish: each running chunk has a :class:`Cursor`, where its loop
   publishes the range of units it iterates. A thread that finds nothing left to
   claim takes the units not yet started of another thread's chunk
@@ -27,24 +25,13 @@
 from __future__ import annotations
 
 import bisect
-import operator
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from . import _claims as claims
 from . import _fork
 from . import _scheduling as policy
-from ._claims import (
-    IN_ORDER,
-    Busy,
-    ChunkFn,
-    Claim,
-    Cursor,
-    InOrder,
-    UnitsFn,
-    one_by_one,
-)
+from ._claims import Busy, Chunk, ChunkFn, Cursor
 from ._errors import ExecutorError
 
 
@@ -71,18 +58,9 @@ class Job:
     """One flat map: ``n`` units, run by ``fn(start, stop, cursor)`` per chunk.
 
     Lock rule: every field that more than one thread uses is written under
-    the job's lock (``_lock``), :attr:`hands` included, but one: the in-order
-    iterator (``_order``). It is assigned once, in ``__init__``, before any
-    thread may draw from it, and from then on the threads of the in-order run
-    (each counted in ``_racers`` by a claim under the lock) advance it without
-    the job's lock. That is sound because each ``next()`` is atomic: with the
-    GIL (every CPython 3.10-3.13 build but the free-threaded one), one step of
-    a ``range`` iterator is a C function that calls no Python code and never
-    releases the GIL, so each unit is drawn exactly once. The free-threaded
-    build (3.13t) makes no such promise for iterators, so there
-    (``_claims.FREE_THREADED``) the iterator is a ``_claims.LockedRange``,
-    whose steps take a lock of their own. Its length hint (the units left to
-    draw) is read under the job's lock. :attr:`grow` is set once by the runner
+    the job's lock (``_lock``), :attr:`hands` included (and the cursors'
+    :attr:`~Cursor.halt` and :attr:`~Cursor.stop`; their rows are their
+    loops', see :class:`Cursor`). :attr:`grow` is set once by the runner
     before the job is handed a thread. Reads without the lock are of single
     values whose staleness is harmless: :attr:`failed` (a shipper looks again a
     moment later), :attr:`limit` and :attr:`hands` (a thread more or fewer is
@@ -93,8 +71,6 @@ class Job:
     Args:
         n: The number of units.
         fn: Runs one chunk.
-        units: Runs the units a shared iterator yields (``MapWork.run_units``);
-            default: ``fn`` on one unit at a time.
         fixed: Chunks of exactly this many units (fixed bounds); ``None`` for
             guided chunks.
         divisor: Guided chunks take ``1 / divisor`` of what is left.
@@ -105,8 +81,8 @@ class Job:
             elements slow or waiting (:func:`._scheduling.record_chunk`).
             Guided maps only.
         in_order: One unit per claim, in index order, on every thread
-            (:func:`._scheduling.runs_in_order`); ``fixed`` and ``cpus`` are
-            then ignored.
+            (:func:`._scheduling.runs_in_order`): fixed chunks of one unit,
+            ``fixed`` and ``cpus`` ignored.
     """
 
     def __init__(
@@ -114,7 +90,6 @@ class Job:
         n: int,
         fn: ChunkFn,
         *,
-        units: UnitsFn | None = None,
         fixed: int | None = None,
         divisor: int = 2,
         parent: Job | None = None,
@@ -124,14 +99,13 @@ class Job:
     ):
         self.n = n
         self.fn = fn
-        self.run_units = one_by_one(fn) if units is None else units
-        self.in_order = in_order
-        self.fixed = None if in_order else fixed
+        #: Chunks of exactly this many units, claimed in index order.
+        self.fixed = 1 if in_order else fixed
         self.divisor = divisor
         self.workers = n if workers is None else max(1, workers)
         #: Threads the map may hold now; raised to ``workers`` by its votes.
         self.limit = self.workers
-        if cpus is not None and self.fixed is None and not in_order:
+        if cpus is not None and self.fixed is None:
             self.limit = max(1, min(cpus, self.workers))
         #: Threads handed the map by its runner (:meth:`add_hand`).
         self.hands = 0
@@ -150,12 +124,6 @@ class Job:
         self._running: set[Cursor] = set()  # but chunks of one unit:
         self._single = Cursor(self, 0)  # theirs, shared (its row is never read)
         self._outstanding = 0  # chunks claimed and not yet counted done
-        # In index order: the units, drawn one at a time without the lock (see
-        # the lock rule), and the threads drawing from them.
-        self._order: Iterator[int] | None = None
-        self._racers = 0
-        if in_order:
-            self._order, self._next = claims.in_order(0, n), n
         self._children: set[Job] = set()
         self.parent = parent
         if n == 0:
@@ -169,16 +137,15 @@ class Job:
         return self.limit < self.workers
 
     @property
+    def in_order(self) -> bool:
+        """Whether the map runs one unit per claim, in index order."""
+        return self.fixed == 1
+
+    @property
     def completed(self) -> int:
-        """Units done, for progress bars: exact once the map is over; while
-        threads draw units in index order, those drawn but the ones that may
-        still run."""
+        """Units done, for progress bars."""
         with self._lock:
-            done = self._completed
-            if self._order is not None:
-                drawn = self.n - operator.length_hint(self._order)
-                done += max(0, drawn - self._racers)
-            return done
+            return self._completed
 
     # --- threads handed to the map -------------------------------------------------
 
@@ -200,33 +167,23 @@ class Job:
     # --- claiming and running chunks -----------------------------------------------
 
     def drain(self, busy: Busy | None = None) -> None:
-        """Claims and runs work until none is left: the one claim-and-run loop
-        of every thread that runs the map's kernels (see :meth:`run` for
+        """Claims and runs chunks until none are left: the one claim-and-run
+        loop of every thread that runs the map's kernels (see :meth:`run` for
         ``busy``)."""
         claim = self.claim()
         while claim is not None:
-            if isinstance(claim, InOrder):
-                self._run_in_order(busy)
-                claim = self.claim()
-            else:
-                claim = self.run(*claim, then_claim=True, busy=busy)
+            claim = self.run(*claim, then_claim=True, busy=busy)
 
-    def claim(self) -> Claim:
+    def claim(self) -> Chunk | None:
         """The next chunk ``(start, stop, cursor)``: units given back (lowest
         first), else the front, else the tail of another thread's running
-        chunk; or :data:`IN_ORDER` (the thread joins the in-order run); or
-        ``None`` when none is left."""
+        chunk (guided chunks only); ``None`` when none is left."""
         with self._lock:
             return self._claim()
 
-    def _claim(self) -> Claim:  # lock held
+    def _claim(self) -> Chunk | None:  # lock held
         if self.failed:
             return None
-        if self._order is not None:
-            if not operator.length_hint(self._order):
-                return None
-            self._racers += 1
-            return IN_ORDER
         if not self._back and self._next >= self.n:
             if self.fixed or not self._steal():
                 return None
@@ -289,25 +246,26 @@ class Job:
         cursor: Cursor,
         then_claim: bool = False,
         busy: Busy | None = None,
-    ) -> Claim:
+    ) -> Chunk | None:
         """Runs a claimed chunk (its exception fails the job); with
         ``then_claim``, returns the next claim, made under the same hold of
         the lock as this chunk is counted done. ``busy.running`` is true while
         the chunk's kernels run, false before the chunk counts as done (so
-        that whoever sees the map done sees this thread free). The chunk's
-        time sizes the next chunks, and may give the map more threads."""
+        that whoever sees the map done sees this thread free). A guided
+        chunk's time sizes the next chunks, and may give the map more
+        threads; a fixed chunk reads no clock."""
         outer, _local.job = _local.job, self
-        limited = self.limited  # (see the lock rule)
+        timed, limited = self.fixed is None, self.limited  # (see the lock rule)
         if busy is not None:
             busy.running = True
-        began = time.perf_counter()
+        began = time.perf_counter() if timed else 0.0
         cpu = time.thread_time() if limited else 0.0
         try:
             self.fn(start, stop, cursor)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
-            wall = time.perf_counter() - began
+            wall = time.perf_counter() - began if timed else 0.0
             cpu = time.thread_time() - cpu if limited else 0.0
             _local.job = outer
             if busy is not None:
@@ -343,32 +301,6 @@ class Job:
         self.limit = self.workers
         return not self._exhausted()
 
-    def _run_in_order(self, busy: Busy | None) -> None:
-        """Runs units drawn one at a time from the shared iterator, in index
-        order, as ``ThreadPoolExecutor.map`` hands out its elements, until it
-        is exhausted or the map fails. The claim of a unit is a step of the
-        iterator, with no lock (see the lock rule): with a lock per unit, 32
-        threads on 2 CPUs queued at it. The thread counted itself in
-        ``_racers`` when it claimed the run, and takes the lock once more, to
-        leave it; the job is done once no thread is in it and nothing is left
-        to draw."""
-        units = self._order
-        assert units is not None  # set before any thread is counted in the run
-        outer, _local.job = _local.job, self
-        if busy is not None:
-            busy.running = True
-        try:
-            self.run_units(units, self._single)
-        except BaseException as e:  # routed to the waiting thread
-            self.fail(e)
-        finally:
-            _local.job = outer
-            if busy is not None:
-                busy.running = False
-        with self._lock:
-            self._racers -= 1
-            self._check_done()
-
     def _count(self, units: int) -> None:  # lock held
         """Counts a chunk of ``units`` as done."""
         self._completed += units
@@ -387,14 +319,10 @@ class Job:
             return self._exhausted()
 
     def _exhausted(self) -> bool:  # lock held
-        if self.failed:
-            return True
-        if self._next < self.n or self._back:
-            return False
-        return self._order is None or not operator.length_hint(self._order)
+        return self.failed or (self._next >= self.n and not self._back)
 
     def _check_done(self) -> None:  # lock held
-        if self._outstanding == 0 and self._racers == 0 and self._exhausted():
+        if self._outstanding == 0 and self._exhausted():
             self.done.set()
 
     def poll(self, timeout: float) -> bool:

@@ -30,7 +30,7 @@ import functools
 import keyword
 import linecache
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -43,13 +43,6 @@ from ._errors import PASS_THROUGH
 #: before element ``i`` (a failure, or the chunk's tail taken by another
 #: thread; see ``_claims.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
-#: Runs each element that a shared iterator yields, in this thread, until it
-#: is exhausted: the claim of a map that runs one element at a time in index
-#: order (``_jobs.Job``), each ``next()`` one atomic step of the iterator;
-#: ``cursor.halt`` and ``cursor.halted(i)`` stop it before element ``i``.
-UnitsFn = Callable[[Iterator[int], Any], None]
-#: The two functions of one generated loop.
-Loop = tuple[ChunkFn, UnitsFn]
 
 
 class Caller(Protocol):
@@ -290,19 +283,7 @@ def _source(
         "            start = base + end",
         "            row, j = row + 1, 0",
         "            prefix = _next(prefix, outer)",
-        "    def units(it, c):",
-        "        row = -1",
-        "        for i in it:",
-        "            if c.halt and c.halted(i):",
-        "                return",
-        "            at, j = divmod(i, last)",
-        "            if at != row:",
-        "                row, base = at, at * last",
-        "                prefix = _unravel(row, outer)",
-        *[f"                {line}" for line in row_reads],
-        *[f"                p{k} = o{k}[prefix]" for k in range(n_out)],
-        *[f"            {line}" for line in body],
-        "    return chunk, units",
+        "    return chunk",
     ]
     return "\n".join(lines) + "\n"
 
@@ -337,7 +318,7 @@ def show_loops(kernel_name: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(source: str, label: str) -> Callable[..., Loop]:
+def _compile(source: str, label: str) -> Callable[..., ChunkFn]:
     """Compiles a loop builder under the file name ``label`` (inside the
     package, so that kernel tracebacks leave its frame out), its source
     registered with :mod:`linecache` so that tracebacks show its lines."""
@@ -352,7 +333,7 @@ def _compile(source: str, label: str) -> Callable[..., Loop]:
     }
     code = compile(source, filename, "exec")
     exec(code, namespace)
-    build: Callable[..., Loop] = namespace["build"]
+    build: Callable[..., ChunkFn] = namespace["build"]
     return build
 
 
@@ -410,9 +391,8 @@ def element_loop(
     out_v: Sequence[np.ndarray],
     shape: tuple[int, ...],
     flat_of: Any = None,
-) -> Loop:
-    """The loop that runs elements ``[start, stop)`` of ``caller``'s kernel, and
-    its twin that runs the elements a shared iterator yields (:data:`UnitsFn`).
+) -> ChunkFn:
+    """The loop that runs elements ``[start, stop)`` of ``caller``'s kernel.
 
     Args:
         caller: Calls, checks and stores one element (the slow paths).

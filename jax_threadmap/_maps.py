@@ -226,7 +226,6 @@ def new_job(
     return Job(
         units,
         work.run_chunk,
-        units=work.run_units,
         fixed=fixed,
         divisor=policy.guided_divisor(workers),
         parent=parent,

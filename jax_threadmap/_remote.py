@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -142,8 +142,6 @@ def _restore(cls: type[_Task], caller: Any, state: dict[str, Any]) -> _Task:
 #: Runs elements ``[start, stop)``, publishing its rows at a cursor
 #: (``_claims.Cursor``).
 ChunkFn = Callable[[int, int, Any], None]
-#: Runs the elements that a shared iterator yields (``_loops.UnitsFn``).
-UnitsFn = Callable[[Iterator[int], Any], None]
 
 
 class ElementLoops(Protocol):
@@ -157,7 +155,7 @@ class ElementLoops(Protocol):
         out_v: Sequence[np.ndarray],
         shape: tuple[int, ...],
         flat_of: Any = None,
-    ) -> tuple[ChunkFn, UnitsFn]: ...
+    ) -> ChunkFn: ...
 
 
 class _Alone:
@@ -225,7 +223,7 @@ class RemoteChunk(_Task):
             out, view = _summing.remote_output(index, n, shape, dtype)
             outs.append(out)
             views_out.append(view)
-        run, _ = caller.loop(views, views_out, (n,), self.flat_index)
+        run = caller.loop(views, views_out, (n,), self.flat_index)
         t = time.perf_counter()  # the kernel's time, not the loop's making
         run(0, n, _Alone())
         seconds = (time.perf_counter() - t) / max(n, 1)

@@ -1003,7 +1003,6 @@ def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
     monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     work = type("W", (), {"sums": True, "vectorized": False, "n": 64})()
     work.run_chunk = lambda start, stop, job: None
-    work.run_units = lambda units, job: None
     assert not _maps.new_job(work, 8).limited  # fixed bounds: not measured
     work.sums = False
     assert _maps.new_job(work, 8).limited

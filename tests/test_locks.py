@@ -15,9 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _claims, _jobs, _maps, _threads, threadmap
-from jax_threadmap._claims import LockedRange
-from jax_threadmap._claims import in_order as in_order_of
+from jax_threadmap import _jobs, _maps, _threads, threadmap
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -193,24 +191,13 @@ def _protocol_chunk(calls, lock, slow, pause=0.002):
     return chunk
 
 
-@pytest.mark.parametrize(
-    "in_order, locked",
-    [(False, False), (True, False), (True, True)],
-    ids=["guided", "in-order", "in-order-locked"],
-)
-def test_tails_taken_while_chunks_run_leave_every_unit_run_once(
-    monkeypatch, switch_often, in_order, locked
-):
+@pytest.mark.parametrize("in_order", [False, True], ids=["guided", "in-order"])
+def test_tails_taken_while_chunks_run_leave_every_unit_run_once(switch_often, in_order):
     # The cursor protocol hammered: six threads drain maps whose slow units let
     # the others take the tails of running chunks, again and again, with the
     # interpreter switching threads every microsecond; a map in index order
-    # draws its units from one shared iterator without the job's lock (on a
-    # free-threaded build through a lock of its own, which "locked" uses here
-    # too). Every unit runs once, the counts add up, and nothing is left
-    # running or given back.
-    monkeypatch.setattr(
-        _claims, "in_order", functools.partial(in_order_of, locked=locked)
-    )
+    # claims one unit at a time, and none of its chunks has a tail. Every unit
+    # runs once, the counts add up, and nothing is left running or given back.
     rng = np.random.default_rng(0)
     for _ in range(20):
         n = 600
@@ -229,9 +216,7 @@ def test_tails_taken_while_chunks_run_leave_every_unit_run_once(
         assert calls == [1] * n, [i for i, c in enumerate(calls) if c != 1]
         assert job.completed == n
         assert not job._running and not job._back
-        assert (job._order is not None) == in_order
-        if in_order:
-            assert isinstance(job._order, LockedRange) == locked
+        assert job.in_order == in_order
 
 
 def _failing_chunk(calls, late, job_of):

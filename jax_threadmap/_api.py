@@ -69,6 +69,7 @@ def _bind(
 def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: jax.ShapeDtypeStruct,
+    /,
     *args: Any,
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
@@ -81,6 +82,7 @@ def threadmap(
 def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    /,
     *args: Any,
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
@@ -93,6 +95,7 @@ def threadmap(
 def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: Any,
+    /,
     *args: Any,
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
@@ -104,6 +107,7 @@ def threadmap(
 def threadmap(
     kernel: Callable[..., Any],
     result_shape_dtypes: Any,
+    /,
     *args: Any,
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
@@ -160,7 +164,9 @@ def threadmap(
             element).
         **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The names
             ``executor``, ``progress`` and ``vectorized`` are reserved by
-            ``threadmap`` and cannot reach the kernel; ``sharding`` and
+            ``threadmap`` and cannot reach the kernel (``kernel`` and
+            ``result_shape_dtypes`` are positional-only, so those names do reach
+            it); ``sharding`` and
             ``vmap_method``, keywords of ``jax.pure_callback``, are refused.
 
     Returns:
@@ -440,6 +446,7 @@ def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
 @overload
 def kernel(
     result_shape_dtypes: jax.ShapeDtypeStruct,
+    /,
     *,
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
@@ -450,6 +457,7 @@ def kernel(
 @overload
 def kernel(
     result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
+    /,
     *,
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
@@ -460,6 +468,7 @@ def kernel(
 @overload
 def kernel(
     result_shape_dtypes: Any,
+    /,
     *,
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
@@ -469,6 +478,7 @@ def kernel(
 
 def kernel(
     result_shape_dtypes: Any,
+    /,
     *,
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,

@@ -1,6 +1,7 @@
 """The public API: results, params, and every error a user can meet."""
 
 import concurrent.futures
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -460,8 +461,42 @@ def test_derivatives_of_bare_threadmap_say_how_to_get_them(transform):
 def test_public_names():
     assert threadmap_p.name == "threadmap"
     assert isinstance(threadmap_p, jax.extend.core.Primitive)
+    # __all__ is exactly the public namespace (no module, no stray import), and
+    # each name is the function or class of that name, not a stand-in.
+    public = {
+        name
+        for name, value in vars(jax_threadmap).items()
+        if not name.startswith("_") and not inspect.ismodule(value)
+    }
+    assert sorted(jax_threadmap.__all__) == sorted(public)
     for name in jax_threadmap.__all__:
-        assert getattr(jax_threadmap, name) is not None
+        value = getattr(jax_threadmap, name)
+        if name != "threadmap_p":
+            assert value.__name__ == name, (name, value)
+            assert value.__module__.startswith("jax_threadmap."), (name, value)
+
+
+def test_kernel_keywords_named_like_threadmaps_own_arguments_reach_the_kernel():
+    # threadmap(kernel, result_shape_dtypes, /, *args, **kwargs), as
+    # jax.pure_callback: those two names are free for the kernel's keywords.
+    def k(x, *, kernel, result_shape_dtypes):
+        return x * kernel + result_shape_dtypes
+
+    f = jax.vmap(
+        lambda x: threadmap(k, F32, x, kernel=2.0, result_shape_dtypes=np.float32(1))
+    )
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(f(x), np.arange(4.0) * 2 + 1)
+
+    @jax_threadmap.kernel(F32)
+    def g(x, *, result_shape_dtypes):
+        return x + result_shape_dtypes
+
+    np.testing.assert_array_equal(
+        jax.vmap(lambda v: g(v, result_shape_dtypes=np.float32(3)))(x), x + 3
+    )
+    with pytest.raises(TypeError, match="positional"):
+        threadmap(kernel=k, result_shape_dtypes=F32)
 
 
 def test_executor_keyword_is_reserved_for_threadmap():

@@ -38,12 +38,32 @@ def test_demo_prints_one_threadmap_equation(quick_run):
 def test_demo_table_has_numbers_and_speedups(quick_run):
     out = quick_run.stdout
     number = r"\d+\.\d+"
-    row = rf"\s+(\d+)\s+{number}s\*?\s+{number} ms\s+({number})x"
-    assert re.search(rf"pure_callback sequential{row}", out)
+    row = rf"\s+(\d+)\s+({number})s\*?\s+{number} ms\s+({number})x"
+    (sequential,) = re.findall(rf"pure_callback sequential{row}", out)
     rows = re.findall(rf"threadmap{row}", out)
-    assert [int(threads) for threads, _ in rows] == [1, 2]
-    assert all(float(speedup) > 0 for _, speedup in rows)
+    assert [int(threads) for threads, _, _ in rows] == [1, 2]
+    # Each speedup is the sequential wall time over the row's (as printed: 3
+    # decimals of seconds, 1 of the ratio).
+    base = float(sequential[1])
+    for _, seconds, speedup in rows:
+        low = (base - 5e-4) / (float(seconds) + 5e-4)
+        high = (base + 5e-4) / max(float(seconds) - 5e-4, 1e-9)
+        assert low - 0.05 <= float(speedup) <= high + 0.05, (base, seconds, speedup)
     assert "Results match pure_callback: True." in out
+
+
+def test_demo_table_speedups_are_against_the_sequential_row():
+    rows = [
+        ("pure_callback sequential", 1, 64, 2.0, None),
+        ("threadmap", 1, 64, 1.0, None),
+        ("threadmap", 2, 32, 0.5, None),
+    ]
+    table = _demo.format_table(rows, 64, cpus=2)
+    speedups = re.findall(r"(\d+\.\d)x", table)
+    assert speedups == ["1.0", "2.0", "4.0"]
+    assert "* timed on the first 32 elements, extrapolated to 64: threadmap (2)." in (
+        table
+    )
 
 
 def test_demo_shows_progress_on_stderr(quick_run):

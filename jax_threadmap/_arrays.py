@@ -283,7 +283,7 @@ class AsyncArray:
             Array([0., 0.], dtype=float32)
         """
         task = self._task
-        if timeout is None and task.future.done() and task._kept is None:
+        if timeout is None and task.future.done() and not task.kept_error():
             return task.future.result()[self._index]  # the common case, cheaply
         seconds = check_timeout(timeout, "AsyncArray.result", zero=True)
         return task.wait(seconds, self._describe())[self._index]

@@ -7,9 +7,9 @@ How it works (docs/async.md, "How it works", says the same):
 - **Gates.** The argument handler hands JAX, for the pending arrays of one
   dispatch, the outputs of a small *gate program* per device, whose input is a
   4-byte gate pulled from a loopback transfer server (``jax.experimental.
-  transfer``). The call offers the gate when it ends; the program's host
+  transfer``). The call opens its gates when it ends; the program's host
   callback then copies the call's result (never through the socket) or raises
-  its error, which reaches every dependent. A sharded load offers each device's
+  its error, which reaches every dependent. A sharded load opens each device's
   gate when that device's shard is placed, and a later dispatch takes the placed
   shard itself (``Task.ready_shard``); asked for in another layout, it waits.
 - **Streams.** XLA runs the programs of one execution stream in dispatch order
@@ -40,8 +40,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _background, _compat, _fork
-from ._background import FINISHED, FINISHING, PENDING, RUNNING, Task, worker_state
+from . import _compat, _fork
+from ._background import Task, worker_state
 from ._leaves import index_key
 from ._validate import ENV_ASYNC_DISPATCH, async_dispatch_enabled
 
@@ -91,6 +91,20 @@ class Shard(NamedTuple):
     where: tuple
     shape: tuple[int, ...]
     dtype: Any
+
+
+class _Gate(NamedTuple):
+    """A gate (``_background.Gate``): a pending 4-byte pull on one device."""
+
+    array: jax.Array
+    pull_id: int
+    server: Any
+    device: Any
+
+    def open(self, slot: int) -> None:
+        """Sends ``slot`` to the pull: the gate programs on it run."""
+        value = jax.device_put(np.int32(slot), self.device)
+        self.server.await_pull(self.pull_id, [value])
 
 
 class AsyncCallFailed(RuntimeError):
@@ -336,7 +350,7 @@ class Dispatch:
             shards = self._run_gate_programs(plan, claimed, owed)
         except BaseException:
             for task, _ in owed:
-                self._program_ran(task)
+                task.program_ran()
             raise
         for task in claimed:
             task.submit()  # a deferred call starts now; no-op for the others
@@ -381,23 +395,17 @@ class Dispatch:
             for task in by_task:
                 if task in refused:
                     continue
-                with task._lock:
-                    if task._state not in (PENDING, RUNNING):
-                        refused.add(task)
-                        continue
-                    shard = task.ready_shard(device)
-                    if shard is None:
-                        if device not in task.gates:
-                            task.gates[device] = self._pull_gate(task, device)
-                        task.programs += 1
-                        owed.append((task, device))
-                    gated = shard is None
-                    array = task.gates[device][1] if shard is None else shard
-                claimed.setdefault(task, {})[device] = (gated, array)
+                got = task.add_program(device, self)
+                if got is None:
+                    refused.add(task)
+                    continue
+                if got[0]:
+                    owed.append((task, device))
+                claimed.setdefault(task, {})[device] = got
         # A call that finished between two devices waits for its value instead.
         for task, device in [(t, d) for t, d in owed if t in refused]:
             owed.remove((task, device))
-            self._program_ran(task)
+            task.program_ran()
         for task in refused:
             claimed.pop(task, None)
         return claimed
@@ -415,30 +423,50 @@ class Dispatch:
             jax.ShapeDtypeStruct(s.shape, s.dtype) for t in tasks for s in by_task[t]
         )
         program = self._program(device, spec, avals)
-        with self._lock:
-            self._waiting[device] = self._waiting.get(device, 0) + 1
+        self._take_waiting(device)
         try:
             outs = program(*gates)
         except BaseException:
-            with self._lock:
-                self._waiting[device] -= 1
+            self._give_waiting(device)
             raise
         # From here the program's callback settles the counts, whatever happens.
         for t in tasks:
             owed.remove((t, device))
         return outs
 
-    def _pull_gate(self, task: Task, device: Any) -> tuple[int, jax.Array]:
-        _, conn = self._server(device.client)
-        if not task.slot:
-            with self._lock:
-                task.slot = next(self._slot_ids)
-                self._slots[task.slot] = task
+    # -- what a call is lent (a _background.Lender), under the call's lock --
+
+    def lend_slot(self, task: Task) -> int:
+        """The id by which the gate programs find ``task``."""
+        with self._lock:
+            slot = next(self._slot_ids)
+            self._slots[slot] = task
+        return slot
+
+    def give_back_slot(self, slot: int) -> None:
+        """No gate program reads the call of ``slot`` any more."""
+        with self._lock:
+            self._slots.pop(slot, None)
+
+    def pull(self, device: Any) -> _Gate:
+        """A new gate on ``device``: a pull from the loopback transfer server."""
+        server, conn = self._server(device.client)
         pull_id = secrets.randbits(62)
         gate_aval = jax.ShapeDtypeStruct(
             (), np.int32, sharding=jax.sharding.SingleDeviceSharding(device)
         )
-        return pull_id, conn.pull(pull_id, [gate_aval])[0]
+        return _Gate(conn.pull(pull_id, [gate_aval])[0], pull_id, server, device)
+
+    # -- the count of waiting gate programs per device: taken when one is
+    # dispatched, given back when its callback runs (or its dispatch failed) --
+
+    def _take_waiting(self, device: Any) -> None:
+        with self._lock:
+            self._waiting[device] = self._waiting.get(device, 0) + 1
+
+    def _give_waiting(self, device: Any) -> None:
+        with self._lock:
+            self._waiting[device] -= 1
 
     def _server(self, client: Any) -> tuple[Any, Any]:
         with self._lock:
@@ -491,33 +519,15 @@ class Dispatch:
             for task, leaves in zip(tasks, spec, strict=True):
                 for leaf, index in leaves:
                     data = task.gate_data(leaf, index, device)
-                    if data is None:  # offered with the call's error
+                    if data is None:  # opened with the call's error
                         self._failed_devices.add(device)
-                        raise AsyncCallFailed(task.error_text)
+                        raise AsyncCallFailed(task.failure_text())
                     outs.append(data)
             return outs
         finally:
-            with self._lock:
-                self._waiting[device] -= 1
+            self._give_waiting(device)
             for task in tasks:
-                self._program_ran(task)
-
-    def _program_ran(self, task: Task) -> None:
-        with task._lock:
-            task.programs -= 1
-            done = task.programs == 0 and task._state in (FINISHING, FINISHED)
-        if done:  # no gate program will read this call again
-            task.host = None
-            with self._lock:
-                self._slots.pop(task.slot, None)
-
-    # -- when the call ends --
-
-    def offer(self, task: Task, gates: dict[Any, tuple[int, jax.Array]]) -> None:
-        """Lets the gate programs of ``task`` run (with its host or error_text)."""
-        for device, (pull_id, _) in gates.items():
-            server, _ = self._server(device.client)
-            server.await_pull(pull_id, [jax.device_put(np.int32(task.slot), device)])
+                task.program_ran()
 
     def clean_up_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
         """Lets failed gate programs finish; leaves JAX no failed exit token."""
@@ -580,10 +590,6 @@ def async_dispatch_status() -> str:
     return "async"
 
 
-def _release(task: Task, gates: dict) -> None:
-    mechanism.offer(task, gates)
-
-
 @_fork.in_child
 def _after_fork_in_child() -> None:
     # Servers, gates and programs in flight belong to the parent; the forking
@@ -591,6 +597,3 @@ def _after_fork_in_child() -> None:
     global _thread
     mechanism.after_fork()
     _thread = _Thread()
-
-
-_background.set_gate_release(_release)

@@ -41,6 +41,7 @@ LAYERS = [
     "_leaves",
     "_async_threads",
     "_event_loop",
+    "_outcomes",
     "_background",
     "_dispatch",
     "_arrays",

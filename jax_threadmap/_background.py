@@ -105,20 +105,18 @@ class Task:
     ended       fn returns or raises late  same       nothing (dropped)
     ==========  =========================  =========  ==============================
 
-    A gate is added only while pending or running, and the end takes every gate
-    there is at that moment (under the lock) and opens it: every gate is opened
-    once and none is missed. The dispatch slot is given back in one place
-    (:meth:`_give_back_slot`), by whichever comes last of the call's end and its
-    last gate program. A forked child forgets the parent's pool, loop and
-    dispatch; a call running there at the fork fails at its first use
-    (:meth:`wait`).
+    Gates are added only while pending or running; the end takes (under the
+    lock) and opens every gate there is: each opens once, none is missed. The
+    slot is given back in one place (:meth:`_give_back_slot`), by the later of
+    the call's end and its last gate program. In a forked child, a call that
+    ran at the fork fails at its first use (:meth:`wait`).
     """
 
     # Named in one string: a thousand calls in flight, each without a __dict__.
     __slots__ = tuple(
         "_lock _state _submitted _clock _pid _fn _args _kwargs name api treedef "
         "specs future runnable _kept _slot _lender _gates _host _error_text "
-        "_programs timeout _worker coroutine _source __weakref__".split()
+        "_programs timeout _worker coroutine _source _donated __weakref__".split()
     )
 
     def __init__(
@@ -166,6 +164,8 @@ class Task:
         # there (cancelled if the call is given up on).
         self.coroutine = _event_loop.is_coroutine_function(fn)
         self._source: asyncio.Task | None = None
+        # The leaves donated to a jitted call (donate_argnums): later uses fail.
+        self._donated: frozenset[int] = frozenset()
 
     @classmethod
     def for_call(
@@ -226,10 +226,6 @@ class Task:
             error = self.future.exception()
             return "done" if error is None else f"failed: {describe_error(error)}"
         return "deferred" if self.deferred else "pending"
-
-    def kept_error(self) -> bool:
-        """Whether every use raises the call's error (it failed)."""
-        return self._kept is not None
 
     # -- what the dispatch mechanism asks (a sharded load answers otherwise) --
 
@@ -557,6 +553,23 @@ class Task:
         if gates:
             text = _outcomes.exit_text(self.name, self.api, self.runnable)
             self._fail_gates(gates, text)
+
+    def donation_of(self, leaf: int) -> Callable[[], None]:
+        """What to call when ``leaf`` is donated to a jitted call."""
+        return functools.partial(self._mark_donated, leaf)
+
+    def _mark_donated(self, leaf: int) -> None:
+        with self._lock:
+            self._donated = self._donated | {leaf}
+
+    def value(self, leaf: int, timeout: float | None, what: str) -> jax.Array:
+        """The placed ``leaf``; raises the call's error, TimeoutError, or that
+        the leaf was donated."""
+        if leaf in self._donated:
+            raise _outcomes.donated_error(what)
+        if timeout is None and self.future.done() and self._kept is None:
+            return self.future.result()[leaf]  # the common case, cheaply
+        return self.wait(timeout, what)[leaf]
 
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
         """Returns the placed leaves; raises the call's error or TimeoutError."""

@@ -15,9 +15,7 @@ How it works (docs/async.md, "How it works", says the same):
 - **Streams.** XLA runs the programs of one execution stream in dispatch order
   (by default a stream per thread). The gate programs and the program behind
   them go on a new stream per dispatch, so that nothing else waits for this
-  data; the run of the program is wrapped (:func:`_around`, through
-  ``_compat.wrap_program_runs``) and puts the thread back on its stream when it
-  returns. A thread-local level says which run switched; no frame is read.
+  data (:mod:`._program_runs`, which wraps every run of a program).
 - **The bound.** XLA's CPU client admits 32 programs per device, waiting ones
   included. At most :data:`MAX_WAITING_PROGRAMS` gate programs (and as many
   programs behind them) wait per device; beyond that a dispatch waits, in
@@ -40,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _compat, _fork
+from . import _compat, _fork, _program_runs
 from ._background import Task, worker_state
 from ._leaves import index_key
 from ._validate import ENV_ASYNC_DISPATCH, async_dispatch_enabled
@@ -69,11 +67,8 @@ EXIT_DRAIN_S = 3.0
 #: need the GIL, which a sleep gives them.
 EXIT_POLL_S = 0.01
 
-#: The first execution stream of dispatches on pending data; each dispatch takes
-#: the next. Far above the ids XLA derives from thread ids. XLA forgets a stream
-#: once its last program has run, so fresh ids cost nothing (measured on jax
-#: 0.6.2 and 0.12: 200,000 dispatches on as many streams, memory unchanged).
-FIRST_PENDING_STREAM = 1 << 62
+# The gate programs' last output (see Dispatch._program).
+_RAN = jax.ShapeDtypeStruct((), np.int32)
 
 # Platforms on which the gate mechanism was measured (dispatch latency, values,
 # failures, exit): others fall back to blocking dispatch.
@@ -151,67 +146,6 @@ def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
     return plan, layouts
 
 
-# --- streams: a dispatch on pending data gets one of its own -------------------------
-
-
-class _Thread(threading.local):
-    """Where this thread is in running compiled programs (see :func:`_around`)."""
-
-    def __init__(self) -> None:
-        #: How many runs of compiled programs are in progress in this thread
-        #: (nested: a gate program dispatched by an argument handler).
-        self.depth = 0
-        #: The level of the run whose dispatch switched the stream (0: none).
-        self.switched_at = 0
-        #: The stream to go back to.
-        self.usual = 0
-        #: The ordered effects of the innermost run.
-        self.effects: Any = ()
-
-
-_thread = _Thread()
-_stream_ids = itertools.count(FIRST_PENDING_STREAM)
-
-
-def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python (``_compat.wrap_program_runs``).
-
-    Puts the thread back on its usual stream when the run whose argument handler
-    switched it returns, whatever happens; tells the handler the program's
-    ordered effects.
-    """
-    state = _thread
-    level = state.depth + 1
-    outer = state.effects
-    state.depth, state.effects = level, effects
-    try:
-        return run(program, *args)
-    finally:
-        state.depth, state.effects = level - 1, outer
-        if state.switched_at == level:
-            state.switched_at = 0
-            _compat.get("set_execution_stream_id")(state.usual)
-
-
-def _switch_stream() -> bool:
-    """Puts what this thread dispatches next on a new stream.
-
-    Inside a run of a compiled program (a jitted call), the run's end puts the
-    thread back (:func:`_around`): returns ``False``. Outside one (``device_put``
-    of a pending array), returns ``True``: the caller puts it back after its gate
-    programs.
-    """
-    state = _thread
-    if state.switched_at or not mechanism._wrapped or mechanism.in_thread_order():
-        return False
-    state.usual = _compat.get("get_execution_stream_id")()
-    _compat.get("set_execution_stream_id")(next(_stream_ids))
-    if state.depth:
-        state.switched_at = state.depth
-        return False
-    return True
-
-
 class Dispatch:
     """The gate mechanism: transfer servers, gate programs, their bookkeeping."""
 
@@ -261,7 +195,7 @@ class Dispatch:
             return
         with self._lock:
             if not self._prepared:
-                self._wrapped = _compat.wrap_program_runs(_around)
+                self._wrapped = _compat.wrap_program_runs(_program_runs.around)
                 self._prepared = True
 
     def in_thread_order(self) -> str | None:
@@ -292,6 +226,8 @@ class Dispatch:
         for i in todo:
             if out[i] is None:  # blocking dispatch: its own data
                 out[i] = xs[i].result()
+        for x, array in zip(xs, out, strict=True):  # later uses fail if donated
+            _program_runs.note_handed(array, x._task.donation_of(x._index))
         return out
 
     def _dispatch_pending(
@@ -300,7 +236,8 @@ class Dispatch:
         """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs."""
         # The gate programs (and the program being dispatched, if any) go on a
         # stream of their own, so that nothing else waits for this data.
-        put_back = _switch_stream()
+        enabled = self._wrapped and not self.in_thread_order()
+        put_back = _program_runs.switch_stream(enabled)
         try:
             made = self._pending_arrays(
                 [xs[i] for i in todo], [shardings[i] for i in todo]
@@ -315,12 +252,12 @@ class Dispatch:
             return
         finally:
             if put_back:
-                _compat.get("set_execution_stream_id")(_thread.usual)
+                _program_runs.put_back()
         for i, array in zip(todo, made, strict=True):
             out[i] = array
 
     def _may_dispatch(self, shardings: list[Any]) -> bool:
-        if _thread.effects:
+        if _program_runs.ordered_effects():
             # JAX dispatches a program with an ordered effect only once the
             # previous one with that effect has run, and a failed one fails
             # every later one (before jax 0.12): wait for the data here, in
@@ -425,7 +362,7 @@ class Dispatch:
         program = self._program(device, spec, avals)
         self._take_waiting(device)
         try:
-            outs = program(*gates)
+            *outs, _ = program(*gates)
         except BaseException:
             self._give_waiting(device)
             raise
@@ -502,7 +439,11 @@ class Dispatch:
                 callback = functools.partial(self._gate_callback, device, spec)
 
                 def run(*gates: jax.Array) -> Any:
-                    return jax.pure_callback(callback, list(avals), *gates)
+                    # The last output, 4 bytes, is never 0-size: XLA runs the
+                    # callback even when every other output is (it skips a
+                    # computation of 0-size outputs only), so the counts it
+                    # gives back and the error it raises never go missing.
+                    return jax.pure_callback(callback, [*avals, _RAN], *gates)
 
                 program = jax.jit(
                     run, out_shardings=jax.sharding.SingleDeviceSharding(device)
@@ -523,7 +464,7 @@ class Dispatch:
                         self._failed_devices.add(device)
                         raise AsyncCallFailed(task.failure_text())
                     outs.append(data)
-            return outs
+            return [*outs, np.int32(0)]
         finally:
             self._give_waiting(device)
             for task in tasks:
@@ -592,8 +533,5 @@ def async_dispatch_status() -> str:
 
 @_fork.in_child
 def _after_fork_in_child() -> None:
-    # Servers, gates and programs in flight belong to the parent; the forking
-    # thread (the child's only one) is in no run of a program here.
-    global _thread
+    # Servers, gates and programs in flight belong to the parent.
     mechanism.after_fork()
-    _thread = _Thread()

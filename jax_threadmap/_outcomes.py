@@ -137,3 +137,12 @@ def exit_text(name: str, api: str, runnable: bool) -> str:
         f"{name}, which jax_threadmap.{api} {_verb(runnable)}, had not returned "
         "when the interpreter exited"
     )
+
+
+def donated_error(what: str) -> RuntimeError:
+    """A use of an array donated to a jitted call (``donate_argnums``)."""
+    return RuntimeError(
+        f"{what} has been deleted: it was donated to a jitted call "
+        "(donate_argnums), so, like a donated jax.Array, it cannot be used any "
+        "more. Use the jitted call's result instead, or do not donate the array."
+    )

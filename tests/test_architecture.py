@@ -42,6 +42,7 @@ LAYERS = [
     "_async_threads",
     "_event_loop",
     "_outcomes",
+    "_program_runs",
     "_background",
     "_dispatch",
     "_arrays",

@@ -166,6 +166,11 @@ class Dispatch:
         self._prepared = False
         self._wrapped = False
 
+    def counts(self) -> tuple[dict[Any, int], int]:
+        """The gate programs waiting per device, and the calls lent a slot."""
+        with self._lock:
+            return {d: n for d, n in self._waiting.items() if n}, len(self._slots)
+
     def after_fork(self) -> None:
         # Servers, gates and programs in flight belong to the parent.
         self._reset()

@@ -282,11 +282,10 @@ class AsyncArray:
             >>> x.result(timeout=30)
             Array([0., 0.], dtype=float32)
         """
-        task = self._task
-        if timeout is None and task.future.done() and task._kept is None:
-            return task.future.result()[self._index]  # the common case, cheaply
-        seconds = check_timeout(timeout, "AsyncArray.result", zero=True)
-        return task.wait(seconds, self._describe())[self._index]
+        seconds = None
+        if timeout is not None:
+            seconds = check_timeout(timeout, "AsyncArray.result", zero=True)
+        return self._task.value(self._index, seconds, self._describe())
 
     def block_until_ready(self) -> AsyncArray:
         """Waits until the value is on its device; returns ``self``."""

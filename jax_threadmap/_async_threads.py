@@ -111,14 +111,21 @@ worker_state = threading.local()
 # --- the async pool -------------------------------------------------------------------
 
 
+#: The cap on abandoned threads, as a multiple of the bound: at most
+#: ``ABANDONED_PER_BOUND * bound`` threads run calls given up on, so the pool
+#: has at most ``(1 + ABANDONED_PER_BOUND) * bound`` threads.
+ABANDONED_PER_BOUND = 1
+
+
 class Worker:
     """One pool thread: whether it counts against the bound, what it runs."""
 
-    __slots__ = ("counted", "task")
+    __slots__ = ("counted", "task", "given_up")
 
     def __init__(self) -> None:
         self.counted = True
         self.task: Call | None = None  # the call it runs (given up on or not)
+        self.given_up = False  # its call was given up on (it runs on)
 
 
 class AsyncPoolStatus(NamedTuple):
@@ -141,7 +148,12 @@ class _Pool:
     Lock rule: every field is read and written under ``_cond``. ``counted``
     threads are alive and count against the bound (running a call or idle);
     a thread whose call is given up on stops counting at once (:meth:`abandon`)
-    and counts again, if there is room, when its function returns.
+    and counts again, if there is room, when its function returns. At most
+    ``cap`` (:data:`ABANDONED_PER_BOUND` times the bound) threads are
+    abandoned: beyond that, a thread whose call is given up on is *held* (it
+    still counts against the bound) until an abandoned thread returns, or its
+    own function does. So at the cap, new calls wait in the queue, and a call
+    with a timeout that passes there fails without ever starting.
     """
 
     def __init__(self) -> None:
@@ -151,7 +163,13 @@ class _Pool:
         self._counted = 0
         self._idle = 0
         self._abandoned: set[Worker] = set()
+        self._held: set[Worker] = set()  # given up on, kept counted (the cap)
         self._names = itertools.count()
+
+    @property
+    def cap(self) -> int:
+        """The most threads abandoned at once."""
+        return ABANDONED_PER_BOUND * self._bound
 
     def submit(self, task: Call) -> None:
         with self._cond:
@@ -161,14 +179,22 @@ class _Pool:
             self._grow()
 
     def abandon(self, worker: Worker, task: Call) -> None:
-        """Takes the thread of a call given up on out of the bound."""
+        """Takes the thread of a call given up on out of the bound (or holds it)."""
         with self._cond:
             if not worker.counted or worker.task is not task:  # it has moved on
                 return
+            worker.given_up = True
+            self._held.add(worker)
+            self._release_held()
+
+    def _release_held(self) -> None:  # lock held
+        """Moves held threads out of the bound while the cap allows."""
+        while self._held and len(self._abandoned) < self.cap:
+            worker = self._held.pop()
             worker.counted = False
             self._counted -= 1
             self._abandoned.add(worker)
-            self._grow()
+        self._grow()
 
     def _grow(self) -> None:  # lock held
         """Starts a thread if calls wait that the idle threads will not take."""
@@ -196,9 +222,11 @@ class _Pool:
     def _next(self, worker: Worker) -> Call | None:
         """The next call to run, or ``None`` when this thread should exit."""
         with self._cond:
-            worker.task = None
+            worker.task, worker.given_up = None, False
+            self._held.discard(worker)
             if not worker.counted:  # its call was given up on: back if there is room
                 self._abandoned.discard(worker)
+                self._release_held()
                 if self._counted >= self._bound:
                     return None
                 worker.counted = True
@@ -281,6 +309,9 @@ def pool() -> _Pool:
 
 # --- timeouts -------------------------------------------------------------------------
 
+#: The longest the timeouts' thread sleeps at once (a later deadline: again).
+MAX_SLEEP_S = 3600.0
+
 
 class _Deadlines:
     """One daemon thread that gives up on calls whose timeout has passed.
@@ -317,11 +348,19 @@ class _Deadlines:
                         due.append(task)
                 if due:
                     return due
-                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                # At most MAX_SLEEP_S at once: a wait past the platform's time_t
+                # (a timeout of 1e10 s) raises OverflowError.
+                left = self._heap[0][0] - now if self._heap else MAX_SLEEP_S
+                self._cond.wait(min(left, MAX_SLEEP_S))
 
     def _run(self) -> None:
         while True:
-            for task in self._due():
+            try:
+                due = self._due()
+            except Exception:  # never let the thread die: no timeout would fire
+                logger.exception("jax_threadmap: the timeouts' thread failed")
+                continue
+            for task in due:
                 try:
                     task.time_out()
                 except BaseException:  # one call's failure must not stop the rest

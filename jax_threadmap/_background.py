@@ -1,28 +1,15 @@
 """Background calls: the :class:`Task` behind every ``AsyncArray``.
 
-- :class:`Task`: one call of ``fn`` (or one wrapped ``Future``) and its outcome,
-  shared by every array of the call's result: the placed ``jax.Array`` leaves, or
-  the exception. A task ends once, by one of :meth:`Task.run` (``fn`` returned or
-  raised), :meth:`Task.on_source_done` (a wrapped ``Future`` completed) or
-  :meth:`Task.give_up` (timeout, ``cancel()``); what comes later is dropped.
-- An ``async def`` ``fn`` (or a plain one that returns an awaitable) runs as a
-  coroutine on the package's event loop (:mod:`._event_loop`), not on the pool:
-  :meth:`Task._run_coroutine` claims the call there first (a call given up on
-  before it started never calls ``fn``), and giving up cancels the coroutine.
-- Its ``timeout`` counts from the call (``async_call``) or its first use
-  (``deferred_call``), time spent waiting for a thread included: the clock starts
-  in :meth:`Task.submit` (or when the call first runs in place), and the
-  timeouts' thread of :mod:`._async_threads` calls :meth:`Task.time_out`.
-- A call given up on while it runs takes its thread out of the pool's bound
-  (:meth:`._async_threads._Pool.abandon`), so that later calls start at once.
-
-A thread that needs a value whose call has not started yet runs that call itself
-instead of waiting on work queued behind it (:meth:`Task.wait`), so a call that
-waits on another call's arrays cannot deadlock a full pool.
-
-The dispatch mechanism keeps per-call state on the task (its gates, under the
-task's lock) and is told when a call ends through :func:`set_gate_release`, so
-that this module does not depend on how dispatch works.
+:class:`Task` is one call of ``fn`` (or one wrapped ``Future``) and its outcome,
+shared by every array of its result, and the one owner of the call's state:
+each change of it is one of its methods, under its lock (the table in its
+docstring); no other module reads or writes its fields. A plain ``fn`` runs on
+the async pool (:mod:`._async_threads`), an ``async def`` one on the event loop
+(:mod:`._event_loop`); a thread that needs a value whose call has not started
+runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock. The dispatch
+mechanism lends a call a slot and gates (:class:`Lender`,
+:meth:`Task.add_program`) and reports its programs' ends
+(:meth:`Task.program_ran`); the task opens the gates and gives the slot back.
 """
 
 from __future__ import annotations
@@ -34,58 +21,56 @@ import inspect
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 
-from . import _async_threads, _event_loop
+from . import _async_threads, _event_loop, _outcomes
 from ._async_threads import worker_state
-from ._errors import KeptError, add_note
+from ._errors import KeptError
 from ._leaves import (
     LeafSpec,
+    check_call,
+    check_future,
     check_result,
     describe_error,
     host_view,
     index_of,
-    leaf_specs,
     place,
 )
-from ._validate import callable_name, check_callable, check_timeout
+from ._validate import callable_name
 
 logger = logging.getLogger("jax_threadmap._async")
 
-#: The longest a wait in Python sleeps at once. Lock waits are interruptible on
-#: POSIX anyway; the slices keep Ctrl-C prompt on every platform, and cost
-#: nothing measurable (a wake-up per slice).
-POLL_S = 0.5
-
 PENDING, RUNNING, FINISHING, FINISHED = "pending", "running", "finishing", "finished"
 
-# The start of the note added to a loader's exception (once per call).
-_NOTE_START = "This error was raised by"
+
+# --- what the dispatch mechanism lends a call -----------------------------------------
 
 
-# --- what the dispatch mechanism is told ----------------------------------------------
+class Gate(Protocol):
+    """The input of a call's gate programs on one device, until it is opened."""
 
-#: A function ``(task, gates)`` that releases the gate programs of a task when its
-#: call ends (with ``task.host`` or ``task.error_text`` set); set by the dispatch
-#: mechanism, so that tasks need not import it.
-GateRelease = Callable[["Task", dict], None]
+    @property
+    def array(self) -> jax.Array:
+        """What the gate programs take as input (pending until :meth:`open`)."""
 
-
-def _no_gates(task: Task, gates: dict) -> None:
-    del task, gates
-
-
-_gate_release_fn: GateRelease = _no_gates
+    def open(self, slot: int) -> None:
+        """Lets the gate programs run; they find the call by ``slot``."""
 
 
-def set_gate_release(fn: GateRelease) -> None:
-    """Installs the mechanism's handler for the gates of a finished call."""
-    global _gate_release_fn
-    _gate_release_fn = fn
+class Lender(Protocol):
+    """What the dispatch mechanism lends a call: its slot id, and its gates."""
+
+    def lend_slot(self, task: Task) -> int:
+        """A slot id (> 0) by which gate programs find ``task``."""
+
+    def give_back_slot(self, slot: int) -> None:
+        """No gate program reads the call of ``slot`` any more."""
+
+    def pull(self, device: Any) -> Gate:
+        """A new gate on ``device``."""
 
 
 # --- one call, shared by the arrays of its result -------------------------------------
@@ -94,39 +79,44 @@ def set_gate_release(fn: GateRelease) -> None:
 class Task:
     """One call of ``fn`` (or one wrapped Future) and its shared outcome.
 
-    Lock rule: ``_lock`` guards the state and the dispatch fields (``gates``,
-    ``programs``). Gates are only added while the state is pending or running,
-    and the call's end offers exactly those that exist when it moves the state
-    on, so every gate is offered once and none is missed.
+    The one owner of the call's state: each transition is a method, under
+    ``_lock``. States: ``pending`` (not started; a ``deferred_call`` not yet
+    submitted), ``running``, ``finishing`` (its outcome is being set: values
+    placed, or the error kept; no gate is added any more) and ``finished``
+    (landed or failed). Timed out, cancelled and abandoned calls are failed
+    calls whose error says so; a call given up on drops what ``fn`` returns
+    later.
+
+    ==========  =========================  =========  ==============================
+    state       event (method)             next       taken (+), given back (-)
+    ==========  =========================  =========  ==============================
+    pending     submit                     pending    + queue entry or loop task,
+                                                      + deadline, + live entry
+    pending     claim (run, _run_corout.)  running    + pool slot (its thread)
+    pend., run  add_program (a dispatch)   same       + gate program, + slot (first)
+    running     fn returns (_finish)       finishing  - pool slot; gates open: data
+    running     fn raises (_fail)          finishing  - pool slot; gates open: error
+    pend., run  give_up (timeout, cancel)  finishing  - pool slot (abandon), - loop
+                                                      task (cancel); gates: error
+    pend., run  abandon (at exit)          finishing  gates open: error
+    finishing   placed or failed (_end)    finished   - live entry
+    any         program_ran                same       - gate program
+    ended       no program left            same       - slot, - host data
+    ended       fn returns or raises late  same       nothing (dropped)
+    ==========  =========================  =========  ==============================
+
+    Gates are added only while pending or running; the end takes (under the
+    lock) and opens every gate there is: each opens once, none is missed. The
+    slot is given back in one place (:meth:`_give_back_slot`), by the later of
+    the call's end and its last gate program. In a forked child, a call that
+    ran at the fork fails at its first use (:meth:`wait`).
     """
 
-    __slots__ = (
-        "_lock",
-        "_state",
-        "_submitted",
-        "_clock",
-        "_pid",
-        "_fn",
-        "_args",
-        "_kwargs",
-        "name",
-        "api",
-        "treedef",
-        "specs",
-        "future",
-        "runnable",
-        "_kept",
-        "slot",
-        "gates",
-        "host",
-        "error_text",
-        "programs",
-        "offered",
-        "timeout",
-        "worker",
-        "coroutine",
-        "source",
-        "__weakref__",
+    # Named in one string: a thousand calls in flight, each without a __dict__.
+    __slots__ = tuple(
+        "_lock _state _submitted _clock _pid _fn _args _kwargs name api treedef "
+        "specs future runnable _kept _slot _lender _gates _host _error_text "
+        "_programs timeout _worker coroutine _source _donated __weakref__".split()
     )
 
     def __init__(
@@ -156,26 +146,26 @@ class Task:
         # False for a wrapped Future: there is nothing to run, only to wait for.
         self.runnable = fn is not None
         self._kept: KeptError | None = None  # the error, raised by every use
-        # Async dispatch: the value the gates carry, the gates by device
-        # ({device: (pull id, gate array)}), the checked leaves as NumPy arrays
-        # for the gate programs, the error text they raise, and how many gate
-        # programs that read this call are still to run.
-        self.slot = 0
-        self.gates: dict[Any, tuple[int, jax.Array]] = {}
-        self.host: Any = None
-        self.error_text: str | None = None
-        self.programs = 0
-        # Whether the gates were offered with the result (then never again).
-        self.offered = False
+        # Async dispatch: the slot the gates carry (0: none) and its lender, the
+        # gates by device, the data the gate programs copy (NumPy), the error
+        # text they raise, and how many gate programs are still to run.
+        self._slot = 0
+        self._lender: Lender | None = None
+        self._gates: dict[Any, Gate] = {}
+        self._host: Any = None
+        self._error_text: str | None = None
+        self._programs = 0
         # Seconds from the call (or first use) before it is given up on.
         self.timeout = timeout
         # The pool thread running fn, while it runs (it leaves the bound if the
         # call is given up on).
-        self.worker: _async_threads.Worker | None = None
+        self._worker: _async_threads.Worker | None = None
         # Whether fn runs on the event loop; its asyncio task while it runs
         # there (cancelled if the call is given up on).
         self.coroutine = _event_loop.is_coroutine_function(fn)
-        self.source: asyncio.Task | None = None
+        self._source: asyncio.Task | None = None
+        # The leaves donated to a jitted call (donate_argnums): later uses fail.
+        self._donated: frozenset[int] = frozenset()
 
     @classmethod
     def for_call(
@@ -189,19 +179,8 @@ class Task:
         timeout: Any,
     ) -> Task:
         """The task of ``api(fn, result_shape_dtypes, *args, **kwargs)``, checked."""
-        check_callable(
-            fn,
-            f"jax_threadmap.{api}",
-            "fn",
-            "Pass the function first, then result_shape_dtypes, then its arguments.",
-        )
-        treedef, specs = leaf_specs(result_shape_dtypes, device, api)
-        seconds = check_timeout(
-            timeout,
-            f"jax_threadmap.{api}",
-            zero=False,
-            hint=" To pass a keyword argument named timeout to fn, bind it with "
-            "functools.partial.",
+        treedef, specs, seconds = check_call(
+            fn, result_shape_dtypes, device, api, timeout
         )
         name = f"`{callable_name(fn)}`"
         return cls(
@@ -219,13 +198,7 @@ class Task:
     def for_future(cls, future: Any, result_shape_dtypes: Any, device: Any) -> Task:
         """The task that waits for ``future`` (``AsyncArray.from_future``), live."""
         api = "AsyncArray.from_future"
-        if not isinstance(future, concurrent.futures.Future):
-            raise TypeError(
-                f"{api}: future must be a concurrent.futures.Future. Got "
-                f"{future!r} of type {type(future).__name__}. For a plain "
-                "function use jax_threadmap.async_call(fn, result_shape_dtypes)."
-            )
-        treedef, specs = leaf_specs(result_shape_dtypes, device, api)
+        treedef, specs = check_future(future, result_shape_dtypes, device)
         name = f"a {type(future).__name__} of the caller"
         task = cls(None, None, None, name=name, api=api, treedef=treedef, specs=specs)
         with _async_threads.live_lock:
@@ -241,6 +214,11 @@ class Task:
     def deferred(self) -> bool:
         """Whether nothing has asked for the call yet (a ``deferred_call``)."""
         return self._state == PENDING and self.runnable and not self._submitted
+
+    @property
+    def host(self) -> Any:
+        """What the gate programs copy (``None`` before the call returns)."""
+        return self._host
 
     def status(self) -> str:
         """``done``, ``failed: <error>``, ``deferred`` or ``pending``; never blocks."""
@@ -264,8 +242,62 @@ class Task:
     def gate_data(self, leaf: int, where: tuple, device: Any) -> Any:
         """What the gate program of ``device`` copies; ``None``: the call failed."""
         del device
-        host = self.host
+        host = self._host
         return None if host is None else host[leaf][index_of(where)]
+
+    def failure_text(self) -> str:
+        """The error the gate programs raise (once the call failed)."""
+        return self._error_text or f"{self.name} ({self.api}) failed"
+
+    def add_program(self, device: Any, lender: Lender) -> tuple[bool, jax.Array] | None:
+        """Counts a gate program on ``device`` that will read this call.
+
+        Returns ``(True, gate)``: the program's input, opened at the call's end
+        (or when a sharded load's shard for ``device`` lands); ``(False,
+        shard)``: the shard is placed already (no program is counted);
+        ``None``: the call is ending (its value is waited for instead).
+        """
+        with self._lock:
+            if self._state not in (PENDING, RUNNING):
+                return None
+            shard = self.ready_shard(device)
+            if shard is not None:
+                return False, shard
+            if not self._slot:
+                self._slot, self._lender = lender.lend_slot(self), lender
+            gate = self._gates.get(device)
+            if gate is None:
+                gate = self._gates[device] = lender.pull(device)
+            self._programs += 1
+            return True, gate.array
+
+    def program_ran(self) -> None:
+        """A gate program counted by :meth:`add_program` ran (or never will)."""
+        with self._lock:
+            self._programs -= 1
+        self._give_back_slot()
+
+    def _give_back_slot(self) -> None:
+        """Gives the slot back once the call ended and no gate program is left."""
+        with self._lock:
+            if self._programs or self._state in (PENDING, RUNNING) or not self._slot:
+                return
+            slot, lender = self._slot, self._lender
+            self._slot, self._lender, self._host = 0, None, None
+        assert lender is not None
+        lender.give_back_slot(slot)
+
+    def _open(self, gates: dict[Any, Gate]) -> None:
+        """Opens ``gates``, taken from the call under its lock (with its data or
+        error set); the programs then copy the data or raise the error."""
+        for device, gate in gates.items():
+            try:
+                gate.open(self._slot)
+            except Exception:  # its programs never run: say so, open the rest
+                logger.exception("jax_threadmap: could not open the gate on %s", device)
+        self._give_back_slot()
+
+    # -- start --
 
     def _start_clock(self) -> None:
         with self._lock:
@@ -296,12 +328,17 @@ class Task:
                 return False
             self._state = RUNNING
             self._pid = os.getpid()
-            self.worker = worker
-            self.source = source
+            self._worker = worker
+            self._source = source
         with _async_threads.live_lock:
             _async_threads.live.add(self)
         self._start_clock()
         return True
+
+    def _left_runner(self) -> None:
+        """``fn`` returned or raised: its thread or coroutine is no longer ours."""
+        with self._lock:
+            self._worker = self._source = None
 
     def run(self, worker: _async_threads.Worker | None = None) -> None:
         """Runs the call here, unless it has already started (or ended).
@@ -321,10 +358,10 @@ class Task:
         try:
             out = fn(*args, **kwargs)
         except BaseException as e:  # routed to every use, like a Future does
+            self._left_runner()
             self._fail(e, raised_by_fn=True)
             return
-        finally:
-            self.worker = None
+        self._left_runner()
         if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
             awaited = functools.partial(self._run_coroutine, out)
             _event_loop.event_loop().submit(awaited, self.name)
@@ -339,27 +376,29 @@ class Task:
         """
         source = asyncio.current_task()
         if awaitable is not None and not self._adopt(source):
-            _close(awaitable)  # given up on while on its way here
+            _event_loop.close_awaitable(awaitable)  # given up on while on its way here
             return
         if awaitable is None and not self._claim(None, source):
             return
         call = (self._fn, self._args, self._kwargs)
         self._fn = self._args = self._kwargs = None
         try:
-            out = _call(*call) if awaitable is None else awaitable
+            out = _event_loop.call(*call) if awaitable is None else awaitable
             while inspect.isawaitable(out):
                 out = await out
         except BaseException as e:  # our cancel included: then dropped by _fail
-            self.source = None
+            self._left_runner()
             self._fail(e, raised_by_fn=True)
             return
-        self.source = None
+        self._left_runner()
         self._finish(out)
 
     def _adopt(self, source: asyncio.Task | None) -> bool:
         with self._lock:
-            self.source = source
-            return self._state == RUNNING
+            if self._state != RUNNING:
+                return False
+            self._source = source
+            return True
 
     def on_source_done(self, source: concurrent.futures.Future) -> None:
         """Done-callback of a wrapped Future: checks and places its value."""
@@ -372,30 +411,17 @@ class Task:
             return
         self._finish(out)
 
+    # -- the end: returned, raised, given up on, abandoned --
+
     def time_out(self) -> None:
         """Gives up on the call because its timeout has passed."""
-        self.give_up(
-            TimeoutError(
-                f"{self.name}, which jax_threadmap.{self.api} ran, did not return "
-                f"within timeout={self.timeout:g} s and was given up on ("
-                + (
-                    "its coroutine is cancelled)."
-                    if self.coroutine or self.source is not None
-                    else "its thread runs on until it returns; what it returns "
-                    "is dropped)."
-                )
-            )
-        )
+        cancels = self.coroutine or self._source is not None
+        assert self.timeout is not None
+        self.give_up(_outcomes.timed_out(self.name, self.api, self.timeout, cancels))
 
     def cancel(self) -> bool:
         """Gives up on the call (``CancelledError``) unless it has finished."""
-        verb = "ran" if self.runnable else "waited for"
-        return self.give_up(
-            concurrent.futures.CancelledError(
-                f"{self.name}, which jax_threadmap.{self.api} {verb}, was "
-                "cancelled (AsyncArray.cancel)."
-            )
-        )
+        return self.give_up(_outcomes.cancelled(self.name, self.api, self.runnable))
 
     def give_up(self, error: BaseException) -> bool:
         """Fails the call with ``error`` (which names it) now, unless it has ended.
@@ -407,9 +433,9 @@ class Task:
         with self._lock:
             if self._state not in (PENDING, RUNNING):
                 return False
-            self._state = FINISHING
-            gates = dict(self.gates)
-            worker, source = self.worker, self.source
+            gates = self._close()
+            worker, source = self._worker, self._source
+            self._worker = self._source = None
         if worker is not None:
             _async_threads.pool().abandon(worker, self)
         if source is not None:
@@ -417,16 +443,19 @@ class Task:
         self._conclude(error, gates, raised_by_fn=False, names_call=True)
         return True
 
-    def _settle(self) -> dict[Any, tuple[int, jax.Array]] | None:
-        """Ends the time in which gates can be added; returns the gates.
+    def _close(self, host: Any = None) -> dict[Any, Gate]:  # lock held
+        """Ends the time in which gates are added; takes them (and keeps
+        ``host``, what their programs copy, if there are any)."""
+        self._state = FINISHING
+        gates, self._gates = self._gates, {}
+        if gates and host is not None:
+            self._host = host
+        return gates
 
-        ``None`` when the call was already given up on: its outcome is set.
-        """
+    def _settle(self, host: Any = None) -> dict[Any, Gate] | None:
+        """:meth:`_close` for a running call; ``None`` if it was given up on."""
         with self._lock:
-            if self._state != RUNNING:
-                return None
-            self._state = FINISHING
-            return dict(self.gates)
+            return None if self._state != RUNNING else self._close(host)
 
     def _finish(self, out: Any) -> None:
         try:
@@ -436,16 +465,14 @@ class Task:
         except BaseException as e:
             self._fail(e, raised_by_fn=False)
             return
-        gates = self._settle()
+        # The gate programs copy from these, once their gate opens.
+        gates = self._settle([host_view(leaf) for leaf in frozen])
         if gates is None:
             logger.debug("%s of %s returned after it was given up on", self.api, self)
             return
         try:
-            if gates:
-                # The gate programs copy from these, once their gate arrives.
-                self.host = [host_view(leaf) for leaf in frozen]
-                _gate_release_fn(self, gates)
-                self.offered = True
+            opened, gates = gates, {}
+            self._open(opened)
             leaves = place(self, frozen)
         except BaseException as e:
             self._conclude(e, gates, raised_by_fn=False)
@@ -465,11 +492,12 @@ class Task:
             self._state = FINISHED
         with _async_threads.live_lock:
             _async_threads.live.discard(self)
+        self._give_back_slot()
 
     def _conclude(
         self,
         error: BaseException,
-        gates: dict,
+        gates: dict[Any, Gate],
         *,
         raised_by_fn: bool,
         names_call: bool = False,
@@ -477,72 +505,77 @@ class Task:
     ) -> None:
         """Sets the call's error: every use raises it, every gate program too.
 
-        ``names_call``: the error is one of this module's, whose message already
-        names the call (a timeout, a cancel); it is then not named twice.
-        ``part``: the part of the call that failed (a shard), for the messages.
+        ``gates``: those taken at the end and not opened yet. ``names_call``:
+        the error is one of this module's, whose message already names the
+        call (a timeout, a cancel); it is then not named twice. ``part``: the
+        part of the call that failed (a shard), for the messages.
         """
-        verb = "ran" if self.runnable else "waited for"
         if raised_by_fn:
-            what = (
-                f"for {part}; every use of the array"
-                if part
-                else f"to compute {len(self.specs)} array(s); every use of any of "
-                "those arrays"
-            )
-            add_note(
-                error,
-                f"{_NOTE_START} {self.name}, which jax_threadmap.{self.api} {verb} "
-                f"{what} raises it.",
-                _NOTE_START,
-            )
+            n = len(self.specs)
+            _outcomes.note_on(error, self.name, self.api, self.runnable, n, part)
         self._kept = KeptError(error)
-        if gates and not self.offered:  # the gate programs did not get the data
-            self.error_text = describe_error(error)
-            if not names_call:
-                self.error_text = (
-                    f"{self.name}, which jax_threadmap.{self.api} {verb}, failed "
-                    f"{f'for {part} ' if part else ''}with {self.error_text}"
-                )
-            logger.warning(
-                "jax_threadmap: the jitted programs dispatched with the arrays of "
-                "%s (%s) raise this error when their results are used: %s",
-                self.name,
-                self.api,
-                self.error_text,
+        if gates:  # the gate programs did not get the data
+            self._fail_gates(
+                gates,
+                _outcomes.gate_text(
+                    error,
+                    self.name,
+                    self.api,
+                    self.runnable,
+                    names_call=names_call,
+                    part=part,
+                ),
             )
-            try:
-                _gate_release_fn(self, gates)
-            except Exception:  # the call's own uses must still get the error
-                logger.exception("jax_threadmap: could not release the gates")
         self._end()
         self.future.set_exception(error)
+
+    def _fail_gates(self, gates: dict[Any, Gate], text: str) -> None:
+        with self._lock:
+            self._error_text = text
+        logger.warning(
+            "jax_threadmap: the jitted programs dispatched with the arrays of "
+            "%s (%s) raise this error when their results are used: %s",
+            self.name,
+            self.api,
+            text,
+        )
+        try:
+            self._open(gates)
+        except Exception:  # the call's own uses must still get the error
+            logger.exception("jax_threadmap: could not open the gates")
 
     def abandon(self) -> None:
         """At exit: fails the gates of a call that is still running."""
         with self._lock:
-            if self._state in (FINISHING, FINISHED):
+            if self._state not in (PENDING, RUNNING):
                 return
-            self._state = FINISHING
-            gates = dict(self.gates)
+            gates = self._close()
         if gates:
-            self.error_text = (
-                f"{self.name}, which jax_threadmap.{self.api} "
-                f"{'ran' if self.runnable else 'waited for'}, had not returned "
-                "when the interpreter exited"
-            )
-            _gate_release_fn(self, gates)
+            text = _outcomes.exit_text(self.name, self.api, self.runnable)
+            self._fail_gates(gates, text)
+
+    def donation_of(self, leaf: int) -> Callable[[], None]:
+        """What to call when ``leaf`` is donated to a jitted call."""
+        return functools.partial(self._mark_donated, leaf)
+
+    def _mark_donated(self, leaf: int) -> None:
+        with self._lock:
+            self._donated = self._donated | {leaf}
+
+    def value(self, leaf: int, timeout: float | None, what: str) -> jax.Array:
+        """The placed ``leaf``; raises the call's error, TimeoutError, or that
+        the leaf was donated."""
+        if leaf in self._donated:
+            raise _outcomes.donated_error(what)
+        if timeout is None and self.future.done() and self._kept is None:
+            return self.future.result()[leaf]  # the common case, cheaply
+        return self.wait(timeout, what)[leaf]
 
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
         """Returns the placed leaves; raises the call's error or TimeoutError."""
         if not self.future.done():
             if _event_loop.event_loop().in_loop_thread():
-                raise RuntimeError(
-                    f"{what} was used inside an async def loader, on jax_threadmap's "
-                    "event loop, before its value arrived: waiting there would "
-                    "block every async def loader (maybe the one that computes "
-                    "it). Wait in a thread instead: await asyncio.to_thread("
-                    "x.result), or pass the array on without its value."
-                )
+                raise _outcomes.in_loop_error(what)
             if timeout is None and (
                 self.timeout is None or getattr(worker_state, "in_pool", False)
             ):
@@ -554,43 +587,13 @@ class Task:
             else:
                 self.submit()
             if self._state != PENDING and self._pid != os.getpid():
-                raise RuntimeError(
-                    f"{what} was being computed by a thread of the parent process "
-                    "when this process was forked, so its value will never arrive "
-                    "here. Create the arrays after the fork, or wait for them "
-                    "(block_until_ready) before forking."
-                )
-            if not _wait_polling(self.future, timeout):
-                raise TimeoutError(
-                    f"{what} was not ready within timeout={timeout:g} s. The call "
-                    "keeps running and the array stays usable: call result() "
-                    "again, with a longer timeout or none."
-                )
+                raise _outcomes.forked_error(what)
+            if not _outcomes.wait_polling(self.future, timeout):
+                assert timeout is not None
+                raise _outcomes.not_ready_error(what, timeout)
         if self._kept is not None:
             self._kept.reraise()
         return self.future.result()
 
     def __str__(self) -> str:
         return f"{self.name} ({self.api})"
-
-
-def _wait_polling(future: concurrent.futures.Future, timeout: float | None) -> bool:
-    """Waits for ``future`` in slices of :data:`POLL_S`; returns whether done."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-        if left <= 0:
-            return future.done()
-        done, _ = concurrent.futures.wait([future], timeout=left)
-        if done:
-            return True
-
-
-def _call(fn: Any, args: Any, kwargs: Any) -> Any:
-    return fn(*args, **kwargs)
-
-
-def _close(awaitable: Any) -> None:
-    """Closes a coroutine that will never be awaited (no "never awaited" warning)."""
-    if inspect.iscoroutine(awaitable):
-        awaitable.close()

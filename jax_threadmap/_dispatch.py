@@ -7,17 +7,15 @@ How it works (docs/async.md, "How it works", says the same):
 - **Gates.** The argument handler hands JAX, for the pending arrays of one
   dispatch, the outputs of a small *gate program* per device, whose input is a
   4-byte gate pulled from a loopback transfer server (``jax.experimental.
-  transfer``). The call offers the gate when it ends; the program's host
+  transfer``). The call opens its gates when it ends; the program's host
   callback then copies the call's result (never through the socket) or raises
-  its error, which reaches every dependent. A sharded load offers each device's
+  its error, which reaches every dependent. A sharded load opens each device's
   gate when that device's shard is placed, and a later dispatch takes the placed
   shard itself (``Task.ready_shard``); asked for in another layout, it waits.
 - **Streams.** XLA runs the programs of one execution stream in dispatch order
   (by default a stream per thread). The gate programs and the program behind
   them go on a new stream per dispatch, so that nothing else waits for this
-  data; the run of the program is wrapped (:func:`_around`, through
-  ``_compat.wrap_program_runs``) and puts the thread back on its stream when it
-  returns. A thread-local level says which run switched; no frame is read.
+  data (:mod:`._program_runs`, which wraps every run of a program).
 - **The bound.** XLA's CPU client admits 32 programs per device, waiting ones
   included. At most :data:`MAX_WAITING_PROGRAMS` gate programs (and as many
   programs behind them) wait per device; beyond that a dispatch waits, in
@@ -40,8 +38,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _background, _compat, _fork
-from ._background import FINISHED, FINISHING, PENDING, RUNNING, Task, worker_state
+from . import _compat, _fork, _program_runs
+from ._background import Task, worker_state
 from ._leaves import index_key
 from ._validate import ENV_ASYNC_DISPATCH, async_dispatch_enabled
 
@@ -69,11 +67,8 @@ EXIT_DRAIN_S = 3.0
 #: need the GIL, which a sleep gives them.
 EXIT_POLL_S = 0.01
 
-#: The first execution stream of dispatches on pending data; each dispatch takes
-#: the next. Far above the ids XLA derives from thread ids. XLA forgets a stream
-#: once its last program has run, so fresh ids cost nothing (measured on jax
-#: 0.6.2 and 0.12: 200,000 dispatches on as many streams, memory unchanged).
-FIRST_PENDING_STREAM = 1 << 62
+# The gate programs' last output (see Dispatch._program).
+_RAN = jax.ShapeDtypeStruct((), np.int32)
 
 # Platforms on which the gate mechanism was measured (dispatch latency, values,
 # failures, exit): others fall back to blocking dispatch.
@@ -91,6 +86,20 @@ class Shard(NamedTuple):
     where: tuple
     shape: tuple[int, ...]
     dtype: Any
+
+
+class _Gate(NamedTuple):
+    """A gate (``_background.Gate``): a pending 4-byte pull on one device."""
+
+    array: jax.Array
+    pull_id: int
+    server: Any
+    device: Any
+
+    def open(self, slot: int) -> None:
+        """Sends ``slot`` to the pull: the gate programs on it run."""
+        value = jax.device_put(np.int32(slot), self.device)
+        self.server.await_pull(self.pull_id, [value])
 
 
 class AsyncCallFailed(RuntimeError):
@@ -137,67 +146,6 @@ def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
     return plan, layouts
 
 
-# --- streams: a dispatch on pending data gets one of its own -------------------------
-
-
-class _Thread(threading.local):
-    """Where this thread is in running compiled programs (see :func:`_around`)."""
-
-    def __init__(self) -> None:
-        #: How many runs of compiled programs are in progress in this thread
-        #: (nested: a gate program dispatched by an argument handler).
-        self.depth = 0
-        #: The level of the run whose dispatch switched the stream (0: none).
-        self.switched_at = 0
-        #: The stream to go back to.
-        self.usual = 0
-        #: The ordered effects of the innermost run.
-        self.effects: Any = ()
-
-
-_thread = _Thread()
-_stream_ids = itertools.count(FIRST_PENDING_STREAM)
-
-
-def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python (``_compat.wrap_program_runs``).
-
-    Puts the thread back on its usual stream when the run whose argument handler
-    switched it returns, whatever happens; tells the handler the program's
-    ordered effects.
-    """
-    state = _thread
-    level = state.depth + 1
-    outer = state.effects
-    state.depth, state.effects = level, effects
-    try:
-        return run(program, *args)
-    finally:
-        state.depth, state.effects = level - 1, outer
-        if state.switched_at == level:
-            state.switched_at = 0
-            _compat.get("set_execution_stream_id")(state.usual)
-
-
-def _switch_stream() -> bool:
-    """Puts what this thread dispatches next on a new stream.
-
-    Inside a run of a compiled program (a jitted call), the run's end puts the
-    thread back (:func:`_around`): returns ``False``. Outside one (``device_put``
-    of a pending array), returns ``True``: the caller puts it back after its gate
-    programs.
-    """
-    state = _thread
-    if state.switched_at or not mechanism._wrapped or mechanism.in_thread_order():
-        return False
-    state.usual = _compat.get("get_execution_stream_id")()
-    _compat.get("set_execution_stream_id")(next(_stream_ids))
-    if state.depth:
-        state.switched_at = state.depth
-        return False
-    return True
-
-
 class Dispatch:
     """The gate mechanism: transfer servers, gate programs, their bookkeeping."""
 
@@ -217,6 +165,11 @@ class Dispatch:
         # dispatch on pending data gets a stream of its own).
         self._prepared = False
         self._wrapped = False
+
+    def counts(self) -> tuple[dict[Any, int], int]:
+        """The gate programs waiting per device, and the calls lent a slot."""
+        with self._lock:
+            return {d: n for d, n in self._waiting.items() if n}, len(self._slots)
 
     def after_fork(self) -> None:
         # Servers, gates and programs in flight belong to the parent.
@@ -247,7 +200,7 @@ class Dispatch:
             return
         with self._lock:
             if not self._prepared:
-                self._wrapped = _compat.wrap_program_runs(_around)
+                self._wrapped = _compat.wrap_program_runs(_program_runs.around)
                 self._prepared = True
 
     def in_thread_order(self) -> str | None:
@@ -278,6 +231,8 @@ class Dispatch:
         for i in todo:
             if out[i] is None:  # blocking dispatch: its own data
                 out[i] = xs[i].result()
+        for x, array in zip(xs, out, strict=True):  # later uses fail if donated
+            _program_runs.note_handed(array, x._task.donation_of(x._index))
         return out
 
     def _dispatch_pending(
@@ -286,7 +241,8 @@ class Dispatch:
         """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs."""
         # The gate programs (and the program being dispatched, if any) go on a
         # stream of their own, so that nothing else waits for this data.
-        put_back = _switch_stream()
+        enabled = self._wrapped and not self.in_thread_order()
+        put_back = _program_runs.switch_stream(enabled)
         try:
             made = self._pending_arrays(
                 [xs[i] for i in todo], [shardings[i] for i in todo]
@@ -301,12 +257,12 @@ class Dispatch:
             return
         finally:
             if put_back:
-                _compat.get("set_execution_stream_id")(_thread.usual)
+                _program_runs.put_back()
         for i, array in zip(todo, made, strict=True):
             out[i] = array
 
     def _may_dispatch(self, shardings: list[Any]) -> bool:
-        if _thread.effects:
+        if _program_runs.ordered_effects():
             # JAX dispatches a program with an ordered effect only once the
             # previous one with that effect has run, and a failed one fails
             # every later one (before jax 0.12): wait for the data here, in
@@ -336,7 +292,7 @@ class Dispatch:
             shards = self._run_gate_programs(plan, claimed, owed)
         except BaseException:
             for task, _ in owed:
-                self._program_ran(task)
+                task.program_ran()
             raise
         for task in claimed:
             task.submit()  # a deferred call starts now; no-op for the others
@@ -381,23 +337,17 @@ class Dispatch:
             for task in by_task:
                 if task in refused:
                     continue
-                with task._lock:
-                    if task._state not in (PENDING, RUNNING):
-                        refused.add(task)
-                        continue
-                    shard = task.ready_shard(device)
-                    if shard is None:
-                        if device not in task.gates:
-                            task.gates[device] = self._pull_gate(task, device)
-                        task.programs += 1
-                        owed.append((task, device))
-                    gated = shard is None
-                    array = task.gates[device][1] if shard is None else shard
-                claimed.setdefault(task, {})[device] = (gated, array)
+                got = task.add_program(device, self)
+                if got is None:
+                    refused.add(task)
+                    continue
+                if got[0]:
+                    owed.append((task, device))
+                claimed.setdefault(task, {})[device] = got
         # A call that finished between two devices waits for its value instead.
         for task, device in [(t, d) for t, d in owed if t in refused]:
             owed.remove((task, device))
-            self._program_ran(task)
+            task.program_ran()
         for task in refused:
             claimed.pop(task, None)
         return claimed
@@ -415,30 +365,50 @@ class Dispatch:
             jax.ShapeDtypeStruct(s.shape, s.dtype) for t in tasks for s in by_task[t]
         )
         program = self._program(device, spec, avals)
-        with self._lock:
-            self._waiting[device] = self._waiting.get(device, 0) + 1
+        self._take_waiting(device)
         try:
-            outs = program(*gates)
+            *outs, _ = program(*gates)
         except BaseException:
-            with self._lock:
-                self._waiting[device] -= 1
+            self._give_waiting(device)
             raise
         # From here the program's callback settles the counts, whatever happens.
         for t in tasks:
             owed.remove((t, device))
         return outs
 
-    def _pull_gate(self, task: Task, device: Any) -> tuple[int, jax.Array]:
-        _, conn = self._server(device.client)
-        if not task.slot:
-            with self._lock:
-                task.slot = next(self._slot_ids)
-                self._slots[task.slot] = task
+    # -- what a call is lent (a _background.Lender), under the call's lock --
+
+    def lend_slot(self, task: Task) -> int:
+        """The id by which the gate programs find ``task``."""
+        with self._lock:
+            slot = next(self._slot_ids)
+            self._slots[slot] = task
+        return slot
+
+    def give_back_slot(self, slot: int) -> None:
+        """No gate program reads the call of ``slot`` any more."""
+        with self._lock:
+            self._slots.pop(slot, None)
+
+    def pull(self, device: Any) -> _Gate:
+        """A new gate on ``device``: a pull from the loopback transfer server."""
+        server, conn = self._server(device.client)
         pull_id = secrets.randbits(62)
         gate_aval = jax.ShapeDtypeStruct(
             (), np.int32, sharding=jax.sharding.SingleDeviceSharding(device)
         )
-        return pull_id, conn.pull(pull_id, [gate_aval])[0]
+        return _Gate(conn.pull(pull_id, [gate_aval])[0], pull_id, server, device)
+
+    # -- the count of waiting gate programs per device: taken when one is
+    # dispatched, given back when its callback runs (or its dispatch failed) --
+
+    def _take_waiting(self, device: Any) -> None:
+        with self._lock:
+            self._waiting[device] = self._waiting.get(device, 0) + 1
+
+    def _give_waiting(self, device: Any) -> None:
+        with self._lock:
+            self._waiting[device] -= 1
 
     def _server(self, client: Any) -> tuple[Any, Any]:
         with self._lock:
@@ -474,7 +444,11 @@ class Dispatch:
                 callback = functools.partial(self._gate_callback, device, spec)
 
                 def run(*gates: jax.Array) -> Any:
-                    return jax.pure_callback(callback, list(avals), *gates)
+                    # The last output, 4 bytes, is never 0-size: XLA runs the
+                    # callback even when every other output is (it skips a
+                    # computation of 0-size outputs only), so the counts it
+                    # gives back and the error it raises never go missing.
+                    return jax.pure_callback(callback, [*avals, _RAN], *gates)
 
                 program = jax.jit(
                     run, out_shardings=jax.sharding.SingleDeviceSharding(device)
@@ -491,33 +465,15 @@ class Dispatch:
             for task, leaves in zip(tasks, spec, strict=True):
                 for leaf, index in leaves:
                     data = task.gate_data(leaf, index, device)
-                    if data is None:  # offered with the call's error
+                    if data is None:  # opened with the call's error
                         self._failed_devices.add(device)
-                        raise AsyncCallFailed(task.error_text)
+                        raise AsyncCallFailed(task.failure_text())
                     outs.append(data)
-            return outs
+            return [*outs, np.int32(0)]
         finally:
-            with self._lock:
-                self._waiting[device] -= 1
+            self._give_waiting(device)
             for task in tasks:
-                self._program_ran(task)
-
-    def _program_ran(self, task: Task) -> None:
-        with task._lock:
-            task.programs -= 1
-            done = task.programs == 0 and task._state in (FINISHING, FINISHED)
-        if done:  # no gate program will read this call again
-            task.host = None
-            with self._lock:
-                self._slots.pop(task.slot, None)
-
-    # -- when the call ends --
-
-    def offer(self, task: Task, gates: dict[Any, tuple[int, jax.Array]]) -> None:
-        """Lets the gate programs of ``task`` run (with its host or error_text)."""
-        for device, (pull_id, _) in gates.items():
-            server, _ = self._server(device.client)
-            server.await_pull(pull_id, [jax.device_put(np.int32(task.slot), device)])
+                task.program_ran()
 
     def clean_up_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
         """Lets failed gate programs finish; leaves JAX no failed exit token."""
@@ -580,17 +536,7 @@ def async_dispatch_status() -> str:
     return "async"
 
 
-def _release(task: Task, gates: dict) -> None:
-    mechanism.offer(task, gates)
-
-
 @_fork.in_child
 def _after_fork_in_child() -> None:
-    # Servers, gates and programs in flight belong to the parent; the forking
-    # thread (the child's only one) is in no run of a program here.
-    global _thread
+    # Servers, gates and programs in flight belong to the parent.
     mechanism.after_fork()
-    _thread = _Thread()
-
-
-_background.set_gate_release(_release)

@@ -63,6 +63,17 @@ def is_coroutine_function(fn: Any) -> bool:
     return callable(fn) and inspect.iscoroutinefunction(type(fn).__call__)
 
 
+def call(fn: Any, args: Any, kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``: makes a call's coroutine (on the loop's thread)."""
+    return fn(*args, **kwargs)
+
+
+def close_awaitable(awaitable: Any) -> None:
+    """Closes a coroutine that will never be awaited (no "never awaited" warning)."""
+    if inspect.iscoroutine(awaitable):
+        awaitable.close()
+
+
 class EventLoop:
     """One asyncio loop on one daemon thread, started on first use.
 

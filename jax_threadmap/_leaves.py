@@ -11,6 +11,7 @@ copy); the index helpers name and key a shard's index.
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 from . import _compat, _validate
-from ._validate import shape_dtype_of
+from ._validate import check_callable, check_timeout, shape_dtype_of
 
 
 class CallInfo(Protocol):
@@ -99,6 +100,41 @@ def leaf_specs(
             ) from e
         specs.append(LeafSpec(where, shape, dtype, aval, sharding))
     return treedef, specs
+
+
+def check_call(
+    fn: Any, result_shape_dtypes: Any, device: Any, api: str, timeout: Any
+) -> tuple[Any, list[LeafSpec], float | None]:
+    """Checks ``api(fn, result_shape_dtypes, ..., device=, timeout=)`` at the call."""
+    check_callable(
+        fn,
+        f"jax_threadmap.{api}",
+        "fn",
+        "Pass the function first, then result_shape_dtypes, then its arguments.",
+    )
+    treedef, specs = leaf_specs(result_shape_dtypes, device, api)
+    seconds = check_timeout(
+        timeout,
+        f"jax_threadmap.{api}",
+        zero=False,
+        hint=" To pass a keyword argument named timeout to fn, bind it with "
+        "functools.partial.",
+    )
+    return treedef, specs, seconds
+
+
+def check_future(
+    future: Any, result_shape_dtypes: Any, device: Any
+) -> tuple[Any, list[LeafSpec]]:
+    """Checks ``AsyncArray.from_future(future, result_shape_dtypes, device=)``."""
+    api = "AsyncArray.from_future"
+    if not isinstance(future, concurrent.futures.Future):
+        raise TypeError(
+            f"{api}: future must be a concurrent.futures.Future. Got "
+            f"{future!r} of type {type(future).__name__}. For a plain "
+            "function use jax_threadmap.async_call(fn, result_shape_dtypes)."
+        )
+    return leaf_specs(result_shape_dtypes, device, api)
 
 
 def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:

@@ -37,9 +37,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _async_threads, _background, _event_loop
+from . import _async_threads, _event_loop
 from ._arrays import AsyncArray, make_arrays
-from ._background import FINISHING, PENDING, RUNNING, Task
+from ._background import PENDING, RUNNING, Task
 from ._leaves import (
     LeafSpec,
     check_shard,
@@ -195,15 +195,19 @@ class ShardedLoad(Task):
         try:
             out = self._fetch(part.index)
         except BaseException as e:  # routed to every use, like a Future does
+            self._part_left_runner(part)
             self._part_failed(part, e)
             return
-        finally:
-            part.worker = None
+        self._part_left_runner(part)
         if inspect.isawaitable(out):  # a plain callback returning a coroutine
             coroutine = functools.partial(self._run_part_coroutine, part, out)
             _event_loop.event_loop().submit(coroutine, self.name)
             return
         self._part_arrived(part, out)
+
+    def _part_left_runner(self, part: Part) -> None:
+        with self._lock:
+            part.worker = part.source = None
 
     async def _run_part_coroutine(self, part: Part, awaitable: Any = None) -> None:
         """Fetches one part on the event loop (claimed there first)."""
@@ -216,18 +220,17 @@ class ShardedLoad(Task):
                 part.source = source
                 alive = part.state == RUNNING
             if not alive:
-                if inspect.iscoroutine(awaitable):
-                    awaitable.close()
+                _event_loop.close_awaitable(awaitable)
                 return
         try:
             out = self._fetch(part.index) if awaitable is None else awaitable
             while inspect.isawaitable(out):
                 out = await out
         except BaseException as e:  # our cancel included: then dropped
-            part.source = None
+            self._part_left_runner(part)
             self._part_failed(part, e)
             return
-        part.source = None
+        self._part_left_runner(part)
         self._part_arrived(part, out)
 
     # -- a shard lands, in the thread that fetched it --
@@ -253,20 +256,19 @@ class ShardedLoad(Task):
                 return  # the load ended meanwhile: dropped
             part.state = PLACED
             self._placed.update(zip(part.devices, placed, strict=True))
-            released = {d: self.gates.pop(d) for d in part.devices if d in self.gates}
+            gates = self._gates
+            released = {d: gates.pop(d) for d in part.devices if d in gates}
             if released:  # what the gate programs copy (a view on CPU)
-                self.host = self.host or {}
-                self.host.update((d, np.asarray(self._placed[d])) for d in released)
+                self._host = self._host or {}
+                self._host.update((d, np.asarray(self._placed[d])) for d in released)
             self._left -= 1
             last = self._left == 0
-            if last:
-                self._state = FINISHING
-                rest = dict(self.gates)
+            rest = self._close() if last else {}
         # Arrays are freed before the result is set, never after: a daemon
         # thread still in JAX's C++ when the interpreter exits aborts it.
         del placed
         if released:
-            _background._gate_release_fn(self, released)
+            self._open(released)
         del released
         if last:
             self._assemble(rest)
@@ -367,7 +369,7 @@ class ShardedLoad(Task):
 
     def gate_data(self, leaf: int, where: tuple, device: Any) -> Any:
         del leaf, where  # one leaf, laid out as its parts (serves)
-        host = self.host
+        host = self._host
         return None if host is None else host.get(device)
 
 

@@ -41,6 +41,8 @@ LAYERS = [
     "_leaves",
     "_async_threads",
     "_event_loop",
+    "_outcomes",
+    "_program_runs",
     "_background",
     "_dispatch",
     "_arrays",

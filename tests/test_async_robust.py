@@ -25,6 +25,7 @@ from helpers import returns_within
 from jax_threadmap import (
     _async_threads,
     _dispatch,
+    _program_runs,
     async_call,
     deferred_call,
     threadmap,
@@ -198,17 +199,17 @@ def test_the_stream_is_put_back_when_the_program_run_fails():
 
     def run(program, *args):
         # What a dispatch on pending data does, then a failure in XLA's execute.
-        assert _dispatch._switch_stream() is False  # the run puts it back
+        assert _program_runs.switch_stream(True) is False  # the run puts it back
         assert stream_of_thread() != before
         raise RuntimeError("execute failed")
 
     with pytest.raises(RuntimeError, match="execute failed"):
-        _dispatch._around(run, None, (), ())
+        _program_runs.around(run, None, (), ())
     assert stream_of_thread() == before
-    assert _dispatch._thread.depth == 0 and _dispatch._thread.switched_at == 0
+    assert _program_runs._thread.depth == 0 and _program_runs._thread.switched_at == 0
     # Outside a run (device_put of a pending array), the caller puts it back.
-    assert _dispatch._switch_stream() is True
-    _compat.get("set_execution_stream_id")(_dispatch._thread.usual)
+    assert _program_runs.switch_stream(True) is True
+    _program_runs.put_back()
     assert stream_of_thread() == before
 
 

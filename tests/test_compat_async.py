@@ -224,22 +224,22 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         pytest.skip(_compat.dispatch_streams_unavailable())
     from jax.experimental import io_callback
 
-    from jax_threadmap import _dispatch
+    from jax_threadmap import _dispatch, _program_runs
 
     _dispatch.mechanism.prepare()  # wraps the runs, as the first async_call does
     runs, inside = [], []
     original = _compat.get("ExecuteReplicated").__call__
-    assert getattr(original, "__jax_threadmap_around__", None) is _dispatch._around
+    assert getattr(original, "__jax_threadmap_around__", None) is _program_runs.around
 
     def handler(xs, shardings):
-        inside.append(_dispatch._thread.depth)
+        inside.append(_program_runs._thread.depth)
         return [jnp.asarray(x.value) for x in xs]
 
     class Other(_Probe):
         pass
 
     _compat.register_array_like(Other, lambda x: x.aval, handler)
-    real_around = _dispatch._around
+    real_around = _program_runs.around
 
     def counting(run, program, args, effects):
         runs.append(list(effects))

@@ -1,0 +1,148 @@
+"""What a background call's end and the waits for it say, and the wait itself.
+
+The errors of a call given up on (timeout, ``cancel()``), the note on a
+loader's own error and the text its gate programs raise; and the waits.
+
+Every wait of the async layer for a call's value is :func:`wait_polling`: a wait
+in slices of :data:`POLL_S`, so that Ctrl-C (``KeyboardInterrupt``) reaches the
+main thread within a slice wherever it waits (``result()``, ``np.asarray(x)``,
+a blocking dispatch). Waits inside XLA (a ``jax.Array`` computed from pending
+data, read before the data is there) are not ours: docs/async.md, "Contract",
+says where they are. The errors here are those of a wait that cannot succeed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from ._errors import add_note
+from ._leaves import describe_error
+
+# The start of the note added to a loader's exception (once per call).
+_NOTE_START = "This error was raised by"
+
+#: The longest a wait in Python sleeps at once. Lock waits are interruptible on
+#: POSIX anyway; the slices keep Ctrl-C prompt on every platform, and cost
+#: nothing measurable (a wake-up per slice).
+POLL_S = 0.5
+
+
+def wait_polling(future: concurrent.futures.Future, timeout: float | None) -> bool:
+    """Waits for ``future`` in slices of :data:`POLL_S`; returns whether done."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+        if left <= 0:
+            return future.done()
+        done, _ = concurrent.futures.wait([future], timeout=left)
+        if done:
+            return True
+
+
+def in_loop_error(what: str) -> RuntimeError:
+    """A wait on the event loop's thread, which would block every loader."""
+    return RuntimeError(
+        f"{what} was used inside an async def loader, on jax_threadmap's "
+        "event loop, before its value arrived: waiting there would "
+        "block every async def loader (maybe the one that computes "
+        "it). Wait in a thread instead: await asyncio.to_thread("
+        "x.result), or pass the array on without its value."
+    )
+
+
+def forked_error(what: str) -> RuntimeError:
+    """A wait in a forked child for a call that ran in the parent."""
+    return RuntimeError(
+        f"{what} was being computed by a thread of the parent process "
+        "when this process was forked, so its value will never arrive "
+        "here. Create the arrays after the fork, or wait for them "
+        "(block_until_ready) before forking."
+    )
+
+
+def not_ready_error(what: str, timeout: float) -> TimeoutError:
+    """``result(timeout=...)`` ran out; the call goes on."""
+    return TimeoutError(
+        f"{what} was not ready within timeout={timeout:g} s. The call "
+        "keeps running and the array stays usable: call result() "
+        "again, with a longer timeout or none."
+    )
+
+
+def _verb(runnable: bool) -> str:
+    return "ran" if runnable else "waited for"
+
+
+def timed_out(name: str, api: str, timeout: float, cancels: bool) -> TimeoutError:
+    """The error of a call whose ``timeout`` passed; ``cancels``: a coroutine."""
+    return TimeoutError(
+        f"{name}, which jax_threadmap.{api} ran, did not return within "
+        f"timeout={timeout:g} s and was given up on ("
+        + (
+            "its coroutine is cancelled)."
+            if cancels
+            else "its thread runs on until it returns; what it returns is dropped)."
+        )
+    )
+
+
+def cancelled(name: str, api: str, runnable: bool) -> BaseException:
+    """The error of a call given up on by ``AsyncArray.cancel()``."""
+    return concurrent.futures.CancelledError(
+        f"{name}, which jax_threadmap.{api} {_verb(runnable)}, was cancelled "
+        "(AsyncArray.cancel)."
+    )
+
+
+def note_on(
+    error: BaseException, name: str, api: str, runnable: bool, n: int, part: str
+) -> None:
+    """Adds (once) the note naming the call to the loader's own ``error``."""
+    what = (
+        f"for {part}; every use of the array"
+        if part
+        else f"to compute {n} array(s); every use of any of those arrays"
+    )
+    add_note(
+        error,
+        f"{_NOTE_START} {name}, which jax_threadmap.{api} {_verb(runnable)} "
+        f"{what} raises it.",
+        _NOTE_START,
+    )
+
+
+def gate_text(
+    error: BaseException,
+    name: str,
+    api: str,
+    runnable: bool,
+    *,
+    names_call: bool,
+    part: str,
+) -> str:
+    """What the gate programs of a failed call raise (``names_call``: ``error``
+    names the call already)."""
+    text = describe_error(error)
+    if names_call:
+        return text
+    where = f"for {part} " if part else ""
+    verb = _verb(runnable)
+    return f"{name}, which jax_threadmap.{api} {verb}, failed {where}with {text}"
+
+
+def exit_text(name: str, api: str, runnable: bool) -> str:
+    """What the gate programs of a call abandoned at exit raise."""
+    return (
+        f"{name}, which jax_threadmap.{api} {_verb(runnable)}, had not returned "
+        "when the interpreter exited"
+    )
+
+
+def donated_error(what: str) -> RuntimeError:
+    """A use of an array donated to a jitted call (``donate_argnums``)."""
+    return RuntimeError(
+        f"{what} has been deleted: it was donated to a jitted call "
+        "(donate_argnums), so, like a donated jax.Array, it cannot be used any "
+        "more. Use the jitted call's result instead, or do not donate the array."
+    )

@@ -1,0 +1,295 @@
+"""Defects of issue 32, each a test that failed (or hung, bounded) before its fix.
+
+1. Pending 0-size data: gate programs whose outputs were all 0-size never ran
+   their callback, so the count of waiting programs never went down (dispatch
+   turned blocking for good) and a failed load's error never reached its
+   dependents.
+2. A huge ``timeout=`` killed the timeouts' thread (``OverflowError`` past the
+   platform's ``time_t``): no later timeout fired.
+3. Threads of calls given up on grew without bound: now at most the bound of
+   them are abandoned (``ABANDONED_PER_BOUND``); at the cap, new calls wait in
+   the queue.
+4. Ctrl-C reaches every wait of ours (the waits inside XLA are documented).
+5. Donating an ``AsyncArray`` makes later uses fail, pending or not, as
+   docs/async.md says.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import numpy as np
+import pytest
+from helpers import returns_within
+
+from jax_threadmap import (
+    _dispatch,
+    async_array_from_callback,
+    async_call,
+    deferred_call,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+SDS = jax.ShapeDtypeStruct
+WAIT = 30.0
+STATUS = _dispatch.async_dispatch_status()
+ASYNC = STATUS == "async"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter with this checkout first on its path."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (ROOT, full_env.get("PYTHONPATH")) if p
+    )
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+
+
+def held_load(go: threading.Event, value: np.ndarray, error: str | None = None):
+    def load():
+        go.wait(WAIT)
+        if error is not None:
+            raise ValueError(error)
+        return value
+
+    return load
+
+
+# --- 1. pending 0-size data ----------------------------------------------------------
+
+
+@pytest.mark.skipif(not ASYNC, reason=f"async dispatch status: {STATUS}")
+def test_pending_zero_size_data_never_turns_dispatch_blocking():
+    double = jax.jit(lambda a: a * 2)
+    for _ in range(_dispatch.MAX_WAITING_PROGRAMS + 2):
+        go = threading.Event()
+        empty = np.zeros((0, 3), np.float32)
+        x = async_call(held_load(go, empty), SDS((0, 3), np.float32))
+        y = double(x)  # returns before the data
+        go.set()
+        assert np.asarray(y).shape == (0, 3)
+    assert _dispatch.async_dispatch_status() == "async"
+    # Behind a stuck load, a dispatch still returns before its data.
+    go = threading.Event()
+    x = async_call(held_load(go, np.arange(3.0, dtype=np.float32)), SDS((3,), "f4"))
+    try:
+        y = returns_within(double, x, limit=WAIT, what="return before its data")
+    finally:
+        go.set()
+    np.testing.assert_array_equal(np.asarray(y), [0.0, 2.0, 4.0])
+
+
+@pytest.mark.skipif(not ASYNC, reason=f"async dispatch status: {STATUS}")
+@pytest.mark.parametrize("shape", [(0,), (2, 0)])
+def test_a_failed_pending_zero_size_load_fails_its_dependents(shape):
+    go = threading.Event()
+    x = async_call(
+        held_load(go, np.zeros(shape, np.float32), error="zero-size boom"),
+        SDS(shape, np.float32),
+    )
+    y = jax.jit(lambda a: a * 2)(x)  # returns before the load fails
+    go.set()
+    with pytest.raises(Exception, match="zero-size boom"):
+        np.asarray(y)
+    with pytest.raises(ValueError, match="zero-size boom"):
+        x.result(timeout=WAIT)
+
+
+# --- 2. a huge timeout ---------------------------------------------------------------
+
+
+def _hang(never: threading.Event):
+    def hang(*_):
+        never.wait(WAIT)
+        return np.zeros(2, np.float32)
+
+    return hang
+
+
+def _make(api: str, fn, timeout: float):
+    sds = SDS((2,), np.float32)
+    if api == "async_call":
+        return async_call(fn, sds, timeout=timeout)
+    if api == "deferred_call":
+        x = deferred_call(fn, sds, timeout=timeout)
+        with pytest.raises(TimeoutError, match="was not ready"):
+            x.result(timeout=0)  # the first use: its clock starts
+        return x
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return async_array_from_callback((2,), sharding, fn, np.float32, timeout=timeout)
+
+
+@pytest.mark.parametrize("api", ["async_call", "deferred_call", "callback"])
+@pytest.mark.parametrize("huge", [1e10, 1e300])
+def test_a_huge_timeout_leaves_later_timeouts_working(api, huge):
+    never = threading.Event()
+    try:
+        big = _make(api, _hang(never), huge)  # accepted: it never fires
+        small = _make(api, _hang(never), 0.05)
+        # The call's own TimeoutError ("given up on"), not result()'s.
+        with pytest.raises(TimeoutError, match="given up on"):
+            small.result(timeout=WAIT)
+        assert not big.done()
+    finally:
+        never.set()
+    np.testing.assert_array_equal(np.asarray(big), [0.0, 0.0])
+
+
+# --- 3. the threads of calls given up on are capped -----------------------------------
+
+_CAP_SCRIPT = """
+    import threading, time
+    import jax, numpy as np
+    import jax_threadmap as jtm
+    from jax_threadmap import _async_threads
+
+    BOUND = 2
+    CAP = _async_threads.ABANDONED_PER_BOUND * BOUND
+    release = threading.Event()
+    started, lock = set(), threading.Lock()
+    sds = jax.ShapeDtypeStruct((1,), np.float32)
+
+    def hang(i):
+        with lock:
+            started.add(i)
+        release.wait(120)
+        return np.full(1, i, np.float32)
+
+    def wait_until(cond, what):  # polls pool state: events, not a clock
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
+
+    def at_cap():
+        s = jtm.async_pool_status()
+        return s.queued >= 1 and len(s.abandoned) >= CAP and s.running >= BOUND
+
+    i = 0
+    for _ in range(5):  # rounds of calls given up on while they run
+        xs = []
+        for _ in range(BOUND):
+            xs.append((i, jtm.async_call(hang, sds, i)))
+            n = i
+            wait_until(lambda: n in started or at_cap(), f"call {n} started or queued")
+            i += 1
+        for _, x in xs:
+            assert x.cancel()
+        s = jtm.async_pool_status()
+        assert len(s.abandoned) <= CAP, s
+        assert s.running <= BOUND, s
+    assert len(started) <= BOUND + CAP, sorted(started)
+    # At the cap: a new call waits in the queue; one with a timeout fails there
+    # without ever starting.
+    queued = jtm.async_call(hang, sds, 100)
+    timed = jtm.async_call(hang, sds, 101, timeout=0.05)
+    try:
+        timed.result(timeout=60)
+    except TimeoutError as e:
+        assert "given up on" in str(e), e
+    assert 101 not in started and at_cap()
+    release.set()
+    assert float(queued.result(timeout=60)[0]) == 100.0
+    print("started", len(started), "ok")
+"""
+
+
+def test_threads_of_calls_given_up_on_are_capped():
+    proc = run_script(_CAP_SCRIPT, {"JAX_THREADMAP_ASYNC_THREADS": "2"})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- 4. Ctrl-C reaches our waits -----------------------------------------------------
+
+_INTERRUPT_SCRIPT = """
+    import os, signal, threading, time
+    import jax, numpy as np
+    import jax_threadmap as jtm
+
+    started, calling, never = threading.Event(), threading.Event(), threading.Event()
+
+    def stuck():
+        started.set()
+        never.wait()
+        return np.zeros(2, np.float32)
+
+    def interrupt_when_waiting():
+        started.wait(60)
+        calling.wait(60)
+        # Not a check of time: the signal is right whenever it comes; a pause
+        # only makes it likely to come inside the wait rather than before.
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    sds = jax.ShapeDtypeStruct((2,), np.float32)
+    for how in ("result", "asarray", "blocking dispatch"):
+        started.clear()
+        calling.clear()
+        x = jtm.async_call(stuck, sds)
+        threading.Thread(target=interrupt_when_waiting, daemon=True).start()
+        try:
+            calling.set()
+            if how == "result":
+                x.result()
+            elif how == "asarray":
+                np.asarray(x)
+            else:
+                jax.jit(lambda a: a + 1)(x)
+        except KeyboardInterrupt:
+            print("interrupted", how)
+        x.cancel()
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to itself: POSIX")
+def test_ctrl_c_reaches_every_wait_of_ours():
+    # The blocking dispatch: async dispatch off, so the jitted call waits, in
+    # Python, for its data.
+    proc = run_script(_INTERRUPT_SCRIPT, {"JAX_THREADMAP_ASYNC_DISPATCH": "0"})
+    for how in ("result", "asarray", "blocking dispatch"):
+        assert f"interrupted {how}" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- 5. donation ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_a_donated_async_array_cannot_be_used_again(landed):
+    go = threading.Event()
+    value = np.arange(4.0, dtype=np.float32)
+    x = async_call(held_load(go, value), SDS((4,), np.float32))
+    if landed:
+        go.set()
+        x.result(timeout=WAIT)
+    y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    go.set()
+    np.testing.assert_array_equal(np.asarray(y), value + 1)
+    reason = _dispatch.mechanism.in_thread_order()
+    if reason is not None:
+        pytest.skip(f"the runs of compiled programs are not wrapped: {reason}")
+    with pytest.raises(RuntimeError, match="deleted"):
+        x.result()
+    with pytest.raises(RuntimeError, match="deleted"):
+        jax.jit(lambda a: a * 2)(x)
+
+
+def test_an_async_array_not_donated_stays_usable():
+    go = threading.Event()
+    x = async_call(held_load(go, np.ones(2, np.float32)), SDS((2,), np.float32))
+    y = jax.jit(lambda a: a + 1)(x)
+    go.set()
+    np.testing.assert_array_equal(np.asarray(y), [2.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(x), [1.0, 1.0])

@@ -57,7 +57,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap as jtm
-from jax_threadmap import _dispatch
+from jax_threadmap._async import dispatch as _dispatch
 
 LOAD_S = float(os.environ.get("LOAD_S", "1.0"))
 COMPILE_S = 1.0  # target; calibrated below
@@ -255,7 +255,8 @@ def program_run_ns(wrapped: bool, fast: bool = False, calls: int = 3000) -> floa
     the wrapper); else a program with a host callback, which JAX always runs
     from Python.
     """
-    from jax_threadmap import _compat, _dispatch
+    from jax_threadmap._async import dispatch as _dispatch
+    from jax_threadmap._jax import hooks as _compat
 
     _dispatch.mechanism.prepare()
     cls = _compat.get("ExecuteReplicated")

@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_threadmap._host.maps.maps import remote as _remote
 
-from jax_threadmap import _remote, threadmap
+from jax_threadmap import threadmap
 
 PARAM_MB = 100
 ELEMENTS = 4096

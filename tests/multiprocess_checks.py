@@ -94,7 +94,7 @@ def local_pids(x):
 
 
 def index_text(index):
-    return jax_threadmap._leaves.index_str(index)
+    return jax_threadmap._async.leaves.index_str(index)
 
 
 def async_array_from_callback_checks(f, expected):
@@ -217,8 +217,8 @@ def main():
     # own threads, and the result keeps the rows' sharding.
     explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     # (jax 0.7 to 0.9 refuse that, and map every row in process 0 as above.)
-    since, until = jax_threadmap._compat.PER_SHARD_REFUSED
-    refused = since <= jax_threadmap._compat.JAX_VERSION < until
+    since, until = jax_threadmap._jax.hooks.PER_SHARD_REFUSED
+    refused = since <= jax_threadmap._jax.hooks.JAX_VERSION < until
     erows = global_rows(explicit)
     del calls[:]
     # Where refused, without out_shardings jax 0.8.3 fails to place the result

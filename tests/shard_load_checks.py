@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_threadmap as jtm  # noqa: E402
-from jax_threadmap import _compat, _dispatch  # noqa: E402
+from jax_threadmap._async import dispatch as _dispatch  # noqa: E402
+from jax_threadmap._jax import hooks as _compat
 
 assert jax.device_count() == 8, jax.devices()
 WAIT = 30.0

@@ -20,7 +20,9 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_threadmap  # noqa: E402
-from jax_threadmap import _compat, _host, threadmap  # noqa: E402
+from jax_threadmap import threadmap
+from jax_threadmap._host.maps import maps as _host  # noqa: E402
+from jax_threadmap._jax import hooks as _compat
 
 assert jax.device_count() == 4, jax.devices()
 # The releases whose vmap refuses a shard_map over its own mesh axes: explicit

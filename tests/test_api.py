@@ -107,7 +107,7 @@ def test_params_hashable_and_no_recompilation():
 
 
 def test_eager_calls_compile_nothing(monkeypatch):
-    from jax_threadmap import _compat
+    from jax_threadmap._jax import hooks as _compat
 
     lowerings = []
 

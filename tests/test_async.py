@@ -1,4 +1,4 @@
-"""Tests of async_call, deferred_call and AsyncArray (jax_threadmap/_arrays.py)."""
+"""Tests of async_call, deferred_call and AsyncArray (jax_threadmap/_async/)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,9 @@ import pytest
 from helpers import cause_of, returns_within
 
 import jax_threadmap as jtm
-from jax_threadmap import (
-    AsyncArray,
-    _async_threads,
-    _dispatch,
-    async_call,
-    deferred_call,
-)
+from jax_threadmap import AsyncArray, async_call, deferred_call
+from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._async import pool as _async_threads
 
 pytestmark = pytest.mark.timeout(60)
 

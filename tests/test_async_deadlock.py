@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from jax_threadmap import _dispatch
+from jax_threadmap._async import dispatch as _dispatch
 
 pytestmark = pytest.mark.timeout(240)
 

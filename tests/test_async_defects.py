@@ -27,12 +27,8 @@ import numpy as np
 import pytest
 from helpers import returns_within
 
-from jax_threadmap import (
-    _dispatch,
-    async_array_from_callback,
-    async_call,
-    deferred_call,
-)
+from jax_threadmap import async_array_from_callback, async_call, deferred_call
+from jax_threadmap._async import dispatch as _dispatch
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -154,7 +150,7 @@ _CAP_SCRIPT = """
     import threading, time
     import jax, numpy as np
     import jax_threadmap as jtm
-    from jax_threadmap import _async_threads
+    from jax_threadmap._async import pool as _async_threads
 
     BOUND = 2
     CAP = _async_threads.ABANDONED_PER_BOUND * BOUND

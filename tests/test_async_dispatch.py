@@ -25,13 +25,9 @@ from helpers import returns_within
 from jax.experimental import io_callback
 
 import jax_threadmap as jtm
-from jax_threadmap import (
-    AsyncArray,
-    _async_threads,
-    _dispatch,
-    async_call,
-    deferred_call,
-)
+from jax_threadmap import AsyncArray, async_call, deferred_call
+from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._async import pool as _async_threads
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -633,7 +629,7 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
         import threading, time
         import jax, numpy as np
         import jax_threadmap as jtm
-        from jax_threadmap import _background
+        from jax_threadmap._async import background as _background
 
         place = _background.place
         def slow_place(task, flat):

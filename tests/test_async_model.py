@@ -42,13 +42,13 @@ from hypothesis.stateful import (
 )
 
 from jax_threadmap import (
-    _async_threads,
-    _dispatch,
     async_array_from_callback,
     async_call,
     async_pool_status,
     deferred_call,
 )
+from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._async import pool as _async_threads
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -22,14 +22,10 @@ import numpy as np
 import pytest
 from helpers import returns_within
 
-from jax_threadmap import (
-    _async_threads,
-    _dispatch,
-    _program_runs,
-    async_call,
-    deferred_call,
-    threadmap,
-)
+from jax_threadmap import async_call, deferred_call, threadmap
+from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._async import program_runs as _program_runs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -146,7 +142,7 @@ def test_unrelated_work_of_the_same_thread_does_not_wait_for_a_pending_load():
 
 @pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
 def test_programs_on_pending_data_wait_only_for_their_own_data():
-    from jax_threadmap import _compat
+    from jax_threadmap._jax import hooks as _compat
 
     stream_of_thread = _compat.get("get_execution_stream_id")
     before = stream_of_thread()
@@ -191,7 +187,7 @@ def test_a_profiler_changes_nothing():
 
 @pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
 def test_the_stream_is_put_back_when_the_program_run_fails():
-    from jax_threadmap import _compat
+    from jax_threadmap._jax import hooks as _compat
 
     _dispatch.mechanism.prepare()  # as the first async_call does
     stream_of_thread = _compat.get("get_execution_stream_id")
@@ -544,7 +540,7 @@ def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if ignored
     import threading, jax, numpy as np
     import jax_threadmap as jtm
-    from jax_threadmap import _dispatch
+    from jax_threadmap._async import dispatch as _dispatch
 
     def load(i):
         threading.Event().wait()  # a download that hangs

@@ -26,7 +26,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_threadmap as jtm
-from jax_threadmap import _async_threads, _compat, _leaves
+from jax_threadmap._async import leaves as _leaves
+from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._jax import hooks as _compat
 
 HERE = pathlib.Path(__file__).parent
 WAIT = 30.0

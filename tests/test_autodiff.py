@@ -486,7 +486,8 @@ def test_random_nestings_match_jax_numpy(case):
 
 
 def test_derivative_params_are_equal_across_traces(monkeypatch):
-    from jax_threadmap import _compat, _primitive
+    from jax_threadmap._core import primitive as _primitive
+    from jax_threadmap._jax import hooks as _compat
 
     ran, lowerings = [], []
 
@@ -634,7 +635,7 @@ def test_api_errors():
         f.defjvp(3)
     with pytest.raises(TypeError, match="'executor' is an option of"):
         f(jnp.ones(3), 2.0, executor=2)
-    if "progress" not in jax_threadmap._api.RESERVED_KWARGS:
+    if "progress" not in jax_threadmap._core.api.RESERVED_KWARGS:
         with pytest.raises(TypeError, match="no progress option"):
             jax_threadmap.kernel(jax.ShapeDtypeStruct((), F32), progress=True)
 

@@ -1,7 +1,7 @@
-"""The table of JAX hooks (jax_threadmap/_compat.py): the canary, and what a user
+"""The table of JAX hooks (jax_threadmap/_jax/hooks.py): the canary, and what a user
 sees when a JAX release moves a hook.
 
-Every test reads :data:`jax_threadmap._compat.HOOKS`, the table the package's
+Every test reads :data:`jax_threadmap._jax.hooks.HOOKS`, the table the package's
 imports are driven by, so a hook added there is checked here without a second list.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
-from jax_threadmap import _compat
+from jax_threadmap._jax import hooks as _compat
 
 PACKAGE = pathlib.Path(_compat.__file__).parent
 ROOT = PACKAGE.parent
@@ -42,7 +42,7 @@ def test_every_jax_hook_is_still_where_we_expect_it(hook):
     assert not isinstance(value, _compat.Missing), (
         f"JAX {jax.__version__} no longer provides {hook.name!r} ({hook.why}), "
         f"which jax_threadmap's {', '.join(hook.features)} needs: {value.reason}. "
-        "Add a Form for this JAX to its entry in jax_threadmap/_compat.py HOOKS "
+        "Add a Form for this JAX to its entry in jax_threadmap/_jax/hooks.py HOOKS "
         "(and pin jax below this version until then)."
     )
     assert form is not None
@@ -314,7 +314,7 @@ for hook in table.HOOKS:
             delattr(module, attr)
 
 import jax_threadmap  # must not fail
-from jax_threadmap import _compat
+from jax_threadmap._jax import hooks as _compat
 
 assert len(_compat.missing_hooks()) == len(_compat.HOOKS), _compat.missing_hooks()
 for use in (

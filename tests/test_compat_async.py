@@ -1,7 +1,7 @@
 """Fails loudly when JAX moves or changes the hooks that AsyncArray relies on.
 
 `AsyncArray` is passed to `jit` without its data through three private tables
-(see the "async arrays" section of jax_threadmap/_compat.py). These tests check
+(see the "async arrays" section of jax_threadmap/_jax/hooks.py). These tests check
 that each one is still where we expect it, and that it still behaves as we use
 it: the abstract value is read while tracing, and the sharding handler is
 called only when the compiled program runs, never while compiling.
@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _compat
+from jax_threadmap._jax import hooks as _compat
 
 pytestmark = pytest.mark.timeout(60)
 
 UPDATE = (
-    "Update the 'async arrays' section of jax_threadmap/_compat.py (and pin jax "
+    "Update the 'async arrays' section of jax_threadmap/_jax/hooks.py (and pin jax "
     "below this version until then)."
 )
 
@@ -127,7 +127,8 @@ def test_fast_placement_is_jax_device_put_without_its_overhead():
         assert not isinstance(value, _compat.Missing), (
             f"JAX {jax.__version__} no longer provides {name} ({value.reason}); "
             "async calls place their results with jax.device_put (slower). "
-            "Update the 'fast placement' entries of HOOKS in jax_threadmap/_compat.py."
+            "Update the 'fast placement' entries of HOOKS in "
+            "jax_threadmap/_jax/hooks.py."
         )
     for x in (np.arange(6, dtype=np.float32).reshape(2, 3), np.int8(3), np.zeros(0)):
         x = np.asarray(x)
@@ -157,7 +158,7 @@ def test_async_dispatch_hook_is_still_where_we_expect_it(hook):
     assert not isinstance(value, _compat.Missing), (
         f"JAX {jax.__version__} no longer provides {hook.name} ({value.reason}); "
         "jitted calls with pending AsyncArrays fall back to blocking dispatch. "
-        "Update the 'async dispatch' entries of HOOKS in jax_threadmap/_compat.py."
+        "Update the 'async dispatch' entries of HOOKS in jax_threadmap/_jax/hooks.py."
     )
     assert _compat.async_dispatch_unavailable() is None
 
@@ -224,7 +225,8 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         pytest.skip(_compat.dispatch_streams_unavailable())
     from jax.experimental import io_callback
 
-    from jax_threadmap import _dispatch, _program_runs
+    from jax_threadmap._async import dispatch as _dispatch
+    from jax_threadmap._async import program_runs as _program_runs
 
     _dispatch.mechanism.prepare()  # wraps the runs, as the first async_call does
     runs, inside = [], []

@@ -18,16 +18,12 @@ import pytest
 from helpers import executor_of, fake_clocks
 
 import jax_threadmap
-from jax_threadmap import (
-    ExecutorError,
-    InOrder,
-    _jobs,
-    _maps,
-    _progress,
-    _scheduling,
-    _threads,
-    threadmap,
-)
+from jax_threadmap import ExecutorError, InOrder, threadmap
+from jax_threadmap._executors import jobs as _jobs
+from jax_threadmap._executors import progress as _progress
+from jax_threadmap._executors import runners as _maps
+from jax_threadmap._executors import scheduling as _scheduling
+from jax_threadmap._executors import threads as _threads
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
@@ -622,7 +618,8 @@ def test_exit_without_waiting_for_dispatched_maps_is_clean(devices, program):
 PROCESS_POOL_AT_EXIT = """
     import concurrent.futures, multiprocessing, os, threading, time
     import jax, jax.numpy as jnp, numpy as np
-    from jax_threadmap import _maps, threadmap
+    from jax_threadmap import threadmap
+    from jax_threadmap._executors import runners as _maps
     import worker_kernels
 
     if __name__ == "__main__":
@@ -709,7 +706,9 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
     code = """
         import time
         import jax, jax.numpy as jnp, numpy as np
-        from jax_threadmap import _scheduling, _threads, threadmap
+        from jax_threadmap import threadmap
+        from jax_threadmap._executors import scheduling as _scheduling
+        from jax_threadmap._executors import threads as _threads
 
         _threads.IDLE_TIMEOUT = 0.2
 

@@ -15,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _jobs, _maps, _threads, threadmap
+from jax_threadmap import threadmap
+from jax_threadmap._executors import jobs as _jobs
+from jax_threadmap._executors import runners as _maps
+from jax_threadmap._executors import threads as _threads
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 

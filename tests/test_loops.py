@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_threadmap._host.maps.loops import call_source, unpack_source
 
-from jax_threadmap import KernelError, _loops, threadmap
-from jax_threadmap._loops import call_source, unpack_source
+from jax_threadmap import KernelError, threadmap
+from jax_threadmap._host.maps import loops as _loops
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 V3 = jax.ShapeDtypeStruct((3,), jnp.float32)

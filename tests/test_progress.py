@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import _progress, threadmap
+from jax_threadmap import threadmap
+from jax_threadmap._executors import progress as _progress
 
 pytestmark = pytest.mark.timeout(60)
 

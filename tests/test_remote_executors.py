@@ -20,7 +20,8 @@ import worker_kernels
 from helpers import cause_of
 
 import jax_threadmap
-from jax_threadmap import ExecutorError, KernelError, _maps, threadmap
+from jax_threadmap import ExecutorError, KernelError, threadmap
+from jax_threadmap._executors import runners as _maps
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -138,8 +139,9 @@ def test_remote_chunks_ship_only_their_slices():
     # A map whose operand is batched at the outer level only: each chunk carries
     # the distinct elements it needs, never the whole array.
     big = np.arange(64 * 1000, dtype=np.float32).reshape(64, 1000)
-    from jax_threadmap._batch_spec import BatchSpec
-    from jax_threadmap._host import ElementCaller, HostMap
+    from jax_threadmap._host.maps.maps import ElementCaller, HostMap
+
+    from jax_threadmap._core.batch_spec import BatchSpec
 
     tree = jax.tree_util.tree_structure(((0, 0), {}))
     caller = ElementCaller(

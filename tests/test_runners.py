@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_threadmap import _maps, threadmap
+from jax_threadmap import threadmap
+from jax_threadmap._executors import runners as _maps
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 

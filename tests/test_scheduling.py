@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from jax_threadmap import _scheduling as policy
-from jax_threadmap._scheduling import Measure
+from jax_threadmap._executors import scheduling as policy
+from jax_threadmap._executors.scheduling import Measure
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -175,7 +175,7 @@ def test_the_docs_quote_the_policys_numbers(path, phrase):
     flat = re.sub(r"\s+", " ", text)
     assert re.sub(r"\s+", " ", phrase) in flat, (
         f"{path} no longer says {phrase!r}: update the prose to the constant "
-        "in jax_threadmap/_scheduling.py"
+        "in jax_threadmap/_executors/scheduling.py"
     )
 
 

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 from helpers import executor_of, fake_clocks
 
-from jax_threadmap import InOrder, _jobs, _maps, _threads, threadmap
-from jax_threadmap import _scheduling as policy
+from jax_threadmap import InOrder, threadmap
+from jax_threadmap._executors import jobs as _jobs
+from jax_threadmap._executors import runners as _maps
+from jax_threadmap._executors import scheduling as policy
+from jax_threadmap._executors import threads as _threads
 
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 #: Seconds a barrier waits before it breaks: far above a working map's time.

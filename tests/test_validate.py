@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from helpers import VALUE_CASES, numpy_keeps_value
 
-from jax_threadmap import _validate
-from jax_threadmap._validate import ResultCastError, check_result_cast
+from jax_threadmap._support import validate as _validate
+from jax_threadmap._support.validate import ResultCastError, check_result_cast
 
 
 @pytest.mark.parametrize("value, dtype", VALUE_CASES, ids=repr)

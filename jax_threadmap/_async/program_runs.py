@@ -26,7 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _compat, _fork
+from .._jax import hooks as _compat
+from .._support import fork as _fork
 
 #: The first execution stream of dispatches on pending data; each dispatch takes
 #: the next. Far above the ids XLA derives from thread ids. XLA forgets a stream

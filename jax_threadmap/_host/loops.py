@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from ._errors import PASS_THROUGH
+from .._support.errors import PASS_THROUGH
 
 #: Runs elements ``[start, stop)``, publishing each row's range iterator at the
 #: cursor before running it; ``cursor.halt`` and ``cursor.halted(i)`` stop it

@@ -25,13 +25,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _remote, _summing
-from ._batch_spec import Axes, BatchSpec
-from ._errors import KernelError, describe, kernel_traceback
-from ._loops import element_loop
-from ._remote import ChunkFn
-from ._validate import ResultCastError, check_result_cast
-from ._vectorized import ChunkCaller, KernelCaller, PiecePlan, chunk_of
+from .._core.batch_spec import Axes, BatchSpec
+from .._support.errors import KernelError, describe, kernel_traceback
+from .._support.validate import ResultCastError, check_result_cast
+from . import remote as _remote
+from . import summing as _summing
+from .loops import element_loop
+from .remote import ChunkFn
+from .vectorized import ChunkCaller, KernelCaller, PiecePlan, chunk_of
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 

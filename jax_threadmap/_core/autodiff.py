@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 
 import jax
 
-from . import _compat, _summing
-from ._batch_spec import Axes, BatchSpec
-from ._params import (
+from .._host import summing as _summing
+from .._jax import hooks as _compat
+from .batch_spec import Axes, BatchSpec
+from .params import (
     JvpParam,
     KernelParam,
     VjpParam,

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._batch_spec import BatchSpec
+from .._core.batch_spec import BatchSpec
 
 
 def summed_levels(axes: Sequence[int | None]) -> tuple[int, ...]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from ._errors import add_note
-from ._leaves import describe_error
+from .._support.errors import add_note
+from .leaves import describe_error
 
 # The start of the note added to a loader's exception (once per call).
 _NOTE_START = "This error was raised by"

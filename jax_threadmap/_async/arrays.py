@@ -19,10 +19,14 @@ from typing import Any, overload
 import jax
 import numpy as np
 
-from . import _async_threads, _background, _compat, _dispatch, _event_loop
-from ._background import Task
-from ._leaves import LeafSpec
-from ._validate import check_timeout
+from .._jax import hooks as _compat
+from .._support.validate import check_timeout
+from . import background as _background
+from . import dispatch as _dispatch
+from . import event_loop as _event_loop
+from . import pool as _async_threads
+from .background import Task
+from .leaves import LeafSpec
 
 
 def _at_exit() -> None:

@@ -31,20 +31,23 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import _fork, _remote, _threads, _validate
-from . import _scheduling as policy
-from ._claims import MapWork
-from ._errors import ExecutorError, KernelError, restore_shipped_cause
-from ._jobs import Job, _local
-from ._progress import Progress, progress_enabled, wait
-from ._scheduling import (
+from .._host import remote as _remote
+from .._support import fork as _fork
+from .._support import validate as _validate
+from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
+from . import scheduling as policy
+from . import threads as _threads
+from .claims import MapWork
+from .jobs import Job, _local
+from .progress import Progress, progress_enabled, wait
+from .scheduling import (
     EXIT_GRACE,
     UNKNOWN_WORKERS,
     UNKNOWN_WORKERS_IN_FLIGHT,
     InOrder,
     available_cpus,
 )
-from ._threads import interpreter_exiting, refused
+from .threads import interpreter_exiting, refused
 
 # --- what executors tell of their size ------------------------------------------------
 

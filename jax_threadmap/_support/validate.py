@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat
-from ._scheduling import InOrder
+from .._executors.scheduling import InOrder
+from .._jax import hooks as _compat
 
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
 #: any of these in ``InOrder`` for one element per claim in index order.

@@ -26,10 +26,12 @@ from typing import Any, Protocol
 
 import jax
 
-from . import _async_threads, _event_loop, _outcomes
-from ._async_threads import worker_state
-from ._errors import KeptError
-from ._leaves import (
+from .._support.errors import KeptError
+from .._support.validate import callable_name
+from . import event_loop as _event_loop
+from . import outcomes as _outcomes
+from . import pool as _async_threads
+from .leaves import (
     LeafSpec,
     check_call,
     check_future,
@@ -39,7 +41,7 @@ from ._leaves import (
     index_of,
     place,
 )
-from ._validate import callable_name
+from .pool import worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
 

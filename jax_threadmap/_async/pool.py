@@ -34,9 +34,9 @@ from typing import NamedTuple, Protocol
 
 import jax
 
-from . import _fork
-from ._scheduling import available_cpus
-from ._validate import MAX_THREADS, env_positive_int
+from .._executors.scheduling import available_cpus
+from .._support import fork as _fork
+from .._support.validate import MAX_THREADS, env_positive_int
 
 logger = logging.getLogger("jax_threadmap._async")
 

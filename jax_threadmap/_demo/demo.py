@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._api import threadmap
-from ._scheduling import available_cpus
+from .._core.api import threadmap
+from .._executors.scheduling import available_cpus
 
 # --- kernels and inputs ---------------------------------------------------------------
 

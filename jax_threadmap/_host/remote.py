@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import _summing
+from . import summing as _summing
 
 #: Bytes from which an operand read whole by every element is shipped once per
 #: map (see :func:`share`) rather than in every task.

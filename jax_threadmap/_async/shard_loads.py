@@ -37,10 +37,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _async_threads, _event_loop
-from ._arrays import AsyncArray, make_arrays
-from ._background import PENDING, RUNNING, Task
-from ._leaves import (
+from .._support.validate import callable_name, check_callable, check_timeout
+from . import event_loop as _event_loop
+from . import pool as _async_threads
+from .arrays import AsyncArray, make_arrays
+from .background import PENDING, RUNNING, Task
+from .leaves import (
     LeafSpec,
     check_shard,
     index_key,
@@ -49,7 +51,6 @@ from ._leaves import (
     place_shard,
     slice_shape,
 )
-from ._validate import callable_name, check_callable, check_timeout
 
 logger = logging.getLogger("jax_threadmap._async")
 

@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import PASS_THROUGH, KernelError, describe, kernel_traceback
-from ._validate import ResultCastError, check_result_cast
+from .._support.errors import PASS_THROUGH, KernelError, describe, kernel_traceback
+from .._support.validate import ResultCastError, check_result_cast
 
 
 class PiecePlan:

@@ -38,10 +38,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _compat, _fork, _program_runs
-from ._background import Task, worker_state
-from ._leaves import index_key
-from ._validate import ENV_ASYNC_DISPATCH, async_dispatch_enabled
+from .._jax import hooks as _compat
+from .._support import fork as _fork
+from .._support.validate import ENV_ASYNC_DISPATCH, async_dispatch_enabled
+from . import program_runs as _program_runs
+from .background import Task, worker_state
+from .leaves import index_key
 
 logger = logging.getLogger("jax_threadmap._async")
 

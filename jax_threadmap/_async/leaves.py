@@ -18,8 +18,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from . import _compat, _validate
-from ._validate import check_callable, check_timeout, shape_dtype_of
+from .._jax import hooks as _compat
+from .._support import validate as _validate
+from .._support.validate import check_callable, check_timeout, shape_dtype_of
 
 
 class CallInfo(Protocol):

@@ -24,13 +24,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _autodiff, _compat, _per_shard
-from ._batch_spec import BatchSpec
-from ._host import ElementCaller, HostMap
-from ._maps import run_map
-from ._params import HostCall
-from ._validate import Executor
-from ._vectorized import ChunkCaller
+from .._executors.runners import run_map
+from .._host.maps import ElementCaller, HostMap
+from .._host.vectorized import ChunkCaller
+from .._jax import hooks as _compat
+from .._support.validate import Executor
+from . import autodiff as _autodiff
+from . import per_shard as _per_shard
+from .batch_spec import BatchSpec
+from .params import HostCall
 
 threadmap_p = _compat.Primitive("threadmap")
 threadmap_p.multiple_results = True

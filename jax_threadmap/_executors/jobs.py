@@ -29,10 +29,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import _fork
-from . import _scheduling as policy
-from ._claims import Busy, Chunk, ChunkFn, Cursor
-from ._errors import ExecutorError
+from .._support import fork as _fork
+from .._support.errors import ExecutorError
+from . import scheduling as policy
+from .claims import Busy, Chunk, ChunkFn, Cursor
 
 
 class _Local(threading.local):

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import _validate
+from .._support import validate as _validate
 
 ENV_PROGRESS = "JAX_THREADMAP_PROGRESS"
 

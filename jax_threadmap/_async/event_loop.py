@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from . import _fork
+from .._support import fork as _fork
 
 logger = logging.getLogger("jax_threadmap._async")
 

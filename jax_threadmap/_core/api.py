@@ -10,12 +10,13 @@ from typing import Any, Generic, TypeVar, cast, overload
 
 import jax
 
-from . import _compat, _validate
-from ._batch_spec import BatchSpec
-from ._params import KernelParam, hashable
-from ._primitive import threadmap_p
-from ._scheduling import InOrder
-from ._validate import RESERVED_KWARGS, Executor
+from .._executors.scheduling import InOrder
+from .._jax import hooks as _compat
+from .._support import validate as _validate
+from .._support.validate import RESERVED_KWARGS, Executor
+from .batch_spec import BatchSpec
+from .params import KernelParam, hashable
+from .primitive import threadmap_p
 
 #: A JVP or VJP kernel: ``defjvp``/``defvjp`` return the function they are given.
 DerivativeKernel = TypeVar("DerivativeKernel", bound=Callable[..., Any])

@@ -30,8 +30,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _compat
-from ._batch_spec import BatchSpec
+from .._jax import hooks as _compat
+from .batch_spec import BatchSpec
 
 Bind = Callable[..., Sequence[Any]]
 MeshAxes = tuple[str, ...]

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from ._validate import callable_name
+from .._support.validate import callable_name
 
 Fn = Callable[..., Any]
 

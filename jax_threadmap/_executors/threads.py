@@ -25,12 +25,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _fork, _validate
-from . import _scheduling as policy
-from ._errors import ExecutorError
-from ._jobs import Job, _local
-from ._progress import Progress, wait
-from ._scheduling import IDLE_TIMEOUT, available_cpus
+from .._support import fork as _fork
+from .._support import validate as _validate
+from .._support.errors import ExecutorError
+from . import scheduling as policy
+from .jobs import Job, _local
+from .progress import Progress, wait
+from .scheduling import IDLE_TIMEOUT, available_cpus
 
 
 def default_num_threads() -> int:

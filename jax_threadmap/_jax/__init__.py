@@ -1,0 +1,1 @@
+"""The one home of JAX internals: the hook table."""

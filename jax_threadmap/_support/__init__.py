@@ -1,0 +1,1 @@
+"""Shared support of both wings: errors, argument checks, fork handling."""

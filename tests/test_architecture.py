@@ -1,8 +1,9 @@
-"""The module layering of the package: each module imports only those below it.
+"""The layering of the package's subpackages: each imports only those below it,
+and the two wings (maps, async arrays) meet only in shared support.
 
-A newcomer reads the architecture from the file names (docs/architecture.md); this
-test keeps it true. Moving a module or adding an upward import fails here, with
-the offending import named.
+A newcomer reads the architecture from the folder and file names
+(docs/architecture.md); this test keeps it true. An import across the wings, or
+upward, fails here with the offending import named.
 """
 
 import ast
@@ -15,107 +16,131 @@ import jax_threadmap
 
 PACKAGE = pathlib.Path(jax_threadmap.__file__).parent
 
-#: Lowest first. A module may import only modules that come before it.
-LAYERS = [
-    "_errors",
-    "_fork",
-    "_compat",
-    "_scheduling",
-    "_validate",
-    "_batch_spec",
-    "_summing",
-    "_remote",
-    "_loops",
-    "_vectorized",
-    "_host",
-    "_progress",
-    "_claims",
-    "_jobs",
-    "_threads",
-    "_maps",
-    "_params",
-    "_autodiff",
-    "_per_shard",
-    "_primitive",
-    "_api",
-    "_leaves",
-    "_async_threads",
-    "_event_loop",
-    "_outcomes",
-    "_program_runs",
-    "_background",
-    "_dispatch",
-    "_arrays",
-    "_shard_loads",
-    "_inner_threads",
-    "_demo",
-    "__init__",
-    "__main__",
-]
+#: The subpackages, and those each may import. The two wings, maps (``_core``,
+#: ``_host``, ``_executors``) and async arrays (``_async``), meet only in what
+#: they share: ``_support`` and ``_jax`` (the one home of JAX internals).
+ALLOWED = {
+    "_jax": set(),
+    "_support": {"_jax"},
+    "_host": {"_support", "_jax"},
+    "_executors": {"_support", "_host"},
+    "_core": {"_support", "_jax", "_host", "_executors"},
+    "_async": {"_support", "_jax"},
+    "_demo": {"_support", "_core"},
+}
+#: Single modules that a subpackage below may import, each with its reason.
+EXCEPTIONS = {
+    ("_host", "_core.batch_spec"): "the value type of a map's batch layout, which "
+    "the host's views and sums read; it imports nothing",
+}
+WINGS = {"maps": {"_core", "_host", "_executors"}, "async arrays": {"_async"}}
 
 
-def package_imports(path: pathlib.Path) -> set[str]:
-    """The package modules that ``path`` imports, anywhere in the file."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module)
-            else:
-                found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            "jax_threadmap"
-        ):
-            found.add(node.module.split(".")[1] if "." in node.module else "__init__")
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("jax_threadmap."):
-                    found.add(alias.name.split(".")[1])
+def modules() -> dict[str, pathlib.Path]:
+    """Every module of the package by dotted name below it ("_core.api")."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(parts)] = path
     return found
 
 
-def test_every_module_has_a_layer():
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    assert modules == set(LAYERS)
+def package_imports(path: pathlib.Path, name: str) -> set[str]:
+    """The package modules (dotted, below the package) that module ``name`` at
+    ``path`` imports, anywhere in the file."""
+    here = name.split(".")[:-1]  # the module's own subpackage
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - (node.level - 1)]
+            where = [*base, *(node.module or "").split(".")] if node.module else base
+            for a in node.names:  # a name may be a module of that package
+                sub = [*where, a.name]
+                is_module = PACKAGE.joinpath(*sub).with_suffix(".py").exists()
+                found.add(".".join(sub if is_module else where))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "jax_threadmap."
+        ):
+            found.add(node.module.split(".", 1)[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("jax_threadmap."):
+                    found.add(alias.name.split(".", 1)[1])
+    return found
 
 
-def test_modules_import_only_lower_layers():
-    upward = []
-    for path in PACKAGE.glob("*.py"):
-        rank = LAYERS.index(path.stem)
-        for imported in package_imports(path):
-            if LAYERS.index(imported) >= rank:
-                upward.append(f"{path.stem} imports {imported}")
-    assert upward == []
+def _subpackage(module: str) -> str:
+    return module.split(".")[0]
 
 
-def test_the_checker_sees_upward_imports(tmp_path):
+def test_every_module_is_in_a_subpackage():
+    top = {m for m in modules() if "." not in m}
+    assert top == {"__init__", "__main__"}, sorted(top)
+    subpackages = {_subpackage(m) for m in modules()} - top
+    assert subpackages == set(ALLOWED)
+
+
+def test_subpackages_import_only_those_below_them():
+    wrong = []
+    for name, path in modules().items():
+        sub = _subpackage(name)
+        if sub not in ALLOWED:
+            continue  # __init__ and __main__ import the public names
+        for imported in package_imports(path, name):
+            other = _subpackage(imported)
+            allowed = other in ALLOWED[sub] or (sub, imported) in EXCEPTIONS
+            if other != sub and not allowed:
+                wrong.append(f"{name} imports {imported}")
+    assert wrong == []
+
+
+def test_the_wings_meet_only_in_shared_support():
+    maps, arrays = WINGS.values()
+    assert not any(ALLOWED[a] & maps for a in arrays)
+    assert not any(ALLOWED[m] & arrays for m in maps)
+
+
+def test_no_import_cycle_between_modules():
+    known = modules()
+    graph = {
+        name: {m for m in package_imports(path, name) if m in known}
+        for name, path in known.items()
+    }
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            pytest.fail("import cycle: " + " -> ".join([*stack, node]))
+        if node in done:
+            return
+        for nxt in sorted(graph[node]):
+            visit(nxt, [*stack, node])
+        done.add(node)
+
+    for name in sorted(graph):
+        if name not in ("__init__", "__main__"):
+            visit(name, [])
+
+
+def test_the_checker_sees_imports_across_subpackages(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from ._api import threadmap\n\nfrom . import _host\n")
-    assert package_imports(bad) == {"_api", "_host"}
+    bad.write_text(
+        "def f():\n    from .._core.api import threadmap\n\n"
+        "from . import pool\nfrom .._executors import jobs\n"
+    )
+    found = package_imports(bad, "_async.bad")
+    assert found == {"_core.api", "_async.pool", "_executors.jobs"}
 
 
-#: A module a newcomer reads in one sitting; the table of JAX hooks may stay one file.
-MAX_MODULE_LINES = 600
-LONG_MODULES_ALLOWED = {"_compat"}
 #: Cyclomatic complexity (radon) of any function of the package.
 MAX_COMPLEXITY = 15
-
-
-def test_no_module_above_600_lines():
-    long = {
-        p.stem: n
-        for p in PACKAGE.glob("*.py")
-        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
-    }
-    assert set(long) <= LONG_MODULES_ALLOWED, f"split these modules: {long}"
 
 
 def test_no_function_above_complexity_15():
     complexity = pytest.importorskip("radon.complexity", reason="lint extra")
     over = [
         f"{p.name}:{f.lineno} {f.fullname} {f.complexity}"
-        for p in sorted(PACKAGE.glob("*.py"))
+        for p in sorted(PACKAGE.rglob("*.py"))
         for b in complexity.cc_visit(p.read_text())
         for f in getattr(b, "methods", None) or [b]
         if f.complexity > MAX_COMPLEXITY
@@ -128,8 +153,8 @@ def test_one_fork_hook_for_the_package():
     # which a forked child starts afresh is read in one place.
     calls = [
         path.name
-        for path in PACKAGE.glob("*.py")
-        if "register_at_fork" in path.read_text() and path.stem != "_fork"
+        for path in PACKAGE.rglob("*.py")
+        if "register_at_fork" in path.read_text() and path.name != "fork.py"
     ]
     assert calls == []
 
@@ -146,6 +171,6 @@ def test_no_module_reads_frames_or_sets_profilers():
     # Threads publish what others must know (a chunk's cursor, a call's state);
     # none learns it from another thread's frames, a profiler or bytecode.
     found = {
-        p.stem for p in PACKAGE.glob("*.py") if INTROSPECTION.search(p.read_text())
+        p.stem for p in PACKAGE.rglob("*.py") if INTROSPECTION.search(p.read_text())
     }
     assert found == set(), sorted(found)

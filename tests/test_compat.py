@@ -20,7 +20,7 @@ import pytest
 import jax_threadmap
 from jax_threadmap._jax import hooks as _compat
 
-PACKAGE = pathlib.Path(_compat.__file__).parent
+PACKAGE = pathlib.Path(_compat.__file__).parent.parent
 ROOT = PACKAGE.parent
 HOOKS = _compat.HOOKS
 NEWEST = ".".join(map(str, _compat.NEWEST_TESTED_JAX))
@@ -82,11 +82,13 @@ def test_versions_in_the_table_are_those_declared_and_tested():
 
 
 def modules_outside_compat(found) -> list[str]:
-    """The package's modules other than _compat.py whose source ``found`` accepts."""
+    """The package's modules other than the hook table (_jax/hooks.py) whose
+    source ``found`` accepts."""
+    table = pathlib.Path(_compat.__file__)
     return [
-        p.name
-        for p in PACKAGE.glob("*.py")
-        if p.name != "_compat.py" and found(p.read_text())
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p != table and found(p.read_text())
     ]
 
 
@@ -301,7 +303,7 @@ root = sys.argv[1]
 sys.path.insert(0, root)
 # Where each hook lives in this JAX, read from the table without importing the
 # package (its import must work without them).
-path = pathlib.Path(root, "jax_threadmap", "_compat.py")
+path = pathlib.Path(root, "jax_threadmap", "_jax", "hooks.py")
 spec = importlib.util.spec_from_file_location("compat_table", path)
 table = importlib.util.module_from_spec(spec)
 sys.modules["compat_table"] = table

@@ -170,7 +170,10 @@ def test_api_page_shows_one_readable_signature_per_object(site):
     threadmap = _Text()
     threadmap.feed(sections["threadmap"])
     prose = " ".join("".join(threadmap.prose).split())
-    assert "executor (int | concurrent.futures.Executor | None, default: None" in prose
+    assert (
+        "executor (int | concurrent.futures.Executor | InOrder | None, default: None"
+        in prose
+    )
     assert (
         "Returns: A pytree of arrays with the structure of result_shape_dtypes; "
         "under vmap, each leaf gains the batch axes. Raises:" in prose

@@ -34,8 +34,8 @@ from typing import NamedTuple, Protocol
 
 import jax
 
-from .._executors.scheduling import available_cpus
 from .._support import fork as _fork
+from .._support.cpus import available_cpus
 from .._support.validate import MAX_THREADS, env_positive_int
 
 logger = logging.getLogger("jax_threadmap._async")

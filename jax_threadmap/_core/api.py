@@ -10,10 +10,11 @@ from typing import Any, Generic, TypeVar, cast, overload
 
 import jax
 
+from .._executors.runners import Executor, check_executor
 from .._executors.scheduling import InOrder
 from .._jax import hooks as _compat
 from .._support import validate as _validate
-from .._support.validate import RESERVED_KWARGS, Executor
+from .._support.validate import RESERVED_KWARGS
 from .batch_spec import BatchSpec
 from .params import KernelParam, hashable
 from .primitive import threadmap_p
@@ -222,7 +223,7 @@ def threadmap(
         result_shape_dtypes,
         args,
         kwargs,
-        executor=_validate.check_executor(executor),
+        executor=check_executor(executor),
         progress=_validate.check_progress(progress),
         vectorized=_validate.check_vectorized(vectorized),
     )
@@ -548,7 +549,7 @@ def kernel(
         )
     api = "jax_threadmap.kernel"
     _validate.check_has_results(result_shape_dtypes, api)
-    executor = _validate.check_executor(executor, api=api)
+    executor = check_executor(executor, api=api)
     progress = _validate.check_progress(progress, api=api)
     _validate.check_vectorized(vectorized, api)
 

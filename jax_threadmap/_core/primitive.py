@@ -24,11 +24,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._executors.runners import run_map
+from .._executors.runners import Executor, run_map
 from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
 from .._jax import hooks as _compat
-from .._support.validate import Executor
 from . import autodiff as _autodiff
 from . import per_shard as _per_shard
 from .batch_spec import BatchSpec

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.api import threadmap
-from .._executors.scheduling import available_cpus
+from .._support.cpus import available_cpus
 
 # --- kernels and inputs ---------------------------------------------------------------
 

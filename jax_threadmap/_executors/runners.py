@@ -31,9 +31,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
 from .._host import remote as _remote
 from .._support import fork as _fork
 from .._support import validate as _validate
+from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
 from . import threads as _threads
@@ -45,9 +48,59 @@ from .scheduling import (
     UNKNOWN_WORKERS,
     UNKNOWN_WORKERS_IN_FLIGHT,
     InOrder,
-    available_cpus,
 )
 from .threads import interpreter_exiting, refused
+
+# --- what executor= accepts ----------------------------------------------------
+
+#: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
+#: any of these in ``InOrder`` for one element per claim in index order.
+Executor = int | concurrent.futures.Executor | InOrder | None
+
+
+def check_executor(executor: Any, api: str = "threadmap") -> Executor:
+    """``executor`` as ``threadmap`` uses it (an int is normalised to ``int``;
+    ``InOrder(e)`` keeps its ``e`` checked the same way).
+
+    ``None`` also checks ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails
+    the call rather than the map.
+    """
+    if isinstance(executor, InOrder):
+        if isinstance(executor.executor, InOrder):
+            raise TypeError(
+                f"{api}: InOrder takes the executor itself, not another InOrder. "
+                f"Got executor={executor!r}. Pass InOrder(8), for example."
+            )
+        return InOrder(check_executor(executor.executor, api))
+    if executor is None:
+        _validate.env_num_threads()
+        return None
+    if isinstance(executor, concurrent.futures.Executor):
+        return executor
+    if isinstance(executor, (bool, np.bool_)) or not isinstance(
+        executor, (int, np.integer)
+    ):
+        raise TypeError(
+            f"{api}: executor must be None (the shared pool), a positive int (a pool "
+            "of that many threads), a concurrent.futures.Executor, or one of these "
+            "in jax_threadmap.InOrder (elements in index order). "
+            f"Got executor={executor!r} of type {type(executor).__name__}."
+        )
+    if executor < 1:
+        raise ValueError(
+            f"{api}: executor=N must be a positive number of threads. "
+            f"Got executor={executor!r}. Pass e.g. executor=8, or None for the "
+            "shared pool."
+        )
+    if executor > _validate.MAX_THREADS:
+        raise ValueError(
+            f"{api}: executor=N must be at most {_validate.MAX_THREADS} threads. Got "
+            f"executor={int(executor)}. Pass the number of kernels that should run at "
+            "once (e.g. 32 for network reads), not the number of elements; for more "
+            "concurrency than that, pass your own concurrent.futures.Executor."
+        )
+    return int(executor)
+
 
 # --- what executors tell of their size ------------------------------------------------
 
@@ -200,7 +253,7 @@ _flights: dict[Job, threading.Thread] = {}
 
 def new_job(
     work: MapWork,
-    executor: _validate.Executor,
+    executor: Executor,
     max_chunk: int | None = None,
     parent: Job | None = None,
     runner: Runner | None = None,
@@ -239,7 +292,7 @@ def new_job(
 
 
 def run_map(
-    executor: _validate.Executor | InOrder,
+    executor: Executor | InOrder,
     work: MapWork,
     *,
     progress: bool | None,

@@ -33,8 +33,9 @@ the map starts, from its size and the user's request:
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, TypeVar
+
+from .._support.cpus import available_cpus
 
 K = TypeVar("K")
 
@@ -118,14 +119,6 @@ def SPARE_THREADS() -> int:  # noqa: N802 - a constant of the machine
     instead, for maps called in a loop, left hundreds of threads for 50 kernels
     at once. So the threads alive stay at most the kernels running plus this."""
     return available_cpus()
-
-
-def available_cpus() -> int:
-    """The number of CPUs this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 @dataclasses.dataclass(frozen=True)

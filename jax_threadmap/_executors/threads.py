@@ -27,11 +27,12 @@ from typing import Any
 
 from .._support import fork as _fork
 from .._support import validate as _validate
+from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError
 from . import scheduling as policy
 from .jobs import Job, _local
 from .progress import Progress, wait
-from .scheduling import IDLE_TIMEOUT, available_cpus
+from .scheduling import IDLE_TIMEOUT
 
 
 def default_num_threads() -> int:

@@ -132,7 +132,8 @@ class ExecutorError(ThreadmapError):
 #: errors pickled back from other processes.
 _TRACEBACK_FRAMES = 6
 _TRACEBACK_LINE = 200
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The package's root (this module is in its _support folder).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 #: Raised by a kernel, these stop the map and reach the caller as themselves, as
 #: from a plain loop. Any other exception, BaseException subclasses included, is

@@ -8,7 +8,6 @@ are parsed here, with one set of rules.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 import numbers
@@ -19,12 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._executors.scheduling import InOrder
 from .._jax import hooks as _compat
-
-#: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
-#: any of these in ``InOrder`` for one element per claim in index order.
-Executor = int | concurrent.futures.Executor | InOrder | None
 
 #: The most threads ``executor=N`` or ``JAX_THREADMAP_NUM_THREADS`` may ask for. Every
 #: thread has its own stack (8 MB of address space, some of it touched), and beyond a
@@ -83,50 +77,6 @@ def check_callable(fn: Any, api: str, what: str, hint: str) -> None:
             f"{api}: {what} must be callable. Got {fn!r} of type "
             f"{type(fn).__name__}. {hint}"
         )
-
-
-def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    """``executor`` as ``threadmap`` uses it (an int is normalised to ``int``;
-    ``InOrder(e)`` keeps its ``e`` checked the same way).
-
-    ``None`` also checks ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails
-    the call rather than the map.
-    """
-    if isinstance(executor, InOrder):
-        if isinstance(executor.executor, InOrder):
-            raise TypeError(
-                f"{api}: InOrder takes the executor itself, not another InOrder. "
-                f"Got executor={executor!r}. Pass InOrder(8), for example."
-            )
-        return InOrder(check_executor(executor.executor, api))
-    if executor is None:
-        env_num_threads()
-        return None
-    if isinstance(executor, concurrent.futures.Executor):
-        return executor
-    if isinstance(executor, (bool, np.bool_)) or not isinstance(
-        executor, (int, np.integer)
-    ):
-        raise TypeError(
-            f"{api}: executor must be None (the shared pool), a positive int (a pool "
-            "of that many threads), a concurrent.futures.Executor, or one of these "
-            "in jax_threadmap.InOrder (elements in index order). "
-            f"Got executor={executor!r} of type {type(executor).__name__}."
-        )
-    if executor < 1:
-        raise ValueError(
-            f"{api}: executor=N must be a positive number of threads. "
-            f"Got executor={executor!r}. Pass e.g. executor=8, or None for the "
-            "shared pool."
-        )
-    if executor > MAX_THREADS:
-        raise ValueError(
-            f"{api}: executor=N must be at most {MAX_THREADS} threads. Got "
-            f"executor={int(executor)}. Pass the number of kernels that should run at "
-            "once (e.g. 32 for network reads), not the number of elements; for more "
-            "concurrency than that, pass your own concurrent.futures.Executor."
-        )
-    return int(executor)
 
 
 def check_progress(progress: Any, api: str = "threadmap") -> bool | None:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_threadmap._demo.demo import demo as _demo
+from jax_threadmap._demo import demo as _demo
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 Cases = dict[str, Callable[[], object]]

@@ -2,7 +2,7 @@
 
 Every timed call of ``benchmarks/`` is built here. The ``sleep`` and ``sort``
 cases, their inputs, the ``threadmap`` and ``sequential`` runners and the timing
-helpers are the demo's (:mod:`jax_threadmap._demo.demo.demo`), so that the demo and the
+helpers are the demo's (:mod:`jax_threadmap._demo.demo`), so that the demo and the
 benchmarks report the same numbers. Each runner returns a thunk that runs a whole
 batch once and blocks until the result is ready; compilation happens when the
 runner is built.
@@ -39,8 +39,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax_threadmap._demo.demo.demo import CASES as DEMO_CASES
-from jax_threadmap._demo.demo.demo import (  # noqa: F401 - re-exported for the benchmarks
+
+from jax_threadmap import threadmap
+from jax_threadmap._demo.demo import CASES as DEMO_CASES
+from jax_threadmap._demo.demo import (  # noqa: F401 - re-exported for the benchmarks
     NESTED_SHAPE,
     Case,
     Inputs,
@@ -53,8 +55,6 @@ from jax_threadmap._demo.demo.demo import (  # noqa: F401 - re-exported for the 
     threadmap_runner,
     time_runs,
 )
-
-from jax_threadmap import threadmap
 from jax_threadmap._executors.scheduling import available_cpus as num_cpus
 
 # --- kernels ------------------------------------------------------------------------

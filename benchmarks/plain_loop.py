@@ -1,5 +1,5 @@
 """Per-element time of a plain (not generated) element loop against the
-generated loops of ``jax_threadmap._host.maps.loops``, side by side in one process.
+generated loops of ``jax_threadmap._host.loops``, side by side in one process.
 
 Issue 19 asked to prefer a plain loop if it came within 5% of the generated
 loops' time per element. The plain loop here is the best general one we could
@@ -34,10 +34,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax_threadmap._host.maps.maps import ElementCaller
 
 from jax_threadmap._executors.claims import Cursor
 from jax_threadmap._executors.jobs import Job
+from jax_threadmap._host.maps import ElementCaller
 from jax_threadmap._support.errors import PASS_THROUGH
 
 

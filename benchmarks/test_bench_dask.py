@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_threadmap._host.maps.maps import remote as _remote
 
 from jax_threadmap import threadmap
+from jax_threadmap._host import remote as _remote
 
 PARAM_MB = 100
 ELEMENTS = 4096

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_threadmap  # noqa: E402
 from jax_threadmap import threadmap
-from jax_threadmap._host.maps import maps as _host  # noqa: E402
+from jax_threadmap._host import maps as _host  # noqa: E402
 from jax_threadmap._jax import hooks as _compat
 
 assert jax.device_count() == 4, jax.devices()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jax_threadmap._demo.demo import demo as _demo
+from jax_threadmap._demo import demo as _demo
 
 QUICK = ["--size", "4", "--threads", "1,2"]
 

@@ -11,16 +11,16 @@ import itertools
 import jax
 import numpy as np
 import pytest
-from jax_threadmap._host.maps.maps import (
+
+from jax_threadmap import KernelError
+from jax_threadmap._core.batch_spec import BatchSpec
+from jax_threadmap._host.maps import (
     ElementCaller,
     HostMap,
     merge_groups,
     merge_view,
     operand_view,
 )
-
-from jax_threadmap import KernelError
-from jax_threadmap._core.batch_spec import BatchSpec
 
 
 class NeverFailed:

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_threadmap._host.maps.loops import call_source, unpack_source
 
 from jax_threadmap import KernelError, threadmap
-from jax_threadmap._host.maps import loops as _loops
+from jax_threadmap._host import loops as _loops
+from jax_threadmap._host.loops import call_source, unpack_source
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 V3 = jax.ShapeDtypeStruct((3,), jnp.float32)

@@ -378,17 +378,39 @@ def place_shard(
     """``shard`` on each of ``devices``, there when this returns; never aliased.
 
     ``value`` is what the callback returned (``shard`` itself unless cast). On
-    CPU, ``jax.device_put`` keeps an aligned NumPy buffer as the device buffer
-    instead of copying it (seen in jax 0.6.2, 0.10.2 and 0.12, with any
-    ``may_alias``), so the callback's buffer is copied once first, and that copy
-    may become the buffer: one copy either way. Elsewhere the transfer to the
-    device is the copy. ``fmt``: a ``Format`` whose layout each shard takes.
+    CPU, ``jax.device_put`` may keep a NumPy buffer as the device buffer
+    instead of copying it (one 64-byte aligned; seen in jax 0.6.2, 0.10.2 and
+    0.12, with any ``may_alias``): where it did (the same address), the shard
+    is placed again from a copy of its own. So a shard costs its buffer and one
+    copy at most, as in ``jax.make_array_from_callback``. ``fmt``: a ``Format``
+    whose layout each shard takes.
     """
-    if shard is value and isinstance(shard, np.ndarray):
-        if devices and devices[0].platform == "cpu":
-            shard = np.array(shard, order="C")
-    placed = [jax.device_put(shard, _target(d, fmt)) for d in devices]
-    return jax.block_until_ready(placed)
+    placed = _put(shard, devices, fmt)
+    if shard is value and isinstance(shard, np.ndarray) and _aliased(placed, shard):
+        del placed
+        placed = _put(np.array(shard, order="C"), devices, fmt)
+    return placed
+
+
+def _put(shard: Any, devices: list[Any], fmt: Any) -> list[jax.Array]:
+    return jax.block_until_ready(
+        [jax.device_put(shard, _target(d, fmt)) for d in devices]
+    )
+
+
+def _aliased(placed: list[jax.Array], buffer: np.ndarray) -> bool:
+    """Whether one of ``placed`` holds ``buffer``'s memory as its own."""
+    if buffer.size == 0:
+        return False
+    start, end = buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes
+    for array in placed:
+        try:
+            pointer = array.unsafe_buffer_pointer()
+        except Exception:  # no single buffer to ask: assume the worst
+            return True
+        if start <= pointer < end:
+            return True
+    return False
 
 
 def _target(device: Any, fmt: Any) -> Any:

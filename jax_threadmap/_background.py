@@ -290,8 +290,7 @@ class Task:
     def _open(self, gates: dict[Any, Gate]) -> None:
         """Opens ``gates``, taken from the call under its lock (with its data or
         error set); the programs then copy the data or raise the error."""
-        while gates:  # dropped as opened: arrays are freed before the result is
-            # set, never after (a daemon thread in JAX's C++ at exit aborts it)
+        while gates:  # dropped as opened, before the result is set (see _shard_loads)
             device, gate = gates.popitem()
             try:
                 gate.open(self._slot)

@@ -19,7 +19,8 @@ less so):
 3. **Peak memory.** A SHARD_MB x 8 array fetched shard by shard, each method in a
    process of its own: the peak resident memory above the process's baseline,
    in units of the array's size. The callback returns a fresh buffer per shard
-   (as a network client does).
+   (as a network client does). Target: the per-shard sides at or below
+   ``make_array_from_callback`` (2.0: the callbacks' buffers and one copy).
 
 Sides alternate rep by rep in one process (a child started with 8 CPU devices),
 best of ROUNDS. The async pool's bound (``async_pool_status().bound``) and the
@@ -263,7 +264,8 @@ def report(r: dict[str, float]) -> str:
         f"thread: {r['loads_loop_threads']:.0f}, at first use)",
         "peak memory above baseline, in units of the array "
         f"({8 * SHARD_MB} MB): "
-        + ", ".join(f"{m} {r[f'memory_{m}']:.2f}" for m in MEMORY_METHODS),
+        + ", ".join(f"{m} {r[f'memory_{m}']:.2f}" for m in MEMORY_METHODS)
+        + " (target: per_shard and per_shard_async <= make_array_from_callback)",
     ]
     return "\n".join(lines)
 

@@ -467,12 +467,6 @@ def bad_arguments():
     sharding = NamedSharding(mesh((8,), ("x",), "auto"), P("x"))
     for args, kwargs, error, words in (
         (
-            (SHAPE, sharding, lambda i: DATA[i], None),
-            {},
-            TypeError,
-            "dtype must be given",
-        ),
-        (
             (SHAPE, "x", lambda i: DATA[i], np.float32),
             {},
             TypeError,

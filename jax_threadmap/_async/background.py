@@ -292,11 +292,13 @@ class Task:
     def _open(self, gates: dict[Any, Gate]) -> None:
         """Opens ``gates``, taken from the call under its lock (with its data or
         error set); the programs then copy the data or raise the error."""
-        for device, gate in gates.items():
+        while gates:  # dropped as opened, before the result is set (see _shard_loads)
+            device, gate = gates.popitem()
             try:
                 gate.open(self._slot)
             except Exception:  # its programs never run: say so, open the rest
                 logger.exception("jax_threadmap: could not open the gate on %s", device)
+            del gate
         self._give_back_slot()
 
     # -- start --
@@ -473,8 +475,7 @@ class Task:
             logger.debug("%s of %s returned after it was given up on", self.api, self)
             return
         try:
-            opened, gates = gates, {}
-            self._open(opened)
+            self._open(gates)  # empties it: the error below opens nothing
             leaves = place(self, frozen)
         except BaseException as e:
             self._conclude(e, gates, raised_by_fn=False)

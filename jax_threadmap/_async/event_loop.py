@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import inspect
 import logging
 import threading
@@ -154,6 +155,27 @@ class EventLoop:
                     continue
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    def run(self, awaitable: Any, name: str) -> Any:
+        """Awaits ``awaitable`` on the loop and returns its result (from a
+        thread that is not the loop's own: there it would block every loader)."""
+        if self.in_loop_thread():
+            close_awaitable(awaitable)
+            raise RuntimeError(
+                f"jax_threadmap: {name} was awaited to its end on the package's "
+                "event loop from inside an async def loader on that loop. Pass "
+                "dtype=, or call from a thread."
+            )
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        async def wait() -> None:
+            try:
+                done.set_result(await awaitable)
+            except BaseException as e:  # to the caller, like a Future does
+                done.set_exception(e)
+
+        self.submit(wait, name)
+        return done.result()
 
     def cancel(self, task: asyncio.Task) -> None:
         """Cancels ``task`` (from any thread): ``CancelledError`` at its ``await``."""

@@ -345,6 +345,14 @@ def check_shard(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     into ``dtype`` where the dtype differs. Raises ``ValueError`` saying what is
     wrong with it (the caller names the shard).
     """
+    if is_extended(dtype):  # PRNG keys: a jax.Array of that dtype, as it is
+        got = getattr(value, "shape", None), getattr(value, "dtype", None)
+        if not isinstance(value, jax.Array) or got != (shape, dtype):
+            raise ValueError(
+                f"a {type(value).__name__} of shape {got[0]} and dtype {got[1]} "
+                f"(expected a jax.Array of shape {shape} and dtype {dtype})"
+            )
+        return value
     try:
         checked = _checked_leaf(shape, dtype, dtype, value)
     except _LeafProblem as e:
@@ -354,20 +362,65 @@ def check_shard(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     return checked
 
 
-def place_shard(shard: Any, value: Any, devices: list[Any]) -> list[jax.Array]:
+def is_extended(dtype: Any) -> bool:
+    """Whether ``dtype`` is one of JAX's extended dtypes (PRNG keys)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def extended_spec(shape: tuple[int, ...], dtype: Any, sharding: Any) -> LeafSpec:
+    """The spec of an array of an extended dtype (``leaf_specs`` takes NumPy's)."""
+    aval = _compat.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    return LeafSpec("<root>", shape, dtype, aval, sharding)
+
+
+def place_shard(
+    shard: Any, value: Any, devices: list[Any], fmt: Any = None
+) -> list[jax.Array]:
     """``shard`` on each of ``devices``, there when this returns; never aliased.
 
     ``value`` is what the callback returned (``shard`` itself unless cast). On
-    CPU, ``jax.device_put`` keeps an aligned NumPy buffer as the device buffer
-    instead of copying it (seen in jax 0.6.2, 0.10.2 and 0.12, with any
-    ``may_alias``), so the callback's buffer is copied once first, and that copy
-    may become the buffer: one copy either way. Elsewhere the transfer to the
-    device is the copy.
+    CPU, ``jax.device_put`` may keep a NumPy buffer as the device buffer
+    instead of copying it (one 64-byte aligned; seen in jax 0.6.2, 0.10.2 and
+    0.12, with any ``may_alias``): where it did (the same address), the shard
+    is placed again from a copy of its own. So a shard costs its buffer and one
+    copy at most, as in ``jax.make_array_from_callback``. ``fmt``: a ``Format``
+    whose layout each shard takes.
     """
-    if shard is value and isinstance(shard, np.ndarray):
-        if devices and devices[0].platform == "cpu":
-            shard = np.array(shard, order="C")
-    placed = [
-        jax.device_put(shard, jax.sharding.SingleDeviceSharding(d)) for d in devices
-    ]
-    return jax.block_until_ready(placed)
+    placed = _put(shard, devices, fmt)
+    if shard is value and isinstance(shard, np.ndarray) and _aliased(placed, shard):
+        del placed
+        placed = _put(np.array(shard, order="C"), devices, fmt)
+    return placed
+
+
+def _put(shard: Any, devices: list[Any], fmt: Any) -> list[jax.Array]:
+    return jax.block_until_ready(
+        [jax.device_put(shard, _target(d, fmt)) for d in devices]
+    )
+
+
+def _aliased(placed: list[jax.Array], buffer: np.ndarray) -> bool:
+    """Whether one of ``placed`` holds ``buffer``'s memory as its own."""
+    if buffer.size == 0:
+        return False
+    start, end = buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes
+    for array in placed:
+        try:
+            pointer = array.unsafe_buffer_pointer()
+        except Exception:  # no single buffer to ask: assume the worst
+            return True
+        if start <= pointer < end:
+            return True
+    return False
+
+
+def _target(device: Any, fmt: Any) -> Any:
+    one = jax.sharding.SingleDeviceSharding(device)
+    return one if fmt is None else type(fmt)(format_layout(fmt), one)
+
+
+def format_layout(fmt: Any) -> Any:
+    """A ``Format``'s layout (``device_local_layout`` before jax 0.7)."""
+    if hasattr(fmt, "layout"):
+        return fmt.layout
+    return getattr(fmt, "device_local_layout", None)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+import jax
+
 from .._support.errors import add_note
 from .leaves import describe_error
 
@@ -145,4 +147,13 @@ def donated_error(what: str) -> RuntimeError:
         f"{what} has been deleted: it was donated to a jitted call "
         "(donate_argnums), so, like a donated jax.Array, it cannot be used any "
         "more. Use the jitted call's result instead, or do not donate the array."
+    )
+
+
+def traced_error(name: str) -> Exception:
+    """JAX's error for a data_callback that returns a tracer."""
+    return jax.errors.UnexpectedTracerError(
+        "jax.make_array_from_callback cannot be called within a traced context "
+        "(jax_threadmap.async_array_from_callback: the data_callback "
+        f"{name} returned a tracer). Call it outside jit, with concrete data."
     )

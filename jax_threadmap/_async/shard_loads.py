@@ -37,16 +37,21 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._jax import hooks as _compat
 from .._support.validate import callable_name, check_callable, check_timeout
 from . import event_loop as _event_loop
+from . import outcomes as _outcomes
 from . import pool as _async_threads
 from .arrays import AsyncArray, make_arrays
 from .background import PENDING, RUNNING, Task
 from .leaves import (
     LeafSpec,
     check_shard,
+    extended_spec,
+    format_layout,
     index_key,
     index_str,
+    is_extended,
     leaf_specs,
     place_shard,
     slice_shape,
@@ -108,7 +113,9 @@ class ShardedLoad(Task):
     error at the end).
     """
 
-    __slots__ = ("parts", "shape", "sharding", "_fetch", "_left", "_placed", "_order")
+    __slots__ = tuple(
+        "parts shape sharding _fetch _left _placed _order _layout _first".split()
+    )
 
     def __init__(
         self,
@@ -117,6 +124,8 @@ class ShardedLoad(Task):
         fetch: Callable[..., Any],
         spec: LeafSpec,
         timeout: float | None,
+        layout: Any = None,
+        first: tuple[tuple, Any] | None = None,
     ) -> None:
         super().__init__(
             fetch,
@@ -143,6 +152,10 @@ class ShardedLoad(Task):
         self.parts = list(parts.values())
         self._left = len(self.parts)
         self._placed: dict[Any, jax.Array] = {}
+        # A Format's layout (its type and layout), for each shard's placement.
+        self._layout = layout
+        # (key, value) of the shard fetched at the call (dtype=None, or traced).
+        self._first = first
 
     # -- start --
 
@@ -159,7 +172,12 @@ class ShardedLoad(Task):
         self._start_clock()
         if not self.parts:
             self._assemble(self._settle() or {})
+        first, self._first = self._first, None
         for part in self.parts:
+            if first is not None and part.key == first[0]:
+                if self._claim_part(part, None, None):  # fetched at the call
+                    self._part_arrived(part, first[1])
+                continue
             if self.coroutine:
                 coroutine = functools.partial(self._run_part_coroutine, part)
                 _event_loop.event_loop().submit(coroutine, self.name)
@@ -239,15 +257,18 @@ class ShardedLoad(Task):
     def _part_arrived(self, part: Part, out: Any) -> None:
         if part.state != RUNNING:  # the load ended meanwhile: not even placed
             return
+        if isinstance(out, jax.core.Tracer):
+            self._part_failed(part, _outcomes.traced_error(self.name), ours=True)
+            return
+        expected = slice_shape(part.index, self.shape)
         try:
-            shard = check_shard(
-                out, slice_shape(part.index, self.shape), self.specs[0].aval.dtype
-            )
+            shard = check_shard(out, expected, self.specs[0].aval.dtype)
         except ValueError as e:
-            self._part_failed(part, ValueError(self._bad_shard(part, e)), ours=True)
+            error = ValueError(self._bad_shard(part, e, expected, out))
+            self._part_failed(part, error, ours=True)
             return
         try:
-            placed = place_shard(shard, out, part.devices)
+            placed = place_shard(shard, out, part.devices, self._layout)
         except BaseException as e:
             self._part_failed(part, e, ours=True)
             return
@@ -274,8 +295,17 @@ class ShardedLoad(Task):
         if last:
             self._assemble(rest)
 
-    def _bad_shard(self, part: Part, problem: ValueError) -> str:
-        return (
+    def _bad_shard(
+        self, part: Part, problem: ValueError, expected: tuple, out: Any
+    ) -> str:
+        got = getattr(out, "shape", None)
+        jax_words = (  # JAX's own words, for code that matches its error
+            f"Expected shard shape {expected} doesn't match the single device "
+            f"array shape {tuple(got)}. "
+            if got is not None and tuple(got) != expected
+            else ""
+        )
+        return jax_words + (
             f"The data_callback {self.name}, for the shard at {part.where()} of the "
             f"array of shape {self.shape}, returned {problem}. Make it return that "
             "shard of the array (e.g. data[index]), or fix shape or dtype."
@@ -355,7 +385,10 @@ class ShardedLoad(Task):
     # -- what the dispatch mechanism asks --
 
     def serves(self, sharding: Any, shape: tuple[int, ...]) -> bool:
-        """Whether ``sharding`` puts on each device exactly that device's part."""
+        """Whether ``sharding`` puts on each device exactly that device's part
+        (and gate programs can copy it: no layout, no PRNG keys)."""
+        if self._layout is not None or is_extended(self.specs[0].aval.dtype):
+            return False
         try:
             theirs = sharding.addressable_devices_indices_map(shape)
         except Exception:
@@ -388,27 +421,54 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     return dims
 
 
-def _check_sharding(sharding: Any) -> None:
+def _check_sharding(sharding: Any) -> tuple[jax.sharding.Sharding, Any]:
+    """The sharding, and the ``Format`` whose layout shards take (or ``None``)."""
     if isinstance(sharding, jax.sharding.Sharding):
-        return
-    hint = (
-        " Layouts are not supported: pass its .sharding."
-        if isinstance(getattr(sharding, "sharding", None), jax.sharding.Sharding)
-        else ""
-    )
+        return sharding, None
+    inner = getattr(sharding, "sharding", None)
+    if isinstance(inner, jax.sharding.Sharding):  # a Format (layout, sharding)
+        return inner, None if format_layout(sharding) is None else sharding
     raise TypeError(
-        f"jax_threadmap.{API}: sharding must be a jax.sharding.Sharding. Got "
-        f"sharding={sharding!r} of type {type(sharding).__name__}.{hint} Pass e.g. "
-        "jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')), or "
-        "jax.sharding.SingleDeviceSharding(device) for one device."
+        f"jax_threadmap.{API}: sharding must be a jax.sharding.Sharding or a "
+        f"Format. Got sharding={sharding!r} of type {type(sharding).__name__}. "
+        "Pass e.g. jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("
+        "'x')), or jax.sharding.SingleDeviceSharding(device) for one device."
     )
+
+
+def _fetch_first(fetch: Any, sharding: Any, dims: tuple) -> tuple[tuple, Any] | None:
+    """One shard fetched now, in this thread: ``(key, value)``, or ``None``."""
+    indices = sharding.addressable_devices_indices_map(dims)
+    if not indices:
+        return None
+    index = next(iter(indices.values()))
+    value = fetch(index)
+    if inspect.isawaitable(value):  # run to its end on the package's loop
+        value = _event_loop.event_loop().run(value, f"`{callable_name(fetch)}`")
+    if isinstance(value, jax.core.Tracer):
+        raise _outcomes.traced_error(f"`{callable_name(fetch)}`")
+    return index_key(index), value
+
+
+def _dtype_of(dtype: Any, first: tuple[tuple, Any] | None) -> Any:
+    if dtype is not None:
+        return dtype
+    if first is None:
+        raise ValueError(
+            f"jax_threadmap.{API}: no device of this process holds a shard, so "
+            "the dtype cannot be read from one: pass dtype= (as "
+            "jax.make_array_from_callback asks then)."
+        )
+    value = first[1]
+    dtype = getattr(value, "dtype", None)
+    return np.asarray(value).dtype if dtype is None else dtype
 
 
 def async_array_from_callback(
     shape: Sequence[int],
-    sharding: jax.sharding.Sharding,
+    sharding: Any,
     data_callback: Callable[[Any], Any],
-    dtype: Any,
+    dtype: Any = None,
     *,
     timeout: float | None = None,
 ) -> AsyncArray:
@@ -433,16 +493,24 @@ def async_array_from_callback(
     Args:
         shape: The shape of the whole (global) array.
         sharding: A ``jax.sharding.Sharding`` (``NamedSharding``,
-            ``SingleDeviceSharding``, ...) that can hold ``shape``.
+            ``SingleDeviceSharding``, ...) that can hold ``shape``, or a
+            ``Format`` (``jax.experimental.layout``): each shard is then placed
+            with its layout, and jitted programs wait for the whole array.
         data_callback: Called with each distinct index (a tuple of slices, as
             ``jax.make_array_from_callback`` passes) and returns that shard of
             the array, as anything with ``shape`` and ``dtype`` (a NumPy
             array...); or an ``async def`` function (or a function returning an
             awaitable) whose result is that shard.
-        dtype: The array's dtype, required: the array exists before its data.
-            Shards of another dtype are stored as ``dtype`` where no value
-            changes, as ``threadmap`` stores its results; otherwise the load
-            fails with a ``ValueError`` naming the shard.
+        dtype: The array's dtype: a NumPy dtype, ``jnp.bfloat16``..., or a PRNG
+            key dtype (``jax.random.key`` arrays; jitted programs then wait
+            for the whole array). Shards of another dtype are stored as
+            ``dtype`` where no value changes, as ``threadmap`` stores its
+            results; otherwise the load fails with a ``ValueError`` naming the
+            shard. ``None`` (the default, as in JAX): read from one shard,
+            which is then fetched *at the call*, in the calling thread (an
+            ``async def`` callback on the event loop): the call returns after
+            one fetch instead of at once, and that shard's error raises there.
+            Pass ``dtype`` to return at once.
         timeout: Seconds from this call after which the load is given up on:
             every use raises a ``TimeoutError`` naming the shards still missing,
             and coroutines still fetching are cancelled. ``None``: no limit.
@@ -452,16 +520,22 @@ def async_array_from_callback(
 
     Raises:
         TypeError: If ``data_callback`` is not callable, ``sharding`` is not a
-            ``Sharding``, ``dtype`` is ``None`` or not a dtype, ``shape`` is not
-            a sequence of integers, or ``timeout`` is not a number.
+            ``Sharding`` or ``Format``, ``dtype`` is not a dtype, ``shape`` is
+            not a sequence of integers, or ``timeout`` is not a number.
         ValueError: If ``sharding`` cannot hold ``shape``, ``shape`` has a
-            negative size, or ``timeout`` is not positive and finite.
+            negative size, ``timeout`` is not positive and finite, or ``dtype``
+            is ``None`` and no device of this process holds a shard.
+        jax.errors.UnexpectedTracerError: Under a trace (``jit``...), one
+            shard is fetched at the call; if the callback returns a tracer,
+            JAX's error ("cannot be called within a traced context") is raised
+            there, as ``jax.make_array_from_callback`` raises it.
 
     Errors of ``data_callback`` surface where the array is used: every use
     raises the first one (its own type, with a note naming the shard's index and
     devices on Python 3.11+), and the jitted programs dispatched with the array
     fail with a ``JaxRuntimeError`` carrying that text, index and devices
-    included.
+    included. A shard of the wrong shape fails the load with a ``ValueError``
+    that starts with JAX's words ("Expected shard shape ...").
 
     Examples:
         >>> import asyncio, jax, numpy as np
@@ -486,21 +560,7 @@ def async_array_from_callback(
         "Pass a function of the shard's index, e.g. lambda index: data[index].",
     )
     dims = _check_shape(shape)
-    _check_sharding(sharding)
-    if dtype is None:
-        raise TypeError(
-            f"jax_threadmap.{API}: dtype must be given (got None): the array is "
-            "returned before any shard arrives, so its dtype cannot be read from "
-            "the data as jax.make_array_from_callback does. Pass the dtype of "
-            "the shards, e.g. dtype=np.float32."
-        )
-    try:
-        declared = jax.ShapeDtypeStruct(dims, np.dtype(dtype))
-    except TypeError as e:
-        raise TypeError(
-            f"jax_threadmap.{API}: dtype must be a NumPy or JAX dtype. Got "
-            f"dtype={dtype!r} ({e}). Pass e.g. np.float32 or jnp.bfloat16."
-        ) from None
+    sharding, fmt = _check_sharding(sharding)
     try:
         sharding.shard_shape(dims)
     except (ValueError, TypeError, IndexError) as e:
@@ -509,9 +569,27 @@ def async_array_from_callback(
             f"shape {dims} ({e}). Pass a shape whose sharded axes divide evenly "
             "over the mesh axes they are sharded on, or a sharding that fits it."
         ) from None
-    _, (spec,) = leaf_specs(declared, sharding, API)
     seconds = check_timeout(timeout, f"jax_threadmap.{API}", zero=False)
-    load = ShardedLoad(dims, sharding, data_callback, spec, seconds)
+    first = None
+    if dtype is None or not _compat.trace_state_clean():
+        # The dtype is read from one shard, fetched now; under a trace, a
+        # callback that returns a tracer fails here, at the call, as in JAX.
+        first = _fetch_first(data_callback, sharding, dims)
+    dtype = _dtype_of(dtype, first)
+    try:
+        declared = jax.ShapeDtypeStruct(
+            dims, dtype if is_extended(dtype) else np.dtype(dtype)
+        )
+    except TypeError as e:
+        raise TypeError(
+            f"jax_threadmap.{API}: dtype must be a NumPy or JAX dtype. Got "
+            f"dtype={dtype!r} ({e}). Pass e.g. np.float32 or jnp.bfloat16."
+        ) from None
+    if is_extended(dtype):  # PRNG keys: leaf_specs takes NumPy dtypes
+        spec = extended_spec(dims, dtype, sharding)
+    else:
+        _, (spec,) = leaf_specs(declared, sharding, API)
+    load = ShardedLoad(dims, sharding, data_callback, spec, seconds, fmt, first)
     array: AsyncArray = make_arrays(load)
     load.submit()
     return array

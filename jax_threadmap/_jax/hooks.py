@@ -516,6 +516,18 @@ HOOKS: tuple[Hook, ...] = (
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.interpreters.pxla:shard_args"),
     ),
+    # jax.make_array_from_callback raises UnexpectedTracerError at the call when
+    # its data_callback returns a tracer (the call made under jit). Our sharded
+    # load returns before any shard arrives; under a trace it fetches one shard
+    # at the call, to fail there too. jax.core.trace_state_clean was public until
+    # its deprecation (jax 0.4.36); nothing public replaced it.
+    Hook(
+        "trace_state_clean",
+        "whether the caller is outside every trace (jit, vmap...): under one, "
+        "async_array_from_callback fetches a shard at the call",
+        (ASYNC_ARRAYS,),
+        _everywhere("jax._src.core:trace_state_clean"),
+    ),
     # jax.device_put of a small NumPy array costs 20-60 us in Python (argument
     # checks, a deferred-argument wrapper, a context manager); JAX's own
     # make_array_from_callback places with this call instead (3-5 us; the same
@@ -938,6 +950,11 @@ def put_on_device(aval: Any, x: Any, device: Any) -> Any:
     if sharding is None:
         sharding = _one_device[target] = jax.sharding.SingleDeviceSharding(target)
     return put(aval, sharding, [x], [target], device is not None)
+
+
+def trace_state_clean() -> bool:
+    """Whether the caller is outside every trace (``jit``, ``vmap``...)."""
+    return bool(get("trace_state_clean")())
 
 
 # --- async dispatch ------------------------------------------------------------------

@@ -1,0 +1,119 @@
+"""``async_array_from_callback`` keeps ``jax.make_array_from_callback``'s contract.
+
+Each check runs JAX's own function on the same arguments as the reference:
+the dtype read from a shard when left out, PRNG key arrays, a ``Format``
+(layout), a callback that returns a tracer (JAX's error, at the call, every
+time) and JAX's words in the error for a shard of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_threadmap import async_array_from_callback
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT = 30.0
+DEVICE = jax.devices()[0]
+SHARDINGS = {
+    "single": jax.sharding.SingleDeviceSharding(DEVICE),
+    "named": NamedSharding(jax.make_mesh((1,), ("x",)), P("x")),
+}
+
+
+def same(ours, theirs) -> None:
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    assert ours.sharding.is_equivalent_to(theirs.sharding, theirs.ndim)
+    if jax.dtypes.issubdtype(theirs.dtype, jax.dtypes.extended):
+        ours, theirs = jax.random.key_data(ours), jax.random.key_data(theirs)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("where", sorted(SHARDINGS))
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, np.bool_, jnp.bfloat16])
+def test_the_dtype_left_out_is_read_from_a_shard_as_jax_does(where, dtype):
+    data = (np.arange(24) % 3).astype(dtype).reshape(4, 6)
+    sharding = SHARDINGS[where]
+    theirs = jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
+    ours = async_array_from_callback(data.shape, sharding, lambda i: data[i])
+    same(ours.result(timeout=WAIT), theirs)
+
+
+def test_the_dtype_left_out_is_read_from_an_async_def_callback():
+    data = np.arange(8, dtype=np.int16)
+
+    async def fetch(index):
+        await asyncio.sleep(0)
+        return data[index]
+
+    sharding = SHARDINGS["named"]
+    ours = async_array_from_callback((8,), sharding, fetch)
+    theirs = jax.make_array_from_callback((8,), sharding, lambda i: data[i])
+    same(ours.result(timeout=WAIT), theirs)
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_prng_key_arrays_load_as_in_jax(declared):
+    keys = jax.random.split(jax.random.key(7), 8)
+    sharding = SHARDINGS["named"]
+    dtype = keys.dtype if declared else None
+    ours = async_array_from_callback((8,), sharding, lambda i: keys[i], dtype)
+    theirs = jax.make_array_from_callback((8,), sharding, lambda i: keys[i])
+    assert ours.dtype == keys.dtype
+    same(ours.result(timeout=WAIT), theirs)
+    # Usable in a jitted program, as JAX's is.
+    draw = jax.jit(lambda k: jax.random.uniform(k[0]))
+    assert float(draw(ours)) == float(draw(theirs))
+
+
+def test_a_format_is_accepted_and_its_layout_kept():
+    data = np.arange(12.0, dtype=np.float32).reshape(3, 4)
+    fmt = jax.device_put(data, SHARDINGS["single"]).format
+    theirs = jax.make_array_from_callback(data.shape, fmt, lambda i: data[i])
+    ours = async_array_from_callback(data.shape, fmt, lambda i: data[i], np.float32)
+    value = ours.result(timeout=WAIT)
+    same(value, theirs)
+    assert value.format == theirs.format
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a * 2)(ours)), data * 2)
+
+
+@pytest.mark.parametrize("dtype", [None, np.float32])
+def test_a_callback_that_returns_a_tracer_raises_jaxs_error_at_the_call(dtype):
+    data = jnp.arange(4.0)
+
+    def theirs(a):
+        return jax.make_array_from_callback((4,), SHARDINGS["single"], lambda i: a[i])
+
+    def ours(a):
+        return async_array_from_callback(
+            (4,), SHARDINGS["single"], lambda i: a[i], dtype
+        )
+
+    with pytest.raises(jax.errors.UnexpectedTracerError) as reference:
+        jax.jit(theirs)(data)
+    for _ in range(5):  # every time, never a ValueError of a pool thread
+        with pytest.raises(jax.errors.UnexpectedTracerError) as got:
+            jax.jit(ours)(data)
+        assert "cannot be called within a traced context" in str(got.value)
+        assert "cannot be called within a traced context" in str(reference.value)
+
+
+def test_a_shard_of_the_wrong_shape_says_it_in_jaxs_words():
+    data = np.arange(8.0, dtype=np.float32)
+    sharding = SHARDINGS["single"]
+    with pytest.raises(ValueError, match="Expected shard shape") as reference:
+        jax.make_array_from_callback((8,), sharding, lambda i: data[:3])
+    x = async_array_from_callback((8,), sharding, lambda i: data[:3], np.float32)
+    with pytest.raises(ValueError, match="Expected shard shape") as got:
+        x.result(timeout=WAIT)
+    words = "Expected shard shape (8,) doesn't match the single device array shape"
+    assert words in str(got.value) and words in str(reference.value)
+    assert "data_callback" in str(got.value)  # and ours: which shard, what to do

@@ -12,7 +12,7 @@ import jax
 
 from . import _compat, _validate
 from ._batch_spec import BatchSpec
-from ._params import KernelParam, hashable
+from ._params import KernelParam, RuleKernel, hashable
 from ._primitive import threadmap_p
 from ._validate import RESERVED_KWARGS, Executor
 
@@ -51,8 +51,8 @@ def _bind(
             hashable(fn),
             in_tree,
             out_tree,
-            None if jvp is None else hashable(jvp),
-            None if vjp is None else hashable(vjp),
+            _rule_param(jvp, ()),
+            _rule_param(vjp, ()),
             *vectorized,
             wrapped=wrapped,
         ),
@@ -62,6 +62,28 @@ def _bind(
         progress=progress,
     )
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def _rule_param(
+    rule: Callable[..., Any] | None, outer: tuple[KernelFunction[Any], ...]
+) -> Callable[..., Any] | None:
+    """A derivative kernel as the param carries it: a ``jax_threadmap.kernel``
+    becomes a :class:`~._params.RuleKernel` with its own rules, taken now."""
+    if rule is None:
+        return None
+    if not isinstance(rule, KernelFunction):
+        return hashable(rule)
+    if rule in outer:
+        chain = " -> ".join(_validate.callable_name(k.fn) for k in (*outer, rule))
+        raise TypeError(
+            f"jax_threadmap.kernel {_validate.callable_name(rule.fn)} is among its "
+            f"own derivative kernels ({chain}). Each order takes more arguments "
+            "than the one before, so each needs a kernel of its own."
+        )
+    inner = (*outer, rule)
+    return RuleKernel(
+        hashable(rule.fn), _rule_param(rule.jvp, inner), _rule_param(rule.vjp, inner)
+    )
 
 
 @overload

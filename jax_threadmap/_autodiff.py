@@ -291,32 +291,56 @@ def transpose_rule(
     num_base = sum(present[: node.num_base])
     base_ops, linear_ops = args[:num_base], args[num_base:]
     if any(map(_compat.is_undefined_primal, base_ops)):
-        raise TypeError(
-            f"threadmap kernel {node.name!r}: JAX asked for the transpose with "
-            "respect to an operand that the equation is not linear in."
-        )
+        raise TypeError(_not_linear_message(node))
     undefined = [_compat.is_undefined_primal(t) for t in linear_ops]
     out: list[Any] = [
         Zero(t.aval) if u else None for t, u in zip(linear_ops, undefined, strict=True)
     ]
     # Per result of this equation: whether it has a nonzero cotangent.
     has_ct = [ct is not None and type(ct) is not Zero for ct in cts]
-    dual = _dual(kernel, has_ct, undefined)
-    if not any(has_ct) or not any(dual.keep):
+    dual, slots = _dual(kernel, has_ct, undefined)
+    if not any(has_ct) or not slots:
         return [None] * num_base + out
-    # The linear operands whose cotangents the dual equation returns.
-    new_leaves = [m for m, here in enumerate(present[node.num_base :]) if here]
-    slots = [s for s, m in enumerate(new_leaves) if dual.keep[m]]
+    results = _bind_dual(
+        bind, dual, slots, base_ops, cts, has_ct, linear_ops, spec, params
+    )
+    for s, ct in zip(slots, results, strict=True):
+        out[s] = _to_operand(ct, spec.in_axes[num_base + s], linear_ops[s].aval)
+    return [None] * num_base + out
+
+
+def _not_linear_message(node: Node) -> str:
+    return (
+        f"threadmap kernel {node.name!r}: JAX asked for the transpose with "
+        "respect to an operand that the equation is not linear in."
+    )
+
+
+def _bind_dual(
+    bind: Bind,
+    dual: DerivativeParam,
+    slots: Sequence[int],
+    base_ops: Sequence[Any],
+    cts: Sequence[Any],
+    has_ct: Sequence[bool],
+    linear_ops: Sequence[Any],
+    spec: BatchSpec,
+    params: dict[str, Any],
+) -> Sequence[Any]:
+    """Binds the dual equation: the cotangents of the linear operands in
+    ``slots``, each summed over the levels at which its operand is not batched."""
+    num_base = len(base_ops)
+    axes = [spec.in_axes[num_base + s] for s in slots]
     _, ct_ops = partition_list(has_ct, cts)
     ct_axes = [_result_axes(spec, k) for k, h in enumerate(has_ct) if h]
-    # Per slot: its operand's batch axes and aval.
-    axes = [spec.in_axes[num_base + s] for s in slots]
-    avals = [linear_ops[s].aval for s in slots]
-    cts_out = bind(
+    results = bind(
         *base_ops,
         *ct_ops,
         kernel=dual,
-        result_avals=tuple(map(_core_aval_of, avals, axes)),
+        result_avals=tuple(
+            _core_aval_of(linear_ops[s].aval, ax)
+            for s, ax in zip(slots, axes, strict=True)
+        ),
         spec=BatchSpec(
             spec.shape,
             spec.in_axes[:num_base] + tuple(ct_axes),
@@ -324,15 +348,14 @@ def transpose_rule(
         ),
         **params,
     )
-    for s, ax, aval, ct in zip(slots, axes, avals, cts_out, strict=True):
-        out[s] = _to_operand(ct, ax, aval)
-    return [None] * num_base + out
+    return results
 
 
 def _dual(
     kernel: DerivativeParam, has_ct: Sequence[bool], undefined: Sequence[bool]
-) -> DerivativeParam:
-    """The param of the transpose of ``kernel``'s equation.
+) -> tuple[DerivativeParam, list[int]]:
+    """The param of the transpose of ``kernel``'s equation, and the linear
+    operands (by index among them) whose cotangents it returns.
 
     The dual node (the VJP kernel of a JVP kernel's base, or the other way round)
     has this node's outputs as its new leaves, and this node's new leaves as its
@@ -349,7 +372,9 @@ def _dual(
         here and next(wanted) and is_differentiable(aval[1])
         for here, aval in zip(present[node.num_base :], dual.out_avals, strict=True)
     )
-    return DerivativeParam(dual, dual_present, dual_keep)
+    new_leaves = [m for m, here in enumerate(present[node.num_base :]) if here]
+    slots = [s for s, m in enumerate(new_leaves) if dual_keep[m]]
+    return DerivativeParam(dual, dual_present, dual_keep), slots
 
 
 def _core_aval_of(aval: Any, axes: Axes) -> Any:

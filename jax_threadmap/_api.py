@@ -355,7 +355,10 @@ class KernelFunction(Generic[R]):
                 pytree structure; float0 zeros for integer and bool leaves), then
                 the keyword arguments. Returns the tangent of the output, a
                 pytree like ``result_shape_dtypes`` (any value, e.g. ``None``,
-                for integer outputs).
+                for integer outputs). A plain function, or a
+                [`kernel`][jax_threadmap.kernel] whose own ``defjvp``/``defvjp``
+                give the second order (its arguments: these primals and
+                tangents).
 
         Returns:
             ``jvp`` itself, so ``defjvp`` can be used as a decorator.
@@ -385,7 +388,12 @@ class KernelFunction(Generic[R]):
                 ``result_shape_dtypes``; float0 zeros for integer outputs), then
                 the keyword arguments. Returns a tuple with one cotangent per
                 positional argument, each a pytree like the argument or ``None``
-                for zeros (integer leaves are ignored).
+                for zeros (integer leaves are ignored). A plain function, or a
+                [`kernel`][jax_threadmap.kernel] (its ``result_shape_dtypes``: a
+                tuple, one entry per positional argument) whose own
+                ``defjvp``/``defvjp`` give the second order: ``defjvp`` for
+                ``jax.hessian`` and other forward-over-reverse transforms,
+                ``defvjp`` for ``jax.grad`` of ``jax.grad``.
 
         Returns:
             ``vjp`` itself, so ``defvjp`` can be used as a decorator.
@@ -508,7 +516,10 @@ def kernel(
     Positional arguments are differentiable; keyword arguments are not (they
     reach the derivative kernels as keywords, and a keyword argument that depends
     on the differentiated variable raises). Integer and bool arguments get
-    float0 cotangents, as JAX expects. Higher-order derivatives raise.
+    float0 cotangents, as JAX expects. A derivative kernel that is itself a
+    ``jax_threadmap.kernel`` with rules of its own gives second-order derivatives
+    (``jax.hessian``, ``jax.grad`` of ``jax.grad``, Hessian-vector products), and
+    so on; a plain function gives the first order only.
 
     Args:
         result_shape_dtypes: A pytree of objects with ``.shape`` and ``.dtype``

@@ -250,7 +250,8 @@ def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
     host_dirty2vis = functools.partial(ducc0_dirty2vis, g)
     host_vis2dirty = functools.partial(ducc0_vis2dirty, g)
 
-    # The kernels: one image or one set of visibilities each.
+    # The kernels: one image or one set of visibilities each. Both operators are
+    # linear, so every derivative kernel is one of the two operators again.
     def dirty2vis(dirty, **kw):
         return host_dirty2vis(dirty, **kw)
 
@@ -269,12 +270,54 @@ def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
     def vis2dirty_vjp(vis, dirty_ct, **kw):
         return (np.conj(host_dirty2vis(dirty_ct, **kw)),)
 
-    forward = jax_threadmap.kernel(visibilities, executor=g.executor)(_named(dirty2vis))
-    forward.defjvp(_named(dirty2vis_jvp))
-    forward.defvjp(_named(dirty2vis_vjp))
-    adjoint = jax_threadmap.kernel(image, executor=g.executor)(_named(vis2dirty))
-    adjoint.defjvp(_named(vis2dirty_jvp))
-    adjoint.defvjp(_named(vis2dirty_vjp))
+    # Second order (Newton steps, Hessian-vector products): the derivative
+    # kernels' own JVP and VJP kernels. Each is linear in its last argument and
+    # constant in the others (None: a zero cotangent).
+    def dirty2vis_jvp_jvp(dirty, dirty_dot, d_dirty, d_dirty_dot, **kw):
+        return host_dirty2vis(d_dirty_dot, **kw)
+
+    def dirty2vis_jvp_vjp(dirty, dirty_dot, vis_ct, **kw):
+        return None, host_vis2dirty(np.conj(vis_ct), **kw)
+
+    def dirty2vis_vjp_jvp(dirty, vis_ct, d_dirty, d_vis_ct, **kw):
+        return (host_vis2dirty(np.conj(d_vis_ct), **kw),)
+
+    def dirty2vis_vjp_vjp(dirty, vis_ct, ct, **kw):
+        return None, host_dirty2vis(ct[0], **kw)
+
+    def vis2dirty_jvp_jvp(vis, vis_dot, d_vis, d_vis_dot, **kw):
+        return host_vis2dirty(d_vis_dot, **kw)
+
+    def vis2dirty_jvp_vjp(vis, vis_dot, dirty_ct, **kw):
+        return None, np.conj(host_dirty2vis(dirty_ct, **kw))
+
+    def vis2dirty_vjp_jvp(vis, dirty_ct, d_vis, d_dirty_ct, **kw):
+        return (np.conj(host_dirty2vis(d_dirty_ct, **kw)),)
+
+    def vis2dirty_vjp_vjp(vis, dirty_ct, ct, **kw):
+        return None, host_vis2dirty(ct[0], **kw)
+
+    def make(result, fn, jvp, vjp):
+        k = jax_threadmap.kernel(result, executor=g.executor)(_named(fn))
+        k.defjvp(jvp)
+        k.defvjp(vjp)
+        return k
+
+    def second(result, fn, jvp, vjp):  # a derivative kernel with its own rules
+        return make(result, fn, _named(jvp), _named(vjp))
+
+    forward = make(
+        visibilities,
+        dirty2vis,
+        second(visibilities, dirty2vis_jvp, dirty2vis_jvp_jvp, dirty2vis_jvp_vjp),
+        second((image,), dirty2vis_vjp, dirty2vis_vjp_jvp, dirty2vis_vjp_vjp),
+    )
+    adjoint = make(
+        image,
+        vis2dirty,
+        second(image, vis2dirty_jvp, vis2dirty_jvp_jvp, vis2dirty_jvp_vjp),
+        second((visibilities,), vis2dirty_vjp, vis2dirty_vjp_jvp, vis2dirty_vjp_vjp),
+    )
     return _Kernels(forward, adjoint)
 
 

@@ -16,7 +16,7 @@ from .._jax import hooks as _compat
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
 from .batch_spec import BatchSpec
-from .params import KernelParam, hashable
+from .params import KernelParam, RuleKernel, hashable
 from .primitive import threadmap_p
 
 #: A JVP or VJP kernel: ``defjvp``/``defvjp`` return the function they are given.
@@ -54,8 +54,8 @@ def _bind(
             hashable(fn),
             in_tree,
             out_tree,
-            None if jvp is None else hashable(jvp),
-            None if vjp is None else hashable(vjp),
+            _rule_param(jvp, ()),
+            _rule_param(vjp, ()),
             *vectorized,
             wrapped=wrapped,
         ),
@@ -65,6 +65,28 @@ def _bind(
         progress=progress,
     )
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def _rule_param(
+    rule: Callable[..., Any] | None, outer: tuple[KernelFunction[Any], ...]
+) -> Callable[..., Any] | None:
+    """A derivative kernel as the param carries it: a ``jax_threadmap.kernel``
+    becomes a :class:`~._params.RuleKernel` with its own rules, taken now."""
+    if rule is None:
+        return None
+    if not isinstance(rule, KernelFunction):
+        return hashable(rule)
+    if rule in outer:
+        chain = " -> ".join(_validate.callable_name(k.fn) for k in (*outer, rule))
+        raise TypeError(
+            f"jax_threadmap.kernel {_validate.callable_name(rule.fn)} is among its "
+            f"own derivative kernels ({chain}). Each order takes more arguments "
+            "than the one before, so each needs a kernel of its own."
+        )
+    inner = (*outer, rule)
+    return RuleKernel(
+        hashable(rule.fn), _rule_param(rule.jvp, inner), _rule_param(rule.vjp, inner)
+    )
 
 
 @overload
@@ -345,7 +367,10 @@ class KernelFunction(Generic[R]):
                 pytree structure; float0 zeros for integer and bool leaves), then
                 the keyword arguments. Returns the tangent of the output, a
                 pytree like ``result_shape_dtypes`` (any value, e.g. ``None``,
-                for integer outputs).
+                for integer outputs). A plain function, or a
+                [`kernel`][jax_threadmap.kernel] whose own ``defjvp``/``defvjp``
+                give the second order (its arguments: these primals and
+                tangents).
 
         Returns:
             ``jvp`` itself, so ``defjvp`` can be used as a decorator.
@@ -375,7 +400,12 @@ class KernelFunction(Generic[R]):
                 ``result_shape_dtypes``; float0 zeros for integer outputs), then
                 the keyword arguments. Returns a tuple with one cotangent per
                 positional argument, each a pytree like the argument or ``None``
-                for zeros (integer leaves are ignored).
+                for zeros (integer leaves are ignored). A plain function, or a
+                [`kernel`][jax_threadmap.kernel] (its ``result_shape_dtypes``: a
+                tuple, one entry per positional argument) whose own
+                ``defjvp``/``defvjp`` give the second order: ``defjvp`` for
+                ``jax.hessian`` and other forward-over-reverse transforms,
+                ``defvjp`` for ``jax.grad`` of ``jax.grad``.
 
         Returns:
             ``vjp`` itself, so ``defvjp`` can be used as a decorator.
@@ -502,7 +532,10 @@ def kernel(
     Positional arguments are differentiable; keyword arguments are not (they
     reach the derivative kernels as keywords, and a keyword argument that depends
     on the differentiated variable raises). Integer and bool arguments get
-    float0 cotangents, as JAX expects. Higher-order derivatives raise.
+    float0 cotangents, as JAX expects. A derivative kernel that is itself a
+    ``jax_threadmap.kernel`` with rules of its own gives second-order derivatives
+    (``jax.hessian``, ``jax.grad`` of ``jax.grad``, Hessian-vector products), and
+    so on; a plain function gives the first order only.
 
     Args:
         result_shape_dtypes: A pytree of objects with ``.shape`` and ``.dtype``

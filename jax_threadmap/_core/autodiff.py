@@ -1,10 +1,14 @@
-"""Derivative rules of ``threadmap_p``: threaded JVP and VJP kernels.
+"""Derivative rules of ``threadmap_p``: threaded JVP and VJP kernels, at any order.
 
-The JVP rule binds the primal equation again and computes the output tangent with
-a second ``threadmap`` equation (a :class:`~._params.JvpParam`), linear in its
-tangent operands; the transpose rule of that equation runs the VJP kernel as a
-third (a :class:`~._params.VjpParam`). All three fold under ``vmap`` through the
-one batching rule. ``docs/architecture.md`` explains the design.
+The JVP rule binds the equation again and computes the output tangent with a
+second ``threadmap`` equation that runs the kernel's JVP kernel (a
+:class:`~._params.DerivativeParam` of the derived :class:`~._params.Node`),
+linear in its tangent operands; the transpose rule of such an equation runs the
+dual kernel (the VJP kernel for a JVP equation, and back) as a third. A
+derivative kernel that is a ``jax_threadmap.kernel`` brings its own rules, so
+the same two rules give the next order: the JVP of a VJP equation runs the VJP
+kernel's JVP kernel, and so on. All of them fold under ``vmap`` through the one
+batching rule. ``docs/architecture.md`` explains the design.
 
 The rules receive ``bind`` (``threadmap_p.bind``) from the rule table in
 :mod:`._primitive`, so this module does not import the primitive.
@@ -21,12 +25,11 @@ from .._host import summing as _summing
 from .._jax import hooks as _compat
 from .batch_spec import Axes, BatchSpec
 from .params import (
-    JvpParam,
+    DerivativeParam,
     KernelParam,
-    VjpParam,
+    Node,
     is_differentiable,
-    missing_rule_message,
-    tangent_dtype,
+    no_rules_message,
 )
 
 Zero = _compat.Zero
@@ -91,17 +94,6 @@ def no_derivative_rule_message(kernel: KernelParam) -> str:
     )
 
 
-def _higher_order_message(kernel: JvpParam | VjpParam) -> str:
-    kind = "JVP" if isinstance(kernel, JvpParam) else "VJP"
-    return (
-        f"threadmap kernel {kernel.primal.name!r}: higher-order derivatives (for "
-        "example jax.hessian, or jax.grad of jax.grad) are not supported, because "
-        f"its {kind} kernel {kernel.name!r} has no derivative rule of its own. "
-        "Differentiate once, or express the derivative with jax.numpy so that "
-        "JAX can differentiate it again."
-    )
-
-
 def _kwarg_names(in_tree: Any) -> list[str]:
     """The keyword name (with path) of each keyword-argument leaf."""
     kwargs_tree = in_tree.children()[1]
@@ -115,7 +107,8 @@ def _kwarg_names(in_tree: Any) -> list[str]:
 
 
 def _is_zero(t: Any) -> bool:
-    return type(t) is Zero or _compat.typeof(t).dtype == jax.dtypes.float0
+    """Whether a tangent is zero: symbolic, float0, or not an operand (``None``)."""
+    return t is None or type(t) is Zero or _compat.typeof(t).dtype == jax.dtypes.float0
 
 
 def _check_kwargs_not_differentiated(
@@ -132,6 +125,26 @@ def _check_kwargs_not_differentiated(
             )
 
 
+def _core_aval(x: Any, axes: Axes) -> tuple[tuple[int, ...], Any]:
+    """One element's ``(shape, dtype)`` of an operand with batch ``axes``."""
+    aval = _compat.typeof(x)
+    return _core_shape(aval.shape, axes), aval.dtype
+
+
+def _equation_view(
+    kernel: Any, primals: Sequence[Any], result_avals: Sequence[Any], spec: BatchSpec
+) -> tuple[Node, tuple[bool, ...], tuple[bool, ...]]:
+    """``(node, present, keep)`` of an equation; a primal one gets its root node."""
+    if isinstance(kernel, DerivativeParam):
+        return kernel.node, kernel.present, kernel.keep
+    node = Node(
+        kernel,
+        tuple(_core_aval(p, ax) for p, ax in zip(primals, spec.in_axes, strict=True)),
+        tuple((tuple(a.shape), a.dtype) for a in result_avals),
+    )
+    return node, (True,) * len(primals), (True,) * len(result_avals)
+
+
 # --- JVP ------------------------------------------------------------------------------
 
 
@@ -145,71 +158,111 @@ def jvp_rule(
     spec: BatchSpec,
     **params: Any,
 ) -> tuple[Sequence[Any], Sequence[Any]]:
-    """JVP of a ``threadmap`` equation: the primal again, and a JVP equation."""
+    """JVP of a ``threadmap`` equation: the equation again, and a JVP equation."""
     _compat.require(_compat.DERIVATIVES, "Differentiating a threadmap kernel")
-    if isinstance(kernel, JvpParam):
-        return _linear_jvp(
-            bind,
-            primals,
-            tangents,
-            kernel=kernel,
-            result_avals=result_avals,
-            spec=spec,
-            **params,
-        )
-    if isinstance(kernel, VjpParam):
-        raise TypeError(_higher_order_message(kernel))
-    if kernel.jvp is None and kernel.vjp is None:
-        raise TypeError(no_derivative_rule_message(kernel))
-    outs = bind(*primals, kernel=kernel, result_avals=result_avals, spec=spec, **params)
-    num_pos = kernel.num_positional
-    _check_kwargs_not_differentiated(kernel, tangents[num_pos:])
-    live = [not _is_zero(t) for t in tangents[:num_pos]]
-    _, tangent_ops = partition_list(live, tangents[:num_pos])
-    _, tangent_axes = partition_list(live, spec.in_axes[:num_pos])
-    out_mask = tuple(is_differentiable(a.dtype) for a in result_avals)
+    node, present, keep = _equation_view(kernel, primals, result_avals, spec)
+    eqn = dict(kernel=kernel, result_avals=result_avals, spec=spec, **params)
+    num_base = sum(present[: node.num_base])
+    if node.base is not None and all(map(_is_zero, tangents[:num_base])):
+        # A derivative equation is linear in its new leaves: where only those
+        # have tangents, its JVP is the equation itself, no new kernel needed.
+        return _linear_jvp(bind, primals, tangents, num_base, eqn)
+    _check_has_rules(kernel, node)
+    outs = bind(*primals, **eqn)
     zero_outs = [Zero(_compat.typeof(o).to_tangent_aval()) for o in outs]
-    if not tangent_ops or not any(out_mask):
+    leaf_tangents = _per_leaf(present, tangents)
+    _check_kwargs_not_differentiated(
+        node.kernel, [leaf_tangents[i] for i in node.keywords]
+    )
+    positional = [leaf_tangents[i] for i in node.positional]
+    live = tuple(not _is_zero(t) for t in positional)
+    # Per result of this equation: whether it has a tangent (is not an integer).
+    out_mask = [is_differentiable(a.dtype) for a in result_avals]
+    if not any(live) or not any(out_mask):
         return outs, zero_outs
+    _, tangent_ops = partition_list(live, positional)
+    leaf_axes = _per_leaf(present, spec.in_axes)
+    _, tangent_axes = partition_list(live, [leaf_axes[i] for i in node.positional])
     _, live_avals = partition_list(out_mask, result_avals)
     tangent_outs = bind(
         *primals,
         *tangent_ops,
-        kernel=JvpParam(
-            kernel,
-            _slots(live),
-            tuple((tuple(a.shape), a.dtype) for a in result_avals),
+        kernel=DerivativeParam(
+            node.derive("jvp"),
+            present + live,
+            tuple(merge_lists(keep, [False] * keep.count(False), out_mask)),
         ),
         result_avals=tuple(live_avals),
-        spec=BatchSpec(spec.shape, spec.in_axes + tuple(tangent_axes)),
+        spec=BatchSpec(
+            spec.shape,
+            spec.in_axes + tuple(tangent_axes),
+            _kept_sums(spec, out_mask),
+        ),
         **params,
     )
     dead_outs, _ = partition_list(out_mask, zero_outs)
     return outs, merge_lists(out_mask, dead_outs, list(tangent_outs))
 
 
+def _per_leaf(present: Sequence[bool], operands: Sequence[Any]) -> list[Any]:
+    """Per leaf of a node, its operand, or ``None`` where it is not one."""
+    return merge_lists(present, [None] * list(present).count(False), operands)
+
+
+def _check_has_rules(kernel: Any, node: Node) -> None:
+    """A clear error, before anything is bound, for a kernel with no rules at all.
+
+    (With only a VJP kernel the JVP equation is bound all the same: reverse mode
+    transposes it without running it, and running it names the missing rule.)
+    """
+    if node.rule("jvp") is not None or node.rule("vjp") is not None:
+        return
+    if node.base is None:
+        raise TypeError(no_derivative_rule_message(kernel))
+    raise TypeError(no_rules_message(node))
+
+
+def _kept_sums(spec: BatchSpec, mask: Sequence[bool]) -> tuple[tuple[int, ...], ...]:
+    """``spec.out_sum`` for the outputs in ``mask`` (a tangent is summed like
+    its output)."""
+    if not spec.out_sum:
+        return ()
+    return tuple(spec.summed(k) for k, m in enumerate(mask) if m)
+
+
 def _linear_jvp(
     bind: Bind,
     primals: Sequence[Any],
     tangents: Sequence[Any],
-    *,
-    kernel: JvpParam,
-    **params: Any,
+    num_base: int,
+    eqn: dict[str, Any],
 ) -> tuple[Sequence[Any], Sequence[Any]]:
-    """JVP of a JVP equation, which is linear in its non-primal operands.
-
-    Supported where the primal operands have zero tangents (``jax.grad`` or
-    ``jax.jvp`` of a ``jax.jvp`` with respect to the tangent); anything else is
-    a second derivative of the user's kernel.
-    """
-    n = kernel.num_primals
-    if not all(_is_zero(t) for t in tangents[:n]):
-        raise TypeError(_higher_order_message(kernel))
-    outs = bind(*primals, kernel=kernel, **params)
-    linear = [
-        _compat.instantiate_zeros(t) if type(t) is Zero else t for t in tangents[n:]
-    ]
-    return outs, bind(*primals[:n], *linear, kernel=kernel, **params)
+    """JVP of a derivative equation where only its linear operands (the ones
+    after the first ``num_base``) have tangents: the equation of those tangents."""
+    kernel: DerivativeParam = eqn["kernel"]
+    spec: BatchSpec = eqn["spec"]
+    outs = bind(*primals, **eqn)
+    live = [not _is_zero(t) for t in tangents[num_base:]]
+    if not any(live):
+        return outs, [Zero(_compat.typeof(o).to_tangent_aval()) for o in outs]
+    nb = kernel.node.num_base
+    new_present = iter(live)
+    present = kernel.present[:nb] + tuple(
+        here and next(new_present) for here in kernel.present[nb:]
+    )
+    _, linear = partition_list(live, tangents[num_base:])
+    _, linear_axes = partition_list(live, spec.in_axes[num_base:])
+    return outs, bind(
+        *primals[:num_base],
+        *linear,
+        **{
+            **eqn,
+            "kernel": DerivativeParam(kernel.node, present, kernel.keep),
+            "spec": BatchSpec(
+                spec.shape, spec.in_axes[:num_base] + tuple(linear_axes), spec.out_sum
+            ),
+        },
+    )
 
 
 # --- transpose ------------------------------------------------------------------------
@@ -224,77 +277,120 @@ def transpose_rule(
     spec: BatchSpec,
     **params: Any,
 ) -> list[Any]:
-    """Transpose of a JVP equation: a ``threadmap`` equation running the VJP kernel.
+    """Transpose of a derivative equation: a ``threadmap`` equation running the
+    dual kernel (the VJP kernel for a JVP equation, the JVP kernel for a VJP one).
 
-    Its results carry the batch levels at which their operand is batched, in the
+    Each result carries the batch levels at which its operand is batched, in the
     operand's own axes; the host sums the levels at which it is not. The
     equation is the same whatever the executor.
     """
     _compat.require(_compat.DERIVATIVES, "Differentiating a threadmap kernel")
     del result_avals
-    jvp = _transposable(kernel)
-    n = jvp.num_primals
-    primals, tangent_ops = args[:n], args[n:]
-    undefined = [_compat.is_undefined_primal(t) for t in tangent_ops]
+    if isinstance(kernel, KernelParam):  # only derivative equations are linear
+        raise TypeError(no_derivative_rule_message(kernel))
+    node, present = kernel.node, kernel.present
+    num_base = sum(present[: node.num_base])
+    base_ops, linear_ops = args[:num_base], args[num_base:]
+    if any(map(_compat.is_undefined_primal, base_ops)):
+        raise TypeError(_not_linear_message(node))
+    undefined = [_compat.is_undefined_primal(t) for t in linear_ops]
     out: list[Any] = [
-        Zero(t.aval) if u else None for t, u in zip(tangent_ops, undefined, strict=True)
+        Zero(t.aval) if u else None for t, u in zip(linear_ops, undefined, strict=True)
     ]
-    # Per output leaf of the kernel: its cotangent, if it has a nonzero one.
-    num_dead = len(jvp.out_mask) - sum(jvp.out_mask)
-    per_output = merge_lists(jvp.out_mask, [None] * num_dead, list(cts))
-    has_ct = [ct is not None and type(ct) is not Zero for ct in per_output]
-    if not any(undefined) or not any(has_ct):
-        return [None] * n + out
-    _, ct_ops = partition_list(has_ct, per_output)
-    wanted, slots = _linear_leaves(jvp, undefined)
-    axes = [spec.in_axes[n + s] for s in slots]
-    avals = [tangent_ops[s].aval for s in slots]
-    cts_out = bind(
-        *primals,
+    # Per result of this equation: whether it has a nonzero cotangent.
+    has_ct = [ct is not None and type(ct) is not Zero for ct in cts]
+    dual, slots = _dual(kernel, has_ct, undefined)
+    if not any(has_ct) or not slots:
+        return [None] * num_base + out
+    results = _bind_dual(
+        bind, dual, slots, base_ops, cts, has_ct, linear_ops, spec, params
+    )
+    for s, ct in zip(slots, results, strict=True):
+        out[s] = _to_operand(ct, spec.in_axes[num_base + s], linear_ops[s].aval)
+    return [None] * num_base + out
+
+
+def _not_linear_message(node: Node) -> str:
+    return (
+        f"threadmap kernel {node.name!r}: JAX asked for the transpose with "
+        "respect to an operand that the equation is not linear in."
+    )
+
+
+def _bind_dual(
+    bind: Bind,
+    dual: DerivativeParam,
+    slots: Sequence[int],
+    base_ops: Sequence[Any],
+    cts: Sequence[Any],
+    has_ct: Sequence[bool],
+    linear_ops: Sequence[Any],
+    spec: BatchSpec,
+    params: dict[str, Any],
+) -> Sequence[Any]:
+    """Binds the dual equation: the cotangents of the linear operands in
+    ``slots``, each summed over the levels at which its operand is not batched."""
+    num_base = len(base_ops)
+    axes = [spec.in_axes[num_base + s] for s in slots]
+    _, ct_ops = partition_list(has_ct, cts)
+    ct_axes = [_result_axes(spec, k) for k, h in enumerate(has_ct) if h]
+    results = bind(
+        *base_ops,
         *ct_ops,
-        kernel=VjpParam(
-            jvp.primal,
-            _slots(has_ct),
-            tuple((shape, tangent_dtype(dtype)) for shape, dtype in jvp.out_avals),
-            tuple(wanted),
-        ),
+        kernel=dual,
         result_avals=tuple(
-            _compat.ShapedArray(_core_shape(a.shape, ax), a.dtype)
-            for a, ax in zip(avals, axes, strict=True)
+            _core_aval_of(linear_ops[s].aval, ax)
+            for s, ax in zip(slots, axes, strict=True)
         ),
         spec=BatchSpec(
             spec.shape,
-            spec.in_axes[:n] + (tuple(range(len(spec.shape))),) * len(ct_ops),
-            tuple(_summing.summed_levels(ax) for ax in axes),
+            spec.in_axes[:num_base] + tuple(ct_axes),
+            tuple(map(_summing.summed_levels, axes)),
         ),
         **params,
     )
-    for s, ax, aval, ct in zip(slots, axes, avals, cts_out, strict=True):
-        out[s] = _to_operand(ct, ax, aval)
-    return [None] * n + out
+    return results
 
 
-def _linear_leaves(jvp: JvpParam, undefined: list[bool]) -> tuple[list[int], list[int]]:
-    """The positional leaves whose tangent operand is a linear input, and
-    those operands' slots."""
-    wanted: list[int] = []
-    slots: list[int] = []
-    for leaf, slot in enumerate(jvp.tangent_slots):
-        if slot is not None and undefined[slot]:
-            wanted.append(leaf)
-            slots.append(slot)
-    return wanted, slots
+def _dual(
+    kernel: DerivativeParam, has_ct: Sequence[bool], undefined: Sequence[bool]
+) -> tuple[DerivativeParam, list[int]]:
+    """The param of the transpose of ``kernel``'s equation, and the linear
+    operands (by index among them) whose cotangents it returns.
+
+    The dual node (the VJP kernel of a JVP kernel's base, or the other way round)
+    has this node's outputs as its new leaves, and this node's new leaves as its
+    outputs: it takes the cotangents that exist and returns those of the linear
+    operands that JAX asks for.
+    """
+    node, present, keep = kernel.node, kernel.present, kernel.keep
+    assert node.base is not None
+    dual = node.base.derive("vjp" if node.kind == "jvp" else "jvp")
+    cts = iter(has_ct)
+    dual_present = present[: node.num_base] + tuple(k and next(cts) for k in keep)
+    wanted = iter(undefined)
+    dual_keep = tuple(
+        here and next(wanted) and is_differentiable(aval[1])
+        for here, aval in zip(present[node.num_base :], dual.out_avals, strict=True)
+    )
+    new_leaves = [m for m, here in enumerate(present[node.num_base :]) if here]
+    slots = [s for s, m in enumerate(new_leaves) if dual_keep[m]]
+    return DerivativeParam(dual, dual_present, dual_keep), slots
 
 
-def _transposable(kernel: Any) -> JvpParam:
-    """``kernel`` if it is a JVP equation's with a VJP kernel; else a clear error."""
-    if isinstance(kernel, KernelParam):
-        raise TypeError(no_derivative_rule_message(kernel))
-    if not isinstance(kernel, JvpParam):
-        raise TypeError(_higher_order_message(kernel))
-    if kernel.primal.vjp is None:
-        raise TypeError(missing_rule_message(kernel.primal, "vjp"))
-    return kernel
+def _core_aval_of(aval: Any, axes: Axes) -> Any:
+    """One element's aval of an operand with batch ``axes``."""
+    return _compat.ShapedArray(_core_shape(aval.shape, axes), aval.dtype)
+
+
+def _result_axes(spec: BatchSpec, k: int) -> Axes:
+    """Per batch level, the axis of result ``k`` that carries it (kept levels come
+    first, in order), or ``None`` where the host summed it away."""
+    summed = spec.summed(k)
+    rank = iter(range(len(spec.shape)))
+    return tuple(
+        None if level in summed else next(rank) for level in range(len(spec.shape))
+    )
 
 
 def _core_shape(shape: Sequence[int], axes: Axes) -> tuple[int, ...]:

@@ -2,15 +2,15 @@
 
 Like JAX's ``_FlatCallback``, each is a frozen dataclass that carries a function
 together with its tree structures, so params of repeated calls compare equal
-(jit caches hit) and travel with the equation through every transformation.
-There are three siblings, one per kind of equation:
+(jit caches hit) and travel with the equation through every transformation:
 
 - :class:`KernelParam`: the user's kernel (a primal equation), with the JVP and
-  VJP kernels that ``jax_threadmap.kernel(...).defjvp/.defvjp`` attached.
-- :class:`JvpParam`: the JVP equation of a primal one; calls
-  ``jvp(*primals, *tangents, **kwargs)`` on flat operand leaves.
-- :class:`VjpParam`: the transpose of a JVP equation; calls
-  ``vjp(*primals, cotangent, **kwargs)`` on flat operand leaves.
+  VJP kernels that ``jax_threadmap.kernel(...).defjvp/.defvjp`` attached (a
+  :class:`RuleKernel` where such a kernel has rules of its own).
+- :class:`DerivativeParam`: a derivative equation. Its :class:`Node` is the
+  JVP or VJP kernel of another node (the user's kernel, or a derivative kernel
+  of it, at any order); the param says which of the node's leaves are operands
+  (the others are zeros built on the host) and which of its outputs it returns.
 
 Each provides ``name`` (shown in jaxprs and messages) and :meth:`host_call`: the
 function the host runs per element, with the trees it takes and returns.
@@ -19,7 +19,8 @@ function the host runs per element, with the trees it takes and returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -142,156 +143,181 @@ def _zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return z
 
 
-class _OfPrimal:
-    """What a derivative equation's param takes from its primal kernel."""
+@dataclasses.dataclass(frozen=True)
+class RuleKernel:
+    """A derivative kernel with derivative kernels of its own, as params carry it.
 
-    primal: KernelParam
-
-    @property
-    def name(self) -> str:
-        raise NotImplementedError  # each param type names its kernel
-
-    @property
-    def vectorized(self) -> bool:
-        return self.primal.vectorized
-
-    @property
-    def max_chunk(self) -> int | None:
-        return self.primal.max_chunk
-
-    def __repr__(self) -> str:
-        return _with_chunking(self.name, self.primal)
-
-
-@dataclasses.dataclass(frozen=True, repr=False)  # _OfPrimal's repr
-class JvpParam(_OfPrimal):
-    """The JVP equation of ``primal``: ``jvp(*primals, *tangents, **kwargs)``.
-
-    Operands: every primal leaf, then the tangent leaves that exist. Positional
-    leaves without one (symbolic zeros, integer inputs) get zeros on the host, so
-    no zeros are built or moved on the device. Results: the tangents of the
-    differentiable outputs.
+    ``defjvp``/``defvjp`` given a ``jax_threadmap.kernel`` store it as this
+    frozen record (its function and its own rules, recursively), taken when the
+    call is bound: hashable, equal for equal functions, and pickled by reference
+    to its functions, like the rest of a param.
 
     Attributes:
-        primal: The primal equation's kernel.
-        tangent_slots: Per positional leaf, its tangent operand's index among the
-            tangents, or ``None``.
-        out_avals: Per output leaf of the primal, its ``(shape, dtype)``.
+        fn: The derivative kernel.
+        jvp: Its own JVP kernel (a function or a ``RuleKernel``), or ``None``.
+        vjp: Its own VJP kernel, or ``None``.
     """
 
-    primal: KernelParam
-    tangent_slots: tuple[int | None, ...]
-    out_avals: tuple[tuple[tuple[int, ...], np.dtype], ...]
+    fn: Fn
+    jvp: Fn | None = None
+    vjp: Fn | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _unwrap(self.fn)(*args, **kwargs)
+
+
+Aval = tuple[tuple[int, ...], np.dtype]
+
+
+def _tangent(aval: Aval) -> Aval:
+    return aval[0], tangent_dtype(aval[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A kernel at some order: the user's, or a derivative kernel of another node.
+
+    Every node takes one element's positional arguments and keyword arguments and
+    returns a pytree, and its own rules follow the same conventions
+    (``jvp(*args, *tangents, **kwargs)``, ``vjp(*args, cotangent, **kwargs)``).
+    A derived node's leaves are its base's leaves followed by the new ones (one
+    tangent per positional leaf of the base, or one cotangent per output leaf),
+    which are the positional arguments that it adds:
+
+    - ``jvp`` of base ``B``: arguments ``(*B.args, *B.tangents)``, result like
+      ``B``'s (its tangent);
+    - ``vjp`` of base ``B``: arguments ``(*B.args, B.cotangent)``, result a tuple
+      with one cotangent per positional argument of ``B``.
+
+    Attributes:
+        kernel: The user's kernel at the root (its executor and chunking apply).
+        in_avals: Per leaf, its ``(shape, dtype)`` for one element.
+        out_avals: Per output leaf, its ``(shape, dtype)`` for one element.
+        base: The node this one is a derivative kernel of; ``None`` at the root.
+        kind: ``"jvp"`` or ``"vjp"``: which rule of ``base`` this node runs.
+    """
+
+    kernel: KernelParam
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...]
+    base: Node | None = None
+    kind: str = ""
+
+    def derive(self, kind: str) -> Node:
+        """The node that runs this node's ``kind`` rule."""
+        ins = self.in_avals
+        if kind == "jvp":
+            new = tuple(_tangent(ins[i]) for i in self.positional)
+            outs = tuple(map(_tangent, self.out_avals))
+        else:
+            new = tuple(map(_tangent, self.out_avals))
+            outs = tuple(_tangent(ins[i]) for i in self.positional)
+        return Node(self.kernel, ins + new, outs, self, kind)
 
     @property
-    def out_mask(self) -> tuple[bool, ...]:
-        """Per output leaf, whether it has a tangent (is not an integer)."""
-        return tuple(is_differentiable(d) for _, d in self.out_avals)
+    def order(self) -> int:
+        """0 for the user's kernel, 1 for its JVP/VJP kernels, and so on."""
+        return 0 if self.base is None else self.base.order + 1
+
+    @property
+    def rule_object(self) -> Any:
+        """What this node runs: a ``KernelParam``, a ``RuleKernel``, a plain
+        function, or ``None`` when its base has no such rule."""
+        return self.kernel if self.base is None else self.base.rule(self.kind)
+
+    def rule(self, kind: str) -> Fn | None:
+        """This node's own ``kind`` rule, or ``None``."""
+        obj = self.rule_object
+        if isinstance(obj, (KernelParam, RuleKernel)):
+            rule: Fn | None = getattr(obj, kind)
+            return rule
+        return None
 
     @property
     def name(self) -> str:
-        jvp = self.primal.jvp
-        return callable_name(jvp) if jvp is not None else f"jvp({self.primal.name})"
+        obj = self.rule_object
+        if obj is None:
+            assert self.base is not None
+            return f"{self.kind}({self.base.name})"
+        if isinstance(obj, (KernelParam, RuleKernel)):
+            obj = obj.fn
+        return callable_name(_unwrap(obj))
 
     @property
-    def num_primals(self) -> int:
-        return self.primal.in_tree.num_leaves
+    def num_base(self) -> int:
+        """The number of leaves that come from the base (all, at the root)."""
+        return len(self.in_avals) if self.base is None else len(self.base.in_avals)
 
-    def host_call(self) -> tuple[Fn, Any, Any]:
-        if self.primal.jvp is None:
-            # Traced and transposed (grad) without one; running it needs one.
-            raise TypeError(missing_rule_message(self.primal, "jvp"))
-        n_in = self.num_primals + sum(s is not None for s in self.tangent_slots)
-        n_out = sum(self.out_mask)
-        return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
+    @functools.cached_property
+    def positional(self) -> tuple[int, ...]:
+        """The leaf indices of the positional-argument leaves, in order."""
+        if self.base is None:
+            return tuple(range(self.kernel.num_positional))
+        return self.base.positional + tuple(range(self.num_base, len(self.in_avals)))
 
-    def __call__(self, *leaves: np.ndarray) -> tuple[Any, ...]:
-        primal = self.primal
-        n = self.num_primals
-        primals, tangent_ops = leaves[:n], leaves[n:]
-        args, kwargs = jax.tree_util.tree_unflatten(primal.in_tree, primals)
-        tangent_leaves = [
-            _zeros(primals[i].shape, tangent_dtype(primals[i].dtype))
-            if slot is None
-            else tangent_ops[slot]
-            for i, slot in enumerate(self.tangent_slots)
-        ]
-        tangents = jax.tree_util.tree_unflatten(
-            primal.in_tree.children()[0], tangent_leaves
+    @functools.cached_property
+    def keywords(self) -> tuple[int, ...]:
+        """The leaf indices of the keyword-argument leaves."""
+        if self.base is None:
+            return tuple(range(self.kernel.num_positional, len(self.in_avals)))
+        return self.base.keywords
+
+    @functools.cached_property
+    def args_tree(self) -> Any:
+        """Treedef of the tuple of positional arguments."""
+        if self.base is None:
+            return self.kernel.in_tree.children()[0]
+        base_args = self.base.args_tree.children()
+        if self.kind == "jvp":
+            return jax.tree_util.treedef_tuple(base_args + base_args)
+        return jax.tree_util.treedef_tuple([*base_args, self.base.out_tree])
+
+    @functools.cached_property
+    def kwargs_tree(self) -> Any:
+        if self.base is None:
+            return self.kernel.in_tree.children()[1]
+        return self.base.kwargs_tree
+
+    @functools.cached_property
+    def out_tree(self) -> Any:
+        if self.base is None:
+            return self.kernel.out_tree
+        return self.base.out_tree if self.kind == "jvp" else self.base.args_tree
+
+    def call(self, leaves: Sequence[np.ndarray]) -> list[Any]:
+        """Runs this node's kernel on all its leaves; one value per output leaf."""
+        args = jax.tree_util.tree_unflatten(
+            self.args_tree, [leaves[i] for i in self.positional]
         )
-        assert primal.jvp is not None
-        result = primal.jvp(*args, *tangents, **kwargs)
+        kwargs = jax.tree_util.tree_unflatten(
+            self.kwargs_tree, [leaves[i] for i in self.keywords]
+        )
+        obj = self.rule_object
+        fn = _unwrap(obj.fn if isinstance(obj, (KernelParam, RuleKernel)) else obj)
+        result = fn(*args, **kwargs)
+        if self.kind == "vjp":
+            return self._flat_cotangents(result, leaves)
         try:
-            out = primal.out_tree.flatten_up_to(result)
+            return list(self.out_tree.flatten_up_to(result))
         except (ValueError, TypeError) as e:
             raise TypeError(
                 f"the JVP kernel must return the tangent of the output, a pytree "
-                f"with the structure of result_shape_dtypes ({primal.out_tree}); "
+                f"with the structure of result_shape_dtypes ({self.out_tree}); "
                 f"got {jax.tree_util.tree_structure(result)} ({e})."
             ) from None
-        return tuple(x for x, keep in zip(out, self.out_mask, strict=True) if keep)
 
-
-@dataclasses.dataclass(frozen=True, repr=False)  # _OfPrimal's repr
-class VjpParam(_OfPrimal):
-    """The transpose of a JVP equation: ``vjp(*primals, cotangent, **kwargs)``.
-
-    Operands: every primal leaf, then the output cotangent leaves that exist (the
-    others get zeros on the host). Results: the cotangents of the positional
-    leaves in ``wanted``; ``None`` from the kernel, for a whole argument or one
-    leaf, means zeros.
-
-    Attributes:
-        primal: The primal equation's kernel.
-        ct_slots: Per output leaf, its cotangent operand's index, or ``None``.
-        out_zeros: Per output leaf, the ``(shape, dtype)`` of its zero cotangent.
-        wanted: The positional leaves whose cotangents are returned.
-    """
-
-    primal: KernelParam
-    ct_slots: tuple[int | None, ...]
-    out_zeros: tuple[tuple[tuple[int, ...], np.dtype], ...]
-    wanted: tuple[int, ...]
-
-    @property
-    def name(self) -> str:
-        return callable_name(self.primal.vjp)
-
-    def host_call(self) -> tuple[Fn, Any, Any]:
-        n_in = self.primal.in_tree.num_leaves + sum(
-            s is not None for s in self.ct_slots
-        )
-        n_out = len(self.wanted)
-        return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
-
-    def __call__(self, *leaves: np.ndarray) -> tuple[Any, ...]:
-        primal = self.primal
-        n = primal.in_tree.num_leaves
-        primals, ct_ops = leaves[:n], leaves[n:]
-        args, kwargs = jax.tree_util.tree_unflatten(primal.in_tree, primals)
-        ct_leaves = [
-            _zeros(shape, dtype) if slot is None else ct_ops[slot]
-            for slot, (shape, dtype) in zip(self.ct_slots, self.out_zeros, strict=True)
-        ]
-        ct = jax.tree_util.tree_unflatten(primal.out_tree, ct_leaves)
-        assert primal.vjp is not None
-        result = primal.vjp(*args, ct, **kwargs)
-        flat = self._flat_cotangents(args, result)
-        return tuple(
-            _zeros(primals[j].shape, primals[j].dtype) if flat[j] is None else flat[j]
-            for j in self.wanted
-        )
-
-    def _flat_cotangents(self, args: tuple[Any, ...], result: Any) -> list[Any]:
-        """One cotangent (or ``None``) per positional leaf, from the kernel's tuple."""
-        if not isinstance(result, (tuple, list)) or len(result) != len(args):
+    def _flat_cotangents(self, result: Any, leaves: Sequence[np.ndarray]) -> list[Any]:
+        """One cotangent per positional leaf of the base, from the kernel's tuple
+        (``None``, for an argument or a leaf, is zeros)."""
+        assert self.base is not None
+        arg_trees = self.base.args_tree.children()
+        if not isinstance(result, (tuple, list)) or len(result) != len(arg_trees):
             raise TypeError(
                 f"the VJP kernel must return a tuple with one cotangent per "
-                f"positional argument ({len(args)}), e.g. `return (ct_x,)` for one "
-                f"argument; got {_describe(result)}."
+                f"positional argument ({len(arg_trees)}), e.g. `return (ct_x,)` for "
+                f"one argument; got {_describe(result)}."
             )
         flat: list[Any] = []
-        arg_trees = self.primal.in_tree.children()[0].children()
         for i, (tree, r) in enumerate(zip(arg_trees, result, strict=True)):
             if r is None:
                 flat.extend([None] * tree.num_leaves)
@@ -305,10 +331,72 @@ class VjpParam(_OfPrimal):
                     f"argument has structure {tree} ({e}). Return a pytree like "
                     "the argument, or None for zeros."
                 ) from None
-        return flat
+        base_pos = self.base.positional
+        return [
+            _zeros(leaves[base_pos[j]].shape, self.out_avals[j][1]) if c is None else c
+            for j, c in enumerate(flat)
+        ]
 
 
-AnyParam = KernelParam | JvpParam | VjpParam
+@dataclasses.dataclass(frozen=True, repr=False)
+class DerivativeParam:
+    """The param of a derivative equation: a derived node, with the leaves it
+    gets as operands and the outputs it returns.
+
+    Leaves that are not operands are zeros built on the host (symbolic-zero
+    tangents, integer inputs, outputs without a cotangent), so no zeros are built
+    or moved on the device. The equation is linear in the node's new leaves
+    (tangents or cotangents); the base's leaves are residuals.
+
+    Attributes:
+        node: The derived node (``node.base`` is not ``None``).
+        present: Per leaf of the node, whether it is an operand.
+        keep: Per output leaf of the node, whether it is a result.
+    """
+
+    node: Node
+    present: tuple[bool, ...]
+    keep: tuple[bool, ...]
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def vectorized(self) -> bool:
+        return self.node.kernel.vectorized
+
+    @property
+    def max_chunk(self) -> int | None:
+        return self.node.kernel.max_chunk
+
+    def __repr__(self) -> str:
+        return _with_chunking(self.name, self.node.kernel)
+
+    def host_call(self) -> tuple[Fn, Any, Any]:
+        node = self.node
+        if node.rule_object is None:
+            # Traced and transposed without one; running it needs one.
+            assert node.base is not None
+            raise TypeError(missing_rule_message(node.base, node.kind))
+        n_in, n_out = sum(self.present), sum(self.keep)
+        return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
+
+    def __call__(self, *operands: np.ndarray) -> tuple[Any, ...]:
+        # A vectorized kernel's operands all have the chunk axis in front.
+        chunk = operands[0].shape[:1] if self.vectorized and operands else ()
+        ops = iter(operands)
+        leaves = [
+            next(ops) if here else _zeros(chunk + shape, dtype)
+            for here, (shape, dtype) in zip(
+                self.present, self.node.in_avals, strict=True
+            )
+        ]
+        out = self.node.call(leaves)
+        return tuple(o for o, keep in zip(out, self.keep, strict=True) if keep)
+
+
+AnyParam = KernelParam | DerivativeParam
 
 
 def _describe(x: Any) -> str:
@@ -317,7 +405,99 @@ def _describe(x: Any) -> str:
     return f"a value of type {type(x).__name__}"
 
 
-def missing_rule_message(kernel: KernelParam, which: str) -> str:
+def missing_rule_message(node: Node, which: str) -> str:
+    """``node`` has no ``which`` rule ("jvp" or "vjp"), and one is needed."""
+    if node.base is None:
+        return _first_order_missing(node.kernel, which) + _hessian_hint(node, which)
+    name, short = node.name, _short(node.name)
+    if which == "jvp":
+        needs = (
+            "forward mode through it (second-order derivatives such as "
+            "jax.hessian, jax.jacfwd of jax.grad or of jax.jacfwd, and jax.jvp of "
+            "jax.grad)"
+        )
+    else:
+        needs = (
+            "reverse mode through it (second-order derivatives such as jax.grad "
+            "of jax.grad, and jax.jacrev of jax.grad or of jax.jacfwd)"
+        )
+    return (
+        f"threadmap kernel {name!r} ({_describe_node(node)}): {short} has no "
+        f"def{which}, so {needs} cannot run. {_how_to_attach(node, [which])}"
+    )
+
+
+def no_rules_message(node: Node) -> str:
+    """A derived ``node`` has no rules at all and is differentiated."""
+    name, short = node.name, _short(node.name)
+    return (
+        f"threadmap kernel {name!r} ({_describe_node(node)}) has no derivative "
+        f"kernels of its own, so it cannot be differentiated: {short} has no "
+        "defjvp (for forward mode over it: jax.hessian, jax.jacfwd of jax.grad or "
+        "of jax.jacfwd, jax.jvp of jax.grad) and no defvjp (for reverse mode over "
+        "it: jax.grad of jax.grad, jax.jacrev of jax.grad or of jax.jacfwd). "
+        f"{_how_to_attach(node, ['jvp', 'vjp'])}"
+    )
+
+
+def _hessian_hint(root: Node, which: str) -> str:
+    """Where forward mode through the user's kernel is asked for by a
+    second-order transform: what that transform needs as well."""
+    vjp = root.kernel.vjp
+    if which != "jvp" or vjp is None:
+        return ""
+    name = _short(root.derive("vjp").name)
+    if isinstance(vjp, RuleKernel) and vjp.jvp is not None:
+        return (
+            " (Outside jax.jit, jax.hessian and other forward-over-reverse "
+            "derivatives compute this kernel's own tangent as well, so they need "
+            f"it too; under jax.jit, {name}.defjvp is enough.)"
+        )
+    return (
+        " (For jax.hessian and other forward-over-reverse derivatives, the VJP "
+        f"kernel {name} needs a JVP kernel of its own as well: make it a "
+        f"jax_threadmap.kernel and attach one with {name}.defjvp.)"
+    )
+
+
+def _short(name: str) -> str:
+    return name.rpartition(".")[2]  # the function's name: "f", not "g.<locals>.f"
+
+
+def _describe_node(node: Node) -> str:
+    assert node.base is not None
+    return f"the {node.kind.upper()} kernel of {node.base.name!r}"
+
+
+def _how_to_attach(node: Node, which: list[str]) -> str:
+    short = _short(node.name)
+    signatures = {
+        "jvp": (
+            f"{short}.defjvp(jvp_kernel), where jvp_kernel takes {short}'s "
+            "positional arguments, then one tangent per positional argument, and "
+            f"returns the tangent of {short}'s result"
+        ),
+        "vjp": (
+            f"{short}.defvjp(vjp_kernel), where vjp_kernel takes {short}'s "
+            f"positional arguments, then the cotangent of {short}'s result, and "
+            "returns a tuple with one cotangent per positional argument"
+        ),
+    }
+    attach = "; and/or ".join(signatures[w] for w in which)
+    if isinstance(node.rule_object, RuleKernel):
+        return f"Attach it with {attach}."
+    result = jax.tree_util.tree_unflatten(
+        node.out_tree,
+        [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in node.out_avals],
+    )
+    return (
+        f"Make {short} a jax_threadmap.kernel: "
+        f"@jax_threadmap.kernel({result}) on its definition (its result for one "
+        f"element), and attach {attach}."
+    )
+
+
+def _first_order_missing(kernel: KernelParam, which: str) -> str:
     name = kernel.name
     if which == "jvp":
         return (

@@ -4,7 +4,10 @@ Serves the site on 127.0.0.1 (a port the OS picks), opens the home page, the API
 reference and two guides, and fails on a console error (a script error, a resource
 that did not load), a broken image, a formula that MathJax did not typeset, or a
 search for "vmap" (typed into the search box of mkdocs-material) that finds
-nothing. Nothing is fetched from
+nothing. Every page, at a desktop's width (1280 px) and a phone's (390 px),
+fails on a code line cut at the edge of its block (wider than the block, so
+that its end is hidden) and on a word of a table broken in two (a break at a
+hyphen is no such break). Nothing is fetched from
 outside 127.0.0.1: a request elsewhere is blocked and counts as a failure, so
 the site must work offline.
 
@@ -48,6 +51,7 @@ PAGES = ["", "api/", "performance/", "gridding/"]
 #: Opened again on a phone's width (the theme lays maths out differently there).
 NARROW_PAGES = ["gridding/"]
 NARROW = {"width": 390, "height": 844}
+WIDE = {"width": 1280, "height": 1600}
 SEARCH_TERM = "vmap"
 #: Bounds every wait on the browser, in milliseconds.
 TIMEOUT_MS = 30_000
@@ -92,6 +96,52 @@ def serve(site_dir: pathlib.Path) -> Iterator[str]:
 _BROKEN_IMAGES = """() => Array.from(document.images)
     .filter((img) => !img.complete || img.naturalWidth === 0)
     .map((img) => img.currentSrc || img.src)"""
+
+
+#: Per code block wider than its box: by how much, and its longest line; per
+#: word of a table cell that the layout breaks over two lines (its range has
+#: boxes on two lines): the word.
+_CUT = """() => {
+    const cut = [];
+    for (const code of document.querySelectorAll('pre > code')) {
+        if (code.offsetParent === null) continue;  // hidden (a closed tab)
+        const over = Math.max(...[code, code.parentElement]
+            .filter((box) => box.clientWidth > 0)  // not an inline <code>
+            .map((box) => box.scrollWidth - box.clientWidth));
+        if (over > 1) {
+            const lines = code.textContent.split('\\n');
+            const longest = lines.reduce((a, b) => (b.length > a.length ? b : a));
+            cut.push(`code line cut by ${over} px: ${longest.trim().slice(0, 70)}`);
+        }
+    }
+    for (const cell of document.querySelectorAll('td, th')) {
+        const texts = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+        while (texts.nextNode()) {
+            const node = texts.currentNode;
+            for (const word of node.textContent.matchAll(/[^\\s-]+/g)) {
+                const range = document.createRange();
+                range.setStart(node, word.index);
+                range.setEnd(node, word.index + word[0].length);
+                const tops = new Set(Array.from(range.getClientRects())
+                    .filter((box) => box.width > 0).map((box) => Math.round(box.top)));
+                if (tops.size > 1) cut.push(`table breaks a word: ${word[0]}`);
+            }
+        }
+    }
+    return cut;
+}"""
+
+
+def check_layout(page, url: str, problems: list[str]) -> None:
+    """Opens ``url``; adds its cut code lines and broken table words."""
+    page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
+    problems.extend(f"{url}: {p}" for p in page.evaluate(_CUT))
+
+
+def site_pages(site_dir: pathlib.Path) -> list[str]:
+    """The paths of the site's pages (``""``, ``"api/"``, ...)."""
+    found = (p.parent.relative_to(site_dir) for p in site_dir.rglob("index.html"))
+    return sorted("" if p == pathlib.Path() else f"{p.as_posix()}/" for p in found)
 
 
 def check_page(page, url: str, problems: list[str]) -> None:
@@ -205,7 +255,7 @@ def check_site(
     with serve(site_dir) as base, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(viewport={"width": 1280, "height": 1600})
+            context = browser.new_context(viewport=WIDE)
             context.route("**/*", lambda route: _block_outside(route, base))
             for path in PAGES:
                 page = context.new_page()
@@ -228,6 +278,17 @@ def check_site(
                     f"{p} ({NARROW['width']} px)" for p in problems[before:]
                 ]
                 page.close()
+            for viewport in (WIDE, NARROW):
+                layout = browser.new_context(viewport=viewport)
+                layout.route("**/*", lambda route: _block_outside(route, base))
+                page = layout.new_page()
+                before = len(problems)
+                for path in site_pages(site_dir):
+                    check_layout(page, base + path, problems)
+                problems[before:] = [
+                    f"{p} ({viewport['width']} px)" for p in problems[before:]
+                ]
+                layout.close()
             if search:
                 hits = check_search(context.new_page(), base, problems)
                 print(f"browser_check: search for {SEARCH_TERM!r}: {hits} result(s)")

@@ -1,13 +1,19 @@
 """Every Python code block of README.md and docs/*.md runs, so the docs cannot rot.
 
-A page's blocks run as pasted by a reader: in order, as one script, with
+A reader may paste one block into a fresh file: each block runs alone, or its
+first line says ``# Continues the example above.`` (visible on the page), and
+the site then ends the page with its examples as one script
+(docs/hooks/page_script.py). So each block that says nothing also runs alone, in
+a fresh process (but for the page's first, which its page's script runs alone
+already) and must print what the page shows there too.
+
+A page's blocks also run as pasted by a reader: in order, as one script, with
 ``python FILE`` in a fresh directory and process (each block at its own line
 of the page, so tracebacks quote the page's line numbers). The script must
 exit with status 0 and write nothing to stderr (no warning, no traceback at
 exit), and each block must print exactly what the page says it prints: the
 ``text`` block after it (marked ``output``, below), or its ``# prints: TEXT``
-comments, one line of output each, or nothing. ``...`` stands for what differs
-between machines (timings, thread counts). Each block is its own test. An HTML
+comments, one line of output each, or nothing. Each block is its own test. An HTML
 comment on the line just before a block (invisible on the rendered page)
 changes how it runs:
 
@@ -27,7 +33,11 @@ changes how it runs:
   fresh process rather than after the page's earlier blocks.
 - ``<!-- test: output -->`` before a ``text`` block: the block must match what
   the page's previous Python block printed (doctest rules, ``...`` matches
-  anything), so printed jaxprs and tables stay true. In a printed jaxpr, what
+  anything), so printed jaxprs and tables stay true.
+  ``<!-- test: output measured -->``: the same, but output measured on some
+  machine (timings, thread counts), which the page names: each number shown
+  stands for any number, the words and lines around it must match. In a printed
+  jaxpr, what
   JAX prints for its own primitives' params differs between JAX versions (e.g.
   ``scan`` gained ``ft_in``), so both sides are compared without them: the
   ``threadmap`` equation (its params and batch spec), the equations and the
@@ -58,36 +68,13 @@ import jax_threadmap
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-_FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
-_MARK = re.compile(
-    r"^\s*<!--\s*test:\s*(?P<kind>skip|requires|output|devices|alone)\b"
-    r"\s*(?P<arg>.*?)\s*-->"
-)
+sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+import page_script as pages  # noqa: E402  (the site's hook reads the pages too)
 
 
 def blocks(path: pathlib.Path) -> list[dict]:
     """The fenced code blocks of a markdown file, with their markers."""
-    lines = path.read_text().splitlines()
-    found, i = [], 0
-    while i < len(lines):
-        m = _FENCE.match(lines[i])
-        if not m or not m["lang"]:
-            i += 1
-            continue
-        indent, start = len(m["indent"]), i
-        j = i + 1
-        while j < len(lines) and lines[j].strip() != "```":
-            j += 1
-        marks, k = [], start - 1
-        while k >= 0 and _MARK.match(lines[k]):
-            marks.append(_MARK.match(lines[k]).groupdict())
-            k -= 1
-        code = "\n".join(line[indent:] for line in lines[start + 1 : j])
-        found.append(
-            {"lang": m["lang"], "line": start + 1, "code": code, "marks": marks}
-        )
-        i = j + 1
-    return found
+    return pages.blocks(path.read_text())
 
 
 def missing(name: str) -> bool:
@@ -112,8 +99,7 @@ def missing(name: str) -> bool:
     return keyword is not None and keyword not in inspect.signature(obj).parameters
 
 
-def _is_python(b) -> bool:
-    return b["lang"] in ("python", "py")
+_is_python = pages.is_python
 
 
 def _is_output(b) -> bool:
@@ -146,6 +132,7 @@ def _skip_reason(block) -> str | None:
     return None
 
 
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?")
 _PRINTS = re.compile(r"#[^#\n]*?\bprints: ?(?P<text>.*?)\s*$")
 
 
@@ -158,7 +145,10 @@ def expected_output(path: pathlib.Path, block: dict) -> str:
     found = blocks(path)
     i = next(k for k, b in enumerate(found) if b["line"] == block["line"])
     if i + 1 < len(found) and _is_output(found[i + 1]):
-        return found[i + 1]["code"] + "\n"
+        shown = found[i + 1]["code"] + "\n"
+        if any(m["arg"] == "measured" for m in found[i + 1]["marks"]):
+            shown = _NUMBER.sub("...", shown)
+        return shown
     lines = [m["text"] for m in map(_PRINTS.search, block["code"].splitlines()) if m]
     return "".join(line + "\n" for line in lines)
 
@@ -188,6 +178,26 @@ def page_script(path: pathlib.Path, last: dict | None = None) -> str:
         if b is last:
             break
     return "\n".join(lines) + "\n"
+
+
+def alone_script(block: dict) -> str:
+    """``block`` alone, at its line of the page, as a reader pastes it."""
+    pad = "\n" * (block["line"] - 1)
+    return f"{pad}print({_sentinel(block['line'])!r}, end='', flush=True)\n" + (
+        block["code"] + "\n"
+    )
+
+
+def needs_alone_run(path: pathlib.Path, block: dict) -> bool:
+    """Whether ``block`` must also run alone: it says it continues nothing.
+
+    Blocks with their own script, and the first of the page's script (which
+    runs it alone already), need no run of their own.
+    """
+    if _skip_reason(block) or _own_script(block) or pages.continues(block):
+        return False
+    first = next(b for p, b in PY_BLOCKS if p == path and pages.in_page_script(b))
+    return block is not first
 
 
 def run_script(path: pathlib.Path, script: str, devices: int | None = None):
@@ -271,6 +281,15 @@ def test_doc_block_runs(path, block):
     _check_printed(path, block, block_outputs(proc.stdout), proc)
     if _own_script(block):
         _check_stderr(f"{path.relative_to(ROOT)}:{block['line']}", proc)
+    if needs_alone_run(path, block):
+        alone = run_script(path, alone_script(block))
+        name = f"{path.relative_to(ROOT)}:{block['line']}"
+        assert alone.returncode == 0, (
+            f"{name} fails when pasted alone into a fresh file; make it a complete "
+            f"script, or start it with {pages.CONTINUES!r}:\n{alone.stderr[-3000:]}"
+        )
+        _check_printed(path, block, block_outputs(alone.stdout), alone)
+        _check_stderr(f"{name} (alone)", alone)
 
 
 def _check_stderr(name: str, proc) -> None:
@@ -286,6 +305,41 @@ def test_doc_page_runs_as_a_script(path):
     proc = _page_run(path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_stderr(str(path.relative_to(ROOT)), proc)
+
+
+def test_a_page_starts_with_a_block_that_continues_nothing():
+    for path in FILES:
+        found = [b for b in blocks(path) if pages.in_page_script(b)]
+        assert not found or not pages.continues(found[0]), (
+            f"{path.relative_to(ROOT)}:{found[0]['line']}: the page's first "
+            "example continues nothing above it"
+        )
+
+
+def test_whole_page_script_for_a_page_whose_blocks_continue(tmp_path):
+    first = "```python\nimport math\nx = 2\n```\n"
+    second = f"```python\n{pages.CONTINUES}\nprint(math.sqrt(x))\n```\n"
+    alone = "<!-- test: alone -->\n```python\nprint(1)\n```\n"
+    page = f"# P\n\n{first}\ntext\n\n{alone}\n{second}"
+    assert pages.whole_script(page) == "import math\nx = 2\n\nprint(math.sqrt(x))\n"
+    assert pages.whole_script(f"# P\n\n{first}\n{alone}") is None
+    shown = pages.on_page_markdown(page, page=None, config=None, files=None)
+    assert shown.startswith(page.rstrip())
+    assert pages.HEADING in shown and shown.endswith("print(math.sqrt(x))\n```\n")
+    path = tmp_path / "page.md"
+    path.write_text(page)
+    proc = run_script(path, pages.whole_script(page))
+    assert (proc.returncode, proc.stdout) == (0, "1.4142135623730951\n")
+
+
+def test_measured_output_matches_any_number(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint('8 shards: 0.2 s')\n```\n\n"
+        "<!-- test: output measured -->\n```text\n8 shards: 0.21 s\n```\n"
+    )
+    (block, _) = blocks(page)
+    assert expected_output(page, block) == "... shards: ... s\n"
 
 
 def test_block_outputs_are_split_by_block():

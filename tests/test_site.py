@@ -224,3 +224,37 @@ def test_browser_check_finds_a_broken_image_and_a_console_error(chromium, tmp_pa
     assert any("broken image" in p and "missing.png" in p for p in problems)
     assert any("console error: broken script" in p for p in problems)
     assert all("/api/" in p for p in problems), problems
+
+
+def test_browser_check_finds_cut_code_and_broken_table_words(chromium, tmp_path):
+    # A code line wider than its block (the theme's default: scrolled, its end
+    # hidden) and a table column too narrow for its word, as on the site before
+    # docs/stylesheets/code.css; the rest of the site's pages are empty.
+    cut = (
+        '<html><body><pre style="width: 300px; overflow: auto"><code>'
+        + "print('"
+        + "x" * 80
+        + "')</code></pre>"
+        '<table style="width: 60px"><tr><td style="word-break: break-all">'
+        "jax.block_until_ready(tree)</td><td>front-loaded</td></tr></table>"
+        "</body></html>"
+    )
+    for path in [*browser_check.PAGES, "cut/"]:
+        (tmp_path / path).mkdir(parents=True, exist_ok=True)
+        page = cut if path == "cut/" else "<html><body><p>fine</p></body></html>"
+        (tmp_path / path / "index.html").write_text(page)
+    problems = browser_check.check_site(tmp_path, chromium=chromium, search=False)
+    for width in (1280, 390):
+        assert any(
+            "/cut/: code line cut by" in p
+            and "print('xxx" in p
+            and f"({width} px)" in p
+            for p in problems
+        ), problems
+        assert any(
+            "/cut/: table breaks a word: jax.block_until_ready(tree)" in p
+            and f"({width} px)" in p
+            for p in problems
+        ), problems
+    assert all("/cut/" in p for p in problems), problems
+    assert not any("front" in p or "loaded" in p for p in problems), problems

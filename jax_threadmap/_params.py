@@ -19,12 +19,14 @@ function the host runs per element, with the trees it takes and returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
+from ._event_loop import is_coroutine_function
 from ._validate import callable_name
 
 Fn = Callable[..., Any]
@@ -41,6 +43,14 @@ class HostCall(Protocol):
 
     @property
     def max_chunk(self) -> int | None: ...
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether what runs per element is ``async def`` (a coroutine each)."""
+        ...
+
+    @property
+    def max_in_flight(self) -> int | None: ...
 
     def host_call(self) -> tuple[Fn, Any, Any]:
         """``(fn, in_tree, out_tree)``: what runs per element, and its trees."""
@@ -87,6 +97,8 @@ class KernelParam:
         wrapped: Whether the call came from a ``jax_threadmap.kernel`` (which
             takes ``.defjvp``/``.defvjp``) rather than a bare ``threadmap``; only
             the message for a missing derivative differs.
+        max_in_flight: For ``async def`` kernels (and derivative kernels), the
+            most elements in flight at once, or ``None`` for the default.
     """
 
     fn: Fn
@@ -97,10 +109,15 @@ class KernelParam:
     vectorized: bool = False
     max_chunk: int | None = None
     wrapped: bool = False
+    max_in_flight: int | None = None
 
     @property
     def name(self) -> str:
         return callable_name(_unwrap(self.fn))
+
+    @property
+    def asynchronous(self) -> bool:
+        return is_coroutine_function(_unwrap(self.fn))
 
     def __repr__(self) -> str:
         return _with_chunking(self.name, self)
@@ -159,6 +176,10 @@ class _OfPrimal:
     def max_chunk(self) -> int | None:
         return self.primal.max_chunk
 
+    @property
+    def max_in_flight(self) -> int | None:
+        return self.primal.max_in_flight
+
     def __repr__(self) -> str:
         return _with_chunking(self.name, self.primal)
 
@@ -205,7 +226,7 @@ class JvpParam(_OfPrimal):
         n_out = sum(self.out_mask)
         return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
 
-    def __call__(self, *leaves: np.ndarray) -> tuple[Any, ...]:
+    def __call__(self, *leaves: np.ndarray) -> Any:
         primal = self.primal
         n = self.num_primals
         primals, tangent_ops = leaves[:n], leaves[n:]
@@ -221,6 +242,17 @@ class JvpParam(_OfPrimal):
         )
         assert primal.jvp is not None
         result = primal.jvp(*args, *tangents, **kwargs)
+        if inspect.iscoroutine(result):  # an async def JVP kernel
+            return _then(result, self._tangents)
+        return self._tangents(result)
+
+    @property
+    def asynchronous(self) -> bool:
+        return is_coroutine_function(self.primal.jvp)
+
+    def _tangents(self, result: Any) -> tuple[Any, ...]:
+        """The JVP kernel's result as the equation's flat outputs."""
+        primal = self.primal
         try:
             out = primal.out_tree.flatten_up_to(result)
         except (ValueError, TypeError) as e:
@@ -264,7 +296,7 @@ class VjpParam(_OfPrimal):
         n_out = len(self.wanted)
         return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
 
-    def __call__(self, *leaves: np.ndarray) -> tuple[Any, ...]:
+    def __call__(self, *leaves: np.ndarray) -> Any:
         primal = self.primal
         n = primal.in_tree.num_leaves
         primals, ct_ops = leaves[:n], leaves[n:]
@@ -276,6 +308,18 @@ class VjpParam(_OfPrimal):
         ct = jax.tree_util.tree_unflatten(primal.out_tree, ct_leaves)
         assert primal.vjp is not None
         result = primal.vjp(*args, ct, **kwargs)
+        if inspect.iscoroutine(result):  # an async def VJP kernel
+            return _then(result, lambda r: self._cotangents(args, primals, r))
+        return self._cotangents(args, primals, result)
+
+    @property
+    def asynchronous(self) -> bool:
+        return is_coroutine_function(self.primal.vjp)
+
+    def _cotangents(
+        self, args: tuple[Any, ...], primals: Sequence[np.ndarray], result: Any
+    ) -> tuple[Any, ...]:
+        """The VJP kernel's result as the equation's flat outputs."""
         flat = self._flat_cotangents(args, result)
         return tuple(
             _zeros(primals[j].shape, primals[j].dtype) if flat[j] is None else flat[j]
@@ -309,6 +353,11 @@ class VjpParam(_OfPrimal):
 
 
 AnyParam = KernelParam | JvpParam | VjpParam
+
+
+async def _then(result: Any, finish: Callable[[Any], Any]) -> Any:
+    """``finish(await result)``: a derivative adapter around an async def kernel."""
+    return finish(await result)
 
 
 def _describe(x: Any) -> str:

@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(jax_threadmap.__file__).parent
 LAYERS = [
     "_errors",
     "_fork",
+    "_event_loop",
     "_compat",
     "_validate",
     "_batch_spec",
@@ -33,6 +34,7 @@ LAYERS = [
     "_jobs",
     "_threads",
     "_maps",
+    "_async_kernels",
     "_params",
     "_autodiff",
     "_per_shard",
@@ -40,7 +42,6 @@ LAYERS = [
     "_api",
     "_leaves",
     "_async_threads",
-    "_event_loop",
     "_background",
     "_dispatch",
     "_arrays",

@@ -41,7 +41,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+import types
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, cast
 
 from . import _validate
@@ -172,45 +173,39 @@ class LoopHolds:
         )
 
 
-class _Timed:
-    """Awaits a coroutine, timing each of its steps (``send``/``throw``), as
-    ``await coro`` would but with a clock around each step. The steps are the
-    kernel's own code between two ``await`` s; the time between them (waiting) is
-    not counted."""
+@types.coroutine
+def _timed(coro: Any, holds: LoopHolds, flat: int) -> Generator[Any, Any, Any]:
+    """Awaits ``coro`` as ``await coro`` would, with a clock around each of its
+    steps (``send``/``throw``): the kernel's own code between two ``await`` s,
+    not the waits between them. A step over :data:`SLOW_STEP` goes to ``holds``.
+    (A generator-based coroutine, one object per element: maps of thousands of
+    elements in flight pay for every object the collector tracks.)"""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        start = time.perf_counter()
+        try:
+            signal = coro.send(value) if error is None else coro.throw(error)
+        except StopIteration as stop:
+            _check_step(start, holds, flat)
+            return stop.value
+        except BaseException:
+            _check_step(start, holds, flat)
+            raise
+        _check_step(start, holds, flat)
+        try:
+            value, error = (yield signal), None
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as e:  # cancellation: thrown into the kernel
+            value, error = None, e
 
-    __slots__ = ("coro", "on_slow")
 
-    def __init__(self, coro: Any, on_slow: Callable[[float], None]):
-        self.coro = coro
-        self.on_slow = on_slow
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro = self.coro
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            start = time.perf_counter()
-            try:
-                signal = coro.send(value) if error is None else coro.throw(error)
-            except StopIteration as stop:
-                self._timed(start)
-                return stop.value
-            except BaseException:
-                self._timed(start)
-                raise
-            self._timed(start)
-            try:
-                value, error = (yield signal), None
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as e:  # cancellation: thrown into the kernel
-                value, error = None, e
-
-    def _timed(self, start: float) -> None:
-        seconds = time.perf_counter() - start
-        if seconds > SLOW_STEP:
-            self.on_slow(seconds)
+def _check_step(start: float, holds: LoopHolds, flat: int) -> None:
+    seconds = time.perf_counter() - start
+    if seconds > SLOW_STEP:
+        holds.add(seconds, flat)
 
 
 # --- one map on the loop --------------------------------------------------------------
@@ -381,14 +376,14 @@ class AsyncMap:
                 self._failed(e)
                 return
 
-    def _element(self, leaves: list[Any], i: int) -> _Timed:
+    def _element(self, leaves: list[Any], i: int) -> Any:
         coro = self.caller.call(leaves)
         if not hasattr(coro, "send"):
             raise TypeError(
                 f"the async def kernel returned {type(coro).__name__}, not a "
                 "coroutine, when called"
             )
-        return _Timed(coro, lambda seconds: self.holds.add(seconds, i))
+        return _timed(coro, self.holds, i)
 
     def _store(self, i: int, index: tuple[int, ...], result: Any) -> None:
         caller = self.caller

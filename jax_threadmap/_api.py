@@ -166,7 +166,7 @@ def threadmap(
             runs each element as a coroutine on jax_threadmap's one event loop
             (the loop of ``async def`` loaders), not a thread each; it takes
             ``executor=None`` and ``vectorized=False`` only (see
-            [async def kernels](threaded-kernels.md#async-def-kernels)). Plain
+            [async def kernels](async-kernels.md)). Plain
             kernels ignore it.
         **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The names
             ``executor``, ``progress``, ``vectorized`` and ``max_in_flight`` are

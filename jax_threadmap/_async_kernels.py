@@ -45,6 +45,8 @@ import types
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any, cast
 
+import numpy as np
+
 from . import _validate
 from ._errors import PASS_THROUGH, ExecutorError, KernelError
 from ._event_loop import event_loop, is_coroutine_function
@@ -212,11 +214,11 @@ def _check_step(start: float, holds: LoopHolds, flat: int) -> None:
 
 
 def _unravel(i: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        i, j = divmod(i, size)
-        index.append(j)
-    return tuple(reversed(index))
+    """The index of flat element ``i`` of ``shape`` (merged batch dims are mostly
+    one: then no NumPy call)."""
+    if len(shape) == 1:
+        return (i,)
+    return tuple(int(j) for j in np.unravel_index(i, shape))
 
 
 class AsyncMap:

@@ -87,7 +87,7 @@ def test_nested_vmap_under_jit_runs_every_element_at_once_on_one_thread():
     # loop's one thread; the process gained a handful of threads, not 2,000.
     assert seen.peak == 2000
     assert len(seen.threads) == 1
-    assert seen.most_threads - threads_before <= 4
+    assert seen.most_threads - threads_before <= 8
 
 
 def test_results_match_the_plain_kernel_under_nested_vmap_with_unbatched_operands():

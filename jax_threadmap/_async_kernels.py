@@ -67,10 +67,14 @@ MAX_IN_FLIGHT = 1_000_000
 ENV_MAX_IN_FLIGHT = "JAX_THREADMAP_MAX_IN_FLIGHT"
 
 #: A step of an element (the code between two ``await`` s) that runs longer than
-#: this held the loop. Above asyncio's own ``slow_callback_duration`` (0.1 s, in
-#: debug mode), so that a step that waited for the GIL on a loaded machine is not
-#: blamed on the kernel.
-SLOW_STEP = 0.25
+#: this held the loop, and the map logs it. Ten times asyncio's own
+#: ``slow_callback_duration`` (0.1 s, in debug mode): a step is timed by the wall
+#: clock, and on a loaded machine the loop's thread may wait a quarter of a second
+#: for a CPU or the GIL (measured at a load of 17 on 2 CPUs), which must not be
+#: blamed on the kernel. For finer detail, asyncio's debug mode
+#: (``PYTHONASYNCIODEBUG=1``) logs every step over 0.1 s with its task, named
+#: after the kernel.
+SLOW_STEP = 1.0
 
 logger = logging.getLogger("jax_threadmap.async_kernels")
 
@@ -332,8 +336,9 @@ class AsyncMap:
         indices = iter(range(self.n))
         self._added = asyncio.Event()
         loop = asyncio.get_running_loop()
+        name = f"threadmap {self.work.name}"  # asyncio's debug log shows it
         self._workers = [
-            loop.create_task(self._worker(indices))
+            loop.create_task(self._worker(indices), name=name)
             for _ in range(min(self.limit, self.n))
         ]
         try:

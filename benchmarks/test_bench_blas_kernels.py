@@ -36,9 +36,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 import pytest
+from jax_threadmap._scheduling import available_cpus
 
 import jax_threadmap as jtm
-from jax_threadmap._scheduling import available_cpus
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
 

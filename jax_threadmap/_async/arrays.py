@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 from .._jax import hooks as _compat
+from .._support import event_loop as _event_loop
 from .._support.validate import check_timeout
 from . import background as _background
 from . import dispatch as _dispatch
-from . import event_loop as _event_loop
 from . import pool as _async_threads
 from .background import Task
 from .leaves import LeafSpec

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import jax
 
+from .._support import event_loop as _event_loop
 from .._support.errors import KeptError
 from .._support.validate import callable_name
-from . import event_loop as _event_loop
 from . import outcomes as _outcomes
 from . import pool as _async_threads
 from .leaves import (

@@ -38,8 +38,8 @@ import jax
 import numpy as np
 
 from .._jax import hooks as _compat
+from .._support import event_loop as _event_loop
 from .._support.validate import callable_name, check_callable, check_timeout
-from . import event_loop as _event_loop
 from . import outcomes as _outcomes
 from . import pool as _async_threads
 from .arrays import AsyncArray, make_arrays

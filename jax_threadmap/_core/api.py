@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar, cast, overload
 
 import jax
 
+from .._executors import coroutines as _async_kernels
 from .._executors.runners import Executor, check_executor
 from .._executors.scheduling import InOrder
 from .._jax import hooks as _compat
@@ -36,6 +37,7 @@ def _bind(
     executor: Executor,
     progress: bool | None,
     vectorized: tuple[bool, int | None],
+    max_in_flight: int | None = None,
     jvp: Callable[..., Any] | None = None,
     vjp: Callable[..., Any] | None = None,
     wrapped: bool = False,
@@ -58,6 +60,7 @@ def _bind(
             _rule_param(vjp, ()),
             *vectorized,
             wrapped=wrapped,
+            max_in_flight=max_in_flight,
         ),
         result_avals=avals,
         spec=BatchSpec.unbatched(len(leaves)),
@@ -98,6 +101,7 @@ def threadmap(
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
+    max_in_flight: int | None = None,
     **kwargs: Any,
 ) -> jax.Array: ...
 
@@ -111,6 +115,7 @@ def threadmap(
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
+    max_in_flight: int | None = None,
     **kwargs: Any,
 ) -> tuple[jax.Array, ...]: ...
 
@@ -124,6 +129,7 @@ def threadmap(
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
+    max_in_flight: int | None = None,
     **kwargs: Any,
 ) -> Any: ...
 
@@ -136,6 +142,7 @@ def threadmap(
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
+    max_in_flight: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """Calls a host kernel per element, as one threaded map under any ``vmap``.
@@ -186,9 +193,17 @@ def threadmap(
             most about 16 MB of operands and results). An ``int`` N: vectorized,
             with at most N elements per chunk (for kernels that need memory per
             element).
+        max_in_flight: For an ``async def`` kernel, the most elements awaited at
+            once. ``None``: the environment variable
+            ``JAX_THREADMAP_MAX_IN_FLIGHT``, else 2048. An ``async def`` kernel
+            runs each element as a coroutine on jax_threadmap's one event loop
+            (the loop of ``async def`` loaders), not a thread each; it takes
+            ``executor=None`` and ``vectorized=False`` only (see
+            [async def kernels](async-kernels.md)). Plain
+            kernels ignore it.
         **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The names
-            ``executor``, ``progress`` and ``vectorized`` are reserved by
-            ``threadmap`` and cannot reach the kernel (``kernel`` and
+            ``executor``, ``progress``, ``vectorized`` and ``max_in_flight`` are
+            reserved by ``threadmap`` and cannot reach the kernel (``kernel`` and
             ``result_shape_dtypes`` are positional-only, so those names do reach
             it); ``sharding`` and
             ``vmap_method``, keywords of ``jax.pure_callback``, are refused.
@@ -198,8 +213,10 @@ def threadmap(
         ``vmap``, each leaf gains the batch axes.
 
     Raises:
-        TypeError: ``kernel``, ``result_shape_dtypes``, ``executor`` or an argument
-            is not what is expected (raised at call time, before anything runs).
+        TypeError: ``kernel``, ``result_shape_dtypes``, ``executor``,
+            ``max_in_flight`` or an argument is not what is expected (raised at
+            call time, before anything runs); an ``async def`` kernel with an
+            executor or ``vectorized``.
         ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``,
             ``{}``): under ``jit`` the kernel would never run. A kernel run for
             its side effects returns a small status per element instead.
@@ -240,14 +257,20 @@ def threadmap(
         "Pass the kernel first, then result_shape_dtypes, then the arguments.",
     )
     _validate.check_callback_kwargs(kwargs, "threadmap")
+    executor = check_executor(executor)
+    chunking = _validate.check_vectorized(vectorized)
+    _async_kernels.check_async_kernel(
+        kernel, executor=executor, vectorized=chunking[0], api="threadmap"
+    )
     return _bind(
         kernel,
         result_shape_dtypes,
         args,
         kwargs,
-        executor=check_executor(executor),
+        executor=executor,
         progress=_validate.check_progress(progress),
-        vectorized=_validate.check_vectorized(vectorized),
+        vectorized=chunking,
+        max_in_flight=_async_kernels.check_max_in_flight(max_in_flight),
     )
 
 
@@ -314,6 +337,7 @@ class KernelFunction(Generic[R]):
         executor: int | concurrent.futures.Executor | InOrder | None = None,
         progress: bool | None = None,
         vectorized: bool | int = False,
+        max_in_flight: int | None = None,
     ):
         _validate.check_callable(
             fn,
@@ -330,6 +354,19 @@ class KernelFunction(Generic[R]):
         self._progress = progress
         self._vectorized = _validate.check_vectorized(
             vectorized, "jax_threadmap.kernel"
+        )
+        self._max_in_flight = max_in_flight
+        self._check_async(fn, "kernel")
+
+    def _check_async(self, fn: Callable[..., Any], what: str) -> None:
+        """Refuses an ``async def`` kernel (or derivative kernel) with an
+        executor or ``vectorized`` (see ``_async_kernels``)."""
+        _async_kernels.check_async_kernel(
+            fn,
+            executor=self._executor,
+            vectorized=self._vectorized[0],
+            api="jax_threadmap.kernel",
+            what=what,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
@@ -351,6 +388,7 @@ class KernelFunction(Generic[R]):
             executor=self._executor,
             progress=self._progress,
             vectorized=self._vectorized,
+            max_in_flight=self._max_in_flight,
             jvp=self.jvp,
             vjp=self.vjp,
             wrapped=True,
@@ -388,6 +426,7 @@ class KernelFunction(Generic[R]):
             Array([0., 2., 4.], dtype=float32)
         """
         self.jvp = _check_rule(jvp, "defjvp", self.fn)
+        self._check_async(jvp, "JVP kernel")
         return jvp
 
     @_one_derivative_kernel
@@ -423,6 +462,7 @@ class KernelFunction(Generic[R]):
             Array([0., 2., 4.], dtype=float32)
         """
         self.vjp = _check_rule(vjp, "defvjp", self.fn)
+        self._check_async(vjp, "VJP kernel")
         return vjp
 
     def __repr__(self) -> str:
@@ -483,6 +523,7 @@ def kernel(
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
+    max_in_flight: int | None = None,
 ) -> Callable[[Callable[..., Any]], KernelFunction[jax.Array]]: ...
 
 
@@ -494,6 +535,7 @@ def kernel(
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
+    max_in_flight: int | None = None,
 ) -> Callable[[Callable[..., Any]], KernelFunction[tuple[jax.Array, ...]]]: ...
 
 
@@ -505,6 +547,7 @@ def kernel(
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
+    max_in_flight: int | None = None,
 ) -> Callable[[Callable[..., Any]], KernelFunction[Any]]: ...
 
 
@@ -515,6 +558,7 @@ def kernel(
     executor: int | concurrent.futures.Executor | InOrder | None = None,
     progress: bool | None = None,
     vectorized: bool | int = False,
+    max_in_flight: int | None = None,
 ) -> Callable[[Callable[..., Any]], KernelFunction[Any]]:
     """Makes a threaded kernel whose derivatives are threaded kernels too.
 
@@ -548,6 +592,9 @@ def kernel(
         vectorized: As for [`threadmap`][jax_threadmap.threadmap]; applies to the
             primal and the derivative kernels alike (each then takes and returns
             chunks with a leading axis, one cotangent or tangent per element).
+        max_in_flight: As for [`threadmap`][jax_threadmap.threadmap]; bounds the
+            primal and the derivative kernels that are ``async def`` (each may
+            be ``async def`` or plain, independently of the others).
 
     Returns:
         A decorator turning a kernel ``fn`` into a
@@ -555,7 +602,9 @@ def kernel(
 
     Raises:
         TypeError: ``result_shape_dtypes`` is a function (the decorator was used
-            without parentheses), or ``executor``/``progress`` are invalid.
+            without parentheses), or ``executor``/``progress``/``max_in_flight``
+            are invalid; an ``async def`` kernel (or derivative kernel, at
+            ``defjvp``/``defvjp``) with an executor or ``vectorized``.
         ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``).
 
     Examples:
@@ -585,6 +634,7 @@ def kernel(
     executor = check_executor(executor, api=api)
     progress = _validate.check_progress(progress, api=api)
     _validate.check_vectorized(vectorized, api)
+    max_in_flight = _async_kernels.check_max_in_flight(max_in_flight, api)
 
     def decorate(fn: Callable[..., Any]) -> KernelFunction[Any]:
         return KernelFunction(
@@ -593,6 +643,7 @@ def kernel(
             executor=executor,
             progress=progress,
             vectorized=vectorized,
+            max_in_flight=max_in_flight,
         )
 
     return decorate

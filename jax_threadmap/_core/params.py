@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
+from .._support.event_loop import is_coroutine_function
 from .._support.validate import callable_name
 
 Fn = Callable[..., Any]
@@ -42,6 +44,14 @@ class HostCall(Protocol):
 
     @property
     def max_chunk(self) -> int | None: ...
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether what runs per element is ``async def`` (a coroutine each)."""
+        ...
+
+    @property
+    def max_in_flight(self) -> int | None: ...
 
     def host_call(self) -> tuple[Fn, Any, Any]:
         """``(fn, in_tree, out_tree)``: what runs per element, and its trees."""
@@ -88,6 +98,8 @@ class KernelParam:
         wrapped: Whether the call came from a ``jax_threadmap.kernel`` (which
             takes ``.defjvp``/``.defvjp``) rather than a bare ``threadmap``; only
             the message for a missing derivative differs.
+        max_in_flight: For ``async def`` kernels (and derivative kernels), the
+            most elements in flight at once, or ``None`` for the default.
     """
 
     fn: Fn
@@ -98,10 +110,15 @@ class KernelParam:
     vectorized: bool = False
     max_chunk: int | None = None
     wrapped: bool = False
+    max_in_flight: int | None = None
 
     @property
     def name(self) -> str:
         return callable_name(_unwrap(self.fn))
+
+    @property
+    def asynchronous(self) -> bool:
+        return is_coroutine_function(_unwrap(self.fn))
 
     def __repr__(self) -> str:
         return _with_chunking(self.name, self)
@@ -284,17 +301,28 @@ class Node:
             return self.kernel.out_tree
         return self.base.out_tree if self.kind == "jvp" else self.base.args_tree
 
-    def call(self, leaves: Sequence[np.ndarray]) -> list[Any]:
-        """Runs this node's kernel on all its leaves; one value per output leaf."""
+    def call(self, leaves: Sequence[np.ndarray]) -> Any:
+        """Runs this node's kernel on all its leaves; one value per output leaf
+        (a coroutine of them, for an ``async def`` kernel)."""
         args = jax.tree_util.tree_unflatten(
             self.args_tree, [leaves[i] for i in self.positional]
         )
         kwargs = jax.tree_util.tree_unflatten(
             self.kwargs_tree, [leaves[i] for i in self.keywords]
         )
+        result = self.function(*args, **kwargs)
+        if inspect.iscoroutine(result):  # an async def derivative kernel
+            return _then(result, lambda r: self._flat_result(r, leaves))
+        return self._flat_result(result, leaves)
+
+    @property
+    def function(self) -> Fn:
+        """The function this node runs per element."""
         obj = self.rule_object
-        fn = _unwrap(obj.fn if isinstance(obj, (KernelParam, RuleKernel)) else obj)
-        result = fn(*args, **kwargs)
+        return _unwrap(obj.fn if isinstance(obj, (KernelParam, RuleKernel)) else obj)
+
+    def _flat_result(self, result: Any, leaves: Sequence[np.ndarray]) -> list[Any]:
+        """The kernel's result as one value per output leaf."""
         if self.kind == "vjp":
             return self._flat_cotangents(result, leaves)
         try:
@@ -370,6 +398,16 @@ class DerivativeParam:
     def max_chunk(self) -> int | None:
         return self.node.kernel.max_chunk
 
+    @property
+    def asynchronous(self) -> bool:
+        return self.node.rule_object is not None and is_coroutine_function(
+            self.node.function
+        )
+
+    @property
+    def max_in_flight(self) -> int | None:
+        return self.node.kernel.max_in_flight
+
     def __repr__(self) -> str:
         return _with_chunking(self.name, self.node.kernel)
 
@@ -382,7 +420,7 @@ class DerivativeParam:
         n_in, n_out = sum(self.present), sum(self.keep)
         return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
 
-    def __call__(self, *operands: np.ndarray) -> tuple[Any, ...]:
+    def __call__(self, *operands: np.ndarray) -> Any:
         # A vectorized kernel's operands all have the chunk axis in front.
         chunk = operands[0].shape[:1] if self.vectorized and operands else ()
         ops = iter(operands)
@@ -393,7 +431,17 @@ class DerivativeParam:
             )
         ]
         out = self.node.call(leaves)
+        if inspect.iscoroutine(out):  # an async def derivative kernel
+            return _then(out, self._kept)
+        return self._kept(out)
+
+    def _kept(self, out: list[Any]) -> tuple[Any, ...]:
         return tuple(o for o, keep in zip(out, self.keep, strict=True) if keep)
+
+
+async def _then(result: Any, finish: Callable[[Any], Any]) -> Any:
+    """``finish(await result)``: a derivative adapter around an async def kernel."""
+    return finish(await result)
 
 
 AnyParam = KernelParam | DerivativeParam

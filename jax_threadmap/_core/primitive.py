@@ -4,8 +4,10 @@ One equation per call site, however many ``vmap`` levels wrap it: the batching
 rule rebinds ``threadmap_p`` with the batch spec grown by one level and never
 moves or tiles an operand. The lowering emits one host callback; the eager impl
 calls the same host function directly. Both run the flat map of :mod:`._host` on
-the executor named in the params (:func:`._maps.run_map`). The derivative rules are in
-:mod:`._autodiff`; all six registrations are at the bottom of this file.
+the executor named in the params (:func:`._maps.run_map`), or, for an ``async def``
+kernel, as coroutines on the event loop (:func:`._async_kernels.run_async_map`).
+The derivative rules are in :mod:`._autodiff`; all six registrations are at the
+bottom of this file.
 
 Params of every equation:
 
@@ -24,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._executors.coroutines import run_async_map
 from .._executors.runners import Executor, run_map
 from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
@@ -64,7 +67,12 @@ def host_function(
 
     def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
         flat_map = HostMap(caller, spec, operands)
-        run_map(executor, flat_map, progress=progress, max_chunk=kernel.max_chunk)
+        if kernel.asynchronous:  # coroutines on the event loop (_async_kernels)
+            run_async_map(
+                flat_map, max_in_flight=kernel.max_in_flight, progress=progress
+            )
+        else:
+            run_map(executor, flat_map, progress=progress, max_chunk=kernel.max_chunk)
         return flat_map.finish()
 
     return run

@@ -30,7 +30,7 @@ MAX_THREADS = 4096
 ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
 
 #: Keyword arguments of ``threadmap`` itself; they never reach the kernel.
-RESERVED_KWARGS = ("executor", "progress", "vectorized")
+RESERVED_KWARGS = ("executor", "progress", "vectorized", "max_in_flight")
 
 #: Keywords of ``jax.pure_callback`` that ``threadmap`` refuses, rather than pass to
 #: the kernel (where they fail at run time), with what it does instead.

@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .._support import fork as _fork
+from . import fork as _fork
 
 logger = logging.getLogger("jax_threadmap._async")
 

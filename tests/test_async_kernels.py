@@ -1,0 +1,464 @@
+"""``async def`` kernels: each element a coroutine on the package's event loop.
+
+No assertion rests on a clock: the tests count elements in flight and the threads
+that ran them, and wait on events (with generous bounds, so nothing hangs).
+"""
+
+import _thread
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import cause_of, returns_within
+
+import jax_threadmap
+from jax_threadmap import ExecutorError, KernelError, threadmap
+from jax_threadmap._executors.coroutines import (
+    DEFAULT_MAX_IN_FLIGHT,
+    ENV_MAX_IN_FLIGHT,
+    SLOW_STEP,
+)
+
+F32 = jax.ShapeDtypeStruct((), jnp.float32)
+#: Seconds a test waits for an event before it fails (never reached when it passes).
+PATIENCE = 60.0
+
+
+class InFlight:
+    """Counts a kernel's elements in flight (on the loop's one thread: no lock),
+    the threads that ran them, and opens a gate once ``until`` are in flight."""
+
+    def __init__(self, until: int):
+        self.until = until
+        self.now = 0
+        self.peak = 0
+        self.threads: set[int] = set()
+        self.most_threads = 0
+        self.cancelled = 0
+        self.all_cancelled = threading.Event()
+        self.expect_cancelled: int | None = None
+        self._gate: asyncio.Event | None = None
+
+    def gate(self) -> asyncio.Event:
+        if self._gate is None:  # made on the loop that awaits it
+            self._gate = asyncio.Event()
+        return self._gate
+
+    async def enter(self) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        self.threads.add(threading.get_ident())
+        self.most_threads = max(self.most_threads, threading.active_count())
+        if self.now >= self.until:
+            self.gate().set()
+        await asyncio.wait_for(self.gate().wait(), PATIENCE)
+
+    def leave(self) -> None:
+        self.now -= 1
+
+    def was_cancelled(self) -> None:
+        self.cancelled += 1
+        if self.cancelled == self.expect_cancelled:
+            self.all_cancelled.set()
+
+
+def test_nested_vmap_under_jit_runs_every_element_at_once_on_one_thread():
+    # The issue's done-when: 2,000 elements of a 0.2 s wait, jit of two vmaps.
+    seen = InFlight(until=2000)
+
+    async def fetch(i):
+        await seen.enter()
+        await asyncio.sleep(0.2)
+        seen.leave()
+        return i * 2 + 1
+
+    threads_before = threading.active_count()
+    f = jax.jit(jax.vmap(jax.vmap(lambda i: threadmap(fetch, F32, i))))
+    x = jnp.arange(2000.0).reshape(40, 50)
+    y = f(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2 + 1)
+    # Every element was in flight at once (the gate opened at 2,000), all on the
+    # loop's one thread; the process gained a handful of threads, not 2,000.
+    assert seen.peak == 2000
+    assert len(seen.threads) == 1
+    assert seen.most_threads - threads_before <= 8
+
+
+def test_results_match_the_plain_kernel_under_nested_vmap_with_unbatched_operands():
+    def plain(x, v, *, scale):
+        return {"sum": np.sum(x * v) * scale, "row": x[::-1] + v}
+
+    async def coro(x, v, *, scale):
+        await asyncio.sleep(0)
+        return plain(x, v, scale=scale)
+
+    spec = {"sum": F32, "row": jax.ShapeDtypeStruct((3,), jnp.float32)}
+
+    def f(kernel):
+        g = lambda x, v, s: threadmap(kernel, spec, x, v, scale=s)  # noqa: E731
+        return jax.jit(jax.vmap(jax.vmap(g, (0, None, None)), (1, 0, None)))
+
+    x = jnp.arange(60.0).reshape(5, 4, 3)
+    v = jnp.arange(12.0).reshape(4, 3)
+    s = jnp.float32(0.5)
+    got, want = f(coro)(x, v, s), f(plain)(x, v, s)
+    jax.tree.map(np.testing.assert_allclose, got, want)
+    # Eager, unbatched: the same primitive's impl.
+    got = threadmap(coro, spec, x[0, 0], v[1], scale=s)
+    jax.tree.map(
+        np.testing.assert_allclose, got, plain(x[0, 0], v[1], scale=np.float32(0.5))
+    )
+
+
+def test_partials_and_callables_of_coroutine_functions():
+    async def scaled(a, x):
+        return x * a
+
+    class Kernel:
+        async def __call__(self, x):
+            return x - 1
+
+    x = jnp.arange(6.0)
+    np.testing.assert_array_equal(
+        jax.vmap(lambda x: threadmap(functools.partial(scaled, 3.0), F32, x))(x), x * 3
+    )
+    np.testing.assert_array_equal(
+        jax.vmap(lambda x: threadmap(Kernel(), F32, x))(x), x - 1
+    )
+
+
+@pytest.mark.parametrize("how", ["keyword", "environment"])
+def test_the_bound_on_elements_in_flight_holds(how, monkeypatch):
+    bound = 7
+    seen = InFlight(until=bound)
+
+    async def wait_a_little(x):
+        await seen.enter()
+        await asyncio.sleep(0)
+        seen.leave()
+        return x
+
+    kw = {}
+    if how == "keyword":
+        kw["max_in_flight"] = bound
+    else:
+        monkeypatch.setenv(ENV_MAX_IN_FLIGHT, str(bound))
+    f = jax.vmap(lambda x: threadmap(wait_a_little, F32, x, **kw))
+    x = jnp.arange(100.0)
+    np.testing.assert_array_equal(f(x), x)
+    assert seen.peak == bound
+
+
+def test_kernel_takes_the_bound_and_its_default_is_generous():
+    assert DEFAULT_MAX_IN_FLIGHT >= 1000
+    seen = InFlight(until=3)
+
+    @jax_threadmap.kernel(F32, max_in_flight=3)
+    async def k(x):
+        await seen.enter()
+        seen.leave()
+        return x + 1
+
+    np.testing.assert_array_equal(jax.vmap(k)(jnp.zeros(20)), jnp.ones(20))
+    assert seen.peak == 3
+    with pytest.raises(TypeError, match="'max_in_flight' is an option of"):
+        k(1.0, max_in_flight=2)
+
+
+async def _identity(x):
+    return x
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (0, ValueError, r"between 1 and .*Got max_in_flight=0"),
+        (-3, ValueError, r"Got max_in_flight=-3"),
+        (2.5, TypeError, r"positive int.*Got max_in_flight=2.5 of type float"),
+        (True, TypeError, r"Got max_in_flight=True of type bool"),
+        ("8", TypeError, r"Got max_in_flight='8' of type str"),
+        (10**9, ValueError, r"not the batch size"),
+    ],
+)
+def test_bad_bounds_are_refused_at_the_call(value, error, match):
+    with pytest.raises(error, match=match):
+        threadmap(_identity, F32, 1.0, max_in_flight=value)
+    with pytest.raises(error, match=match):
+        jax_threadmap.kernel(F32, max_in_flight=value)
+
+
+def test_a_bad_environment_variable_is_refused_at_the_call(monkeypatch):
+    monkeypatch.setenv(ENV_MAX_IN_FLIGHT, "lots")
+    with pytest.raises(ValueError, match=f"{ENV_MAX_IN_FLIGHT} must be a positive"):
+        threadmap(_identity, F32, 1.0)
+
+
+@pytest.mark.parametrize(
+    "executor", [4, concurrent.futures.ThreadPoolExecutor(1)], ids=["int", "pool"]
+)
+def test_an_executor_is_refused_at_the_call(executor):
+    with pytest.raises(TypeError, match=r"'_identity' is an async def.*executor="):
+        threadmap(_identity, F32, 1.0, executor=executor)
+    with pytest.raises(TypeError, match=r"executor= must be None"):
+        jax_threadmap.kernel(F32, executor=executor)(_identity)
+
+    k = jax_threadmap.kernel(F32, executor=executor)(np.sin)  # a plain primal
+    with pytest.raises(TypeError, match=r"the VJP kernel '_identity' is an async"):
+        k.defvjp(_identity)
+
+
+def test_vectorized_is_refused_at_the_call():
+    with pytest.raises(TypeError, match=r"vectorized= must be False"):
+        threadmap(_identity, F32, 1.0, vectorized=True)
+
+
+# --- failures ---------------------------------------------------------------------
+
+
+def test_a_failing_element_names_its_index_and_line_and_the_rest_are_cancelled():
+    bound = 16
+    seen = InFlight(until=bound)
+    seen.expect_cancelled = bound - 1
+
+    async def flaky(i):
+        try:
+            await seen.enter()
+            if i == 37:
+                raise ValueError(f"element {int(i)} is bad")  # the line quoted
+            await asyncio.Event().wait()  # forever, unless cancelled
+        except asyncio.CancelledError:
+            seen.was_cancelled()
+            raise
+        return i
+
+    # The first 16 elements (22..37) are in flight when 37 fails; the others wait
+    # forever, so the map ends only if they are cancelled, not awaited.
+    x = jnp.arange(22.0, 122.0).reshape(4, 25)
+    with pytest.raises(Exception, match=r"batch index \(0, 15\)") as info:
+        _with_bound(flaky, x, bound)
+    message = str(info.value)
+    assert "element 37 is bad" in message
+    assert 'raise ValueError(f"element {int(i)} is bad")' in message
+    # The others were cancelled at their await, not awaited (they never end).
+    assert seen.all_cancelled.wait(PATIENCE)
+    assert seen.cancelled == bound - 1
+
+
+def _with_bound(kernel, x, bound):
+    g = lambda i: threadmap(kernel, F32, i, max_in_flight=bound)  # noqa: E731
+    return jax.jit(jax.vmap(jax.vmap(g)))(x)
+
+
+def test_a_failing_element_under_jit_names_its_index():
+    async def flaky(i):
+        if i == 5:
+            raise OSError("no route")
+        return i
+
+    f = jax.jit(jax.vmap(lambda i: threadmap(flaky, F32, i)))
+    with pytest.raises(Exception, match=r"flaky' at batch index \(5,\)(.|\n)*no route"):
+        f(jnp.arange(8.0))
+    np.testing.assert_array_equal(f(jnp.arange(5.0)), jnp.arange(5.0))  # next works
+
+
+@pytest.mark.parametrize(
+    "result, match",
+    [
+        (np.zeros(2), r"at batch index \(3,\).*returned shape \(2,\)"),
+        ("text", r"at batch index \(3,\).*not convertible|at batch index \(3,\)"),
+        ((1.0, 2.0), r"at batch index \(3,\).*structure"),
+    ],
+)
+def test_results_are_checked_as_for_plain_kernels(result, match):
+    async def wrong(i):
+        return result if i == 3 else i
+
+    with pytest.raises(KernelError, match=match) as info:
+        jax.vmap(lambda i: threadmap(wrong, F32, i))(jnp.arange(6.0))
+    assert info.value.index == (3,)
+
+
+def test_keyboard_interrupt_in_a_kernel_reaches_the_caller_and_the_loop_lives_on():
+    async def interrupted(i):
+        if i == 2:
+            raise KeyboardInterrupt
+        return i
+
+    f = jax.vmap(lambda i: threadmap(interrupted, F32, i))
+    with pytest.raises(KeyboardInterrupt):
+        f(jnp.arange(4.0))
+    np.testing.assert_array_equal(f(jnp.arange(2.0)), jnp.arange(2.0))
+
+
+def test_ctrl_c_cancels_the_map():
+    bound = 10
+    seen = InFlight(until=bound)
+    seen.expect_cancelled = bound
+    interrupted = []
+
+    async def forever(i):
+        try:
+            await seen.enter()
+            if seen.now == bound and not interrupted:  # all in flight: Ctrl-C
+                interrupted.append(i)  # once: in the waiting thread
+                _thread.interrupt_main()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.was_cancelled()
+            raise
+        return i
+
+    assert threading.current_thread() is threading.main_thread()
+    with pytest.raises(KeyboardInterrupt):
+        threadmap_all(forever, 50, bound)
+    assert seen.all_cancelled.wait(PATIENCE), (seen.cancelled, seen.now, interrupted)
+    assert seen.cancelled == bound
+
+
+def threadmap_all(kernel, n, bound):
+    g = lambda i: threadmap(kernel, F32, i, max_in_flight=bound)  # noqa: E731
+    return jax.vmap(g)(jnp.arange(float(n)))
+
+
+def test_a_kernel_that_blocks_the_loop_is_named_with_how_long(caplog):
+    import time
+
+    async def blocking(i):
+        if i == 2:
+            time.sleep(SLOW_STEP + 0.05)  # holds the loop: every other element waits
+        await asyncio.sleep(0)
+        return i
+
+    with caplog.at_level(logging.WARNING, logger="jax_threadmap.async_kernels"):
+        out = jax.vmap(lambda i: threadmap(blocking, F32, i))(jnp.arange(4.0))
+    np.testing.assert_array_equal(out, jnp.arange(4.0))
+    held = [
+        r.getMessage()
+        for r in caplog.records
+        if "held the event loop" in r.getMessage()
+    ]
+    assert len(held) == 1
+    assert "blocking' (at batch index (2,))" in held[0]
+    seconds = float(held[0].split("held the event loop for ")[1].split(" s")[0])
+    assert seconds > SLOW_STEP
+
+
+def test_a_map_called_on_the_event_loop_is_refused():
+    async def inner(x):
+        return x
+
+    async def outer(x):
+        return threadmap(inner, F32, x)  # blocks the loop it needs: refused
+
+    with pytest.raises(KernelError, match="outer' raised ExecutorError") as info:
+        threadmap(outer, F32, 1.0)
+    assert isinstance(cause_of(info.value), ExecutorError)
+    assert "event loop" in str(cause_of(info.value))
+
+
+def test_an_async_map_nested_in_a_plain_kernel():
+    async def inner(x):
+        await asyncio.sleep(0)
+        return x * 10
+
+    def outer(row):
+        return np.asarray(jax.vmap(lambda x: threadmap(inner, F32, x))(row)).sum()
+
+    x = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+    out = returns_within(
+        lambda: jax.vmap(lambda r: threadmap(outer, F32, r))(x), limit=PATIENCE
+    )
+    np.testing.assert_allclose(out, (x * 10).sum(1))
+
+
+# --- derivatives ------------------------------------------------------------------
+
+
+def _cube_kernel(primal_async: bool, rule_async: bool):
+    @jax_threadmap.kernel(F32)
+    async def acube(x, a):
+        await asyncio.sleep(0)
+        return x**3 * a
+
+    @jax_threadmap.kernel(F32)
+    def pcube(x, a):
+        return x**3 * a
+
+    k = acube if primal_async else pcube
+
+    if rule_async:
+
+        @k.defvjp
+        async def vjp(x, a, ct):
+            await asyncio.sleep(0)
+            return 3 * x**2 * a * ct, x**3 * ct
+
+        @k.defjvp
+        async def jvp(x, a, tx, ta):
+            await asyncio.sleep(0)
+            return 3 * x**2 * a * tx + x**3 * ta
+
+    else:
+
+        @k.defvjp
+        def vjp(x, a, ct):
+            return 3 * x**2 * a * ct, x**3 * ct
+
+        @k.defjvp
+        def jvp(x, a, tx, ta):
+            return 3 * x**2 * a * tx + x**3 * ta
+
+    return k
+
+
+@pytest.mark.parametrize(
+    "primal_async, rule_async", [(True, True), (True, False), (False, True)]
+)
+def test_grad_and_jvp_of_async_kernels(primal_async, rule_async):
+    k = _cube_kernel(primal_async, rule_async)
+    x = jnp.linspace(0.5, 2.0, 12).reshape(3, 4)
+    a = jnp.float32(1.5)  # unbatched: its cotangent is summed on the host
+
+    def loss(fn, x, a):
+        return jax.vmap(jax.vmap(fn, (0, None)), (0, None))(x, a).sum()
+
+    def ref(x, a):
+        return x**3 * a
+
+    got = jax.jit(jax.grad(lambda x, a: loss(k, x, a), (0, 1)))(x, a)
+    want = jax.grad(lambda x, a: loss(ref, x, a), (0, 1))(x, a)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    t = jnp.ones_like(x)
+    _, got_t = jax.jvp(lambda x: loss(k, x, a), (x,), (t,))
+    _, want_t = jax.jvp(lambda x: loss(ref, x, a), (x,), (t,))
+    np.testing.assert_allclose(got_t, want_t, rtol=1e-5)
+
+
+def test_summed_cotangents_are_added_in_index_order_within_the_bound():
+    # More elements than the bound, the earliest slowest: the sum over an unbatched
+    # operand waits for them in index order, and stays exact and bounded.
+    seen = InFlight(until=1)
+
+    @jax_threadmap.kernel(F32, max_in_flight=4)
+    async def k(x, a):
+        return x * a
+
+    @k.defvjp
+    async def k_vjp(x, a, ct):
+        await seen.enter()
+        for _ in range(int(64 - x)):  # earlier elements yield more often
+            await asyncio.sleep(0)
+        seen.leave()
+        return ct * a, ct * x
+
+    x = jnp.arange(64.0)
+    g = jax.grad(lambda a: jax.vmap(k, (0, None))(x, a).sum())(jnp.float32(2.0))
+    assert float(g) == float(x.sum())
+    assert seen.peak <= 4

@@ -38,8 +38,11 @@ class Recorder:
     """A sleepy kernel that records its threads and how many run at once.
 
     With ``gate=k``, no call returns before ``k`` calls have run at once (or
-    ``GATE_TIMEOUT`` passed): a pool that can run ``k`` kernels at once reaches
-    ``max_running == k`` whatever the machine's load, with no timing."""
+    ``GATE_TIMEOUT`` passed, which ``gate_timed_out`` records): a pool that can run
+    ``k`` kernels at once reaches ``max_running == k`` whatever the machine's load,
+    with no timing. A map whose elements wait for each other like this runs them
+    with ``InOrder`` (every thread at once); without it a map on more threads than
+    CPUs starts on fewer and would reach ``k`` only after the gate gave up."""
 
     def __init__(self, sleep=0.01, gate=None):
         self.sleep = sleep
@@ -49,6 +52,7 @@ class Recorder:
         self.threads = set()
         self.running = 0
         self.max_running = 0
+        self.gate_timed_out = False
 
     def __call__(self, x):
         with self.lock:
@@ -59,8 +63,8 @@ class Recorder:
                 self.all_in.set()
         if self.gate is None:
             time.sleep(self.sleep)
-        else:
-            self.all_in.wait(GATE_TIMEOUT)
+        elif not self.all_in.wait(GATE_TIMEOUT):
+            self.gate_timed_out = True
         with self.lock:
             self.running -= 1
         return x * 2
@@ -80,8 +84,9 @@ X = np.arange(24, dtype=np.float32).reshape(4, 6)
 def test_env_var_sets_default_pool_size(monkeypatch, n):
     monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(n))
     rec = Recorder(gate=n)
-    np.testing.assert_array_equal(run(rec, X), X * 2)
+    np.testing.assert_array_equal(run(rec, X, executor=InOrder()), X * 2)
     assert rec.max_running == n  # the pool's n threads run at once, no more
+    assert not rec.gate_timed_out
     assert threading.main_thread() not in rec.threads
     assert all(t.name.startswith("jax_threadmap") for t in rec.threads)
 
@@ -95,11 +100,15 @@ def test_env_var_rejects_garbage(monkeypatch):
 @pytest.mark.parametrize("n", [2, 5])
 def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     rec = Recorder(gate=n)
-    np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
+    np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
     started = _threads._threads.started
     for _ in range(2):
-        np.testing.assert_array_equal(run(rec, X, executor=n), X * 2)
+        np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
     assert rec.max_running == n
+    assert not rec.gate_timed_out
+    sleepy = Recorder(0.002)  # chunks sized from timings: within the bound too
+    np.testing.assert_array_equal(run(sleepy, X, executor=n), X * 2)
+    assert 1 <= sleepy.max_running <= n
     assert _threads.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
     assert _threads._threads.started == started
@@ -132,8 +141,9 @@ def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
         time.sleep(0.05)
     assert _threads.num_threads() == 0
     rec = Recorder(gate=4)
-    np.testing.assert_array_equal(run(rec, X, executor=4), X * 2)  # restarted
+    np.testing.assert_array_equal(run(rec, X, executor=InOrder(4)), X * 2)  # restarted
     assert rec.max_running == 4
+    assert not rec.gate_timed_out
 
 
 def test_user_executor_runs_every_kernel():

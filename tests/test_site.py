@@ -98,24 +98,63 @@ class _Text(html.parser.HTMLParser):
         (self.code if self.depth else self.prose).append(data)
 
 
+#: Set by .ci/run: where CI installed the docs and browser extras and Chromium,
+#: a site test that cannot run fails instead of skipping.
+REQUIRED = os.environ.get("JAX_THREADMAP_SITE_TESTS") == "required"
+
+
+def _skip(reason: str) -> None:
+    if REQUIRED:
+        pytest.fail(f"{reason}, and JAX_THREADMAP_SITE_TESTS=required")
+    pytest.skip(reason)
+
+
+def readme_docs_command() -> tuple[dict[str, str], list[str]]:
+    """The environment and arguments of README's ``mkdocs build --strict``."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"`((?:\w+=\S+ )*)mkdocs build --strict`", readme)
+    assert command, "README: no `mkdocs build --strict` command"
+    env = {k: v for k, v in os.environ.items() if k != "NO_MKDOCS_2_WARNING"}
+    env.update(kv.split("=", 1) for kv in command[1].split())
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+    )
+    return env, [sys.executable, "-m", "mkdocs", "build", "--strict"]
+
+
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> pathlib.Path:
+def built(tmp_path_factory) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
+    """The site, built once with README's command; and that command's run."""
     for module in ("mkdocs", "mkdocstrings", "material"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install '.[docs]')")
+            _skip(f"{module} is not installed (pip install '.[docs]')")
     site_dir = tmp_path_factory.mktemp("site")
-    browser_check.build_site(site_dir)
-    return site_dir
+    env, command = readme_docs_command()
+    proc = subprocess.run(
+        [*command, "--site-dir", str(site_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return site_dir, proc
+
+
+@pytest.fixture(scope="module")
+def site(built) -> pathlib.Path:
+    return built[0]
 
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
     """The Chromium executable for playwright; skips where there is none."""
     if importlib.util.find_spec("playwright") is None:
-        pytest.skip("playwright is not installed (pip install '.[browser]')")
+        _skip("playwright is not installed (pip install '.[browser]')")
     path = shutil.which("chromium") or browser_check.CHROMIUM
     if not pathlib.Path(path).exists():
-        pytest.skip("no Chromium (apt-get install chromium)")
+        _skip("no Chromium (apt-get install chromium)")
     return path
 
 
@@ -183,25 +222,11 @@ def test_api_page_shows_one_readable_signature_per_object(site):
     assert "defvjp(vjp)" in "".join(defvjp.code).replace("\n", "")
 
 
-def test_the_readme_docs_command_prints_no_theme_banner(site, tmp_path):
+def test_the_readme_docs_command_prints_no_theme_banner(built):
     # Was: `mkdocs build --strict` as the README said printed the Material theme's
     # notice about its end of life, which CI hid with an environment variable.
-    readme = (ROOT / "README.md").read_text()
-    command = re.search(r"`((?:\w+=\S+ )*)mkdocs build --strict`", readme)
-    assert command, "README: no `mkdocs build --strict` command"
-    env = {k: v for k, v in os.environ.items() if k != "NO_MKDOCS_2_WARNING"}
-    env.update(kv.split("=", 1) for kv in command[1].split())
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict"]
-        + ["--site-dir", str(tmp_path / "site")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    # The `site` every test here reads is built with that very command.
+    proc = built[1]
     assert "Material for MkDocs" not in proc.stderr + proc.stdout, proc.stderr
 
 

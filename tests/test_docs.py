@@ -57,13 +57,15 @@ import inspect
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 
 import pytest
 
 import jax_threadmap
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import fresh_scripts  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -201,7 +203,8 @@ def needs_alone_run(path: pathlib.Path, block: dict) -> bool:
 
 
 def run_script(path: pathlib.Path, script: str, devices: int | None = None):
-    """Runs ``script`` with ``python FILE`` in a fresh directory, as a user would."""
+    """Runs ``script`` as ``python FILE`` in a fresh directory, as a user would
+    (forked from a process that imported JAX once: tests/fresh_scripts.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_THREADMAP_")}
     if devices:
         env["XLA_FLAGS"] = (
@@ -214,15 +217,7 @@ def run_script(path: pathlib.Path, script: str, devices: int | None = None):
     with tempfile.TemporaryDirectory() as tmp:
         file = pathlib.Path(tmp) / f"{path.stem}_md.py"
         file.write_text(script)
-        proc = subprocess.run(
-            [sys.executable, str(file)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp,
-            timeout=600,
-        )
-    return proc
+        return fresh_scripts.run(str(file), cwd=tmp, env=env, timeout=600)
 
 
 def block_outputs(stdout: str) -> dict[int, str]:

@@ -1,0 +1,82 @@
+"""tests/fresh_scripts.py runs a script as ``python FILE`` does: each case runs both
+ways (forked from the zygote, and in a fresh interpreter) and must end the same."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import fresh_scripts
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+SCRIPTS = {
+    # Output, a warning, an atexit hook and a non-daemon thread that outlives the
+    # script's last line (interpreter shutdown joins it before the hook runs).
+    "shutdown": """
+import atexit, threading, time, warnings
+import numpy as np
+atexit.register(lambda: print("atexit", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread"))).start()
+warnings.warn("careful")
+print(np.arange(3).sum())
+""",
+    # A name the script never imported (the zygote imported numpy): its globals
+    # start empty, and the traceback starts at the script, as python prints it.
+    "missing_import": "x = 1\nprint(np.arange(3))\n",
+    # The exit status; XLA_FLAGS set by the script before JAX's backend starts.
+    "exit_status": """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
+import jax
+print(len(jax.devices()), __name__, sys.argv[0] == __file__)
+sys.exit(3)
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypatch):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_THREADMAP_")}
+    env["PYTHONPATH"] = str(ROOT)
+    file = tmp_path / f"{name}.py"
+    file.write_text(SCRIPTS[name])
+    fresh = subprocess.run(
+        [sys.executable, str(file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    monkeypatch.setenv("JAX_THREADMAP_FRESH_SCRIPTS", "fork")
+    forked = fresh_scripts.run(str(file), cwd=str(tmp_path), env=env, timeout=300)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode,
+        fresh.stdout,
+        fresh.stderr,
+    )
+    assert fresh.returncode == (
+        3 if name == "exit_status" else name == "missing_import"
+    )
+    if name == "exit_status":
+        assert fresh.stdout == "3 __main__ True\n"
+
+
+def test_a_script_past_its_timeout_is_killed(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    file = tmp_path / "stuck.py"
+    file.write_text("import threading\nthreading.Event().wait()\n")
+
+    def zygote():
+        (found,) = [z for z in fresh_scripts._zygotes.values() if z.env == env]
+        return found
+
+    with pytest.raises(subprocess.TimeoutExpired):
+        fresh_scripts.run(str(file), cwd=str(tmp_path), env=env, timeout=3)
+    killed = zygote()
+    assert killed.proc.poll() is not None
+    file.write_text("print('next')\n")  # the next script gets a new zygote
+    assert fresh_scripts.run(str(file), cwd=str(tmp_path), env=env).stdout == "next\n"
+    assert zygote() is not killed and zygote().proc.poll() is None

@@ -127,12 +127,11 @@ class Job:
         with self._lock:
             return self._completed
 
-    def add_hand(self, cap: int | None = None) -> bool:
+    def add_hand(self) -> bool:
         """Counts one more thread handed to the map, if it can use one: fewer
-        than its limit (and ``cap``) hold it, and units are left to claim."""
+        than its limit hold it, and units are left to claim."""
         with self._lock:
-            most = min(self.n, self.limit, self.n if cap is None else cap)
-            if self.hands >= most or self._exhausted():
+            if self.hands >= min(self.n, self.limit) or self._exhausted():
                 return False
             self.hands += 1
             return True

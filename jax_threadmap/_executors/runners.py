@@ -173,30 +173,28 @@ class SharedThreads:
         self.pool.run(job, progress)
 
 
-class ThreadExecutor:
+class _UserExecutor:
+    """A ``concurrent.futures.Executor`` passed as ``executor=``."""
+
+    def __init__(self, executor: concurrent.futures.Executor):
+        self.executor = executor
+        self.known = known_workers(executor)
+        self.workers = self.known or UNKNOWN_WORKERS
+
+
+class ThreadExecutor(_UserExecutor):
     """A user's ``ThreadPoolExecutor``: puller tasks (``threads.run_on_executor``)."""
 
     on_threads = True
 
-    def __init__(self, executor: concurrent.futures.Executor):
-        self.executor = executor
-        self.known = known_workers(executor)
-        self.workers = self.known or UNKNOWN_WORKERS
-
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
-        pullers = self.known or UNKNOWN_WORKERS_IN_FLIGHT
-        _threads.run_on_executor(self.executor, job, pullers, progress)
+        _threads.run_on_executor(self.executor, job, progress)
 
 
-class PicklingExecutor:
+class PicklingExecutor(_UserExecutor):
     """An executor that runs work in other processes (:class:`_Shipper`)."""
 
     on_threads = False
-
-    def __init__(self, executor: concurrent.futures.Executor):
-        self.executor = executor
-        self.known = known_workers(executor)
-        self.workers = self.known or UNKNOWN_WORKERS
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
         _Shipper(self.executor, work, job, self.known).run(progress)

@@ -395,14 +395,12 @@ def refused(executor: Any, e: BaseException) -> ExecutorError:
 def run_on_executor(
     executor: concurrent.futures.Executor,
     job: Job,
-    workers: int,
     progress: Progress | None,
 ) -> None:
-    """Runs ``job`` on a thread executor of ``workers`` threads: one puller task
-    per thread it may use (more once its limit rises). A nested map's thread
-    drains ``job`` too (the workers may all wait, for it among others); pullers
-    that never start are cancelled."""
-    count = min(workers, job.n)
+    """Runs ``job`` on a thread executor: one puller task per thread it may use
+    (more once its limit rises). A nested map's thread drains ``job`` too (the
+    workers may all wait, for it among others); pullers that never start are
+    cancelled."""
     lock = threading.Lock()  # guards ``left`` and ``futures``
     left = [0]  # pullers submitted and not yet done
     futures: list[concurrent.futures.Future[None]] = []
@@ -420,7 +418,7 @@ def run_on_executor(
     def hand() -> None:
         """Submits pullers up to the job's limit. A refusal fails the map only
         when no puller runs it."""
-        while job.add_hand(count):
+        while job.add_hand():
             with lock:
                 left[0] += 1
             try:

@@ -86,7 +86,9 @@ class ThreadPool:
 class _Worker:
     """One shared thread: the job (and pool) it has been handed, if any."""
 
-    __slots__ = ("cancelled", "job", "pool", "running", "started", "wake")
+    __slots__ = ("cancelled", "job", "pool", "running", "started", "thread", "wake")
+
+    thread: threading.Thread  # set once, by _Threads._new_thread
 
     def __init__(self, pool: ThreadPool, job: Job):
         self.pool: ThreadPool | None = pool
@@ -116,8 +118,7 @@ class _Threads:
         self.lock = threading.Lock()
         self.queue: collections.deque[tuple[ThreadPool, Job]] = collections.deque()
         self.idle: list[_Worker] = []  # the last to go idle is handed work first
-        self.threads: set[threading.Thread] = set()
-        self.workers: set[_Worker] = set()  # of the threads alive
+        self.workers: set[_Worker] = set()  # the threads alive
         self.started = 0
         self.exiting = False
         #: Maps still taken at exit: those of programs that JAX waits for.
@@ -145,12 +146,10 @@ class _Threads:
         # Outside the lock, so that the other threads keep going meanwhile.
         self._start(pool, job, new)
 
-    def _place(
-        self, pool: ThreadPool, job: Job
-    ) -> list[tuple[threading.Thread, _Worker]]:  # lock held
+    def _place(self, pool: ThreadPool, job: Job) -> list[_Worker]:  # lock held
         """Wakes idle threads for ``job`` and makes new ones (returned, to be
         started), unless threads done with their maps will take it soon."""
-        new: list[tuple[threading.Thread, _Worker]] = []
+        new: list[_Worker] = []
         returning = None  # threads about to look for work, once counted
         while pool.active < pool.max_workers:
             if job.hands >= min(job.n, job.limit):
@@ -170,13 +169,11 @@ class _Threads:
                 new.append(self._new_thread(pool, job))
         return new
 
-    def _start(
-        self, pool: ThreadPool, job: Job, new: list[tuple[threading.Thread, _Worker]]
-    ) -> None:
+    def _start(self, pool: ThreadPool, job: Job, new: list[_Worker]) -> None:
         """Starts the threads made for ``job``; a refusal fails the map."""
-        for i, (t, _) in enumerate(new):
+        for i, worker in enumerate(new):
             try:
-                t.start()
+                worker.thread.start()
             except BaseException as e:  # refused (too many threads), or Ctrl-C
                 self._cancel(pool, new[i:])
                 self.forget(job)
@@ -205,15 +202,12 @@ class _Threads:
             and (w.job is None or w.job.exhausted())
         )
 
-    def _cancel(
-        self, pool: ThreadPool, new: list[tuple[threading.Thread, _Worker]]
-    ) -> None:
+    def _cancel(self, pool: ThreadPool, new: list[_Worker]) -> None:
         """Gives back the places of threads whose start failed."""
         with self.lock:
-            for t, worker in new:
+            for worker in new:
                 if not worker.started:  # a start cut short may yet run it: it won't
                     worker.cancelled = True
-                    self.threads.discard(t)
                     self.workers.discard(worker)
                     pool.active -= 1
                     if worker.job is not None:
@@ -227,20 +221,15 @@ class _Threads:
                     self.queue.remove(entry)
                     return
 
-    def _new_thread(
-        self, pool: ThreadPool, job: Job
-    ) -> tuple[threading.Thread, _Worker]:  # lock held
+    def _new_thread(self, pool: ThreadPool, job: Job) -> _Worker:  # lock held
         worker = _Worker(pool, job)
-        t = threading.Thread(
-            target=self._work,
-            args=(worker,),
-            name=f"jax_threadmap_{self.started}",
-            daemon=True,
+        worker.thread = threading.Thread(
+            target=self._work, args=(worker,), name=f"jax_threadmap_{self.started}"
         )
+        worker.thread.daemon = True
         self.started += 1
-        self.threads.add(t)
         self.workers.add(worker)
-        return t, worker
+        return worker
 
     def _work(self, worker: _Worker) -> None:
         with self.lock:
@@ -255,7 +244,6 @@ class _Threads:
                 if idle:
                     self.idle.append(worker)
                 elif worker.job is None:
-                    self.threads.discard(threading.current_thread())
                     self.workers.discard(worker)
             if idle:
                 self._wait_for_work(worker)
@@ -268,7 +256,6 @@ class _Threads:
                 if worker in self.idle:  # no one can hand us a job now
                     self.idle.remove(worker)
             if worker.job is None:  # timed out, or told to exit
-                self.threads.discard(threading.current_thread())
                 self.workers.discard(worker)
 
     def _hand_next(self, worker: _Worker) -> None:  # lock held
@@ -302,11 +289,11 @@ class _Threads:
             for worker in self.idle:
                 worker.wake.release()
             self.idle.clear()
-            return list(self.threads)
+            return [w.thread for w in self.workers]
 
     def count(self) -> int:
         with self.lock:
-            return len(self.threads)
+            return len(self.workers)
 
 
 def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock held

@@ -43,7 +43,7 @@ from .scheduling import (
     UNKNOWN_WORKERS_IN_FLIGHT,
     InOrder,
 )
-from .threads import interpreter_exiting, refused
+from .threads import interpreter_exiting, refused, said
 
 # --- what executor= accepts ----------------------------------------------------
 
@@ -296,11 +296,6 @@ def run_map(
         job.detach()
     if job.error is not None:
         raise _map_error(job.error, work.name, executor)
-
-
-def said(e: BaseException) -> str:
-    """``Type: message`` of an exception, without its final period."""
-    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
 
 
 def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:

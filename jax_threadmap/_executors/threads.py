@@ -352,6 +352,11 @@ def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
 interpreter_exiting = threading.Event()
 
 
+def said(e: BaseException) -> str:
+    """``Type: message`` of an exception, without its final period."""
+    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
+
+
 def refused(executor: Any, e: BaseException) -> ExecutorError:
     """The error of a map whose executor refused its work."""
     if interpreter_exiting.is_set() or "interpreter shutdown" in str(e):
@@ -366,14 +371,14 @@ def refused(executor: Any, e: BaseException) -> ExecutorError:
     if isinstance(e, concurrent.futures.BrokenExecutor):
         return ExecutorError(
             f"The executor {executor!r} passed as executor= is broken: "
-            f"{type(e).__name__}: {str(e).rstrip('.')}. A worker of it ended "
+            f"{said(e)}. A worker of it ended "
             "earlier (the error of the map that ran then said how); pass a new "
             "executor.",
             cause=e,
         )
     return ExecutorError(
         f"The executor {executor!r} passed as executor= refused new work: "
-        f"{type(e).__name__}: {str(e).rstrip('.')}. Pass an executor that is "
+        f"{said(e)}. Pass an executor that is "
         "running, or executor=None for the shared pool.",
         cause=e,
     )

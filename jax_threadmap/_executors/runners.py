@@ -37,12 +37,7 @@ from . import threads as _threads
 from .claims import MapWork
 from .jobs import Job, _local
 from .progress import Progress, progress_enabled, wait
-from .scheduling import (
-    EXIT_GRACE,
-    UNKNOWN_WORKERS,
-    UNKNOWN_WORKERS_IN_FLIGHT,
-    InOrder,
-)
+from .scheduling import InOrder
 from .threads import interpreter_exiting, refused, said
 
 # --- what executor= accepts ----------------------------------------------------
@@ -179,7 +174,7 @@ class _UserExecutor:
     def __init__(self, executor: concurrent.futures.Executor):
         self.executor = executor
         self.known = known_workers(executor)
-        self.workers = self.known or UNKNOWN_WORKERS
+        self.workers = self.known or policy.UNKNOWN_WORKERS
 
 
 class ThreadExecutor(_UserExecutor):
@@ -371,7 +366,7 @@ class _Shipper:
         self.work = work
         self.job = job
         self.cap = policy.remote_in_flight(workers)
-        self.first_wave = min(workers or UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
+        self.first_wave = min(workers or policy.UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
         self.next = 0
         self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
         self.per_element: float | None = None
@@ -505,7 +500,7 @@ def _before_executors_exit() -> None:
     """At exit, before ``concurrent.futures`` waits for its pools' tasks: stops
     the maps of daemon threads (their tasks not yet started are cancelled)."""
     interpreter_exiting.set()
-    _stop_maps_of_daemon_threads(time.monotonic() + EXIT_GRACE)
+    _stop_maps_of_daemon_threads(time.monotonic() + policy.EXIT_GRACE)
 
 
 def _at_exit() -> None:
@@ -514,7 +509,7 @@ def _at_exit() -> None:
     jitted program before the interpreter finalizes (a thread that needs the
     GIL inside XLA then aborts the process). Only the shared threads are
     joined."""
-    deadline = time.monotonic() + EXIT_GRACE
+    deadline = time.monotonic() + policy.EXIT_GRACE
     interpreter_exiting.set()
     ours = _threads._threads.exit(keep=_run_for_jax)
     _stop_maps_of_daemon_threads(deadline)

@@ -132,7 +132,7 @@ def test_fork_while_the_layer_is_busy():
     held = threading.Event()
 
     def hold_locks():
-        with _threads._states_lock, _threads._fallback.queueing:
+        with _threads._states_lock, _threads._fallback:
             held.set()
             release.wait(60)
 

@@ -215,7 +215,7 @@ def test_front_loaded_costs_spread_over_every_thread(monkeypatch):
 
     def run(job, start, stop, cursor, *args, **kwargs):
         out = real(job, start, stop, cursor, *args, **kwargs)
-        end = stop if cursor is job._single else cursor.stop
+        end = cursor.stop
         with lock:
             chunks.append((start, end))
         return out

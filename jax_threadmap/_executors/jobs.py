@@ -1,25 +1,16 @@
 """One map's chunks: claimed, run, helped to finish, failed.
 
-- A map is a :class:`Job` over ``n`` work units (elements, or pieces of a
-  vectorized map). Any thread that runs the map's kernels (a shared thread, a
-  worker of a user's thread executor, the thread that waits for a nested map)
-  claims chunks (:meth:`Job.claim`) and runs them until none are left
-  (:meth:`Job.drain`). How a map is cut is decided when it starts
-  (:mod:`._scheduling`): fixed bounds, claimed in index order (one unit each
-  for a map in index order; a few per thread for a map whose outputs are
-  summed on the host, sums that do not depend on timing), read no clock;
-  guided chunks are sized from the times of the chunks before them.
-- Help finish: each running chunk has a :class:`Cursor`, where its loop
-  publishes the range of units it iterates. A thread that finds nothing left to
-  claim takes the units not yet started of another thread's chunk
-  (:meth:`Job.claim`, then ``_cut``), so that a chunk slow to finish gives its
-  rest to idle threads. Threads never inspect each other: the cursor is all
-  that one learns of another.
-- A limited map (:func:`._scheduling.starts_limited`) starts on one thread per
-  CPU, times its chunks, and gets every thread of its executor when its
-  elements prove slow or waiting (:func:`._scheduling.record_chunk`).
-- The first failure stops every running chunk at its next element and every
-  map that the failed map's kernels started.
+A map is a :class:`Job` over ``n`` work units (elements, or pieces of a
+vectorized map). Every thread that runs its kernels (a shared thread, a worker
+of a user's thread executor, the thread that waits for a nested map) claims
+chunks and runs them until none are left (:meth:`Job.drain`). Chunks are fixed
+(one unit for a map in index order, a few per thread for a map summed on the
+host) or guided, sized from the times of those before (:mod:`.scheduling`).
+A thread that finds nothing left takes the units not yet started of another
+thread's chunk, learnt from its :class:`~.claims.Cursor` alone. A limited map
+starts on one thread per CPU and gets every thread of its executor once its
+chunks find its elements slow or waiting. The first failure stops every
+running chunk at its next unit, and every map the failed map's kernels started.
 """
 
 from __future__ import annotations
@@ -57,32 +48,25 @@ def current_job() -> Job | None:
 class Job:
     """One flat map: ``n`` units, run by ``fn(start, stop, cursor)`` per chunk.
 
-    Lock rule: every field that more than one thread uses is written under
-    the job's lock (``_lock``), :attr:`hands` included (and the cursors'
-    :attr:`~Cursor.halt` and :attr:`~Cursor.stop`; their rows are their
-    loops', see :class:`Cursor`). :attr:`grow` is set once by the runner
-    before the job is handed a thread. Reads without the lock are of single
-    values whose staleness is harmless: :attr:`failed` (a shipper looks again a
-    moment later), :attr:`limit` and :attr:`hands` (a thread more or fewer is
-    offered, and :meth:`add_hand` decides under the lock). A lock that the
-    job's runner holds (the shared threads' lock) is taken before the job's,
-    never after it.
+    Lock rule: every field more than one thread uses is written under
+    ``_lock`` (and the cursors' ``halt`` and ``stop``). :attr:`grow` is set
+    once, by the runner, before the job gets a thread. Read without the lock:
+    :attr:`failed`, :attr:`limit` and :attr:`hands`, single values whose
+    staleness costs at most a thread offered in vain (:meth:`add_hand` decides
+    under the lock). A runner's lock (the shared threads') is taken before the
+    job's, never after.
 
     Args:
         n: The number of units.
         fn: Runs one chunk.
-        fixed: Chunks of exactly this many units (fixed bounds); ``None`` for
-            guided chunks.
+        fixed: Chunks of exactly this many units; ``None`` for guided chunks.
         divisor: Guided chunks take ``1 / divisor`` of what is left.
         parent: The map whose kernel started this one; its failure stops this one.
         workers: The threads the map's executor has (default: one per unit).
-        cpus: When fewer than ``workers``, the map starts on this many threads
-            (limited), and gets all ``workers`` once its chunks find its
-            elements slow or waiting (:func:`._scheduling.record_chunk`).
-            Guided maps only.
-        in_order: One unit per claim, in index order, on every thread
-            (:func:`._scheduling.runs_in_order`): fixed chunks of one unit,
-            ``fixed`` and ``cpus`` ignored.
+        cpus: A guided map starts on this many threads when fewer than
+            ``workers`` (limited), and gets them all once its chunks find its
+            elements slow or waiting (:func:`.scheduling.record_chunk`).
+        in_order: Fixed chunks of one unit, on every thread.
     """
 
     def __init__(
@@ -99,30 +83,26 @@ class Job:
     ):
         self.n = n
         self.fn = fn
-        #: Chunks of exactly this many units, claimed in index order.
         self.fixed = 1 if in_order else fixed
         self.divisor = divisor
         self.workers = n if workers is None else max(1, workers)
-        #: Threads the map may hold now; raised to ``workers`` by its votes.
+        #: Threads the map may hold now (raised to ``workers`` once it rises).
         self.limit = self.workers
         if cpus is not None and self.fixed is None:
             self.limit = max(1, min(cpus, self.workers))
-        #: Threads handed the map by its runner (:meth:`add_hand`).
+        #: Threads handed to the map (:meth:`add_hand`).
         self.hands = 0
         #: Hands the map more threads once its limit rises (set by its runner).
         self.grow: Callable[[], None] | None = None
         self._measure = policy.Measure()
         self.failed = False
         self.error: BaseException | None = None
-        self._completed = 0  # units counted done by chunks (and shipped ones)
+        self._completed = 0  # units counted done (shipped ones too)
         self.done = threading.Event()
         self._lock = threading.Lock()
-        self._next = 0  # the front: units from here on were never claimed
-        # Units given back by cut chunks, to be claimed before the front, lowest
-        # first (sorted).
-        self._back: list[tuple[int, int]] = []
-        self._running: set[Cursor] = set()  # but chunks of one unit:
-        self._single = Cursor(self, 0)  # theirs, shared (its row is never read)
+        self._next = 0  # units from here on were never claimed
+        self._back: list[tuple[int, int]] = []  # cut tails, to claim first, sorted
+        self._running: set[Cursor] = set()
         self._outstanding = 0  # chunks claimed and not yet counted done
         self._children: set[Job] = set()
         self.parent = parent
@@ -147,14 +127,11 @@ class Job:
         with self._lock:
             return self._completed
 
-    # --- threads handed to the map -------------------------------------------------
-
-    def add_hand(self, cap: int | None = None) -> bool:
+    def add_hand(self) -> bool:
         """Counts one more thread handed to the map, if it can use one: fewer
-        than its limit (and ``cap``) hold it, and units are left to claim."""
+        than its limit hold it, and units are left to claim."""
         with self._lock:
-            most = min(self.n, self.limit, self.n if cap is None else cap)
-            if self.hands >= most or self._exhausted():
+            if self.hands >= min(self.n, self.limit) or self._exhausted():
                 return False
             self.hands += 1
             return True
@@ -167,17 +144,16 @@ class Job:
     # --- claiming and running chunks -----------------------------------------------
 
     def drain(self, busy: Busy | None = None) -> None:
-        """Claims and runs chunks until none are left: the one claim-and-run
-        loop of every thread that runs the map's kernels (see :meth:`run` for
-        ``busy``)."""
+        """Claims and runs chunks until none are left: the one loop of every
+        thread that runs the map's kernels (``busy``: see :meth:`run`)."""
         claim = self.claim()
         while claim is not None:
             claim = self.run(*claim, then_claim=True, busy=busy)
 
     def claim(self) -> Chunk | None:
-        """The next chunk ``(start, stop, cursor)``: units given back (lowest
-        first), else the front, else the tail of another thread's running
-        chunk (guided chunks only); ``None`` when none is left."""
+        """The next chunk ``(start, stop, cursor)``: a cut tail (lowest first),
+        else the front, else the tail of another thread's running chunk (guided
+        chunks only); ``None`` when none is left."""
         with self._lock:
             return self._claim()
 
@@ -190,49 +166,38 @@ class Job:
         size = self.fixed or policy.chunk_size(
             self._remaining(), self.divisor, self._measure, self.limited
         )
-        start, stop = self._take(size)
-        self._outstanding += 1
-        if stop - start == 1:  # nothing to take from it: the shared cursor
-            return start, stop, self._single
-        cursor = Cursor(self, stop)
-        self._running.add(cursor)
-        return start, stop, cursor
-
-    def _take(self, size: int) -> tuple[int, int]:  # lock held
-        """Units ``[start, stop)``, at most ``size``: the lowest given back,
-        else the front's."""
         back = self._back
-        if back:
+        if back:  # the lowest tail given back
             start, end = back[0]
             stop = min(end, start + size)
             if stop == end:
                 del back[0]
             else:
                 back[0] = (stop, end)
-            return start, stop
-        start = self._next
-        self._next = stop = min(self.n, start + size)
-        return start, stop
+        else:
+            start = self._next
+            self._next = stop = min(self.n, start + size)
+        self._outstanding += 1
+        cursor = Cursor(self, stop)
+        self._running.add(cursor)
+        return start, stop, cursor
 
     def _remaining(self) -> int:  # lock held
         return self.n - self._next + sum(end - start for start, end in self._back)
 
     def _steal(self) -> bool:  # lock held
         """Gives back the tail of the running chunk with the most units not yet
-        started (:func:`._scheduling.steal_split`); whether there was one."""
+        started (:func:`.scheduling.steal_split`); whether there was one."""
         where = {
             c: (at, c.stop) for c in self._running if (at := c.running()) is not None
         }
         split = policy.steal_split(where)
-        return split is not None and self._cut(split[0])
-
-    def _cut(self, cursor: Cursor) -> bool:  # lock held
-        """Gives back the units of ``cursor``'s chunk after the one its loop
-        runs (see :class:`Cursor`); whether there were any."""
-        was = cursor.halt
-        cursor.halt = True  # first: the loop then asks before its next unit
+        if split is None:
+            return False
+        cursor = split[0]
+        was, cursor.halt = cursor.halt, True  # first: the loop then asks us
         at = cursor.running()
-        if at is None or at + 1 >= cursor.stop:
+        if at is None or at + 1 >= cursor.stop:  # it moved on meanwhile
             cursor.halt = was
             return False
         bisect.insort(self._back, (at + 1, cursor.stop))
@@ -248,12 +213,10 @@ class Job:
         busy: Busy | None = None,
     ) -> Chunk | None:
         """Runs a claimed chunk (its exception fails the job); with
-        ``then_claim``, returns the next claim, made under the same hold of
-        the lock as this chunk is counted done. ``busy.running`` is true while
-        the chunk's kernels run, false before the chunk counts as done (so
-        that whoever sees the map done sees this thread free). A guided
-        chunk's time sizes the next chunks, and may give the map more
-        threads; a fixed chunk reads no clock."""
+        ``then_claim``, returns the next claim, made under the same hold of the
+        lock that counts this chunk done. ``busy.running`` is true while the
+        kernels run, false before the chunk counts done (whoever sees the map
+        done sees this thread free). Only guided chunks are timed."""
         outer, _local.job = _local.job, self
         timed, limited = self.fixed is None, self.limited  # (see the lock rule)
         if busy is not None:
@@ -271,29 +234,23 @@ class Job:
             if busy is not None:
                 busy.running = False
         with self._lock:
-            if cursor is not self._single:
-                self._running.discard(cursor)
-                stop = cursor.stop  # lowered if another thread took the tail
-            rose = self._record(stop - start, wall, cpu if limited else None)
-            if not rose:
-                self._count(stop - start)
+            self._running.discard(cursor)
+            units = cursor.stop - start  # lowered if another thread took the tail
+            if not (timed and units > 0 and self._record(units, wall, cpu, limited)):
+                self._count(units)
                 return self._claim() if then_claim else None
-        # The map rose: more threads before the chunk counts as done, so that
-        # the map (and its executor) is still there for them.
-        try:
+        try:  # it rose: more threads before the chunk counts done (and the map ends)
             if self.grow is not None:
                 self.grow()
         finally:
             with self._lock:
-                self._count(stop - start)
+                self._count(units)
         return self.claim() if then_claim else None
 
-    def _record(self, units: int, wall: float, cpu: float | None) -> bool:  # lock
-        """Records a chunk's time (``cpu``: its thread's CPU time, when the map
-        was limited as it started); whether the map now gets every thread."""
-        if self.fixed or units <= 0:
-            return False
-        if cpu is None or not self.limited:
+    def _record(self, units: int, wall: float, cpu: float, limited: bool) -> bool:
+        """Records a guided chunk's time (lock held); whether the map rises now:
+        it started this chunk limited, and its votes give it every thread."""
+        if not (limited and self.limited):
             policy.record_time(self._measure, units, wall)
             return False
         if not policy.record_chunk(self._measure, units, wall, cpu, self.limit):
@@ -302,11 +259,10 @@ class Job:
         return not self._exhausted()
 
     def _count(self, units: int) -> None:  # lock held
-        """Counts a chunk of ``units`` as done."""
         self._completed += units
         self._outstanding -= 1
-        if self._outstanding == 0:
-            self._check_done()
+        if self._outstanding == 0 and self._exhausted():
+            self.done.set()
 
     def add_completed(self, units: int) -> None:
         """Counts units done elsewhere (shipped to another process)."""
@@ -321,42 +277,31 @@ class Job:
     def _exhausted(self) -> bool:  # lock held
         return self.failed or (self._next >= self.n and not self._back)
 
-    def _check_done(self) -> None:  # lock held
-        if self._outstanding == 0 and self._exhausted():
-            self.done.set()
-
-    def poll(self, timeout: float) -> bool:
-        """Waits at most ``timeout`` seconds for the map to finish; says whether
-        it has (the waiting thread's step, ``_progress.wait``)."""
-        return self.done.wait(timeout)
-
     # --- failing ---------------------------------------------------------------------
 
     def fail(self, error: BaseException) -> None:
-        """Records the first error and stops the map: no chunk is handed out any
-        more, each running chunk stops at its next unit, and so do the maps
-        that this map's kernels started.
-
-        A no-op once the job is done: a late error (a cancelled helper task)
-        does not undo a finished map.
-        """
+        """Records the first error and stops the map: no more claims, each
+        running chunk stops at its next unit, and so do the maps this map's
+        kernels started. A no-op once the job is done (a late error, such as a
+        cancelled helper task, does not undo a finished map)."""
         with self._lock:
             if self.done.is_set() and self.error is None:
                 return
             if self.error is None:
                 self.error = error
-            self.failed = self._single.halt = True
+            self.failed = True
             for cursor in self._running:
                 cursor.halt = True
-            self._check_done()
+            if self._outstanding == 0:
+                self.done.set()
             children = list(self._children)
         for child in children:
             child.fail(_stopped_by_parent())
 
     def abandon(self, error: BaseException) -> None:
         """Fails the job and releases its waiting thread at once, without waiting
-        for the chunks still running (which write only into the map's own
-        buffers). For interpreter exit, where those chunks may never return."""
+        for its running chunks (which write only into the map's own buffers):
+        for interpreter exit, where those may never return."""
         self.fail(error)
         self.done.set()
 

@@ -1,23 +1,17 @@
-"""One map from start to end: :func:`run_map` picks its runner, makes its job,
-runs it, raises its error; the maps in flight at interpreter exit.
+"""One map from start to end: :func:`run_map` picks its runner (one per kind
+of ``executor=``, :data:`RUNNERS`), makes its job, runs it, raises its error;
+chunks shipped to executors that pickle work (:class:`_Shipper`); exit.
 
-The executor layer, read from here down (``docs/architecture.md``):
+The layer, read from here down: this module, :mod:`.threads` (shared threads,
+a user's thread executor), :mod:`.jobs` (a map's chunks), :mod:`.scheduling`
+(the policy).
 
-- this module: :func:`run_map`, one runner per kind of ``executor=``
-  (:data:`RUNNERS`), the sizes executors tell (:data:`SIZE_HOOKS`), shipping
-  chunks to executors that pickle work (:class:`_Shipper`), and exit;
-- :mod:`._threads`: the shared threads and pools, and a user's thread executor;
-- :mod:`._jobs`: a map's chunks (``Job``), claimed and run by any thread;
-- :mod:`._scheduling`: the policy, pure functions and named constants.
-
-Exit: at interpreter exit the maps still in flight in the user's (daemon)
-threads are stopped and their waiting threads released, and the exit waits at
-most ``EXIT_GRACE`` seconds in all for kernels still running. Threads blocked in
-a kernel are left behind; they are daemon threads, so they do not hold up the
-exit. The maps of jitted programs that XLA runs on its own threads run to the
-end: JAX waits for those programs at exit. Maps on user executors of daemon
-threads are stopped before ``concurrent.futures`` shuts its executors down, so
-that their tasks not yet started are cancelled, not waited for.
+At interpreter exit the maps that the user's daemon threads wait for are
+stopped and those threads released (before ``concurrent.futures`` shuts its
+executors down, so that their tasks not yet started are cancelled), and the
+exit waits at most ``EXIT_GRACE`` seconds in all for kernels still running.
+The maps of programs that XLA runs on its own threads run to the end: JAX
+waits for those at exit.
 """
 
 from __future__ import annotations
@@ -43,13 +37,8 @@ from . import threads as _threads
 from .claims import MapWork
 from .jobs import Job, _local
 from .progress import Progress, progress_enabled, wait
-from .scheduling import (
-    EXIT_GRACE,
-    UNKNOWN_WORKERS,
-    UNKNOWN_WORKERS_IN_FLIGHT,
-    InOrder,
-)
-from .threads import interpreter_exiting, refused
+from .scheduling import InOrder
+from .threads import interpreter_exiting, refused, said
 
 # --- what executor= accepts ----------------------------------------------------
 
@@ -59,12 +48,9 @@ Executor = int | concurrent.futures.Executor | InOrder | None
 
 
 def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    """``executor`` as ``threadmap`` uses it (an int is normalised to ``int``;
-    ``InOrder(e)`` keeps its ``e`` checked the same way).
-
-    ``None`` also checks ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails
-    the call rather than the map.
-    """
+    """``executor`` as ``threadmap`` uses it (an int as ``int``; ``InOrder(e)``
+    with ``e`` checked). ``None`` checks ``JAX_THREADMAP_NUM_THREADS``, so that
+    a bad value fails the call rather than the map."""
     if isinstance(executor, InOrder):
         if isinstance(executor.executor, InOrder):
             raise TypeError(
@@ -107,14 +93,10 @@ def check_executor(executor: Any, api: str = "threadmap") -> Executor:
 
 @dataclasses.dataclass(frozen=True)
 class SizeHook:
-    """A private attribute of another library's executor that tells its size.
-
-    No public API says how many workers an executor has. Each hook is optional,
-    like a JAX hook of :mod:`._compat`: an executor without the attribute, or
-    one that fails or answers nonsense, counts as one that does not say
-    (:data:`._scheduling.UNKNOWN_WORKERS` for chunk sizes), never as an error.
-    ``tests/test_runners.py`` checks that each still answers on the installed
-    versions.
+    """A private attribute of another library's executor that tells its size
+    (no public API does). Optional: an executor without it, or that fails or
+    answers nonsense, does not say (:data:`.scheduling.UNKNOWN_WORKERS`).
+    ``tests/test_runners.py`` checks that each answers on the installed versions.
     """
 
     name: str
@@ -163,14 +145,10 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
 
 
 class Runner(Protocol):
-    """Where a map's chunks run: one class per kind of executor, chosen once per
-    map by :func:`runner_for`."""
+    """Where a map's chunks run: one class per kind of executor."""
 
-    #: Kernels it runs at once (a guess where the executor does not say).
-    workers: int
-    #: Whether its workers are threads of this process (a map may then start
-    #: limited, and a nested map's waiting thread works on its chunks).
-    on_threads: bool
+    workers: int  # kernels it runs at once (a guess where the executor does not say)
+    on_threads: bool  # its workers are threads of this process
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
         """Runs ``job`` (the chunks of ``work``) to completion or first failure."""
@@ -190,32 +168,28 @@ class SharedThreads:
         self.pool.run(job, progress)
 
 
-class ThreadExecutor:
-    """A user's ``ThreadPoolExecutor``: puller tasks
-    (:func:`._threads.run_on_executor`)."""
+class _UserExecutor:
+    """A ``concurrent.futures.Executor`` passed as ``executor=``."""
+
+    def __init__(self, executor: concurrent.futures.Executor):
+        self.executor = executor
+        self.known = known_workers(executor)
+        self.workers = self.known or policy.UNKNOWN_WORKERS
+
+
+class ThreadExecutor(_UserExecutor):
+    """A user's ``ThreadPoolExecutor``: puller tasks (``threads.run_on_executor``)."""
 
     on_threads = True
 
-    def __init__(self, executor: concurrent.futures.Executor):
-        self.executor = executor
-        self.known = known_workers(executor)
-        self.workers = self.known or UNKNOWN_WORKERS
-
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
-        pullers = self.known or UNKNOWN_WORKERS_IN_FLIGHT
-        _threads.run_on_executor(self.executor, job, pullers, progress)
+        _threads.run_on_executor(self.executor, job, progress)
 
 
-class PicklingExecutor:
-    """An executor that runs work in other processes: packed chunks
-    (:class:`_Shipper`)."""
+class PicklingExecutor(_UserExecutor):
+    """An executor that runs work in other processes (:class:`_Shipper`)."""
 
     on_threads = False
-
-    def __init__(self, executor: concurrent.futures.Executor):
-        self.executor = executor
-        self.known = known_workers(executor)
-        self.workers = self.known or UNKNOWN_WORKERS
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
         _Shipper(self.executor, work, job, self.known).run(progress)
@@ -230,8 +204,7 @@ def shares_memory(executor: concurrent.futures.Executor) -> bool:
     return isinstance(executor, concurrent.futures.ThreadPoolExecutor)
 
 
-#: The kinds of executor, first match first: whether ``executor=`` is of the
-#: kind, and its runner. A new kind is a class above and a line here.
+#: The kinds of executor, first match first: a test and a runner class.
 RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], Runner]], ...] = (
     (_is_shared, SharedThreads),
     (shares_memory, ThreadExecutor),
@@ -259,9 +232,8 @@ def new_job(
     runner: Runner | None = None,
     in_order: bool = False,
 ) -> Job:
-    """The job of ``work`` on ``executor`` (whose ``runner`` the caller may have
-    chosen already), with its chunking policy; ``in_order``: the user asked
-    for one element per claim in index order (:class:`._scheduling.InOrder`)."""
+    """The job of ``work`` on ``executor`` (or its ``runner``), with its chunking
+    policy; ``in_order``: the user asked for it (:class:`.scheduling.InOrder`)."""
     runner = runner_for(executor) if runner is None else runner
     workers = runner.workers
     units = work.n
@@ -272,8 +244,6 @@ def new_job(
         units = work.split(length)
     on_threads = runner.on_threads
     ordered = policy.runs_in_order(in_order, units, workers, on_threads, work.sums)
-    # Host-side sums need chunk bounds that do not depend on timing. Otherwise
-    # guided chunks, each a share of what is left.
     fixed = policy.fixed_chunk(units, workers) if work.sums else None
     cpus = available_cpus()
     limited = policy.starts_limited(
@@ -299,14 +269,9 @@ def run_map(
     max_chunk: int | None = None,
 ) -> None:
     """Runs every element of ``work`` on ``executor``; raises the map's error.
-
-    ``executor=InOrder(e)`` runs the elements one per claim in index order on
-    ``e``. ``max_chunk`` bounds the chunks of a vectorized map. Called from a
-    kernel (a nested map), the calling thread works on the map's chunks while
-    it waits, when the map runs on threads of this process: the kernel's thread
-    is lent to the nested map, which can then run one kernel more than its
-    executor's bound.
-    """
+    ``max_chunk`` bounds the chunks of a vectorized map. A nested map on threads
+    of this process is also run by the waiting kernel's thread (one kernel more
+    than its executor's bound)."""
     if work.n == 0:
         return
     in_order = isinstance(executor, InOrder)
@@ -326,12 +291,6 @@ def run_map(
         job.detach()
     if job.error is not None:
         raise _map_error(job.error, work.name, executor)
-
-
-def said(e: BaseException) -> str:
-    """``Type: message`` of an exception, to go on with a sentence (no period
-    of its own: "pending.. A worker" was what the messages read)."""
-    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
 
 
 def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
@@ -365,8 +324,7 @@ def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
 def _chunk_failed(
     executor: Any, work: MapWork, start: int, stop: int, e: BaseException
 ) -> ExecutorError:
-    """The error of a chunk that the executor could not run (its worker died,
-    or could not load the task)."""
+    """The error of a chunk that the executor could not run."""
     unit = "pieces" if work.vectorized else "elements"
     if isinstance(e, concurrent.futures.BrokenExecutor):
         hint = " " + _remote.broken_hint(executor)
@@ -391,14 +349,10 @@ def _unpicklable(e: BaseException) -> bool:
 
 
 class _Shipper:
-    """Ships a map to an executor that pickles work, in chunks sized as it runs.
-
-    The first tasks hold one element each, one per worker, so slow elements all
-    start at once; later ones hold about ``TASK_SECONDS_REMOTE`` of kernel
-    work (:func:`._scheduling.remote_chunk_size`), from the measured seconds
-    per element. A map with host-side sums ships chunks of fixed size instead,
-    so its sums do not depend on timing. Only the thread that waits for the map
-    uses a shipper: no lock.
+    """Ships a map to an executor that pickles work, in chunks sized as it runs:
+    one element per task (one per worker) until an element has been timed, then
+    :func:`.scheduling.remote_chunk_size`; fixed chunks for a map summed on the
+    host. Used by the waiting thread alone: no lock.
     """
 
     def __init__(
@@ -412,22 +366,23 @@ class _Shipper:
         self.work = work
         self.job = job
         self.cap = policy.remote_in_flight(workers)
-        self.first_wave = min(workers or UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
+        self.first_wave = min(workers or policy.UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
         self.next = 0
         self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
         self.per_element: float | None = None
         self.sharing = _remote.Sharing([])
 
-    def size(self) -> int:
-        if self.job.in_order:
-            return 1
-        if self.job.fixed:
-            return self.job.fixed
-        remaining = self.job.n - self.next
-        return policy.remote_chunk_size(self.per_element, remaining, self.cap)
+    def top_up(self, most: int) -> None:
+        """Ships tasks until ``most`` are in flight or nothing is left."""
+        while self.next < self.job.n and len(self.pending) < most:
+            self.submit()
 
-    def submit(self, size: int) -> None:
-        start, stop = self.next, min(self.job.n, self.next + size)
+    def submit(self) -> None:
+        left = self.job.n - self.next
+        size = self.job.fixed or policy.remote_chunk_size(
+            self.per_element, left, self.cap
+        )
+        start, stop = self.next, self.next + min(size, left)
         task = self.work.pack(start, stop)
         try:
             fut = self.executor.submit(task, *self.sharing.args)
@@ -442,10 +397,6 @@ class _Shipper:
             raise _cannot_ship(self.executor, self.work.name, e) from e
         self.pending[fut] = (start, stop)
         self.next = stop
-
-    def start(self) -> None:
-        while self.next < self.job.n and len(self.pending) < self.first_wave:
-            self.submit(self.job.fixed or 1)
 
     def poll(self, timeout: float) -> bool:
         """Stores what has come back, ships more; whether the map is done."""
@@ -468,15 +419,14 @@ class _Shipper:
             self.work.store_packed(start, stop, outs)
             self.job.add_completed(stop - start)
             self.per_element = policy.smoothed(self.per_element, per_element)
-        while self.next < self.job.n and len(self.pending) < self.cap:
-            self.submit(self.size())
+        self.top_up(self.cap)
         return not self.pending
 
     def run(self, progress: Progress | None) -> None:
         try:
             # Large operands read whole by every element: once per map.
             self.sharing = _remote.share(self.executor, self.work.shared())
-            self.start()
+            self.top_up(self.first_wave)
             wait(self.job, self.poll, progress)
         except BaseException as e:
             self.job.fail(e)
@@ -497,13 +447,9 @@ def _forget_flights() -> None:
 
 
 def _run_for_jax(job: Job) -> bool:
-    """Whether XLA runs the program that waits for ``job``, on a thread of its
-    own (a program dispatched to several devices, or asynchronously).
-
-    JAX waits for such programs at exit, after this module's exit hook (atexit
-    runs the hooks registered last first), so their maps must run to the end,
-    new ones included. Python sees XLA's threads as dummy threads.
-    """
+    """Whether XLA runs the program that waits for ``job`` on a thread of its
+    own (Python sees a dummy thread): JAX waits for it at exit, after this
+    module's hook, so its maps run to the end, new ones included."""
     return isinstance(_flights.get(job), threading._DummyThread)
 
 
@@ -517,8 +463,7 @@ def _exiting_error() -> ExecutorError:
 
 def _stop_maps_of_daemon_threads(deadline: float) -> None:
     """Stops the maps that the user's daemon threads wait for, and waits until
-    those threads have left them (they do at once, unless the GIL is slow to
-    come) or until ``deadline``."""
+    those threads have left them or until ``deadline``."""
     stopped = [
         job
         for job, waiter in list(_flights.items())
@@ -535,12 +480,9 @@ _early_hook = False  # under _early_hook_lock (read once without it: set once)
 
 
 def register_early_exit_hook() -> None:
-    """Registers, once, :func:`_before_executors_exit` with threading's exit hooks.
-
-    Called when a map first runs on a user executor: ``concurrent.futures``
-    registers its own hook when its executor module is first imported, and
-    threading runs these hooks in reverse order, so ours then runs first.
-    """
+    """Registers :func:`_before_executors_exit` once with threading's exit
+    hooks, when a map first runs on a user executor: after
+    ``concurrent.futures``' own, so that it runs first."""
     global _early_hook
     if _early_hook:
         return
@@ -555,25 +497,19 @@ def register_early_exit_hook() -> None:
 
 
 def _before_executors_exit() -> None:
-    """At exit, before ``concurrent.futures`` waits for every task its pools
-    hold and refuses new ones: stops the maps of daemon threads, whose tasks
-    not yet started are then cancelled rather than waited for."""
+    """At exit, before ``concurrent.futures`` waits for its pools' tasks: stops
+    the maps of daemon threads (their tasks not yet started are cancelled)."""
     interpreter_exiting.set()
-    _stop_maps_of_daemon_threads(time.monotonic() + EXIT_GRACE)
+    _stop_maps_of_daemon_threads(time.monotonic() + policy.EXIT_GRACE)
 
 
 def _at_exit() -> None:
-    """Stops the maps in flight in the user's threads and waits at most
-    ``EXIT_GRACE`` seconds in all for them to stop.
-
-    Only daemon threads (or XLA's) can still be waiting for a map here (Python
-    joins the others before running atexit). Releasing a daemon thread lets it
-    leave a jitted program before the interpreter finalizes (a thread that needs
-    the GIL inside XLA then aborts the process). The maps of programs that JAX
-    waits for at exit (:func:`_run_for_jax`) run on. Only the shared threads are
-    joined: XLA's cannot be, and the user's are not ours to wait for.
-    """
-    deadline = time.monotonic() + EXIT_GRACE
+    """Stops the maps in flight in the user's (daemon) threads, and waits at
+    most ``EXIT_GRACE`` seconds in all. A released daemon thread leaves its
+    jitted program before the interpreter finalizes (a thread that needs the
+    GIL inside XLA then aborts the process). Only the shared threads are
+    joined."""
+    deadline = time.monotonic() + policy.EXIT_GRACE
     interpreter_exiting.set()
     ours = _threads._threads.exit(keep=_run_for_jax)
     _stop_maps_of_daemon_threads(deadline)

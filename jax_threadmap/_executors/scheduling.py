@@ -1,33 +1,24 @@
-"""Scheduling policy: what size the next chunk is, how many threads a map
-gets, and which maps run in index order.
+"""Scheduling policy: the size of the next chunk, how many threads a map gets,
+and which maps run in index order.
 
-Pure functions of what a map has measured (:class:`Measure`) and of its size,
-which their callers (:mod:`._jobs`, :mod:`._maps`) pass in, so that each
-decision is tested with made-up times rather than sleeps. Every threshold is a
-named constant here, with its reason; the docs quote them through
-``tests/test_scheduling.py``, which fails when the prose and the numbers part.
+Pure functions of a map's size and of what it measured (:class:`Measure`), so
+that each decision is tested with made-up times; every threshold is a named
+constant, which the docs quote (``tests/test_scheduling.py`` checks that).
 
-Timings decide only *how fast* a map runs (chunk sizes, thread counts), never
-*whether* it finishes. Which elements run, and in what order, is decided before
-the map starts, from its size and the user's request:
+Timings decide only how fast a map runs (chunk sizes, thread counts), never
+which elements run or whether it finishes. A map runs either
 
-- *in index order* (:func:`runs_in_order`): one element per claim, in index
-  order, on every thread of the executor at once, as ``ThreadPoolExecutor.map``
-  does, with no clock read. The user asks for it with :class:`InOrder`, and a
-  small map (at most :data:`IN_ORDER_UP_TO` elements per thread) runs so
-  anyway. Elements that wait for each other in groups of at most as many
-  elements as the executor has threads always finish there: the elements
-  claimed and not done are a run of consecutive indices, and a group's last
-  element is claimed as soon as a thread is free.
-- *guided chunks* otherwise: a share of what is left (:func:`chunk_size`), at
-  most :data:`MAX_CHUNK_SECONDS` of the work measured so far, one element until
-  one has been timed. A large map on an executor with more threads than CPUs
-  starts on one thread per CPU (:func:`starts_limited`: threads taking turns
-  at the GIL made ``benchmarks/compare_revisions.py`` "4096 el, executor=32"
-  1.33-1.42x as long) and gets every thread once :data:`SLOW_VOTES` chunks in
-  a row find its elements slow or waiting (:func:`record_chunk`: without it
-  the "sleep 1 ms" case took 15x as long). Elements that wait for each other
-  may wait for good here: chunk bounds come from timings.
+- *in index order* (:func:`runs_in_order`): one element per claim on every
+  thread at once, as ``ThreadPoolExecutor.map`` does, no clock read; asked
+  for with :class:`InOrder`, implied for small maps. Groups of elements that
+  wait for each other, each no larger than the executor's threads, finish:
+  the elements claimed and not done are a run of consecutive indices; or
+- in *guided chunks* (:func:`chunk_size`), sized from timings. A large map on
+  more threads than CPUs starts on one thread per CPU (:func:`starts_limited`:
+  threads taking turns at the GIL made ``compare_revisions.py`` "4096 el,
+  executor=32" 1.33-1.42x as long) and gets every thread once its chunks find
+  its elements slow or waiting (:func:`record_chunk`: "sleep 1 ms" took 15x as
+  long without).
 """
 
 from __future__ import annotations
@@ -39,85 +30,59 @@ from .._support.cpus import available_cpus
 
 K = TypeVar("K")
 
-#: Seconds of kernel work per task that amortise the per-task cost of an executor
-#: that pickles work (about 1 ms for a process pool or Dask).
+#: Seconds of kernel work per task that amortise the cost of a task of an
+#: executor that pickles work (about 1 ms for a process pool or Dask).
 TASK_SECONDS_REMOTE = 0.05
-#: Seconds of kernel work that a task of an executor that pickles work holds at
-#: least, also at the end of a map: a round trip to a worker costs more than the
-#: balance that smaller tasks would buy (about 1 ms, tens of ms on a busy cluster).
+#: ... and the least, also at the end of a map: a round trip costs more than
+#: the balance smaller tasks buy.
 MIN_TASK_SECONDS_REMOTE = 0.01
-#: Tasks in flight when an executor does not say how many workers it has.
+#: Tasks in flight, and workers assumed for chunk sizes, when an executor does
+#: not say how many workers it has.
 UNKNOWN_WORKERS_IN_FLIGHT = 128
-#: Workers assumed, for chunk sizes, of an executor that does not say.
 UNKNOWN_WORKERS = 8
-#: Seconds a shared thread waits for work before it exits. Long enough that maps
-#: called in a loop keep their threads (starting one costs about 50 us), short
-#: enough that a burst of maps on many pool sizes leaves no crowd of idle threads.
+#: Seconds a shared thread waits for work before it exits: maps called in a
+#: loop keep their threads; a burst of maps on many pool sizes leaves none.
 IDLE_TIMEOUT = 2.0
-#: Seconds that interpreter exit waits, in all, for kernels still running. A
-#: kernel blocked for good (a read with no timeout) costs the exit this much, not
-#: a join per thread.
+#: Seconds interpreter exit waits, in all, for kernels still running.
 EXIT_GRACE = 1.0
-#: Seconds per element from which a map gets all its executor's threads: the
-#: time threads spend taking turns is then small beside each element, and a
-#: kernel that waits (a network read) gains from every thread.
+#: Seconds per element from which a limited map gets every thread: taking turns
+#: costs little beside such elements, and waiting ones gain from every thread.
 SLOW_ELEMENT = 200e-6
-#: A map gets all its executor's threads when its threads were on a CPU for
-#: less than this share of their time, summed over the threads the map holds:
-#: its elements wait rather than compute (sleeps, I/O). Threads that take turns
-#: at the GIL add up to about one CPU; a 50 us sleep to about 0.1 per thread.
+#: ... or when its threads were on a CPU for less than this share of their
+#: time, summed over its threads: its elements wait (sleeps, I/O). Threads
+#: taking turns at the GIL add up to about one CPU.
 WAIT_SHARE = 0.5
-#: Chunks in a row that must find the elements slow, or waiting, before a map
-#: gets all its threads: one chunk may be slow for reasons of its own (a first
-#: call that fills a cache, a thread that lost its CPU for a moment). With 1,
-#: ``compare_revisions.py`` "100k el, the first slow" takes 9.3x as long.
+#: Chunks in a row that must find the elements slow or waiting: one may be slow
+#: for its own reasons (with 1, "100k el, the first slow" took 9.3x as long).
 SLOW_VOTES = 2
-#: While a map holds fewer threads than its executor has: seconds of work in a
-#: chunk at least (measuring one costs a few us; the same number as
-#: ``SLOW_ELEMENT`` by coincidence, not by rule). Any map on threads: seconds of
-#: work in a chunk at most, from the last chunk's time per element, so that
-#: slow elements spread over every thread rather than queue in one thread's
-#: chunk (a map whose first elements are slow: guided chunks of a share of
-#: what is left would pack them onto a few threads).
+#: Seconds of work in a guided chunk: at least (a limited map's chunks, which
+#: are timed), and at most, from the last time per element, so that slow
+#: elements spread over every thread rather than queue in one chunk.
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
-#: Elements per executor thread up to which a map on threads runs in index
-#: order, on every thread at once (:func:`runs_in_order`); a larger one on an
-#: executor with more threads than CPUs starts limited. Guided chunks of so
-#: small a map would be one element each anyway (:data:`GUIDED_SHARE`), and
-#: its few elements cost little on many threads.
+#: Elements per thread up to which a map on threads runs in index order; a
+#: larger one may start limited. Its guided chunks would be one element anyway.
 IN_ORDER_UP_TO = 4
 #: Guided chunks take ``1 / (GUIDED_SHARE * workers)`` of the elements left:
-#: fast kernels run in about ``GUIDED_SHARE`` large chunks per thread (few
-#: claims), and the last chunks shrink to one element (no thread idles at the
-#: end while another runs a long chunk). With fewer than ``2 * GUIDED_SHARE``
-#: elements per thread left, every chunk is one element.
+#: few claims for fast kernels, and one-element chunks at the end.
 GUIDED_SHARE = 2
-#: Chunks per worker of a map whose outputs are summed on the host: fixed bounds
-#: (sums that do not depend on timing), a few per worker for balance.
+#: Chunks per worker of a map summed on the host: fixed bounds (sums that do
+#: not depend on timing), a few per worker for balance.
 FIXED_CHUNKS_PER_WORKER = 2
-#: Chunks per worker of a vectorized map whose chunk length is automatic: enough
-#: that every worker stays busy when chunks take unequal time.
+#: Chunks per worker, and bytes of operands and results per chunk at most, of a
+#: vectorized map whose chunk length is automatic.
 VECTOR_CHUNKS_PER_WORKER = 4
-#: Bytes of operands and results that one chunk of a vectorized kernel may touch
-#: when its length is automatic: big enough that the per-call cost vanishes,
-#: small enough that copies of chunks stay far below the batch's size.
 VECTOR_CHUNK_BYTES = 16 * 2**20
-#: Tasks in flight per worker of an executor that pickles work: one running and
-#: one queued, so that no worker waits for a round trip between tasks.
+#: Tasks in flight per worker of an executor that pickles work: one running,
+#: one queued.
 REMOTE_IN_FLIGHT_PER_WORKER = 2
-#: Weight of the older estimate in the moving average of an element's seconds
-#: (executors that pickle work): each task's measure counts half, so one odd
-#: task moves the estimate only halfway.
+#: Weight of the older estimate of an element's seconds (pickling executors).
 SMOOTHING = 0.5
 
 
 def SPARE_THREADS() -> int:  # noqa: N802 - a constant of the machine
     """Shared threads that may be neither idle nor running a kernel before a map
-    waits for them rather than start new ones: one per CPU. A thread done with a
-    map's chunks takes the next queued map a moment later; starting a thread
-    instead, for maps called in a loop, left hundreds of threads for 50 kernels
-    at once. So the threads alive stay at most the kernels running plus this."""
+    waits for them to take it rather than start new ones: one per CPU."""
     return available_cpus()
 
 
@@ -179,34 +144,26 @@ def fixed_chunk(units: int, workers: int) -> int | None:
 def runs_in_order(
     asked: bool, units: int, workers: int, on_threads: bool, sums: bool
 ) -> bool:
-    """Whether a map runs one element per claim in index order on every thread:
-    the user asked (:class:`InOrder`), or a small map on threads (at most
-    :data:`IN_ORDER_UP_TO` elements per thread) whose outputs are not summed
-    on the host (those keep fixed chunk bounds, so that the sums do not change
-    with the size of the map)."""
-    small = on_threads and not sums and units <= IN_ORDER_UP_TO * workers
-    return asked or small
+    """Whether a map runs one element per claim in index order: asked for, or
+    small (:data:`IN_ORDER_UP_TO`), on threads and not summed on the host
+    (whose chunk bounds must not change with the map's size)."""
+    return asked or (on_threads and not sums and units <= IN_ORDER_UP_TO * workers)
 
 
 def starts_limited(
     units: int, workers: int, cpus: int, nested: bool, on_threads: bool
 ) -> bool:
-    """Whether a guided map starts on one thread per CPU: a large map (more than
-    :data:`IN_ORDER_UP_TO` elements per thread) on an executor with more
-    threads than CPUs, not started from a kernel (the thread that waits for a
-    nested map works on it, and a limit would leave its executor idle)."""
+    """Whether a guided map starts on one thread per CPU: a large map on threads,
+    more of them than CPUs, not started from a kernel (whose waiting thread
+    works on it)."""
     large = units > IN_ORDER_UP_TO * workers
     return on_threads and not nested and large and cpus < workers
 
 
 def chunk_size(remaining: int, divisor: int, measure: Measure, limited: bool) -> int:
-    """Elements in the next guided chunk of a map with ``remaining`` left.
-
-    One element until one has been timed (the first elements' time says
-    little, and slow first elements must not queue in one chunk); then the
-    share of what is left, at most :data:`MAX_CHUNK_SECONDS` of work, so that
-    slow elements spread over every thread; on a limited map at least
-    :data:`MIN_CHUNK_SECONDS` of work (its chunks are timed)."""
+    """Elements in the next guided chunk: one until one has been timed, then
+    ``remaining // divisor``, at most :data:`MAX_CHUNK_SECONDS` of work, and
+    on a limited map at least :data:`MIN_CHUNK_SECONDS`."""
     per = measure.per_element
     if per <= 0.0:
         return 1
@@ -220,10 +177,8 @@ def record_chunk(
     measure: Measure, elements: int, wall: float, cpu: float, threads: int
 ) -> bool:
     """Records a chunk of a limited map that took ``wall`` seconds (``cpu`` on a
-    CPU) on one of ``threads``; returns whether the map now gets every thread:
-    :data:`SLOW_VOTES` chunks in a row found its elements slow
-    (:data:`SLOW_ELEMENT`) or waiting (:data:`WAIT_SHARE`). Only speed rests on
-    this: a map that never gets every thread finishes on the ones it has."""
+    CPU) on one of ``threads``; whether the map now gets every thread
+    (:data:`SLOW_VOTES` chunks in a row slow or waiting)."""
     measure.per_element = per = max(wall / elements, 1e-9)
     waits = cpu * threads < WAIT_SHARE * wall
     measure.votes = measure.votes + 1 if per >= SLOW_ELEMENT or waits else 0
@@ -236,17 +191,11 @@ def record_time(measure: Measure, elements: int, wall: float) -> None:
 
 
 def steal_split(running: dict[K, tuple[int, int]]) -> tuple[K, int] | None:
-    """Which running chunk a thread that found nothing left to claim takes the
-    tail of, and where that chunk would then stop: ``(key, split)``.
-
-    ``running`` maps each chunk (any key) to ``(current, stop)``: the element its
-    loop last published (``_claims.Cursor``) and where the chunk stops. The chunk
-    with the most elements not yet started gives up all of them, from the one
-    after ``current``: an element that waits for the next one (a barrier of
-    adjacent elements) then finds it run by another thread rather than queued
-    behind it in its own chunk, and a chunk slow to finish gives its rest to
-    idle threads. ``None`` when no chunk has an element not yet started.
-    """
+    """The running chunk whose tail an idle thread takes, and where the chunk
+    then stops: ``(key, split)``, or ``None`` when no chunk has a unit not yet
+    started. ``running`` maps each chunk to ``(current, stop)``: the unit its
+    loop runs (``claims.Cursor``) and its end. The chunk with the most units
+    not yet started gives up all of them."""
     best: tuple[K, int] | None = None
     left = 0
     for key, (current, stop) in running.items():
@@ -258,13 +207,8 @@ def steal_split(running: dict[K, tuple[int, int]]) -> tuple[K, int] | None:
 def vector_chunk_length(
     n: int, workers: int, element_bytes: int, max_chunk: int | None = None
 ) -> int:
-    """Elements per call of a vectorized kernel.
-
-    :data:`VECTOR_CHUNKS_PER_WORKER` chunks per worker keep every worker busy
-    when chunks take unequal time; :data:`VECTOR_CHUNK_BYTES` bounds the memory
-    of one chunk; the user's ``max_chunk`` bounds it further (memory-hungry
-    kernels).
-    """
+    """Elements per call of a vectorized kernel: :data:`VECTOR_CHUNKS_PER_WORKER`
+    chunks per worker, at most :data:`VECTOR_CHUNK_BYTES` and ``max_chunk``."""
     length = -(-n // (VECTOR_CHUNKS_PER_WORKER * workers))
     length = min(length, max(1, VECTOR_CHUNK_BYTES // max(1, element_bytes)))
     if max_chunk is not None:
@@ -281,9 +225,8 @@ def remote_in_flight(workers: int | None) -> int:
 
 def remote_chunk_size(per_element: float | None, remaining: int, in_flight: int) -> int:
     """Elements per task shipped to an executor that pickles work: one until an
-    element has been timed, then about :data:`TASK_SECONDS_REMOTE` of work, and
-    no more than an even share of what is left over the tasks in flight, but at
-    least :data:`MIN_TASK_SECONDS_REMOTE` of work."""
+    element has been timed, then :data:`TASK_SECONDS_REMOTE` of work, at most an
+    even share of what is left, at least :data:`MIN_TASK_SECONDS_REMOTE`."""
     if per_element is None:
         return 1
     per_element = max(per_element, 1e-9)

@@ -1,18 +1,14 @@
-"""Threads of this process that run a map's chunks: the shared threads and the
-pools that bound them, and a user's thread executor.
+"""Threads of this process that run a map's chunks.
 
 - :class:`ThreadPool` (``executor=None`` and ``executor=N``) is a bound, not a
-  set of threads: at most ``N`` kernels of its maps run at once. The kernels of
-  every pool run on one set of daemon threads (:class:`_Threads`), started on
-  demand: a thread starts only when no idle one is left, so the threads alive
-  never outnumber the most places (threads running, or about to run, a pool's
-  kernels) the pools have held at once, and a thread idle for ``IDLE_TIMEOUT``
-  seconds exits.
-- A user's ``ThreadPoolExecutor`` gets one task per worker, each claiming chunks
-  until none are left (:func:`run_on_executor`): the same claim-and-run loop
-  (``_jobs.Job.drain``) as the shared threads.
-- Nesting: a thread that starts a map from inside a kernel (a nested map) works
-  on its chunks while it waits, so it never waits on work queued behind itself.
+  set of threads: at most ``N`` kernels of its maps run at once, on the daemon
+  threads that every pool shares (:class:`_Threads`), started only when no idle
+  one is left; a thread idle for ``IDLE_TIMEOUT`` seconds exits.
+- A user's ``ThreadPoolExecutor`` gets one puller task per worker
+  (:func:`run_on_executor`), each running ``jobs.Job.drain``, as the shared
+  threads do.
+- A thread that starts a map from inside a kernel (a nested map) works on its
+  chunks while it waits, so it never waits on work queued behind itself.
 """
 
 from __future__ import annotations
@@ -36,12 +32,8 @@ from .scheduling import IDLE_TIMEOUT
 
 
 def default_num_threads() -> int:
-    """The size of the shared pool used by ``executor=None``.
-
-    ``JAX_THREADMAP_NUM_THREADS`` when set, else the number of CPUs this process
-    may run on: kernels that release the GIL and use the CPU scale up to that, and
-    I/O-bound kernels (network, disk, sleeps) should set a larger value.
-    """
+    """The size of the shared pool of ``executor=None``:
+    ``JAX_THREADMAP_NUM_THREADS``, else the CPUs this process may run on."""
     n = _validate.env_num_threads()
     return available_cpus() if n is None else n
 
@@ -75,23 +67,18 @@ class ThreadPool:
             return
         threads = _threads
         job.grow = lambda: threads.hand(self, job)
-        threads.submit(self, job)
-        if _local.job is None:
-            # The pool's threads run every chunk, and the last one to finish
-            # drops the job from the queue.
-            wait(job, job.poll, progress)
+        threads.hand(self, job, queue=True)
+        if _local.job is None:  # the pool's threads drop it from the queue
+            wait(job, job.done.wait, progress)
             return
-        # A kernel that calls threadmap: work on our own chunks rather than
-        # wait for them behind the outer maps.
-        try:
+        try:  # a nested map: work on its chunks rather than wait behind ours
             job.drain()
-            wait(job, job.poll, progress)
+            wait(job, job.done.wait, progress)
         finally:
             threads.forget(job)
 
     def shutdown(self) -> None:
-        """Refuses new maps. Safe to call twice; the threads are shared and exit
-        when idle."""
+        """Refuses new maps (the shared threads exit when idle)."""
         with _threads.lock:
             self._shutdown = True
 
@@ -99,20 +86,19 @@ class ThreadPool:
 class _Worker:
     """One shared thread: the job (and pool) it has been handed, if any."""
 
-    __slots__ = ("cancelled", "job", "pool", "running", "started", "wake")
+    __slots__ = ("cancelled", "job", "pool", "running", "started", "thread", "wake")
+
+    thread: threading.Thread  # set once, by _Threads._new_thread
 
     def __init__(self, pool: ThreadPool, job: Job):
         self.pool: ThreadPool | None = pool
         self.job: Job | None = job
         self.started = False  # its thread runs (set by the thread, under the lock)
         self.cancelled = False  # its thread must not run: the start failed
-        # Its thread runs a chunk's kernels. Written by its thread only (by
-        # Job.run, false again before the chunk counts as done), read under the
-        # threads' lock: a thread that sees a map done sees its threads free, so
-        # the next map starts no thread for a place one of them will take.
+        # It runs kernels: written by its thread (Job.run), read under the
+        # threads' lock, false before its chunk counts done.
         self.running = False
-        # Released (under the threads' lock) to wake the idle thread: it then
-        # finds its job set, without taking the threads' lock again.
+        # Released (under the threads' lock) to wake the idle thread, its job set.
         self.wake = threading.Lock()
         self.wake.acquire()
 
@@ -121,34 +107,26 @@ class _Threads:
     """The daemon threads that run the kernels of every :class:`ThreadPool`.
 
     Lock rule: every field here, and each pool's ``active``, ``peak`` and
-    ``_shutdown``, is read and written under :attr:`lock`; a job's own lock
-    is taken inside it (``Job.add_hand``), never the reverse. A job is queued
-    with its pool; each thread holds one place of one pool while it drains one
-    of the pool's jobs, and is handed work directly: an idle thread wakes with
-    its job set, and no thread wakes to find nothing. A thread that finishes a
-    job takes the next queued job of the same pool, keeping its place, else
-    gives the place back and takes any queued job whose pool has a free place,
-    else waits ``IDLE_TIMEOUT`` seconds to be handed one and exits.
+    ``_shutdown``, under :attr:`lock`; a job's lock is taken inside it, never
+    the reverse. Each thread holds one place of one pool while it drains one of
+    its queued jobs, and is handed work directly (it wakes with its job set).
+    Done with a job, it takes the next queued job of its pool, else any whose
+    pool has a free place, else waits ``IDLE_TIMEOUT`` seconds and exits.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.queue: collections.deque[tuple[ThreadPool, Job]] = collections.deque()
         self.idle: list[_Worker] = []  # the last to go idle is handed work first
-        self.threads: set[threading.Thread] = set()
-        self.workers: set[_Worker] = set()  # of the threads alive
+        self.workers: set[_Worker] = set()  # the threads alive
         self.started = 0
         self.exiting = False
         #: Maps still taken at exit: those of programs that JAX waits for.
         self.kept_at_exit: Callable[[Job], bool] = lambda job: False
 
-    def submit(self, pool: ThreadPool, job: Job) -> None:
-        """Queues ``job`` and hands it as many threads as it can use now."""
-        self.hand(pool, job, queue=True)
-
     def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> None:
-        """Hands ``job`` (queued unless ``queue``) as many threads as it can use
-        now: up to its limit, within its pool's bound."""
+        """Hands ``job`` (queued first with ``queue``) as many threads as it can
+        use now: up to its limit, within its pool's bound."""
         with self.lock:
             if not queue and (self.exiting or pool._shutdown):
                 return  # more threads for a map in flight: it keeps those it has
@@ -168,12 +146,10 @@ class _Threads:
         # Outside the lock, so that the other threads keep going meanwhile.
         self._start(pool, job, new)
 
-    def _place(
-        self, pool: ThreadPool, job: Job
-    ) -> list[tuple[threading.Thread, _Worker]]:  # lock held
-        """Wakes idle threads for ``job``, and makes new ones (returned, to be
-        started) unless threads done with their maps will take it soon."""
-        new: list[tuple[threading.Thread, _Worker]] = []
+    def _place(self, pool: ThreadPool, job: Job) -> list[_Worker]:  # lock held
+        """Wakes idle threads for ``job`` and makes new ones (returned, to be
+        started), unless threads done with their maps will take it soon."""
+        new: list[_Worker] = []
         returning = None  # threads about to look for work, once counted
         while pool.active < pool.max_workers:
             if job.hands >= min(job.n, job.limit):
@@ -193,13 +169,11 @@ class _Threads:
                 new.append(self._new_thread(pool, job))
         return new
 
-    def _start(
-        self, pool: ThreadPool, job: Job, new: list[tuple[threading.Thread, _Worker]]
-    ) -> None:
+    def _start(self, pool: ThreadPool, job: Job, new: list[_Worker]) -> None:
         """Starts the threads made for ``job``; a refusal fails the map."""
-        for i, (t, _) in enumerate(new):
+        for i, worker in enumerate(new):
             try:
-                t.start()
+                worker.thread.start()
             except BaseException as e:  # refused (too many threads), or Ctrl-C
                 self._cancel(pool, new[i:])
                 self.forget(job)
@@ -217,8 +191,8 @@ class _Threads:
                 return
 
     def _returning(self) -> int:  # lock held
-        """Threads neither idle nor running a kernel: done with their job's
-        chunks, each about to take a queued job or go idle."""
+        """Threads neither idle nor running a kernel: about to take a queued
+        job or go idle."""
         return sum(
             1
             for w in self.workers
@@ -228,15 +202,12 @@ class _Threads:
             and (w.job is None or w.job.exhausted())
         )
 
-    def _cancel(
-        self, pool: ThreadPool, new: list[tuple[threading.Thread, _Worker]]
-    ) -> None:
+    def _cancel(self, pool: ThreadPool, new: list[_Worker]) -> None:
         """Gives back the places of threads whose start failed."""
         with self.lock:
-            for t, worker in new:
+            for worker in new:
                 if not worker.started:  # a start cut short may yet run it: it won't
                     worker.cancelled = True
-                    self.threads.discard(t)
                     self.workers.discard(worker)
                     pool.active -= 1
                     if worker.job is not None:
@@ -250,20 +221,15 @@ class _Threads:
                     self.queue.remove(entry)
                     return
 
-    def _new_thread(
-        self, pool: ThreadPool, job: Job
-    ) -> tuple[threading.Thread, _Worker]:  # lock held
+    def _new_thread(self, pool: ThreadPool, job: Job) -> _Worker:  # lock held
         worker = _Worker(pool, job)
-        t = threading.Thread(
-            target=self._work,
-            args=(worker,),
-            name=f"jax_threadmap_{self.started}",
-            daemon=True,
+        worker.thread = threading.Thread(
+            target=self._work, args=(worker,), name=f"jax_threadmap_{self.started}"
         )
+        worker.thread.daemon = True
         self.started += 1
-        self.threads.add(t)
         self.workers.add(worker)
-        return t, worker
+        return worker
 
     def _work(self, worker: _Worker) -> None:
         with self.lock:
@@ -278,21 +244,18 @@ class _Threads:
                 if idle:
                     self.idle.append(worker)
                 elif worker.job is None:
-                    self.threads.discard(threading.current_thread())
                     self.workers.discard(worker)
             if idle:
                 self._wait_for_work(worker)
 
     def _wait_for_work(self, worker: _Worker) -> None:
-        """Waits ``IDLE_TIMEOUT`` seconds to be handed a job; leaves the thread
-        registered only if it was."""
+        """Waits ``IDLE_TIMEOUT`` seconds to be handed a job, or unregisters."""
         woke = worker.wake.acquire(timeout=IDLE_TIMEOUT)
         with self.lock:
             if not woke and not worker.wake.acquire(blocking=False):
                 if worker in self.idle:  # no one can hand us a job now
                     self.idle.remove(worker)
             if worker.job is None:  # timed out, or told to exit
-                self.threads.discard(threading.current_thread())
                 self.workers.discard(worker)
 
     def _hand_next(self, worker: _Worker) -> None:  # lock held
@@ -326,11 +289,11 @@ class _Threads:
             for worker in self.idle:
                 worker.wake.release()
             self.idle.clear()
-            return list(self.threads)
+            return [w.thread for w in self.workers]
 
     def count(self) -> int:
         with self.lock:
-            return len(self.threads)
+            return len(self.workers)
 
 
 def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock held
@@ -344,8 +307,7 @@ def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock hel
 
 _threads = _Threads()
 _pools_lock = threading.Lock()
-#: The shared pools by size: ``threadmap``'s ``executor=N`` pools (``async_call``
-#: has a pool of its own, in ``_async_threads``).
+#: The shared pools by size (``async_call`` has its own, ``_async/pool.py``).
 _pools: dict[int, ThreadPool] = {}
 
 
@@ -369,39 +331,30 @@ def get_pool(num_threads: int | None) -> ThreadPool:
 # --- a user's thread executor ---------------------------------------------------------
 
 
-class _ExecutorState:
-    """What this module keeps per user thread executor.
-
-    Lock rule: :attr:`queueing` is held while a map queues its first pullers, so
-    that two maps started at once do not split the executor's workers between
-    them (the elements of each, if they wait for each other, could then wait
-    for good for workers that the other holds).
-    """
-
-    def __init__(self) -> None:
-        self.queueing = threading.Lock()
-
-
-#: Per thread executor, its state; guarded by ``_states_lock`` (the table, not
-#: the states). An executor that takes no weak references shares ``_fallback``.
-_states: weakref.WeakKeyDictionary[Any, _ExecutorState] = weakref.WeakKeyDictionary()
+#: Per thread executor, the lock held while a map queues its first pullers, so
+#: that two maps started at once do not split its workers (elements that wait
+#: for each other could then wait for good). ``_states_lock`` guards the table;
+#: executors that take no weak references share ``_fallback``.
+_states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
-_fallback = _ExecutorState()
+_fallback = threading.Lock()
 
 
-def _state(executor: concurrent.futures.Executor) -> _ExecutorState:
+def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
     with _states_lock:
         try:
-            state = _states.get(executor)
-            if state is None:
-                state = _states[executor] = _ExecutorState()
+            return _states.setdefault(executor, threading.Lock())
         except TypeError:  # an executor that takes no weak references
-            state = _fallback
-        return state
+            return _fallback
 
 
-#: Set when the interpreter starts to exit (by ``_maps``), for messages.
+#: Set when the interpreter starts to exit (by ``runners``), for messages.
 interpreter_exiting = threading.Event()
+
+
+def said(e: BaseException) -> str:
+    """``Type: message`` of an exception, without its final period."""
+    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
 
 
 def refused(executor: Any, e: BaseException) -> ExecutorError:
@@ -418,39 +371,28 @@ def refused(executor: Any, e: BaseException) -> ExecutorError:
     if isinstance(e, concurrent.futures.BrokenExecutor):
         return ExecutorError(
             f"The executor {executor!r} passed as executor= is broken: "
-            f"{type(e).__name__}: {str(e).rstrip('.')}. A worker of it ended "
+            f"{said(e)}. A worker of it ended "
             "earlier (the error of the map that ran then said how); pass a new "
             "executor.",
             cause=e,
         )
     return ExecutorError(
         f"The executor {executor!r} passed as executor= refused new work: "
-        f"{type(e).__name__}: {str(e).rstrip('.')}. Pass an executor that is "
+        f"{said(e)}. Pass an executor that is "
         "running, or executor=None for the shared pool.",
         cause=e,
     )
 
 
-def _puller(job: Job) -> None:
-    """A task of a thread executor: claims chunks of ``job`` until none are left."""
-    job.drain()
-
-
 def run_on_executor(
     executor: concurrent.futures.Executor,
     job: Job,
-    workers: int,
     progress: Progress | None,
 ) -> None:
-    """Runs ``job`` on a thread executor of ``workers`` threads: one puller task
-    per thread it may use (more once its limit rises, see ``_jobs.Job``).
-
-    A thread that runs a kernel itself (a nested map) also drains ``job``, since
-    the executor's workers may all be busy waiting, for this very thread among
-    others: the pullers are then extra hands, and the ones that never start are
-    cancelled.
-    """
-    count = min(workers, job.n)
+    """Runs ``job`` on a thread executor: one puller task per thread it may use
+    (more once its limit rises). A nested map's thread drains ``job`` too (the
+    workers may all wait, for it among others); pullers that never start are
+    cancelled."""
     lock = threading.Lock()  # guards ``left`` and ``futures``
     left = [0]  # pullers submitted and not yet done
     futures: list[concurrent.futures.Future[None]] = []
@@ -467,12 +409,12 @@ def run_on_executor(
 
     def hand() -> None:
         """Submits pullers up to the job's limit. A refusal fails the map only
-        when no puller runs it; later ones leave the work to those running."""
-        while job.add_hand(count):
+        when no puller runs it."""
+        while job.add_hand():
             with lock:
                 left[0] += 1
             try:
-                future = executor.submit(_puller, job)
+                future = executor.submit(job.drain)  # a puller
             except RuntimeError as e:
                 job.drop_hand()
                 with lock:
@@ -487,11 +429,11 @@ def run_on_executor(
 
     job.grow = hand
     try:
-        with _state(executor).queueing:
+        with _queueing(executor):
             hand()
         if _local.job is not None:
             job.drain()
-        wait(job, job.poll, progress)
+        wait(job, job.done.wait, progress)
     finally:
         with lock:
             started = list(futures)
@@ -501,12 +443,12 @@ def run_on_executor(
 
 @_fork.in_child
 def _start_afresh() -> None:
-    """A forked child has none of the parent's threads, and any of this module's
-    locks may have been held at the fork: every table and lock is new."""
+    """A forked child has none of the parent's threads, and any lock here may
+    have been held at the fork: every table and lock is new."""
     global _threads, _pools_lock, _states, _states_lock, _fallback
     _threads = _Threads()
     _pools_lock = threading.Lock()
     _pools.clear()
     _states = weakref.WeakKeyDictionary()
     _states_lock = threading.Lock()
-    _fallback = _ExecutorState()
+    _fallback = threading.Lock()

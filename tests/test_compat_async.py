@@ -122,7 +122,7 @@ def test_fast_placement_is_jax_device_put_without_its_overhead():
     # The results of background calls are placed with JAX's batched placement;
     # it must give what jax.device_put gives: the default device, uncommitted,
     # the same abstract value, values and behaviour under jit.
-    for name in ("batched_device_put", "get_default_device"):
+    for name in ("batched_device_put",):
         value = _compat.RESOLVED[name]
         assert not isinstance(value, _compat.Missing), (
             f"JAX {jax.__version__} no longer provides {name} ({value.reason}); "

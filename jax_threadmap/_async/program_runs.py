@@ -45,8 +45,9 @@ class _Thread(threading.local):
         self.depth = 0
         #: The level of the run whose dispatch switched the stream (0: none).
         self.switched_at = 0
-        #: The stream to go back to.
-        self.usual = 0
+        #: The entered ``execution_stream_id`` context of the switch; its exit
+        #: puts the thread back on its usual stream.
+        self.switch: Any = None
         #: The ordered effects of the innermost run.
         self.effects: Any = ()
         #: The arrays handed to the innermost run for AsyncArrays, each with
@@ -76,7 +77,7 @@ def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
         state.depth, state.effects, state.handed = level - 1, outer, outer_handed
         if state.switched_at == level:
             state.switched_at = 0
-            _compat.get("set_execution_stream_id")(state.usual)
+            put_back()
         for array, donated in handed:
             if array.is_deleted():  # XLA deletes donated inputs at the run
                 donated()
@@ -104,8 +105,8 @@ def switch_stream(enabled: bool) -> bool:
     state = _thread
     if state.switched_at or not enabled:
         return False
-    state.usual = _compat.get("get_execution_stream_id")()
-    _compat.get("set_execution_stream_id")(next(_stream_ids))
+    state.switch = _compat.get("execution_stream_id")(next(_stream_ids))
+    state.switch.__enter__()
     if state.depth:
         state.switched_at = state.depth
         return False
@@ -114,7 +115,8 @@ def switch_stream(enabled: bool) -> bool:
 
 def put_back() -> None:
     """Puts the thread back on its usual stream (after :func:`switch_stream`)."""
-    _compat.get("set_execution_stream_id")(_thread.usual)
+    switch, _thread.switch = _thread.switch, None
+    switch.__exit__(None, None, None)
 
 
 @_fork.in_child

@@ -121,12 +121,17 @@ class Hook:
         why: Why the package needs it.
         features: The features that fail without it.
         forms: Where it lives, one :class:`Form` per range of JAX versions.
+        public: The public API tried in its place, on every supported JAX
+            (0.6.2, 0.10.2 and 0.12.0.1 were run), and why it does not serve;
+            or, for a hook found at a public location on all of them, which
+            one (the private fallback then removed) and why it stays guarded.
     """
 
     name: str
     why: str
     features: tuple[str, ...]
     forms: tuple[Form, ...]
+    public: str
 
 
 # --- adapters: one calling convention per hook, whatever the version -------------
@@ -274,19 +279,34 @@ def _mesh_axes_of_enclosing_vmaps(trace_ctx: Any) -> Any:
 
 # --- the table -----------------------------------------------------------------------
 
+#: What the ``public`` field says of a hook whose every location is public.
+_PUBLIC_MODULE = (
+    "found at this public location on every supported JAX, so the jax._src "
+    "fallback is removed; kept in the table because {module} is public but "
+    "comes with no compatibility promise, so its import stays guarded"
+)
+
+
+def _public(where: str) -> str:
+    return _PUBLIC_MODULE.format(module=where.split(":")[0])
+
+
 HOOKS: tuple[Hook, ...] = (
     # The primitive and its rules.
     Hook(
         "Primitive",
         "the class of threadmap_p",
         (THREADMAP,),
-        _everywhere("jax.extend.core:Primitive", "jax._src.core:Primitive"),
+        _everywhere("jax.extend.core:Primitive"),
+        _public("jax.extend.core:Primitive"),
     ),
     Hook(
         "ShapedArray",
         "the abstract values of results and cotangents",
         (THREADMAP, DERIVATIVES),
-        _everywhere("jax.core:ShapedArray", "jax._src.core:ShapedArray"),
+        _everywhere("jax.core:ShapedArray"),
+        _public("jax.core:ShapedArray")
+        + " (jax.core still exports it without a deprecation warning)",
     ),
     Hook(
         "typeof",
@@ -303,6 +323,7 @@ HOOKS: tuple[Hook, ...] = (
                 _typeof_checking_sharding_rank,
             ),
         ),
+        "jax.typeof itself, public; in the table for its shim on JAX < 0.8.2",
     ),
     # The table BatchTrace reads first, with the signature (axis_data, vals,
     # dims, **params), in every supported JAX. `primitive_batchers` (vals, dims,
@@ -314,9 +335,12 @@ HOOKS: tuple[Hook, ...] = (
         (THREADMAP,),
         _everywhere(
             "jax.interpreters.batching:fancy_primitive_batchers",
-            "jax._src.interpreters.batching:fancy_primitive_batchers",
             note="rules get (axis_data, vals, dims, **params), unbatched too",
         ),
+        _public("jax.interpreters.batching:fancy_primitive_batchers")
+        + ". jax.custom_batching.custom_vmap was not tried: it batches a function, "
+        "and the rule must be the primitive's, which its JVP and transpose "
+        "rules rebind",
     ),
     Hook(
         "register_lowering",
@@ -332,6 +356,7 @@ HOOKS: tuple[Hook, ...] = (
                 _register_lowering_without_cacheable,
             ),
         ),
+        _public("jax.interpreters.mlir:register_lowering"),
     ),
     Hook(
         "emit_python_callback",
@@ -339,26 +364,26 @@ HOOKS: tuple[Hook, ...] = (
         (THREADMAP,),
         (
             # `jax.interpreters.mlir` re-exports it "temporarily" (JAX main says
-            # so); the private home is the fallback for when that goes away.
-            Form(
-                (0, 8, 2),
-                None,
-                (
-                    "jax.interpreters.mlir:emit_python_callback",
-                    "jax._src.callback:emit_python_callback",
-                ),
-            ),
+            # so); when that goes, the canary test says so and a Form is added.
+            Form((0, 8, 2), None, ("jax.interpreters.mlir:emit_python_callback",)),
             Form(
                 OLDEST_JAX,
                 (0, 8, 2),
-                (
-                    "jax.interpreters.mlir:emit_python_callback",
-                    "jax._src.callback:emit_python_callback",
-                ),
+                ("jax.interpreters.mlir:emit_python_callback",),
                 "no returns_token=",
                 _emit_python_callback_without_returns_token,
             ),
         ),
+        _public("jax.interpreters.mlir:emit_python_callback")
+        + " (a re-export JAX calls temporary). Tried instead: lowering through "
+        "jax.pure_callback's own rule (mlir.lower_fun over jax.pure_callback of "
+        "the host function). tests/test_sharding.py, test_compat.py and "
+        "test_autodiff.py pass with it (jax 0.10.2), but pure_callback's "
+        "callback puts every operand on the CPU as a jax.Array "
+        "(jax.device_put) and converts each result back: a jitted threadmap "
+        "call took 254 us against 138 us on a scalar and 302 us against 176 us "
+        "on 8 elements (jax 0.10.2, best of 9x30 calls, 3 alternated runs, "
+        "loaded machine), so it is not used",
     ),
     Hook(
         "callback_op_sharding",
@@ -372,10 +397,15 @@ HOOKS: tuple[Hook, ...] = (
                 (0, 7, 1),
                 ("jax._src.callback:_callback_op_sharding",),
                 "inside shard_map under Shardy, one annotation for all results; "
-                "one per result is made here, as 0.7.1 does",
+                "one per result is made here, as 0.7.1 does (with "
+                "jax._src.sharding_impls.SdyDim)",
                 _one_sharding_per_result,
             ),
         ),
+        "tried: lowering through jax.pure_callback's rule, which computes this "
+        "sharding itself; it serves but costs about 120 us a call (see "
+        "emit_python_callback). jax.pure_callback's sharding= argument is not "
+        "reachable from a lowering rule, and no public function computes it",
     ),
     Hook(
         "prim_requires_devices_during_lowering",
@@ -383,6 +413,10 @@ HOOKS: tuple[Hook, ...] = (
         "callback in sharded (shard_map, pmap, NamedSharding) programs",
         (THREADMAP,),
         _everywhere("jax._src.dispatch:prim_requires_devices_during_lowering"),
+        "none: JAX reads this set from the jaxpr before lowering "
+        "(dispatch.jaxpr_has_prim_requiring_devices, the same on every supported "
+        "JAX), where threadmap_p stands whatever its lowering emits, so lowering "
+        "through jax.pure_callback does not remove the need",
     ),
     # Inside shard_map an aval records the manual mesh axes its value varies
     # over. A host call on varying operands gives varying results, and
@@ -404,17 +438,15 @@ HOOKS: tuple[Hook, ...] = (
             Form(
                 OLDEST_JAX,
                 (0, 10, 0),
-                ("jax._src.core:ShapedArray",),
-                "aval.vma; ShapedArray(..., vma=...)",
+                ("jax.core:ShapedArray",),
+                "aval.vma; the public ShapedArray(..., vma=...)",
                 _varying_by_vma,
             ),
         ),
-    ),
-    Hook(
-        "get_cur_mesh_sharding",
-        "the sharding that an aval varying over manual mesh axes must carry",
-        (SHARD_MAP,),
-        _everywhere("jax._src.core:get_cur_mesh_sharding"),
+        "public before jax 0.10 (jax.core.ShapedArray(vma=...), aval.vma). From "
+        "0.10 on, tried: jax.ShapeDtypeStruct(manual_axis_type=...), which takes "
+        "the same private ManualAxisType; jax.lax.pvary/pcast make values vary, "
+        "not avals, and an abstract eval has no values",
     ),
     # Per-shard maps under jit (issue 20): an operand is moved to the layout that
     # the automatic shard_map around the equation expects (jax >= 0.10 refuses an
@@ -433,6 +465,8 @@ HOOKS: tuple[Hook, ...] = (
                 "in jax.experimental.shard (moved to jax.sharding in jax 0.7.0)",
             ),
         ),
+        "public (jax.sharding.reshard; jax.experimental.shard before 0.7); in "
+        "the table for its move",
     ),
     # Per-shard maps under nested vmaps (issue 27): a level's batching rule
     # must not split its elements over a mesh axis that an enclosing vmap maps
@@ -443,6 +477,9 @@ HOOKS: tuple[Hook, ...] = (
         "from the current trace and its parents",
         (PER_SHARD_JIT,),
         _everywhere("jax._src.core:trace_ctx", adapt=_mesh_axes_of_enclosing_vmaps),
+        "tried: jax.core.trace_ctx, public on 0.6.2, deprecated (a warning) on "
+        "0.10.2 and gone on 0.12.0.1. jax.sharding.get_abstract_mesh() gives the "
+        "mesh and its axis types, not which axes an enclosing vmap maps over",
     ),
     # Derivative rules on the primitive.
     *(
@@ -450,9 +487,8 @@ HOOKS: tuple[Hook, ...] = (
             name,
             why,
             (DERIVATIVES,),
-            _everywhere(
-                f"jax.interpreters.ad:{name}", f"jax._src.interpreters.ad:{name}"
-            ),
+            _everywhere(f"jax.interpreters.ad:{name}"),
+            _public(f"jax.interpreters.ad:{name}"),
         )
         for name, why in (
             ("primitive_jvps", "the JVP rule that binds the JVP kernel's equation"),
@@ -473,6 +509,10 @@ HOOKS: tuple[Hook, ...] = (
         "compiling never touch the data",
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.core:pytype_aval_mappings"),
+        "tried: jax.core.pytype_aval_mappings, public on 0.6.2 but deprecated "
+        "(a DeprecationWarning at each access) on 0.10.2 and 0.12.0.1. "
+        "__jax_array__ would hand jit the data at trace time, which is what an "
+        "AsyncArray must not need (and since jax 0.8 it raises there)",
     ),
     Hook(
         "canonicalize_value",
@@ -502,6 +542,8 @@ HOOKS: tuple[Hook, ...] = (
                 _register_identity_in,
             ),
         ),
+        "none: jax.dtypes, jax.core and jax.interpreters.xla export no such "
+        "table or register function on 0.6.2, 0.10.2 or 0.12.0.1",
     ),
     Hook(
         "shard_arg_handlers",
@@ -509,12 +551,18 @@ HOOKS: tuple[Hook, ...] = (
         "when a compiled program runs: the place to wait for the data",
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.interpreters.pxla:shard_arg_handlers"),
+        "none: jax.interpreters.pxla does not export it on any supported JAX; "
+        "jax.make_array_from_callback and jax.device_put need the data when "
+        "called, not when a program runs",
     ),
     Hook(
         "shard_args",
         "the handler delegates to it, so resharding and layouts work as for jax.Array",
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.interpreters.pxla:shard_args"),
+        "tried: jax.interpreters.pxla.shard_args, exported on 0.6.2 only (not on "
+        "0.10.2 nor 0.12.0.1); jax.device_put(x, sharding) does not take the "
+        "program's layouts and copy semantics",
     ),
     # jax.make_array_from_callback raises UnexpectedTracerError at the call when
     # its data_callback returns a tracer (the call made under jit). Our sharded
@@ -527,6 +575,8 @@ HOOKS: tuple[Hook, ...] = (
         "async_array_from_callback fetches a shard at the call",
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.core:trace_state_clean"),
+        "tried: jax.core.trace_state_clean, deprecated (a warning) on 0.6.2 and "
+        "gone on 0.10.2 and 0.12.0.1; its deprecation names no replacement",
     ),
     # jax.device_put of a small NumPy array costs 20-60 us in Python (argument
     # checks, a deferred-argument wrapper, a context manager); JAX's own
@@ -539,13 +589,9 @@ HOOKS: tuple[Hook, ...] = (
         "jax.device_put does, without device_put's Python overhead",
         (FAST_PLACEMENT,),
         _everywhere("jax._src.interpreters.pxla:batched_device_put"),
-    ),
-    Hook(
-        "get_default_device",
-        "the device jax.device_put(x) uses (jax_default_device, else the first "
-        "local device), for the uncommitted results of background calls",
-        (FAST_PLACEMENT,),
-        _everywhere("jax._src.interpreters.pxla:get_default_device"),
+        "tried: jax.device_put, which serves (it is the fallback where this hook "
+        "is missing) at about 5x the cost per result (see the comment above); "
+        "optional, so nothing fails without it",
     ),
     # Async dispatch (issue 13). A jitted call with a pending `AsyncArray` returns
     # at once when the argument handler can hand JAX a `jax.Array` whose buffer is
@@ -555,23 +601,29 @@ HOOKS: tuple[Hook, ...] = (
     # server's `await_pull` offers them. `_dispatch.py` pulls only a 4-byte gate
     # through it (the data goes through a `pure_callback` program that waits on
     # the gate), so the loopback socket carries no data.
-    Hook(
-        "start_transfer_server",
-        "starts the loopback transfer server whose pulls are the gates",
-        (ASYNC_DISPATCH,),
-        _everywhere("jax.experimental.transfer:start_transfer_server"),
-    ),
-    Hook(
-        "TransferServer",
-        "its await_pull offers a gate's value, its connect() opens the connection",
-        (ASYNC_DISPATCH,),
-        _everywhere("jax.experimental.transfer:TransferServer"),
-    ),
-    Hook(
-        "TransferConnection",
-        "its pull() returns a gate array whose buffer arrives later",
-        (ASYNC_DISPATCH,),
-        _everywhere("jax.experimental.transfer:TransferConnection"),
+    *(
+        Hook(
+            name,
+            why,
+            (ASYNC_DISPATCH,),
+            _everywhere(f"jax.experimental.transfer:{name}"),
+            _public(f"jax.experimental.transfer:{name}"),
+        )
+        for name, why in (
+            (
+                "start_transfer_server",
+                "starts the loopback transfer server whose pulls are the gates",
+            ),
+            (
+                "TransferServer",
+                "its await_pull offers a gate's value, its connect() opens the "
+                "connection",
+            ),
+            (
+                "TransferConnection",
+                "its pull() returns a gate array whose buffer arrives later",
+            ),
+        )
     ),
     Hook(
         "callback_logger",
@@ -580,26 +632,27 @@ HOOKS: tuple[Hook, ...] = (
         "filtered out of it (else each failed call is also logged as an error)",
         (ASYNC_DISPATCH,),
         _everywhere("jax._src.callback:logger"),
+        "tried: a filter on the public 'jax' logger, which logging does not apply "
+        "to records that propagate from its children; only the logger's name is "
+        "read (the module's name where it moved), nothing is called",
     ),
     # XLA orders the programs of one execution stream (by default, one per
     # dispatching thread). jaxlib lets a thread pick the stream of what it
-    # dispatches (jaxlib.xla_client.execution_stream_id, a context manager over
-    # these two functions; the same in 0.6.2 ... 0.12). `_dispatch.py` puts a
-    # dispatch on pending data on a stream of its own, and puts the thread back
+    # dispatches (jaxlib.xla_client.execution_stream_id, a context manager that
+    # sets it and puts it back; the same in 0.6.2 ... 0.12). `_dispatch.py` puts
+    # a dispatch on pending data on a stream of its own, and puts the thread back
     # when JAX's call that runs the compiled program (ExecuteReplicated.__call__,
     # which it wraps: `wrap_program_runs`) returns.
     Hook(
-        "get_execution_stream_id",
-        "reads the execution stream of the programs this thread dispatches",
+        "execution_stream_id",
+        "puts what the thread dispatches next on a stream of its own (entered), "
+        "and the thread back on its usual stream (exited), so that the thread's "
+        "later programs do not wait behind those that wait for pending data",
         (DISPATCH_STREAMS,),
-        _everywhere("jaxlib._jax:get_execution_stream_id"),
-    ),
-    Hook(
-        "set_execution_stream_id",
-        "sets it: programs that wait for pending data get a stream of their own, "
-        "so that the thread's later programs do not wait behind them",
-        (DISPATCH_STREAMS,),
-        _everywhere("jaxlib._jax:set_execution_stream_id"),
+        _everywhere("jaxlib.xla_client:execution_stream_id"),
+        _public("jaxlib.xla_client:execution_stream_id")
+        + ". Replaces jaxlib._jax's get_ and set_execution_stream_id (two "
+        "private hooks until this release)",
     ),
     Hook(
         "ExecuteReplicated",
@@ -609,6 +662,9 @@ HOOKS: tuple[Hook, ...] = (
         "programs whose dispatch JAX orders)",
         (DISPATCH_STREAMS,),
         _everywhere("jax._src.interpreters.pxla:ExecuteReplicated"),
+        "none: jax.stages.Compiled.__call__ runs only ahead-of-time compiled "
+        "programs, and jax.jit's calls reach this class without a public hook; "
+        "jax.interpreters.pxla does not export it on any supported JAX",
     ),
 )
 
@@ -858,7 +914,11 @@ def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:
     """A ``ShapedArray`` that varies over the manual mesh axes ``varying``."""
     if not varying:
         return ShapedArray(shape, dtype)
-    sharding = get("get_cur_mesh_sharding")()
+    # What jax._src.core.get_cur_mesh_sharding() returns (the same source on
+    # every supported JAX), from public names.
+    sharding = jax.sharding.NamedSharding(
+        jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec()
+    )
     return get("varying_axes").make(shape, dtype, varying, sharding)
 
 
@@ -942,14 +1002,27 @@ def put_on_device(aval: Any, x: Any, device: Any) -> Any:
     CPU: pass only arrays that nobody writes to. ``None`` where a hook is
     missing (use ``jax.device_put`` then).
     """
-    put, default = RESOLVED["batched_device_put"], RESOLVED["get_default_device"]
-    if isinstance(put, Missing) or isinstance(default, Missing):
+    put = RESOLVED["batched_device_put"]
+    if isinstance(put, Missing):
         return None
-    target = default() if device is None else device
+    target = default_device() if device is None else device
     sharding = _one_device.get(target)
     if sharding is None:
         sharding = _one_device[target] = jax.sharding.SingleDeviceSharding(target)
     return put(aval, sharding, [x], [target], device is not None)
+
+
+def default_device() -> Any:
+    """The device ``jax.device_put(x)`` puts ``x`` on: ``jax_default_device``
+    (a device, or a platform's first local device), else the first local device.
+
+    What ``jax._src.interpreters.pxla.get_default_device`` does (the same source
+    on every supported JAX), from public names.
+    """
+    chosen = jax.config.jax_default_device
+    if isinstance(chosen, str):
+        return jax.local_devices(backend=chosen)[0]
+    return chosen or jax.local_devices()[0]
 
 
 def trace_state_clean() -> bool:

@@ -14,7 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_threadmap._jax import array_types as _array_types
+from jax_threadmap._jax import avals as _avals
+from jax_threadmap._jax import dispatch as _jax_dispatch
 from jax_threadmap._jax import hooks as _compat
+from jax_threadmap._jax import placement as _placement
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +62,7 @@ def _arrays_of(xs, shardings):
     return [jnp.asarray(x.value) for x in xs]
 
 
-_compat.register_array_like(_Probe, lambda x: x.aval, _arrays_of)
+_array_types.register_array_like(_Probe, lambda x: x.aval, _arrays_of)
 
 
 def test_registered_type_is_abstract_until_the_program_runs():
@@ -132,17 +136,17 @@ def test_fast_placement_is_jax_device_put_without_its_overhead():
         )
     for x in (np.arange(6, dtype=np.float32).reshape(2, 3), np.int8(3), np.zeros(0)):
         x = np.asarray(x)
-        aval = _compat.typeof(jax.ShapeDtypeStruct(x.shape, x.dtype))
-        fast = _compat.put_on_device(aval, x, None)
+        aval = _avals.typeof(jax.ShapeDtypeStruct(x.shape, x.dtype))
+        fast = _placement.put_on_device(aval, x, None)
         slow = jax.device_put(x)
         assert isinstance(fast, jax.Array) and fast.is_fully_replicated
         assert fast.sharding == slow.sharding
         assert fast.committed is slow.committed is False
-        assert _compat.typeof(fast) == _compat.typeof(slow)
+        assert _avals.typeof(fast) == _avals.typeof(slow)
         np.testing.assert_array_equal(np.asarray(fast), x)
         np.testing.assert_array_equal(jax.jit(lambda a: a * 2)(fast), x * 2)
     with jax.default_device(jax.devices()[-1]):  # jax_default_device is read
-        fast = _compat.put_on_device(aval, x, None)
+        fast = _placement.put_on_device(aval, x, None)
         assert fast.devices() == jax.device_put(x).devices()
 
 
@@ -160,7 +164,7 @@ def test_async_dispatch_hook_is_still_where_we_expect_it(hook):
         "jitted calls with pending AsyncArrays fall back to blocking dispatch. "
         "Update the 'async dispatch' entries of HOOKS in jax_threadmap/_jax/hooks.py."
     )
-    assert _compat.async_dispatch_unavailable() is None
+    assert _jax_dispatch.async_dispatch_unavailable() is None
 
 
 def _pulled_gate(uuid: int):
@@ -169,7 +173,9 @@ def _pulled_gate(uuid: int):
     the gate of _dispatch.Dispatch. Returns the device, the server, the gate and
     the connection it was pulled over (the test keeps it, as _dispatch does)."""
     dev = jax.devices()[0]
-    server = _compat.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
+    server = _jax_dispatch.start_transfer_server(
+        dev.client, "127.0.0.1:0", ["127.0.0.1:0"]
+    )
     conn = server.connect(server.address())
     aval = jax.ShapeDtypeStruct(
         (), np.int32, sharding=jax.sharding.SingleDeviceSharding(dev)
@@ -221,8 +227,8 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
     # ExecuteReplicated.__call__ returns: the handler must run inside it, for
     # every way a jitted program runs from Python, and ordinary calls on the C++
     # fast path must never reach the wrapper (it costs them nothing).
-    if _compat.dispatch_streams_unavailable() is not None:
-        pytest.skip(_compat.dispatch_streams_unavailable())
+    if _jax_dispatch.dispatch_streams_unavailable() is not None:
+        pytest.skip(_jax_dispatch.dispatch_streams_unavailable())
     from jax.experimental import io_callback
 
     from jax_threadmap._async import dispatch as _dispatch
@@ -240,7 +246,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
     class Other(_Probe):
         pass
 
-    _compat.register_array_like(Other, lambda x: x.aval, handler)
+    _array_types.register_array_like(Other, lambda x: x.aval, handler)
     real_around = _program_runs.around
 
     def counting(run, program, args, effects):
@@ -248,7 +254,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         return real_around(run, program, args, effects)
 
     try:
-        _compat.wrap_program_runs(counting)
+        _jax_dispatch.wrap_program_runs(counting)
         x = Other(np.arange(3.0, dtype=np.float32))
         f = jax.jit(lambda a: a * 2)
         f(x), f(x)  # the first call compiles; the second is a plain Python call
@@ -273,7 +279,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
             f"ordered effects would be dispatched on pending data. {UPDATE}"
         )
     finally:
-        _compat.wrap_program_runs(real_around)
+        _jax_dispatch.wrap_program_runs(real_around)
 
 
 def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():

@@ -18,7 +18,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from .._jax import hooks as _compat
+from .._jax import avals as _jax_avals
+from .._jax import hooks as _hooks
+from .._jax import placement as _placement
 from .._support import validate as _validate
 from .._support.validate import check_callable, check_timeout, shape_dtype_of
 
@@ -69,7 +71,7 @@ def leaf_specs(
     result_shape_dtypes: Any, device: Any, api: str
 ) -> tuple[Any, list[LeafSpec]]:
     """Validates ``result_shape_dtypes`` and ``device`` up front, at the call."""
-    _compat.require(_compat.ASYNC_ARRAYS, f"jax_threadmap.{api}")
+    _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")
     target = _target_sharding(device, api)
     flat, treedef = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     if not flat:
@@ -151,7 +153,7 @@ def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
         key = None
     if sharding is not None:
         sharding.shard_shape(shape)
-    aval = _compat.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    aval = _jax_avals.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     if key is not None:
         if len(_avals) >= MAX_CACHED_AVALS:
             _avals.clear()
@@ -293,7 +295,8 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
         # buffer (on CPU) instead of copying it once more.
         out = None
         if spec.sharding is None and isinstance(leaf, np.ndarray):
-            out = _compat.put_on_device(spec.aval, leaf, None)  # 5x device_put's speed
+            # 5x device_put's speed
+            out = _placement.put_on_device(spec.aval, leaf, None)
         if out is None:
             out = jax.device_put(leaf, spec.sharding, may_alias=True)
         placed.append(out)
@@ -369,7 +372,7 @@ def is_extended(dtype: Any) -> bool:
 
 def extended_spec(shape: tuple[int, ...], dtype: Any, sharding: Any) -> LeafSpec:
     """The spec of an array of an extended dtype (``leaf_specs`` takes NumPy's)."""
-    aval = _compat.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    aval = _jax_avals.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     return LeafSpec("<root>", shape, dtype, aval, sharding)
 
 

@@ -1,6 +1,6 @@
 """Every run of a compiled program from Python, as the async layer sees it.
 
-:func:`around` wraps each run (through ``_compat.wrap_program_runs``). It keeps,
+:func:`around` wraps each run (through ``_jax.dispatch.wrap_program_runs``). It keeps,
 per thread, where the thread is in nested runs (a gate program dispatched by an
 argument handler runs inside the run that asked for it), so that:
 
@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._jax import hooks as _compat
+from .._jax import hooks as _hooks
 from .._support import fork as _fork
 
 #: The first execution stream of dispatches on pending data; each dispatch takes
@@ -60,7 +60,7 @@ _stream_ids = itertools.count(FIRST_PENDING_STREAM)
 
 
 def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python (``_compat.wrap_program_runs``).
+    """Every run of a compiled program from Python (``wrap_program_runs``).
 
     Puts the thread back on its usual stream when the run whose argument handler
     switched it returns, whatever happens; tells the handler the program's
@@ -105,7 +105,7 @@ def switch_stream(enabled: bool) -> bool:
     state = _thread
     if state.switched_at or not enabled:
         return False
-    state.switch = _compat.get("execution_stream_id")(next(_stream_ids))
+    state.switch = _hooks.get("execution_stream_id")(next(_stream_ids))
     state.switch.__enter__()
     if state.depth:
         state.switched_at = state.depth

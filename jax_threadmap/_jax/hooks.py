@@ -1,30 +1,39 @@
-"""Every use of JAX internals, in one place: one table of hooks.
+"""Every use of JAX internals goes through one table of hooks: this module.
 
 JAX gives no compatibility promise for the hooks a new primitive needs (batching
 rules, lowering through a host callback, the eager impl) nor for the hooks an
 array-like type needs to be passed to ``jit`` without its data. This module is the
-only one in the package that touches them.
+only one in the package that finds them.
 
 :data:`HOOKS` is the table: for each hook, why the package needs it, which
-feature fails without it, and where it lives in each range of JAX versions (a
-:class:`Form`, gated on ``jax.__version_info__``, with a note beside each
-fallback). The imports below are driven by the table and guarded: a hook that
-this JAX does not have never fails ``import jax_threadmap``; the first use of a
-feature that needs it raises :class:`UnsupportedJaxError`, naming the hook, the
-JAX version and what to do (:func:`require`). ``tests/test_compat.py`` reads the
-same table.
+feature fails without it, which public API was tried in its place and why it
+does not serve (:attr:`Hook.public`), and where it lives in each range of JAX
+versions (a :class:`Form`, gated on ``jax.__version_info__``, with a note beside
+each fallback). The imports below are driven by the table and guarded: a hook
+that this JAX does not have never fails ``import jax_threadmap``; the first use
+of a feature that needs it raises :class:`UnsupportedJaxError`, naming the hook,
+the JAX version and what to do (:func:`require`). ``tests/test_compat.py`` reads
+the same table.
 
-Rules for this module: every internal goes through :data:`HOOKS`; the public
-location first, the private one as the fallback; a comment or note saying why;
-and nothing else.
+The feature code built on the table lives beside it, one module per concern:
+:mod:`.primitive_rules` (the primitive class and its rule registrations),
+:mod:`.avals` (abstract values and the varying-axes logic), :mod:`.traces`
+(reading the current trace), :mod:`.explicit_sharding` (per-shard maps under
+``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
+:mod:`.placement` (fast device placement) and :mod:`.dispatch` (async dispatch
+and the program-run wrapper). They reach JAX's internals only through
+:func:`get`, :func:`or_missing` and :data:`RESOLVED`.
+
+Rules for this module: every internal is an entry of :data:`HOOKS`; the public
+location first, the private one as the fallback; the entry says why; and
+nothing else (no feature code).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -61,7 +70,8 @@ FAST_PLACEMENT = "fast placement"
 PER_SHARD_JIT = "per-shard jit"
 
 
-def _v(version: tuple[int, ...]) -> str:
+def version_text(version: tuple[int, ...]) -> str:
+    """``(0, 10, 2)`` as ``"0.10.2"``."""
     return ".".join(map(str, version))
 
 
@@ -685,12 +695,13 @@ class Missing:
 
     def message(self, api: str) -> str:
         if JAX_VERSION < OLDEST_JAX:
+            oldest = version_text(OLDEST_JAX)
             advice = (
-                f"jax_threadmap supports jax>={_v(OLDEST_JAX)}: upgrade with pip "
-                f"install -U 'jax>={_v(OLDEST_JAX)}' 'jaxlib>={_v(OLDEST_JAX)}'."
+                f"jax_threadmap supports jax>={oldest}: upgrade with pip "
+                f"install -U 'jax>={oldest}' 'jaxlib>={oldest}'."
             )
         else:
-            newest = _v(NEWEST_TESTED_JAX)
+            newest = version_text(NEWEST_TESTED_JAX)
             advice = (
                 f"Pin jax<={newest} (pip install 'jax<={newest}' "
                 f"'jaxlib<={newest}'), the newest JAX this jax_threadmap was "
@@ -715,7 +726,7 @@ def resolve(hook: Hook, version: tuple[int, ...] = JAX_VERSION) -> Any:
     form = form_for(hook, version)
     if form is None:
         first = min(f.since for f in hook.forms)
-        return Missing(hook, f"it is known from JAX {_v(first)} on")
+        return Missing(hook, f"it is known from JAX {version_text(first)} on")
     tried = []
     for where in form.where:
         module_name, attr = where.split(":")
@@ -765,327 +776,16 @@ def missing_hooks() -> list[str]:
     ]
 
 
-def _or_missing(name: str, fallback: Any) -> Any:
+def or_missing(name: str, fallback: Any) -> Any:
+    """The resolved hook ``name``, or ``fallback`` where this JAX lacks it."""
     value = RESOLVED[name]
     return fallback if isinstance(value, Missing) else value
 
 
-# --- the primitive ---------------------------------------------------------------
-
-
-class _PrimitiveStandIn:
-    """``threadmap_p`` when JAX has no Primitive class: imports, never binds."""
-
-    multiple_results = False
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def def_impl(self, impl: Callable[..., Any]) -> Callable[..., Any]:
-        return impl
-
-    def def_abstract_eval(self, rule: Callable[..., Any]) -> Callable[..., Any]:
-        return rule
-
-    def bind(self, *args: Any, **params: Any) -> Any:
-        del args, params
-        require(THREADMAP, f"{self.name}_p.bind")
-
-
-Primitive: Any = _or_missing("Primitive", _PrimitiveStandIn)
-ShapedArray: Any = RESOLVED["ShapedArray"]
-# Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
-Zero: Any = RESOLVED["Zero"]
-
-
-def vmapped_mesh_axes() -> frozenset[str]:
-    """The explicit mesh axes that the vmaps around the current trace map over."""
-    return get("trace_ctx")()
-
-
-def typeof(x: Any) -> Any:
-    """``jax.typeof(x)``, with the sharding check of JAX >= 0.8.2 on older ones."""
-    return get("typeof")(x)
-
-
-def instantiate_zeros(t: Any) -> Any:
-    return get("instantiate_zeros")(t)
-
-
-def is_undefined_primal(x: Any) -> bool:
-    return get("is_undefined_primal")(x)
-
-
-def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
-    return get("callback_op_sharding")(axis_context, sharding, avals_out)
-
-
-def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
-    return get("emit_python_callback")(*args, **kwargs)
-
-
-# Registrations run when the package is imported. Where a hook is missing they
-# register nothing, and `require` reports it when the feature is first used.
-
-
-def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:
-    register = _or_missing("register_lowering", None)
-    if register is not None:
-        register(prim, rule, **kwargs)
-
-
-def register_batching_rule(prim: Any, rule: Callable[..., Any]) -> None:
-    """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
-
-    JAX calls rules of this table with ``(axis_data, vals, dims, **params)``,
-    also when no operand is batched; then the primitive is bound as it is, as
-    JAX's own shim for the classic signature does.
-    """
-    table = _or_missing("fancy_primitive_batchers", None)
-    if table is None:
-        return
-
-    def batching_rule(
-        axis_data: Any, vals: Sequence[Any], dims: Sequence[int | None], **params: Any
-    ) -> tuple[Any, Any]:
-        del axis_data
-        if all(d is None for d in dims):
-            outs = prim.bind(*vals, **params)
-            if prim.multiple_results:
-                return outs, [None] * len(outs)
-            return outs, None
-        return rule(vals, dims, **params)
-
-    table[prim] = batching_rule
-
-
-def is_batching_rule_registered(prim: Any) -> bool:
-    table = _or_missing("fancy_primitive_batchers", None)
-    return table is not None and prim in table
-
-
-def require_devices_during_lowering(prim: Any) -> None:
-    primitives = _or_missing("prim_requires_devices_during_lowering", None)
-    if primitives is not None:
-        primitives.add(prim)
-
-
-def register_jvp(prim: Any, rule: Callable[..., Any]) -> None:
-    table = _or_missing("primitive_jvps", None)
-    if table is not None:
-        table[prim] = rule
-
-
-def register_transpose(prim: Any, rule: Callable[..., Any]) -> None:
-    table = _or_missing("primitive_transposes", None)
-    if table is not None:
-        table[prim] = rule
-
-
-# --- varying axes inside shard_map -------------------------------------------------
-
-
-def varying_axes(aval: Any) -> frozenset:
-    """The manual mesh axes over which values of ``aval`` vary (inside shard_map).
-
-    Without the hook, only programs outside ``shard_map`` run: no mesh axis is
-    manual there (public API), so nothing varies.
-    """
-    if isinstance(RESOLVED["varying_axes"], Missing) and not _inside_shard_map():
-        return frozenset()
-    varying = get("varying_axes", "jax_threadmap inside jax.shard_map")
-    try:
-        return varying.of(aval)
-    except AttributeError as e:
-        # Never an empty set by default: a wrong type here becomes a wrong
-        # cotangent type later.
-        hook = next(h for h in HOOKS if h.name == "varying_axes")
-        missing = Missing(hook, f"the abstract value {aval} has no such field ({e})")
-        raise UnsupportedJaxError(missing.message("jax_threadmap")) from e
-
-
-def _inside_shard_map() -> bool:
-    """Whether a mesh axis is manual here: tracing inside ``shard_map``."""
-    manual = jax.sharding.AxisType.Manual
-    return manual in tuple(jax.sharding.get_abstract_mesh().axis_types)
-
-
-def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:
-    """A ``ShapedArray`` that varies over the manual mesh axes ``varying``."""
-    if not varying:
-        return ShapedArray(shape, dtype)
-    # What jax._src.core.get_cur_mesh_sharding() returns (the same source on
-    # every supported JAX), from public names.
-    sharding = jax.sharding.NamedSharding(
-        jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec()
-    )
-    return get("varying_axes").make(shape, dtype, varying, sharding)
-
-
-# --- per-shard maps under jit ------------------------------------------------------
-
-
-#: JAX releases whose batching rules run with the vmapped explicit mesh axes still
-#: in the axis environment, where ``jax.shard_map`` refuses them ("axis_names ...
-#: to be a subset of mesh.axis_names"; seen on jax 0.8.3). jax 0.8.1 added those
-#: axes (``add_explicit_mesh_axis_names`` in ``vmap``); jax 0.9.1 removes them
-#: around batching rules (``remove_explicit_mesh_axis_names``), read from each
-#: release's source. There, explicit mesh axes are mapped on one device.
-PER_SHARD_REFUSED: tuple[tuple[int, ...], tuple[int, ...]] = ((0, 8, 1), (0, 9, 1))
-
-
-def per_shard_unavailable() -> str | None:
-    """Why batch axes sharded over explicit mesh axes are not mapped per shard
-    under ``jit`` (this JAX refuses it, or a hook is missing), or ``None`` if
-    they are."""
-    since, until = PER_SHARD_REFUSED
-    if since <= JAX_VERSION < until:
-        return (
-            f"jax {jax.__version__} refuses a shard_map over the mesh axes that "
-            f"vmap maps over (jax {_v(since)} to {_v(until)} exclusive)"
-        )
+def missing_for(feature: str) -> str | None:
+    """Why ``feature`` is unavailable (its first missing hook), or ``None``."""
     for hook in HOOKS:
         value = RESOLVED[hook.name]
-        if {PER_SHARD_JIT, SHARD_MAP} & set(hook.features) and isinstance(
-            value, Missing
-        ):
-            return f"{hook.name} is missing: {value.reason}"
-    return None
-
-
-def reshard(x: Any, spec: Any) -> Any:
-    """``jax.sharding.reshard(x, spec)``: ``x`` in the layout ``spec`` of its mesh."""
-    return get("reshard")(x, spec)
-
-
-# --- async arrays ----------------------------------------------------------------
-
-
-def register_array_like(
-    cls: type,
-    aval_of: Callable[[Any], Any],
-    arrays_of: Callable[[list[Any], list[Any]], list[Any]],
-) -> None:
-    """Lets instances of ``cls`` be passed to ``jit`` before their data exists.
-
-    ``aval_of(x)`` returns the abstract value (used to trace and compile);
-    ``arrays_of(xs, shardings)`` returns one ``jax.Array`` per ``x`` and is called
-    only when a compiled program runs with them; ``shardings`` are the shardings
-    the program expects for them (so that arrays made there need no resharding).
-    Registers nothing where a hook is missing (``require(ASYNC_ARRAYS, ...)`` then
-    fails before such an array is made).
-    """
-    names = ("pytype_aval_mappings", "canonicalize_value", "shard_arg_handlers")
-    if any(isinstance(RESOLVED[n], Missing) for n in (*names, "shard_args")):
-        return
-    pytype_aval_mappings, register_canonicalize_value, shard_arg_handlers = (
-        RESOLVED[n] for n in names
-    )
-    pytype_aval_mappings[cls] = aval_of
-    register_canonicalize_value(cls)
-
-    def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
-        arrays = arrays_of(list(xs), list(shardings))
-        return get("shard_args")(shardings, layouts, copy_semantics, arrays)
-
-    shard_arg_handlers[cls] = handler
-
-
-_one_device: dict[Any, Any] = {}  # SingleDeviceSharding by device
-
-
-def put_on_device(aval: Any, x: Any, device: Any) -> Any:
-    """NumPy ``x`` on ``device`` as ``jax.device_put(x, device)`` puts it.
-
-    ``device=None``: on the default device, uncommitted, as ``jax.device_put(x)``.
-    ``aval`` is ``x``'s abstract value. The result may share ``x``'s buffer on
-    CPU: pass only arrays that nobody writes to. ``None`` where a hook is
-    missing (use ``jax.device_put`` then).
-    """
-    put = RESOLVED["batched_device_put"]
-    if isinstance(put, Missing):
-        return None
-    target = default_device() if device is None else device
-    sharding = _one_device.get(target)
-    if sharding is None:
-        sharding = _one_device[target] = jax.sharding.SingleDeviceSharding(target)
-    return put(aval, sharding, [x], [target], device is not None)
-
-
-def default_device() -> Any:
-    """The device ``jax.device_put(x)`` puts ``x`` on: ``jax_default_device``
-    (a device, or a platform's first local device), else the first local device.
-
-    What ``jax._src.interpreters.pxla.get_default_device`` does (the same source
-    on every supported JAX), from public names.
-    """
-    chosen = jax.config.jax_default_device
-    if isinstance(chosen, str):
-        return jax.local_devices(backend=chosen)[0]
-    return chosen or jax.local_devices()[0]
-
-
-def trace_state_clean() -> bool:
-    """Whether the caller is outside every trace (``jit``, ``vmap``...)."""
-    return bool(get("trace_state_clean")())
-
-
-# --- async dispatch ------------------------------------------------------------------
-
-start_transfer_server: Callable[..., Any] | None = _or_missing(
-    "start_transfer_server", None
-)
-# The logger's name, for `_dispatch.py` to filter; its module's name where it moved.
-CALLBACK_LOGGER_NAME: str = getattr(
-    _or_missing("callback_logger", None), "name", "jax._src.callback"
-)
-
-
-def dispatch_streams_unavailable() -> str | None:
-    """Why dispatches on pending data cannot get a stream of their own, or ``None``."""
-    for hook in HOOKS:
-        value = RESOLVED[hook.name]
-        if DISPATCH_STREAMS in hook.features and isinstance(value, Missing):
-            return f"{hook.name} is missing: {value.reason}"
-    return None
-
-
-#: On the wrapper: the wrapper it calls, and JAX's own method it wraps.
-_AROUND, _ORIGINAL = "__jax_threadmap_around__", "__jax_threadmap_original__"
-
-
-def wrap_program_runs(around: Callable[..., Any]) -> bool:
-    """Makes every run of a compiled program from Python go through ``around``.
-
-    JAX runs a jitted program from Python (its C++ fast path aside, which never
-    sees an ``AsyncArray``) in ``ExecuteReplicated.__call__``: the argument
-    handlers first, then XLA's execute. After this, that call is
-    ``around(run, program, args, ordered_effects)``, which must return
-    ``run(program, *args)``; ``ordered_effects`` are the program's ordered
-    effects. A second call replaces the first one's ``around``. Returns whether
-    the hook is there (:func:`dispatch_streams_unavailable` says why not).
-    """
-    if dispatch_streams_unavailable() is not None:
-        return False
-    cls = get("ExecuteReplicated")
-    run = getattr(cls.__call__, _ORIGINAL, cls.__call__)
-    if getattr(cls.__call__, _AROUND, None) is around:
-        return True
-
-    @functools.wraps(run)
-    def __call__(self: Any, *args: Any) -> Any:
-        return around(run, self, args, self.ordered_effects)
-
-    setattr(__call__, _AROUND, around)
-    setattr(__call__, _ORIGINAL, run)
-    cls.__call__ = __call__
-    return True
-
-
-def async_dispatch_unavailable() -> str | None:
-    """Why this JAX cannot dispatch on pending arrays, or ``None`` if it can."""
-    for hook in HOOKS:
-        value = RESOLVED[hook.name]
-        if ASYNC_DISPATCH in hook.features and isinstance(value, Missing):
+        if feature in hook.features and isinstance(value, Missing):
             return f"{hook.name} is missing: {value.reason}"
     return None

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._jax import hooks as _compat
+from .._jax import avals as _avals
 
 #: The most threads ``executor=N`` or ``JAX_THREADMAP_NUM_THREADS`` may ask for. Every
 #: thread has its own stack (8 MB of address space, some of it touched), and beyond a
@@ -190,7 +190,7 @@ def result_avals(
                 f"{canonical} because jax_enable_x64 is off. Declare {canonical}, or "
                 "enable x64 with jax.config.update('jax_enable_x64', True)."
             )
-        avals.append(_compat.ShapedArray(shape, dtype))
+        avals.append(_avals.ShapedArray(shape, dtype))
     return tuple(avals), jax.tree_util.tree_structure(result_shape_dtypes)
 
 
@@ -201,7 +201,7 @@ def check_operands(
     with_path, in_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
     for path, leaf in with_path:
         try:
-            _compat.typeof(leaf)
+            _avals.typeof(leaf)
         except TypeError:
             where = _arg_name(path)
             raise TypeError(

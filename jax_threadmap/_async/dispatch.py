@@ -40,7 +40,7 @@ import numpy as np
 
 from .._jax import dispatch as _jax_dispatch
 from .._support import fork as _fork
-from .._support.validate import ENV_ASYNC_DISPATCH, async_dispatch_enabled
+from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_enabled
 from . import program_runs as _program_runs
 from .background import Task, worker_state
 from .leaves import index_key

@@ -21,7 +21,7 @@ import numpy as np
 from .._jax import avals as _jax_avals
 from .._jax import hooks as _hooks
 from .._jax import placement as _placement
-from .._support import validate as _validate
+from .._support import result_casts as _result_casts
 from .._support.validate import check_callable, check_timeout, shape_dtype_of
 
 
@@ -181,7 +181,7 @@ def _target_sharding(device: Any, api: str) -> jax.sharding.Sharding | None:
 def check_result(task: CallInfo, out: Any) -> list[Any]:
     """Checks the call's result against its declaration; returns frozen leaves.
 
-    The rule of ``threadmap``'s results (:func:`._validate.check_result_cast`):
+    The rule of ``threadmap``'s results (:func:`.result_casts.check_result_cast`):
     the shape as declared, a dtype that stores every value as the dtype on
     device (the declared one, canonicalised as ``jnp.asarray`` does), whatever
     ``jax_enable_x64`` says. Each leaf comes back as a read-only copy in that
@@ -271,8 +271,8 @@ def _checked_leaf(
             f"a {type(leaf).__name__} that holds no array data ({expected})"
         )
     try:
-        _validate.check_result_cast(value, target)
-    except _validate.ResultCastError as e:
+        _result_casts.check_result_cast(value, target)
+    except _result_casts.ResultCastError as e:
         raise _LeafProblem(
             f"{e.got}, declared {declared} ({target} on device); {e.reason}"
         ) from None

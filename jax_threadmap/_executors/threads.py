@@ -25,8 +25,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .._support import environment as _environment
 from .._support import fork as _fork
-from .._support import validate as _validate
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError
 from . import scheduling as policy
@@ -42,7 +42,7 @@ def default_num_threads() -> int:
     may run on: kernels that release the GIL and use the CPU scale up to that, and
     I/O-bound kernels (network, disk, sleeps) should set a larger value.
     """
-    n = _validate.env_num_threads()
+    n = _environment.env_num_threads()
     return available_cpus() if n is None else n
 
 

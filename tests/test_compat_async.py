@@ -188,13 +188,14 @@ def test_a_pulled_gate_holds_a_callback_program_until_offered():
     # whose input is a pulled, not yet offered array is dispatched without
     # running; once offered, its host callback runs and the value arrives.
     import threading
-    import time
 
     dev, server, gate, _conn = _pulled_gate(12345)
-    ran = threading.Event()
+    ran, offered = threading.Event(), threading.Event()
+    seen = []  # per run of the callback: whether the gate had been offered
     data = np.arange(5, dtype=np.float32)
 
     def fill(g):
+        seen.append(offered.is_set())
         ran.set()
         return data * int(g)
 
@@ -211,12 +212,14 @@ def test_a_pulled_gate_holds_a_callback_program_until_offered():
         f"dispatching on a pulled array blocked. {UPDATE}"
         " (async dispatch would block here)"
     )
-    time.sleep(0.1)
-    assert not ran.is_set() and not box["y"].is_ready(), (
-        f"the program ran before its gate was offered. {UPDATE}"
-    )
+    # A program that ignored its gate would run now: give it the chance (an
+    # event, bounded), then offer. What is asserted is the order the callback
+    # saw, not what happened within a time.
+    ran.wait(1)
+    offered.set()
     server.await_pull(12345, [jax.device_put(np.int32(3), dev)])
     np.testing.assert_array_equal(np.asarray(box["y"]), data * 3 + 1)
+    assert seen == [True], f"the program ran before its gate was offered. {UPDATE}"
 
 
 # --- dispatch streams (the "dispatch streams" section of _compat) -------------------
@@ -292,25 +295,34 @@ def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():
     from jax.experimental import io_callback
 
     dev, server, gate, _conn = _pulled_gate(777)
-    h = jax.jit(
-        lambda v: (io_callback(lambda a: None, None, v, ordered=True), v + 1)[1]
-    )
+    first_ran = threading.Event()  # the first program's callback (gate value 1)
+
+    def effect(a):
+        if int(a) == 1:
+            first_ran.set()
+
+    h = jax.jit(lambda v: (io_callback(effect, None, v, ordered=True), v + 1)[1])
     h(jnp.int32(0)).block_until_ready()
     box = {}
+    second_dispatched = threading.Event()
 
     def dispatch_both():  # JAX's tokens of ordered effects are per thread
         box["first"] = h(gate)  # waits for the gate, inside XLA
         box["second"] = h(jnp.int32(5))
+        box["first ran before"] = first_ran.is_set()
+        second_dispatched.set()
 
     thread = threading.Thread(target=dispatch_both, daemon=True)
     thread.start()
-    thread.join(0.5)
-    waited = thread.is_alive() and "second" not in box
+    # If JAX did not order the dispatch, the second call would return now,
+    # before the gate is offered: give it the chance (an event, bounded), then
+    # offer. What is asserted is what the thread saw when the call returned.
+    second_dispatched.wait(1)
     server.await_pull(777, [jax.device_put(np.int32(1), dev)])
     thread.join(30)
     assert not thread.is_alive()
     assert int(box["first"]) == 2 and int(box["second"]) == 6
-    assert waited, (
+    assert box["first ran before"], (
         "JAX dispatched a program with an ordered effect before the thread's "
         "previous one ran; _dispatch could let such programs dispatch on pending "
         "data now."

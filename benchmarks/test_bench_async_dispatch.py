@@ -29,7 +29,7 @@ i); params = step(params, batch)``, each load BATCH_LOAD_S (a sleep), then the f
 parameters used; with async dispatch the loop queues steps while batches load (on the
 pool, several at once); with blocking dispatch each step waits for its batch.
 
-Program runs: ``_compat.wrap_program_runs`` wraps JAX's
+Program runs: ``_jax_dispatch.wrap_program_runs`` wraps JAX's
 ``ExecuteReplicated.__call__`` (to put the thread back on its execution stream).
 A jitted program with a host callback (always run from Python) and an ordinary
 jitted call (JAX's C++ fast path, which never reaches the wrapper:

@@ -217,7 +217,7 @@ def main():
     # own threads, and the result keeps the rows' sharding.
     explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     # (jax 0.7 to 0.9 refuse that, and map every row in process 0 as above.)
-    since, until = jax_threadmap._jax.hooks.PER_SHARD_REFUSED
+    since, until = jax_threadmap._jax.explicit_sharding.PER_SHARD_REFUSED
     refused = since <= jax_threadmap._jax.hooks.JAX_VERSION < until
     erows = global_rows(explicit)
     del calls[:]

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_threadmap as jtm  # noqa: E402
 from jax_threadmap._async import dispatch as _dispatch  # noqa: E402
-from jax_threadmap._jax import hooks as _compat
+from jax_threadmap._jax import avals as _avals
 
 assert jax.device_count() == 8, jax.devices()
 WAIT = 30.0
@@ -82,7 +82,7 @@ def same_array(a, b):
         a.shape == b.shape
         and a.dtype == b.dtype
         and a.sharding.is_equivalent_to(b.sharding, a.ndim)
-        and _compat.typeof(a) == _compat.typeof(b)
+        and _avals.typeof(a) == _avals.typeof(b)
         and sa.keys() == sb.keys()
         and all(np.array_equal(sa[k], sb[k]) for k in sa)
     )

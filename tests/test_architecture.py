@@ -132,6 +132,67 @@ def test_the_checker_sees_imports_across_subpackages(tmp_path):
     assert found == {"_core.api", "_async.pool", "_executors.jobs"}
 
 
+#: The one module that finds JAX's internals: the hook table. The feature code
+#: built on it (the other modules of ``_jax``) asks it for them by name.
+HOOK_TABLE = "_jax.hooks"
+#: Where JAX keeps what it promises nothing about.
+PRIVATE_JAX = re.compile(r"^(jax\._src|jaxlib\._)")
+
+
+def private_jax_imports(path: pathlib.Path) -> list[str]:
+    """The private JAX modules that the module at ``path`` imports: import
+    statements, ``importlib.import_module`` and ``__import__`` of a literal."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if PRIVATE_JAX.match(a.name)]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            if PRIVATE_JAX.match(node.module or ""):
+                found.append(node.module)
+        elif isinstance(node, ast.Call) and node.args:
+            func, first = node.func, node.args[0]
+            name = getattr(func, "attr", None) or getattr(func, "id", None)
+            if (
+                name in ("import_module", "__import__")
+                and isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+                and PRIVATE_JAX.match(first.value)
+            ):
+                found.append(first.value)
+    return found
+
+
+def test_jax_internals_are_reached_only_through_the_hook_table():
+    outside = {
+        name: found
+        for name, path in modules().items()
+        if name != HOOK_TABLE and (found := private_jax_imports(path))
+    }
+    assert outside == {}, "add these to HOOKS in _jax/hooks.py instead"
+
+
+def test_the_hook_table_holds_no_feature_code_and_imports_no_package_module():
+    # tests/test_compat.py loads the table alone, to hide every hook before the
+    # package is imported; the feature code lives in the other _jax modules.
+    path = modules()[HOOK_TABLE]
+    assert package_imports(path, HOOK_TABLE) == set()
+    others = {m for m in modules() if m.startswith("_jax.") and m != HOOK_TABLE}
+    assert others - {"_jax.__init__"}, "the feature code lives beside the table"
+    for name in others:
+        imported = package_imports(modules()[name], name)
+        assert imported <= {HOOK_TABLE}, f"{name} imports {imported}"
+
+
+def test_the_checker_sees_private_jax_imports(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import importlib\nfrom jax._src import core\nimport jaxlib._jax\n"
+        "x = importlib.import_module('jax._src.dispatch')\n"
+        "from jax import numpy\n"
+    )
+    assert private_jax_imports(bad) == ["jax._src", "jaxlib._jax", "jax._src.dispatch"]
+
+
 #: Cyclomatic complexity (radon) of any function of the package.
 MAX_COMPLEXITY = 15
 

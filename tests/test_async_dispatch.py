@@ -512,7 +512,7 @@ def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplo
         raise OSError("no loopback here")
 
     monkeypatch.setattr(_dispatch, "mechanism", _dispatch.Dispatch())
-    monkeypatch.setattr(_dispatch._compat, "start_transfer_server", refuse)
+    monkeypatch.setattr(_dispatch._jax_dispatch, "start_transfer_server", refuse)
     gate = Gate(np.arange(3, dtype=np.float32))
     a = async_call(gate, SDS((3,), np.float32))
     box = {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import importlib
 import os
 import signal
 import subprocess
@@ -142,9 +143,8 @@ def test_unrelated_work_of_the_same_thread_does_not_wait_for_a_pending_load():
 
 @pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
 def test_programs_on_pending_data_wait_only_for_their_own_data():
-    from jax_threadmap._jax import hooks as _compat
 
-    stream_of_thread = _compat.get("get_execution_stream_id")
+    stream_of_thread = importlib.import_module("jaxlib._jax").get_execution_stream_id
     before = stream_of_thread()
     with Pending() as p:
         assert stream_of_thread() == before  # put back after the dispatch
@@ -187,10 +187,9 @@ def test_a_profiler_changes_nothing():
 
 @pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
 def test_the_stream_is_put_back_when_the_program_run_fails():
-    from jax_threadmap._jax import hooks as _compat
 
     _dispatch.mechanism.prepare()  # as the first async_call does
-    stream_of_thread = _compat.get("get_execution_stream_id")
+    stream_of_thread = importlib.import_module("jaxlib._jax").get_execution_stream_id
     before = stream_of_thread()
 
     def run(program, *args):

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import jax_threadmap as jtm
 from jax_threadmap._async import leaves as _leaves
 from jax_threadmap._async import pool as _async_threads
-from jax_threadmap._jax import hooks as _compat
+from jax_threadmap._jax import avals as _avals
 
 HERE = pathlib.Path(__file__).parent
 WAIT = 30.0
@@ -71,7 +71,7 @@ def test_one_device_gives_the_array_and_jit_uses_it():
     np.testing.assert_array_equal(y, data.sum(axis=0))
     ref = jax.make_array_from_callback((3, 4), sharding, lambda i: data[i])
     assert x.result(WAIT).sharding == ref.sharding
-    assert _compat.typeof(x.result()) == _compat.typeof(ref)
+    assert _avals.typeof(x.result()) == _avals.typeof(ref)
 
 
 def test_a_float64_dtype_is_canonicalised_as_for_async_call():

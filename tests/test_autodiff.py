@@ -487,7 +487,7 @@ def test_random_nestings_match_jax_numpy(case):
 
 def test_derivative_params_are_equal_across_traces(monkeypatch):
     from jax_threadmap._core import primitive as _primitive
-    from jax_threadmap._jax import hooks as _compat
+    from jax_threadmap._jax import primitive_rules as _rules
 
     ran, lowerings = [], []
 
@@ -501,9 +501,9 @@ def test_derivative_params_are_equal_across_traces(monkeypatch):
         lowerings.append(1)
         return emit(*args, **kwargs)
 
-    emit = _compat.emit_python_callback
+    emit = _rules.emit_python_callback
     monkeypatch.setattr(_primitive, "HostMap", RecordingHostMap)
-    monkeypatch.setattr(_compat, "emit_python_callback", counting_emit)
+    monkeypatch.setattr(_rules, "emit_python_callback", counting_emit)
     f = jax.vmap(make_scaled_sin(np.float32), (0, None))
     x, a = values((4, 3), np.float32), jnp.float32(2.0)
     grad = jax.grad(lambda x: f(x, a).sum())

@@ -1,23 +1,20 @@
 """Unbatched operands are never tiled: a 64 MB constant under an 8x8 vmap."""
 
+import inspect
 import subprocess
 import sys
 
 import pytest
+from helpers import peak_mb
 
-SCRIPT = r"""
-import resource
+#: The scripts measure themselves with tests/helpers.py's peak_mb.
+PEAK_MB = "import resource\n\n" + inspect.getsource(peak_mb)
+
+SCRIPT = (
+    PEAK_MB
+    + r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax_threadmap import threadmap
-
-def peak_mb():
-    # VmHWM, this address space's own peak: ru_maxrss would start at the peak of
-    # the (pytest) parent, which Linux keeps across fork and exec.
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 big = np.random.default_rng(0).standard_normal(16 * 2**20).astype(np.float32)  # 64 MB
 x = np.arange(64, dtype=np.int32).reshape(8, 8)
@@ -41,6 +38,7 @@ text = str(jax.make_jaxpr(g)(big_dev, x))
 assert "broadcast_in_dim" not in text and text.count("threadmap[") == 1
 print(after - before)
 """
+)
 
 
 def peak_added_mb(script: str, timeout: float) -> float:
@@ -60,19 +58,11 @@ def test_unbatched_64mb_operand_under_8x8_vmap_is_not_tiled():
     assert added_mb < 400, f"peak memory grew by {added_mb:.0f} MB"
 
 
-GRAD_SCRIPT = r"""
-import resource
+GRAD_SCRIPT = (
+    PEAK_MB
+    + r"""
 import jax, jax.numpy as jnp, numpy as np
 import jax_threadmap
-
-def peak_mb():
-    # VmHWM, this address space's own peak: ru_maxrss would start at the peak of
-    # the (pytest) parent, which Linux keeps across fork and exec.
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 N = 16 * 2**20  # a 64 MB table
 
@@ -108,6 +98,7 @@ for i in range(64):
 assert np.array_equal(grad, expected)
 print(after - before)
 """
+)
 
 
 @pytest.mark.timeout(300)

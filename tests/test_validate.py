@@ -1,4 +1,4 @@
-"""The rule for storing a returned value as its declared dtype (``_validate``).
+"""The rule for storing a returned value as its declared dtype (``result_casts``).
 
 Every case is checked against NumPy's own cast: a value is accepted exactly when
 NumPy's cast keeps it (integers equal as Python ints, finite floats finite), and
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from helpers import VALUE_CASES, numpy_keeps_value
 
-from jax_threadmap._support import validate as _validate
-from jax_threadmap._support.validate import ResultCastError, check_result_cast
+from jax_threadmap._support import result_casts as _result_casts
+from jax_threadmap._support.result_casts import ResultCastError, check_result_cast
 
 
 @pytest.mark.parametrize("value, dtype", VALUE_CASES, ids=repr)
@@ -80,11 +80,11 @@ def test_the_declared_dtype_itself_is_never_checked(monkeypatch):
     def no_plan(*args):
         raise AssertionError(f"planned a check of the declared dtype: {args}")
 
-    monkeypatch.setattr(_validate, "_plan", no_plan)
-    monkeypatch.setattr(_validate, "_plans", {})
+    monkeypatch.setattr(_result_casts, "_plan", no_plan)
+    monkeypatch.setattr(_result_casts, "_plans", {})
     check_result_cast(np.array([np.inf, np.nan], np.float32), np.dtype(np.float32))
     check_result_cast(np.int32(-(2**31)) + np.zeros(3, np.int32), np.dtype(np.int32))
-    assert _validate._plans == {}
+    assert _result_casts._plans == {}
     # ... whereas any other dtype is planned.
     with pytest.raises(AssertionError, match="planned a check"):
         check_result_cast(np.zeros(3, np.int16), np.dtype(np.int32))

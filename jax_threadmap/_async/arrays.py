@@ -19,7 +19,7 @@ from typing import Any, overload
 import jax
 import numpy as np
 
-from .._jax import hooks as _compat
+from .._jax import array_types as _array_types
 from .._support import event_loop as _event_loop
 from .._support.validate import check_timeout
 from . import background as _background
@@ -378,7 +378,7 @@ def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
     return _dispatch.mechanism.arrays_for(xs, shardings)
 
 
-_compat.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
+_array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
 
 
 # --- the constructors -----------------------------------------------------------------

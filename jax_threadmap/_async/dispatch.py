@@ -38,9 +38,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .._jax import hooks as _compat
+from .._jax import dispatch as _jax_dispatch
 from .._support import fork as _fork
-from .._support.validate import ENV_ASYNC_DISPATCH, async_dispatch_enabled
+from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_enabled
 from . import program_runs as _program_runs
 from .background import Task, worker_state
 from .leaves import index_key
@@ -120,7 +120,7 @@ def _keep_gate_errors_out_of_jax_log(record: logging.LogRecord) -> bool:
     return not isinstance(exc, AsyncCallFailed)
 
 
-logging.getLogger(_compat.CALLBACK_LOGGER_NAME).addFilter(
+logging.getLogger(_jax_dispatch.CALLBACK_LOGGER_NAME).addFilter(
     _keep_gate_errors_out_of_jax_log
 )
 
@@ -181,7 +181,7 @@ class Dispatch:
         """Why dispatch is blocking in this process, or ``None`` if it is async."""
         if not async_dispatch_enabled():
             return f"disabled by {ENV_ASYNC_DISPATCH}=0"
-        reason = _compat.async_dispatch_unavailable() or self._broken
+        reason = _jax_dispatch.async_dispatch_unavailable() or self._broken
         if reason is not None:
             return f"unavailable in jax {jax.__version__}: {reason}"
         platform = jax.default_backend()
@@ -202,12 +202,12 @@ class Dispatch:
             return
         with self._lock:
             if not self._prepared:
-                self._wrapped = _compat.wrap_program_runs(_program_runs.around)
+                self._wrapped = _jax_dispatch.wrap_program_runs(_program_runs.around)
                 self._prepared = True
 
     def in_thread_order(self) -> str | None:
         """Why dispatches on pending data keep their thread's stream, or ``None``."""
-        reason = _compat.dispatch_streams_unavailable()
+        reason = _jax_dispatch.dispatch_streams_unavailable()
         if reason is None and self._prepared and not self._wrapped:
             reason = "the runs of compiled programs could not be wrapped"
         return reason
@@ -416,9 +416,9 @@ class Dispatch:
         with self._lock:
             if client not in self._servers:
                 try:
-                    start = _compat.start_transfer_server
+                    start = _jax_dispatch.start_transfer_server
                     if start is None:  # status() reports why; callers checked it
-                        raise RuntimeError(_compat.async_dispatch_unavailable())
+                        raise RuntimeError(_jax_dispatch.async_dispatch_unavailable())
                     # Loopback only, on a port the OS picks; started on first use.
                     server = start(client, "127.0.0.1:0", ["127.0.0.1:0"])
                     conn = server.connect(server.address())

@@ -18,8 +18,10 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from .._jax import hooks as _compat
-from .._support import validate as _validate
+from .._jax import avals as _jax_avals
+from .._jax import hooks as _hooks
+from .._jax import placement as _placement
+from .._support import result_casts as _result_casts
 from .._support.validate import check_callable, check_timeout, shape_dtype_of
 
 
@@ -69,7 +71,7 @@ def leaf_specs(
     result_shape_dtypes: Any, device: Any, api: str
 ) -> tuple[Any, list[LeafSpec]]:
     """Validates ``result_shape_dtypes`` and ``device`` up front, at the call."""
-    _compat.require(_compat.ASYNC_ARRAYS, f"jax_threadmap.{api}")
+    _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")
     target = _target_sharding(device, api)
     flat, treedef = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     if not flat:
@@ -151,7 +153,7 @@ def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
         key = None
     if sharding is not None:
         sharding.shard_shape(shape)
-    aval = _compat.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    aval = _jax_avals.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     if key is not None:
         if len(_avals) >= MAX_CACHED_AVALS:
             _avals.clear()
@@ -179,7 +181,7 @@ def _target_sharding(device: Any, api: str) -> jax.sharding.Sharding | None:
 def check_result(task: CallInfo, out: Any) -> list[Any]:
     """Checks the call's result against its declaration; returns frozen leaves.
 
-    The rule of ``threadmap``'s results (:func:`._validate.check_result_cast`):
+    The rule of ``threadmap``'s results (:func:`.result_casts.check_result_cast`):
     the shape as declared, a dtype that stores every value as the dtype on
     device (the declared one, canonicalised as ``jnp.asarray`` does), whatever
     ``jax_enable_x64`` says. Each leaf comes back as a read-only copy in that
@@ -269,8 +271,8 @@ def _checked_leaf(
             f"a {type(leaf).__name__} that holds no array data ({expected})"
         )
     try:
-        _validate.check_result_cast(value, target)
-    except _validate.ResultCastError as e:
+        _result_casts.check_result_cast(value, target)
+    except _result_casts.ResultCastError as e:
         raise _LeafProblem(
             f"{e.got}, declared {declared} ({target} on device); {e.reason}"
         ) from None
@@ -293,7 +295,8 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
         # buffer (on CPU) instead of copying it once more.
         out = None
         if spec.sharding is None and isinstance(leaf, np.ndarray):
-            out = _compat.put_on_device(spec.aval, leaf, None)  # 5x device_put's speed
+            # 5x device_put's speed
+            out = _placement.put_on_device(spec.aval, leaf, None)
         if out is None:
             out = jax.device_put(leaf, spec.sharding, may_alias=True)
         placed.append(out)
@@ -369,7 +372,7 @@ def is_extended(dtype: Any) -> bool:
 
 def extended_spec(shape: tuple[int, ...], dtype: Any, sharding: Any) -> LeafSpec:
     """The spec of an array of an extended dtype (``leaf_specs`` takes NumPy's)."""
-    aval = _compat.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    aval = _jax_avals.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     return LeafSpec("<root>", shape, dtype, aval, sharding)
 
 

@@ -36,7 +36,8 @@ import jax
 
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
-from .._support.validate import MAX_THREADS, env_positive_int
+from .._support.environment import env_positive_int
+from .._support.validate import MAX_THREADS
 
 logger = logging.getLogger("jax_threadmap._async")
 

@@ -1,6 +1,6 @@
 """Every run of a compiled program from Python, as the async layer sees it.
 
-:func:`around` wraps each run (through ``_compat.wrap_program_runs``). It keeps,
+:func:`around` wraps each run (through ``_jax.dispatch.wrap_program_runs``). It keeps,
 per thread, where the thread is in nested runs (a gate program dispatched by an
 argument handler runs inside the run that asked for it), so that:
 
@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._jax import hooks as _compat
+from .._jax import hooks as _hooks
 from .._support import fork as _fork
 
 #: The first execution stream of dispatches on pending data; each dispatch takes
@@ -45,8 +45,9 @@ class _Thread(threading.local):
         self.depth = 0
         #: The level of the run whose dispatch switched the stream (0: none).
         self.switched_at = 0
-        #: The stream to go back to.
-        self.usual = 0
+        #: The entered ``execution_stream_id`` context of the switch; its exit
+        #: puts the thread back on its usual stream.
+        self.switch: Any = None
         #: The ordered effects of the innermost run.
         self.effects: Any = ()
         #: The arrays handed to the innermost run for AsyncArrays, each with
@@ -59,7 +60,7 @@ _stream_ids = itertools.count(FIRST_PENDING_STREAM)
 
 
 def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python (``_compat.wrap_program_runs``).
+    """Every run of a compiled program from Python (``wrap_program_runs``).
 
     Puts the thread back on its usual stream when the run whose argument handler
     switched it returns, whatever happens; tells the handler the program's
@@ -76,7 +77,7 @@ def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
         state.depth, state.effects, state.handed = level - 1, outer, outer_handed
         if state.switched_at == level:
             state.switched_at = 0
-            _compat.get("set_execution_stream_id")(state.usual)
+            put_back()
         for array, donated in handed:
             if array.is_deleted():  # XLA deletes donated inputs at the run
                 donated()
@@ -104,8 +105,8 @@ def switch_stream(enabled: bool) -> bool:
     state = _thread
     if state.switched_at or not enabled:
         return False
-    state.usual = _compat.get("get_execution_stream_id")()
-    _compat.get("set_execution_stream_id")(next(_stream_ids))
+    state.switch = _hooks.get("execution_stream_id")(next(_stream_ids))
+    state.switch.__enter__()
     if state.depth:
         state.switched_at = state.depth
         return False
@@ -114,7 +115,8 @@ def switch_stream(enabled: bool) -> bool:
 
 def put_back() -> None:
     """Puts the thread back on its usual stream (after :func:`switch_stream`)."""
-    _compat.get("set_execution_stream_id")(_thread.usual)
+    switch, _thread.switch = _thread.switch, None
+    switch.__exit__(None, None, None)
 
 
 @_fork.in_child

@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._jax import hooks as _compat
+from .._jax import traces as _traces
 from .._support import event_loop as _event_loop
 from .._support.validate import callable_name, check_callable, check_timeout
 from . import outcomes as _outcomes
@@ -571,7 +571,7 @@ def async_array_from_callback(
         ) from None
     seconds = check_timeout(timeout, f"jax_threadmap.{API}", zero=False)
     first = None
-    if dtype is None or not _compat.trace_state_clean():
+    if dtype is None or not _traces.trace_state_clean():
         # The dtype is read from one shard, fetched now; under a trace, a
         # callback that returns a tracer fails here, at the call, as in JAX.
         first = _fetch_first(data_callback, sharding, dims)

@@ -13,7 +13,7 @@ import jax
 from .._executors import coroutines as _async_kernels
 from .._executors.runners import Executor, check_executor
 from .._executors.scheduling import InOrder
-from .._jax import hooks as _compat
+from .._jax import hooks as _hooks
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
 from .batch_spec import BatchSpec
@@ -47,7 +47,7 @@ def _bind(
     ``wrapped``: called by a ``KernelFunction`` (for the message when it lacks a
     derivative kernel).
     """
-    _compat.require(_compat.THREADMAP, "jax_threadmap.threadmap")
+    _hooks.require(_hooks.THREADMAP, "jax_threadmap.threadmap")
     avals, out_tree = _validate.result_avals(result_shape_dtypes)
     leaves, in_tree = _validate.check_operands(args, kwargs)
     outs = threadmap_p.bind(
@@ -621,7 +621,7 @@ def kernel(
         >>> bool(jnp.allclose(g(x), 2 * jnp.cos(x)))
         True
     """
-    _compat.require(_compat.DERIVATIVES, "jax_threadmap.kernel")
+    _hooks.require(_hooks.DERIVATIVES, "jax_threadmap.kernel")
     if callable(result_shape_dtypes) and not hasattr(result_shape_dtypes, "shape"):
         raise TypeError(
             "jax_threadmap.kernel takes result_shape_dtypes and returns a "

@@ -22,7 +22,9 @@ from typing import Any, TypeVar
 import jax
 
 from .._host import summing as _summing
-from .._jax import hooks as _compat
+from .._jax import avals as _avals
+from .._jax import hooks as _hooks
+from .._jax import primitive_rules as _rules
 from .batch_spec import Axes, BatchSpec
 from .params import (
     DerivativeParam,
@@ -32,7 +34,7 @@ from .params import (
     no_rules_message,
 )
 
-Zero = _compat.Zero
+Zero = _rules.Zero
 Bind = Callable[..., Sequence[Any]]
 T = TypeVar("T")
 
@@ -108,7 +110,7 @@ def _kwarg_names(in_tree: Any) -> list[str]:
 
 def _is_zero(t: Any) -> bool:
     """Whether a tangent is zero: symbolic, float0, or not an operand (``None``)."""
-    return t is None or type(t) is Zero or _compat.typeof(t).dtype == jax.dtypes.float0
+    return t is None or type(t) is Zero or _avals.typeof(t).dtype == jax.dtypes.float0
 
 
 def _check_kwargs_not_differentiated(
@@ -127,7 +129,7 @@ def _check_kwargs_not_differentiated(
 
 def _core_aval(x: Any, axes: Axes) -> tuple[tuple[int, ...], Any]:
     """One element's ``(shape, dtype)`` of an operand with batch ``axes``."""
-    aval = _compat.typeof(x)
+    aval = _avals.typeof(x)
     return _core_shape(aval.shape, axes), aval.dtype
 
 
@@ -159,7 +161,7 @@ def jvp_rule(
     **params: Any,
 ) -> tuple[Sequence[Any], Sequence[Any]]:
     """JVP of a ``threadmap`` equation: the equation again, and a JVP equation."""
-    _compat.require(_compat.DERIVATIVES, "Differentiating a threadmap kernel")
+    _hooks.require(_hooks.DERIVATIVES, "Differentiating a threadmap kernel")
     node, present, keep = _equation_view(kernel, primals, result_avals, spec)
     eqn = dict(kernel=kernel, result_avals=result_avals, spec=spec, **params)
     num_base = sum(present[: node.num_base])
@@ -169,7 +171,7 @@ def jvp_rule(
         return _linear_jvp(bind, primals, tangents, num_base, eqn)
     _check_has_rules(kernel, node)
     outs = bind(*primals, **eqn)
-    zero_outs = [Zero(_compat.typeof(o).to_tangent_aval()) for o in outs]
+    zero_outs = [Zero(_avals.typeof(o).to_tangent_aval()) for o in outs]
     leaf_tangents = _per_leaf(present, tangents)
     _check_kwargs_not_differentiated(
         node.kernel, [leaf_tangents[i] for i in node.keywords]
@@ -244,7 +246,7 @@ def _linear_jvp(
     outs = bind(*primals, **eqn)
     live = [not _is_zero(t) for t in tangents[num_base:]]
     if not any(live):
-        return outs, [Zero(_compat.typeof(o).to_tangent_aval()) for o in outs]
+        return outs, [Zero(_avals.typeof(o).to_tangent_aval()) for o in outs]
     nb = kernel.node.num_base
     new_present = iter(live)
     present = kernel.present[:nb] + tuple(
@@ -284,16 +286,16 @@ def transpose_rule(
     operand's own axes; the host sums the levels at which it is not. The
     equation is the same whatever the executor.
     """
-    _compat.require(_compat.DERIVATIVES, "Differentiating a threadmap kernel")
+    _hooks.require(_hooks.DERIVATIVES, "Differentiating a threadmap kernel")
     del result_avals
     if isinstance(kernel, KernelParam):  # only derivative equations are linear
         raise TypeError(no_derivative_rule_message(kernel))
     node, present = kernel.node, kernel.present
     num_base = sum(present[: node.num_base])
     base_ops, linear_ops = args[:num_base], args[num_base:]
-    if any(map(_compat.is_undefined_primal, base_ops)):
+    if any(map(_rules.is_undefined_primal, base_ops)):
         raise TypeError(_not_linear_message(node))
-    undefined = [_compat.is_undefined_primal(t) for t in linear_ops]
+    undefined = [_rules.is_undefined_primal(t) for t in linear_ops]
     out: list[Any] = [
         Zero(t.aval) if u else None for t, u in zip(linear_ops, undefined, strict=True)
     ]
@@ -380,7 +382,7 @@ def _dual(
 
 def _core_aval_of(aval: Any, axes: Axes) -> Any:
     """One element's aval of an operand with batch ``axes``."""
-    return _compat.ShapedArray(_core_shape(aval.shape, axes), aval.dtype)
+    return _avals.ShapedArray(_core_shape(aval.shape, axes), aval.dtype)
 
 
 def _result_axes(spec: BatchSpec, k: int) -> Axes:
@@ -411,7 +413,7 @@ def _to_operand(ct: Any, axes: Axes, aval: Any) -> Any:
     perm = [kept.index(d) if d in kept else next(core) for d in range(ct.ndim)]
     if perm != list(range(ct.ndim)):
         ct = jax.lax.transpose(ct, perm)
-    summed = _compat.varying_axes(_compat.typeof(ct)) - _compat.varying_axes(aval)
+    summed = _avals.varying_axes(_avals.typeof(ct)) - _avals.varying_axes(aval)
     if summed:
         ct = jax.lax.psum(ct, tuple(sorted(summed)))
     return ct

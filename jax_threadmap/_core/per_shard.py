@@ -30,7 +30,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._jax import hooks as _compat
+from .._jax import avals as _avals
+from .._jax import explicit_sharding as _explicit_sharding
+from .._jax import traces as _traces
 from .batch_spec import BatchSpec
 
 Bind = Callable[..., Sequence[Any]]
@@ -48,7 +50,9 @@ def bind(prim_bind: Bind, *args: Any, spec: BatchSpec, **params: Any) -> Any:
         for x, axes in zip(args, spec.in_axes, strict=True)
     ]
     args = tuple(
-        x if _typeof_spec(x) == s else _compat.reshard(x, NamedSharding(mesh, s))
+        x
+        if _typeof_spec(x) == s
+        else _explicit_sharding.reshard(x, NamedSharding(mesh, s))
         for x, s in zip(args, in_specs, strict=True)
     )
     num_outs = len(params["result_avals"])
@@ -77,7 +81,7 @@ def bind(prim_bind: Bind, *args: Any, spec: BatchSpec, **params: Any) -> Any:
     # Mesh axes that no batch axis was sharded over: the results go back to the
     # batch sharding of the operands (whole along those axes).
     return [
-        _compat.reshard(o, NamedSharding(mesh, out_spec(k, levels)))
+        _explicit_sharding.reshard(o, NamedSharding(mesh, out_spec(k, levels)))
         for k, o in enumerate(outs)
     ]
 
@@ -94,12 +98,12 @@ def _plan(
     elements; where none does, ``None`` (one device maps all, as in automatic
     mode).
     """
-    if not spec.shape or _compat.per_shard_unavailable() is not None:
+    if not spec.shape or _explicit_sharding.per_shard_unavailable() is not None:
         return None
     mesh = None
     levels: list[MeshAxes] = [()] * len(spec.shape)
     for x, axes in zip(args, spec.in_axes, strict=True):
-        sharding: Any = getattr(_compat.typeof(x), "sharding", None)
+        sharding: Any = getattr(_avals.typeof(x), "sharding", None)
         found = _sharded_levels(sharding, axes, levels)
         if not found:
             continue
@@ -110,7 +114,7 @@ def _plan(
             levels[level] = mesh_axes
     if mesh is None or jax.sharding.AxisType.Manual in tuple(mesh.axis_types):
         return None  # inside a shard_map over part of the mesh: left as it was
-    if _compat.vmapped_mesh_axes():
+    if _traces.vmapped_mesh_axes():
         # An enclosing vmap maps over mesh axes this level cannot see (they are
         # not in the operands' types here): splitting over them would shard one
         # mesh axis twice once that vmap batches the shard_map. Its own rule
@@ -180,7 +184,7 @@ def _entry(pspec: Any, d: int) -> MeshAxes:
 
 
 def _typeof_spec(x: Any) -> Any:
-    sharding = getattr(_compat.typeof(x), "sharding", None)
+    sharding = getattr(_avals.typeof(x), "sharding", None)
     return None if sharding is None else P(*_padded(sharding.spec, jax.numpy.ndim(x)))
 
 

@@ -30,13 +30,14 @@ from .._executors.coroutines import run_async_map
 from .._executors.runners import Executor, run_map
 from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
-from .._jax import hooks as _compat
+from .._jax import avals as _avals
+from .._jax import primitive_rules as _rules
 from . import autodiff as _autodiff
 from . import per_shard as _per_shard
 from .batch_spec import BatchSpec
 from .params import HostCall
 
-threadmap_p = _compat.Primitive("threadmap")
+threadmap_p = _rules.Primitive("threadmap")
 threadmap_p.multiple_results = True
 
 
@@ -93,9 +94,9 @@ def _threadmap_abstract_eval(
             f"{len(spec.in_axes)}."
         )
     # Inside shard_map, results vary over every mesh axis an operand varies over.
-    varying = frozenset().union(*map(_compat.varying_axes, avals))
+    varying = frozenset().union(*map(_avals.varying_axes, avals))
     return [
-        _compat.shaped_array(spec.out_batch_shape(k) + tuple(a.shape), a.dtype, varying)
+        _avals.shaped_array(spec.out_batch_shape(k) + tuple(a.shape), a.dtype, varying)
         for k, a in enumerate(result_avals)
     ]
 
@@ -154,10 +155,10 @@ def _threadmap_batching_rule(
 
 
 def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
-    sharding = _compat.callback_op_sharding(
+    sharding = _rules.callback_op_sharding(
         ctx.module_context.axis_context, None, ctx.avals_out
     )
-    results, _, _ = _compat.emit_python_callback(
+    results, _, _ = _rules.emit_python_callback(
         ctx,
         host_function(**params),
         None,
@@ -173,12 +174,12 @@ def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
 
 threadmap_p.def_impl(_threadmap_impl)
 threadmap_p.def_abstract_eval(_threadmap_abstract_eval)
-_compat.register_batching_rule(threadmap_p, _threadmap_batching_rule)
-_compat.register_lowering(threadmap_p, _threadmap_lowering, cacheable=False)
-_compat.register_jvp(
+_rules.register_batching_rule(threadmap_p, _threadmap_batching_rule)
+_rules.register_lowering(threadmap_p, _threadmap_lowering, cacheable=False)
+_rules.register_jvp(
     threadmap_p, functools.partial(_autodiff.jvp_rule, threadmap_p.bind)
 )
-_compat.register_transpose(
+_rules.register_transpose(
     threadmap_p, functools.partial(_autodiff.transpose_rule, threadmap_p.bind)
 )
-_compat.require_devices_during_lowering(threadmap_p)
+_rules.require_devices_during_lowering(threadmap_p)

@@ -48,6 +48,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._host.maps import ElementCaller, HostMap
+from .._support import environment as _environment
 from .._support import validate as _validate
 from .._support.errors import PASS_THROUGH, ExecutorError, KernelError
 from .._support.event_loop import event_loop, is_coroutine_function
@@ -136,7 +137,7 @@ def check_max_in_flight(value: Any, api: str = "threadmap") -> int | None:
 
 def env_max_in_flight() -> int | None:
     """``JAX_THREADMAP_MAX_IN_FLIGHT``, checked; ``None`` when unset."""
-    return _validate.env_positive_int(
+    return _environment.env_positive_int(
         ENV_MAX_IN_FLIGHT,
         "the most elements of an async def kernel in flight at once",
         MAX_IN_FLIGHT,

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .._support import validate as _validate
+from .._support import environment as _environment
 
 ENV_PROGRESS = "JAX_THREADMAP_PROGRESS"
 
@@ -24,7 +24,7 @@ def progress_enabled(progress: bool | None) -> bool:
     """``progress`` if given, else environment variable ``JAX_THREADMAP_PROGRESS``."""
     if progress is not None:
         return bool(progress)
-    return _validate.env_flag(ENV_PROGRESS, "progress bars for long threadmaps")
+    return _environment.env_flag(ENV_PROGRESS, "progress bars for long threadmaps")
 
 
 class Progress:

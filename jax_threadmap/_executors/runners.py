@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._host import remote as _remote
+from .._support import environment as _environment
 from .._support import fork as _fork
 from .._support import validate as _validate
 from .._support.cpus import available_cpus
@@ -59,7 +60,7 @@ def check_executor(executor: Any, api: str = "threadmap") -> Executor:
             )
         return InOrder(check_executor(executor.executor, api))
     if executor is None:
-        _validate.env_num_threads()
+        _environment.env_num_threads()
         return None
     if isinstance(executor, concurrent.futures.Executor):
         return executor

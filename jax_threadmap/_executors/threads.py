@@ -21,8 +21,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .._support import environment as _environment
 from .._support import fork as _fork
-from .._support import validate as _validate
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError
 from . import scheduling as policy
@@ -34,7 +34,7 @@ from .scheduling import IDLE_TIMEOUT
 def default_num_threads() -> int:
     """The size of the shared pool of ``executor=None``:
     ``JAX_THREADMAP_NUM_THREADS``, else the CPUs this process may run on."""
-    n = _validate.env_num_threads()
+    n = _environment.env_num_threads()
     return available_cpus() if n is None else n
 
 

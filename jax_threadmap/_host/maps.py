@@ -27,7 +27,7 @@ import numpy as np
 
 from .._core.batch_spec import Axes, BatchSpec
 from .._support.errors import KernelError, describe, kernel_traceback
-from .._support.validate import ResultCastError, check_result_cast
+from .._support.result_casts import ResultCastError, check_result_cast
 from . import remote as _remote
 from . import summing as _summing
 from .loops import element_loop

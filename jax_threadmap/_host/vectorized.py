@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from .._support.errors import PASS_THROUGH, KernelError, describe, kernel_traceback
-from .._support.validate import ResultCastError, check_result_cast
+from .._support.result_casts import ResultCastError, check_result_cast
 
 
 class PiecePlan:

@@ -1,30 +1,39 @@
-"""Every use of JAX internals, in one place: one table of hooks.
+"""Every use of JAX internals goes through one table of hooks: this module.
 
 JAX gives no compatibility promise for the hooks a new primitive needs (batching
 rules, lowering through a host callback, the eager impl) nor for the hooks an
 array-like type needs to be passed to ``jit`` without its data. This module is the
-only one in the package that touches them.
+only one in the package that finds them.
 
 :data:`HOOKS` is the table: for each hook, why the package needs it, which
-feature fails without it, and where it lives in each range of JAX versions (a
-:class:`Form`, gated on ``jax.__version_info__``, with a note beside each
-fallback). The imports below are driven by the table and guarded: a hook that
-this JAX does not have never fails ``import jax_threadmap``; the first use of a
-feature that needs it raises :class:`UnsupportedJaxError`, naming the hook, the
-JAX version and what to do (:func:`require`). ``tests/test_compat.py`` reads the
-same table.
+feature fails without it, which public API was tried in its place and why it
+does not serve (:attr:`Hook.public`), and where it lives in each range of JAX
+versions (a :class:`Form`, gated on ``jax.__version_info__``, with a note beside
+each fallback). The imports below are driven by the table and guarded: a hook
+that this JAX does not have never fails ``import jax_threadmap``; the first use
+of a feature that needs it raises :class:`UnsupportedJaxError`, naming the hook,
+the JAX version and what to do (:func:`require`). ``tests/test_compat.py`` reads
+the same table.
 
-Rules for this module: every internal goes through :data:`HOOKS`; the public
-location first, the private one as the fallback; a comment or note saying why;
-and nothing else.
+The feature code built on the table lives beside it, one module per concern:
+:mod:`.primitive_rules` (the primitive class and its rule registrations),
+:mod:`.avals` (abstract values and the varying-axes logic), :mod:`.traces`
+(reading the current trace), :mod:`.explicit_sharding` (per-shard maps under
+``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
+:mod:`.placement` (fast device placement) and :mod:`.dispatch` (async dispatch
+and the program-run wrapper). They reach JAX's internals only through
+:func:`get`, :func:`or_missing` and :data:`RESOLVED`.
+
+Rules for this module: every internal is an entry of :data:`HOOKS`; the public
+location first, the private one as the fallback; the entry says why; and
+nothing else (no feature code).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -61,7 +70,8 @@ FAST_PLACEMENT = "fast placement"
 PER_SHARD_JIT = "per-shard jit"
 
 
-def _v(version: tuple[int, ...]) -> str:
+def version_text(version: tuple[int, ...]) -> str:
+    """``(0, 10, 2)`` as ``"0.10.2"``."""
     return ".".join(map(str, version))
 
 
@@ -121,12 +131,17 @@ class Hook:
         why: Why the package needs it.
         features: The features that fail without it.
         forms: Where it lives, one :class:`Form` per range of JAX versions.
+        public: The public API tried in its place, on every supported JAX
+            (0.6.2, 0.10.2 and 0.12.0.1 were run), and why it does not serve;
+            or, for a hook found at a public location on all of them, which
+            one (the private fallback then removed) and why it stays guarded.
     """
 
     name: str
     why: str
     features: tuple[str, ...]
     forms: tuple[Form, ...]
+    public: str
 
 
 # --- adapters: one calling convention per hook, whatever the version -------------
@@ -274,19 +289,34 @@ def _mesh_axes_of_enclosing_vmaps(trace_ctx: Any) -> Any:
 
 # --- the table -----------------------------------------------------------------------
 
+#: What the ``public`` field says of a hook whose every location is public.
+_PUBLIC_MODULE = (
+    "found at this public location on every supported JAX, so the jax._src "
+    "fallback is removed; kept in the table because {module} is public but "
+    "comes with no compatibility promise, so its import stays guarded"
+)
+
+
+def _public(where: str) -> str:
+    return _PUBLIC_MODULE.format(module=where.split(":")[0])
+
+
 HOOKS: tuple[Hook, ...] = (
     # The primitive and its rules.
     Hook(
         "Primitive",
         "the class of threadmap_p",
         (THREADMAP,),
-        _everywhere("jax.extend.core:Primitive", "jax._src.core:Primitive"),
+        _everywhere("jax.extend.core:Primitive"),
+        _public("jax.extend.core:Primitive"),
     ),
     Hook(
         "ShapedArray",
         "the abstract values of results and cotangents",
         (THREADMAP, DERIVATIVES),
-        _everywhere("jax.core:ShapedArray", "jax._src.core:ShapedArray"),
+        _everywhere("jax.core:ShapedArray"),
+        _public("jax.core:ShapedArray")
+        + " (jax.core still exports it without a deprecation warning)",
     ),
     Hook(
         "typeof",
@@ -303,6 +333,7 @@ HOOKS: tuple[Hook, ...] = (
                 _typeof_checking_sharding_rank,
             ),
         ),
+        "jax.typeof itself, public; in the table for its shim on JAX < 0.8.2",
     ),
     # The table BatchTrace reads first, with the signature (axis_data, vals,
     # dims, **params), in every supported JAX. `primitive_batchers` (vals, dims,
@@ -314,9 +345,12 @@ HOOKS: tuple[Hook, ...] = (
         (THREADMAP,),
         _everywhere(
             "jax.interpreters.batching:fancy_primitive_batchers",
-            "jax._src.interpreters.batching:fancy_primitive_batchers",
             note="rules get (axis_data, vals, dims, **params), unbatched too",
         ),
+        _public("jax.interpreters.batching:fancy_primitive_batchers")
+        + ". jax.custom_batching.custom_vmap was not tried: it batches a function, "
+        "and the rule must be the primitive's, which its JVP and transpose "
+        "rules rebind",
     ),
     Hook(
         "register_lowering",
@@ -332,6 +366,7 @@ HOOKS: tuple[Hook, ...] = (
                 _register_lowering_without_cacheable,
             ),
         ),
+        _public("jax.interpreters.mlir:register_lowering"),
     ),
     Hook(
         "emit_python_callback",
@@ -339,26 +374,26 @@ HOOKS: tuple[Hook, ...] = (
         (THREADMAP,),
         (
             # `jax.interpreters.mlir` re-exports it "temporarily" (JAX main says
-            # so); the private home is the fallback for when that goes away.
-            Form(
-                (0, 8, 2),
-                None,
-                (
-                    "jax.interpreters.mlir:emit_python_callback",
-                    "jax._src.callback:emit_python_callback",
-                ),
-            ),
+            # so); when that goes, the canary test says so and a Form is added.
+            Form((0, 8, 2), None, ("jax.interpreters.mlir:emit_python_callback",)),
             Form(
                 OLDEST_JAX,
                 (0, 8, 2),
-                (
-                    "jax.interpreters.mlir:emit_python_callback",
-                    "jax._src.callback:emit_python_callback",
-                ),
+                ("jax.interpreters.mlir:emit_python_callback",),
                 "no returns_token=",
                 _emit_python_callback_without_returns_token,
             ),
         ),
+        _public("jax.interpreters.mlir:emit_python_callback")
+        + " (a re-export JAX calls temporary). Tried instead: lowering through "
+        "jax.pure_callback's own rule (mlir.lower_fun over jax.pure_callback of "
+        "the host function). tests/test_sharding.py, test_compat.py and "
+        "test_autodiff.py pass with it (jax 0.10.2), but pure_callback's "
+        "callback puts every operand on the CPU as a jax.Array "
+        "(jax.device_put) and converts each result back: a jitted threadmap "
+        "call took 254 us against 138 us on a scalar and 302 us against 176 us "
+        "on 8 elements (jax 0.10.2, best of 9x30 calls, 3 alternated runs, "
+        "loaded machine), so it is not used",
     ),
     Hook(
         "callback_op_sharding",
@@ -372,10 +407,15 @@ HOOKS: tuple[Hook, ...] = (
                 (0, 7, 1),
                 ("jax._src.callback:_callback_op_sharding",),
                 "inside shard_map under Shardy, one annotation for all results; "
-                "one per result is made here, as 0.7.1 does",
+                "one per result is made here, as 0.7.1 does (with "
+                "jax._src.sharding_impls.SdyDim)",
                 _one_sharding_per_result,
             ),
         ),
+        "tried: lowering through jax.pure_callback's rule, which computes this "
+        "sharding itself; it serves but costs about 120 us a call (see "
+        "emit_python_callback). jax.pure_callback's sharding= argument is not "
+        "reachable from a lowering rule, and no public function computes it",
     ),
     Hook(
         "prim_requires_devices_during_lowering",
@@ -383,6 +423,10 @@ HOOKS: tuple[Hook, ...] = (
         "callback in sharded (shard_map, pmap, NamedSharding) programs",
         (THREADMAP,),
         _everywhere("jax._src.dispatch:prim_requires_devices_during_lowering"),
+        "none: JAX reads this set from the jaxpr before lowering "
+        "(dispatch.jaxpr_has_prim_requiring_devices, the same on every supported "
+        "JAX), where threadmap_p stands whatever its lowering emits, so lowering "
+        "through jax.pure_callback does not remove the need",
     ),
     # Inside shard_map an aval records the manual mesh axes its value varies
     # over. A host call on varying operands gives varying results, and
@@ -404,17 +448,15 @@ HOOKS: tuple[Hook, ...] = (
             Form(
                 OLDEST_JAX,
                 (0, 10, 0),
-                ("jax._src.core:ShapedArray",),
-                "aval.vma; ShapedArray(..., vma=...)",
+                ("jax.core:ShapedArray",),
+                "aval.vma; the public ShapedArray(..., vma=...)",
                 _varying_by_vma,
             ),
         ),
-    ),
-    Hook(
-        "get_cur_mesh_sharding",
-        "the sharding that an aval varying over manual mesh axes must carry",
-        (SHARD_MAP,),
-        _everywhere("jax._src.core:get_cur_mesh_sharding"),
+        "public before jax 0.10 (jax.core.ShapedArray(vma=...), aval.vma). From "
+        "0.10 on, tried: jax.ShapeDtypeStruct(manual_axis_type=...), which takes "
+        "the same private ManualAxisType; jax.lax.pvary/pcast make values vary, "
+        "not avals, and an abstract eval has no values",
     ),
     # Per-shard maps under jit (issue 20): an operand is moved to the layout that
     # the automatic shard_map around the equation expects (jax >= 0.10 refuses an
@@ -433,6 +475,8 @@ HOOKS: tuple[Hook, ...] = (
                 "in jax.experimental.shard (moved to jax.sharding in jax 0.7.0)",
             ),
         ),
+        "public (jax.sharding.reshard; jax.experimental.shard before 0.7); in "
+        "the table for its move",
     ),
     # Per-shard maps under nested vmaps (issue 27): a level's batching rule
     # must not split its elements over a mesh axis that an enclosing vmap maps
@@ -443,6 +487,9 @@ HOOKS: tuple[Hook, ...] = (
         "from the current trace and its parents",
         (PER_SHARD_JIT,),
         _everywhere("jax._src.core:trace_ctx", adapt=_mesh_axes_of_enclosing_vmaps),
+        "tried: jax.core.trace_ctx, public on 0.6.2, deprecated (a warning) on "
+        "0.10.2 and gone on 0.12.0.1. jax.sharding.get_abstract_mesh() gives the "
+        "mesh and its axis types, not which axes an enclosing vmap maps over",
     ),
     # Derivative rules on the primitive.
     *(
@@ -450,9 +497,8 @@ HOOKS: tuple[Hook, ...] = (
             name,
             why,
             (DERIVATIVES,),
-            _everywhere(
-                f"jax.interpreters.ad:{name}", f"jax._src.interpreters.ad:{name}"
-            ),
+            _everywhere(f"jax.interpreters.ad:{name}"),
+            _public(f"jax.interpreters.ad:{name}"),
         )
         for name, why in (
             ("primitive_jvps", "the JVP rule that binds the JVP kernel's equation"),
@@ -473,6 +519,10 @@ HOOKS: tuple[Hook, ...] = (
         "compiling never touch the data",
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.core:pytype_aval_mappings"),
+        "tried: jax.core.pytype_aval_mappings, public on 0.6.2 but deprecated "
+        "(a DeprecationWarning at each access) on 0.10.2 and 0.12.0.1. "
+        "__jax_array__ would hand jit the data at trace time, which is what an "
+        "AsyncArray must not need (and since jax 0.8 it raises there)",
     ),
     Hook(
         "canonicalize_value",
@@ -502,6 +552,8 @@ HOOKS: tuple[Hook, ...] = (
                 _register_identity_in,
             ),
         ),
+        "none: jax.dtypes, jax.core and jax.interpreters.xla export no such "
+        "table or register function on 0.6.2, 0.10.2 or 0.12.0.1",
     ),
     Hook(
         "shard_arg_handlers",
@@ -509,12 +561,18 @@ HOOKS: tuple[Hook, ...] = (
         "when a compiled program runs: the place to wait for the data",
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.interpreters.pxla:shard_arg_handlers"),
+        "none: jax.interpreters.pxla does not export it on any supported JAX; "
+        "jax.make_array_from_callback and jax.device_put need the data when "
+        "called, not when a program runs",
     ),
     Hook(
         "shard_args",
         "the handler delegates to it, so resharding and layouts work as for jax.Array",
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.interpreters.pxla:shard_args"),
+        "tried: jax.interpreters.pxla.shard_args, exported on 0.6.2 only (not on "
+        "0.10.2 nor 0.12.0.1); jax.device_put(x, sharding) does not take the "
+        "program's layouts and copy semantics",
     ),
     # jax.make_array_from_callback raises UnexpectedTracerError at the call when
     # its data_callback returns a tracer (the call made under jit). Our sharded
@@ -527,6 +585,8 @@ HOOKS: tuple[Hook, ...] = (
         "async_array_from_callback fetches a shard at the call",
         (ASYNC_ARRAYS,),
         _everywhere("jax._src.core:trace_state_clean"),
+        "tried: jax.core.trace_state_clean, deprecated (a warning) on 0.6.2 and "
+        "gone on 0.10.2 and 0.12.0.1; its deprecation names no replacement",
     ),
     # jax.device_put of a small NumPy array costs 20-60 us in Python (argument
     # checks, a deferred-argument wrapper, a context manager); JAX's own
@@ -539,13 +599,9 @@ HOOKS: tuple[Hook, ...] = (
         "jax.device_put does, without device_put's Python overhead",
         (FAST_PLACEMENT,),
         _everywhere("jax._src.interpreters.pxla:batched_device_put"),
-    ),
-    Hook(
-        "get_default_device",
-        "the device jax.device_put(x) uses (jax_default_device, else the first "
-        "local device), for the uncommitted results of background calls",
-        (FAST_PLACEMENT,),
-        _everywhere("jax._src.interpreters.pxla:get_default_device"),
+        "tried: jax.device_put, which serves (it is the fallback where this hook "
+        "is missing) at about 5x the cost per result (see the comment above); "
+        "optional, so nothing fails without it",
     ),
     # Async dispatch (issue 13). A jitted call with a pending `AsyncArray` returns
     # at once when the argument handler can hand JAX a `jax.Array` whose buffer is
@@ -555,23 +611,29 @@ HOOKS: tuple[Hook, ...] = (
     # server's `await_pull` offers them. `_dispatch.py` pulls only a 4-byte gate
     # through it (the data goes through a `pure_callback` program that waits on
     # the gate), so the loopback socket carries no data.
-    Hook(
-        "start_transfer_server",
-        "starts the loopback transfer server whose pulls are the gates",
-        (ASYNC_DISPATCH,),
-        _everywhere("jax.experimental.transfer:start_transfer_server"),
-    ),
-    Hook(
-        "TransferServer",
-        "its await_pull offers a gate's value, its connect() opens the connection",
-        (ASYNC_DISPATCH,),
-        _everywhere("jax.experimental.transfer:TransferServer"),
-    ),
-    Hook(
-        "TransferConnection",
-        "its pull() returns a gate array whose buffer arrives later",
-        (ASYNC_DISPATCH,),
-        _everywhere("jax.experimental.transfer:TransferConnection"),
+    *(
+        Hook(
+            name,
+            why,
+            (ASYNC_DISPATCH,),
+            _everywhere(f"jax.experimental.transfer:{name}"),
+            _public(f"jax.experimental.transfer:{name}"),
+        )
+        for name, why in (
+            (
+                "start_transfer_server",
+                "starts the loopback transfer server whose pulls are the gates",
+            ),
+            (
+                "TransferServer",
+                "its await_pull offers a gate's value, its connect() opens the "
+                "connection",
+            ),
+            (
+                "TransferConnection",
+                "its pull() returns a gate array whose buffer arrives later",
+            ),
+        )
     ),
     Hook(
         "callback_logger",
@@ -580,26 +642,27 @@ HOOKS: tuple[Hook, ...] = (
         "filtered out of it (else each failed call is also logged as an error)",
         (ASYNC_DISPATCH,),
         _everywhere("jax._src.callback:logger"),
+        "tried: a filter on the public 'jax' logger, which logging does not apply "
+        "to records that propagate from its children; only the logger's name is "
+        "read (the module's name where it moved), nothing is called",
     ),
     # XLA orders the programs of one execution stream (by default, one per
     # dispatching thread). jaxlib lets a thread pick the stream of what it
-    # dispatches (jaxlib.xla_client.execution_stream_id, a context manager over
-    # these two functions; the same in 0.6.2 ... 0.12). `_dispatch.py` puts a
-    # dispatch on pending data on a stream of its own, and puts the thread back
+    # dispatches (jaxlib.xla_client.execution_stream_id, a context manager that
+    # sets it and puts it back; the same in 0.6.2 ... 0.12). `_dispatch.py` puts
+    # a dispatch on pending data on a stream of its own, and puts the thread back
     # when JAX's call that runs the compiled program (ExecuteReplicated.__call__,
     # which it wraps: `wrap_program_runs`) returns.
     Hook(
-        "get_execution_stream_id",
-        "reads the execution stream of the programs this thread dispatches",
+        "execution_stream_id",
+        "puts what the thread dispatches next on a stream of its own (entered), "
+        "and the thread back on its usual stream (exited), so that the thread's "
+        "later programs do not wait behind those that wait for pending data",
         (DISPATCH_STREAMS,),
-        _everywhere("jaxlib._jax:get_execution_stream_id"),
-    ),
-    Hook(
-        "set_execution_stream_id",
-        "sets it: programs that wait for pending data get a stream of their own, "
-        "so that the thread's later programs do not wait behind them",
-        (DISPATCH_STREAMS,),
-        _everywhere("jaxlib._jax:set_execution_stream_id"),
+        _everywhere("jaxlib.xla_client:execution_stream_id"),
+        _public("jaxlib.xla_client:execution_stream_id")
+        + ". Replaces jaxlib._jax's get_ and set_execution_stream_id (two "
+        "private hooks until this release)",
     ),
     Hook(
         "ExecuteReplicated",
@@ -609,6 +672,9 @@ HOOKS: tuple[Hook, ...] = (
         "programs whose dispatch JAX orders)",
         (DISPATCH_STREAMS,),
         _everywhere("jax._src.interpreters.pxla:ExecuteReplicated"),
+        "none: jax.stages.Compiled.__call__ runs only ahead-of-time compiled "
+        "programs, and jax.jit's calls reach this class without a public hook; "
+        "jax.interpreters.pxla does not export it on any supported JAX",
     ),
 )
 
@@ -629,12 +695,13 @@ class Missing:
 
     def message(self, api: str) -> str:
         if JAX_VERSION < OLDEST_JAX:
+            oldest = version_text(OLDEST_JAX)
             advice = (
-                f"jax_threadmap supports jax>={_v(OLDEST_JAX)}: upgrade with pip "
-                f"install -U 'jax>={_v(OLDEST_JAX)}' 'jaxlib>={_v(OLDEST_JAX)}'."
+                f"jax_threadmap supports jax>={oldest}: upgrade with pip "
+                f"install -U 'jax>={oldest}' 'jaxlib>={oldest}'."
             )
         else:
-            newest = _v(NEWEST_TESTED_JAX)
+            newest = version_text(NEWEST_TESTED_JAX)
             advice = (
                 f"Pin jax<={newest} (pip install 'jax<={newest}' "
                 f"'jaxlib<={newest}'), the newest JAX this jax_threadmap was "
@@ -659,7 +726,7 @@ def resolve(hook: Hook, version: tuple[int, ...] = JAX_VERSION) -> Any:
     form = form_for(hook, version)
     if form is None:
         first = min(f.since for f in hook.forms)
-        return Missing(hook, f"it is known from JAX {_v(first)} on")
+        return Missing(hook, f"it is known from JAX {version_text(first)} on")
     tried = []
     for where in form.where:
         module_name, attr = where.split(":")
@@ -709,310 +776,16 @@ def missing_hooks() -> list[str]:
     ]
 
 
-def _or_missing(name: str, fallback: Any) -> Any:
+def or_missing(name: str, fallback: Any) -> Any:
+    """The resolved hook ``name``, or ``fallback`` where this JAX lacks it."""
     value = RESOLVED[name]
     return fallback if isinstance(value, Missing) else value
 
 
-# --- the primitive ---------------------------------------------------------------
-
-
-class _PrimitiveStandIn:
-    """``threadmap_p`` when JAX has no Primitive class: imports, never binds."""
-
-    multiple_results = False
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def def_impl(self, impl: Callable[..., Any]) -> Callable[..., Any]:
-        return impl
-
-    def def_abstract_eval(self, rule: Callable[..., Any]) -> Callable[..., Any]:
-        return rule
-
-    def bind(self, *args: Any, **params: Any) -> Any:
-        del args, params
-        require(THREADMAP, f"{self.name}_p.bind")
-
-
-Primitive: Any = _or_missing("Primitive", _PrimitiveStandIn)
-ShapedArray: Any = RESOLVED["ShapedArray"]
-# Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
-Zero: Any = RESOLVED["Zero"]
-
-
-def vmapped_mesh_axes() -> frozenset[str]:
-    """The explicit mesh axes that the vmaps around the current trace map over."""
-    return get("trace_ctx")()
-
-
-def typeof(x: Any) -> Any:
-    """``jax.typeof(x)``, with the sharding check of JAX >= 0.8.2 on older ones."""
-    return get("typeof")(x)
-
-
-def instantiate_zeros(t: Any) -> Any:
-    return get("instantiate_zeros")(t)
-
-
-def is_undefined_primal(x: Any) -> bool:
-    return get("is_undefined_primal")(x)
-
-
-def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
-    return get("callback_op_sharding")(axis_context, sharding, avals_out)
-
-
-def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
-    return get("emit_python_callback")(*args, **kwargs)
-
-
-# Registrations run when the package is imported. Where a hook is missing they
-# register nothing, and `require` reports it when the feature is first used.
-
-
-def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:
-    register = _or_missing("register_lowering", None)
-    if register is not None:
-        register(prim, rule, **kwargs)
-
-
-def register_batching_rule(prim: Any, rule: Callable[..., Any]) -> None:
-    """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
-
-    JAX calls rules of this table with ``(axis_data, vals, dims, **params)``,
-    also when no operand is batched; then the primitive is bound as it is, as
-    JAX's own shim for the classic signature does.
-    """
-    table = _or_missing("fancy_primitive_batchers", None)
-    if table is None:
-        return
-
-    def batching_rule(
-        axis_data: Any, vals: Sequence[Any], dims: Sequence[int | None], **params: Any
-    ) -> tuple[Any, Any]:
-        del axis_data
-        if all(d is None for d in dims):
-            outs = prim.bind(*vals, **params)
-            if prim.multiple_results:
-                return outs, [None] * len(outs)
-            return outs, None
-        return rule(vals, dims, **params)
-
-    table[prim] = batching_rule
-
-
-def is_batching_rule_registered(prim: Any) -> bool:
-    table = _or_missing("fancy_primitive_batchers", None)
-    return table is not None and prim in table
-
-
-def require_devices_during_lowering(prim: Any) -> None:
-    primitives = _or_missing("prim_requires_devices_during_lowering", None)
-    if primitives is not None:
-        primitives.add(prim)
-
-
-def register_jvp(prim: Any, rule: Callable[..., Any]) -> None:
-    table = _or_missing("primitive_jvps", None)
-    if table is not None:
-        table[prim] = rule
-
-
-def register_transpose(prim: Any, rule: Callable[..., Any]) -> None:
-    table = _or_missing("primitive_transposes", None)
-    if table is not None:
-        table[prim] = rule
-
-
-# --- varying axes inside shard_map -------------------------------------------------
-
-
-def varying_axes(aval: Any) -> frozenset:
-    """The manual mesh axes over which values of ``aval`` vary (inside shard_map).
-
-    Without the hook, only programs outside ``shard_map`` run: no mesh axis is
-    manual there (public API), so nothing varies.
-    """
-    if isinstance(RESOLVED["varying_axes"], Missing) and not _inside_shard_map():
-        return frozenset()
-    varying = get("varying_axes", "jax_threadmap inside jax.shard_map")
-    try:
-        return varying.of(aval)
-    except AttributeError as e:
-        # Never an empty set by default: a wrong type here becomes a wrong
-        # cotangent type later.
-        hook = next(h for h in HOOKS if h.name == "varying_axes")
-        missing = Missing(hook, f"the abstract value {aval} has no such field ({e})")
-        raise UnsupportedJaxError(missing.message("jax_threadmap")) from e
-
-
-def _inside_shard_map() -> bool:
-    """Whether a mesh axis is manual here: tracing inside ``shard_map``."""
-    manual = jax.sharding.AxisType.Manual
-    return manual in tuple(jax.sharding.get_abstract_mesh().axis_types)
-
-
-def shaped_array(shape: tuple[int, ...], dtype: Any, varying: frozenset) -> Any:
-    """A ``ShapedArray`` that varies over the manual mesh axes ``varying``."""
-    if not varying:
-        return ShapedArray(shape, dtype)
-    sharding = get("get_cur_mesh_sharding")()
-    return get("varying_axes").make(shape, dtype, varying, sharding)
-
-
-# --- per-shard maps under jit ------------------------------------------------------
-
-
-#: JAX releases whose batching rules run with the vmapped explicit mesh axes still
-#: in the axis environment, where ``jax.shard_map`` refuses them ("axis_names ...
-#: to be a subset of mesh.axis_names"; seen on jax 0.8.3). jax 0.8.1 added those
-#: axes (``add_explicit_mesh_axis_names`` in ``vmap``); jax 0.9.1 removes them
-#: around batching rules (``remove_explicit_mesh_axis_names``), read from each
-#: release's source. There, explicit mesh axes are mapped on one device.
-PER_SHARD_REFUSED: tuple[tuple[int, ...], tuple[int, ...]] = ((0, 8, 1), (0, 9, 1))
-
-
-def per_shard_unavailable() -> str | None:
-    """Why batch axes sharded over explicit mesh axes are not mapped per shard
-    under ``jit`` (this JAX refuses it, or a hook is missing), or ``None`` if
-    they are."""
-    since, until = PER_SHARD_REFUSED
-    if since <= JAX_VERSION < until:
-        return (
-            f"jax {jax.__version__} refuses a shard_map over the mesh axes that "
-            f"vmap maps over (jax {_v(since)} to {_v(until)} exclusive)"
-        )
+def missing_for(feature: str) -> str | None:
+    """Why ``feature`` is unavailable (its first missing hook), or ``None``."""
     for hook in HOOKS:
         value = RESOLVED[hook.name]
-        if {PER_SHARD_JIT, SHARD_MAP} & set(hook.features) and isinstance(
-            value, Missing
-        ):
-            return f"{hook.name} is missing: {value.reason}"
-    return None
-
-
-def reshard(x: Any, spec: Any) -> Any:
-    """``jax.sharding.reshard(x, spec)``: ``x`` in the layout ``spec`` of its mesh."""
-    return get("reshard")(x, spec)
-
-
-# --- async arrays ----------------------------------------------------------------
-
-
-def register_array_like(
-    cls: type,
-    aval_of: Callable[[Any], Any],
-    arrays_of: Callable[[list[Any], list[Any]], list[Any]],
-) -> None:
-    """Lets instances of ``cls`` be passed to ``jit`` before their data exists.
-
-    ``aval_of(x)`` returns the abstract value (used to trace and compile);
-    ``arrays_of(xs, shardings)`` returns one ``jax.Array`` per ``x`` and is called
-    only when a compiled program runs with them; ``shardings`` are the shardings
-    the program expects for them (so that arrays made there need no resharding).
-    Registers nothing where a hook is missing (``require(ASYNC_ARRAYS, ...)`` then
-    fails before such an array is made).
-    """
-    names = ("pytype_aval_mappings", "canonicalize_value", "shard_arg_handlers")
-    if any(isinstance(RESOLVED[n], Missing) for n in (*names, "shard_args")):
-        return
-    pytype_aval_mappings, register_canonicalize_value, shard_arg_handlers = (
-        RESOLVED[n] for n in names
-    )
-    pytype_aval_mappings[cls] = aval_of
-    register_canonicalize_value(cls)
-
-    def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
-        arrays = arrays_of(list(xs), list(shardings))
-        return get("shard_args")(shardings, layouts, copy_semantics, arrays)
-
-    shard_arg_handlers[cls] = handler
-
-
-_one_device: dict[Any, Any] = {}  # SingleDeviceSharding by device
-
-
-def put_on_device(aval: Any, x: Any, device: Any) -> Any:
-    """NumPy ``x`` on ``device`` as ``jax.device_put(x, device)`` puts it.
-
-    ``device=None``: on the default device, uncommitted, as ``jax.device_put(x)``.
-    ``aval`` is ``x``'s abstract value. The result may share ``x``'s buffer on
-    CPU: pass only arrays that nobody writes to. ``None`` where a hook is
-    missing (use ``jax.device_put`` then).
-    """
-    put, default = RESOLVED["batched_device_put"], RESOLVED["get_default_device"]
-    if isinstance(put, Missing) or isinstance(default, Missing):
-        return None
-    target = default() if device is None else device
-    sharding = _one_device.get(target)
-    if sharding is None:
-        sharding = _one_device[target] = jax.sharding.SingleDeviceSharding(target)
-    return put(aval, sharding, [x], [target], device is not None)
-
-
-def trace_state_clean() -> bool:
-    """Whether the caller is outside every trace (``jit``, ``vmap``...)."""
-    return bool(get("trace_state_clean")())
-
-
-# --- async dispatch ------------------------------------------------------------------
-
-start_transfer_server: Callable[..., Any] | None = _or_missing(
-    "start_transfer_server", None
-)
-# The logger's name, for `_dispatch.py` to filter; its module's name where it moved.
-CALLBACK_LOGGER_NAME: str = getattr(
-    _or_missing("callback_logger", None), "name", "jax._src.callback"
-)
-
-
-def dispatch_streams_unavailable() -> str | None:
-    """Why dispatches on pending data cannot get a stream of their own, or ``None``."""
-    for hook in HOOKS:
-        value = RESOLVED[hook.name]
-        if DISPATCH_STREAMS in hook.features and isinstance(value, Missing):
-            return f"{hook.name} is missing: {value.reason}"
-    return None
-
-
-#: On the wrapper: the wrapper it calls, and JAX's own method it wraps.
-_AROUND, _ORIGINAL = "__jax_threadmap_around__", "__jax_threadmap_original__"
-
-
-def wrap_program_runs(around: Callable[..., Any]) -> bool:
-    """Makes every run of a compiled program from Python go through ``around``.
-
-    JAX runs a jitted program from Python (its C++ fast path aside, which never
-    sees an ``AsyncArray``) in ``ExecuteReplicated.__call__``: the argument
-    handlers first, then XLA's execute. After this, that call is
-    ``around(run, program, args, ordered_effects)``, which must return
-    ``run(program, *args)``; ``ordered_effects`` are the program's ordered
-    effects. A second call replaces the first one's ``around``. Returns whether
-    the hook is there (:func:`dispatch_streams_unavailable` says why not).
-    """
-    if dispatch_streams_unavailable() is not None:
-        return False
-    cls = get("ExecuteReplicated")
-    run = getattr(cls.__call__, _ORIGINAL, cls.__call__)
-    if getattr(cls.__call__, _AROUND, None) is around:
-        return True
-
-    @functools.wraps(run)
-    def __call__(self: Any, *args: Any) -> Any:
-        return around(run, self, args, self.ordered_effects)
-
-    setattr(__call__, _AROUND, around)
-    setattr(__call__, _ORIGINAL, run)
-    cls.__call__ = __call__
-    return True
-
-
-def async_dispatch_unavailable() -> str | None:
-    """Why this JAX cannot dispatch on pending arrays, or ``None`` if it can."""
-    for hook in HOOKS:
-        value = RESOLVED[hook.name]
-        if ASYNC_DISPATCH in hook.features and isinstance(value, Missing):
+        if feature in hook.features and isinstance(value, Missing):
             return f"{hook.name} is missing: {value.reason}"
     return None

@@ -1,0 +1,40 @@
+"""Array-like types that ``jit`` accepts before their data exists (on the hooks
+of :mod:`.hooks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .hooks import RESOLVED, Missing, get
+
+
+def register_array_like(
+    cls: type,
+    aval_of: Callable[[Any], Any],
+    arrays_of: Callable[[list[Any], list[Any]], list[Any]],
+) -> None:
+    """Lets instances of ``cls`` be passed to ``jit`` before their data exists.
+
+    ``aval_of(x)`` returns the abstract value (used to trace and compile);
+    ``arrays_of(xs, shardings)`` returns one ``jax.Array`` per ``x`` and is called
+    only when a compiled program runs with them; ``shardings`` are the shardings
+    the program expects for them (so that arrays made there need no resharding).
+    Registers nothing where a hook is missing (``require(ASYNC_ARRAYS, ...)`` then
+    fails before such an array is made).
+    """
+    names = ("pytype_aval_mappings", "canonicalize_value", "shard_arg_handlers")
+    if any(isinstance(RESOLVED[n], Missing) for n in (*names, "shard_args")):
+        return
+    pytype_aval_mappings, register_canonicalize_value, shard_arg_handlers = (
+        RESOLVED[n] for n in names
+    )
+    pytype_aval_mappings[cls] = aval_of
+    register_canonicalize_value(cls)
+
+    def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
+        arrays = arrays_of(list(xs), list(shardings))
+        return get("shard_args")(shardings, layouts, copy_semantics, arrays)
+
+    shard_arg_handlers[cls] = handler

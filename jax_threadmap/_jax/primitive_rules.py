@@ -1,0 +1,109 @@
+"""The primitive class and the registration of its rules (batching, lowering,
+JVP, transpose), on the hooks of :mod:`.hooks`.
+
+Registrations run when the package is imported. Where a hook is missing they
+register nothing, and :func:`.hooks.require` reports it when the feature is
+first used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import hooks
+from .hooks import THREADMAP, get, or_missing, require
+
+
+class _PrimitiveStandIn:
+    """``threadmap_p`` when JAX has no Primitive class: imports, never binds."""
+
+    multiple_results = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def def_impl(self, impl: Callable[..., Any]) -> Callable[..., Any]:
+        return impl
+
+    def def_abstract_eval(self, rule: Callable[..., Any]) -> Callable[..., Any]:
+        return rule
+
+    def bind(self, *args: Any, **params: Any) -> Any:
+        del args, params
+        require(THREADMAP, f"{self.name}_p.bind")
+
+
+Primitive: Any = or_missing("Primitive", _PrimitiveStandIn)
+# Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
+Zero: Any = hooks.RESOLVED["Zero"]
+
+
+def instantiate_zeros(t: Any) -> Any:
+    return get("instantiate_zeros")(t)
+
+
+def is_undefined_primal(x: Any) -> bool:
+    return get("is_undefined_primal")(x)
+
+
+def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
+    return get("callback_op_sharding")(axis_context, sharding, avals_out)
+
+
+def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
+    return get("emit_python_callback")(*args, **kwargs)
+
+
+def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:
+    register = or_missing("register_lowering", None)
+    if register is not None:
+        register(prim, rule, **kwargs)
+
+
+def register_batching_rule(prim: Any, rule: Callable[..., Any]) -> None:
+    """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
+
+    JAX calls rules of this table with ``(axis_data, vals, dims, **params)``,
+    also when no operand is batched; then the primitive is bound as it is, as
+    JAX's own shim for the classic signature does.
+    """
+    table = or_missing("fancy_primitive_batchers", None)
+    if table is None:
+        return
+
+    def batching_rule(
+        axis_data: Any, vals: Sequence[Any], dims: Sequence[int | None], **params: Any
+    ) -> tuple[Any, Any]:
+        del axis_data
+        if all(d is None for d in dims):
+            outs = prim.bind(*vals, **params)
+            if prim.multiple_results:
+                return outs, [None] * len(outs)
+            return outs, None
+        return rule(vals, dims, **params)
+
+    table[prim] = batching_rule
+
+
+def is_batching_rule_registered(prim: Any) -> bool:
+    table = or_missing("fancy_primitive_batchers", None)
+    return table is not None and prim in table
+
+
+def require_devices_during_lowering(prim: Any) -> None:
+    primitives = or_missing("prim_requires_devices_during_lowering", None)
+    if primitives is not None:
+        primitives.add(prim)
+
+
+def register_jvp(prim: Any, rule: Callable[..., Any]) -> None:
+    table = or_missing("primitive_jvps", None)
+    if table is not None:
+        table[prim] = rule
+
+
+def register_transpose(prim: Any, rule: Callable[..., Any]) -> None:
+    table = or_missing("primitive_transposes", None)
+    if table is not None:
+        table[prim] = rule

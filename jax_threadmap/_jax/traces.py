@@ -1,0 +1,17 @@
+"""What the current trace says: whether the caller is under one, and the
+explicit mesh axes that the vmaps around it map over (on the hooks of :mod:`.hooks`).
+"""
+
+from __future__ import annotations
+
+from .hooks import get
+
+
+def vmapped_mesh_axes() -> frozenset[str]:
+    """The explicit mesh axes that the vmaps around the current trace map over."""
+    return get("trace_ctx")()
+
+
+def trace_state_clean() -> bool:
+    """Whether the caller is outside every trace (``jit``, ``vmap``...)."""
+    return bool(get("trace_state_clean")())

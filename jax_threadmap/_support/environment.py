@@ -1,0 +1,90 @@
+"""Environment variables are arguments too: each is parsed here, with one set of
+rules, and a value that is not understood is an error naming the variable, the
+value and what to set instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .validate import MAX_THREADS
+
+#: The environment variable that sizes the shared pool of ``executor=None``.
+ENV_NUM_THREADS = "JAX_THREADMAP_NUM_THREADS"
+
+
+def env_positive_int(name: str, what: str, maximum: int | None = None) -> int | None:
+    """The positive integer in environment variable ``name``; ``None`` when unset.
+
+    Args:
+        name: The variable.
+        what: What the number is, for the message when the value is not one.
+        maximum: The largest value accepted, if any.
+    """
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(
+            f"The environment variable {name} must be a positive integer ({what}). "
+            f"Got {name}={os.environ[name]!r}. Set it to e.g. 8, or unset it to use "
+            "the default."
+        )
+    if maximum is not None and n > maximum:
+        raise ValueError(
+            f"The environment variable {name} must be at most {maximum} ({what}). "
+            f"Got {name}={os.environ[name]!r}. Set it to the number of kernels that "
+            "should run at once (e.g. 32 for network reads), or unset it to use the "
+            "default."
+        )
+    return n
+
+
+def env_num_threads() -> int | None:
+    """``JAX_THREADMAP_NUM_THREADS``, checked; ``None`` when unset."""
+    return env_positive_int(
+        ENV_NUM_THREADS, "the number of threads of the shared pool", MAX_THREADS
+    )
+
+
+ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
+
+
+def async_dispatch_enabled() -> bool:
+    """Whether ``JAX_THREADMAP_ASYNC_DISPATCH`` allows async dispatch (default on)."""
+    value = os.environ.get(ENV_ASYNC_DISPATCH, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"{ENV_ASYNC_DISPATCH}={value!r} is not understood. Set it to 1 (jitted "
+        "calls with pending AsyncArrays return at once, the default) or 0 (they "
+        "wait for the data, as in earlier releases)."
+    )
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, what: str) -> bool:
+    """The boolean in environment variable ``name``; ``False`` when unset.
+
+    Args:
+        name: The variable.
+        what: What the flag turns on, for the message when the value is not one.
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if not value or value in _FALSE:
+        return False
+    if value in _TRUE:
+        return True
+    raise ValueError(
+        f"The environment variable {name} turns on {what}; it must be one of "
+        f"{', '.join(_TRUE + _FALSE)}. Got {name}={os.environ[name]!r}."
+    )

@@ -30,7 +30,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     seed = config.getoption("hypothesis_seed", None)
     terminalreporter.write_line(
         f"hypothesis: seed {seed}, {EXAMPLES} example counts "
-        "(JAX_THREADMAP_TEST_EXAMPLES=quick|full; CI runs full)"
+        "(JAX_THREADMAP_TEST_EXAMPLES=quick|full; CI's default leg runs full)"
     )
 
 

@@ -18,17 +18,18 @@ import numpy as np
 from hypothesis import strategies as st
 
 #: How many examples each hypothesis test draws: "quick" (the default: a quarter of
-#: the full count, for a test run in minutes) or "full" (CI sets it).
+#: the full count, for a test run in minutes) or "full" (CI's default leg sets it).
 EXAMPLES = os.environ.get("JAX_THREADMAP_TEST_EXAMPLES", "quick")
 if EXAMPLES not in ("quick", "full"):
     raise ValueError(
         f"JAX_THREADMAP_TEST_EXAMPLES must be 'quick' or 'full', got {EXAMPLES!r}. "
-        "Unset it for quick counts; CI sets 'full'."
+        "Unset it for quick counts; CI's default leg sets 'full'."
     )
 
 
 def examples(full: int) -> int:
-    """A hypothesis test's ``max_examples``: ``full`` in CI, a quarter otherwise."""
+    """A hypothesis test's ``max_examples``: ``full`` in CI's default leg, a
+    quarter otherwise."""
     return full if EXAMPLES == "full" else max(3, full // 4)
 
 

@@ -395,7 +395,17 @@ class Task:
             self._fail(e, raised_by_fn=True)
             return
         self._left_runner()
-        self._finish(out)
+        leaves = self._placed(out)
+        if leaves is None:
+            return
+        try:
+            # The other loads that land in this turn of the loop are placed
+            # before any of them is published: a thread waiting for them wakes
+            # once per burst, not once per load (each wake-up would cost this
+            # thread the GIL at every placement).
+            await asyncio.sleep(0)
+        finally:  # cancelled only at exit: published all the same
+            self._publish(leaves)
 
     def _adopt(self, source: asyncio.Task | None) -> bool:
         with self._lock:
@@ -462,24 +472,34 @@ class Task:
             return None if self._state != RUNNING else self._close(host)
 
     def _finish(self, out: Any) -> None:
+        leaves = self._placed(out)
+        if leaves is not None:
+            self._publish(leaves)
+
+    def _placed(self, out: Any) -> list[jax.Array] | None:
+        """Checks and places what ``fn`` returned, and opens the gates; the
+        placed leaves, or ``None`` if the call failed or was given up on."""
         try:
             # Checked and copied now: a loader that refills the buffer it
             # returned (for its next call) changes nothing here.
             frozen = check_result(self, out)
         except BaseException as e:
             self._fail(e, raised_by_fn=False)
-            return
+            return None
         # The gate programs copy from these, once their gate opens.
         gates = self._settle([host_view(leaf) for leaf in frozen])
         if gates is None:
             logger.debug("%s of %s returned after it was given up on", self.api, self)
-            return
+            return None
         try:
             self._open(gates)  # empties it: the error below opens nothing
-            leaves = place(self, frozen)
+            return place(self, frozen)
         except BaseException as e:
             self._conclude(e, gates, raised_by_fn=False)
-            return
+            return None
+
+    def _publish(self, leaves: list[jax.Array]) -> None:
+        """The placed leaves become the call's value (finishing -> finished)."""
         self._end()
         self.future.set_result(leaves)
 

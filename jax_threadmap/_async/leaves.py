@@ -68,8 +68,33 @@ def _path_str(path: Any) -> str:
 def leaf_specs(
     result_shape_dtypes: Any, device: Any, api: str
 ) -> tuple[Any, list[LeafSpec]]:
-    """Validates ``result_shape_dtypes`` and ``device`` up front, at the call."""
+    """Validates ``result_shape_dtypes`` and ``device`` up front, at the call.
+
+    The answer for one ``jax.ShapeDtypeStruct`` is kept (:data:`_one_leaf`): a
+    thousand loads of one shape check it once. The specs are shared by the
+    calls, and never written.
+    """
     _compat.require(_compat.ASYNC_ARRAYS, f"jax_threadmap.{api}")
+    key: Any = None
+    if type(result_shape_dtypes) is jax.ShapeDtypeStruct:
+        key = (result_shape_dtypes, device, jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+        try:
+            return _one_leaf[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable sharding
+            key = None
+    answer = _leaf_specs(result_shape_dtypes, device, api)
+    if key is not None:
+        if len(_one_leaf) >= MAX_CACHED_AVALS:
+            _one_leaf.clear()
+        _one_leaf[key] = answer
+    return answer
+
+
+def _leaf_specs(
+    result_shape_dtypes: Any, device: Any, api: str
+) -> tuple[Any, list[LeafSpec]]:
     target = _target_sharding(device, api)
     flat, treedef = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     if not flat:
@@ -159,9 +184,11 @@ def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
     return aval
 
 
-#: Abstract values kept by :func:`_aval` (a bound against ever new shapes).
+#: Abstract values kept by :func:`_aval`, and declarations by :func:`leaf_specs`
+#: (a bound against ever new shapes).
 MAX_CACHED_AVALS = 1024
 _avals: dict[Any, Any] = {}
+_one_leaf: dict[Any, tuple[Any, list[LeafSpec]]] = {}
 
 
 def _target_sharding(device: Any, api: str) -> jax.sharding.Sharding | None:
@@ -230,6 +257,8 @@ def _checked_leaf(
 ) -> Any:
     """``leaf`` (a ``jax.Array`` of ``target``, or a NumPy array that may be cast
     to ``target``), or a :class:`_LeafProblem` that says what is wrong."""
+    if type(leaf) is np.ndarray and leaf.shape == shape and leaf.dtype == target:
+        return leaf  # the common case, without the checks below (~10 us)
     expected = f"expected an array of shape {shape} and dtype {declared}"
     if inspect.isawaitable(leaf):
         if inspect.iscoroutine(leaf):

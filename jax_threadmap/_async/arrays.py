@@ -289,7 +289,7 @@ class AsyncArray:
         seconds = None
         if timeout is not None:
             seconds = check_timeout(timeout, "AsyncArray.result", zero=True)
-        return self._task.value(self._index, seconds, self._describe())
+        return self._task.value(self._index, seconds, self._describe)
 
     def block_until_ready(self) -> AsyncArray:
         """Waits until the value is on its device; returns ``self``."""

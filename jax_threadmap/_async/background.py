@@ -330,13 +330,17 @@ class Task:
         with self._lock:
             if self._state != PENDING:
                 return False
+            pid = os.getpid()
+            # submit() did the two below, unless in the parent of this fork.
+            known = self._submitted and self._pid == pid
             self._state = RUNNING
-            self._pid = os.getpid()
+            self._pid = pid
             self._worker = worker
             self._source = source
-        with _async_threads.live_lock:
-            _async_threads.live.add(self)
-        self._start_clock()
+        if not known:
+            with _async_threads.live_lock:
+                _async_threads.live.add(self)
+            self._start_clock()
         return True
 
     def _left_runner(self) -> None:
@@ -585,14 +589,16 @@ class Task:
         with self._lock:
             self._donated = self._donated | {leaf}
 
-    def value(self, leaf: int, timeout: float | None, what: str) -> jax.Array:
+    def value(
+        self, leaf: int, timeout: float | None, describe: Callable[[], str]
+    ) -> jax.Array:
         """The placed ``leaf``; raises the call's error, TimeoutError, or that
-        the leaf was donated."""
+        the leaf was donated. ``describe()`` names the array, for the errors."""
         if leaf in self._donated:
-            raise _outcomes.donated_error(what)
+            raise _outcomes.donated_error(describe())
         if timeout is None and self.future.done() and self._kept is None:
             return self.future.result()[leaf]  # the common case, cheaply
-        return self.wait(timeout, what)[leaf]
+        return self.wait(timeout, describe())[leaf]
 
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
         """Returns the placed leaves; raises the call's error or TimeoutError."""

@@ -96,16 +96,20 @@ class Task:
                                                       + deadline, + live entry
     pending     claim (run, _run_corout.)  running    + pool slot (its thread)
     pend., run  add_program (a dispatch)   same       + gate program, + slot (first)
-    running     fn returns (_finish)       finishing  - pool slot; gates open: data
+    running     fn returns (_land)         finishing  - pool slot; gates open: data
     running     fn raises (_fail)          finishing  - pool slot; gates open: error
     pend., run  give_up (timeout, cancel)  finishing  - pool slot (abandon), - loop
                                                       task (cancel); gates: error
     pend., run  abandon (at exit)          finishing  gates open: error
-    finishing   placed or failed (_end)    finished   - live entry
+    finishing   _publish, or failed (_end) finished   - live entry
     any         program_ran                same       - gate program
     ended       no program left            same       - slot, - host data
     ended       fn returns or raises late  same       nothing (dropped)
     ==========  =========================  =========  ==============================
+
+    An ``async def`` call's value is published one turn of the event loop
+    after it is placed, so that the loads that land in one turn wake a thread
+    waiting for them once, not once each.
 
     Gates are added only while pending or running; the end takes (under the
     lock) and opens every gate there is: each opens once, none is missed. The
@@ -399,7 +403,7 @@ class Task:
             self._fail(e, raised_by_fn=True)
             return
         self._left_runner()
-        leaves = self._placed(out)
+        leaves = self._land(out)
         if leaves is None:
             return
         try:
@@ -476,11 +480,11 @@ class Task:
             return None if self._state != RUNNING else self._close(host)
 
     def _finish(self, out: Any) -> None:
-        leaves = self._placed(out)
+        leaves = self._land(out)
         if leaves is not None:
             self._publish(leaves)
 
-    def _placed(self, out: Any) -> list[jax.Array] | None:
+    def _land(self, out: Any) -> list[jax.Array] | None:
         """Checks and places what ``fn`` returned, and opens the gates; the
         placed leaves, or ``None`` if the call failed or was given up on."""
         try:

@@ -219,42 +219,53 @@ def test_threads_of_calls_given_up_on_are_capped():
 # --- 4. Ctrl-C reaches our waits -----------------------------------------------------
 
 _INTERRUPT_SCRIPT = """
-    import os, signal, threading, time
+    import os, signal, threading, time, traceback
     import jax, numpy as np
     import jax_threadmap as jtm
 
-    started, calling, never = threading.Event(), threading.Event(), threading.Event()
+    started, never = threading.Event(), threading.Event()
+    sds = jax.ShapeDtypeStruct((2,), np.float32)
+    add_one = jax.jit(lambda a: a + 1)
+    # Compiled first: a signal inside compilation would be a test of JAX's.
+    add_one(jtm.async_call(np.zeros, sds, 2, dtype=np.float32)).block_until_ready()
 
     def stuck():
         started.set()
         never.wait()
         return np.zeros(2, np.float32)
 
-    def interrupt_when_waiting():
-        started.wait(60)
-        calling.wait(60)
-        # Not a check of time: the signal is right whenever it comes; a pause
-        # only makes it likely to come inside the wait rather than before.
-        time.sleep(0.3)
+    def interrupt(pause):
+        # Not a check of time: the signal is right whenever it comes. The pause
+        # makes it likely to come inside the wait; one that came before it is
+        # seen in the traceback, and the attempt is made again, pausing longer.
+        time.sleep(pause)
         os.kill(os.getpid(), signal.SIGINT)
 
-    sds = jax.ShapeDtypeStruct((2,), np.float32)
     for how in ("result", "asarray", "blocking dispatch"):
-        started.clear()
-        calling.clear()
-        x = jtm.async_call(stuck, sds)
-        threading.Thread(target=interrupt_when_waiting, daemon=True).start()
-        try:
-            calling.set()
-            if how == "result":
-                x.result()
-            elif how == "asarray":
-                np.asarray(x)
-            else:
-                jax.jit(lambda a: a + 1)(x)
-        except KeyboardInterrupt:
-            print("interrupted", how)
-        x.cancel()
+        pause = 0.05
+        while True:
+            started.clear()
+            x = jtm.async_call(stuck, sds)
+            # Running on a pool thread: the call below waits, never runs it.
+            assert started.wait(60)
+            threading.Thread(target=interrupt, args=(pause,), daemon=True).start()
+            frames = []
+            try:
+                if how == "result":
+                    x.result()
+                elif how == "asarray":
+                    np.asarray(x)
+                else:
+                    add_one(x)
+            except KeyboardInterrupt as e:
+                frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
+            x.cancel()
+            if "wait_polling" in frames:  # the wait of ours that was interrupted
+                print("interrupted", how)
+                break
+            assert pause < 30, frames
+            pause *= 2
+    never.set()
 """
 
 
@@ -262,7 +273,8 @@ _INTERRUPT_SCRIPT = """
 def test_ctrl_c_reaches_every_wait_of_ours():
     # The blocking dispatch: async dispatch off, so the jitted call waits, in
     # Python, for its data.
-    proc = run_script(_INTERRUPT_SCRIPT, {"JAX_THREADMAP_ASYNC_DISPATCH": "0"})
+    env = {"JAX_THREADMAP_ASYNC_DISPATCH": "0", "JAX_THREADMAP_ASYNC_THREADS": "16"}
+    proc = run_script(_INTERRUPT_SCRIPT, env)
     for how in ("result", "asarray", "blocking dispatch"):
         assert f"interrupted {how}" in proc.stdout, proc.stdout + proc.stderr
 

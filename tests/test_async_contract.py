@@ -163,5 +163,5 @@ def test_a_sharding_that_cannot_hold_the_shape_is_refused_naming_it():
     sharding = SHARDINGS["named"]
     with pytest.raises(Exception):  # noqa: B017 - JAX's internal error
         jax.make_array_from_callback((), sharding, lambda i: np.float32(1))
-    with pytest.raises(ValueError, match="cannot hold the array of shape"):
+    with pytest.raises(ValueError, match=r"cannot hold (the|an) array of shape \(\)"):
         async_array_from_callback((), sharding, lambda i: np.float32(1), np.float32)

@@ -3,7 +3,11 @@
 Each check runs JAX's own function on the same arguments as the reference:
 the dtype read from a shard when left out, PRNG key arrays, a ``Format``
 (layout), a callback that returns a tracer (JAX's error, at the call, every
-time) and JAX's words in the error for a shard of the wrong shape.
+time), JAX's words in the error for a shard of the wrong shape, and what JAX's
+own tests of ``make_array_from_callback`` pass in (0-d arrays, shards returned
+as ``jax.Array`` s, 64-bit data with x64 off) on single-device, sharded and
+replicated shardings. The 8-device cases (partial and replicated mesh axes,
+uneven splits) are in ``shard_load_checks.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ DEVICE = jax.devices()[0]
 SHARDINGS = {
     "single": jax.sharding.SingleDeviceSharding(DEVICE),
     "named": NamedSharding(jax.make_mesh((1,), ("x",)), P("x")),
+    "replicated": NamedSharding(jax.make_mesh((1,), ("x",)), P()),
 }
 
 
@@ -117,3 +122,46 @@ def test_a_shard_of_the_wrong_shape_says_it_in_jaxs_words():
     words = "Expected shard shape (8,) doesn't match the single device array shape"
     assert words in str(got.value) and words in str(reference.value)
     assert "data_callback" in str(got.value)  # and ours: which shard, what to do
+
+
+# What JAX's own tests of make_array_from_callback pass in (array_test, pjit_test):
+# a 0-d array, shards as jax.Arrays, 64-bit data with x64 off, Python scalars.
+KINDS = {
+    "0-d": ((), lambda i: np.float32(2.5)),
+    "0-d int": ((), lambda i: np.asarray(7, np.int32)),
+    "jax.Array shards": ((4, 2), lambda i: jnp.arange(8.0).reshape(4, 2)[i]),
+    "float64 data": ((3,), lambda i: np.arange(3.0)[i]),
+    "int64 data": ((2, 3), lambda i: np.arange(6).reshape(2, 3)[i]),
+    "uint8 data": ((5,), lambda i: np.arange(5, dtype=np.uint8)[i]),
+}
+
+
+# P("x") cannot hold a 0-d array: refused by both (the next test).
+PAIRS = [
+    (kind, where)
+    for kind in sorted(KINDS)
+    for where in sorted(SHARDINGS)
+    if not (where == "named" and KINDS[kind][0] == ())
+]
+
+
+@pytest.mark.parametrize(("kind", "where"), PAIRS)
+def test_what_jaxs_own_tests_pass_loads_as_in_jax(kind, where):
+    shape, callback = KINDS[kind]
+    sharding = SHARDINGS[where]
+    theirs = jax.make_array_from_callback(shape, sharding, callback)
+    ours = async_array_from_callback(shape, sharding, callback)  # dtype read
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    same(ours.result(timeout=WAIT), theirs)
+    declared = async_array_from_callback(shape, sharding, callback, theirs.dtype)
+    same(declared.result(timeout=WAIT), theirs)
+
+
+def test_a_sharding_that_cannot_hold_the_shape_is_refused_naming_it():
+    # P("x") on a 0-d array: JAX fails inside (an AssertionError of its own
+    # checks); ours says which argument and what to do (by design: docs/async.md).
+    sharding = SHARDINGS["named"]
+    with pytest.raises(Exception):  # noqa: B017 - JAX's internal error
+        jax.make_array_from_callback((), sharding, lambda i: np.float32(1))
+    with pytest.raises(ValueError, match=r"cannot hold (the|an) array of shape \(\)"):
+        async_array_from_callback((), sharding, lambda i: np.float32(1), np.float32)

@@ -147,7 +147,7 @@ def test_a_huge_timeout_leaves_later_timeouts_working(api, huge):
 # --- 3. the threads of calls given up on are capped -----------------------------------
 
 _CAP_SCRIPT = """
-    import threading, time
+    import threading
     import jax, numpy as np
     import jax_threadmap as jtm
     from jax_threadmap._async import pool as _async_threads
@@ -155,23 +155,21 @@ _CAP_SCRIPT = """
     BOUND = 2
     CAP = _async_threads.ABANDONED_PER_BOUND * BOUND
     release = threading.Event()
-    started, lock = set(), threading.Lock()
+    started = {i: threading.Event() for i in range(200)}
+    returned = {i: threading.Event() for i in range(200)}
     sds = jax.ShapeDtypeStruct((1,), np.float32)
 
     def hang(i):
-        with lock:
-            started.add(i)
-        release.wait(120)
-        return np.full(1, i, np.float32)
-
-    def wait_until(cond, what):  # polls pool state: events, not a clock
-        deadline = time.monotonic() + 60
-        while not cond():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.005)
+        started[i].set()
+        try:
+            release.wait(120)
+            return np.full(1, i, np.float32)
+        finally:
+            returned[i].set()
 
     def at_cap():
         s = jtm.async_pool_status()
+        assert s.abandoned_cap == CAP, s
         return s.queued >= 1 and len(s.abandoned) >= CAP and s.running >= BOUND
 
     i = 0
@@ -179,15 +177,20 @@ _CAP_SCRIPT = """
         xs = []
         for _ in range(BOUND):
             xs.append((i, jtm.async_call(hang, sds, i)))
-            n = i
-            wait_until(lambda: n in started or at_cap(), f"call {n} started or queued")
+            # The first two rounds start (BOUND threads, then BOUND more once
+            # the first are abandoned); from then on the abandoned are at the
+            # cap and the held fill the bound: queued at once (submit() queues
+            # it before it returns), it stays there.
+            if i < BOUND + CAP:
+                assert started[i].wait(60), f"call {i} did not start"
+            else:
+                assert at_cap(), (i, jtm.async_pool_status())
             i += 1
         for _, x in xs:
             assert x.cancel()
         s = jtm.async_pool_status()
         assert len(s.abandoned) <= CAP, s
         assert s.running <= BOUND, s
-    assert len(started) <= BOUND + CAP, sorted(started)
     # At the cap: a new call waits in the queue; one with a timeout fails there
     # without ever starting.
     queued = jtm.async_call(hang, sds, 100)
@@ -196,10 +199,15 @@ _CAP_SCRIPT = """
         timed.result(timeout=60)
     except TimeoutError as e:
         assert "given up on" in str(e), e
-    assert 101 not in started and at_cap()
+    assert at_cap()
     release.set()
     assert float(queued.result(timeout=60)[0]) == 100.0
-    print("started", len(started), "ok")
+    # Every call that started has returned: which ones did is final now.
+    ran = sorted(k for k, e in started.items() if e.is_set())
+    for k in ran:
+        assert returned[k].wait(60), k
+    assert ran == [*range(BOUND + CAP), 100], ran
+    print("started", len(ran), "ok")
 """
 
 
@@ -211,42 +219,53 @@ def test_threads_of_calls_given_up_on_are_capped():
 # --- 4. Ctrl-C reaches our waits -----------------------------------------------------
 
 _INTERRUPT_SCRIPT = """
-    import os, signal, threading, time
+    import os, signal, threading, time, traceback
     import jax, numpy as np
     import jax_threadmap as jtm
 
-    started, calling, never = threading.Event(), threading.Event(), threading.Event()
+    started, never = threading.Event(), threading.Event()
+    sds = jax.ShapeDtypeStruct((2,), np.float32)
+    add_one = jax.jit(lambda a: a + 1)
+    # Compiled first: a signal inside compilation would be a test of JAX's.
+    add_one(jtm.async_call(np.zeros, sds, 2, dtype=np.float32)).block_until_ready()
 
     def stuck():
         started.set()
         never.wait()
         return np.zeros(2, np.float32)
 
-    def interrupt_when_waiting():
-        started.wait(60)
-        calling.wait(60)
-        # Not a check of time: the signal is right whenever it comes; a pause
-        # only makes it likely to come inside the wait rather than before.
-        time.sleep(0.3)
+    def interrupt(pause):
+        # Not a check of time: the signal is right whenever it comes. The pause
+        # makes it likely to come inside the wait; one that came before it is
+        # seen in the traceback, and the attempt is made again, pausing longer.
+        time.sleep(pause)
         os.kill(os.getpid(), signal.SIGINT)
 
-    sds = jax.ShapeDtypeStruct((2,), np.float32)
     for how in ("result", "asarray", "blocking dispatch"):
-        started.clear()
-        calling.clear()
-        x = jtm.async_call(stuck, sds)
-        threading.Thread(target=interrupt_when_waiting, daemon=True).start()
-        try:
-            calling.set()
-            if how == "result":
-                x.result()
-            elif how == "asarray":
-                np.asarray(x)
-            else:
-                jax.jit(lambda a: a + 1)(x)
-        except KeyboardInterrupt:
-            print("interrupted", how)
-        x.cancel()
+        pause = 0.05
+        while True:
+            started.clear()
+            x = jtm.async_call(stuck, sds)
+            # Running on a pool thread: the call below waits, never runs it.
+            assert started.wait(60)
+            threading.Thread(target=interrupt, args=(pause,), daemon=True).start()
+            frames = []
+            try:
+                if how == "result":
+                    x.result()
+                elif how == "asarray":
+                    np.asarray(x)
+                else:
+                    add_one(x)
+            except KeyboardInterrupt as e:
+                frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
+            x.cancel()
+            if "wait_polling" in frames:  # the wait of ours that was interrupted
+                print("interrupted", how)
+                break
+            assert pause < 30, frames
+            pause *= 2
+    never.set()
 """
 
 
@@ -254,7 +273,8 @@ _INTERRUPT_SCRIPT = """
 def test_ctrl_c_reaches_every_wait_of_ours():
     # The blocking dispatch: async dispatch off, so the jitted call waits, in
     # Python, for its data.
-    proc = run_script(_INTERRUPT_SCRIPT, {"JAX_THREADMAP_ASYNC_DISPATCH": "0"})
+    env = {"JAX_THREADMAP_ASYNC_DISPATCH": "0", "JAX_THREADMAP_ASYNC_THREADS": "16"}
+    proc = run_script(_INTERRUPT_SCRIPT, env)
     for how in ("result", "asarray", "blocking dispatch"):
         assert f"interrupted {how}" in proc.stdout, proc.stdout + proc.stderr
 

@@ -203,9 +203,9 @@ class AsyncArraysModel(RuleBasedStateMachine):
     @invariant()
     def pool_within_bound_and_cap(self) -> None:
         status = async_pool_status()
-        cap = _async_threads.ABANDONED_PER_BOUND * status.bound
+        assert status.abandoned_cap == _async_threads.ABANDONED_PER_BOUND * status.bound
         assert status.running <= status.bound, status
-        assert len(status.abandoned) <= cap, status
+        assert len(status.abandoned) <= status.abandoned_cap, status
 
     @invariant()
     def waiting_programs_within_the_model(self) -> None:

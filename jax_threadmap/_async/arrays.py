@@ -3,7 +3,7 @@
 - :class:`AsyncArray`: an array whose value a background call is still
   computing. ``jax.jit`` traces and compiles with its shape and dtype while the
   call runs; when a compiled program runs with it, the argument handler
-  registered here (through :mod:`._compat`) asks :mod:`._dispatch` for buffers.
+  registered here (through :mod:`.._jax.array_types`) asks :mod:`.dispatch` for buffers.
 - :func:`async_call`, :func:`deferred_call`, :meth:`AsyncArray.from_future`: each
   makes the :class:`~._background.Task` behind every array of one call.
 - Exit (:func:`_at_exit`): calls still running are reported and abandoned.
@@ -289,7 +289,7 @@ class AsyncArray:
         seconds = None
         if timeout is not None:
             seconds = check_timeout(timeout, "AsyncArray.result", zero=True)
-        return self._task.value(self._index, seconds, self._describe())
+        return self._task.value(self._index, seconds, self._describe)
 
     def block_until_ready(self) -> AsyncArray:
         """Waits until the value is on its device; returns ``self``."""

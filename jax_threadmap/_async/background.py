@@ -96,16 +96,20 @@ class Task:
                                                       + deadline, + live entry
     pending     claim (run, _run_corout.)  running    + pool slot (its thread)
     pend., run  add_program (a dispatch)   same       + gate program, + slot (first)
-    running     fn returns (_finish)       finishing  - pool slot; gates open: data
+    running     fn returns (_land)         finishing  - pool slot; gates open: data
     running     fn raises (_fail)          finishing  - pool slot; gates open: error
     pend., run  give_up (timeout, cancel)  finishing  - pool slot (abandon), - loop
                                                       task (cancel); gates: error
     pend., run  abandon (at exit)          finishing  gates open: error
-    finishing   placed or failed (_end)    finished   - live entry
+    finishing   _publish, or failed (_end) finished   - live entry
     any         program_ran                same       - gate program
     ended       no program left            same       - slot, - host data
     ended       fn returns or raises late  same       nothing (dropped)
     ==========  =========================  =========  ==============================
+
+    An ``async def`` call's value is published one turn of the event loop
+    after it is placed, so that the loads that land in one turn wake a thread
+    waiting for them once, not once each.
 
     Gates are added only while pending or running; the end takes (under the
     lock) and opens every gate there is: each opens once, none is missed. The
@@ -330,13 +334,17 @@ class Task:
         with self._lock:
             if self._state != PENDING:
                 return False
+            pid = os.getpid()
+            # submit() did the two below, unless in the parent of this fork.
+            known = self._submitted and self._pid == pid
             self._state = RUNNING
-            self._pid = os.getpid()
+            self._pid = pid
             self._worker = worker
             self._source = source
-        with _async_threads.live_lock:
-            _async_threads.live.add(self)
-        self._start_clock()
+        if not known:
+            with _async_threads.live_lock:
+                _async_threads.live.add(self)
+            self._start_clock()
         return True
 
     def _left_runner(self) -> None:
@@ -395,7 +403,17 @@ class Task:
             self._fail(e, raised_by_fn=True)
             return
         self._left_runner()
-        self._finish(out)
+        leaves = self._land(out)
+        if leaves is None:
+            return
+        try:
+            # The other loads that land in this turn of the loop are placed
+            # before any of them is published: a thread waiting for them wakes
+            # once per burst, not once per load (each wake-up would cost this
+            # thread the GIL at every placement).
+            await asyncio.sleep(0)
+        finally:  # cancelled only at exit: published all the same
+            self._publish(leaves)
 
     def _adopt(self, source: asyncio.Task | None) -> bool:
         with self._lock:
@@ -462,24 +480,34 @@ class Task:
             return None if self._state != RUNNING else self._close(host)
 
     def _finish(self, out: Any) -> None:
+        leaves = self._land(out)
+        if leaves is not None:
+            self._publish(leaves)
+
+    def _land(self, out: Any) -> list[jax.Array] | None:
+        """Checks and places what ``fn`` returned, and opens the gates; the
+        placed leaves, or ``None`` if the call failed or was given up on."""
         try:
             # Checked and copied now: a loader that refills the buffer it
             # returned (for its next call) changes nothing here.
             frozen = check_result(self, out)
         except BaseException as e:
             self._fail(e, raised_by_fn=False)
-            return
+            return None
         # The gate programs copy from these, once their gate opens.
         gates = self._settle([host_view(leaf) for leaf in frozen])
         if gates is None:
             logger.debug("%s of %s returned after it was given up on", self.api, self)
-            return
+            return None
         try:
             self._open(gates)  # empties it: the error below opens nothing
-            leaves = place(self, frozen)
+            return place(self, frozen)
         except BaseException as e:
             self._conclude(e, gates, raised_by_fn=False)
-            return
+            return None
+
+    def _publish(self, leaves: list[jax.Array]) -> None:
+        """The placed leaves become the call's value (finishing -> finished)."""
         self._end()
         self.future.set_result(leaves)
 
@@ -565,14 +593,16 @@ class Task:
         with self._lock:
             self._donated = self._donated | {leaf}
 
-    def value(self, leaf: int, timeout: float | None, what: str) -> jax.Array:
+    def value(
+        self, leaf: int, timeout: float | None, describe: Callable[[], str]
+    ) -> jax.Array:
         """The placed ``leaf``; raises the call's error, TimeoutError, or that
-        the leaf was donated."""
+        the leaf was donated. ``describe()`` names the array, for the errors."""
         if leaf in self._donated:
-            raise _outcomes.donated_error(what)
+            raise _outcomes.donated_error(describe())
         if timeout is None and self.future.done() and self._kept is None:
             return self.future.result()[leaf]  # the common case, cheaply
-        return self.wait(timeout, what)[leaf]
+        return self.wait(timeout, describe())[leaf]
 
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
         """Returns the placed leaves; raises the call's error or TimeoutError."""

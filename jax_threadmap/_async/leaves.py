@@ -70,8 +70,33 @@ def _path_str(path: Any) -> str:
 def leaf_specs(
     result_shape_dtypes: Any, device: Any, api: str
 ) -> tuple[Any, list[LeafSpec]]:
-    """Validates ``result_shape_dtypes`` and ``device`` up front, at the call."""
+    """Validates ``result_shape_dtypes`` and ``device`` up front, at the call.
+
+    The answer for one ``jax.ShapeDtypeStruct`` is kept (:data:`_one_leaf`): a
+    thousand loads of one shape check it once. The specs are shared by the
+    calls, and never written.
+    """
     _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")
+    key: Any = None
+    if type(result_shape_dtypes) is jax.ShapeDtypeStruct:
+        key = (result_shape_dtypes, device, jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+        try:
+            return _one_leaf[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable sharding
+            key = None
+    answer = _leaf_specs(result_shape_dtypes, device, api)
+    if key is not None:
+        if len(_one_leaf) >= MAX_CACHED_AVALS:
+            _one_leaf.clear()
+        _one_leaf[key] = answer
+    return answer
+
+
+def _leaf_specs(
+    result_shape_dtypes: Any, device: Any, api: str
+) -> tuple[Any, list[LeafSpec]]:
     target = _target_sharding(device, api)
     flat, treedef = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     if not flat:
@@ -161,9 +186,11 @@ def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
     return aval
 
 
-#: Abstract values kept by :func:`_aval` (a bound against ever new shapes).
+#: Abstract values kept by :func:`_aval`, and declarations by :func:`leaf_specs`
+#: (a bound against ever new shapes).
 MAX_CACHED_AVALS = 1024
 _avals: dict[Any, Any] = {}
+_one_leaf: dict[Any, tuple[Any, list[LeafSpec]]] = {}
 
 
 def _target_sharding(device: Any, api: str) -> jax.sharding.Sharding | None:
@@ -220,8 +247,8 @@ class _LeafProblem(Exception):
 
 def _frozen_leaf(spec: LeafSpec, leaf: Any) -> Any:
     value = _checked_leaf(spec.shape, spec.dtype, spec.aval.dtype, leaf)
-    if isinstance(value, jax.Array):
-        return value
+    if not isinstance(value, np.ndarray) and isinstance(value, jax.Array):
+        return value  # (np.ndarray first: jax.Array's check is an ABC's, slow)
     copy = np.array(value, dtype=spec.aval.dtype, order="C")
     copy.flags.writeable = False
     return copy
@@ -232,6 +259,8 @@ def _checked_leaf(
 ) -> Any:
     """``leaf`` (a ``jax.Array`` of ``target``, or a NumPy array that may be cast
     to ``target``), or a :class:`_LeafProblem` that says what is wrong."""
+    if type(leaf) is np.ndarray and leaf.shape == shape and leaf.dtype == target:
+        return leaf  # the common case, without the checks below (~10 us)
     expected = f"expected an array of shape {shape} and dtype {declared}"
     if inspect.isawaitable(leaf):
         if inspect.iscoroutine(leaf):
@@ -288,15 +317,16 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
     """Puts the frozen leaves on their devices and waits until they are there."""
     placed = []
     for spec, leaf in zip(task.specs, frozen, strict=True):
-        if spec.sharding is None and isinstance(leaf, jax.Array):
-            placed.append(leaf)
-            continue
         # The frozen copy is ours and never written: JAX may keep it as the
         # buffer (on CPU) instead of copying it once more.
         out = None
         if spec.sharding is None and isinstance(leaf, np.ndarray):
-            # 5x device_put's speed
-            out = _placement.put_on_device(spec.aval, leaf, None)
+            out = _placement.put_on_device(
+                spec.aval, leaf, None
+            )  # 5x device_put's speed
+        elif spec.sharding is None and isinstance(leaf, jax.Array):
+            placed.append(leaf)
+            continue
         if out is None:
             out = jax.device_put(leaf, spec.sharding, may_alias=True)
         placed.append(out)

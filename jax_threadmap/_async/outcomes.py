@@ -37,9 +37,13 @@ def wait_polling(future: concurrent.futures.Future, timeout: float | None) -> bo
         left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
         if left <= 0:
             return future.done()
-        done, _ = concurrent.futures.wait([future], timeout=left)
-        if done:
-            return True
+        try:  # a wait on the future's own condition (no waiter object made)
+            future.exception(timeout=left)
+        except concurrent.futures.TimeoutError:
+            continue
+        except concurrent.futures.CancelledError:
+            pass
+        return True
 
 
 def in_loop_error(what: str) -> RuntimeError:

@@ -56,6 +56,7 @@ threadpoolctl = pytest.importorskip("threadpoolctl")
 
 N = available_cpus()
 REPS = int(os.environ.get("REPS", "7"))
+COST_REPS = int(os.environ.get("COST_REPS", "15"))
 
 _rng = np.random.default_rng(0)
 _m = _rng.standard_normal((16, 32, 192, 192), dtype=np.float32)
@@ -246,10 +247,10 @@ def _beside(run: Callable[[], object], maps: int = 4) -> Callable[[], float]:
     return call
 
 
-def costs(reps: int = REPS) -> dict[str, dict[str, float]]:
+def costs(reps: int = COST_REPS) -> dict[str, dict[str, float]]:
     """Case -> {"default": s, "off": s}: the automatic limit where it cannot
     help, against ``JAX_THREADMAP_LIMIT_BLAS=0``; each side's best of ``reps``
-    rounds of 20 calls (5 for the slow cases), alternated."""
+    rounds (``COST_REPS``, default 15) of 20 calls (5 for the sort), alternated."""
     rows = _rng.standard_normal((64, 100_000)).astype(np.float32)
     sort = _mapped(_sort, rows)
     cases: dict[str, tuple[Callable[[], object], int]] = {

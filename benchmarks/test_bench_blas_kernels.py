@@ -33,6 +33,7 @@ kernel or of a kernel that sleeps 5 ms (the matmuls' best time while maps run).
 
 Run:
     python benchmarks/test_bench_blas_kernels.py     # the tables (docs/performance.md)
+    PART=costs python benchmarks/test_bench_blas_kernels.py   # one of them
     pytest benchmarks/test_bench_blas_kernels.py --benchmark-only
 """
 
@@ -339,7 +340,11 @@ def test_blas_kernel(benchmark, name, side):
 
 
 if __name__ == "__main__":
-    print(report({name: compare(name) for name in KERNELS}))
-    print(f"load average {os.getloadavg()}")
-    print(report_costs(costs()))
-    print(f"load average {os.getloadavg()}")
+    # PART=kernels or PART=costs runs one of the two tables.
+    part = os.environ.get("PART", "both")
+    if part in ("both", "kernels"):
+        print(report({name: compare(name) for name in KERNELS}))
+        print(f"load average {os.getloadavg()}")
+    if part in ("both", "costs"):
+        print(report_costs(costs()))
+        print(f"load average {os.getloadavg()}")

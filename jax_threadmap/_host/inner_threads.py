@@ -156,14 +156,16 @@ class BlasLimit:
     thread of this object's own, the holder, enters and exits the limit; maps of
     any thread count themselves in and out.
 
-    Short maps never pay for it (:data:`ENTER_DELAY`): the first map of a kernel
-    is counted without waiting and the holder sets the limit once maps have run
-    that long; a kernel whose last map was long is counted and waits until the
-    limit is set, so that its kernels start with it; a kernel whose last map
-    was short is not counted. Each map waits, when it ends, until the limit is
-    restored if it was the last. A ``limit_inner_threads`` block (of any
-    thread, a kernel's too) waits until the limit is released, and the limit
-    stays off until the last block ends: the user's limit wins.
+    Maps never wait for the holder (under load, a thread woken may wait
+    milliseconds for a CPU): a map counts itself in and out and the holder
+    follows, so a map's first kernels may start before the limit and BLAS calls
+    just after the last map may still have it; only time depends on it, never a
+    result. Short maps never pay for it (:data:`ENTER_DELAY`): the holder sets
+    the limit once maps have run that long, at once for a kernel whose last map
+    was long, and a kernel whose last map was short is not counted. A
+    ``limit_inner_threads`` block (of any thread, a kernel's too) waits until
+    the limit is released, and the limit stays off until the last block ends:
+    the user's limit wins.
 
     Lock rule: every field is written under ``_lock`` by this object's own
     methods; ``_held`` and ``_limiter`` only by the holder (:meth:`_hold`).
@@ -195,12 +197,13 @@ class BlasLimit:
             return
         long = self._long.get(name)
         if long is not False:
-            self._change(1, wait=bool(long))
+            self._change(1, now=bool(long))
         start = time.monotonic()
         try:
             yield
         finally:
-            self._change(-1 if long is not False else 0, wait=True)
+            if long is not False:
+                self._change(-1)
             self._learn(name, time.monotonic() - start >= ENTER_DELAY)
 
     def block_opened(self) -> None:
@@ -230,13 +233,17 @@ class BlasLimit:
                 self._long.clear()
             self._long[name] = long
 
-    def _change(self, maps: int = 0, blocks: int = 0, wait: bool = False) -> None:
+    def _change(
+        self, maps: int = 0, blocks: int = 0, wait: bool = False, now: bool = False
+    ) -> None:
         """Counts a map or block in or out and wakes the holder if the limit
-        must change; with ``wait``, returns once it matches the counts (without
-        the delay of :data:`ENTER_DELAY`)."""
+        must change; ``now``: without the delay of :data:`ENTER_DELAY`; with
+        ``wait``, returns once the limit matches the counts (also without it)."""
         with self._lock:
             if maps > 0 and not self._maps:
                 self._since = time.monotonic()
+            if now:
+                self._since = time.monotonic() - ENTER_DELAY
             self._maps += maps
             self._blocks += blocks
             if self._held == self._wanted():

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._support import fork as _fork
+from .._support import validate as _validate
 
 _USER_APIS = (None, "blas", "openmp")
 
@@ -124,16 +125,12 @@ KNOWN_KERNELS = 1024
 
 def auto_limit_enabled() -> bool:
     """Whether ``JAX_THREADMAP_LIMIT_BLAS`` allows the automatic limit (default on)."""
-    value = os.environ.get(ENV_LIMIT_BLAS, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
+    if not os.environ.get(ENV_LIMIT_BLAS, "").strip():
         return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(
-        f"{ENV_LIMIT_BLAS}={value!r} is not understood. Set it to 1 (while a map "
-        "runs kernels on several threads, BLAS libraries use one thread per call, "
-        "the default) or 0 (BLAS keeps its own thread count; "
-        "jax_threadmap.limit_inner_threads sets one for a block)."
+    return _validate.env_flag(
+        ENV_LIMIT_BLAS,
+        "one BLAS thread per call while a map runs kernels on several threads (the "
+        "default; 0 leaves BLAS its own thread count)",
     )
 
 

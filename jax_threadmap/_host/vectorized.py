@@ -123,6 +123,11 @@ class KernelCaller:
         self.out_tree = out_tree
         self.out_core = [(tuple(s), np.dtype(d)) for s, d in out_core]
         self.batch_shape = tuple(batch_shape)
+        # Fast paths: positional arguments of one leaf each; a result of one leaf.
+        leaves = list(range(in_tree.num_leaves))
+        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        self.positional = not kwargs and list(args) == leaves
+        self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
 
     def structure_mismatch(self, tree: Any) -> str:
         """The start of the message for a result of structure ``tree``."""
@@ -135,23 +140,6 @@ class KernelCaller:
 class ChunkCaller(KernelCaller):
     """Calls a vectorized kernel on one chunk and checks its results (see
     :class:`KernelCaller` for the arguments)."""
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        name: str,
-        in_tree: Any,
-        out_tree: Any,
-        out_core: Sequence[tuple[tuple[int, ...], Any]],
-        batch_shape: tuple[int, ...],
-    ):
-        super().__init__(fn, name, in_tree, out_tree, out_core, batch_shape)
-        # The fast paths of call(): positional arguments of one leaf each, and a
-        # result of one array.
-        leaves = list(range(in_tree.num_leaves))
-        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
-        self.positional = not kwargs and list(args) == leaves
-        self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
 
     def error(
         self, first: int, k: int, what: str, cause: BaseException | None = None

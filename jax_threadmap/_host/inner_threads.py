@@ -246,10 +246,14 @@ class BlasLimit:
             if self._held == self._wanted():
                 return
             if self._holder is None:
-                self._holder = threading.Thread(
+                holder = threading.Thread(
                     target=self._hold, name="jax_threadmap BLAS limit", daemon=True
                 )
-                self._holder.start()
+                try:
+                    holder.start()
+                except Exception:  # noqa: BLE001 - no thread: no limit this time
+                    return
+                self._holder = holder
             self._lock.notify_all()
             self._waiting += wait
             try:

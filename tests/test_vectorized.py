@@ -135,6 +135,38 @@ def test_outer_product_gathers_only_per_chunk():
     assert sum(lengths) == n**3 and max(lengths) <= 100
 
 
+def test_an_inner_operand_is_copied_once_per_chunk_length_and_shared():
+    # z is batched only inside each piece's rows (pieces: 6, 6 and 4 indices of
+    # the middle level, the outer level fixed), so every piece of a length gets
+    # the same read-only copy; x and y get their own slices. Three threads.
+    n = 16
+    x, y, z = (np.arange(n, dtype=np.float32) * s for s in (1, 10, 100))
+    seen = {}
+    lock = threading.Lock()
+
+    def add3(a, b, c):
+        assert not c.flags.writeable
+        with lock:  # kept alive, so that no two chunks share memory by reuse
+            seen.setdefault(c.shape[0], []).append(c)
+        return a + b + c
+
+    def f(a, b, c):
+        return threadmap(add3, F32, a, b, c, vectorized=100, executor=3)
+
+    g = jax.vmap(
+        jax.vmap(jax.vmap(f, (None, None, 0)), (None, 0, None)), (0, None, None)
+    )
+    for _ in range(2):  # a second map makes its own
+        out = jax.jit(g)(x, y, z)
+        np.testing.assert_array_equal(
+            out, x[:, None, None] + y[None, :, None] + z[None, None, :]
+        )
+    assert set(seen) == {96, 64}
+    assert sum(len(chunks) for chunks in seen.values()) == 2 * n * 3  # 48 a map
+    for chunks in seen.values():  # at most one per thread and map, not per piece
+        assert len({c.__array_interface__["data"][0] for c in chunks}) <= 2 * 3
+
+
 def test_automatic_chunks_are_few_and_keep_workers_busy():
     lengths = []
 

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._host import remote as _remote
+from .._host.inner_threads import BLAS_LIMIT
 from .._support import environment as _environment
 from .._support import fork as _fork
 from .._support import validate as _validate
@@ -285,8 +286,11 @@ def run_map(
     if not _is_shared(executor):
         register_early_exit_hook()
     _flights[job] = threading.current_thread()
+    # One BLAS thread per kernel while kernels run on several threads here.
+    threads = min(runner.workers, job.n) if runner.on_threads else 1
     try:
-        runner.run(job, work, bar)
+        with BLAS_LIMIT.during_map(threads, work.name):
+            runner.run(job, work, bar)
     finally:
         _flights.pop(job, None)
         job.detach()

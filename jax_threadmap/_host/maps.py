@@ -32,7 +32,7 @@ from . import remote as _remote
 from . import summing as _summing
 from .loops import element_loop
 from .remote import ChunkFn
-from .vectorized import ChunkCaller, KernelCaller, PiecePlan, chunk_of
+from .vectorized import ChunkCaller, KernelCaller, PiecePlan
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 
@@ -444,7 +444,7 @@ class ChunkMap(HostMap):
             if cursor.halt and cursor.halted(piece):
                 return
             index, first, k = self._piece(piece)
-            leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+            leaves = self.plan.leaves(self.in_v, index, k)  # type: ignore[union-attr]
             self._store_piece(out_v, index, k, self.caller.call(leaves, first, k))
         if self.sums:
             self.partials.fold(start, stop, partials)
@@ -477,7 +477,7 @@ class ChunkMap(HostMap):
         pieces = []
         for i in range(start, stop):
             index, first, k = self._piece(i)
-            leaves = [chunk_of(v, index, k, len(self.shape)) for v in self.in_v]
+            leaves = self.plan.leaves(self.in_v, index, k)  # type: ignore[union-attr]
             pieces.append((first, k, leaves))
         return _remote.pack_pieces(self.caller, pieces, self._shared)
 

@@ -39,16 +39,45 @@ class PiecePlan:
         self.c = max(1, min(shape[self.p], max_elements // self.block))
         self.parts = -(-shape[self.p] // self.c)  # pieces per row of dim p
         self.count = math.prod(shape[: self.p]) * self.parts
+        # (operand, k) -> the chunk of k elements of an operand that every piece
+        # of k elements shares (see leaves()).
+        self._same: dict[tuple[int, int], np.ndarray] = {}
 
     def piece(self, i: int) -> tuple[tuple[Any, ...], int, int]:
         """``(index, first, k)``: the views' index of piece ``i``, its first flat
         element and its number of elements."""
         row, part = divmod(i, self.parts)
-        prefix = tuple(int(j) for j in np.unravel_index(row, self.shape[: self.p]))
+        prefix = []
+        rest = row
+        for n in reversed(self.shape[: self.p]):  # the C-order index of row
+            rest, j = divmod(rest, n)
+            prefix.append(j)
         j0 = part * self.c
         j1 = min(self.shape[self.p], j0 + self.c)
         first = (row * self.shape[self.p] + j0) * self.block
-        return (*prefix, slice(j0, j1)), first, (j1 - j0) * self.block
+        return (*reversed(prefix), slice(j0, j1)), first, (j1 - j0) * self.block
+
+    def leaves(
+        self, views: Sequence[np.ndarray], index: tuple[Any, ...], k: int
+    ) -> list[np.ndarray]:
+        """The operands' chunks of the piece at ``index`` of ``k`` elements.
+
+        An operand with stride 0 over dims ``0..p`` (batched only inside a
+        piece's rows, as an inner operand of an outer product) has the same
+        chunk in every piece of ``k`` elements: it is made once per map and
+        length and shared, read-only, by the pieces of every thread.
+        """
+        nb = len(self.shape)
+        leaves = []
+        for i, view in enumerate(views):
+            if any(view.strides[: self.p + 1]):
+                leaves.append(chunk_of(view, index, k, nb))
+                continue
+            chunk = self._same.get((i, k))
+            if chunk is None:  # two threads may both make it: either is right
+                chunk = self._same[(i, k)] = chunk_of(view, index, k, nb)
+            leaves.append(chunk)
+        return leaves
 
     def rect(self, k: int) -> tuple[int, ...]:
         """The batch shape of a piece of ``k`` elements, before its reshape."""
@@ -94,6 +123,11 @@ class KernelCaller:
         self.out_tree = out_tree
         self.out_core = [(tuple(s), np.dtype(d)) for s, d in out_core]
         self.batch_shape = tuple(batch_shape)
+        # Fast paths: positional arguments of one leaf each; a result of one leaf.
+        leaves = list(range(in_tree.num_leaves))
+        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        self.positional = not kwargs and list(args) == leaves
+        self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
 
     def structure_mismatch(self, tree: Any) -> str:
         """The start of the message for a result of structure ``tree``."""
@@ -129,14 +163,19 @@ class ChunkCaller(KernelCaller):
 
     def call(self, leaves: list[np.ndarray], first: int, k: int) -> list[np.ndarray]:
         """Runs the kernel on one chunk; returns its result leaves, checked."""
-        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
         try:
-            result = self.fn(*args, **kwargs)
+            if self.positional:  # every argument one leaf: no unflattening
+                result = self.fn(*leaves)
+            else:
+                args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
+                result = self.fn(*args, **kwargs)
         except PASS_THROUGH:
             raise
         except BaseException as e:
             what = f"raised {describe(e)}{kernel_traceback(e)}"
             raise self.error(first, k, what, e) from e
+        if self.single_leaf and type(result) is np.ndarray:
+            return [self._checked(result, 0, first, k)]
         values, tree = jax.tree_util.tree_flatten(result)
         if tree != self.out_tree:
             raise self.error(
@@ -149,6 +188,9 @@ class ChunkCaller(KernelCaller):
 
     def _checked(self, value: Any, j: int, first: int, k: int) -> np.ndarray:
         shape, dtype = self.out_core[j]
+        if type(value) is np.ndarray and value.dtype == dtype:  # the usual case
+            if value.shape == (k, *shape):
+                return value
         try:
             value = np.asarray(value)
         except Exception as e:

@@ -6,16 +6,14 @@ map (:class:`MapWork`, which ``_host.maps.HostMap`` provides).
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 
 class Owner(Protocol):
-    """What a cursor reads of its chunk's map (``jobs.Job``)."""
+    """What a cursor asks of its chunk's map (``jobs.Job``)."""
 
-    _lock: threading.Lock
-    failed: bool
+    def halts(self, cursor: Cursor, i: int) -> bool: ...
 
 
 class Cursor:
@@ -59,9 +57,7 @@ class Cursor:
     def halted(self, i: int) -> bool:
         """Whether the loop stops before unit ``i``: the map failed, or another
         thread took the units from there on."""
-        job = self._job
-        with job._lock:
-            return job.failed or i >= self.stop
+        return self._job.halts(self, i)
 
 
 class Busy(Protocol):

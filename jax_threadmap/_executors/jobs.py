@@ -143,6 +143,13 @@ class Job:
 
     # --- claiming and running chunks -----------------------------------------------
 
+    def halts(self, cursor: Cursor, i: int) -> bool:
+        """Whether ``cursor``'s loop stops before unit ``i``: the map failed, or
+        another thread took the units from there on (``cursor.stop`` is written
+        under this job's lock, by :meth:`_steal`)."""
+        with self._lock:
+            return self.failed or i >= cursor.stop
+
     def drain(self, busy: Busy | None = None) -> None:
         """Claims and runs chunks until none are left: the one loop of every
         thread that runs the map's kernels (``busy``: see :meth:`run`)."""

@@ -6,6 +6,7 @@ import itertools
 import os
 import pathlib
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -317,3 +318,23 @@ def fake_clocks(monkeypatch, speed: str) -> None:
 
     for name in ("perf_counter", "thread_time", "process_time", "monotonic"):
         monkeypatch.setattr(time, name, clock)
+
+
+#: First in a child script that a test sends Ctrl-C: a child started from a process
+#: that ignores SIGINT (pytest run as a background job, ``cmd &``) inherits the
+#: ignoring, and then neither a signal nor ``_thread.interrupt_main`` reaches it.
+SIGINT_AS_USUAL = """
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+
+@contextlib.contextmanager
+def sigint_as_usual():
+    """Python's own Ctrl-C handler for the block, in this process (see
+    :data:`SIGINT_AS_USUAL`); the handler before it is put back after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -25,7 +25,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from helpers import returns_within
+from helpers import SIGINT_AS_USUAL, returns_within
 
 from jax_threadmap import async_array_from_callback, async_call, deferred_call
 from jax_threadmap._async import dispatch as _dispatch
@@ -218,7 +218,9 @@ def test_threads_of_calls_given_up_on_are_capped():
 
 # --- 4. Ctrl-C reaches our waits -----------------------------------------------------
 
-_INTERRUPT_SCRIPT = """
+_INTERRUPT_SCRIPT = (
+    SIGINT_AS_USUAL
+    + """
     import os, signal, threading, time, traceback
     import jax, numpy as np
     import jax_threadmap as jtm
@@ -267,6 +269,7 @@ _INTERRUPT_SCRIPT = """
             pause *= 2
     never.set()
 """
+)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to itself: POSIX")

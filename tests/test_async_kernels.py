@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cause_of, returns_within
+from helpers import cause_of, returns_within, sigint_as_usual
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, threadmap
@@ -315,7 +315,7 @@ def test_ctrl_c_cancels_the_map():
         return i
 
     assert threading.current_thread() is threading.main_thread()
-    with pytest.raises(KeyboardInterrupt):
+    with sigint_as_usual(), pytest.raises(KeyboardInterrupt):
         threadmap_all(forever, 50, bound)
     assert seen.all_cancelled.wait(PATIENCE), (seen.cancelled, seen.now, interrupted)
     assert seen.cancelled == bound

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within
+from helpers import SIGINT_AS_USUAL, returns_within
 
 from jax_threadmap import async_call, deferred_call, threadmap
 from jax_threadmap._async import dispatch as _dispatch
@@ -534,9 +534,9 @@ def test_a_loop_behind_a_load_that_times_out_finishes_with_right_values():
 def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits():
     # Every load hangs: once MAX_WAITING_PROGRAMS gate programs wait, the next
     # dispatch waits for its own data, in Python, where Ctrl-C reaches it.
-    script = """
-    import signal
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if ignored
+    script = (
+        SIGINT_AS_USUAL
+        + """
     import threading, jax, numpy as np
     import jax_threadmap as jtm
     from jax_threadmap._async import dispatch as _dispatch
@@ -554,6 +554,7 @@ def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits
     except KeyboardInterrupt:
         print("interrupted at", i, flush=True)
     """
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)],
         stdout=subprocess.PIPE,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import executor_of, fake_clocks
+from helpers import SIGINT_AS_USUAL, executor_of, fake_clocks
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, InOrder, threadmap
@@ -498,13 +498,6 @@ class Child:
 
 
 # n kernels that block for good in a socket read with no timeout.
-#: First in a child that a test sends Ctrl-C: a child started from a process
-#: that ignores SIGINT (pytest run as a background job) inherits the ignoring.
-SIGINT_AS_USUAL = """
-    import signal
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-"""
-
 BLOCKED_KERNELS = (
     SIGINT_AS_USUAL
     + """

@@ -804,7 +804,12 @@ def test_ctrl_c_stops_nested_maps_across_pools():
 
 
 @pytest.mark.parametrize(
-    "error", [RuntimeError("can't start new thread"), KeyboardInterrupt()]
+    "error",
+    [
+        RuntimeError("can't start new thread"),
+        RuntimeError("can't create new thread at interpreter shutdown"),
+        KeyboardInterrupt(),
+    ],
 )
 def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
     monkeypatch.setattr(_threads, "_threads", _threads._Threads())  # none idle
@@ -816,10 +821,11 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
         real_start(self)
 
     rec = Recorder()
+    ran = []
 
     def fn(start, stop, cursor):
         for i in range(start, stop):
-            rec(i)
+            ran.append(rec(i) // 2)
 
     pool = _threads.ThreadPool(3)
     monkeypatch.setattr(threading.Thread, "start", failing_start)
@@ -827,6 +833,11 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
     if isinstance(error, KeyboardInterrupt):
         with pytest.raises(KeyboardInterrupt):
             pool.run(job)
+    elif "interpreter shutdown" in str(error):  # CPython 3.12.0/1 in atexit hooks
+        pool.run(job)  # then the calling thread runs the map
+        assert job.error is None
+        assert sorted(ran) == list(range(12))
+        assert rec.threads == {threading.current_thread()}
     else:
         pool.run(job)
         assert isinstance(job.error, ExecutorError)

@@ -93,7 +93,7 @@ class Job:
         #: Threads handed to the map (:meth:`add_hand`).
         self.hands = 0
         #: Hands the map more threads once its limit rises (set by its runner).
-        self.grow: Callable[[], None] | None = None
+        self.grow: Callable[[], object] | None = None
         self._measure = policy.Measure()
         self.failed = False
         self.error: BaseException | None = None

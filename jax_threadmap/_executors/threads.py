@@ -67,11 +67,14 @@ class ThreadPool:
             return
         threads = _threads
         job.grow = lambda: threads.hand(self, job)
-        threads.hand(self, job, queue=True)
-        if _local.job is None:  # the pool's threads drop it from the queue
+        refused_at_exit = threads.hand(self, job, queue=True)
+        if _local.job is None and not refused_at_exit:  # the threads dequeue it
             wait(job, job.done.wait, progress)
             return
-        try:  # a nested map: work on its chunks rather than wait behind ours
+        # A nested map: work on its chunks rather than wait behind ours. So does
+        # a map whose threads the interpreter refuses at exit (CPython 3.12.0
+        # and 3.12.1 in atexit hooks, where JAX waits for dispatched programs).
+        try:
             job.drain()
             wait(job, job.done.wait, progress)
         finally:
@@ -124,12 +127,13 @@ class _Threads:
         #: Maps still taken at exit: those of programs that JAX waits for.
         self.kept_at_exit: Callable[[Job], bool] = lambda job: False
 
-    def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> None:
+    def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> bool:
         """Hands ``job`` (queued first with ``queue``) as many threads as it can
-        use now: up to its limit, within its pool's bound."""
+        use now: up to its limit, within its pool's bound. Returns whether the
+        interpreter refused to start them because it is exiting."""
         with self.lock:
             if not queue and (self.exiting or pool._shutdown):
-                return  # more threads for a map in flight: it keeps those it has
+                return False  # more threads for a map in flight: it keeps its own
             if pool._shutdown or (self.exiting and not self.kept_at_exit(job)):
                 raise ExecutorError(
                     "jax_threadmap's thread pool has been shut down"
@@ -144,7 +148,7 @@ class _Threads:
                 self.queue.append((pool, job))
             new = self._place(pool, job)
         # Outside the lock, so that the other threads keep going meanwhile.
-        self._start(pool, job, new)
+        return self._start(pool, job, new)
 
     def _place(self, pool: ThreadPool, job: Job) -> list[_Worker]:  # lock held
         """Wakes idle threads for ``job`` and makes new ones (returned, to be
@@ -169,13 +173,17 @@ class _Threads:
                 new.append(self._new_thread(pool, job))
         return new
 
-    def _start(self, pool: ThreadPool, job: Job, new: list[_Worker]) -> None:
-        """Starts the threads made for ``job``; a refusal fails the map."""
+    def _start(self, pool: ThreadPool, job: Job, new: list[_Worker]) -> bool:
+        """Starts the threads made for ``job``. A refusal fails the map, unless
+        the interpreter refused because it is exiting: then this returns
+        ``True``, and the caller runs the map."""
         for i, worker in enumerate(new):
             try:
                 worker.thread.start()
             except BaseException as e:  # refused (too many threads), or Ctrl-C
                 self._cancel(pool, new[i:])
+                if isinstance(e, RuntimeError) and _at_shutdown(e):
+                    return True
                 self.forget(job)
                 if not isinstance(e, RuntimeError):
                     job.fail(e)
@@ -188,7 +196,8 @@ class _Threads:
                         cause=e,
                     )
                 )
-                return
+                return False
+        return False
 
     def _returning(self) -> int:  # lock held
         """Threads neither idle nor running a kernel: about to take a queued
@@ -357,9 +366,15 @@ def said(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
 
 
+def _at_shutdown(e: BaseException) -> bool:
+    """Whether ``e``, raised by starting a thread or submitting work, came from an
+    interpreter that is exiting (CPython's words: "... at interpreter shutdown")."""
+    return interpreter_exiting.is_set() or "interpreter shutdown" in str(e)
+
+
 def refused(executor: Any, e: BaseException) -> ExecutorError:
     """The error of a map whose executor refused its work."""
-    if interpreter_exiting.is_set() or "interpreter shutdown" in str(e):
+    if _at_shutdown(e):
         return ExecutorError(
             "The interpreter is exiting: this threadmap was stopped before it "
             f"finished, because the executor {executor!r} refuses new work once "

@@ -1,21 +1,19 @@
-"""One map's chunks: claimed, run, helped to finish, failed.
+"""One map's chunks: claimed, run, failed.
 
 A map is a :class:`Job` over ``n`` work units (elements, or pieces of a
 vectorized map). Every thread that runs its kernels (a shared thread, a worker
 of a user's thread executor, the thread that waits for a nested map) claims
-chunks and runs them until none are left (:meth:`Job.drain`). Chunks are fixed
-(one unit for a map in index order, a few per thread for a map summed on the
-host) or guided, sized from the times of those before (:mod:`.scheduling`).
-A thread that finds nothing left takes the units not yet started of another
-thread's chunk, learnt from its :class:`~.claims.Cursor` alone. A limited map
-starts on one thread per CPU and gets every thread of its executor once its
-chunks find its elements slow or waiting. The first failure stops every
-running chunk at its next unit, and every map the failed map's kernels started.
+chunks from the front and runs them until none are left (:meth:`Job.drain`).
+Chunks are fixed (one unit for a map in index order, a few per thread for a
+map summed on the host) or guided, sized from the times of those before
+(:mod:`.scheduling`). A limited map starts on one thread per CPU and gets every
+thread of its executor once its chunks find its elements slow or waiting. The
+first failure stops every running chunk at its next unit (the loops read
+:attr:`Job.failed` before each), and every map the failed map's kernels started.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from collections.abc import Callable
 from .._support import fork as _fork
 from .._support.errors import ExecutorError
 from . import scheduling as policy
-from .claims import Busy, Chunk, ChunkFn, Cursor
+from .claims import Busy, Chunk, ChunkFn
 
 
 class _Local(threading.local):
@@ -46,10 +44,10 @@ def current_job() -> Job | None:
 
 
 class Job:
-    """One flat map: ``n`` units, run by ``fn(start, stop, cursor)`` per chunk.
+    """One flat map: ``n`` units, run by ``fn(start, stop, job)`` per chunk.
 
     Lock rule: every field more than one thread uses is written under
-    ``_lock`` (and the cursors' ``halt`` and ``stop``). :attr:`grow` is set
+    ``_lock``. :attr:`grow` is set
     once, by the runner, before the job gets a thread. Read without the lock:
     :attr:`failed`, :attr:`limit` and :attr:`hands`, single values whose
     staleness costs at most a thread offered in vain (:meth:`add_hand` decides
@@ -101,8 +99,6 @@ class Job:
         self.done = threading.Event()
         self._lock = threading.Lock()
         self._next = 0  # units from here on were never claimed
-        self._back: list[tuple[int, int]] = []  # cut tails, to claim first, sorted
-        self._running: set[Cursor] = set()
         self._outstanding = 0  # chunks claimed and not yet counted done
         self._children: set[Job] = set()
         self.parent = parent
@@ -143,13 +139,6 @@ class Job:
 
     # --- claiming and running chunks -----------------------------------------------
 
-    def halts(self, cursor: Cursor, i: int) -> bool:
-        """Whether ``cursor``'s loop stops before unit ``i``: the map failed, or
-        another thread took the units from there on (``cursor.stop`` is written
-        under this job's lock, by :meth:`_steal`)."""
-        with self._lock:
-            return self.failed or i >= cursor.stop
-
     def drain(self, busy: Busy | None = None) -> None:
         """Claims and runs chunks until none are left: the one loop of every
         thread that runs the map's kernels (``busy``: see :meth:`run`)."""
@@ -158,66 +147,24 @@ class Job:
             claim = self.run(*claim, then_claim=True, busy=busy)
 
     def claim(self) -> Chunk | None:
-        """The next chunk ``(start, stop, cursor)``: a cut tail (lowest first),
-        else the front, else the tail of another thread's running chunk (guided
-        chunks only); ``None`` when none is left."""
+        """The next chunk ``(start, stop)`` from the front; ``None`` when none
+        is left."""
         with self._lock:
             return self._claim()
 
     def _claim(self) -> Chunk | None:  # lock held
-        if self.failed:
+        if self._exhausted():
             return None
-        if not self._back and self._next >= self.n:
-            if self.fixed or not self._steal():
-                return None
+        start = self._next
         size = self.fixed or policy.chunk_size(
-            self._remaining(), self.divisor, self._measure, self.limited
+            self.n - start, self.divisor, self._measure, self.limited
         )
-        back = self._back
-        if back:  # the lowest tail given back
-            start, end = back[0]
-            stop = min(end, start + size)
-            if stop == end:
-                del back[0]
-            else:
-                back[0] = (stop, end)
-        else:
-            start = self._next
-            self._next = stop = min(self.n, start + size)
+        self._next = stop = min(self.n, start + size)
         self._outstanding += 1
-        cursor = Cursor(self, stop)
-        self._running.add(cursor)
-        return start, stop, cursor
-
-    def _remaining(self) -> int:  # lock held
-        return self.n - self._next + sum(end - start for start, end in self._back)
-
-    def _steal(self) -> bool:  # lock held
-        """Gives back the tail of the running chunk with the most units not yet
-        started (:func:`.scheduling.steal_split`); whether there was one."""
-        where = {
-            c: (at, c.stop) for c in self._running if (at := c.running()) is not None
-        }
-        split = policy.steal_split(where)
-        if split is None:
-            return False
-        cursor = split[0]
-        was, cursor.halt = cursor.halt, True  # first: the loop then asks us
-        at = cursor.running()
-        if at is None or at + 1 >= cursor.stop:  # it moved on meanwhile
-            cursor.halt = was
-            return False
-        bisect.insort(self._back, (at + 1, cursor.stop))
-        cursor.stop = at + 1
-        return True
+        return start, stop
 
     def run(
-        self,
-        start: int,
-        stop: int,
-        cursor: Cursor,
-        then_claim: bool = False,
-        busy: Busy | None = None,
+        self, start: int, stop: int, then_claim: bool = False, busy: Busy | None = None
     ) -> Chunk | None:
         """Runs a claimed chunk (its exception fails the job); with
         ``then_claim``, returns the next claim, made under the same hold of the
@@ -231,7 +178,7 @@ class Job:
         began = time.perf_counter() if timed else 0.0
         cpu = time.thread_time() if limited else 0.0
         try:
-            self.fn(start, stop, cursor)
+            self.fn(start, stop, self)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
@@ -240,10 +187,9 @@ class Job:
             _local.job = outer
             if busy is not None:
                 busy.running = False
+        units = stop - start
         with self._lock:
-            self._running.discard(cursor)
-            units = cursor.stop - start  # lowered if another thread took the tail
-            if not (timed and units > 0 and self._record(units, wall, cpu, limited)):
+            if not (timed and self._record(units, wall, cpu, limited)):
                 self._count(units)
                 return self._claim() if then_claim else None
         try:  # it rose: more threads before the chunk counts done (and the map ends)
@@ -277,18 +223,19 @@ class Job:
             self._completed += units
 
     def exhausted(self) -> bool:
-        """Whether no unit is left to claim (but tails of running chunks)."""
+        """Whether no unit is left to claim."""
         with self._lock:
             return self._exhausted()
 
     def _exhausted(self) -> bool:  # lock held
-        return self.failed or (self._next >= self.n and not self._back)
+        return self.failed or self._next >= self.n
 
     # --- failing ---------------------------------------------------------------------
 
     def fail(self, error: BaseException) -> None:
         """Records the first error and stops the map: no more claims, each
-        running chunk stops at its next unit, and so do the maps this map's
+        running chunk stops at its next unit (its loop reads :attr:`failed`
+        before each), and so do the maps this map's
         kernels started. A no-op once the job is done (a late error, such as a
         cancelled helper task, does not undo a finished map)."""
         with self._lock:
@@ -297,8 +244,6 @@ class Job:
             if self.error is None:
                 self.error = error
             self.failed = True
-            for cursor in self._running:
-                cursor.halt = True
             if self._outstanding == 0:
                 self.done.set()
             children = list(self._children)

@@ -24,11 +24,9 @@ which elements run or whether it finishes. A map runs either
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any
 
 from .._support.cpus import available_cpus
-
-K = TypeVar("K")
 
 #: Seconds of kernel work per task that amortise the cost of a task of an
 #: executor that pickles work (about 1 ms for a process pool or Dask).
@@ -188,20 +186,6 @@ def record_chunk(
 def record_time(measure: Measure, elements: int, wall: float) -> None:
     """Records a chunk of a map on every thread that took ``wall`` seconds."""
     measure.per_element = max(wall / elements, 1e-9)
-
-
-def steal_split(running: dict[K, tuple[int, int]]) -> tuple[K, int] | None:
-    """The running chunk whose tail an idle thread takes, and where the chunk
-    then stops: ``(key, split)``, or ``None`` when no chunk has a unit not yet
-    started. ``running`` maps each chunk to ``(current, stop)``: the unit its
-    loop runs (``claims.Cursor``) and its end. The chunk with the most units
-    not yet started gives up all of them."""
-    best: tuple[K, int] | None = None
-    left = 0
-    for key, (current, stop) in running.items():
-        if stop - (current + 1) > left:
-            best, left = (key, current + 1), stop - (current + 1)
-    return best
 
 
 def vector_chunk_length(

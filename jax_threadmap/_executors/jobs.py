@@ -47,11 +47,10 @@ class Job:
     """One flat map: ``n`` units, run by ``fn(start, stop, job)`` per chunk.
 
     Lock rule: every field more than one thread uses is written under
-    ``_lock``. :attr:`grow` is set
-    once, by the runner, before the job gets a thread. Read without the lock:
-    :attr:`failed`, :attr:`limit` and :attr:`hands`, single values whose
-    staleness costs at most a thread offered in vain (:meth:`add_hand` decides
-    under the lock). A runner's lock (the shared threads') is taken before the
+    ``_lock``; :attr:`grow` is set once, before the job gets a thread. Read
+    without the lock: :attr:`failed` (each loop, before each unit),
+    :attr:`limit` and :attr:`hands` (staleness costs at most a thread offered
+    in vain: :meth:`add_hand` decides). A runner's lock is taken before the
     job's, never after.
 
     Args:
@@ -62,8 +61,7 @@ class Job:
         parent: The map whose kernel started this one; its failure stops this one.
         workers: The threads the map's executor has (default: one per unit).
         cpus: A guided map starts on this many threads when fewer than
-            ``workers`` (limited), and gets them all once its chunks find its
-            elements slow or waiting (:func:`.scheduling.record_chunk`).
+            ``workers`` (limited), and rises to all (:func:`.scheduling.record_chunk`).
         in_order: Fixed chunks of one unit, on every thread.
     """
 
@@ -124,8 +122,7 @@ class Job:
             return self._completed
 
     def add_hand(self) -> bool:
-        """Counts one more thread handed to the map, if it can use one: fewer
-        than its limit hold it, and units are left to claim."""
+        """Counts one more thread handed to the map, if it can use one."""
         with self._lock:
             if self.hands >= min(self.n, self.limit) or self._exhausted():
                 return False
@@ -167,10 +164,9 @@ class Job:
         self, start: int, stop: int, then_claim: bool = False, busy: Busy | None = None
     ) -> Chunk | None:
         """Runs a claimed chunk (its exception fails the job); with
-        ``then_claim``, returns the next claim, made under the same hold of the
-        lock that counts this chunk done. ``busy.running`` is true while the
-        kernels run, false before the chunk counts done (whoever sees the map
-        done sees this thread free). Only guided chunks are timed."""
+        ``then_claim``, returns the next claim, made under the hold of the lock
+        that counts this chunk done. ``busy.running`` is true while the kernels
+        run, false before the chunk counts done."""
         outer, _local.job = _local.job, self
         timed, limited = self.fixed is None, self.limited  # (see the lock rule)
         if busy is not None:
@@ -201,8 +197,7 @@ class Job:
         return self.claim() if then_claim else None
 
     def _record(self, units: int, wall: float, cpu: float, limited: bool) -> bool:
-        """Records a guided chunk's time (lock held); whether the map rises now:
-        it started this chunk limited, and its votes give it every thread."""
+        """Records a guided chunk's time (lock held); whether the map rises now."""
         if not (limited and self.limited):
             policy.record_time(self._measure, units, wall)
             return False
@@ -234,10 +229,8 @@ class Job:
 
     def fail(self, error: BaseException) -> None:
         """Records the first error and stops the map: no more claims, each
-        running chunk stops at its next unit (its loop reads :attr:`failed`
-        before each), and so do the maps this map's
-        kernels started. A no-op once the job is done (a late error, such as a
-        cancelled helper task, does not undo a finished map)."""
+        running chunk stops at its next unit, and so do the maps its kernels
+        started. A no-op once the job is done."""
         with self._lock:
             if self.done.is_set() and self.error is None:
                 return
@@ -252,8 +245,7 @@ class Job:
 
     def abandon(self, error: BaseException) -> None:
         """Fails the job and releases its waiting thread at once, without waiting
-        for its running chunks (which write only into the map's own buffers):
-        for interpreter exit, where those may never return."""
+        for its running chunks: for interpreter exit."""
         self.fail(error)
         self.done.set()
 

@@ -1,24 +1,9 @@
 """Scheduling policy: the size of the next chunk, how many threads a map gets,
-and which maps run in index order.
-
-Pure functions of a map's size and of what it measured (:class:`Measure`), so
-that each decision is tested with made-up times; every threshold is a named
-constant, which the docs quote (``tests/test_scheduling.py`` checks that).
-
-Timings decide only how fast a map runs (chunk sizes, thread counts), never
-which elements run or whether it finishes. A map runs either
-
-- *in index order* (:func:`runs_in_order`): one element per claim on every
-  thread at once, as ``ThreadPoolExecutor.map`` does, no clock read; asked
-  for with :class:`InOrder`, implied for small maps. Groups of elements that
-  wait for each other, each no larger than the executor's threads, finish:
-  the elements claimed and not done are a run of consecutive indices; or
-- in *guided chunks* (:func:`chunk_size`), sized from timings. A large map on
-  more threads than CPUs starts on one thread per CPU (:func:`starts_limited`:
-  threads taking turns at the GIL made ``compare_revisions.py`` "4096 el,
-  executor=32" 1.33-1.42x as long) and gets every thread once its chunks find
-  its elements slow or waiting (:func:`record_chunk`: "sleep 1 ms" took 15x as
-  long without).
+and which maps run in index order (docs/executors.md). Pure functions of a
+map's size and of what it measured (:class:`Measure`), tested with made-up
+times; every threshold is a named constant, which the docs quote
+(``tests/test_scheduling.py`` checks that). Timings decide only how fast a map
+runs, never which elements run or whether it finishes.
 """
 
 from __future__ import annotations

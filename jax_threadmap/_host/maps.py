@@ -113,16 +113,13 @@ class ElementCaller(KernelCaller):
     ):
         super().__init__(fn, name, in_tree, out_tree, out_core, batch_shape)
         self.accumulate = frozenset(accumulate)
-        args, kwargs = jax.tree_util.tree_unflatten(
-            in_tree, list(range(in_tree.num_leaves))
-        )
+        args, kwargs = self.arg_indices
         flat = all(isinstance(a, int) for a in args) and all(
             isinstance(v, int) for v in kwargs.values()
         )
         # When every argument is one leaf the kernel is called without unflattening.
         self.num_args: int | None = len(args) if flat else None
         self.kw_names: tuple[str, ...] = tuple(kwargs) if flat else ()
-        self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
         self.loop_sources: tuple[int, str | None, tuple[str, str] | None] | None = None
 
     # -- messages ----------------------------------------------------------------

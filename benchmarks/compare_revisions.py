@@ -6,7 +6,7 @@ Usage: copy the other revision's package under another name, then run this::
     git worktree add /tmp/old <revision>      # or: git archive <revision> ...
     cp -r /tmp/old/jax_threadmap /tmp/oldpkg/jax_threadmap_old
     PYTHONPATH=.:/tmp/oldpkg python benchmarks/compare_revisions.py \\
-        [--old jax_threadmap_old] [--groups trivial,signatures,sleep,sort]
+        [--old jax_threadmap_old] [--groups trivial,signatures,sleep,imbalanced,sort]
         [--rounds 15] [--reps 5] [--only SUBSTRING]
 
 Both packages register their own primitive. The groups:
@@ -22,6 +22,12 @@ Both packages register their own primitive. The groups:
 - ``sleep``: the demo's ``sleep`` case (16 x 16 x 16 elements sleeping 1 ms on
   32 threads), the same with 50 us sleeps (elements that wait but are short),
   and front-loaded costs (2,000 elements whose first 200 sleep 5 ms, on 32);
+- ``imbalanced``: maps whose elements' costs vary 10-100x, where a thread may
+  finish while another still has a long chunk: sleeps of 20 us to 2 ms in a
+  random order on 32 threads, a few slow elements near the end of a fast map
+  (on 32 threads and on the default pool), fast elements then 20x slower ones
+  on 4 threads, and NumPy sorts of 1k to 100k
+  floats (GIL released) on every CPU;
 - ``sort``: the demo's ``sort`` case (100k floats sorted per element, every
   CPU), on 4 x 8 x 8 elements.
 
@@ -173,6 +179,42 @@ def sleep(tm: Callable[..., Any], user: object) -> Cases:
     }
 
 
+def _sleep_us(us: np.ndarray) -> np.ndarray:
+    time.sleep(float(us) * 1e-6)
+    return us
+
+
+def _sort_first(n: np.ndarray, data: np.ndarray) -> np.ndarray:
+    return np.sort(data[: int(n)]).sum(dtype=np.float32)
+
+
+def imbalanced(tm: Callable[..., Any], user: object) -> Cases:
+    del user
+    rng = np.random.default_rng(0)
+    varied = (20 * 100 ** rng.random(2048)).astype(np.float32)  # 20 us .. 2 ms
+    late = np.full(4096, 5, np.float32)
+    late[-400::50] = 20_000  # 8 of the last 400 sleep 20 ms
+    step = np.repeat(np.float32([100, 2000]), 256)  # 100 us, then 2 ms
+    sizes = (1000 * 100 ** rng.random(256)).astype(np.int32)  # 1k .. 100k
+    data = rng.random(100_000, dtype=np.float32)
+
+    def sleeps(executor: object) -> Callable[..., Any]:
+        return jax.vmap(lambda u: tm(_sleep_us, F32, u, executor=executor))
+
+    sort_map = jax.vmap(lambda n, d: tm(_sort_first, F32, n, d), (0, None))
+    return {
+        "sleep 20 us-2 ms random, 2048 el, executor=32": _compiled(sleeps(32), varied),
+        "8 of the last 400 of 4096 sleep 20 ms, executor=32": _compiled(
+            sleeps(32), late
+        ),
+        "8 of the last 400 of 4096 sleep 20 ms, executor=None": _compiled(
+            sleeps(None), late
+        ),
+        "256 el of 100 us, then 256 of 2 ms, executor=4": _compiled(sleeps(4), step),
+        "sort 1k-100k floats, 256 el, every CPU": _compiled(sort_map, sizes, data),
+    }
+
+
 def sort(tm: Callable[..., Any], user: object) -> Cases:
     del user
     case = _demo.CASES["sort"]
@@ -189,6 +231,7 @@ GROUPS: dict[str, Callable[[Callable[..., Any], object], Cases]] = {
     "trivial": trivial,
     "signatures": signatures,
     "sleep": sleep,
+    "imbalanced": imbalanced,
     "sort": sort,
 }
 

@@ -13,7 +13,7 @@ rep by rep, best of many reps.
 With ``--old MODULE`` (another revision's package copied under another name,
 as for ``compare_revisions.py``), it also times that revision's generated loops
 on the same views, alternated with this one's: the per-element cost of a change
-to the loops (the cursor each element is published at, for one).
+to the loops (how a failure stops a chunk, for one).
 
 Usage::
 
@@ -35,19 +35,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_threadmap._executors.claims import Cursor
 from jax_threadmap._executors.jobs import Job
 from jax_threadmap._host.maps import ElementCaller
 from jax_threadmap._support.errors import PASS_THROUGH
 
 
-def _cursor(n: int) -> Cursor:
-    """A chunk's cursor that no other thread cuts (a real one, for its cost)."""
-    return Cursor(Job(n, lambda *a: None), n)
+def _job(n: int) -> Job:
+    """A chunk's job (a real one, for the cost of reading its ``failed``)."""
+    return Job(n, lambda *a: None)
 
 
 class _OldJob:
-    """What an older revision's loops read per element (``job.halt``)."""
+    """What an older revision's loops read per element (``job.halt``, or a
+    cursor's ``halt`` and ``row``)."""
+
+    row: Any = None
 
     def __init__(self) -> None:
         self.failed = self.halt = False
@@ -65,10 +67,8 @@ def plain_loop(caller: ElementCaller, in_v: list[np.ndarray], out: np.ndarray) -
     def chunk(start: int, stop: int, job: Any) -> None:
         args = [v[0, ...] for v in in_v]
         views = [(k, in_v[k]) for k in batched]
-        indices = iter(range(start, stop))
-        job.row = (stop, indices)
-        for i in indices:
-            if job.halt and job.halted(i):
+        for i in range(start, stop):
+            if job.failed:
                 return
             for k, v in views:
                 args[k] = v[i, ...]
@@ -142,14 +142,14 @@ def main() -> None:
         caller, in_v, out = case(kernel, ops, shape)
         generated = caller.loop(in_v, [out], (n,))
         plain = plain_loop(caller, in_v, out)
-        plain(0, n, _cursor(n))
+        plain(0, n, _job(n))
         expected = out.copy()
         out[...] = 0
-        generated(0, n, _cursor(n))
+        generated(0, n, _job(n))
         np.testing.assert_array_equal(out, expected)  # the same results
         runs = {
-            "generated": lambda g=generated: g(0, n, _cursor(n)),
-            "plain": lambda p=plain: p(0, n, _cursor(n)),
+            "generated": lambda g=generated: g(0, n, _job(n)),
+            "plain": lambda p=plain: p(0, n, _job(n)),
         }
         if old is not None:
             old_loop = case(kernel, ops, shape, old)[0].loop(in_v, [out], (n,))

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from jax_threadmap import threadmap
-from jax_threadmap._executors.scheduling import available_cpus
+from jax_threadmap._support.cpus import available_cpus
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
 scipy_fft = pytest.importorskip("scipy.fft")

@@ -229,7 +229,7 @@ INTROSPECTION = re.compile(
 
 
 def test_no_module_reads_frames_or_sets_profilers():
-    # Threads publish what others must know (a chunk's cursor, a call's state);
+    # Threads publish what others must know (a map's failure, a call's state);
     # none learns it from another thread's frames, a profiler or bytecode.
     found = {
         p.stem for p in PACKAGE.rglob("*.py") if INTROSPECTION.search(p.read_text())

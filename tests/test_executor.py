@@ -312,7 +312,7 @@ def test_interpreter_exit_is_clean():
 def test_job_of_pool_directly_reports_first_error():
     pool = _threads.ThreadPool(3)
 
-    def fn(start, stop, cursor):
+    def fn(start, stop, job):
         for i in range(start, stop):
             if i == 5:
                 raise KeyError(i)
@@ -364,9 +364,9 @@ def test_interrupt_while_waiting_stops_work_not_started():
 
     ran = []
 
-    def fn(start, stop, cursor):
+    def fn(start, stop, job):
         for i in range(start, stop):
-            if cursor.halt and cursor.halted(i):
+            if job.failed:
                 return
             ran.append(i)
             time.sleep(0.01)
@@ -823,7 +823,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(monkeypatch, error):
     rec = Recorder()
     ran = []
 
-    def fn(start, stop, cursor):
+    def fn(start, stop, job):
         for i in range(start, stop):
             ran.append(rec(i) // 2)
 

@@ -1,6 +1,6 @@
 """The lock rules of the executor layer, hammered: many maps on every kind of
 runner at once with the interpreter switching threads every microsecond, the
-cursor protocol (tails taken from running chunks, a failure stopping them) under
+claims (chunks claimed while others run, a failure stopping them) under
 the same switching, and a fork while threads hold the layer's locks."""
 
 import concurrent.futures
@@ -175,32 +175,31 @@ def test_fork_while_the_layer_is_busy():
 
 
 def _protocol_chunk(calls, lock, slow, pause=0.002):
-    """A chunk function that follows the cursor protocol (``_claims.Cursor``), as
-    the generated loops do: each row published, ``halt`` read before each
-    unit; the ``slow`` units pause, so that other threads take the tails of
-    running chunks meanwhile."""
+    """A chunk function that follows the loops' protocol, as the generated
+    loops do: the job's ``failed`` read before each unit; the ``slow`` units
+    pause, so that other threads claim and finish chunks meanwhile."""
 
-    def chunk(start, stop, cursor):
-        units = iter(range(start, stop))
-        cursor.row = (stop, units)
-        for i in units:
-            if cursor.halt and cursor.halted(i):
+    def chunk(start, stop, job):
+        for i in range(start, stop):
+            if job.failed:
                 return
             with lock:
                 calls[i] += 1
             if i in slow:
-                time.sleep(pause)  # a tail to take while this unit runs
+                time.sleep(pause)  # other threads claim while this unit runs
 
     return chunk
 
 
 @pytest.mark.parametrize("in_order", [False, True], ids=["guided", "in-order"])
-def test_tails_taken_while_chunks_run_leave_every_unit_run_once(switch_often, in_order):
-    # The cursor protocol hammered: six threads drain maps whose slow units let
-    # the others take the tails of running chunks, again and again, with the
-    # interpreter switching threads every microsecond; a map in index order
-    # claims one unit at a time, and none of its chunks has a tail. Every unit
-    # runs once, the counts add up, and nothing is left running or given back.
+def test_chunks_claimed_while_others_run_leave_every_unit_run_once(
+    switch_often, in_order
+):
+    # The claims hammered: six threads drain maps whose slow units keep chunks
+    # running while the others claim and count theirs, with the interpreter
+    # switching threads every microsecond; a map in index order claims one unit
+    # at a time. Every unit runs once, the counts add up, and no chunk is left
+    # counted as running.
     rng = np.random.default_rng(0)
     for _ in range(20):
         n = 600
@@ -218,7 +217,7 @@ def test_tails_taken_while_chunks_run_leave_every_unit_run_once(switch_often, in
         assert job.done.is_set() and job.error is None
         assert calls == [1] * n, [i for i, c in enumerate(calls) if c != 1]
         assert job.completed == n
-        assert not job._running and not job._back
+        assert job._outstanding == 0 and job.exhausted()
         assert job.in_order == in_order
 
 
@@ -226,12 +225,10 @@ def _failing_chunk(calls, late, job_of):
     """A protocol chunk that fails at unit 150 and notes, per thread, the units
     it began after the failure was recorded (read under the job's lock)."""
 
-    def chunk(start, stop, cursor):
-        job = job_of()
-        units = iter(range(start, stop))
-        cursor.row = (stop, units)
-        for i in units:
-            if cursor.halt and cursor.halted(i):
+    def chunk(start, stop, job):
+        assert job is job_of()
+        for i in range(start, stop):
+            if job.failed:
                 return
             with job._lock:  # the order of this unit and the failure
                 calls[i] += 1
@@ -246,7 +243,7 @@ def _failing_chunk(calls, late, job_of):
 
 
 def test_a_failure_stops_every_running_chunk_at_its_next_unit(switch_often):
-    # fail() sets halt on every running cursor under the job's lock: a thread
+    # fail() sets the job's failed under its lock, read by each loop: a thread
     # may finish the unit it had passed its check for, but starts no other one
     # once the failure is recorded; no unit runs twice.
     for _ in range(20):

@@ -188,11 +188,3 @@ def test_slow_elements_cap_every_guided_chunk():
     assert policy.chunk_size(9_000, 64, fast, limited=False) == 9_000 // 64
     policy.record_time(fast, 10, 10 * policy.MAX_CHUNK_SECONDS)
     assert policy.chunk_size(9_000, 64, fast, limited=False) == 1
-
-
-def test_an_idle_thread_takes_the_longest_tail_after_the_running_element():
-    # (current element, stop) per running chunk.
-    assert policy.steal_split({}) is None
-    assert policy.steal_split({1: (4, 5), 2: (9, 10)}) is None  # no tails
-    assert policy.steal_split({1: (0, 2)}) == (1, 1)  # a pair in one chunk
-    assert policy.steal_split({1: (3, 8), 2: (20, 40), 3: (50, 52)}) == (2, 21)

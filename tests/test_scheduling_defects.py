@@ -2,7 +2,7 @@
 hangs): elements that wait for each other, in the explicit in-order mode
 (``executor=InOrder(...)``) and in the small maps that run in index order
 anyway, each with the clock faked very slow and very fast, since no decision
-of that mode reads one; and the guided chunks' tails and sizes. The policy's
+of that mode reads one; and the guided chunks' sizes. The policy's
 decisions are tested as pure functions in test_scheduling.py."""
 
 import collections
@@ -165,40 +165,6 @@ def test_in_order_claims_one_element_at_a_time_in_index_order(monkeypatch):
     assert seen == list(range(100))
 
 
-def test_a_chunks_tail_taken_by_another_thread_runs_once_and_counts_once():
-    # A chunk whose first element waits until every other element has run: the
-    # rest of its chunk must be taken by the other thread, each element run
-    # exactly once, and the map's count of elements done must be n.
-    n = 40
-    calls = collections.Counter()
-    lock = threading.Lock()
-    rest = threading.Event()
-
-    def kernel(i):
-        i = int(i)
-        with lock:
-            calls[i] += 1
-            if sum(calls.values()) == n:
-                rest.set()
-        if i == 0:
-            assert rest.wait(BARRIER_TIMEOUT), "element 0's chunk kept its tail"
-        return i
-
-    seen = []
-    real = _jobs.Job.run
-
-    def run(job, *args, **kwargs):
-        seen.append(job)
-        return real(job, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(_jobs.Job, "run", run)
-        errors = in_threads([lambda: flat_map(kernel, n, 2)])
-    assert errors == [None]
-    assert calls == collections.Counter(range(n))
-    assert {job.completed for job in seen} == {n}
-
-
 def test_front_loaded_costs_spread_over_every_thread(monkeypatch):
     # The first tenth of the elements sleep: once the map had every thread,
     # guided chunks of a share of what was left packed them onto a few threads
@@ -213,11 +179,10 @@ def test_front_loaded_costs_spread_over_every_thread(monkeypatch):
     chunks = []
     real = _jobs.Job.run
 
-    def run(job, start, stop, cursor, *args, **kwargs):
-        out = real(job, start, stop, cursor, *args, **kwargs)
-        end = cursor.stop
+    def run(job, start, stop, *args, **kwargs):
+        out = real(job, start, stop, *args, **kwargs)
         with lock:
-            chunks.append((start, end))
+            chunks.append((start, stop))
         return out
 
     def kernel(i):

@@ -1,21 +1,19 @@
-"""One map's chunks: claimed, run, helped to finish, failed.
+"""One map's chunks: claimed, run, failed.
 
 A map is a :class:`Job` over ``n`` work units (elements, or pieces of a
 vectorized map). Every thread that runs its kernels (a shared thread, a worker
 of a user's thread executor, the thread that waits for a nested map) claims
-chunks and runs them until none are left (:meth:`Job.drain`). Chunks are fixed
-(one unit for a map in index order, a few per thread for a map summed on the
-host) or guided, sized from the times of those before (:mod:`.scheduling`).
-A thread that finds nothing left takes the units not yet started of another
-thread's chunk, learnt from its :class:`~.claims.Cursor` alone. A limited map
-starts on one thread per CPU and gets every thread of its executor once its
-chunks find its elements slow or waiting. The first failure stops every
-running chunk at its next unit, and every map the failed map's kernels started.
+chunks from the front and runs them until none are left (:meth:`Job.drain`).
+Chunks are fixed (one unit for a map in index order, a few per thread for a
+map summed on the host) or guided, sized from the times of those before
+(:mod:`.scheduling`). A limited map starts on one thread per CPU and gets every
+thread of its executor once its chunks find its elements slow or waiting. The
+first failure stops every running chunk at its next unit (the loops read
+:attr:`Job.failed` before each), and every map the failed map's kernels started.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from collections.abc import Callable
 from .._support import fork as _fork
 from .._support.errors import ExecutorError
 from . import scheduling as policy
-from .claims import Busy, Chunk, ChunkFn, Cursor
+from .claims import Busy, Chunk, ChunkFn
 
 
 class _Local(threading.local):
@@ -46,14 +44,13 @@ def current_job() -> Job | None:
 
 
 class Job:
-    """One flat map: ``n`` units, run by ``fn(start, stop, cursor)`` per chunk.
+    """One flat map: ``n`` units, run by ``fn(start, stop, job)`` per chunk.
 
     Lock rule: every field more than one thread uses is written under
-    ``_lock`` (and the cursors' ``halt`` and ``stop``). :attr:`grow` is set
-    once, by the runner, before the job gets a thread. Read without the lock:
-    :attr:`failed`, :attr:`limit` and :attr:`hands`, single values whose
-    staleness costs at most a thread offered in vain (:meth:`add_hand` decides
-    under the lock). A runner's lock (the shared threads') is taken before the
+    ``_lock``; :attr:`grow` is set once, before the job gets a thread. Read
+    without the lock: :attr:`failed` (each loop, before each unit),
+    :attr:`limit` and :attr:`hands` (staleness costs at most a thread offered
+    in vain: :meth:`add_hand` decides). A runner's lock is taken before the
     job's, never after.
 
     Args:
@@ -64,8 +61,7 @@ class Job:
         parent: The map whose kernel started this one; its failure stops this one.
         workers: The threads the map's executor has (default: one per unit).
         cpus: A guided map starts on this many threads when fewer than
-            ``workers`` (limited), and gets them all once its chunks find its
-            elements slow or waiting (:func:`.scheduling.record_chunk`).
+            ``workers`` (limited), and rises to all (:func:`.scheduling.record_chunk`).
         in_order: Fixed chunks of one unit, on every thread.
     """
 
@@ -101,8 +97,6 @@ class Job:
         self.done = threading.Event()
         self._lock = threading.Lock()
         self._next = 0  # units from here on were never claimed
-        self._back: list[tuple[int, int]] = []  # cut tails, to claim first, sorted
-        self._running: set[Cursor] = set()
         self._outstanding = 0  # chunks claimed and not yet counted done
         self._children: set[Job] = set()
         self.parent = parent
@@ -128,8 +122,7 @@ class Job:
             return self._completed
 
     def add_hand(self) -> bool:
-        """Counts one more thread handed to the map, if it can use one: fewer
-        than its limit hold it, and units are left to claim."""
+        """Counts one more thread handed to the map, if it can use one."""
         with self._lock:
             if self.hands >= min(self.n, self.limit) or self._exhausted():
                 return False
@@ -143,13 +136,6 @@ class Job:
 
     # --- claiming and running chunks -----------------------------------------------
 
-    def halts(self, cursor: Cursor, i: int) -> bool:
-        """Whether ``cursor``'s loop stops before unit ``i``: the map failed, or
-        another thread took the units from there on (``cursor.stop`` is written
-        under this job's lock, by :meth:`_steal`)."""
-        with self._lock:
-            return self.failed or i >= cursor.stop
-
     def drain(self, busy: Busy | None = None) -> None:
         """Claims and runs chunks until none are left: the one loop of every
         thread that runs the map's kernels (``busy``: see :meth:`run`)."""
@@ -158,72 +144,29 @@ class Job:
             claim = self.run(*claim, then_claim=True, busy=busy)
 
     def claim(self) -> Chunk | None:
-        """The next chunk ``(start, stop, cursor)``: a cut tail (lowest first),
-        else the front, else the tail of another thread's running chunk (guided
-        chunks only); ``None`` when none is left."""
+        """The next chunk ``(start, stop)`` from the front; ``None`` when none
+        is left."""
         with self._lock:
             return self._claim()
 
     def _claim(self) -> Chunk | None:  # lock held
-        if self.failed:
+        if self._exhausted():
             return None
-        if not self._back and self._next >= self.n:
-            if self.fixed or not self._steal():
-                return None
+        start = self._next
         size = self.fixed or policy.chunk_size(
-            self._remaining(), self.divisor, self._measure, self.limited
+            self.n - start, self.divisor, self._measure, self.limited
         )
-        back = self._back
-        if back:  # the lowest tail given back
-            start, end = back[0]
-            stop = min(end, start + size)
-            if stop == end:
-                del back[0]
-            else:
-                back[0] = (stop, end)
-        else:
-            start = self._next
-            self._next = stop = min(self.n, start + size)
+        self._next = stop = min(self.n, start + size)
         self._outstanding += 1
-        cursor = Cursor(self, stop)
-        self._running.add(cursor)
-        return start, stop, cursor
-
-    def _remaining(self) -> int:  # lock held
-        return self.n - self._next + sum(end - start for start, end in self._back)
-
-    def _steal(self) -> bool:  # lock held
-        """Gives back the tail of the running chunk with the most units not yet
-        started (:func:`.scheduling.steal_split`); whether there was one."""
-        where = {
-            c: (at, c.stop) for c in self._running if (at := c.running()) is not None
-        }
-        split = policy.steal_split(where)
-        if split is None:
-            return False
-        cursor = split[0]
-        was, cursor.halt = cursor.halt, True  # first: the loop then asks us
-        at = cursor.running()
-        if at is None or at + 1 >= cursor.stop:  # it moved on meanwhile
-            cursor.halt = was
-            return False
-        bisect.insort(self._back, (at + 1, cursor.stop))
-        cursor.stop = at + 1
-        return True
+        return start, stop
 
     def run(
-        self,
-        start: int,
-        stop: int,
-        cursor: Cursor,
-        then_claim: bool = False,
-        busy: Busy | None = None,
+        self, start: int, stop: int, then_claim: bool = False, busy: Busy | None = None
     ) -> Chunk | None:
         """Runs a claimed chunk (its exception fails the job); with
-        ``then_claim``, returns the next claim, made under the same hold of the
-        lock that counts this chunk done. ``busy.running`` is true while the
-        kernels run, false before the chunk counts done (whoever sees the map
-        done sees this thread free). Only guided chunks are timed."""
+        ``then_claim``, returns the next claim, made under the hold of the lock
+        that counts this chunk done. ``busy.running`` is true while the kernels
+        run, false before the chunk counts done."""
         outer, _local.job = _local.job, self
         timed, limited = self.fixed is None, self.limited  # (see the lock rule)
         if busy is not None:
@@ -231,7 +174,7 @@ class Job:
         began = time.perf_counter() if timed else 0.0
         cpu = time.thread_time() if limited else 0.0
         try:
-            self.fn(start, stop, cursor)
+            self.fn(start, stop, self)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
@@ -240,10 +183,9 @@ class Job:
             _local.job = outer
             if busy is not None:
                 busy.running = False
+        units = stop - start
         with self._lock:
-            self._running.discard(cursor)
-            units = cursor.stop - start  # lowered if another thread took the tail
-            if not (timed and units > 0 and self._record(units, wall, cpu, limited)):
+            if not (timed and self._record(units, wall, cpu, limited)):
                 self._count(units)
                 return self._claim() if then_claim else None
         try:  # it rose: more threads before the chunk counts done (and the map ends)
@@ -255,8 +197,7 @@ class Job:
         return self.claim() if then_claim else None
 
     def _record(self, units: int, wall: float, cpu: float, limited: bool) -> bool:
-        """Records a guided chunk's time (lock held); whether the map rises now:
-        it started this chunk limited, and its votes give it every thread."""
+        """Records a guided chunk's time (lock held); whether the map rises now."""
         if not (limited and self.limited):
             policy.record_time(self._measure, units, wall)
             return False
@@ -277,28 +218,25 @@ class Job:
             self._completed += units
 
     def exhausted(self) -> bool:
-        """Whether no unit is left to claim (but tails of running chunks)."""
+        """Whether no unit is left to claim."""
         with self._lock:
             return self._exhausted()
 
     def _exhausted(self) -> bool:  # lock held
-        return self.failed or (self._next >= self.n and not self._back)
+        return self.failed or self._next >= self.n
 
     # --- failing ---------------------------------------------------------------------
 
     def fail(self, error: BaseException) -> None:
         """Records the first error and stops the map: no more claims, each
-        running chunk stops at its next unit, and so do the maps this map's
-        kernels started. A no-op once the job is done (a late error, such as a
-        cancelled helper task, does not undo a finished map)."""
+        running chunk stops at its next unit, and so do the maps its kernels
+        started. A no-op once the job is done."""
         with self._lock:
             if self.done.is_set() and self.error is None:
                 return
             if self.error is None:
                 self.error = error
             self.failed = True
-            for cursor in self._running:
-                cursor.halt = True
             if self._outstanding == 0:
                 self.done.set()
             children = list(self._children)
@@ -307,8 +245,7 @@ class Job:
 
     def abandon(self, error: BaseException) -> None:
         """Fails the job and releases its waiting thread at once, without waiting
-        for its running chunks (which write only into the map's own buffers):
-        for interpreter exit, where those may never return."""
+        for its running chunks: for interpreter exit."""
         self.fail(error)
         self.done.set()
 

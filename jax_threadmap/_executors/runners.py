@@ -1,24 +1,13 @@
 """One map from start to end: :func:`run_map` picks its runner (one per kind
 of ``executor=``, :data:`RUNNERS`), makes its job, runs it, raises its error;
-chunks shipped to executors that pickle work (:class:`_Shipper`); exit.
-
-The layer, read from here down: this module, :mod:`.threads` (shared threads,
-a user's thread executor), :mod:`.jobs` (a map's chunks), :mod:`.scheduling`
-(the policy).
-
-At interpreter exit the maps that the user's daemon threads wait for are
-stopped and those threads released (before ``concurrent.futures`` shuts its
-executors down, so that their tasks not yet started are cancelled), and the
-exit waits at most ``EXIT_GRACE`` seconds in all for kernels still running.
-The maps of programs that XLA runs on its own threads run to the end: JAX
-waits for those at exit.
+chunks shipped to executors that pickle work (:class:`_Shipper`); interpreter
+exit (docs/executors.md, "Ctrl-C and interpreter exit").
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import dataclasses
 import pickle
 import threading
 import time
@@ -42,17 +31,14 @@ from .progress import Progress, progress_enabled, wait
 from .scheduling import InOrder
 from .threads import interpreter_exiting, refused, said
 
-# --- what executor= accepts ----------------------------------------------------
-
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
 #: any of these in ``InOrder`` for one element per claim in index order.
 Executor = int | concurrent.futures.Executor | InOrder | None
 
 
 def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    """``executor`` as ``threadmap`` uses it (an int as ``int``; ``InOrder(e)``
-    with ``e`` checked). ``None`` checks ``JAX_THREADMAP_NUM_THREADS``, so that
-    a bad value fails the call rather than the map."""
+    """``executor`` as ``threadmap`` uses it; ``None`` checks
+    ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails the call."""
     if isinstance(executor, InOrder):
         if isinstance(executor.executor, InOrder):
             raise TypeError(
@@ -90,57 +76,20 @@ def check_executor(executor: Any, api: str = "threadmap") -> Executor:
     return int(executor)
 
 
-# --- what executors tell of their size ------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SizeHook:
-    """A private attribute of another library's executor that tells its size
-    (no public API does). Optional: an executor without it, or that fails or
-    answers nonsense, does not say (:data:`.scheduling.UNKNOWN_WORKERS`).
-    ``tests/test_runners.py`` checks that each answers on the installed versions.
-    """
-
-    name: str
-    why: str
-    read: Callable[[Any], int | None]
-
-
-def _max_workers(executor: Any) -> int | None:
-    n = getattr(executor, "_max_workers", None)
-    return n if isinstance(n, int) and n > 0 else None
-
-
-def _dask_threads(executor: Any) -> int | None:
-    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
-    return None if client is None else max(1, sum(client.nthreads().values()))
-
-
-SIZE_HOOKS: tuple[SizeHook, ...] = (
-    SizeHook(
-        "concurrent.futures Executor._max_workers",
-        "ThreadPoolExecutor and ProcessPoolExecutor (and loky) keep their size there",
-        _max_workers,
-    ),
-    SizeHook(
-        "distributed ClientExecutor._client",
-        "Client.get_executor() keeps its client there; the client's nthreads() "
-        "is the cluster's size",
-        _dask_threads,
-    ),
-)
-
-
 def known_workers(executor: concurrent.futures.Executor) -> int | None:
-    """The number of workers of ``executor``, where it tells (:class:`SizeHook`)."""
-    for hook in SIZE_HOOKS:
-        try:
-            n = hook.read(executor)
-        except Exception:  # noqa: BLE001 - an executor that cannot say: unknown
-            return None
-        if n is not None:
+    """The number of workers of ``executor``, where it tells. No public API
+    does: this reads ``_max_workers`` (``ThreadPoolExecutor``,
+    ``ProcessPoolExecutor``, loky) and a Dask ``ClientExecutor``'s
+    ``_client.nthreads()``; an executor that fails or answers nonsense does
+    not say (``tests/test_runners.py`` checks both on the installed versions)."""
+    try:
+        n = getattr(executor, "_max_workers", None)
+        if isinstance(n, int) and n > 0:
             return n
-    return None
+        client = getattr(executor, "_client", None)
+        return None if client is None else max(1, sum(client.nthreads().values()))
+    except Exception:  # noqa: BLE001 - an executor that cannot say: unknown
+        return None
 
 
 # --- one runner per kind of executor --------------------------------------------------
@@ -158,7 +107,7 @@ class Runner(Protocol):
 
 
 class SharedThreads:
-    """``executor=None`` or ``executor=N``: a :class:`._threads.ThreadPool`."""
+    """``executor=None`` or ``executor=N``."""
 
     on_threads = True
 
@@ -180,7 +129,7 @@ class _UserExecutor:
 
 
 class ThreadExecutor(_UserExecutor):
-    """A user's ``ThreadPoolExecutor``: puller tasks (``threads.run_on_executor``)."""
+    """A user's ``ThreadPoolExecutor``."""
 
     on_threads = True
 
@@ -189,7 +138,7 @@ class ThreadExecutor(_UserExecutor):
 
 
 class PicklingExecutor(_UserExecutor):
-    """An executor that runs work in other processes (:class:`_Shipper`)."""
+    """An executor that runs work in other processes."""
 
     on_threads = False
 
@@ -201,15 +150,10 @@ def _is_shared(executor: Any) -> bool:
     return executor is None or isinstance(executor, int)
 
 
-def shares_memory(executor: concurrent.futures.Executor) -> bool:
-    """Whether the executor's workers are threads of this process."""
-    return isinstance(executor, concurrent.futures.ThreadPoolExecutor)
-
-
 #: The kinds of executor, first match first: a test and a runner class.
 RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], Runner]], ...] = (
     (_is_shared, SharedThreads),
-    (shares_memory, ThreadExecutor),
+    (lambda e: isinstance(e, concurrent.futures.ThreadPoolExecutor), ThreadExecutor),
     (lambda executor: True, PicklingExecutor),
 )
 
@@ -218,8 +162,6 @@ def runner_for(executor: Any) -> Runner:
     """The runner of ``executor=`` (see :data:`RUNNERS`)."""
     return next(make(executor) for is_kind, make in RUNNERS if is_kind(executor))
 
-
-# --- one map --------------------------------------------------------------------------
 
 #: Every map in flight, with the thread waiting for it. No lock: setting, popping
 #: and listing the items of a dict are atomic, in free-threaded builds too.
@@ -235,16 +177,13 @@ def new_job(
     in_order: bool = False,
 ) -> Job:
     """The job of ``work`` on ``executor`` (or its ``runner``), with its chunking
-    policy; ``in_order``: the user asked for it (:class:`.scheduling.InOrder`)."""
+    policy; ``in_order``: asked for (:class:`.scheduling.InOrder`)."""
     runner = runner_for(executor) if runner is None else runner
-    workers = runner.workers
-    units = work.n
+    workers, on_threads, units = runner.workers, runner.on_threads, work.n
     if work.vectorized and units:
-        length = policy.vector_chunk_length(
-            work.n, workers, work.element_bytes, max_chunk
+        units = work.split(
+            policy.vector_chunk_length(units, workers, work.element_bytes, max_chunk)
         )
-        units = work.split(length)
-    on_threads = runner.on_threads
     ordered = policy.runs_in_order(in_order, units, workers, on_threads, work.sums)
     fixed = policy.fixed_chunk(units, workers) if work.sums else None
     cpus = available_cpus()
@@ -271,9 +210,7 @@ def run_map(
     max_chunk: int | None = None,
 ) -> None:
     """Runs every element of ``work`` on ``executor``; raises the map's error.
-    ``max_chunk`` bounds the chunks of a vectorized map. A nested map on threads
-    of this process is also run by the waiting kernel's thread (one kernel more
-    than its executor's bound)."""
+    ``max_chunk`` bounds the chunks of a vectorized map."""
     if work.n == 0:
         return
     in_order = isinstance(executor, InOrder)
@@ -311,9 +248,6 @@ def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
     return ExecutorError(
         f"threadmap kernel {name!r}: the executor failed with {said(e)}.", cause=e
     )
-
-
-# --- executors that pickle work -------------------------------------------------------
 
 
 def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
@@ -354,11 +288,9 @@ def _unpicklable(e: BaseException) -> bool:
 
 
 class _Shipper:
-    """Ships a map to an executor that pickles work, in chunks sized as it runs:
-    one element per task (one per worker) until an element has been timed, then
-    :func:`.scheduling.remote_chunk_size`; fixed chunks for a map summed on the
-    host. Used by the waiting thread alone: no lock.
-    """
+    """Ships a map to an executor that pickles work, in chunks of
+    :func:`.scheduling.remote_chunk_size` (fixed for a map summed on the host).
+    Used by the waiting thread alone: no lock."""
 
     def __init__(
         self,
@@ -442,9 +374,6 @@ class _Shipper:
             self.sharing.close()
 
 
-# --- fork and exit --------------------------------------------------------------------
-
-
 @_fork.in_child
 def _forget_flights() -> None:
     # A forked child runs none of the parent's maps.
@@ -453,8 +382,7 @@ def _forget_flights() -> None:
 
 def _run_for_jax(job: Job) -> bool:
     """Whether XLA runs the program that waits for ``job`` on a thread of its
-    own (Python sees a dummy thread): JAX waits for it at exit, after this
-    module's hook, so its maps run to the end, new ones included."""
+    own (a dummy thread to Python): JAX waits for it at exit, so it runs on."""
     return isinstance(_flights.get(job), threading._DummyThread)
 
 
@@ -486,8 +414,7 @@ _early_hook = False  # under _early_hook_lock (read once without it: set once)
 
 def register_early_exit_hook() -> None:
     """Registers :func:`_before_executors_exit` once with threading's exit
-    hooks, when a map first runs on a user executor: after
-    ``concurrent.futures``' own, so that it runs first."""
+    hooks (after ``concurrent.futures``' own, so that it runs first)."""
     global _early_hook
     if _early_hook:
         return
@@ -502,18 +429,16 @@ def register_early_exit_hook() -> None:
 
 
 def _before_executors_exit() -> None:
-    """At exit, before ``concurrent.futures`` waits for its pools' tasks: stops
-    the maps of daemon threads (their tasks not yet started are cancelled)."""
+    """Stops the maps of daemon threads before ``concurrent.futures`` waits for
+    its pools' tasks (those not yet started are then cancelled)."""
     interpreter_exiting.set()
     _stop_maps_of_daemon_threads(time.monotonic() + policy.EXIT_GRACE)
 
 
 def _at_exit() -> None:
     """Stops the maps in flight in the user's (daemon) threads, and waits at
-    most ``EXIT_GRACE`` seconds in all. A released daemon thread leaves its
-    jitted program before the interpreter finalizes (a thread that needs the
-    GIL inside XLA then aborts the process). Only the shared threads are
-    joined."""
+    most ``EXIT_GRACE`` seconds in all (a daemon thread that needs the GIL
+    inside XLA while the interpreter finalizes aborts the process)."""
     deadline = time.monotonic() + policy.EXIT_GRACE
     interpreter_exiting.set()
     ours = _threads._threads.exit(keep=_run_for_jax)

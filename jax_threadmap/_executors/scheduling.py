@@ -1,34 +1,17 @@
 """Scheduling policy: the size of the next chunk, how many threads a map gets,
-and which maps run in index order.
-
-Pure functions of a map's size and of what it measured (:class:`Measure`), so
-that each decision is tested with made-up times; every threshold is a named
-constant, which the docs quote (``tests/test_scheduling.py`` checks that).
-
-Timings decide only how fast a map runs (chunk sizes, thread counts), never
-which elements run or whether it finishes. A map runs either
-
-- *in index order* (:func:`runs_in_order`): one element per claim on every
-  thread at once, as ``ThreadPoolExecutor.map`` does, no clock read; asked
-  for with :class:`InOrder`, implied for small maps. Groups of elements that
-  wait for each other, each no larger than the executor's threads, finish:
-  the elements claimed and not done are a run of consecutive indices; or
-- in *guided chunks* (:func:`chunk_size`), sized from timings. A large map on
-  more threads than CPUs starts on one thread per CPU (:func:`starts_limited`:
-  threads taking turns at the GIL made ``compare_revisions.py`` "4096 el,
-  executor=32" 1.33-1.42x as long) and gets every thread once its chunks find
-  its elements slow or waiting (:func:`record_chunk`: "sleep 1 ms" took 15x as
-  long without).
+and which maps run in index order (docs/executors.md). Pure functions of a
+map's size and of what it measured (:class:`Measure`), tested with made-up
+times; every threshold is a named constant, which the docs quote
+(``tests/test_scheduling.py`` checks that). Timings decide only how fast a map
+runs, never which elements run or whether it finishes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any
 
 from .._support.cpus import available_cpus
-
-K = TypeVar("K")
 
 #: Seconds of kernel work per task that amortise the cost of a task of an
 #: executor that pickles work (about 1 ms for a process pool or Dask).
@@ -188,20 +171,6 @@ def record_chunk(
 def record_time(measure: Measure, elements: int, wall: float) -> None:
     """Records a chunk of a map on every thread that took ``wall`` seconds."""
     measure.per_element = max(wall / elements, 1e-9)
-
-
-def steal_split(running: dict[K, tuple[int, int]]) -> tuple[K, int] | None:
-    """The running chunk whose tail an idle thread takes, and where the chunk
-    then stops: ``(key, split)``, or ``None`` when no chunk has a unit not yet
-    started. ``running`` maps each chunk to ``(current, stop)``: the unit its
-    loop runs (``claims.Cursor``) and its end. The chunk with the most units
-    not yet started gives up all of them."""
-    best: tuple[K, int] | None = None
-    left = 0
-    for key, (current, stop) in running.items():
-        if stop - (current + 1) > left:
-            best, left = (key, current + 1), stop - (current + 1)
-    return best
 
 
 def vector_chunk_length(

@@ -1,14 +1,8 @@
-"""Threads of this process that run a map's chunks.
-
-- :class:`ThreadPool` (``executor=None`` and ``executor=N``) is a bound, not a
-  set of threads: at most ``N`` kernels of its maps run at once, on the daemon
-  threads that every pool shares (:class:`_Threads`), started only when no idle
-  one is left; a thread idle for ``IDLE_TIMEOUT`` seconds exits.
-- A user's ``ThreadPoolExecutor`` gets one puller task per worker
-  (:func:`run_on_executor`), each running ``jobs.Job.drain``, as the shared
-  threads do.
-- A thread that starts a map from inside a kernel (a nested map) works on its
-  chunks while it waits, so it never waits on work queued behind itself.
+"""Threads of this process that run a map's chunks: the shared threads and
+their pools (:class:`ThreadPool`, a bound on the kernels that run at once) and a
+user's ``ThreadPoolExecutor`` (:func:`run_on_executor`); docs/executors.md says
+what each promises. A thread that starts a map from inside a kernel (a nested
+map) works on its chunks while it waits.
 """
 
 from __future__ import annotations
@@ -38,23 +32,15 @@ def default_num_threads() -> int:
     return available_cpus() if n is None else n
 
 
-# --- the shared threads and their pools -----------------------------------------------
-
-
 class ThreadPool:
-    """A bound on the kernels of its maps that run at once, on the shared threads.
-
-    Args:
-        max_workers: At most this many kernels of this pool's maps run at once
-            (a nested map's waiting thread, lent to it, is the one exception).
-    """
+    """At most ``max_workers`` kernels of its maps run at once, on the shared
+    threads (a nested map's waiting thread, lent to it, is the one exception)."""
 
     def __init__(self, max_workers: int):
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1. Got {max_workers=}.")
         self.max_workers = max_workers
-        # Both under the shared threads' lock:
-        self.active = 0  # threads that hold one of the pool's places
+        self.active = 0  # threads that hold a place (under the threads' lock)
         self.peak = 0  # the most places held at once
         self._shutdown = False
 
@@ -62,7 +48,7 @@ class ThreadPool:
         return f"ThreadPool(max_workers={self.max_workers})"
 
     def run(self, job: Job, progress: Progress | None = None) -> None:
-        """Runs ``job`` to completion (or first failure) and returns."""
+        """Runs ``job`` to completion or first failure."""
         if job.n == 0:
             return
         threads = _threads
@@ -111,10 +97,9 @@ class _Threads:
 
     Lock rule: every field here, and each pool's ``active``, ``peak`` and
     ``_shutdown``, under :attr:`lock`; a job's lock is taken inside it, never
-    the reverse. Each thread holds one place of one pool while it drains one of
-    its queued jobs, and is handed work directly (it wakes with its job set).
-    Done with a job, it takes the next queued job of its pool, else any whose
-    pool has a free place, else waits ``IDLE_TIMEOUT`` seconds and exits.
+    the reverse. A thread holds one place of one pool while it drains a job,
+    and is handed work directly; done, it takes the next queued job of its
+    pool, else any whose pool has a free place, else idles and exits.
     """
 
     def __init__(self) -> None:
@@ -128,9 +113,8 @@ class _Threads:
         self.kept_at_exit: Callable[[Job], bool] = lambda job: False
 
     def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> bool:
-        """Hands ``job`` (queued first with ``queue``) as many threads as it can
-        use now: up to its limit, within its pool's bound. Returns whether the
-        interpreter refused to start them because it is exiting."""
+        """Hands ``job`` (queued first with ``queue``) the threads it can use now.
+        Returns whether the interpreter refused to start them as it exits."""
         with self.lock:
             if not queue and (self.exiting or pool._shutdown):
                 return False  # more threads for a map in flight: it keeps its own
@@ -147,12 +131,11 @@ class _Threads:
             if queue:
                 self.queue.append((pool, job))
             new = self._place(pool, job)
-        # Outside the lock, so that the other threads keep going meanwhile.
-        return self._start(pool, job, new)
+        return self._start(pool, job, new)  # outside the lock
 
     def _place(self, pool: ThreadPool, job: Job) -> list[_Worker]:  # lock held
         """Wakes idle threads for ``job`` and makes new ones (returned, to be
-        started), unless threads done with their maps will take it soon."""
+        started), unless threads about to return will take it."""
         new: list[_Worker] = []
         returning = None  # threads about to look for work, once counted
         while pool.active < pool.max_workers:
@@ -162,7 +145,7 @@ class _Threads:
                 if returning is None:
                     returning = self._returning()
                 if returning >= policy.SPARE_THREADS():
-                    break  # they take the job from the queue (_hand_next)
+                    break  # they take it from the queue (_hand_next)
             if not _take_place(pool, job):
                 break
             if self.idle:
@@ -200,8 +183,7 @@ class _Threads:
         return False
 
     def _returning(self) -> int:  # lock held
-        """Threads neither idle nor running a kernel: about to take a queued
-        job or go idle."""
+        """Threads neither idle nor running a kernel."""
         return sum(
             1
             for w in self.workers
@@ -258,7 +240,7 @@ class _Threads:
                 self._wait_for_work(worker)
 
     def _wait_for_work(self, worker: _Worker) -> None:
-        """Waits ``IDLE_TIMEOUT`` seconds to be handed a job, or unregisters."""
+        """Waits ``IDLE_TIMEOUT`` seconds to be handed a job, or leaves."""
         woke = worker.wake.acquire(timeout=IDLE_TIMEOUT)
         with self.lock:
             if not woke and not worker.wake.acquire(blocking=False):
@@ -290,7 +272,7 @@ class _Threads:
                 return
 
     def exit(self, keep: Callable[[Job], bool]) -> list[threading.Thread]:
-        """Refuses new maps but those that ``keep`` accepts; idle threads exit.
+        """Refuses new maps but those ``keep`` accepts; idle threads exit.
         Returns the threads alive."""
         with self.lock:
             self.exiting = True
@@ -337,13 +319,9 @@ def get_pool(num_threads: int | None) -> ThreadPool:
     return pool
 
 
-# --- a user's thread executor ---------------------------------------------------------
-
-
 #: Per thread executor, the lock held while a map queues its first pullers, so
-#: that two maps started at once do not split its workers (elements that wait
-#: for each other could then wait for good). ``_states_lock`` guards the table;
-#: executors that take no weak references share ``_fallback``.
+#: that two maps started at once do not split its workers; executors that take
+#: no weak references share ``_fallback``.
 _states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
 _fallback = threading.Lock()
@@ -404,10 +382,8 @@ def run_on_executor(
     job: Job,
     progress: Progress | None,
 ) -> None:
-    """Runs ``job`` on a thread executor: one puller task per thread it may use
-    (more once its limit rises). A nested map's thread drains ``job`` too (the
-    workers may all wait, for it among others); pullers that never start are
-    cancelled."""
+    """Runs ``job`` on a thread executor: one puller task (``job.drain``) per
+    thread it may use; a nested map's thread drains it too."""
     lock = threading.Lock()  # guards ``left`` and ``futures``
     left = [0]  # pullers submitted and not yet done
     futures: list[concurrent.futures.Future[None]] = []
@@ -423,8 +399,8 @@ def run_on_executor(
             job.fail(f.exception())  # type: ignore[arg-type]
 
     def hand() -> None:
-        """Submits pullers up to the job's limit. A refusal fails the map only
-        when no puller runs it."""
+        """Submits pullers up to the job's limit; a refusal fails the map when
+        no puller runs it."""
         while job.add_hand():
             with lock:
                 left[0] += 1
@@ -459,7 +435,7 @@ def run_on_executor(
 @_fork.in_child
 def _start_afresh() -> None:
     """A forked child has none of the parent's threads, and any lock here may
-    have been held at the fork: every table and lock is new."""
+    have been held at the fork."""
     global _threads, _pools_lock, _states, _states_lock, _fallback
     _threads = _Threads()
     _pools_lock = threading.Lock()

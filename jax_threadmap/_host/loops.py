@@ -12,15 +12,13 @@ ones is written at once, and anything else goes through the caller's checked
 store. Other signatures fall back to the caller's general ``call`` and
 ``result_leaves``.
 
-Each row's range iterator is published at the chunk's cursor (``c.row``) before
-the row runs, and ``c.halt`` is checked before each element (``_claims.Cursor``):
-that is how another thread takes the elements not yet started of a chunk, or a
-failure stops it, with no thread ever looking into another. So the cost per
-element is the kernel call, one index per batched operand, a type check and a
-write per result, and that one check. A plain closure for the commonest
-signatures (``fn(*args)``, one argument list refilled per element) measured 11-42%
-slower per element (``benchmarks/plain_loop.py``, numbers in docs/architecture.md),
-so the loops stay generated.
+The map's ``failed`` (``c``, its job) is read before each element: a failure
+stops the chunk there. So the cost per element is the kernel call, one index
+per batched operand, a type check and a write per result, and that one check.
+A plain closure for the commonest signatures (``fn(*args)``, one argument list
+refilled per element) measured 11-42% slower per element
+(``benchmarks/plain_loop.py``, numbers in docs/architecture.md), so the loops
+stay generated.
 """
 
 from __future__ import annotations
@@ -38,10 +36,8 @@ import numpy as np
 
 from .._support.errors import PASS_THROUGH
 
-#: Runs elements ``[start, stop)``, publishing each row's range iterator at the
-#: cursor before running it; ``cursor.halt`` and ``cursor.halted(i)`` stop it
-#: before element ``i`` (a failure, or the chunk's tail taken by another
-#: thread; see ``_claims.Cursor``).
+#: Runs elements ``[start, stop)`` of a job, stopping before the next element
+#: once the job's ``failed`` is true.
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -274,10 +270,8 @@ def _source(
         "            end = min(stop - base, last)",
         *[f"            {line}" for line in row_reads],
         *[f"            p{k} = o{k}[prefix]" for k in range(n_out)],
-        "            js = iter(range(j, end))",
-        "            c.row = (base + end, js)",
-        "            for j in js:",
-        "                if c.halt and c.halted(base + j):",
+        "            for j in range(j, end):",
+        "                if c.failed:",
         "                    return",
         *[f"                {line}" for line in body],
         "            start = base + end",

@@ -113,16 +113,13 @@ class ElementCaller(KernelCaller):
     ):
         super().__init__(fn, name, in_tree, out_tree, out_core, batch_shape)
         self.accumulate = frozenset(accumulate)
-        args, kwargs = jax.tree_util.tree_unflatten(
-            in_tree, list(range(in_tree.num_leaves))
-        )
+        args, kwargs = self.arg_indices
         flat = all(isinstance(a, int) for a in args) and all(
             isinstance(v, int) for v in kwargs.values()
         )
         # When every argument is one leaf the kernel is called without unflattening.
         self.num_args: int | None = len(args) if flat else None
         self.kw_names: tuple[str, ...] = tuple(kwargs) if flat else ()
-        self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
         self.loop_sources: tuple[int, str | None, tuple[str, str] | None] | None = None
 
     # -- messages ----------------------------------------------------------------
@@ -323,8 +320,9 @@ class HostMap:
         del max_elements
         return self.n
 
-    def run_chunk(self, start: int, stop: int, cursor: Any) -> None:
-        """Runs work units ``[start, stop)`` in this thread (see ``_claims.Cursor``)."""
+    def run_chunk(self, start: int, stop: int, job: Any) -> None:
+        """Runs work units ``[start, stop)`` in this thread; stops before the
+        next one once ``job.failed`` is true."""
         raise NotImplementedError
 
     def shared(self) -> list[np.ndarray]:
@@ -362,14 +360,14 @@ class ElementMap(HostMap):
         if not self.sums:
             self._run = self.caller.loop(self.in_v, self.out_v, self.shape)
 
-    def run_chunk(self, start: int, stop: int, cursor: Any) -> None:
+    def run_chunk(self, start: int, stop: int, job: Any) -> None:
         """Runs elements ``[start, stop)`` in this thread."""
         if self._run is not None:
-            self._run(start, stop, cursor)
+            self._run(start, stop, job)
             return
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
-        self.caller.loop(self.in_v, out_v, self.shape)(start, stop, cursor)
+        self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
         self.partials.fold(start, stop, partials)
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
@@ -432,16 +430,13 @@ class ChunkMap(HostMap):
         self.plan = PiecePlan(self.shape, max(1, max_elements))
         return self.plan.count
 
-    def run_chunk(self, start: int, stop: int, cursor: Any) -> None:
-        """Runs pieces ``[start, stop)`` in this thread, their range iterator
-        published at the chunk's cursor (``_claims.Cursor``), as the element
-        loops do."""
+    def run_chunk(self, start: int, stop: int, job: Any) -> None:
+        """Runs pieces ``[start, stop)`` in this thread; stops before the next
+        one once ``job.failed`` is true, as the element loops do."""
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
-        pieces = iter(range(start, stop))
-        cursor.row = (stop, pieces)
-        for piece in pieces:
-            if cursor.halt and cursor.halted(piece):
+        for piece in range(start, stop):
+            if job.failed:
                 return
             index, first, k = self._piece(piece)
             leaves = self.plan.leaves(self.in_v, index, k)  # type: ignore[union-attr]

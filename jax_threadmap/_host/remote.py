@@ -139,8 +139,7 @@ def _restore(cls: type[_Task], caller: Any, state: dict[str, Any]) -> _Task:
     return task
 
 
-#: Runs elements ``[start, stop)``, publishing its rows at a cursor
-#: (``_claims.Cursor``).
+#: Runs elements ``[start, stop)`` of a job, stopping once its ``failed`` is true.
 ChunkFn = Callable[[int, int, Any], None]
 
 
@@ -159,11 +158,10 @@ class ElementLoops(Protocol):
 
 
 class _Alone:
-    """The cursor of a chunk run in a worker process: no other thread takes its
-    elements, and the map's failure is seen in the process that shipped it."""
+    """The job of a chunk run in a worker process: the map's failure is seen in
+    the process that shipped it."""
 
-    __slots__ = ("row",)
-    halt = False
+    failed = False
 
 
 class RemoteChunk(_Task):

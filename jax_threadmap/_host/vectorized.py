@@ -125,7 +125,8 @@ class KernelCaller:
         self.batch_shape = tuple(batch_shape)
         # Fast paths: positional arguments of one leaf each; a result of one leaf.
         leaves = list(range(in_tree.num_leaves))
-        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        #: ``(args, kwargs)`` as ``fn`` takes them, each leaf its flat index.
+        self.arg_indices = args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
         self.positional = not kwargs and list(args) == leaves
         self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
 

@@ -106,6 +106,57 @@ def test_coroutines_run_on_one_loop_thread_without_a_thread_each():
     assert _event_loop.event_loop().threads_started == 1
 
 
+def test_loads_returning_in_one_turn_each_get_their_own_outcome():
+    # Released by one asyncio.Event, the loaders return in the same turn of
+    # the loop and are landed together: each keeps its own value, dtype,
+    # device or error.
+    release = asyncio.Event()
+    device = jax.devices()[-1]
+
+    async def wait_then(kind, i):
+        await release.wait()
+        if kind == "raise":
+            raise KeyError(f"load {i}")
+        if kind == "shape":
+            return np.zeros(4, np.float32)
+        return np.full(3, i, np.int8 if kind == "int8" else np.float32)
+
+    async def opener():
+        release.set()
+        return np.zeros(3, np.float32)
+
+    kinds = ["ok", "raise", "ok", "shape", "int8", "device"] * 5
+    xs = [
+        jtm.async_call(
+            wait_then,
+            SDS((3,), np.int32) if kind == "int8" else F32,
+            kind,
+            i,
+            device=device if kind == "device" else None,
+        )
+        for i, kind in enumerate(kinds)
+    ]
+    jtm.async_call(opener, F32).result(timeout=WAIT)
+    for i, (kind, x) in enumerate(zip(kinds, xs, strict=True)):
+        if kind == "raise":
+            with pytest.raises(KeyError, match=f"load {i}"):
+                x.result(timeout=WAIT)
+            continue
+        if kind == "shape":
+            with pytest.raises(ValueError, match="shape"):
+                x.result(timeout=WAIT)
+            continue
+        value = x.result(timeout=WAIT)
+        expected = np.full(3, i, np.int32 if kind == "int8" else np.float32)
+        assert value.dtype == expected.dtype
+        np.testing.assert_array_equal(np.asarray(value), expected)
+        if kind == "device":
+            assert value.devices() == {device} and value.committed
+        else:
+            assert value.devices() == {jax.devices()[0]} and not value.committed
+        assert x.done()
+
+
 def test_a_deferred_coroutine_starts_only_when_used():
     started = threading.Event()
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import jax
 
 from .._support import event_loop as _event_loop
+from .._support import fork as _fork
 from .._support.errors import KeptError
 from .._support.validate import callable_name
 from . import outcomes as _outcomes
@@ -46,6 +47,11 @@ from .pool import worker_state
 logger = logging.getLogger("jax_threadmap._async")
 
 PENDING, RUNNING, FINISHING, FINISHED = "pending", "running", "finishing", "finished"
+
+#: The ``async def`` calls whose fn returned in this turn of the event loop,
+#: with what it returned, until :meth:`Task._land_all` lands them; touched on
+#: the loop's thread only.
+_returned: list[tuple[Task, Any]] = []
 
 
 # --- what the dispatch mechanism lends a call -----------------------------------------
@@ -107,9 +113,11 @@ class Task:
     ended       fn returns or raises late  same       nothing (dropped)
     ==========  =========================  =========  ==============================
 
-    An ``async def`` call's value is published one turn of the event loop
-    after it is placed, so that the loads that land in one turn wake a thread
-    waiting for them once, not once each.
+    An ``async def`` call whose fn returned is landed (checked, placed, its
+    gates opened) one turn of the event loop later, together with every other
+    call whose fn returned in that turn (:meth:`_land_all`), and published
+    once all of them are placed and their copies done: a thread waiting for
+    them wakes once per burst, not once each. Until then it is ``running``.
 
     Gates are added only while pending or running; the end takes (under the
     lock) and opens every gate there is: each opens once, none is missed. The
@@ -122,7 +130,8 @@ class Task:
     __slots__ = tuple(
         "_lock _state _submitted _clock _pid _fn _args _kwargs name api treedef "
         "specs future runnable _kept _slot _lender _gates _host _error_text "
-        "_programs timeout _worker coroutine _source _donated __weakref__".split()
+        "_programs timeout _worker coroutine _source _donated _value "
+        "__weakref__".split()
     )
 
     def __init__(
@@ -149,6 +158,8 @@ class Task:
         self.specs: list[LeafSpec] = specs
         # Holds the list of placed leaves, or the exception of the call.
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+        # The same list, once the future holds it: read without a lock.
+        self._value: list[jax.Array] | None = None
         # False for a wrapped Future: there is nothing to run, only to wait for.
         self.runnable = fn is not None
         self._kept: KeptError | None = None  # the error, raised by every use
@@ -403,17 +414,30 @@ class Task:
             self._fail(e, raised_by_fn=True)
             return
         self._left_runner()
-        leaves = self._land(out)
-        if leaves is None:
-            return
-        try:
-            # The other loads that land in this turn of the loop are placed
-            # before any of them is published: a thread waiting for them wakes
-            # once per burst, not once per load (each wake-up would cost this
-            # thread the GIL at every placement).
-            await asyncio.sleep(0)
-        finally:  # cancelled only at exit: published all the same
-            self._publish(leaves)
+        # Landed with the other loads whose fn returns in this turn of the
+        # loop, one turn later (:meth:`_land_all`).
+        if not _returned:
+            asyncio.get_running_loop().call_soon(Task._land_all)
+        _returned.append((self, out))
+
+    @staticmethod
+    def _land_all() -> None:
+        """Lands the ``async def`` calls whose fn returned in the last turn of
+        the event loop (on its thread): all are checked and placed before any
+        is published, so that a thread waiting for them wakes once per burst,
+        not once per load (each wake-up would cost the loop's thread the GIL
+        at every placement), and the per-load steps run back to back."""
+        batch = _returned.copy()
+        _returned.clear()
+        landed = [(task, task._land(out)) for task, out in batch]
+        placed = [(task, leaves) for task, leaves in landed if leaves is not None]
+        del batch, landed
+        try:  # one wait for every copy (they run meanwhile)
+            jax.block_until_ready([leaves for _, leaves in placed])
+        except BaseException:  # each call's own copies then say which failed
+            placed = [(task, leaves) for task, leaves in placed if task._ready(leaves)]
+        for task, leaves in placed:
+            task._publish(leaves)
 
     def _adopt(self, source: asyncio.Task | None) -> bool:
         with self._lock:
@@ -481,21 +505,23 @@ class Task:
 
     def _finish(self, out: Any) -> None:
         leaves = self._land(out)
-        if leaves is not None:
+        if leaves is not None and self._ready(leaves):
             self._publish(leaves)
 
     def _land(self, out: Any) -> list[jax.Array] | None:
         """Checks and places what ``fn`` returned, and opens the gates; the
-        placed leaves, or ``None`` if the call failed or was given up on."""
+        placed leaves (their copies to device may still run), or ``None`` if
+        the call failed or was given up on."""
         try:
             # Checked and copied now: a loader that refills the buffer it
             # returned (for its next call) changes nothing here.
             frozen = check_result(self, out)
+            # The gate programs copy from these, once their gate opens.
+            host = [host_view(leaf) for leaf in frozen]
         except BaseException as e:
             self._fail(e, raised_by_fn=False)
             return None
-        # The gate programs copy from these, once their gate opens.
-        gates = self._settle([host_view(leaf) for leaf in frozen])
+        gates = self._settle(host)
         if gates is None:
             logger.debug("%s of %s returned after it was given up on", self.api, self)
             return None
@@ -506,10 +532,22 @@ class Task:
             self._conclude(e, gates, raised_by_fn=False)
             return None
 
+    def _ready(self, leaves: list[jax.Array]) -> bool:
+        """Waits until the copies of ``leaves`` to their devices are done
+        (then ``done()`` means the data is there); ``False``: one failed, and
+        the call with it (finishing -> finished)."""
+        try:
+            jax.block_until_ready(leaves)
+        except BaseException as e:
+            self._conclude(e, {}, raised_by_fn=False)
+            return False
+        return True
+
     def _publish(self, leaves: list[jax.Array]) -> None:
         """The placed leaves become the call's value (finishing -> finished)."""
         self._end()
         self.future.set_result(leaves)
+        self._value = leaves  # after: value() never answers before done()
 
     def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
         gates = self._settle()
@@ -600,8 +638,9 @@ class Task:
         the leaf was donated. ``describe()`` names the array, for the errors."""
         if leaf in self._donated:
             raise _outcomes.donated_error(describe())
-        if timeout is None and self.future.done() and self._kept is None:
-            return self.future.result()[leaf]  # the common case, cheaply
+        value = self._value  # the common case, cheaply: no lock
+        if value is not None:
+            return value[leaf]
         return self.wait(timeout, describe())[leaf]
 
     def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
@@ -630,3 +669,11 @@ class Task:
 
     def __str__(self) -> str:
         return f"{self.name} ({self.api})"
+
+
+@_fork.in_child
+def _after_fork_in_child() -> None:
+    # Returned in the parent's loop, whose thread does not exist here: those
+    # calls fail at their first use in the child (Task.wait). A landing left
+    # here would keep the child's loop from ever scheduling one.
+    _returned.clear()

@@ -314,7 +314,8 @@ def host_view(leaf: Any) -> np.ndarray:
 
 
 def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
-    """Puts the frozen leaves on their devices and waits until they are there."""
+    """Puts the frozen leaves on their devices (the copies may still run: wait
+    with ``jax.block_until_ready`` before saying the data is there)."""
     placed = []
     for spec, leaf in zip(task.specs, frozen, strict=True):
         # The frozen copy is ours and never written: JAX may keep it as the
@@ -330,10 +331,6 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
         if out is None:
             out = jax.device_put(leaf, spec.sharding, may_alias=True)
         placed.append(out)
-    # The copies to device run while we wait here, in a pool thread: done()
-    # then means the data is on its device.
-    for array in placed:
-        array.block_until_ready()
     return placed
 
 

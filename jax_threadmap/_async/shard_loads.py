@@ -320,8 +320,7 @@ class ShardedLoad(Task):
             self._conclude(e, gates, raised_by_fn=False)
             return
         self._placed = {}
-        self._end()
-        self.future.set_result([out])
+        self._publish([out])
 
     # -- failure, timeout, cancel --
 

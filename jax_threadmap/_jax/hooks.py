@@ -757,7 +757,8 @@ def require(feature: str, api: str) -> None:
     moved a hook fails there, with the hook's name, rather than deep inside JAX.
     """
     for name in _NEEDED_BY.get(feature, ()):
-        get(name, api)
+        if isinstance(RESOLVED[name], Missing):  # get()'s check, inline: per call
+            get(name, api)
 
 
 # The hooks each feature needs, from the table (require runs at every async_call).

@@ -12,7 +12,8 @@ loads in flight need no thousand threads. The loop:
   ``call_soon_threadsafe`` when the queue was empty), not once per call;
 - runs each call's coroutine as an asyncio task named after the function (for
   asyncio's debug log, ``PYTHONASYNCIODEBUG=1``, and the report at exit), kept
-  referenced until it ends (asyncio holds tasks weakly);
+  referenced until it ends (asyncio holds tasks weakly; the ended ones are
+  dropped in bulk, :meth:`EventLoop._forget_done`);
 - cancels a call's task on request (:meth:`EventLoop.cancel`): ``CancelledError``
   is raised inside the coroutine at its current ``await``;
 - at exit (:meth:`EventLoop.close`), cancels what is still pending, lets the
@@ -48,6 +49,10 @@ EXIT_CANCEL_S = 2.0
 
 #: How long exit waits for the loop's thread once the loop is told to stop.
 EXIT_JOIN_S = 1.0
+
+#: The tasks kept (asyncio holds them weakly) are sifted for the ended ones when
+#: there are more than this many (and twice as many as after the last sift).
+FORGET_MIN = 256
 
 #: What the loop runs: a function that makes the coroutine, and its task's name.
 Work = tuple[Callable[[], Coroutine[Any, Any, None]], str]
@@ -91,6 +96,7 @@ class EventLoop:
         self._closed = False
         self._queue: collections.deque[Work] = collections.deque()
         self._tasks: set[asyncio.Task] = set()
+        self._forget_at = FORGET_MIN  # the size of _tasks at which the ended go
         #: Threads started by this loop (one, at first use): what benchmarks count.
         self.threads_started = 0
 
@@ -154,7 +160,15 @@ class EventLoop:
                     logger.exception("jax_threadmap: could not start %s", name)
                     continue
                 self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            self._forget_done()
+
+    def _forget_done(self) -> None:
+        """Drops the tasks that have ended from ``_tasks`` once it has doubled
+        since the last time: amortized, with no done-callback per task (one
+        more turn of the loop each)."""
+        if len(self._tasks) > self._forget_at:
+            self._tasks = {task for task in self._tasks if not task.done()}
+            self._forget_at = 2 * len(self._tasks) + FORGET_MIN
 
     def run(self, awaitable: Any, name: str) -> Any:
         """Awaits ``awaitable`` on the loop and returns its result (from a

@@ -65,8 +65,12 @@ class Gate:
 
 
 def _pool_threads() -> list[threading.Thread]:
+    """The async pool's threads ("jax_threadmap-async-N" or "jax_threadmap-async
+    (...)"), not the event loop's ("jax_threadmap-asyncio")."""
     return [
-        t for t in threading.enumerate() if t.name.startswith("jax_threadmap-async")
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(("jax_threadmap-async-", "jax_threadmap-async ("))
     ]
 
 

@@ -157,6 +157,40 @@ def test_loads_returning_in_one_turn_each_get_their_own_outcome():
         assert x.done()
 
 
+def test_a_call_whose_end_fails_keeps_neither_itself_nor_its_burst_waiting(
+    monkeypatch, caplog
+):
+    # Landed together (one turn of the loop), one call's end raises (here:
+    # giving back its slot): it still gets its value, and so does the rest.
+    from jax_threadmap._async import background as _background
+
+    release = asyncio.Event()
+    real_end = _background.Task._end
+    broken = []
+
+    def end(task):
+        if "wait_then" in task.name and not broken:
+            broken.append(task)
+            raise RuntimeError("slot lost")
+        real_end(task)
+
+    async def wait_then(i):
+        await release.wait()
+        return np.full(3, i, np.float32)
+
+    async def opener():
+        release.set()
+        return np.zeros(3, np.float32)
+
+    monkeypatch.setattr(_background.Task, "_end", end)
+    xs = [jtm.async_call(wait_then, F32, i) for i in range(6)]
+    jtm.async_call(opener, F32).result(timeout=WAIT)
+    for i, x in enumerate(xs):
+        np.testing.assert_array_equal(np.asarray(x.result(timeout=WAIT)), i)
+    assert len(broken) == 1
+    assert any("slot lost" in r.exc_text for r in caplog.records if r.exc_text)
+
+
 def test_a_deferred_coroutine_starts_only_when_used():
     started = threading.Event()
 

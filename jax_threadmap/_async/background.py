@@ -437,7 +437,10 @@ class Task:
         except BaseException:  # each call's own copies then say which failed
             placed = [(task, leaves) for task, leaves in placed if task._ready(leaves)]
         for task, leaves in placed:
-            task._publish(leaves)
+            try:  # one call's end never keeps the rest of the burst running
+                task._publish(leaves)
+            except BaseException:  # noqa: BLE001 - logged; the value is set
+                logger.exception("landing %s of %s", task.api, task)
 
     def _adopt(self, source: asyncio.Task | None) -> bool:
         with self._lock:
@@ -545,9 +548,11 @@ class Task:
 
     def _publish(self, leaves: list[jax.Array]) -> None:
         """The placed leaves become the call's value (finishing -> finished)."""
-        self._end()
-        self.future.set_result(leaves)
-        self._value = leaves  # after: value() never answers before done()
+        try:
+            self._end()
+        finally:  # set even if giving back the slot failed: no use waits for good
+            self.future.set_result(leaves)
+            self._value = leaves  # after: value() never answers before done()
 
     def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
         gates = self._settle()

@@ -224,7 +224,7 @@ class Dispatch:
         todo = []
         for i, x in enumerate(xs):
             # Blocking for a sharded load asked for in another layout.
-            if x._task.future.done() or not x._task.serves(shardings[i], x.shape):
+            if x.done() or not x._task.serves(shardings[i], x.shape):
                 out[i] = x.result()
             else:
                 todo.append(i)

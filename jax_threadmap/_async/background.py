@@ -429,9 +429,13 @@ class Task:
         at every placement), and the per-load steps run back to back."""
         batch = _returned.copy()
         _returned.clear()
-        landed = [(task, task._land(out)) for task, out in batch]
+        # Every check first, then every placement: each runs back to back
+        # (measured: placements so run at several times the speed).
+        checked = [(task, task._check(out)) for task, out in batch]
+        del batch
+        landed = [(task, task._place(*c)) for task, c in checked if c is not None]
         placed = [(task, leaves) for task, leaves in landed if leaves is not None]
-        del batch, landed
+        del checked, landed
         try:  # one wait for every copy (they run meanwhile)
             jax.block_until_ready([leaves for _, leaves in placed])
         except BaseException:  # each call's own copies then say which failed
@@ -515,6 +519,13 @@ class Task:
         """Checks and places what ``fn`` returned, and opens the gates; the
         placed leaves (their copies to device may still run), or ``None`` if
         the call failed or was given up on."""
+        checked = self._check(out)
+        return None if checked is None else self._place(*checked)
+
+    def _check(self, out: Any) -> tuple[list[Any], dict[Any, Gate]] | None:
+        """Checks what ``fn`` returned and settles the call (running ->
+        finishing): its frozen leaves and the gates to open, or ``None`` if
+        the call failed or was given up on."""
         try:
             # Checked and copied now: a loader that refills the buffer it
             # returned (for its next call) changes nothing here.
@@ -528,6 +539,13 @@ class Task:
         if gates is None:
             logger.debug("%s of %s returned after it was given up on", self.api, self)
             return None
+        return frozen, gates
+
+    def _place(
+        self, frozen: list[Any], gates: dict[Any, Gate]
+    ) -> list[jax.Array] | None:
+        """Opens the settled call's gates and places its leaves (``None``: that
+        failed, and the call with it)."""
         try:
             self._open(gates)  # empties it: the error below opens nothing
             return place(self, frozen)

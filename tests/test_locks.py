@@ -218,7 +218,7 @@ def test_chunks_claimed_while_others_run_leave_every_unit_run_once(
         assert calls == [1] * n, [i for i, c in enumerate(calls) if c != 1]
         assert job.completed == n
         assert job._outstanding == 0 and job.exhausted()
-        assert job.in_order == in_order
+        assert (job.fixed == 1) == in_order
 
 
 def _failing_chunk(calls, late, job_of):

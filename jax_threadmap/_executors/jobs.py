@@ -111,11 +111,6 @@ class Job:
         return self.limit < self.workers
 
     @property
-    def in_order(self) -> bool:
-        """Whether the map runs one unit per claim, in index order."""
-        return self.fixed == 1
-
-    @property
     def completed(self) -> int:
         """Units done, for progress bars."""
         with self._lock:

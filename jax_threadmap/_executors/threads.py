@@ -42,7 +42,6 @@ class ThreadPool:
         self.max_workers = max_workers
         self.active = 0  # threads that hold a place (under the threads' lock)
         self.peak = 0  # the most places held at once
-        self._shutdown = False
 
     def __repr__(self) -> str:
         return f"ThreadPool(max_workers={self.max_workers})"
@@ -53,53 +52,45 @@ class ThreadPool:
             return
         threads = _threads
         job.grow = lambda: threads.hand(self, job)
-        refused_at_exit = threads.hand(self, job, queue=True)
-        if _local.job is None and not refused_at_exit:  # the threads dequeue it
-            wait(job, job.done.wait, progress)
-            return
-        # A nested map: work on its chunks rather than wait behind ours. So does
-        # a map whose threads the interpreter refuses at exit (CPython 3.12.0
-        # and 3.12.1 in atexit hooks, where JAX waits for dispatched programs).
         try:
-            job.drain()
+            refused_at_exit = threads.hand(self, job, queue=True)
+            if _local.job is not None or refused_at_exit:
+                # A nested map: work on its chunks rather than wait behind ours.
+                # So does a map whose threads the interpreter refuses at exit
+                # (CPython 3.12.0 and 3.12.1 in atexit hooks, where JAX waits
+                # for dispatched programs).
+                job.drain()
             wait(job, job.done.wait, progress)
         finally:
             threads.forget(job)
-
-    def shutdown(self) -> None:
-        """Refuses new maps (the shared threads exit when idle)."""
-        with _threads.lock:
-            self._shutdown = True
 
 
 class _Worker:
     """One shared thread: the job (and pool) it has been handed, if any."""
 
-    __slots__ = ("cancelled", "job", "pool", "running", "started", "thread", "wake")
+    __slots__ = ("job", "pool", "running", "thread", "wake")
 
-    thread: threading.Thread  # set once, by _Threads._new_thread
-
-    def __init__(self, pool: ThreadPool, job: Job):
+    def __init__(self, pool: ThreadPool, job: Job, run: Callable[[_Worker], None]):
         self.pool: ThreadPool | None = pool
-        self.job: Job | None = job
-        self.started = False  # its thread runs (set by the thread, under the lock)
-        self.cancelled = False  # its thread must not run: the start failed
+        self.job: Job | None = job  # cleared if its thread failed to start
         # It runs kernels: written by its thread (Job.run), read under the
         # threads' lock, false before its chunk counts done.
         self.running = False
         # Released (under the threads' lock) to wake the idle thread, its job set.
         self.wake = threading.Lock()
         self.wake.acquire()
+        self.thread = threading.Thread(target=run, args=(self,), daemon=True)
 
 
 class _Threads:
     """The daemon threads that run the kernels of every :class:`ThreadPool`.
 
-    Lock rule: every field here, and each pool's ``active``, ``peak`` and
-    ``_shutdown``, under :attr:`lock`; a job's lock is taken inside it, never
-    the reverse. A thread holds one place of one pool while it drains a job,
-    and is handed work directly; done, it takes the next queued job of its
-    pool, else any whose pool has a free place, else idles and exits.
+    Lock rule: every field here, and each pool's ``active`` and ``peak``, under
+    :attr:`lock`; a job's lock is taken inside it, never the reverse. Threads
+    start under it, so a thread that fails to start gives its place back at
+    once. A thread holds one place of one pool while it drains a job, and is
+    handed work directly; done, it takes the next queued job of its pool, else
+    any whose pool has a free place, else idles and exits.
     """
 
     def __init__(self) -> None:
@@ -113,73 +104,67 @@ class _Threads:
         self.kept_at_exit: Callable[[Job], bool] = lambda job: False
 
     def hand(self, pool: ThreadPool, job: Job, queue: bool = False) -> bool:
-        """Hands ``job`` (queued first with ``queue``) the threads it can use now.
+        """Hands ``job`` (queued first with ``queue``) the threads it can use now:
+        idle ones, then new ones, unless threads about to return will take it.
         Returns whether the interpreter refused to start them as it exits."""
         with self.lock:
-            if not queue and (self.exiting or pool._shutdown):
+            if self.exiting and not queue:
                 return False  # more threads for a map in flight: it keeps its own
-            if pool._shutdown or (self.exiting and not self.kept_at_exit(job)):
+            if self.exiting and not self.kept_at_exit(job):
                 raise ExecutorError(
-                    "jax_threadmap's thread pool has been shut down"
-                    + (
-                        " (the interpreter is exiting). Start no new maps during "
-                        "interpreter shutdown."
-                        if self.exiting
-                        else ". Pass executor=None or an int for a shared pool."
-                    )
+                    "jax_threadmap's thread pool has been shut down (the "
+                    "interpreter is exiting). Start no new maps during "
+                    "interpreter shutdown."
                 )
             if queue:
                 self.queue.append((pool, job))
-            new = self._place(pool, job)
-        return self._start(pool, job, new)  # outside the lock
-
-    def _place(self, pool: ThreadPool, job: Job) -> list[_Worker]:  # lock held
-        """Wakes idle threads for ``job`` and makes new ones (returned, to be
-        started), unless threads about to return will take it."""
-        new: list[_Worker] = []
-        returning = None  # threads about to look for work, once counted
-        while pool.active < pool.max_workers:
-            if job.hands >= min(job.n, job.limit):
-                break  # (read without the job's lock: add_hand decides)
-            if not self.idle:
-                if returning is None:
-                    returning = self._returning()
-                if returning >= policy.SPARE_THREADS():
-                    break  # they take it from the queue (_hand_next)
-            if not _take_place(pool, job):
-                break
-            if self.idle:
-                worker = self.idle.pop()
-                worker.pool, worker.job = pool, job
-                worker.wake.release()
-            else:
-                new.append(self._new_thread(pool, job))
-        return new
-
-    def _start(self, pool: ThreadPool, job: Job, new: list[_Worker]) -> bool:
-        """Starts the threads made for ``job``. A refusal fails the map, unless
-        the interpreter refused because it is exiting: then this returns
-        ``True``, and the caller runs the map."""
-        for i, worker in enumerate(new):
-            try:
-                worker.thread.start()
-            except BaseException as e:  # refused (too many threads), or Ctrl-C
-                self._cancel(pool, new[i:])
-                if isinstance(e, RuntimeError) and _at_shutdown(e):
+            returning = None  # threads about to look for work, once counted
+            while pool.active < pool.max_workers:
+                if job.hands >= min(job.n, job.limit):
+                    break  # (read without the job's lock: add_hand decides)
+                if not self.idle:
+                    if returning is None:
+                        returning = self._returning()
+                    if returning >= policy.SPARE_THREADS():
+                        break  # they take it from the queue (_hand_next)
+                if not _take_place(pool, job):
+                    break
+                if self.idle:
+                    worker = self.idle.pop()
+                    worker.pool, worker.job = pool, job
+                    worker.wake.release()
+                elif self._start(pool, job):
                     return True
-                self.forget(job)
-                if not isinstance(e, RuntimeError):
-                    job.fail(e)
-                    raise
-                job.fail(
-                    ExecutorError(
-                        f"Could not start a thread for {pool!r} "
-                        f"({threading.active_count()} threads alive): "
-                        f"{type(e).__name__}: {e}. Pass a smaller executor=N.",
-                        cause=e,
-                    )
+        return False
+
+    def _start(self, pool: ThreadPool, job: Job) -> bool:  # lock held
+        """Starts a thread for ``job``. One that fails to start gives its place
+        back and fails the map, unless the interpreter refused it because it is
+        exiting: then this returns ``True``, and the caller runs the map."""
+        worker = _Worker(pool, job, self._work)
+        worker.thread.name = f"jax_threadmap_{self.started}"
+        self.started += 1
+        self.workers.add(worker)
+        try:
+            worker.thread.start()
+        except BaseException as e:  # refused (too many threads), or Ctrl-C
+            worker.pool = worker.job = None  # a start cut short may yet run it
+            self.workers.discard(worker)
+            pool.active -= 1
+            job.drop_hand()
+            if isinstance(e, RuntimeError) and _at_shutdown(e):
+                return True
+            if not isinstance(e, RuntimeError):
+                job.fail(e)
+                raise
+            job.fail(
+                ExecutorError(
+                    f"Could not start a thread for {pool!r} "
+                    f"({threading.active_count()} threads alive): "
+                    f"{type(e).__name__}: {e}. Pass a smaller executor=N.",
+                    cause=e,
                 )
-                return False
+            )
         return False
 
     def _returning(self) -> int:  # lock held
@@ -188,21 +173,9 @@ class _Threads:
             1
             for w in self.workers
             if not w.running
-            and w.started
             and w not in self.idle
             and (w.job is None or w.job.exhausted())
         )
-
-    def _cancel(self, pool: ThreadPool, new: list[_Worker]) -> None:
-        """Gives back the places of threads whose start failed."""
-        with self.lock:
-            for worker in new:
-                if not worker.started:  # a start cut short may yet run it: it won't
-                    worker.cancelled = True
-                    self.workers.discard(worker)
-                    pool.active -= 1
-                    if worker.job is not None:
-                        worker.job.drop_hand()
 
     def forget(self, job: Job) -> None:
         """Drops ``job`` from the queue, where a thread has not yet done so."""
@@ -212,22 +185,10 @@ class _Threads:
                     self.queue.remove(entry)
                     return
 
-    def _new_thread(self, pool: ThreadPool, job: Job) -> _Worker:  # lock held
-        worker = _Worker(pool, job)
-        worker.thread = threading.Thread(
-            target=self._work, args=(worker,), name=f"jax_threadmap_{self.started}"
-        )
-        worker.thread.daemon = True
-        self.started += 1
-        self.workers.add(worker)
-        return worker
-
     def _work(self, worker: _Worker) -> None:
-        with self.lock:
-            if worker.cancelled:
-                return
-            worker.started = True
-        while (job := worker.job) is not None:
+        with self.lock:  # (its starter has let go: a failed start cleared its job)
+            job = worker.job
+        while job is not None:
             job.drain(busy=worker)
             with self.lock:
                 self._hand_next(worker)
@@ -238,6 +199,7 @@ class _Threads:
                     self.workers.discard(worker)
             if idle:
                 self._wait_for_work(worker)
+            job = worker.job
 
     def _wait_for_work(self, worker: _Worker) -> None:
         """Waits ``IDLE_TIMEOUT`` seconds to be handed a job, or leaves."""

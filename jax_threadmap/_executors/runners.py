@@ -14,13 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
-
 from .._host import remote as _remote
 from .._host.inner_threads import BLAS_LIMIT
-from .._support import environment as _environment
 from .._support import fork as _fork
-from .._support import validate as _validate
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
@@ -34,46 +30,6 @@ from .threads import interpreter_exiting, refused, said
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
 #: any of these in ``InOrder`` for one element per claim in index order.
 Executor = int | concurrent.futures.Executor | InOrder | None
-
-
-def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    """``executor`` as ``threadmap`` uses it; ``None`` checks
-    ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails the call."""
-    if isinstance(executor, InOrder):
-        if isinstance(executor.executor, InOrder):
-            raise TypeError(
-                f"{api}: InOrder takes the executor itself, not another InOrder. "
-                f"Got executor={executor!r}. Pass InOrder(8), for example."
-            )
-        return InOrder(check_executor(executor.executor, api))
-    if executor is None:
-        _environment.env_num_threads()
-        return None
-    if isinstance(executor, concurrent.futures.Executor):
-        return executor
-    if isinstance(executor, (bool, np.bool_)) or not isinstance(
-        executor, (int, np.integer)
-    ):
-        raise TypeError(
-            f"{api}: executor must be None (the shared pool), a positive int (a pool "
-            "of that many threads), a concurrent.futures.Executor, or one of these "
-            "in jax_threadmap.InOrder (elements in index order). "
-            f"Got executor={executor!r} of type {type(executor).__name__}."
-        )
-    if executor < 1:
-        raise ValueError(
-            f"{api}: executor=N must be a positive number of threads. "
-            f"Got executor={executor!r}. Pass e.g. executor=8, or None for the "
-            "shared pool."
-        )
-    if executor > _validate.MAX_THREADS:
-        raise ValueError(
-            f"{api}: executor=N must be at most {_validate.MAX_THREADS} threads. Got "
-            f"executor={int(executor)}. Pass the number of kernels that should run at "
-            "once (e.g. 32 for network reads), not the number of elements; for more "
-            "concurrency than that, pass your own concurrent.futures.Executor."
-        )
-    return int(executor)
 
 
 def known_workers(executor: concurrent.futures.Executor) -> int | None:

@@ -243,7 +243,7 @@ def test_failure_cancels_work_not_started():
             other_started.wait(GATE_TIMEOUT)
             raise RuntimeError("first element fails")
         other_started.set()
-        job = _jobs.current_job()
+        job = _jobs._local.job
         deadline = time.monotonic() + GATE_TIMEOUT
         while job is not None and not job.failed and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -914,7 +914,7 @@ class RisenRecorder(Recorder):
     reaches ``max_running == gate`` however loaded the machine."""
 
     def __call__(self, x):
-        job = _jobs.current_job()
+        job = _jobs._local.job
         if job is not None and job.limited:
             with self.lock:
                 self.threads.add(threading.current_thread())

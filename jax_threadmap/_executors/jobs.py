@@ -17,11 +17,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from .._support import fork as _fork
 from .._support.errors import ExecutorError
 from . import scheduling as policy
-from .claims import Busy, Chunk, ChunkFn
+
+#: A claimed chunk: units ``[start, stop)``.
+Chunk = tuple[int, int]
+#: Runs units ``[start, stop)`` of a job (the third argument), stopping before
+#: the next unit once the job's ``failed`` is true.
+ChunkFn = Callable[[int, int, Any], None]
+
+
+class Busy(Protocol):
+    """A thread's flag: whether it runs a kernel (see :meth:`Job.run`)."""
+
+    running: bool
 
 
 class _Local(threading.local):
@@ -36,11 +48,6 @@ _local = _Local()
 def _forget_running_job() -> None:
     # A fork from inside a kernel: the child runs none of the parent's maps.
     _local.job = None
-
-
-def current_job() -> Job | None:
-    """The map whose kernel this thread is running, if any."""
-    return _local.job
 
 
 class Job:
@@ -136,7 +143,7 @@ class Job:
         thread that runs the map's kernels (``busy``: see :meth:`run`)."""
         claim = self.claim()
         while claim is not None:
-            claim = self.run(*claim, then_claim=True, busy=busy)
+            claim = self.run(*claim, busy=busy)
 
     def claim(self) -> Chunk | None:
         """The next chunk ``(start, stop)`` from the front; ``None`` when none
@@ -155,13 +162,11 @@ class Job:
         self._outstanding += 1
         return start, stop
 
-    def run(
-        self, start: int, stop: int, then_claim: bool = False, busy: Busy | None = None
-    ) -> Chunk | None:
-        """Runs a claimed chunk (its exception fails the job); with
-        ``then_claim``, returns the next claim, made under the hold of the lock
-        that counts this chunk done. ``busy.running`` is true while the kernels
-        run, false before the chunk counts done."""
+    def run(self, start: int, stop: int, busy: Busy | None = None) -> Chunk | None:
+        """Runs a claimed chunk (its exception fails the job) and returns the next
+        claim, made under the hold of the lock that counts this chunk done.
+        ``busy.running`` is true while the kernels run, false before the chunk
+        counts done."""
         outer, _local.job = _local.job, self
         timed, limited = self.fixed is None, self.limited  # (see the lock rule)
         if busy is not None:
@@ -182,14 +187,14 @@ class Job:
         with self._lock:
             if not (timed and self._record(units, wall, cpu, limited)):
                 self._count(units)
-                return self._claim() if then_claim else None
+                return self._claim()
         try:  # it rose: more threads before the chunk counts done (and the map ends)
             if self.grow is not None:
                 self.grow()
         finally:
             with self._lock:
                 self._count(units)
-        return self.claim() if then_claim else None
+        return self.claim()
 
     def _record(self, units: int, wall: float, cpu: float, limited: bool) -> bool:
         """Records a guided chunk's time (lock held); whether the map rises now."""

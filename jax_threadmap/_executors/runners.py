@@ -21,7 +21,6 @@ from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
 from . import threads as _threads
-from .claims import MapWork
 from .jobs import Job, _local
 from .progress import Progress, progress_enabled, wait
 from .scheduling import InOrder
@@ -46,6 +45,35 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
         return None if client is None else max(1, sum(client.nthreads().values()))
     except Exception:  # noqa: BLE001 - an executor that cannot say: unknown
         return None
+
+
+class MapWork(Protocol):
+    """What the executor layer needs of a map (``_host.maps.HostMap``)."""
+
+    name: str  # for messages and progress bars
+    n: int  # elements
+    sums: bool  # outputs summed on the host: chunk bounds must not depend on timing
+    vectorized: bool  # one kernel call per chunk
+
+    @property
+    def element_bytes(self) -> int: ...  # one element's operands and results
+
+    def split(self, max_elements: int) -> int:
+        """Cuts a vectorized map into chunks of at most ``max_elements``; returns
+        how many (the work units)."""
+        ...
+
+    def run_chunk(self, start: int, stop: int, job: Any) -> None: ...
+
+    def shared(self) -> list[Any]:
+        """Operands shipped once per map to an executor that pickles work."""
+        ...
+
+    def pack(self, start: int, stop: int) -> Callable[..., Any]:
+        """A picklable task running ``[start, stop)`` in another process."""
+        ...
+
+    def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
 
 
 # --- one runner per kind of executor --------------------------------------------------
@@ -342,14 +370,6 @@ def _run_for_jax(job: Job) -> bool:
     return isinstance(_flights.get(job), threading._DummyThread)
 
 
-def _exiting_error() -> ExecutorError:
-    return ExecutorError(
-        "The interpreter is exiting: this threadmap was stopped before it "
-        "finished. Wait for maps running in other threads before the end "
-        "of the program, or make those threads non-daemon."
-    )
-
-
 def _stop_maps_of_daemon_threads(deadline: float) -> None:
     """Stops the maps that the user's daemon threads wait for, and waits until
     those threads have left them or until ``deadline``."""
@@ -359,29 +379,30 @@ def _stop_maps_of_daemon_threads(deadline: float) -> None:
         if waiter.daemon and not _run_for_jax(job)
     ]
     for job in stopped:
-        job.abandon(_exiting_error())
+        job.abandon(
+            ExecutorError(
+                "The interpreter is exiting: this threadmap was stopped before it "
+                "finished. Wait for maps running in other threads before the end "
+                "of the program, or make those threads non-daemon."
+            )
+        )
     while any(job in _flights for job in stopped) and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
-_early_hook_lock = threading.Lock()
-_early_hook = False  # under _early_hook_lock (read once without it: set once)
+#: Taken, for good, by the first registration.
+_early_hook = threading.Lock()
 
 
 def register_early_exit_hook() -> None:
     """Registers :func:`_before_executors_exit` once with threading's exit
     hooks (after ``concurrent.futures``' own, so that it runs first)."""
-    global _early_hook
-    if _early_hook:
-        return
-    with _early_hook_lock:
-        register = getattr(threading, "_register_atexit", None)
-        if not _early_hook and register is not None:
-            try:
-                register(_before_executors_exit)
-            except RuntimeError:  # the interpreter is exiting already
-                interpreter_exiting.set()
-            _early_hook = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None and _early_hook.acquire(blocking=False):
+        try:
+            register(_before_executors_exit)
+        except RuntimeError:  # the interpreter is exiting already
+            interpreter_exiting.set()
 
 
 def _before_executors_exit() -> None:

@@ -36,9 +36,7 @@ class ThreadPool:
     """At most ``max_workers`` kernels of its maps run at once, on the shared
     threads (a nested map's waiting thread, lent to it, is the one exception)."""
 
-    def __init__(self, max_workers: int):
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be at least 1. Got {max_workers=}.")
+    def __init__(self, max_workers: int):  # (at least 1: checked where it is set)
         self.max_workers = max_workers
         self.active = 0  # threads that hold a place (under the threads' lock)
         self.peak = 0  # the most places held at once
@@ -197,19 +195,15 @@ class _Threads:
                     self.idle.append(worker)
                 elif worker.job is None:
                     self.workers.discard(worker)
-            if idle:
-                self._wait_for_work(worker)
+            if idle:  # wait IDLE_TIMEOUT seconds to be handed a job, or leave
+                woke = worker.wake.acquire(timeout=IDLE_TIMEOUT)
+                with self.lock:
+                    if not woke and not worker.wake.acquire(blocking=False):
+                        if worker in self.idle:  # no one can hand us a job now
+                            self.idle.remove(worker)
+                    if worker.job is None:  # timed out, or told to exit
+                        self.workers.discard(worker)
             job = worker.job
-
-    def _wait_for_work(self, worker: _Worker) -> None:
-        """Waits ``IDLE_TIMEOUT`` seconds to be handed a job, or leaves."""
-        woke = worker.wake.acquire(timeout=IDLE_TIMEOUT)
-        with self.lock:
-            if not woke and not worker.wake.acquire(blocking=False):
-                if worker in self.idle:  # no one can hand us a job now
-                    self.idle.remove(worker)
-            if worker.job is None:  # timed out, or told to exit
-                self.workers.discard(worker)
 
     def _hand_next(self, worker: _Worker) -> None:  # lock held
         """Hands ``worker`` (just done with a job) its next job, or none."""
@@ -244,10 +238,6 @@ class _Threads:
             self.idle.clear()
             return [w.thread for w in self.workers]
 
-    def count(self) -> int:
-        with self.lock:
-            return len(self.workers)
-
 
 def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock held
     """Hands ``job`` one more thread of ``pool``, if it can use one."""
@@ -259,26 +249,20 @@ def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock hel
 
 
 _threads = _Threads()
-_pools_lock = threading.Lock()
 #: The shared pools by size (``async_call`` has its own, ``_async/pool.py``).
 _pools: dict[int, ThreadPool] = {}
 
 
 def num_threads() -> int:
     """The number of shared threads alive (busy or idle)."""
-    return _threads.count()
+    return len(_threads.workers)  # (atomic: no lock)
 
 
 def get_pool(num_threads: int | None) -> ThreadPool:
     """The shared pool of ``num_threads`` threads (default: from the environment)."""
     n = default_num_threads() if num_threads is None else num_threads
-    pool = _pools.get(n)
-    if pool is None:
-        with _pools_lock:
-            pool = _pools.get(n)
-            if pool is None:
-                pool = _pools[n] = ThreadPool(n)
-    return pool
+    # No lock: a dict's setdefault is atomic, in free-threaded builds too.
+    return _pools.get(n) or _pools.setdefault(n, ThreadPool(n))
 
 
 #: Per thread executor, the lock held while a map queues its first pullers, so
@@ -398,9 +382,8 @@ def run_on_executor(
 def _start_afresh() -> None:
     """A forked child has none of the parent's threads, and any lock here may
     have been held at the fork."""
-    global _threads, _pools_lock, _states, _states_lock, _fallback
+    global _threads, _states, _states_lock, _fallback
     _threads = _Threads()
-    _pools_lock = threading.Lock()
     _pools.clear()
     _states = weakref.WeakKeyDictionary()
     _states_lock = threading.Lock()

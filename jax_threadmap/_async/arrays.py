@@ -5,7 +5,7 @@
   call runs; when a compiled program runs with it, the argument handler
   registered here (through :mod:`.._jax.array_types`) asks :mod:`.dispatch` for buffers.
 - :func:`async_call`, :func:`deferred_call`, :meth:`AsyncArray.from_future`: each
-  makes the :class:`~._background.Task` behind every array of one call.
+  makes the :class:`~.background.Task` behind every array of one call.
 - Exit (:func:`_at_exit`): calls still running are reported and abandoned.
 """
 

@@ -4,8 +4,8 @@
 shared by every array of its result, and the one owner of the call's state:
 each change of it is one of its methods, under its lock (the table in its
 docstring); no other module reads or writes its fields. A plain ``fn`` runs on
-the async pool (:mod:`._async_threads`), an ``async def`` one on the event loop
-(:mod:`._event_loop`); a thread that needs a value whose call has not started
+the async pool (:mod:`.pool`), an ``async def`` one on the event loop
+(:mod:`.._support.event_loop`); a thread that needs a value whose call has not started
 runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock. The dispatch
 mechanism lends a call a slot and gates (:class:`Lender`,
 :meth:`Task.add_program`) and reports its programs' ends

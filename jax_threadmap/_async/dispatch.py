@@ -1,6 +1,6 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
-The one file to swap to change the mechanism: :mod:`._arrays` uses only
+The one file to swap to change the mechanism: :mod:`.arrays` uses only
 :data:`mechanism`, :func:`async_dispatch_status` and :class:`AsyncCallFailed`.
 How it works (docs/async.md, "How it works", says the same):
 
@@ -15,7 +15,7 @@ How it works (docs/async.md, "How it works", says the same):
 - **Streams.** XLA runs the programs of one execution stream in dispatch order
   (by default a stream per thread). The gate programs and the program behind
   them go on a new stream per dispatch, so that nothing else waits for this
-  data (:mod:`._program_runs`, which wraps every run of a program).
+  data (:mod:`.program_runs`, which wraps every run of a program).
 - **The bound.** XLA's CPU client admits 32 programs per device, waiting ones
   included. At most :data:`MAX_WAITING_PROGRAMS` gate programs (and as many
   programs behind them) wait per device; beyond that a dispatch waits, in
@@ -84,14 +84,14 @@ class Shard(NamedTuple):
     position: int
     #: The leaf of the call's result (``AsyncArray._index``).
     leaf: int
-    #: The shard's index into the leaf, hashable (see :func:`._leaves.index_key`).
+    #: The shard's index into the leaf, hashable (see :func:`.leaves.index_key`).
     where: tuple
     shape: tuple[int, ...]
     dtype: Any
 
 
 class _Gate(NamedTuple):
-    """A gate (``_background.Gate``): a pending 4-byte pull on one device."""
+    """A gate (``background.Gate``): a pending 4-byte pull on one device."""
 
     array: jax.Array
     pull_id: int
@@ -378,7 +378,7 @@ class Dispatch:
             owed.remove((t, device))
         return outs
 
-    # -- what a call is lent (a _background.Lender), under the call's lock --
+    # -- what a call is lent (a background.Lender), under the call's lock --
 
     def lend_slot(self, task: Task) -> int:
         """The id by which the gate programs find ``task``."""

@@ -13,9 +13,9 @@
   (:func:`abandon_at_exit`): calls still running, and threads still in calls
   given up on, are named in one warning; the calls are abandoned.
 
-``async def`` calls run on the event loop of :mod:`._event_loop` instead of the
+``async def`` calls run on the event loop of :mod:`.._support.event_loop` instead of the
 pool. Everything here only calls the methods of :class:`Call` and
-:class:`LiveCall` (which ``_background.Task`` has), so this module knows nothing
+:class:`LiveCall` (which ``background.Task`` has), so this module knows nothing
 of what a call computes.
 """
 

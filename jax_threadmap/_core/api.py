@@ -116,7 +116,7 @@ def _rule_param(
     rule: Callable[..., Any] | None, outer: tuple[KernelFunction[Any], ...]
 ) -> Callable[..., Any] | None:
     """A derivative kernel as the param carries it: a ``jax_threadmap.kernel``
-    becomes a :class:`~._params.RuleKernel` with its own rules, taken now."""
+    becomes a :class:`~.params.RuleKernel` with its own rules, taken now."""
     if rule is None:
         return None
     if not isinstance(rule, KernelFunction):
@@ -402,7 +402,7 @@ class KernelFunction(Generic[R]):
 
     def _check_async(self, fn: Callable[..., Any], what: str) -> None:
         """Refuses an ``async def`` kernel (or derivative kernel) with an
-        executor or ``vectorized`` (see ``_async_kernels``)."""
+        executor or ``vectorized`` (see ``_executors.coroutines``)."""
         _async_kernels.check_async_kernel(
             fn,
             executor=self._executor,

@@ -2,7 +2,7 @@
 
 The JVP rule binds the equation again and computes the output tangent with a
 second ``threadmap`` equation that runs the kernel's JVP kernel (a
-:class:`~._params.DerivativeParam` of the derived :class:`~._params.Node`),
+:class:`~.params.DerivativeParam` of the derived :class:`~.params.Node`),
 linear in its tangent operands; the transpose rule of such an equation runs the
 dual kernel (the VJP kernel for a JVP equation, and back) as a third. A
 derivative kernel that is a ``jax_threadmap.kernel`` brings its own rules, so
@@ -11,7 +11,7 @@ kernel's JVP kernel, and so on. All of them fold under ``vmap`` through the one
 batching rule. ``docs/architecture.md`` explains the design.
 
 The rules receive ``bind`` (``threadmap_p.bind``) from the rule table in
-:mod:`._primitive`, so this module does not import the primitive.
+:mod:`.primitive`, so this module does not import the primitive.
 """
 
 from __future__ import annotations

@@ -3,17 +3,18 @@
 One equation per call site, however many ``vmap`` levels wrap it: the batching
 rule rebinds ``threadmap_p`` with the batch spec grown by one level and never
 moves or tiles an operand. The lowering emits one host callback; the eager impl
-calls the same host function directly. Both run the flat map of :mod:`._host` on
-the executor named in the params (:func:`._maps.run_map`), or, for an ``async def``
-kernel, as coroutines on the event loop (:func:`._async_kernels.run_async_map`).
-The derivative rules are in :mod:`._autodiff`; all six registrations are at the
+calls the same host function directly. Both run the flat map of
+:mod:`.._host.maps` on the executor named in the params
+(:func:`.._executors.runners.run_map`), or, for an ``async def`` kernel, as
+coroutines on the event loop (:func:`.._executors.coroutines.run_async_map`).
+The derivative rules are in :mod:`.autodiff`; all six registrations are at the
 bottom of this file.
 
 Params of every equation:
 
-- ``kernel``: a :mod:`._params` value, what runs per element (hashable);
+- ``kernel``: a :mod:`.params` value, what runs per element (hashable);
 - ``result_avals``: one element's result leaves;
-- ``spec``: the :class:`~._batch_spec.BatchSpec`;
+- ``spec``: the :class:`~.batch_spec.BatchSpec`;
 - ``executor`` and ``progress``: as passed to ``threadmap``.
 """
 

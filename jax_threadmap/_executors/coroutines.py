@@ -2,12 +2,13 @@
 
 A kernel that waits (a request, a read from an object store) holds a thread per
 waiting element when it is a plain function. An ``async def`` kernel instead runs
-each element as a coroutine on the package's one event loop (:mod:`._event_loop`,
-the loop of ``async def`` loaders), so thousands of elements wait at once on one
-thread. The map is the same flat map of :mod:`._host` (views in, results checked
-and written in place by the caller's own checks, ``KernelError`` with the batch
-index); only what runs it differs (:func:`run_async_map`, called by the primitive's
-host function instead of ``_maps.run_map``):
+each element as a coroutine on the package's one event loop
+(:mod:`.._support.event_loop`, the loop of ``async def`` loaders), so thousands of
+elements wait at once on one thread. The map is the same flat map of
+:mod:`.._host.maps` (views in, results checked and written in place by the
+caller's own checks, ``KernelError`` with the batch index); only what runs it
+differs (:func:`run_async_map`, called by the primitive's host function instead
+of ``runners.run_map``):
 
 - at most ``max_in_flight`` elements are in flight: that many workers, each a task
   on the loop, draw flat indices in order from one iterator and await one element
@@ -17,7 +18,7 @@ host function instead of ``_maps.run_map``):
   element gets ``CancelledError`` at its current ``await``); the map raises without
   awaiting them, and a cancelled element stores nothing;
 - the thread that waits for the map (the caller's, or XLA's under ``jit``) waits in
-  :func:`._progress.wait`; Ctrl-C there cancels the map the same way;
+  :func:`.progress.wait`; Ctrl-C there cancels the map the same way;
 - each step of an element (from one ``await`` to the next) is timed; a step longer
   than :data:`SLOW_STEP` held the loop, and with it every other element, loader
   and map on it: the map then warns, naming the kernel, the batch index and how

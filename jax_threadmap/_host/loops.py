@@ -42,7 +42,7 @@ ChunkFn = Callable[[int, int, Any], None]
 
 
 class Caller(Protocol):
-    """What a generated loop needs of ``_host.ElementCaller``."""
+    """What a generated loop needs of ``maps.ElementCaller``."""
 
     fn: Callable[..., Any]
     name: str

@@ -13,7 +13,7 @@ integer per element, and the element loop is specialised for the common kernel
 signatures so that its cost per element stays close to a bare Python loop.
 
 Outputs summed over some batch levels (the cotangents of operands not batched at
-those levels) are the business of :mod:`._summing`, which this module calls.
+those levels) are the business of :mod:`.summing`, which this module calls.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class ElementCaller(KernelCaller):
         """A function running elements ``[start, stop)`` of views with batch
         ``shape``.
 
-        The loop is generated for this kernel's signature (:mod:`._loops`); this
+        The loop is generated for this kernel's signature (:mod:`.loops`); this
         caller's ``call``, ``result_leaves`` and ``store`` are its checked slow
         paths. ``flat_of[j]`` maps local index ``j`` to the flat batch index (for
         messages), when the views hold a gathered subset of the batch.
@@ -327,7 +327,7 @@ class HostMap:
 
     def shared(self) -> list[np.ndarray]:
         """The large operands that every element reads whole, which an executor
-        that pickles work receives once per map (see :func:`._remote.share`);
+        that pickles work receives once per map (see :func:`.remote.share`);
         the tasks that :meth:`pack` makes from now on refer to them."""
         self._shared, arrays = _remote.shared_operands(self.in_v, self.shape)
         return arrays
@@ -337,7 +337,7 @@ class HostMap:
         raise NotImplementedError
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
         raise NotImplementedError
 
     def finish(self) -> tuple[np.ndarray, ...]:
@@ -383,7 +383,7 @@ class ElementMap(HostMap):
         )
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
         partials = self.partials.new()
         self._store_rows(start, stop, outs, partials)
         if self.sums:
@@ -477,7 +477,7 @@ class ChunkMap(HostMap):
         return _remote.pack_pieces(self.caller, pieces, self._shared)
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`._remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
         for i, values in zip(range(start, stop), outs, strict=True):

@@ -144,7 +144,7 @@ ChunkFn = Callable[[int, int, Any], None]
 
 
 class ElementLoops(Protocol):
-    """Builds the loop that runs a chunk of elements (``_host.ElementCaller``)."""
+    """Builds the loop that runs a chunk of elements (``maps.ElementCaller``)."""
 
     out_core: list[tuple[tuple[int, ...], np.dtype]]
 
@@ -304,7 +304,7 @@ def _pack_rows(
 
 
 class ChunkCall(Protocol):
-    """Calls a vectorized kernel on one chunk (``_vectorized.ChunkCaller``)."""
+    """Calls a vectorized kernel on one chunk (``vectorized.ChunkCaller``)."""
 
     def call(
         self, leaves: list[np.ndarray], first: int, k: int

@@ -1,9 +1,9 @@
 """Outputs summed over batch levels on the host: how a summed output works.
 
-The transpose rule (:func:`._autodiff.transpose_rule`) asks, from the program
+The transpose rule (:func:`.._core.autodiff.transpose_rule`) asks, from the program
 alone, which batch levels the host sums each output over: the levels at which
 the operand whose cotangent it is was not batched (:func:`summed_levels`). It
-records them in the equation's spec (:attr:`._batch_spec.BatchSpec.out_sum`).
+records them in the equation's spec (:attr:`.._core.batch_spec.BatchSpec.out_sum`).
 Everything after that decision lives here too:
 
 - the output buffer holds only the kept levels, zero-filled, and is seen with
@@ -13,10 +13,10 @@ Everything after that decision lives here too:
   the partials are added into the outputs in chunk order, so that the result
   does not depend on which thread ran which chunk (the executor layer gives
   such maps fixed chunk bounds); memory stays a few partials per worker;
-- a per-element loop adds with ``+=`` (``_loops`` writes that line for the
+- a per-element loop adds with ``+=`` (``loops`` writes that line for the
   outputs in ``accumulate``); a vectorized piece adds its values, reduced over
   the summed dims inside the piece (:func:`add_piece`);
-- a chunk shipped to another process (:mod:`._remote`) sums in the worker, one
+- a chunk shipped to another process (:mod:`.remote`) sums in the worker, one
   sum per distinct output row it adds into (:func:`remote_outputs`,
   :func:`remote_sums`), and the host adds those rows into the chunk's partial
   (:meth:`PartialSums.add_rows`).
@@ -79,7 +79,7 @@ class PartialSums:
         spec: The equation's batch spec.
         outs: The map's output buffers (see :func:`new_output`).
         merge: Merges a view with the full batch shape as the map's views are
-            merged (``_host.merge_view`` with the map's groups).
+            merged (``maps.merge_view`` with the map's groups).
 
     Lock rule: :attr:`_waiting` and :attr:`_folded` are read and written under
     :attr:`_lock` (chunks finish on many threads).

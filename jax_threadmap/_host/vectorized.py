@@ -2,7 +2,7 @@
 
 A vectorized kernel receives every operand with one leading axis of length ``k``,
 a chunk of the flat batch, and returns each result with that leading axis. The
-chunks are *pieces* of the merged batch shape ``S`` (see ``_host.HostMap``) that
+chunks are *pieces* of the merged batch shape ``S`` (see ``maps.HostMap``) that
 are rectangular: a range ``j0:j1`` of one dim ``p`` with the dims before ``p``
 fixed and the dims after it whole. So each operand's chunk is
 ``view[prefix + (slice(j0, j1),)].reshape(k, *core)``: a strided view when the
@@ -95,7 +95,7 @@ def chunk_of(view: np.ndarray, index: tuple[Any, ...], k: int, nb: int) -> np.nd
 
 
 class KernelCaller:
-    """What a caller of a kernel holds, per element (``_host.ElementCaller``) or
+    """What a caller of a kernel holds, per element (``maps.ElementCaller``) or
     per chunk (:class:`ChunkCaller`). Picklable, so that process and Dask
     workers run the same checks.
 

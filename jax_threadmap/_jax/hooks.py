@@ -65,7 +65,7 @@ DISPATCH_STREAMS = "dispatch streams"
 #: than ``jax.device_put``; where a hook is missing, by ``jax.device_put``.
 FAST_PLACEMENT = "fast placement"
 #: Optional: under ``jit``, batch axes sharded over explicit mesh axes are mapped
-#: per shard (:mod:`._per_shard`). Where a hook is missing, such equations are
+#: per shard (:mod:`.._core.per_shard`). Where a hook is missing, such equations are
 #: mapped on one device as in automatic mode (:func:`per_shard_unavailable`).
 PER_SHARD_JIT = "per-shard jit"
 
@@ -508,7 +508,7 @@ HOOKS: tuple[Hook, ...] = (
             ("is_undefined_primal", "tells linear inputs in a transpose rule"),
         )
     ),
-    # Async arrays. An `AsyncArray` (jax_threadmap/_arrays.py) is passed to `jit`
+    # Async arrays. An `AsyncArray` (jax_threadmap/_async/arrays.py) is passed to `jit`
     # without its data: tracing and compilation need only its abstract value, and
     # the wait for the data belongs at execution. JAX has no public hook for such a
     # type, and since jax 0.8 `__jax_array__` is no longer honoured during
@@ -608,7 +608,7 @@ HOOKS: tuple[Hook, ...] = (
     # filled later. No public API makes one. `jax.experimental.transfer` (the same
     # module and signatures in 0.6.2 ... 0.12; experimental, so it may move) can:
     # `TransferConnection.pull` returns arrays whose buffers arrive when the
-    # server's `await_pull` offers them. `_dispatch.py` pulls only a 4-byte gate
+    # server's `await_pull` offers them. `_async/dispatch.py` pulls only a 4-byte gate
     # through it (the data goes through a `pure_callback` program that waits on
     # the gate), so the loopback socket carries no data.
     *(
@@ -649,7 +649,7 @@ HOOKS: tuple[Hook, ...] = (
     # XLA orders the programs of one execution stream (by default, one per
     # dispatching thread). jaxlib lets a thread pick the stream of what it
     # dispatches (jaxlib.xla_client.execution_stream_id, a context manager that
-    # sets it and puts it back; the same in 0.6.2 ... 0.12). `_dispatch.py` puts
+    # sets it and puts it back; the same in 0.6.2 ... 0.12). `_async/dispatch.py` puts
     # a dispatch on pending data on a stream of its own, and puts the thread back
     # when JAX's call that runs the compiled program (ExecuteReplicated.__call__,
     # which it wraps: `wrap_program_runs`) returns.

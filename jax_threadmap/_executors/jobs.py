@@ -245,7 +245,7 @@ class Job:
 
     def abandon(self, error: BaseException) -> None:
         """Fails the job and releases its waiting thread at once, without waiting
-        for its running chunks: for interpreter exit."""
+        for its running chunks (they write only into the map's buffers): at exit."""
         self.fail(error)
         self.done.set()
 

@@ -68,7 +68,9 @@ class _Worker:
 
     __slots__ = ("job", "pool", "running", "thread", "wake")
 
-    def __init__(self, pool: ThreadPool, job: Job, run: Callable[[_Worker], None]):
+    def __init__(
+        self, pool: ThreadPool, job: Job, run: Callable[[_Worker], None], name: str
+    ):
         self.pool: ThreadPool | None = pool
         self.job: Job | None = job  # cleared if its thread failed to start
         # It runs kernels: written by its thread (Job.run), read under the
@@ -77,7 +79,7 @@ class _Worker:
         # Released (under the threads' lock) to wake the idle thread, its job set.
         self.wake = threading.Lock()
         self.wake.acquire()
-        self.thread = threading.Thread(target=run, args=(self,), daemon=True)
+        self.thread = threading.Thread(target=run, args=(self,), name=name, daemon=True)
 
 
 class _Threads:
@@ -139,8 +141,7 @@ class _Threads:
         """Starts a thread for ``job``. One that fails to start gives its place
         back and fails the map, unless the interpreter refused it because it is
         exiting: then this returns ``True``, and the caller runs the map."""
-        worker = _Worker(pool, job, self._work)
-        worker.thread.name = f"jax_threadmap_{self.started}"
+        worker = _Worker(pool, job, self._work, f"jax_threadmap_{self.started}")
         self.started += 1
         self.workers.add(worker)
         try:
@@ -265,9 +266,9 @@ def get_pool(num_threads: int | None) -> ThreadPool:
     return _pools.get(n) or _pools.setdefault(n, ThreadPool(n))
 
 
-#: Per thread executor, the lock held while a map queues its first pullers, so
-#: that two maps started at once do not split its workers; executors that take
-#: no weak references share ``_fallback``.
+#: Per thread executor, the lock held while a map queues its first pullers: two
+#: maps started at once would split its workers, and elements that wait for each
+#: other could wait for good. Executors without weak references share _fallback.
 _states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
 _fallback = threading.Lock()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from . import hooks
 from .hooks import THREADMAP, get, or_missing, require
 
@@ -53,6 +55,17 @@ def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> An
 
 def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
     return get("emit_python_callback")(*args, **kwargs)
+
+
+def lower_zeros(ctx: Any, args: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+    """IR values of zeros shaped like ``avals``, inside the lowering ``ctx`` of
+    an equation whose operands are ``args`` (read by no one)."""
+
+    def zeros(*operands: Any) -> list[Any]:
+        del operands
+        return [jnp.zeros(a.shape, a.dtype) for a in avals]
+
+    return list(get("lower_fun")(zeros, multiple_results=True)(ctx, *args))
 
 
 def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:

@@ -15,6 +15,7 @@ os.environ["XLA_FLAGS"] = (
 import asyncio  # noqa: E402
 import concurrent.futures  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -461,6 +462,23 @@ def the_callbacks_buffer_is_not_kept():
     for b in buffers:
         b[...] = -1  # the loader reuses its buffers
     check("the array does not alias the callback's buffers", np.array_equal(x, DATA))
+    # Slices of a memory-mapped file (an ndarray subclass): the device buffers
+    # must not be the file's pages, which a later write changes.
+    data = np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "data.npy")
+        np.save(path, data)
+        mapped = np.load(path, mmap_mode="r+")
+        y = jtm.async_array_from_callback(
+            data.shape, sharding, lambda i: mapped[i], np.float32
+        ).result(WAIT)
+        mapped[...] = -1
+        mapped.flush()
+        check(
+            "the array does not alias a memory-mapped file's pages",
+            np.array_equal(y, data),
+            shards_of(y),
+        )
 
 
 def bad_arguments():

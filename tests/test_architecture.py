@@ -235,3 +235,72 @@ def test_no_module_reads_frames_or_sets_profilers():
         p.stem for p in PACKAGE.rglob("*.py") if INTROSPECTION.search(p.read_text())
     }
     assert found == set(), sorted(found)
+
+
+#: The state machines of the async wing with one owner each: the module that
+#: owns the class, and the private fields no other module may touch.
+def _owned_fields() -> dict[str, tuple[str, set[str]]]:
+    from jax_threadmap._async.arrays import AsyncArray
+    from jax_threadmap._async.background import Task
+
+    def private(cls: type) -> set[str]:
+        return {n for n in cls.__slots__ if n.startswith("_") and n[:2] != "__"}
+
+    return {
+        "Task": ("_async.background", private(Task)),
+        "AsyncArray": ("_async.arrays", private(AsyncArray)),
+    }
+
+
+def owner_violations(path: pathlib.Path, name: str) -> list[str]:
+    """The private fields of an owned class (``Task``, ``AsyncArray``) that the
+    module ``name`` at ``path`` touches: on any object but ``self``, and on
+    ``self`` in a subclass of the owned class (``class ShardedLoad(Task)``)."""
+    found = []
+    tree = ast.parse(path.read_text())
+    for cls_name, (owner, fields) in _owned_fields().items():
+        if name == owner:
+            continue
+        subclass_bodies = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef)
+            and any(getattr(b, "id", None) == cls_name for b in node.bases)
+        ]
+        in_subclass = {id(n) for c in subclass_bodies for n in ast.walk(c)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in fields:
+                continue
+            on_self = isinstance(node.value, ast.Name) and node.value.id == "self"
+            if not on_self or id(node) in in_subclass:
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)} ({cls_name})")
+    return found
+
+
+def test_a_call_and_an_array_are_changed_only_by_their_own_modules():
+    # One owner, enforced: a Task subclass (the sharded load) uses Task's
+    # override points, and async dispatch reaches an array's call and leaf
+    # through the record the array's module hands it (dispatch.Pending).
+    found = [
+        v
+        for name, path in modules().items()
+        if name.startswith("_async.")
+        for v in owner_violations(path, name)
+    ]
+    assert found == [], found
+
+
+def test_the_owner_checker_sees_fields_touched_from_outside(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "class Load(Task):\n    def f(self):\n        self._state = 'running'\n\n"
+        "def plan(x):\n    return x._task, x._index, x.task._gates\n\n"
+        "class Other:\n    def g(self):\n        return self._lock\n"
+    )
+    found = owner_violations(bad, "_async.bad")
+    assert [f.split(" ", 1)[1] for f in found] == [
+        "self._state (Task)",
+        "x.task._gates (Task)",
+        "x._task (AsyncArray)",
+        "x._index (AsyncArray)",
+    ], found

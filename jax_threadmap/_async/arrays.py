@@ -375,7 +375,8 @@ def make_arrays(task: Task) -> Any:
 
 def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
     # Called by jit only when a compiled program runs, after compilation.
-    return _dispatch.mechanism.arrays_for(xs, shardings)
+    pending = [_dispatch.Pending(x._task, x._index, x) for x in xs]
+    return _dispatch.mechanism.arrays_for(pending, shardings)
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)

@@ -2,8 +2,11 @@
 
 :class:`Task` is one call of ``fn`` (or one wrapped ``Future``) and its outcome,
 shared by every array of its result, and the one owner of the call's state:
-each change of it is one of its methods, under its lock (the table in its
-docstring); no other module reads or writes its fields. A plain ``fn`` runs on
+each change of it is one of its methods, under its lock, through one method
+that refuses a move not in its table (:meth:`Task._move`, the tables in its
+docstring); no other module reads or writes its fields, and a subclass (a
+sharded load, :mod:`.shard_loads`, whose :class:`Part` s are the call's too)
+changes what the call does through override points only. A plain ``fn`` runs on
 the async pool (:mod:`.pool`), an ``async def`` one on the event loop
 (:mod:`.._support.event_loop`); a thread that needs a value whose call has not started
 runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock. The dispatch
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from .._support import event_loop as _event_loop
 from .._support import fork as _fork
@@ -45,8 +49,6 @@ from .leaves import (
 from .pool import worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
-
-PENDING, RUNNING, FINISHING, FINISHED = "pending", "running", "finishing", "finished"
 
 #: The ``async def`` calls whose fn returned in this turn of the event loop,
 #: with what it returned, until :meth:`Task._land_all` lands them; touched on
@@ -83,35 +85,127 @@ class Lender(Protocol):
 
 # --- one call, shared by the arrays of its result -------------------------------------
 
+PENDING, RUNNING, FINISHING, FINISHED = "pending", "running", "finishing", "finished"
+#: A part's states besides pending and running: its data placed, or stopped (the
+#: call ended first).
+PLACED, STOPPED = "placed", "stopped"
+
+#: The moves of a call's state, and of a part's (:meth:`Task._move`); any other
+#: is a bug, refused with ``InvalidStateError`` as ``concurrent.futures.Future``
+#: refuses one.
+CALL_MOVES = frozenset(
+    {
+        (PENDING, RUNNING),  # claimed
+        (PENDING, FINISHING),  # given up on, or abandoned, before it started
+        (RUNNING, FINISHING),  # returned, raised, given up on, abandoned
+        (FINISHING, FINISHED),  # published, or its error set
+    }
+)
+PART_MOVES = frozenset(
+    {
+        (PENDING, RUNNING),  # claimed
+        (PENDING, STOPPED),  # the call ended before it started
+        (RUNNING, PLACED),  # landed
+        (RUNNING, STOPPED),  # failed, or the call ended first
+    }
+)
+
+
+class Part:
+    """A piece of a call that runs on its own and lands before the call ends
+    (a sharded load's shard): its own fetch, the devices its data goes to.
+
+    Its ``state``, ``worker`` and ``source`` are the call's: changed only by
+    :class:`Task`'s methods, under the call's lock. A call of the async pool
+    (``name``, :meth:`run`, :meth:`time_out`).
+    """
+
+    __slots__ = ("task", "name", "devices", "what", "state", "worker", "source")
+
+    def __init__(self, task: Task, devices: list[Any], what: str) -> None:
+        self.task = task
+        self.name = task.name  # shown in the name of the thread that runs it
+        self.devices = devices
+        #: Names the part in errors: "the shard at index [0:2] (devices 0, 1)".
+        self.what = what
+        self.state = PENDING
+        self.worker: _async_threads.Worker | None = None
+        self.source: asyncio.Task | None = None
+
+    def run(self, worker: _async_threads.Worker | None = None) -> None:
+        self.task._run(self, worker)
+
+    def time_out(self) -> None:  # the call's timeout covers its parts
+        pass
+
+    def __str__(self) -> str:
+        return f"{self.task.name} ({self.task.api}, {self.what})"
+
 
 class Task:
     """One call of ``fn`` (or one wrapped Future) and its shared outcome.
 
-    The one owner of the call's state: each transition is a method, under
-    ``_lock``. States: ``pending`` (not started; a ``deferred_call`` not yet
-    submitted), ``running``, ``finishing`` (its outcome is being set: values
-    placed, or the error kept; no gate is added any more) and ``finished``
-    (landed or failed). Timed out, cancelled and abandoned calls are failed
-    calls whose error says so; a call given up on drops what ``fn`` returns
-    later.
+    The one owner of the call's state: each change is a method here, under
+    ``_lock``, and goes through :meth:`_move`, which refuses a move that is not
+    in :data:`CALL_MOVES` (or :data:`PART_MOVES`). States: ``pending`` (not
+    started; a ``deferred_call`` not yet submitted), ``running``, ``finishing``
+    (its outcome is being set: values placed, or the error kept; no gate is
+    added any more) and ``finished`` (landed or failed). Timed out, cancelled
+    and abandoned calls are failed calls whose error says so; a call given up
+    on drops what ``fn`` returns later.
 
-    ==========  =========================  =========  ==============================
-    state       event (method)             next       taken (+), given back (-)
-    ==========  =========================  =========  ==============================
-    pending     submit                     pending    + queue entry or loop task,
-                                                      + deadline, + live entry
-    pending     claim (run, _run_corout.)  running    + pool slot (its thread)
-    pend., run  add_program (a dispatch)   same       + gate program, + slot (first)
-    running     fn returns (_land)         finishing  - pool slot; gates open: data
-    running     fn raises (_fail)          finishing  - pool slot; gates open: error
-    pend., run  give_up (timeout, cancel)  finishing  - pool slot (abandon), - loop
-                                                      task (cancel); gates: error
-    pend., run  abandon (at exit)          finishing  gates open: error
-    finishing   _publish, or failed (_end) finished   - live entry
-    any         program_ran                same       - gate program
-    ended       no program left            same       - slot, - host data
-    ended       fn returns or raises late  same       nothing (dropped)
-    ==========  =========================  =========  ==============================
+    ==================  ==========================  =========  =====================
+    state               event (method)              next       taken (+), given
+                                                               back (-)
+    ==================  ==========================  =========  =====================
+    pending             submit                      same       + queue entry or loop
+                                                               task, + deadline,
+                                                               + live entry
+    pending             claim (_claim)              running    + pool slot (its
+                                                               thread); a call not
+                                                               submitted in this
+                                                               process (a waiter
+                                                               runs a deferred
+                                                               call): + live entry,
+                                                               + deadline
+    pending, running    add_program (a dispatch)    same       + gate program,
+                                                               + slot (the first)
+    running             fn returns (_accept)        finishing  gates open: data
+    running             fn raises (_fail)           finishing  gates open: error
+    pending, running    give_up (timeout, cancel)   finishing  - pool slot (abandon),
+                                                               - loop task (cancel);
+                                                               gates open: error
+    pending, running    abandon (at exit)           finishing  gates open: error
+    finishing           _publish, _conclude (_end)  finished   - live entry
+    finishing,finished  its thread leaves run       same       - pool slot (once
+                                                               placed and published;
+                                                               at give_up if given
+                                                               up on)
+    any                 program_ran                 same       - gate program
+    finishing,finished  no gate program left        same       - slot, - host data
+    finishing,finished  fn returns or raises late   same       nothing (dropped)
+    ==================  ==========================  =========  =====================
+
+    A call of :class:`Part` s (a sharded load) runs each part on its own, and
+    is running from its first part's claim; each part moves so:
+
+    ==================  ==========================  =========  =====================
+    part                event (method)              next       taken (+), given
+                                                               back (-)
+    ==================  ==========================  =========  =====================
+    pending             claim (_claim)              running    + pool slot or loop
+                                                               task
+    running             lands (_land_part)          placed     its devices' gates
+                                                               open: its data; the
+                                                               last: the call is
+                                                               settled
+    running             fails (_part_failed)        stopped    the call fails
+    pending, running    the call ends (_stop_parts) stopped    - pool slot (abandon),
+                                                               - loop task (cancel)
+    ==================  ==========================  =========  =====================
+
+    A dispatch after a part has landed gets its placed data for those devices,
+    not a gate.
 
     An ``async def`` call whose fn returned is landed (checked, placed, its
     gates opened) one turn of the event loop later, together with every other
@@ -124,14 +218,24 @@ class Task:
     slot is given back in one place (:meth:`_give_back_slot`), by the later of
     the call's end and its last gate program. In a forked child, a call that
     ran at the fork fails at its first use (:meth:`wait`).
+
+    Subclasses change what a call does, never its fields, through these
+    override points: :meth:`_start` (what ``submit`` queues), :meth:`_work`
+    (what runs for the call or a part), :meth:`_accept` (what ``fn`` returned,
+    landed: by default checked, then placed by :meth:`_place` and published
+    once its copies are done; a call whose ``fn`` returns placed arrays
+    publishes them at once with :meth:`_publish_placed`), :meth:`_part_returned`
+    and :meth:`_all_parts_landed` (a call of parts), :meth:`serves` and
+    :meth:`time_out`. They end a call with :meth:`_fail`, :meth:`_conclude` or
+    :meth:`_publish`, and land a part with :meth:`_land_part`.
     """
 
     # Named in one string: a thousand calls in flight, each without a __dict__.
     __slots__ = tuple(
         "_lock _state _submitted _clock _pid _fn _args _kwargs name api treedef "
         "specs future runnable _kept _slot _lender _gates _host _error_text "
-        "_programs timeout _worker coroutine _source _donated _value "
-        "__weakref__".split()
+        "_programs timeout _worker coroutine _source _donated _value _parts "
+        "_left _early __weakref__".split()
     )
 
     def __init__(
@@ -164,8 +268,9 @@ class Task:
         self.runnable = fn is not None
         self._kept: KeptError | None = None  # the error, raised by every use
         # Async dispatch: the slot the gates carry (0: none) and its lender, the
-        # gates by device, the data the gate programs copy (NumPy), the error
-        # text they raise, and how many gate programs are still to run.
+        # gates by device, the data the gate programs copy (NumPy: by leaf, or
+        # by device for a call of parts), the error text they raise, and how
+        # many gate programs are still to run.
         self._slot = 0
         self._lender: Lender | None = None
         self._gates: dict[Any, Gate] = {}
@@ -183,6 +288,11 @@ class Task:
         self._source: asyncio.Task | None = None
         # The leaves donated to a jitted call (donate_argnums): later uses fail.
         self._donated: frozenset[int] = frozenset()
+        # A call of parts (_set_parts): the parts, how many are still to land,
+        # and the data placed so far, by device (until the call settles).
+        self._parts: tuple[Part, ...] | None = None
+        self._left = 0
+        self._early: dict[Any, jax.Array] = {}
 
     @classmethod
     def for_call(
@@ -222,6 +332,21 @@ class Task:
             _async_threads.live.add(task)
         return task
 
+    def _set_parts(self, parts: list[Part]) -> None:
+        """Makes this a call of ``parts`` (once, before it is submitted)."""
+        with self._lock:
+            if self._parts is not None or self._state != PENDING or self._submitted:
+                raise concurrent.futures.InvalidStateError(
+                    f"{self}: parts are set once, before the call starts"
+                )
+            self._parts = tuple(parts)
+            self._left = len(parts)
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """The call's parts (none for a call without parts)."""
+        return self._parts or ()
+
     @property
     def returned(self) -> bool:
         """Whether ``fn`` returned and its values are being placed."""
@@ -244,23 +369,38 @@ class Task:
             return "done" if error is None else f"failed: {describe_error(error)}"
         return "deferred" if self.deferred else "pending"
 
-    # -- what the dispatch mechanism asks (a sharded load answers otherwise) --
+    def _move(self, to: str, part: Part | None = None) -> None:  # lock held
+        """The one change of the call's state (or of ``part``'s): refuses a move
+        that is not in :data:`CALL_MOVES` (:data:`PART_MOVES`)."""
+        now = self._state if part is None else part.state
+        if (now, to) not in (CALL_MOVES if part is None else PART_MOVES):
+            what = "the call" if part is None else part.what
+            raise concurrent.futures.InvalidStateError(
+                f"{self}: {what} cannot move from {now} to {to}"
+            )
+        if part is None:
+            self._state = to
+        else:
+            part.state = to
+
+    # -- what the dispatch mechanism asks --
 
     def serves(self, sharding: Any, shape: tuple[int, ...]) -> bool:
-        """Whether gate programs can hand this call's data laid out by ``sharding``."""
+        """Whether gate programs can hand this call's data laid out by ``sharding``.
+
+        Override point: a call of parts serves only its own layout.
+        """
         del sharding, shape
         return True
 
-    def ready_shard(self, device: Any) -> jax.Array | None:
-        """The shard of ``device``, placed before the call's end (lock held)."""
-        del device
-        return None
-
     def gate_data(self, leaf: int, where: tuple, device: Any) -> Any:
         """What the gate program of ``device`` copies; ``None``: the call failed."""
-        del device
         host = self._host
-        return None if host is None else host[leaf][index_of(where)]
+        if host is None:
+            return None
+        if self._parts is not None:  # one leaf, laid out as its parts (serves)
+            return host.get(device)
+        return host[leaf][index_of(where)]
 
     def failure_text(self) -> str:
         """The error the gate programs raise (once the call failed)."""
@@ -270,14 +410,14 @@ class Task:
         """Counts a gate program on ``device`` that will read this call.
 
         Returns ``(True, gate)``: the program's input, opened at the call's end
-        (or when a sharded load's shard for ``device`` lands); ``(False,
-        shard)``: the shard is placed already (no program is counted);
-        ``None``: the call is ending (its value is waited for instead).
+        (or when the part of a call of parts for ``device`` lands); ``(False,
+        shard)``: that part is placed already (no program is counted); ``None``:
+        the call is ending (its value is waited for instead).
         """
         with self._lock:
             if self._state not in (PENDING, RUNNING):
                 return None
-            shard = self.ready_shard(device)
+            shard = self._early.get(device)
             if shard is not None:
                 return False, shard
             if not self._slot:
@@ -304,10 +444,21 @@ class Task:
         assert lender is not None
         lender.give_back_slot(slot)
 
-    def _open(self, gates: dict[Any, Gate]) -> None:
+    def _open(
+        self, gates: dict[Any, Gate], host: Callable[[], Any] | None = None
+    ) -> None:
         """Opens ``gates``, taken from the call under its lock (with its data or
-        error set); the programs then copy the data or raise the error."""
-        while gates:  # dropped as opened, before the result is set (see _shard_loads)
+        error set); the programs then copy the data or raise the error.
+
+        ``host()``: what the programs copy (by leaf), made only if there are
+        gates: a host copy of a device array costs a transfer that nothing
+        else needs.
+        """
+        if gates and host is not None:
+            data = host()
+            with self._lock:
+                self._host = data
+        while gates:  # dropped as opened, before the result is set (see _land_part)
             device, gate = gates.popitem()
             try:
                 gate.open(self._slot)
@@ -334,91 +485,172 @@ class Task:
         with _async_threads.live_lock:
             _async_threads.live.add(self)
         self._start_clock()
-        if self.coroutine:
+        self._start()
+
+    def _start(self) -> None:
+        """Queues the call's work, at :meth:`submit` (once). Override point.
+
+        A call of parts starts every part not started yet (one with no parts
+        settles at once), a coroutine call runs on the event loop, any other
+        on the pool.
+        """
+        if self._parts is not None:
+            if not self._parts and self._claim(None):
+                gates = self._settle()
+                if gates is not None:
+                    self._all_parts_landed({}, gates)
+            for part in self._parts:
+                if part.state != PENDING:  # a hint: _claim decides
+                    continue
+                if self.coroutine:
+                    coroutine = functools.partial(self._run_coroutine, part)
+                    _event_loop.event_loop().submit(coroutine, self.name)
+                else:
+                    _async_threads.pool().submit(part)
+        elif self.coroutine:
             _event_loop.event_loop().submit(self._run_coroutine, self.name)
         else:
             _async_threads.pool().submit(self)
 
     def _claim(
-        self, worker: _async_threads.Worker | None, source: asyncio.Task | None = None
+        self,
+        worker: _async_threads.Worker | None,
+        source: asyncio.Task | None = None,
+        part: Part | None = None,
     ) -> bool:
+        """Claims the call (pending -> running) for this thread or coroutine, or
+        one of its parts (the call too, with the first); ``False``: already
+        claimed, or ended."""
+        pid = os.getpid()
         with self._lock:
-            if self._state != PENDING:
+            if part is None and self._state != PENDING:
                 return False
-            pid = os.getpid()
+            if part is not None:
+                if self._state not in (PENDING, RUNNING) or part.state != PENDING:
+                    return False
+                if self._state == RUNNING and self._pid != pid:
+                    return False  # running in the parent of this fork: never ends here
+                self._move(RUNNING, part)
+                part.worker, part.source = worker, source
             # submit() did the two below, unless in the parent of this fork.
             known = self._submitted and self._pid == pid
-            self._state = RUNNING
+            if self._state == PENDING:
+                self._move(RUNNING)
+            if part is None:
+                self._worker, self._source = worker, source
             self._pid = pid
-            self._worker = worker
-            self._source = source
         if not known:
             with _async_threads.live_lock:
                 _async_threads.live.add(self)
             self._start_clock()
         return True
 
-    def _left_runner(self) -> None:
+    def _left_runner(self, part: Part | None) -> None:
         """``fn`` returned or raised: its thread or coroutine is no longer ours."""
         with self._lock:
-            self._worker = self._source = None
+            if part is None:
+                self._worker = self._source = None
+            else:
+                part.worker = part.source = None
+
+    def _adopt(self, source: asyncio.Task | None, part: Part | None) -> bool:
+        """The coroutine that awaits what the call's thread returned."""
+        with self._lock:
+            if (self._state if part is None else part.state) != RUNNING:
+                return False
+            if part is None:
+                self._source = source
+            else:
+                part.source = source
+            return True
 
     def run(self, worker: _async_threads.Worker | None = None) -> None:
         """Runs the call here, unless it has already started (or ended).
 
         A coroutine call is submitted to the event loop instead: there is no
-        bounded pool to get around.
+        bounded pool to get around. A call of parts starts them all, and runs
+        here those not started yet (a waiting thread helps).
         """
-        if self.coroutine:
+        if self._parts is not None:
             self.submit()
-            return
-        if not self.runnable or not self._claim(worker):
-            return
+            if not self.coroutine:
+                for part in self._parts:
+                    self._run(part, None)
+        elif self.coroutine:
+            self.submit()
+        elif self.runnable:
+            self._run(None, worker)
+
+    def _work(self, part: Part | None) -> Any:
+        """Calls what computes the call (or ``part``); returns what it returned.
+        Override point (a call of parts fetches each)."""
+        del part
         fn, args, kwargs = self._fn, self._args, self._kwargs
         # The arguments may be large (raw bytes, file handles): do not keep them.
         self._fn = self._args = self._kwargs = None
-        assert fn is not None  # runnable
-        try:
-            out = fn(*args, **kwargs)
-        except BaseException as e:  # routed to every use, like a Future does
-            self._left_runner()
-            self._fail(e, raised_by_fn=True)
+        return _event_loop.call(fn, args, kwargs)
+
+    def _run(self, part: Part | None, worker: _async_threads.Worker | None) -> None:
+        """Runs the call (or ``part``) here, in a thread, once claimed."""
+        if not self._claim(worker, None, part):
             return
-        self._left_runner()
+        try:
+            out = self._work(part)
+        except BaseException as e:  # routed to every use, like a Future does
+            self._left_runner(part)
+            self._raised(part, e)
+            return
+        self._left_runner(part)
         if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
-            awaited = functools.partial(self._run_coroutine, out)
+            awaited = functools.partial(self._run_coroutine, part, out)
             _event_loop.event_loop().submit(awaited, self.name)
             return
-        self._finish(out)
+        self._returned(part, out)
 
-    async def _run_coroutine(self, awaitable: Any = None) -> None:
-        """Runs the call on the event loop: ``fn``'s coroutine, or ``awaitable``.
+    async def _run_coroutine(
+        self, part: Part | None = None, awaitable: Any = None
+    ) -> None:
+        """Runs the call (or ``part``) on the event loop: its coroutine, or
+        ``awaitable`` (what its thread returned).
 
         Claimed here, on the loop, before ``fn`` is called: asyncio would run a
         task cancelled before its first step up to its first ``await``.
         """
         source = asyncio.current_task()
-        if awaitable is not None and not self._adopt(source):
+        if awaitable is not None and not self._adopt(source, part):
             _event_loop.close_awaitable(awaitable)  # given up on while on its way here
             return
-        if awaitable is None and not self._claim(None, source):
+        if awaitable is None and not self._claim(None, source, part):
             return
-        call = (self._fn, self._args, self._kwargs)
-        self._fn = self._args = self._kwargs = None
         try:
-            out = _event_loop.call(*call) if awaitable is None else awaitable
+            out = self._work(part) if awaitable is None else awaitable
             while inspect.isawaitable(out):
                 out = await out
         except BaseException as e:  # our cancel included: then dropped by _fail
-            self._left_runner()
-            self._fail(e, raised_by_fn=True)
+            self._left_runner(part)
+            self._raised(part, e)
             return
-        self._left_runner()
-        # Landed with the other loads whose fn returns in this turn of the
+        self._left_runner(part)
+        if part is not None:
+            self._returned(part, out)
+            return
+        # Landed with the other calls whose fn returns in this turn of the
         # loop, one turn later (:meth:`_land_all`).
         if not _returned:
             asyncio.get_running_loop().call_soon(Task._land_all)
         _returned.append((self, out))
+
+    def _raised(self, part: Part | None, error: BaseException) -> None:
+        if part is None:
+            self._fail(error, raised_by_fn=True)
+        else:
+            self._part_failed(part, error)
+
+    def _returned(self, part: Part | None, out: Any) -> None:
+        if part is None:
+            self._finish(out)
+        else:
+            self._part_returned(part, out)
 
     @staticmethod
     def _land_all() -> None:
@@ -431,7 +663,7 @@ class Task:
         _returned.clear()
         # Every check first, then every placement: each runs back to back
         # (measured: placements so run at several times the speed).
-        checked = [(task, task._check(out)) for task, out in batch]
+        checked = [(task, task._accept(out)) for task, out in batch]
         del batch
         landed = [(task, task._place(*c)) for task, c in checked if c is not None]
         placed = [(task, leaves) for task, leaves in landed if leaves is not None]
@@ -445,13 +677,6 @@ class Task:
                 task._publish(leaves)
             except BaseException:  # noqa: BLE001 - logged; the value is set
                 logger.exception("landing %s of %s", task.api, task)
-
-    def _adopt(self, source: asyncio.Task | None) -> bool:
-        with self._lock:
-            if self._state != RUNNING:
-                return False
-            self._source = source
-            return True
 
     def on_source_done(self, source: concurrent.futures.Future) -> None:
         """Done-callback of a wrapped Future: checks and places its value."""
@@ -467,7 +692,8 @@ class Task:
     # -- the end: returned, raised, given up on, abandoned --
 
     def time_out(self) -> None:
-        """Gives up on the call because its timeout has passed."""
+        """Gives up on the call because its timeout has passed (override point:
+        a call of parts names those still missing)."""
         cancels = self.coroutine or self._source is not None
         assert self.timeout is not None
         self.give_up(_outcomes.timed_out(self.name, self.api, self.timeout, cancels))
@@ -496,46 +722,45 @@ class Task:
         self._conclude(error, gates, raised_by_fn=False, names_call=True)
         return True
 
-    def _close(self, host: Any = None) -> dict[Any, Gate]:  # lock held
-        """Ends the time in which gates are added; takes them (and keeps
-        ``host``, what their programs copy, if there are any)."""
-        self._state = FINISHING
+    def _close(self) -> dict[Any, Gate]:  # lock held
+        """Ends the time in which gates are added (-> finishing); takes them."""
+        self._move(FINISHING)
         gates, self._gates = self._gates, {}
-        if gates and host is not None:
-            self._host = host
         return gates
 
-    def _settle(self, host: Any = None) -> dict[Any, Gate] | None:
+    def _settle(self) -> dict[Any, Gate] | None:
         """:meth:`_close` for a running call; ``None`` if it was given up on."""
         with self._lock:
-            return None if self._state != RUNNING else self._close(host)
+            return None if self._state != RUNNING else self._close()
 
     def _finish(self, out: Any) -> None:
-        leaves = self._land(out)
+        """Lands what ``fn`` returned, in the thread it returned to."""
+        accepted = self._accept(out)
+        if accepted is None:
+            return
+        leaves = self._place(*accepted)
         if leaves is not None and self._ready(leaves):
             self._publish(leaves)
 
-    def _land(self, out: Any) -> list[jax.Array] | None:
-        """Checks and places what ``fn`` returned, and opens the gates; the
-        placed leaves (their copies to device may still run), or ``None`` if
-        the call failed or was given up on."""
-        checked = self._check(out)
-        return None if checked is None else self._place(*checked)
+    def _accept(self, out: Any) -> tuple[list[Any], dict[Any, Gate]] | None:
+        """Lands what ``fn`` returned, or starts to. Override point.
 
-    def _check(self, out: Any) -> tuple[list[Any], dict[Any, Gate]] | None:
-        """Checks what ``fn`` returned and settles the call (running ->
-        finishing): its frozen leaves and the gates to open, or ``None`` if
-        the call failed or was given up on."""
+        By default: checks it and settles the call (running -> finishing);
+        returns its frozen leaves and the gates to open, for :meth:`_place`,
+        then :meth:`_ready` and :meth:`_publish` (for a burst of ``async def``
+        calls, each step for every call of the burst in turn). ``None``:
+        nothing more to do: the call failed or was given up on, or was landed
+        here (a call whose ``fn`` returns placed arrays publishes them at once
+        with :meth:`_publish_placed`).
+        """
         try:
             # Checked and copied now: a loader that refills the buffer it
             # returned (for its next call) changes nothing here.
             frozen = check_result(self, out)
-            # The gate programs copy from these, once their gate opens.
-            host = [host_view(leaf) for leaf in frozen]
         except BaseException as e:
             self._fail(e, raised_by_fn=False)
             return None
-        gates = self._settle(host)
+        gates = self._settle()
         if gates is None:
             logger.debug("%s of %s returned after it was given up on", self.api, self)
             return None
@@ -547,10 +772,11 @@ class Task:
         """Opens the settled call's gates and places its leaves (``None``: that
         failed, and the call with it)."""
         try:
-            self._open(gates)  # empties it: the error below opens nothing
+            # The gate programs copy from these host arrays (made only if any).
+            self._open(gates, lambda: [host_view(leaf) for leaf in frozen])
             return place(self, frozen)
         except BaseException as e:
-            self._conclude(e, gates, raised_by_fn=False)
+            self._conclude(e, gates, raised_by_fn=False)  # _open emptied gates
             return None
 
     def _ready(self, leaves: list[jax.Array]) -> bool:
@@ -564,6 +790,22 @@ class Task:
             return False
         return True
 
+    def _publish_placed(self, leaves: list[jax.Array]) -> bool:
+        """Settles a running call and publishes ``leaves``, placed already, at
+        once (gate programs copy from them; nothing is checked, copied or
+        waited for). ``False``: the call had been given up on."""
+        gates = self._settle()
+        if gates is None:
+            logger.debug("%s of %s returned after it was given up on", self.api, self)
+            return False
+        try:
+            self._open(gates, lambda: [host_view(leaf) for leaf in leaves])
+        except BaseException as e:
+            self._conclude(e, gates, raised_by_fn=False)
+            return False
+        self._publish(leaves)
+        return True
+
     def _publish(self, leaves: list[jax.Array]) -> None:
         """The placed leaves become the call's value (finishing -> finished)."""
         try:
@@ -573,6 +815,8 @@ class Task:
             self._value = leaves  # after: value() never answers before done()
 
     def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
+        """Fails a running call with ``error`` (unless it was given up on);
+        ``raised_by_fn``: ``error`` is the loader's own (it gets a note)."""
         gates = self._settle()
         if gates is None:
             logger.debug("%s of %s failed after it was given up on", self.api, self)
@@ -581,7 +825,7 @@ class Task:
 
     def _end(self) -> None:
         with self._lock:
-            self._state = FINISHED
+            self._move(FINISHED)
         with _async_threads.live_lock:
             _async_threads.live.discard(self)
         self._give_back_slot()
@@ -595,13 +839,15 @@ class Task:
         names_call: bool = False,
         part: str = "",
     ) -> None:
-        """Sets the call's error: every use raises it, every gate program too.
+        """Sets the error of the finishing call: every use raises it, every gate
+        program too.
 
         ``gates``: those taken at the end and not opened yet. ``names_call``:
         the error is one of this module's, whose message already names the
         call (a timeout, a cancel); it is then not named twice. ``part``: the
         part of the call that failed (a shard), for the messages.
         """
+        self._stop_parts()  # first: the placed parts go before uses are told
         if raised_by_fn:
             n = len(self.specs)
             _outcomes.note_on(error, self.name, self.api, self.runnable, n, part)
@@ -645,6 +891,101 @@ class Task:
         if gates:
             text = _outcomes.exit_text(self.name, self.api, self.runnable)
             self._fail_gates(gates, text)
+
+    # -- a call of parts --
+
+    def _part_returned(self, part: Part, out: Any) -> None:
+        """Checks and places what ``part``'s fetch returned, then lands it
+        (:meth:`_land_part`), or fails the call. Override point of a call of
+        parts."""
+        del out
+        self._part_failed(part, NotImplementedError(f"{self}: no part landing"))
+
+    def _land_part(self, part: Part, placed: list[jax.Array]) -> None:
+        """``part``'s data, placed on its devices (one array each): opens their
+        gates; the last part's landing settles the call
+        (:meth:`_all_parts_landed`). Dropped if the call ended meanwhile.
+
+        Takes ``placed``: the list is emptied, so that no caller's frame holds
+        the arrays (see below).
+        """
+        with self._lock:
+            if self._state != RUNNING or part.state != RUNNING:
+                placed.clear()
+                return  # the call ended meanwhile: dropped
+            self._move(PLACED, part)
+            self._early.update(zip(part.devices, placed, strict=True))
+            placed.clear()
+            gates = self._gates
+            released = {d: gates.pop(d) for d in part.devices if d in gates}
+            if released:  # what the gate programs copy (a view on CPU)
+                self._host = self._host or {}
+                self._host.update((d, np.asarray(self._early[d])) for d in released)
+            self._left -= 1
+            last = self._left == 0
+            early, rest = ({}, {}) if not last else (self._early, self._close())
+            if last:
+                self._early = {}
+        # Arrays are freed before the result is set, never after: a daemon
+        # thread still in JAX's C++ when the interpreter exits aborts it.
+        if released:
+            self._open(released)
+        del released
+        if last:
+            self._all_parts_landed(early, rest)
+
+    def _all_parts_landed(self, placed: dict[Any, jax.Array], gates: dict) -> None:
+        """Makes the value from every part's placed data (by device), and
+        publishes it; ``gates``: any left (for the error). Override point of a
+        call of parts: it takes ``placed`` (empties it before it publishes)."""
+        placed.clear()
+        self._conclude(
+            NotImplementedError(f"{self}: no assembly"), gates, raised_by_fn=False
+        )
+
+    def _part_failed(
+        self, part: Part, error: BaseException, ours: bool = False
+    ) -> None:
+        """``part`` failed with ``error``: the call fails, naming the part
+        (``ours``: the error is this package's, naming the call)."""
+        with self._lock:  # its own thread or coroutine is not stopped
+            if part.state == RUNNING:
+                self._move(STOPPED, part)
+            part.worker = part.source = None
+        gates = self._settle()
+        if gates is None:
+            logger.debug("%s: %s failed after the call ended", self, part.what)
+            return
+        self._conclude(
+            error,
+            gates,
+            raised_by_fn=not ours,
+            names_call=ours,
+            part=part.what,
+        )
+
+    def _stop_parts(self) -> None:
+        """Parts not placed never start, or leave the pool's bound, or are cancelled."""
+        if self._parts is None:
+            return
+        with self._lock:
+            stopping = [p for p in self._parts if p.state in (PENDING, RUNNING)]
+            handles = [(p, p.worker, p.source) for p in stopping]
+            for p in stopping:
+                self._move(STOPPED, p)
+            self._early = {}
+        for part, worker, source in handles:
+            if worker is not None:
+                _async_threads.pool().abandon(worker, part)
+            if source is not None:
+                _event_loop.event_loop().cancel(source)
+
+    def parts_not_placed(self) -> list[Part]:
+        """The parts whose data has not landed (for a timeout's message)."""
+        with self._lock:
+            return [p for p in self.parts if p.state != PLACED]
+
+    # -- uses --
 
     def donation_of(self, leaf: int) -> Callable[[], None]:
         """What to call when ``leaf`` is donated to a jitted call."""

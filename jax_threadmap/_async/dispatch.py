@@ -1,7 +1,8 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
 The one file to swap to change the mechanism: :mod:`.arrays` uses only
-:data:`mechanism`, :func:`async_dispatch_status` and :class:`AsyncCallFailed`.
+:data:`mechanism`, :class:`Pending`, :func:`async_dispatch_status` and
+:class:`AsyncCallFailed`; of a call, only ``Task``'s public methods are used.
 How it works (docs/async.md, "How it works", says the same):
 
 - **Gates.** The argument handler hands JAX, for the pending arrays of one
@@ -11,7 +12,7 @@ How it works (docs/async.md, "How it works", says the same):
   callback then copies the call's result (never through the socket) or raises
   its error, which reaches every dependent. A sharded load opens each device's
   gate when that device's shard is placed, and a later dispatch takes the placed
-  shard itself (``Task.ready_shard``); asked for in another layout, it waits.
+  shard itself (``Task.add_program``); asked for in another layout, it waits.
 - **Streams.** XLA runs the programs of one execution stream in dispatch order
   (by default a stream per thread). The gate programs and the program behind
   them go on a new stream per dispatch, so that nothing else waits for this
@@ -79,12 +80,33 @@ _RAN = jax.ShapeDtypeStruct((), np.int32)
 _DISPATCH_PLATFORMS = frozenset({"cpu"})
 
 
+class Pending(NamedTuple):
+    """An ``AsyncArray`` handed to a dispatch: its call, the leaf of the call's
+    result it is, and the array (its shape, dtype, and value once there).
+
+    Made by :mod:`.arrays` (the array's owner), so that this module reaches
+    the call and leaf by these fields, never by the array's private ones.
+    """
+
+    task: Task
+    leaf: int
+    array: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.array.dtype
+
+
 class Shard(NamedTuple):
     """One shard of one pending array that a gate program makes."""
 
     #: The array's position among the arguments of the dispatch.
     position: int
-    #: The leaf of the call's result (``AsyncArray._index``).
+    #: The leaf of the call's result (``Pending.leaf``).
     leaf: int
     #: The shard's index into the leaf, hashable (see :func:`.leaves.index_key`).
     where: tuple
@@ -135,7 +157,7 @@ Plan = dict[Any, dict[Task, list[Shard]]]
 Claimed = dict[Task, dict[Any, tuple[bool, jax.Array]]]
 
 
-def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
+def _plan(xs: list[Pending], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
     """One gate program per device; returns it and each array's device order."""
     plan: Plan = {}
     layouts = []
@@ -144,8 +166,8 @@ def _plan(xs: list[Any], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
         layouts.append(list(indices))
         shard_shape = sharding.shard_shape(x.shape)
         for device, index in indices.items():
-            plan.setdefault(device, {}).setdefault(x._task, []).append(
-                Shard(k, x._index, index_key(index), shard_shape, x.dtype)
+            plan.setdefault(device, {}).setdefault(x.task, []).append(
+                Shard(k, x.leaf, index_key(index), shard_shape, x.dtype)
             )
     return plan, layouts
 
@@ -216,7 +238,7 @@ class Dispatch:
 
     # -- at dispatch, in the thread that calls the jitted function --
 
-    def arrays_for(self, xs: list[Any], shardings: list[Any]) -> list[Any]:
+    def arrays_for(self, xs: list[Pending], shardings: list[Any]) -> list[Any]:
         """One jax.Array per x: the value if there, else a pending one.
 
         Where async dispatch is off or its bound is reached, waits for the data
@@ -226,21 +248,21 @@ class Dispatch:
         todo = []
         for i, x in enumerate(xs):
             # Blocking for a sharded load asked for in another layout.
-            if x.done() or not x._task.serves(shardings[i], x.shape):
-                out[i] = x.result()
+            if x.task.future.done() or not x.task.serves(shardings[i], x.shape):
+                out[i] = x.array.result()
             else:
                 todo.append(i)
         if todo and self._may_dispatch([shardings[i] for i in todo]):
             self._dispatch_pending(xs, shardings, todo, out)
         for i in todo:
             if out[i] is None:  # blocking dispatch: its own data
-                out[i] = xs[i].result()
+                out[i] = xs[i].array.result()
         for x, array in zip(xs, out, strict=True):  # later uses fail if donated
-            _program_runs.note_handed(array, x._task.donation_of(x._index))
+            _program_runs.note_handed(array, x.task.donation_of(x.leaf))
         return out
 
     def _dispatch_pending(
-        self, xs: list[Any], shardings: list[Any], todo: list[int], out: list[Any]
+        self, xs: list[Pending], shardings: list[Any], todo: list[int], out: list[Any]
     ) -> None:
         """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs."""
         # The gate programs (and the program being dispatched, if any) go on a
@@ -286,7 +308,7 @@ class Dispatch:
         with self._lock:
             return all(self._waiting.get(d, 0) < MAX_WAITING_PROGRAMS for d in devices)
 
-    def _pending_arrays(self, xs: list[Any], shardings: list[Any]) -> list:
+    def _pending_arrays(self, xs: list[Pending], shardings: list[Any]) -> list:
         plan, layouts = _plan(xs, shardings)
         # (task, device) pairs whose program count was raised and whose program
         # is not dispatched yet: undone if anything fails on the way.
@@ -302,7 +324,7 @@ class Dispatch:
             task.submit()  # a deferred call starts now; no-op for the others
         made: list[Any] = []
         for k, (x, sharding) in enumerate(zip(xs, shardings, strict=True)):
-            if x._task not in claimed:
+            if x.task not in claimed:
                 made.append(None)  # finishing: wait for its placed value
                 continue
             parts = [shards[k, device] for device in layouts[k]]

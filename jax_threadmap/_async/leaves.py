@@ -408,19 +408,38 @@ def place_shard(
 ) -> list[jax.Array]:
     """``shard`` on each of ``devices``, there when this returns; never aliased.
 
-    ``value`` is what the callback returned (``shard`` itself unless cast). On
-    CPU, ``jax.device_put`` may keep a NumPy buffer as the device buffer
-    instead of copying it (one 64-byte aligned; seen in jax 0.6.2, 0.10.2 and
-    0.12, with any ``may_alias``): where it did (the same address), the shard
-    is placed again from a copy of its own. So a shard costs its buffer and one
-    copy at most, as in ``jax.make_array_from_callback``. ``fmt``: a ``Format``
-    whose layout each shard takes.
+    ``value`` is what the callback returned (``shard`` itself, a view of its
+    memory, or a cast copy). On CPU, ``jax.device_put`` may keep a NumPy buffer
+    as the device buffer instead of copying it (one 64-byte aligned; seen in
+    jax 0.6.2, 0.10.2 and 0.12, with any ``may_alias``): where it did (the same
+    address) and the buffer is not a copy of ours, the shard is placed again
+    from a copy of its own. Which memory is the callback's is decided by
+    memory, not identity: a slice of an ``np.memmap`` (an ndarray subclass)
+    reaches us as a base-class view of the file's pages. So a shard costs its
+    buffer and one copy at most, as in ``jax.make_array_from_callback``.
+    ``fmt``: a ``Format`` whose layout each shard takes.
     """
     placed = _put(shard, devices, fmt)
-    if shard is value and isinstance(shard, np.ndarray) and _aliased(placed, shard):
+    if (
+        isinstance(shard, np.ndarray)
+        and not _own_copy(shard, value)
+        and _aliased(placed, shard)
+    ):
         del placed
         placed = _put(np.array(shard, order="C"), devices, fmt)
     return placed
+
+
+def _own_copy(shard: np.ndarray, value: Any) -> bool:
+    """Whether ``shard`` is a copy made here (a cast) of the callback's
+    ``value``: an array that shares no memory with it. Anything else (the
+    array itself, a view of it, what ``np.asarray`` made of another library's
+    array) may be the callback's memory."""
+    return (
+        shard is not value
+        and isinstance(value, np.ndarray)
+        and not np.may_share_memory(shard, value)
+    )
 
 
 def _put(shard: Any, devices: list[Any], fmt: Any) -> list[jax.Array]:

@@ -25,12 +25,9 @@ data_callback)``, returning an ``AsyncArray`` at once:
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import inspect
 import logging
 import operator
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,9 +38,8 @@ from .._jax import traces as _traces
 from .._support import event_loop as _event_loop
 from .._support.validate import callable_name, check_callable, check_timeout
 from . import outcomes as _outcomes
-from . import pool as _async_threads
 from .arrays import AsyncArray, make_arrays
-from .background import PENDING, RUNNING, Task
+from .background import RUNNING, Part, Task
 from .leaves import (
     LeafSpec,
     check_shard,
@@ -61,29 +57,17 @@ logger = logging.getLogger("jax_threadmap._async")
 
 API = "async_array_from_callback"
 
-# A part's states: its fetch not started, running, its shard placed, or stopped
-# (the load ended first).
-PLACED, STOPPED = "placed", "stopped"
 
+class Shard(Part):
+    """One distinct index of the array: its fetch and the devices that hold it."""
 
-class Part:
-    """One distinct index of the array: its fetch and the devices that hold it.
+    __slots__ = ("index", "key")
 
-    A call of the async pool (``name``, :meth:`run`, :meth:`time_out`). Lock
-    rule: ``state``, ``worker`` and ``source`` change under the load's lock.
-    """
-
-    __slots__ = ("load", "name", "index", "key", "devices", "state", "worker", "source")
-
-    def __init__(self, load: ShardedLoad, index: tuple, key: tuple) -> None:
-        self.load = load
-        self.name = load.name  # shown in the name of the thread that runs it
+    def __init__(self, load: ShardedLoad, index: tuple, key: tuple, devices: list):
+        super().__init__(load, devices, "")
         self.index = index
         self.key = key
-        self.devices: list[Any] = []
-        self.state = PENDING
-        self.worker: _async_threads.Worker | None = None
-        self.source: asyncio.Task | None = None
+        self.what = f"the shard at {self.where()} of the array of shape {load.shape}"
 
     def where(self) -> str:
         """``index [0:2, :] (devices 0, 1)``: device ids as JAX numbers them."""
@@ -91,31 +75,18 @@ class Part:
         plural = "s" if len(self.devices) > 1 else ""
         return f"index {index_str(self.index)} (device{plural} {ids})"
 
-    def run(self, worker: _async_threads.Worker | None = None) -> None:
-        self.load.run_part(self, worker)
-
-    def time_out(self) -> None:  # the load's timeout covers its parts
-        pass
-
-    def __str__(self) -> str:
-        return f"{self.load.name} ({API}, the shard at {self.where()})"
-
 
 class ShardedLoad(Task):
     """The fetches of one array's shards, and their shared outcome.
 
-    The state moves as a ``Task``'s: running from the first part's start,
-    finishing when the last part is placed (then assembled) or at the first
-    failure, timeout or cancel. Lock rule (the task's ``_lock``): the parts'
-    states, ``_left``, ``_placed``, and, as for every task, the gates: a part is
-    placed and its devices' gates are taken out of ``gates`` and offered under
-    one acquisition, so every gate is offered once (by its part, or with the
-    error at the end).
+    A ``Task`` of parts (:class:`Shard`), one per distinct index: the task owns
+    every state (the load's and its parts'); this class says what a part
+    fetches (:meth:`_work`), how its shard is checked and placed
+    (:meth:`_part_returned`), and how the array is assembled when the last
+    one lands (:meth:`_all_parts_landed`).
     """
 
-    __slots__ = tuple(
-        "parts shape sharding _fetch _left _placed _order _layout _first".split()
-    )
+    __slots__ = tuple("shape sharding _fetch _order _layout _first".split())
 
     def __init__(
         self,
@@ -142,16 +113,13 @@ class ShardedLoad(Task):
         self._fetch = fetch  # called once per part
         indices = sharding.addressable_devices_indices_map(shape)
         self._order = list(indices)
-        parts: dict[tuple, Part] = {}
+        by_key: dict[tuple, tuple[tuple, list[Any]]] = {}
         for device, index in indices.items():
             assert index is not None  # typed Optional; None only off this process
-            key = index_key(index)
-            if key not in parts:
-                parts[key] = Part(self, index, key)
-            parts[key].devices.append(device)
-        self.parts = list(parts.values())
-        self._left = len(self.parts)
-        self._placed: dict[Any, jax.Array] = {}
+            by_key.setdefault(index_key(index), (index, []))[1].append(device)
+        self._set_parts(
+            [Shard(self, index, key, devs) for key, (index, devs) in by_key.items()]
+        )
         # A Format's layout (its type and layout), for each shard's placement.
         self._layout = layout
         # (key, value) of the shard fetched at the call (dtype=None, or traced).
@@ -159,102 +127,24 @@ class ShardedLoad(Task):
 
     # -- start --
 
-    def submit(self) -> None:
-        """Starts every part (once); the timeout counts from now."""
-        with self._lock:
-            if self._submitted or self._state != PENDING:
-                return
-            self._submitted = True
-            if not self.parts:  # no device of this process holds a shard
-                self._state = RUNNING
-        with _async_threads.live_lock:
-            _async_threads.live.add(self)
-        self._start_clock()
-        if not self.parts:
-            self._assemble(self._settle() or {})
+    def _start(self) -> None:
+        """Starts every part; the one fetched at the call lands first."""
         first, self._first = self._first, None
-        for part in self.parts:
-            if first is not None and part.key == first[0]:
-                if self._claim_part(part, None, None):  # fetched at the call
-                    self._part_arrived(part, first[1])
-                continue
-            if self.coroutine:
-                coroutine = functools.partial(self._run_part_coroutine, part)
-                _event_loop.event_loop().submit(coroutine, self.name)
-            else:
-                _async_threads.pool().submit(part)
-
-    def run(self, worker: _async_threads.Worker | None = None) -> None:
-        """Runs here the parts that have not started (a waiting thread helps)."""
-        del worker
-        self.submit()
-        if not self.coroutine:
+        if first is not None:
             for part in self.parts:
-                self.run_part(part, None)
+                if isinstance(part, Shard) and part.key == first[0]:
+                    if self._claim(None, None, part):  # fetched at the call
+                        self._part_returned(part, first[1])
+        super()._start()
 
-    def _claim_part(
-        self,
-        part: Part,
-        worker: _async_threads.Worker | None,
-        source: asyncio.Task | None,
-    ) -> bool:
-        with self._lock:
-            if self._state not in (PENDING, RUNNING) or part.state != PENDING:
-                return False
-            part.state = RUNNING
-            part.worker, part.source = worker, source
-            self._state = RUNNING
-            self._pid = os.getpid()
-        return True
-
-    def run_part(self, part: Part, worker: _async_threads.Worker | None) -> None:
-        """Fetches one part here (a pool thread, or a thread that waits)."""
-        if not self._claim_part(part, worker, None):
-            return
-        try:
-            out = self._fetch(part.index)
-        except BaseException as e:  # routed to every use, like a Future does
-            self._part_left_runner(part)
-            self._part_failed(part, e)
-            return
-        self._part_left_runner(part)
-        if inspect.isawaitable(out):  # a plain callback returning a coroutine
-            coroutine = functools.partial(self._run_part_coroutine, part, out)
-            _event_loop.event_loop().submit(coroutine, self.name)
-            return
-        self._part_arrived(part, out)
-
-    def _part_left_runner(self, part: Part) -> None:
-        with self._lock:
-            part.worker = part.source = None
-
-    async def _run_part_coroutine(self, part: Part, awaitable: Any = None) -> None:
-        """Fetches one part on the event loop (claimed there first)."""
-        source = asyncio.current_task()
-        if awaitable is None:
-            if not self._claim_part(part, None, source):
-                return
-        else:
-            with self._lock:
-                part.source = source
-                alive = part.state == RUNNING
-            if not alive:
-                _event_loop.close_awaitable(awaitable)
-                return
-        try:
-            out = self._fetch(part.index) if awaitable is None else awaitable
-            while inspect.isawaitable(out):
-                out = await out
-        except BaseException as e:  # our cancel included: then dropped
-            self._part_left_runner(part)
-            self._part_failed(part, e)
-            return
-        self._part_left_runner(part)
-        self._part_arrived(part, out)
+    def _work(self, part: Part | None) -> Any:
+        assert isinstance(part, Shard)
+        return self._fetch(part.index)
 
     # -- a shard lands, in the thread that fetched it --
 
-    def _part_arrived(self, part: Part, out: Any) -> None:
+    def _part_returned(self, part: Part, out: Any) -> None:
+        assert isinstance(part, Shard)
         if part.state != RUNNING:  # the load ended meanwhile: not even placed
             return
         if isinstance(out, jax.core.Tracer):
@@ -273,30 +163,10 @@ class ShardedLoad(Task):
             self._part_failed(part, e, ours=True)
             return
         del out, shard  # the callback's buffer is not kept
-        with self._lock:
-            if self._state != RUNNING or part.state != RUNNING:
-                return  # the load ended meanwhile: dropped
-            part.state = PLACED
-            self._placed.update(zip(part.devices, placed, strict=True))
-            gates = self._gates
-            released = {d: gates.pop(d) for d in part.devices if d in gates}
-            if released:  # what the gate programs copy (a view on CPU)
-                self._host = self._host or {}
-                self._host.update((d, np.asarray(self._placed[d])) for d in released)
-            self._left -= 1
-            last = self._left == 0
-            rest = self._close() if last else {}
-        # Arrays are freed before the result is set, never after: a daemon
-        # thread still in JAX's C++ when the interpreter exits aborts it.
-        del placed
-        if released:
-            self._open(released)
-        del released
-        if last:
-            self._assemble(rest)
+        self._land_part(part, placed)
 
     def _bad_shard(
-        self, part: Part, problem: ValueError, expected: tuple, out: Any
+        self, part: Shard, problem: ValueError, expected: tuple, out: Any
     ) -> str:
         got = getattr(out, "shape", None)
         jax_words = (  # JAX's own words, for code that matches its error
@@ -311,59 +181,24 @@ class ShardedLoad(Task):
             "shard of the array (e.g. data[index]), or fix shape or dtype."
         )
 
-    def _assemble(self, gates: dict) -> None:
+    def _all_parts_landed(self, placed: dict[Any, jax.Array], gates: dict) -> None:
+        # The shards' arrays are freed before the result is set (see
+        # Task._land_part): the dict is the caller's too, so it is emptied.
         try:
             out = jax.make_array_from_single_device_arrays(
-                self.shape, self.sharding, [self._placed[d] for d in self._order]
+                self.shape, self.sharding, [placed[d] for d in self._order]
             )
         except BaseException as e:
+            placed.clear()
             self._conclude(e, gates, raised_by_fn=False)
             return
-        self._placed = {}
+        placed.clear()
         self._publish([out])
 
-    # -- failure, timeout, cancel --
-
-    def _part_failed(
-        self, part: Part, error: BaseException, ours: bool = False
-    ) -> None:
-        with self._lock:  # its own thread or coroutine is not stopped
-            if part.state == RUNNING:
-                part.state = STOPPED
-            part.worker = part.source = None
-        gates = self._settle()
-        if gates is None:
-            logger.debug("%s: %s failed after the load ended", self, part.where())
-            return
-        self._conclude(
-            error,
-            gates,
-            raised_by_fn=not ours,
-            names_call=ours,
-            part=f"the shard at {part.where()} of the array of shape {self.shape}",
-        )
-
-    def _conclude(self, error: BaseException, gates: dict, **how: Any) -> None:
-        self._stop_parts()  # first: the placed shards go before uses are told
-        super()._conclude(error, gates, **how)
-
-    def _stop_parts(self) -> None:
-        """Parts not placed never start, or leave the pool's bound, or are cancelled."""
-        with self._lock:
-            stopping = [p for p in self.parts if p.state in (PENDING, RUNNING)]
-            handles = [(p, p.worker, p.source) for p in stopping]
-            for p in stopping:
-                p.state = STOPPED
-            self._placed = {}
-        for part, worker, source in handles:
-            if worker is not None:
-                _async_threads.pool().abandon(worker, part)
-            if source is not None:
-                _event_loop.event_loop().cancel(source)
+    # -- timeout --
 
     def time_out(self) -> None:
-        with self._lock:
-            late = [p.where() for p in self.parts if p.state != PLACED]
+        late = [p.where() for p in self.parts_not_placed() if isinstance(p, Shard)]
         shown = "; ".join(late[:4]) + (
             f"; and {len(late) - 4} more" if late[4:] else ""
         )
@@ -392,18 +227,10 @@ class ShardedLoad(Task):
             theirs = sharding.addressable_devices_indices_map(shape)
         except Exception:
             return False
-        mine = {d: p.key for p in self.parts for d in p.devices}
+        mine = {d: p.key for p in self.parts if isinstance(p, Shard) for d in p.devices}
         return len(theirs) == len(mine) and all(
             mine.get(d) == index_key(index) for d, index in theirs.items()
         )
-
-    def ready_shard(self, device: Any) -> jax.Array | None:
-        return self._placed.get(device)
-
-    def gate_data(self, leaf: int, where: tuple, device: Any) -> Any:
-        del leaf, where  # one leaf, laid out as its parts (serves)
-        host = self._host
-        return None if host is None else host.get(device)
 
 
 def _check_shape(shape: Any) -> tuple[int, ...]:

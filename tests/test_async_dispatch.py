@@ -504,7 +504,7 @@ def test_switch_off_gives_blocking_dispatch(monkeypatch):
     np.testing.assert_array_equal(box["y"], [-1.0, -1.0])
     monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "maybe")
     with pytest.raises(ValueError, match="JAX_THREADMAP_ASYNC_DISPATCH='maybe'"):
-        _dispatch.async_dispatch_enabled()
+        _dispatch.async_dispatch_mode()
 
 
 def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplog):

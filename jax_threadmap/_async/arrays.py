@@ -380,6 +380,7 @@ def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
+_dispatch.mechanism.bind_arrays(AsyncArray, lambda x: x._task, make_arrays)
 
 
 # --- the constructors -----------------------------------------------------------------

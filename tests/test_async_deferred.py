@@ -13,13 +13,17 @@ while the gate is still closed. Values are compared with NumPy on the host.
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import examples, returns_within
+from helpers import F32_RTOL, examples, returns_within
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -39,6 +43,7 @@ pytestmark = pytest.mark.timeout(120)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 F32 = SDS((3,), np.float32)
 
 
@@ -124,7 +129,7 @@ def test_chains_eager_ops_and_mixed_arguments():
     gate.release.set()
     np.testing.assert_array_equal(np.asarray(y), value + 110.0)
     np.testing.assert_array_equal(np.asarray(z), (value + 110.0) * 2)
-    np.testing.assert_allclose(np.asarray(s), np.sin(value), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(s), np.sin(value), rtol=F32_RTOL, atol=1e-6)
 
 
 def test_a_kernel_inside_the_deferred_program():
@@ -339,3 +344,44 @@ def test_deferred_programs_model(deferred):
         suppress_health_check=list(HealthCheck),
     )
     run().runTest()
+
+
+EXIT_SCRIPT = """
+import threading
+import numpy as np, jax, jax.numpy as jnp
+import jax_threadmap as jtm
+
+go = threading.Event()
+def load():
+    go.wait(60)
+    return np.ones(4, np.float32)
+
+x = jtm.async_call(load, jax.ShapeDtypeStruct((4,), np.float32))
+y = jax.jit(lambda v: v * 2)(x)
+h = jax.jit(lambda v, i: v + i)
+outs = [h(y, i) for i in range(30)]  # deferred behind y
+go.set()
+print("last", np.asarray(outs[-1]).tolist(), flush=True)
+# Exits while the other programs may still be dispatched from the pool.
+"""
+
+
+def test_exit_while_deferred_programs_are_dispatched_is_clean():
+    # Was: a pool thread still inside JAX's dispatch while the interpreter
+    # finalized ("FATAL: exception not rethrown", SIGABRT). Exit waits for the
+    # programs whose data landed, as for a call placing its values.
+    env = dict(os.environ, JAX_THREADMAP_ASYNC_DISPATCH="deferred")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+    )
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", EXIT_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout == "last [31.0, 31.0, 31.0, 31.0]\n", proc.stdout
+        assert "FATAL" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

@@ -20,8 +20,13 @@ jitted call whose arguments include pending ``AsyncArray`` s is not run at once:
 
 Not deferred (they wait for their data at dispatch, in Python): programs with
 ordered effects, programs on ``jax.Ref`` s, programs with outputs of extended
-dtypes (PRNG keys), and dispatches from the async pool's own threads (a call that
-needs another's value runs it, :meth:`.background.Task.wait`).
+dtypes (PRNG keys), dispatches from the async pool's own threads (a call that
+needs another's value runs it, :meth:`.background.Task.wait`), and every
+program of a multi-process run (all processes must dispatch in one order).
+
+At exit, the programs whose data has landed are dispatched (exit waits for
+them, as for a call that is placing its values); those still waiting for data
+are abandoned with their loads.
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ API = "deferred dispatch"
 
 #: What JAX prefixes to a runtime error's text (kept, for errors that read as JAX's).
 _JAX_PREFIX = "INTERNAL: "
+
+
+@functools.cache
+def processes() -> int:
+    """``jax.process_count()``, read once (deferred dispatch is single-process)."""
+    return jax.process_count()
 
 
 def deferrable(program: Any) -> bool:
@@ -107,7 +118,7 @@ class ProgramRun(Task):
         specs: The program's output leaves.
     """
 
-    __slots__ = ("_inputs", "_inputs_lock", "_waiting", "_cause", "root")
+    __slots__ = ("_inputs", "_inputs_lock", "_waiting", "_cause", "root", "_landed")
 
     def __init__(
         self,
@@ -128,6 +139,8 @@ class ProgramRun(Task):
         #: The call whose failure failed this program (itself an input, or the
         #: root of an input program's failure): reported once, whatever the chain.
         self.root: Task | None = None
+        #: Whether every input landed (the dispatch is queued or running).
+        self._landed = False
 
     def _start(self) -> None:
         """Starts the inputs that nothing started (a ``deferred_call``) and
@@ -145,7 +158,14 @@ class ProgramRun(Task):
             self._waiting -= 1
             last = self._waiting == 0
         if last and all(t.future.exception() is None for t in self._inputs):
+            self._landed = True
             super()._start()  # on the pool, unless a waiter dispatches first
+
+    @property
+    def returned(self) -> bool:
+        """Whether its data landed: its dispatch, queued or running, takes
+        moments, and exit waits for it (a program runs to its end, as JAX's)."""
+        return self._landed or super().returned
 
     def _fail_for(self, task: Task) -> None:
         """Gives up on the program: the call of one of its arguments failed."""

@@ -279,6 +279,10 @@ class Dispatch:
     def _defers(self, program: Any) -> bool:
         if async_dispatch_mode() == "off" or self._deferral_unavailable():
             return False
+        if _deferred.processes() > 1:
+            # Every process must dispatch its programs in the same order (their
+            # collectives meet): deferring one would reorder them.
+            return False
         devices = program._local_devices
         return (
             bool(devices)

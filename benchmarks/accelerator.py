@@ -189,7 +189,7 @@ def nested() -> dict[str, Any]:
     got = np.asarray(outer(x))
     finished = time.perf_counter() - t
     np.testing.assert_array_equal(got, np.sort(x, axis=-1))
-    on_device = jnp.ones(32)
+    on_device = jax.device_put(jnp.ones(32), jax.devices()[0])  # committed there
 
     def held(row: np.ndarray) -> np.ndarray:
         return np.asarray(jax.jit(lambda a, b: a + b)(row, on_device))

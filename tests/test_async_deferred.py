@@ -197,7 +197,9 @@ def test_a_failed_load_fails_every_dependent_with_its_error(how, caplog):
     if how == "raises":
         with pytest.raises(OSError, match="no route"):  # the array's own uses
             x.result()
-        assert isinstance(y.done() and _cause(y), OSError)
+        assert y.done(), repr(y)
+        cause = _cause(y)
+        assert isinstance(cause, OSError), repr(cause)
 
 
 def _cause(array):
@@ -384,4 +386,5 @@ def test_exit_while_deferred_programs_are_dispatched_is_clean():
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout == "last [31.0, 31.0, 31.0, 31.0]\n", proc.stdout
-        assert "FATAL" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+        assert "FATAL" not in proc.stderr, proc.stderr
+        assert "jax_threadmap" not in proc.stderr, proc.stderr  # nothing to report

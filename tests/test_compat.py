@@ -289,8 +289,8 @@ DEFERS = _async_dispatch.mechanism.defers_on(jax.default_backend())
 #: Optional features: without one of their hooks nothing fails, and
 #: async_dispatch_status() starts with this.
 OPTIONAL_STATUS = {
-    # Gates: dispatch waits for the data; deferred dispatch does not use them.
-    (_compat.ASYNC_DISPATCH,): "async, deferred" if DEFERS else "blocking: unavailable",
+    # The gates' transfer server: without it, dispatch is deferred.
+    (_compat.ASYNC_DISPATCH,): "async, deferred",
     # Gates: later programs of the thread wait; deferred dispatch cannot run.
     (_compat.DISPATCH_STREAMS,): (
         "blocking: unavailable" if DEFERS else "async, in thread order ("

@@ -180,24 +180,6 @@ class Dispatch:
 
     def __init__(self) -> None:
         self._reset()
-        # What this module needs of the arrays' module (bind_arrays).
-        self._array_type: Any = None
-        self._task_of: Callable[[Any], Task] = lambda x: x
-        self._arrays_of: Callable[[Task], Any] = lambda task: task
-
-    def bind_arrays(
-        self,
-        array_type: type,
-        task_of: Callable[[Any], Task],
-        arrays_of: Callable[[Task], Any],
-    ) -> None:
-        """What deferred dispatch needs of :mod:`.arrays` (called once, at its
-        import): the array type, the call of an array, the arrays of a call."""
-        self._array_type, self._task_of, self._arrays_of = (
-            array_type,
-            task_of,
-            arrays_of,
-        )
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
@@ -226,7 +208,10 @@ class Dispatch:
         """Why dispatch on the default backend is blocking, or ``None``."""
         if async_dispatch_mode() == "off":
             return f"disabled by {ENV_ASYNC_DISPATCH}=0"
-        if self.defers_on(jax.default_backend()):
+        device = jax.devices()[0]
+        if not self.defers_on(device.platform):
+            self._gates_start(device)  # the first dispatch would: a refusal says so
+        if self.defers_on(device.platform):
             reason = self._deferral_unavailable()
         else:
             reason = self._gates_unavailable()
@@ -237,10 +222,22 @@ class Dispatch:
         )
 
     def defers_on(self, platform: str) -> bool:
-        """Whether programs on ``platform`` are deferred (else: gates)."""
+        """Whether programs on ``platform`` are deferred: on accelerators, where
+        asked for, and where the gates cannot run (no transfer server: its
+        hooks are missing, or the machine refuses its loopback socket)."""
         return (
-            async_dispatch_mode() == "deferred" or platform not in _DISPATCH_PLATFORMS
+            async_dispatch_mode() == "deferred"
+            or platform not in _DISPATCH_PLATFORMS
+            or self._gates_unavailable() is not None
         )
+
+    def _gates_start(self, device: Any) -> None:
+        """Starts the transfer server of ``device``'s client if it is not (once;
+        a refusal is remembered, and the gates' platforms defer from then on)."""
+        try:
+            self._server(device.client)
+        except Exception:  # noqa: BLE001 - remembered in _broken, logged there
+            pass
 
     def _gates_unavailable(self) -> str | None:
         return _jax_dispatch.async_dispatch_unavailable() or self._broken
@@ -269,8 +266,8 @@ class Dispatch:
     def _around(self, run: Any, program: Any, args: tuple, effects: Any) -> Any:
         """Defers a program on pending data where that is the mechanism;
         runs any other as :func:`.program_runs.around` does."""
-        if not effects and self._array_type is not None:
-            kind = self._array_type
+        kind = _arrays.type
+        if not effects and kind is not None:
             pending = [a for a in args if type(a) is kind and not a.done()]
             if pending and self._defers(program):
                 return self._defer(run, program, args, effects, pending)
@@ -284,6 +281,8 @@ class Dispatch:
             # collectives meet): deferring one would reorder them.
             return False
         devices = program._local_devices
+        if devices and not self.defers_on(devices[0].platform):
+            self._gates_start(devices[0])  # if it cannot start, defer instead
         return (
             bool(devices)
             and all(self.defers_on(d.platform) for d in devices)
@@ -298,11 +297,11 @@ class Dispatch:
         args = _deferred.frozen_args(args)
         task = _deferred.ProgramRun(
             functools.partial(self._around, run, program, args, effects),
-            [self._task_of(a) for a in pending],
+            [_arrays.task_of(a) for a in pending],
             f"`{program.name}`",
             _deferred.output_specs(program),
         )
-        outs = self._arrays_of(task)
+        outs = _arrays.arrays_of(task)
         task.submit()
         return outs
 
@@ -525,9 +524,11 @@ class Dispatch:
                         f"the loopback transfer server did not start "
                         f"({type(e).__name__}: {e})"
                     )
-                    logger.warning(
-                        "jax_threadmap: async dispatch is off: %s. Jitted calls "
-                        "with pending AsyncArrays wait for their data.",
+                    # Not a warning: dispatch on pending data is deferred instead
+                    # (async_dispatch_status() says so, or why it blocks).
+                    logger.info(
+                        "jax_threadmap: no gate programs: %s; jitted calls with "
+                        "pending AsyncArrays use deferred dispatch.",
                         self._broken,
                     )
                     raise
@@ -619,6 +620,27 @@ class Dispatch:
                 noop(jax.device_put(np.int32(0), device))
             except Exception:  # at exit: never let this hide the rest
                 logger.debug("jax_threadmap: exit token reset failed", exc_info=True)
+
+
+class _Arrays:
+    """What deferred dispatch needs of :mod:`.arrays` (:func:`bind_arrays`)."""
+
+    type: Any = None
+    task_of: Callable[[Any], Task] = staticmethod(lambda x: x)
+    arrays_of: Callable[[Task], Any] = staticmethod(lambda task: task)
+
+
+_arrays = _Arrays()
+
+
+def bind_arrays(
+    array_type: type, task_of: Callable[[Any], Task], arrays_of: Callable[[Task], Any]
+) -> None:
+    """Called once by :mod:`.arrays` at its import: the array type, the call of
+    an array, the arrays of a call."""
+    _arrays.type = array_type
+    _arrays.task_of = task_of
+    _arrays.arrays_of = arrays_of
 
 
 mechanism = Dispatch()

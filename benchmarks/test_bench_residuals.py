@@ -20,8 +20,8 @@ Two ways to get the products: ``jvp``, ``jax.jvp(jax.grad(loss), ...)`` in each
 iteration (the gradient's kernels run again per product), and ``linearize``,
 ``jax.linearize(jax.grad(loss), A)`` once per step (per product only the linear
 part runs). Per side: factorizations per element per step (counted, after the
-step is awaited), and the best wall time of ``REPS`` reps, sides alternated
-rep by rep, as ratios to ``rules``.
+step is awaited), and the best wall time and CPU time (the process's, every
+thread) of ``REPS`` reps, sides alternated rep by rep, as ratios to ``rules``.
 
 Run:
     python benchmarks/test_bench_residuals.py    # the table (docs/derivatives.md)
@@ -42,6 +42,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
+from jax_threadmap._support.cpus import available_cpus
 
 N = int(os.environ.get("N", "1024"))
 CG_ITERS = int(os.environ.get("CG_ITERS", "8"))
@@ -220,34 +221,40 @@ def factorizations_per_element(n: int = N) -> dict[tuple[str, str], float]:
     return result
 
 
-def alternate(reps: int = REPS, n: int = N) -> dict[tuple[str, str], float]:
-    """Each side's best over ``reps`` reps, sides alternated rep by rep (s)."""
+def alternate(
+    reps: int = REPS, n: int = N
+) -> dict[tuple[str, str], tuple[float, float]]:
+    """Each side's best wall time and best CPU time (the process's, all
+    threads) over ``reps`` reps, sides alternated rep by rep (s)."""
     thunks = {side: run for side, (run, _) in runs(n).items()}
     for run in thunks.values():
         run()  # compile, warm up
-    best = dict.fromkeys(thunks, float("inf"))
+    wall = dict.fromkeys(thunks, float("inf"))
+    cpu = dict.fromkeys(thunks, float("inf"))
     keys = list(thunks)
     for r in range(reps):
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             thunks[key]()
-            best[key] = min(best[key], time.perf_counter() - start)
-    return best
+            wall[key] = min(wall[key], time.perf_counter() - start)
+            cpu[key] = min(cpu[key], time.process_time() - start_cpu)
+    return {key: (wall[key], cpu[key]) for key in keys}
 
 
 def report(counts: dict, times: dict) -> str:
     lines = [
-        f"{N} elements, {CG_ITERS} CG iterations, float32, best of {REPS} reps, "
-        "sides alternated",
+        f"{N} elements, {CG_ITERS} CG iterations, float32, {available_cpus()} CPUs, "
+        f"best of {REPS} reps, sides alternated",
         "| products | kernel rules | factorizations per element per step "
-        "| ms per step | time / rules |",
+        "| ms per step (CPU ms) | / rules (CPU) |",
         "|---|---|---|---|---|",
     ]
     for kind, form in SIDES:
-        ratio = times[kind, form] / times["rules", form]
+        (wall, cpu), (wall0, cpu0) = times[kind, form], times["rules", form]
         lines.append(
             f"| `{form}` | {kind} | {counts[kind, form]:g} | "
-            f"{times[kind, form] * 1e3:.1f} | {ratio:.2f} |"
+            f"{wall * 1e3:.0f} ({cpu * 1e3:.0f}) | {wall / wall0:.2f} "
+            f"({cpu / cpu0:.2f}) |"
         )
     return "\n".join(lines)
 

@@ -782,7 +782,8 @@ def kernel(
     and fold under ``vmap`` like the primal.
 
     - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``.
-    - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``.
+    - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``; given ``fwd`` and
+      ``bwd`` with residuals, what ``fwd`` computes is reused by ``bwd``.
     - Both work under ``jit`` and any nesting of ``vmap``.
 
     Positional arguments are differentiable; keyword arguments are not (they

@@ -453,26 +453,10 @@ def _dual(
       value is left out (zeros), and so are the cotangents of the residuals.
     """
     node, present, keep = kernel.node, kernel.present, kernel.keep
-    base, nb = node.base, node.num_base
-    assert base is not None
     cts = iter(has_ct)
     ct_present = tuple(k and next(cts) for k in keep)
-    linear_present = present[nb:]
-    pick = list(range(sum(present[:nb])))
-    lead: tuple[bool, ...] = ()
-    if node.kind == "lin":
-        dual = base.derive("bwd")
-        operand = _slots(present[:nb])
-        leaves = [*range(len(base.in_avals), nb), *base.keywords]
-        base_present = tuple(present[i] for i in leaves)
-        pick = [i for i in (operand[j] for j in leaves) if i is not None]
-    elif node.kind == "bwd":
-        dual = node.derive("vjp")
-        base_present = present[:nb] + (False,) * len(linear_present)
-        lead = (False,) * (nb - len(node.keywords))
-    else:
-        dual = base.derive("vjp" if node.kind == "jvp" else "jvp")
-        base_present = present[:nb]
+    linear_present = present[node.num_base :]
+    dual, base_present, pick, lead = _dual_node(node, present)
     wanted = iter(undefined)
     linear_keep = tuple(
         here and next(wanted) and is_differentiable(aval[1])
@@ -482,6 +466,28 @@ def _dual(
     slots = [s for s, m in enumerate(new_leaves) if linear_keep[m]]
     param = DerivativeParam(dual, base_present + ct_present, lead + linear_keep)
     return param, slots, pick
+
+
+def _dual_node(
+    node: Node, present: tuple[bool, ...]
+) -> tuple[Node, tuple[bool, ...], list[int], tuple[bool, ...]]:
+    """:func:`_dual`'s node, which of its base leaves are operands, which base
+    operands of ``node``'s equation those are (in its order), and the outputs
+    it leaves out before the cotangents of ``node``'s new leaves."""
+    base, nb = node.base, node.num_base
+    assert base is not None
+    pick = list(range(sum(present[:nb])))
+    if node.kind == "lin":
+        operand = _slots(present[:nb])
+        leaves = [*range(len(base.in_avals), nb), *base.keywords]
+        pick = [i for i in (operand[j] for j in leaves) if i is not None]
+        return base.derive("bwd"), tuple(present[i] for i in leaves), pick, ()
+    if node.kind == "bwd":
+        absent = (False,) * (len(present) - nb)  # the cotangent's value
+        lead = (False,) * (nb - len(node.keywords))  # the residuals' cotangents
+        return node.derive("vjp"), present[:nb] + absent, pick, lead
+    dual = base.derive("vjp" if node.kind == "jvp" else "jvp")
+    return dual, present[:nb], pick, ()
 
 
 def _residual_dual(

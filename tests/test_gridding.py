@@ -267,11 +267,14 @@ def test_newton_products_run_two_maps(monkeypatch):
     assert len(ran) == newton.MAPS_PER_HVP
     # The loss is quadratic: the product is (1 / n) Re A^H A v, whatever x.
     vis = np.asarray(demo.forward(obs.gridder, v, obs.uvw, obs.freq))
-    want = np.asarray(
-        jax.vmap(jax.vmap(obs.gridder.vis2dirty, (0, None, 0)), (0, 0, None))(
-            jnp.asarray(vis), obs.uvw, obs.freq
-        ).sum((0, 1))
-    ) / vis.size
+    want = (
+        np.asarray(
+            jax.vmap(jax.vmap(obs.gridder.vis2dirty, (0, None, 0)), (0, 0, None))(
+                jnp.asarray(vis), obs.uvw, obs.freq
+            ).sum((0, 1))
+        )
+        / vis.size
+    )
     assert rel(got, want) < 1e-4
 
 

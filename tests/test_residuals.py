@@ -567,7 +567,7 @@ def test_defvjp_refuses_what_it_cannot_take():
     assert "bwd(residuals, ct_out, **kwargs) -> (ct_x, ct_a)" in msg
     with pytest.raises(TypeError, match=r"residuals= goes with a forward and a b"):
         f.defvjp(fwd, residuals=RESIDUALS)
-    with pytest.raises(TypeError, match="Got 3 kernels"):
+    with pytest.raises(TypeError, match="takes from 2 to 3 positional arguments"):
         f.defvjp(fwd, bwd, bwd, residuals=RESIDUALS)
     with pytest.raises(TypeError, match=r"residuals\[1\] must have .shape and .dtype"):
         f.defvjp(fwd, bwd, residuals=(RESIDUALS[0], 3))

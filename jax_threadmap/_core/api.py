@@ -365,10 +365,6 @@ def _one_derivative_kernel(method: M) -> M:
     return cast(M, checked)
 
 
-#: ``defvjp``'s ``residuals=`` when not given.
-_NO_RESIDUALS: Any = object()
-
-
 class KernelFunction(Generic[R]):
     """A per-element NumPy kernel, callable like ``threadmap(fn, ...)``.
 
@@ -525,7 +521,14 @@ class KernelFunction(Generic[R]):
         residuals: Any,
     ) -> None: ...
 
-    def defvjp(self, *rules: Any, residuals: Any = _NO_RESIDUALS) -> Any:
+    def defvjp(
+        self,
+        vjp_or_fwd: Callable[..., Any],
+        bwd: Callable[..., Any] | None = None,
+        /,
+        *,
+        residuals: Any = None,
+    ) -> Any:
         """Attaches the reverse-mode rule: for ``jax.grad``, ``vjp`` and ``jacrev``.
 
         Either one VJP kernel, which gets the primals, or, like
@@ -537,7 +540,8 @@ class KernelFunction(Generic[R]):
         once per element. Attaching one form replaces the other.
 
         Args:
-            *rules: Either ``vjp``, or ``fwd, bwd``:
+            vjp_or_fwd: The VJP kernel, alone; or, followed by ``bwd``, the
+                forward kernel ``fwd``:
 
                 - ``vjp(*primals, cotangent, **kwargs)``: one element's
                   positional arguments, then the cotangent of the output (a
@@ -548,9 +552,9 @@ class KernelFunction(Generic[R]):
                 - ``fwd(*primals, **kwargs)``: returns ``(out, res)``: one
                   element's output, as the kernel returns it, and its residuals,
                   a pytree like ``residuals``.
-                - ``bwd(res, cotangent, **kwargs)``: the residuals of the same
-                  element, the cotangent of the output, and the keyword
-                  arguments; returns what ``vjp`` returns.
+                - ``bwd(res, cotangent, **kwargs)`` (the argument ``bwd``): the
+                  residuals of the same element, the cotangent of the output,
+                  and the keyword arguments; returns what ``vjp`` returns.
 
                 Each is a plain function, or a
                 [`kernel`][jax_threadmap.kernel] (its ``result_shape_dtypes``:
@@ -562,20 +566,22 @@ class KernelFunction(Generic[R]):
                 ``bwd``, the second order differentiates both (the residuals
                 are functions of the primals), as JAX differentiates
                 ``jax.custom_vjp``'s.
+            bwd: The backward kernel, after ``fwd``; ``None`` with a VJP kernel.
             residuals: With ``fwd`` and ``bwd`` (and only then): one element's
                 residuals, a pytree of
                 [`jax.ShapeDtypeStruct`](https://docs.jax.dev/en/latest/_autosummary/jax.ShapeDtypeStruct.html)
                 (or anything with ``.shape`` and ``.dtype``; ``()`` for none).
-                Under ``vmap`` they are batched like the outputs.
+                Under ``vmap`` they are batched like the outputs. ``None`` (the
+                default) goes with a VJP kernel.
 
         Returns:
             ``vjp`` itself, so that ``defvjp`` can be used as a decorator; ``None``
             for ``fwd`` and ``bwd``.
 
         Raises:
-            TypeError: Not one kernel or two; ``residuals`` missing with ``fwd``
-                and ``bwd``, given with one kernel, or not a pytree of shapes
-                and dtypes; a kernel that is not callable. At run time, a ``fwd``
+            TypeError: ``residuals`` missing with ``fwd`` and ``bwd``, given
+                with one kernel, or not a pytree of shapes and dtypes; a kernel
+                that is not callable. At run time, a ``fwd``
                 whose residuals differ from ``residuals`` in structure, shape,
                 or in a dtype that cannot hold their values raises a
                 ``KernelError`` naming the residual and the batch index.
@@ -616,13 +622,13 @@ class KernelFunction(Generic[R]):
                    [0.5 , 0.25],
                    [0.5 , 0.25]], dtype=float32)
         """
-        if len(rules) == 1 and residuals is _NO_RESIDUALS:
-            (vjp,) = rules
+        if bwd is None and residuals is None:
+            vjp = vjp_or_fwd
             self.vjp = _check_rule(vjp, "defvjp", self.fn)
             self._check_async(vjp, "VJP kernel")
             self.fwd = self.bwd = self.residuals = None
             return vjp
-        fwd, bwd = _fwd_bwd(rules, residuals, self.fn)
+        fwd, bwd = _fwd_bwd(vjp_or_fwd, bwd, residuals, self.fn)
         self._check_async(fwd, "fwd kernel")
         self._check_async(bwd, "bwd kernel")
         self.fwd, self.bwd, self.residuals = fwd, bwd, residuals
@@ -690,24 +696,18 @@ def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
 
 
 def _fwd_bwd(
-    rules: tuple[Any, ...], residuals: Any, fn: Callable[..., Any]
+    fwd: Any, bwd: Any, residuals: Any, fn: Callable[..., Any]
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``defvjp``'s ``fwd`` and ``bwd``, checked with their ``residuals``."""
     vjp, fwd_bwd = _expected_rule("defvjp", fn), _expected_rule("fwd/bwd", fn)
-    if len(rules) == 1:
+    if bwd is None:
         raise TypeError(
             "defvjp: residuals= goes with a forward and a backward kernel, "
             f"defvjp(fwd, bwd, residuals=...), where {fwd_bwd}. A single VJP "
             f"kernel, {vjp}, gets the primals and keeps no residuals. Got one "
             f"kernel and residuals={residuals!r}."
         )
-    if len(rules) != 2:
-        raise TypeError(
-            f"defvjp takes one VJP kernel, {vjp}, or a forward and a backward "
-            f"kernel with their residuals, defvjp(fwd, bwd, residuals=...), where "
-            f"{fwd_bwd}. Got {len(rules)} kernels."
-        )
-    if residuals is _NO_RESIDUALS:
+    if residuals is None:
         raise TypeError(
             "defvjp(fwd, bwd) needs residuals=: one element's residuals (what fwd "
             "returns beside the output), a pytree of jax.ShapeDtypeStruct, e.g. "
@@ -718,13 +718,13 @@ def _fwd_bwd(
     for path, leaf in jax.tree_util.tree_flatten_with_path(residuals)[0]:
         where = "residuals" + jax.tree_util.keystr(path)
         _validate.shape_dtype_of(leaf, where, "defvjp(fwd, bwd, residuals=...)")
-    for role, rule in zip(("fwd", "bwd"), rules, strict=True):
+    for role, rule in (("fwd", fwd), ("bwd", bwd)):
         if not callable(rule):
             raise TypeError(
                 f"defvjp expects callable fwd and bwd kernels, {fwd_bwd}. Got "
                 f"{role}={rule!r} of type {type(rule).__name__}."
             )
-    return rules[0], rules[1]
+    return fwd, bwd
 
 
 @overload

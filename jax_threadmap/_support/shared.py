@@ -61,16 +61,15 @@ class Shared(Generic[T]):
     [`value`][jax_threadmap.Shared.value], kept open across elements and maps,
     closed at exit (or by [`close`][jax_threadmap.Shared.close]).
 
-    The transitions, each a method under the handle's lock:
+    Its life is closed, opening, open, closing, and each change is one of its
+    methods, under its lock:
 
-    | from | to | by |
-    |---|---|---|
-    | closed | opening | the first ``value()`` (an opening task starts) |
-    | opening | open | the context manager entered |
-    | opening | closed | entering failed (waiters get the error) |
-    | open | closing | ``close()``, or the loop closing at exit |
-    | closing | closed | the context manager exited |
-    | any | closed | a forked child (the parent's value left alone) |
+    - closed to opening: the first ``value()`` starts an opening task;
+    - opening to open: the context manager was entered;
+    - opening to closed: entering failed (its waiters get the error);
+    - open to closing: ``close()``, or the loop closing at exit;
+    - closing to closed: the context manager was exited;
+    - any to closed: in a forked child (the parent's value left alone).
 
     Attributes:
         name: The resource's name in messages (the factory's, by default).
@@ -80,19 +79,19 @@ class Shared(Generic[T]):
         >>> import jax_threadmap
         >>> @jax_threadmap.shared
         ... @contextlib.asynccontextmanager
-        ... async def table():
+        ... async def rates_db():
         ...     yield {"a": 1.0, "b": 2.0}  # opened once, on the loop
-        >>> table
-        <jax_threadmap.shared table: closed>
+        >>> print(rates_db)
+        <jax_threadmap.shared rates_db: closed>
         >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
         ... async def lookup(i):
-        ...     return (await table.value())["ab"[int(i)]]
+        ...     return (await rates_db.value())["ab"[int(i)]]
         >>> jax.vmap(lookup)(jnp.arange(2))
         Array([1., 2.], dtype=float32)
-        >>> table.is_open
+        >>> print(rates_db.is_open)
         True
-        >>> table.close()
-        >>> table.is_open
+        >>> rates_db.close()
+        >>> print(rates_db.is_open)
         False
     """
 
@@ -202,9 +201,9 @@ class Shared(Generic[T]):
             >>> @contextlib.asynccontextmanager
             ... async def resource():
             ...     yield "ready"
-            >>> r = jax_threadmap.shared(resource)
-            >>> r.close()  # not open: nothing to do
-            >>> r.is_open
+            >>> never_used = jax_threadmap.shared(resource)
+            >>> never_used.close()  # not open: nothing to do
+            >>> print(never_used.is_open)
             False
         """
         with self._lock:

@@ -171,6 +171,26 @@ def test_a_failed_map_leaves_the_opening_for_the_next():
     handle.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_use_just_as_a_closing_ends_opens_anew():
+    # The closing task has ended but its done callback has not run yet (it runs
+    # on the loop's next turn): a use then must not wait on it again, forever,
+    # without ever giving the loop that turn.
+    res = Resource()
+    handle = jax_threadmap.shared(res.open)
+
+    async def race():
+        assert (await handle.value()) == {"connection": 1}
+        closing = handle._begin_close()  # its one step is the loop's next
+        await asyncio.sleep(0)  # resumes after that step, before its callbacks
+        assert closing.done()
+        return await handle.value()
+
+    assert on_loop(race()) == {"connection": 2}
+    assert (res.entered, res.exited) == (2, 1)
+    handle.close()
+
+
 def test_async_loaders_share_it_too():
     res = Resource()
     handle = jax_threadmap.shared(res.open)

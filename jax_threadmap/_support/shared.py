@@ -186,9 +186,8 @@ class Shared(Generic[T]):
             if state == "closed":
                 pending = self._begin_open()
             assert pending is not None
-            # Wait for the opening (it raises its error here) or the closing (then
-            # open anew); a waiter that is cancelled does not cancel it.
-            await asyncio.shield(pending)
+            # The opening (its error raises here), or a closing (then open anew).
+            await self._wait(pending)
 
     def close(self) -> None:
         """Closes the resource now, if it is open (or opening); the next use
@@ -278,7 +277,8 @@ class Shared(Generic[T]):
     def _ended(self, task: asyncio.Task[None]) -> None:
         """opening -> closed, or closing -> closed: the opening task ended
         without entering (it failed or was cancelled, even before it started),
-        or the closing task ended. Its error goes to its waiters."""
+        or the closing task ended. Its error goes to its waiters. Called by the
+        task's done callback and by its waiters, whichever comes first."""
         with self._lock:
             if self._pending is task:
                 self._state, self._pending = "closed", None
@@ -298,12 +298,22 @@ class Shared(Generic[T]):
                 pending.cancel()
             assert pending is not None
             try:
-                await asyncio.shield(pending)
+                await self._wait(pending)
             except asyncio.CancelledError:
                 if not pending.done():  # this close itself was cancelled
                     raise
             except Exception:  # noqa: BLE001 - the opening's error: its waiters get it
                 pass
+
+    async def _wait(self, pending: asyncio.Task[None]) -> None:
+        """Waits for an opening or a closing; a waiter that is cancelled does
+        not cancel it. Once it is done, its end is recorded here too (its done
+        callback may not have run yet: waiting again would not wait)."""
+        try:
+            await asyncio.shield(pending)
+        finally:
+            if pending.done():
+                self._ended(pending)
 
     def _begin_close(self) -> asyncio.Task[None]:
         """open -> closing: starts the closing task."""

@@ -219,6 +219,18 @@ def test_misuse_is_a_clear_error():
     assert not handle.is_open
     with pytest.raises(RuntimeError, match=r"awaited outside jax_threadmap's event"):
         asyncio.run(jax_threadmap.shared(Resource().open).value())
+    res = Resource()
+    handle = jax_threadmap.shared(res.open)
+
+    async def close_on_the_loop():
+        await handle.value()
+        with pytest.raises(RuntimeError, match=r"to_thread\(handle.close\)"):
+            handle.close()
+        await asyncio.to_thread(handle.close)  # as the message says
+        return handle.is_open
+
+    assert on_loop(close_on_the_loop()) is False
+    assert (res.entered, res.exited) == (1, 1)
 
 
 class _Instance:

@@ -195,6 +195,10 @@ class Shared(Generic[T]):
         (it waits for the closing, which runs there). Closing is at most once per
         opening; at exit the package closes every open resource itself.
 
+        Raises:
+            RuntimeError: Called on jax_threadmap's event loop (in an ``async
+                def`` kernel): there, ``await asyncio.to_thread(handle.close)``.
+
         Examples:
             >>> import contextlib, jax_threadmap
             >>> @contextlib.asynccontextmanager
@@ -208,6 +212,13 @@ class Shared(Generic[T]):
         with self._lock:
             if self._state == "closed":
                 return
+        if event_loop().in_loop_thread():
+            raise RuntimeError(
+                f"jax_threadmap.shared {self.name!r}: close() was called on "
+                "jax_threadmap's event loop, where it would wait for the closing "
+                "that must run on that very loop. Call it from a thread: in a "
+                "coroutine, await asyncio.to_thread(handle.close)."
+            )
         event_loop().run(self._close(), f"close of shared {self.name}")
 
     # -- the loop's side ---------------------------------------------------------

@@ -50,6 +50,7 @@ from .leaves import (
     is_extended,
     leaf_specs,
     place_shard,
+    shape_of,
     slice_shape,
 )
 
@@ -168,11 +169,11 @@ class ShardedLoad(Task):
     def _bad_shard(
         self, part: Shard, problem: ValueError, expected: tuple, out: Any
     ) -> str:
-        got = getattr(out, "shape", None)
+        got = shape_of(out)
         jax_words = (  # JAX's own words, for code that matches its error
             f"Expected shard shape {expected} doesn't match the single device "
-            f"array shape {tuple(got)}. "
-            if got is not None and tuple(got) != expected
+            f"array shape {got}. "
+            if got is not None and got != expected
             else ""
         )
         return jax_words + (

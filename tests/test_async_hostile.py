@@ -253,3 +253,25 @@ def test_a_map_never_returns_with_an_element_unwritten(monkeypatch):
 
     with pytest.raises(ExecutorError, match="1 of 8 element"):
         returns_within(_async_map, element, 8, limit=WAIT, what="end the map")
+
+
+# --- 4. an exception that refuses attributes ----------------------------------------
+
+
+class Frozen(Exception):
+    def __setattr__(self, name, value):
+        raise AttributeError("frozen exception")
+
+
+@pytest.mark.parametrize("kind", ["async_call", "shards"])
+def test_a_loaders_frozen_exception_is_what_every_use_raises(kind):
+    def load(*index):
+        raise Frozen("the loader's own error")
+
+    if kind == "async_call":
+        x = async_call(load, SDS((4,), np.float32))
+    else:
+        x = async_array_from_callback((4,), ONE, load, np.float32)
+    for _ in range(2):  # every use: the same exception
+        with pytest.raises(Frozen, match="the loader's own error"):
+            x.result(timeout=WAIT)

@@ -515,6 +515,28 @@ def _target(device: Any, fmt: Any) -> Any:
     return one if fmt is None else type(fmt)(format_layout(fmt), one)
 
 
+def is_format(value: Any) -> bool:
+    """Whether ``value`` is a ``Format`` (a layout and a sharding, either may
+    be ``None``): its class in ``jax.experimental.layout``, by its fields
+    (``device_local_layout`` before jax 0.7)."""
+    return hasattr(value, "sharding") and (
+        hasattr(value, "layout") or hasattr(value, "device_local_layout")
+    )
+
+
+def auto_layout_name(layout: Any) -> str | None:
+    """``"Layout.AUTO"`` (``"DeviceLocalLayout.AUTO"`` before jax 0.7) if
+    ``layout`` is JAX's public AUTO layout, which a placed array cannot have;
+    else ``None``."""
+    from jax.experimental import layout as public
+
+    for name in ("Layout", "DeviceLocalLayout"):
+        auto = getattr(getattr(public, name, None), "AUTO", None)
+        if auto is not None and layout is auto:
+            return f"{name}.AUTO"
+    return None
+
+
 def format_layout(fmt: Any) -> Any:
     """A ``Format``'s layout (``device_local_layout`` before jax 0.7)."""
     if hasattr(fmt, "layout"):

@@ -19,6 +19,9 @@ assertion rests on a clock.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
+import os
 import sys
 import threading
 
@@ -26,16 +29,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within
+from helpers import returns_within, run_child
 
 from jax_threadmap import (
     ExecutorError,
     KernelError,
     async_array_from_callback,
     async_call,
+    async_pool_status,
+    deferred_call,
     kernel,
     threadmap,
 )
+from jax_threadmap._async import pool as _async_threads
 from jax_threadmap._support import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(120)
@@ -275,3 +281,298 @@ def test_a_loaders_frozen_exception_is_what_every_use_raises(kind):
     for _ in range(2):  # every use: the same exception
         with pytest.raises(Frozen, match="the loader's own error"):
             x.result(timeout=WAIT)
+
+
+# --- 6. what the hostile pass did not reach -----------------------------------------
+
+
+class Hangs:
+    """Loaders that never return until cancelled, counting their cancellations."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Semaphore(0)
+
+    async def __call__(self, *index):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.release()
+            raise
+        return None  # never reached
+
+
+async def _value(i, *index):
+    await asyncio.sleep(0)
+    return np.full((2,), i, np.float32)[index[0] if index else ...]
+
+
+async def _fails(i, *index):
+    await asyncio.sleep(0)
+    raise LookupError(f"missing {i}")
+
+
+def _plain_value(i, *index):
+    return np.full((2,), i, np.float32)[index[0] if index else ...]
+
+
+def _plain_fails(i, *index):
+    raise LookupError(f"missing {i}")
+
+
+#: Each kind of load at scale: its loader (``None``: one that hangs), whether it
+#: is a sharded load, its ``timeout``, whether it is cancelled, and the outcome.
+SCALE_KINDS = {
+    "value": (_value, False, None, False, "value"),
+    "raises": (_fails, False, None, False, "LookupError"),
+    "times out": (None, False, 0.2, False, "TimeoutError"),
+    "cancelled": (None, False, None, True, "CancelledError"),
+    "shard value": (_value, True, None, False, "value"),
+    "shard raises": (_fails, True, None, False, "LookupError"),
+    "shard times out": (None, True, 0.2, False, "TimeoutError"),
+    "shard cancelled": (None, True, None, True, "CancelledError"),
+    "plain value": (_plain_value, False, None, False, "value"),
+    "plain raises": (_plain_fails, False, None, False, "LookupError"),
+    "plain shard": (_plain_value, True, None, False, "value"),
+}
+
+
+def _outcome(x, i):
+    try:
+        value = np.asarray(x.result(timeout=WAIT))
+    except LookupError as e:
+        assert str(e) == f"missing {i}", e
+        return "LookupError"
+    except TimeoutError as e:
+        assert "did not return within timeout=0.2 s" in str(e), e
+        return "TimeoutError"
+    except concurrent.futures.CancelledError:
+        return "CancelledError"
+    np.testing.assert_array_equal(value, np.full((2,), i, np.float32))
+    return "value"
+
+
+def test_a_thousand_async_def_loaders_that_raise_time_out_and_are_cancelled():
+    n = 1320  # 120 of each kind; 960 async def
+    hangs = Hangs()
+    kinds = list(SCALE_KINDS)
+    with _async_threads.live_lock:
+        live_before = len(_async_threads.live)
+    made = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        loader, sharded, timeout, _, _ = SCALE_KINDS[kind]
+        fn = hangs if loader is None else functools.partial(loader, i)
+        if sharded:
+            x = async_array_from_callback((2,), ONE, fn, np.float32, timeout=timeout)
+        else:
+            x = async_call(fn, SDS((2,), np.float32), timeout=timeout)
+        made.append((kind, x))
+    # A few jitted dispatches while they are pending (under the bound of 8).
+    double = jax.jit(lambda a: a * 2)
+    dispatched = []
+    for i, (_, x) in enumerate(made[:6]):
+        try:
+            dispatched.append((i, double(x)))
+        except Exception as e:  # it had failed already: raised at the dispatch
+            assert type(e).__name__ == SCALE_KINDS[made[i][0]][4], e
+    for kind, x in made:
+        if SCALE_KINDS[kind][3]:
+            assert x.cancel()
+    for i, (kind, x) in enumerate(made):
+        assert _outcome(x, i) == SCALE_KINDS[kind][4], (i, kind)
+    for i, y in dispatched:
+        kind = made[i][0]
+        if SCALE_KINDS[kind][4] == "value":
+            np.testing.assert_array_equal(np.asarray(y), np.full((2,), 2 * i))
+        else:
+            with pytest.raises(Exception, match="missing|timeout|cancelled"):
+                np.asarray(y)
+    # Every hanging coroutine was cancelled, and no call stays live.
+    hanging = sum(SCALE_KINDS[k][0] is None for k, _ in made)
+    assert all(hangs.cancelled.acquire(timeout=WAIT) for _ in range(hanging))
+    with _async_threads.live_lock:
+        assert len(_async_threads.live) <= live_before
+    assert async_pool_status().abandoned == ()
+    # The loop still serves loaders.
+    np.testing.assert_array_equal(
+        async_call(functools.partial(_value, 7), SDS((2,), np.float32)).result(WAIT),
+        7.0,
+    )
+
+
+BAD_TIMEOUTS = [-1, -0.0, float("nan"), float("inf"), -float("inf"), np.float32("nan")]
+
+
+@pytest.mark.parametrize(
+    "api, timeout",
+    [
+        (api, t)
+        for api in ("async_call", "deferred_call", "shards", "async shards", "result")
+        for t in BAD_TIMEOUTS
+        if not (api == "result" and t == 0)  # result(timeout=-0.0): look, no wait
+    ],
+    ids=repr,
+)
+def test_a_negative_nan_or_infinite_timeout_is_refused_before_any_work(api, timeout):
+    started = []
+
+    def load(*index):
+        started.append(index)
+        return np.zeros(2, np.float32)[index[0] if index else ...]
+
+    async def load_async(index):
+        started.append(index)
+        return np.zeros(2, np.float32)[index]
+
+    with _async_threads.live_lock:
+        live_before = len(_async_threads.live)
+    with pytest.raises(ValueError, match="finite number of seconds. Got timeout="):
+        if api == "async_call":
+            async_call(load, SDS((2,), np.float32), timeout=timeout)
+        elif api == "deferred_call":
+            deferred_call(load, SDS((2,), np.float32), timeout=timeout)
+        elif api == "shards":  # dtype=None: would fetch one shard at the call
+            async_array_from_callback((2,), ONE, load, timeout=timeout)
+        elif api == "async shards":
+            async_array_from_callback((2,), ONE, load_async, timeout=timeout)
+        else:
+            deferred_call(load, SDS((2,), np.float32)).result(timeout=timeout)
+    assert started == []
+    with _async_threads.live_lock:
+        assert len(_async_threads.live) == live_before
+
+
+FORK_SCRIPT = """
+import asyncio, os, sys, threading, warnings
+warnings.simplefilter("ignore")
+import jax, jax.numpy as jnp, numpy as np
+import jax_threadmap as jtm
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+S = jax.ShapeDtypeStruct((2,), np.float32)
+F32 = jax.ShapeDtypeStruct((), np.float32)
+release, started = threading.Event(), threading.Semaphore(0)
+data = np.arange(8.0, dtype=np.float32)
+sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
+
+def blocked(v):
+    started.release()
+    release.wait(60)
+    return np.full(2, v, np.float32)
+
+def quick(v):
+    return np.full(2, v, np.float32)
+
+async def blocked_async(v):
+    started.release()
+    await asyncio.to_thread(release.wait, 60)
+    return np.full(2, v, np.float32)
+
+def fetch(index):  # the first shard blocks; the others wait in the queue
+    if index[0].start == 0:
+        started.release()
+        release.wait(60)
+    return data[index]
+
+async def element(i):
+    started.release()
+    await asyncio.to_thread(release.wait, 60)
+    return i * 2
+
+def async_map(n):
+    return np.asarray(jax.vmap(lambda i: jtm.threadmap(element, F32, i))(
+        jnp.arange(float(n))))
+
+# The pool has 2 threads: one runs `running`, one the sharded load's first
+# shard; its 3 other shards and `queued` wait in the queue.
+running = jtm.async_call(blocked, S, 1.0)
+sharded = jtm.async_array_from_callback((8,), sharding, fetch, np.float32)
+queued = jtm.async_call(quick, S, 2.0)
+deferred = jtm.deferred_call(quick, S, 3.0)
+coroutine = jtm.async_call(blocked_async, S, 4.0)
+box = {}
+mapper = threading.Thread(target=lambda: box.setdefault("map", async_map(4)))
+mapper.start()
+for _ in range(3 + 4):  # running, the first shard, the coroutine, 4 elements
+    assert started.acquire(timeout=60)
+
+async def double(i):
+    await asyncio.sleep(0)
+    return i * 2
+
+def double_map(x):
+    return np.asarray(jax.vmap(lambda i: jtm.threadmap(double, F32, i))(x))
+
+# What the child runs is compiled here: XLA may not compile in a forked child.
+assert double_map(np.arange(3.0, dtype=np.float32)).tolist() == [0.0, 2.0, 4.0]
+
+def bounded(fn, limit=30):
+    out = {}
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit)
+    return "hung" if t.is_alive() else out
+
+pid = os.fork()
+if pid == 0:
+    failures = []
+    def expect(name, got, ok):
+        if not ok:
+            failures.append(f"{name}: {got}")
+    for name, x in (("running", running), ("coroutine", coroutine),
+                    ("sharded", sharded)):
+        got = bounded(x.result)  # no timeout: the child may run what is left
+        expect(name, got, isinstance(got, dict)
+               and "forked" in str(got.get("error", "")))
+    for name, x, v in (("queued", queued, 2.0), ("deferred", deferred, 3.0)):
+        got = bounded(x.result)
+        expect(name, got, isinstance(got, dict) and "value" in got
+               and np.asarray(got["value"]).tolist() == [v, v])
+    async def fresh(v):
+        await asyncio.sleep(0)
+        return np.full(2, v, np.float32)
+    got = bounded(lambda: jtm.async_call(fresh, S, 5.0).result())
+    expect("a new loader", got, isinstance(got, dict) and "value" in got)
+    got = bounded(lambda: jtm.async_array_from_callback(
+        (8,), sharding, lambda i: data[i], np.float32).result())
+    expect("a new sharded load", got, isinstance(got, dict)
+           and np.array_equal(np.asarray(got.get("value")), data))
+    got = bounded(lambda: double_map(np.arange(3.0, dtype=np.float32)))
+    expect("a new async def map", got, isinstance(got, dict)
+           and np.array_equal(got.get("value"), [0.0, 2.0, 4.0]))
+    print("child:", "; ".join(failures) or "ok", flush=True)
+    os._exit(0 if not failures else 1)
+_, status = os.waitpid(pid, 0)
+release.set()
+values = [float(x.result(60)[0]) for x in (running, queued, deferred, coroutine)]
+mapper.join(60)
+ok = (values == [1.0, 2.0, 3.0, 4.0]
+      and np.array_equal(np.asarray(sharded.result(60)), data)
+      and np.array_equal(box.get("map"), [0.0, 2.0, 4.0, 6.0]))
+print("parent:", "ok" if ok else (values, box), flush=True)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_while_calls_loads_and_an_async_def_map_run():
+    # In the child: what ran at the fork fails at its first use, naming the
+    # fork (a sharded load whose other shards were still queued used to claim
+    # them there, and then wait for good for the shard running in the parent);
+    # what had not started runs there; new loads and maps work. In the parent
+    # everything lands.
+    proc, report = run_child(
+        FORK_SCRIPT,
+        env={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_THREADMAP_ASYNC_THREADS": "2",
+        },
+    )
+    assert "child: ok" in proc.stdout, report
+    assert "parent: ok" in proc.stdout, report
+    assert proc.returncode == 0, report

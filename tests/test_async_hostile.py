@@ -224,8 +224,10 @@ def test_the_event_loop_outlives_a_coroutine_that_lets_an_interrupt_out(caplog):
     # asyncio lets KeyboardInterrupt and SystemExit out of run_forever: the
     # package's loop, which every loader and map shares, goes on.
     ran = threading.Event()
+    box = {}
 
     async def escapes():
+        box["task"] = asyncio.current_task()
         raise SystemExit("out of the loop")
 
     _event_loop.event_loop().submit(escapes, "escapes")
@@ -238,6 +240,8 @@ def test_the_event_loop_outlives_a_coroutine_that_lets_an_interrupt_out(caplog):
     np.testing.assert_array_equal(x.result(timeout=WAIT), 0.0)
     assert ran.is_set()
     assert any("the loop goes on" in r.getMessage() for r in caplog.records)
+    # Its task kept the exception (read here: asyncio would log it at exit).
+    assert isinstance(box["task"].exception(), SystemExit)
 
 
 def test_a_map_never_returns_with_an_element_unwritten(monkeypatch):

@@ -13,8 +13,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("JAX_THREADMAP_NUM_THREADS", "4")
 
 import jax  # noqa: E402
+
+# Child processes (scripts, spawned pools, Dask workers) run on the CPU: on an
+# accelerator this process holds the device, and one process at a time may hold
+# a TPU. JAX read JAX_PLATFORMS when it was imported above: this process keeps
+# its own platforms (the accelerator, where there is one).
+os.environ["JAX_PLATFORMS"] = "cpu"
+
 import pytest  # noqa: E402
-from helpers import EXAMPLES  # noqa: E402
+from helpers import EXAMPLES, LOOPBACK, NO_LOOPBACK  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Hypothesis runs are reproducible: the seed is fixed (pyproject.toml's addopts pass
@@ -60,6 +67,8 @@ def spawn_pool():
 @pytest.fixture(scope="module")
 def dask_client():
     distributed = pytest.importorskip("distributed")
+    if not LOOPBACK:
+        pytest.skip(f"a Dask cluster {NO_LOOPBACK}")
     with (
         distributed.LocalCluster(
             n_workers=2,

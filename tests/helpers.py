@@ -29,6 +29,24 @@ if EXAMPLES not in ("quick", "full"):
     )
 
 
+def _loopback_sockets() -> bool:
+    """Whether this machine lets a process open a socket on the loopback (a lent
+    TPU host refuses even that: Dask and jax.distributed cannot run there)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+    except OSError:
+        return False
+    return True
+
+
+#: Whether loopback sockets work here; the tests that need them skip otherwise.
+LOOPBACK = _loopback_sockets()
+NO_LOOPBACK = "needs loopback sockets, which this machine refuses"
+
+
 def examples(full: int) -> int:
     """A hypothesis test's ``max_examples``: ``full`` in CI's default leg, a
     quarter otherwise."""
@@ -254,15 +272,16 @@ def run_checks(
     script: str, *, shardy: str, timeout: float, unset: tuple[str, ...] = ()
 ) -> tuple[subprocess.CompletedProcess, str]:
     """Runs ``tests/<script>`` (a script of checks on several CPU devices, which
-    it sets up itself) in a fresh process, with this checkout first on its path,
-    Shardy (``shardy="1"``) or GSPMD (``"0"``) as the partitioner, and neither
-    ``JAX_PLATFORMS`` nor the variables ``unset``. Returns the process and a
-    report (its stdout and the end of its stderr) for assertion messages."""
+    it sets up itself) in a fresh process on the CPU, with this checkout first
+    on its path, Shardy (``shardy="1"``) or GSPMD (``"0"``) as the partitioner,
+    and without the variables ``unset``. Returns the process and a report (its
+    stdout and the end of its stderr) for assertion messages."""
     here = pathlib.Path(__file__).parent
-    env = dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy)
+    # On the CPU, as every child of the tests (conftest.py).
+    env = dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy, JAX_PLATFORMS="cpu")
     root = str(here.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    for name in ("JAX_PLATFORMS", *unset):
+    for name in unset:
         env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, str(here / script)],

@@ -40,10 +40,10 @@ _lock = threading.Lock()
 _original_init = _host.HostMap.__init__
 
 
-def _recording_init(self, caller, spec, operands):
+def _recording_init(self, caller, spec, operands, *rest):
     with _lock:
         host_calls.append((caller.name.rsplit(".", 1)[-1], spec.shape))
-    _original_init(self, caller, spec, operands)
+    _original_init(self, caller, spec, operands, *rest)
 
 
 _host.HostMap.__init__ = _recording_init

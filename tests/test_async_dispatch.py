@@ -291,7 +291,7 @@ def test_four_devices_in_a_subprocess():
         print("all device checks passed")
         """
     )
-    proc = run_script(script, timeout=100, unset=("JAX_PLATFORMS",))
+    proc = run_script(script, timeout=100)
     assert "all device checks passed" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
@@ -652,3 +652,19 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
     if jtm.async_dispatch_status() == "async":
         assert proc.stdout == "[0 1 4 9] False\n"  # the copy was still running
     assert proc.stderr == "", proc.stderr[-3000:]
+
+
+def test_gate_programs_hand_no_0_size_data_to_their_callback():
+    # An accelerator's runtime aborts on a host callback with 0-size data: the
+    # gate program makes a 0-size shard itself, and its callback returns the
+    # shards that hold data (and the 4-byte run marker) only.
+    device = jax.devices()[0]
+    avals = (SDS((0, 3), np.float32), SDS((2,), np.float32), SDS((0,), np.int32))
+    spec = (((0, ()), (1, ()), (2, ())),)
+    program = _dispatch.mechanism._program(device, spec, avals)
+    hlo = program.lower(SDS((), np.int32)).as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call" in line]
+    assert len(calls) == 1, hlo
+    results = calls[0].rsplit("->", 1)[1]
+    assert "tensor<2xf32>" in results and "tensor<i32>" in results, results
+    assert "tensor<0" not in results and "x0" not in results, results

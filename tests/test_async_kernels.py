@@ -252,7 +252,8 @@ def test_a_failing_element_names_its_index_and_line_and_the_rest_are_cancelled()
 
 def _with_bound(kernel, x, bound):
     g = lambda i: threadmap(kernel, F32, i, max_in_flight=bound)  # noqa: E731
-    return jax.jit(jax.vmap(jax.vmap(g)))(x)
+    # Awaited: on an accelerator a failure surfaces when the result is used.
+    return jax.block_until_ready(jax.jit(jax.vmap(jax.vmap(g)))(x))
 
 
 def test_a_failing_element_under_jit_names_its_index():
@@ -263,7 +264,7 @@ def test_a_failing_element_under_jit_names_its_index():
 
     f = jax.jit(jax.vmap(lambda i: threadmap(flaky, F32, i)))
     with pytest.raises(Exception, match=r"flaky' at batch index \(5,\)(.|\n)*no route"):
-        f(jnp.arange(8.0))
+        f(jnp.arange(8.0)).block_until_ready()  # where an accelerator reports it
     np.testing.assert_array_equal(f(jnp.arange(5.0)), jnp.arange(5.0))  # next works
 
 

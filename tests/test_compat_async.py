@@ -239,8 +239,9 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
 
     _dispatch.mechanism.prepare()  # wraps the runs, as the first async_call does
     runs, inside = [], []
-    original = _compat.get("ExecuteReplicated").__call__
-    assert getattr(original, "__jax_threadmap_around__", None) is _program_runs.around
+    wrapper = _compat.get("ExecuteReplicated").__call__
+    assert hasattr(wrapper, "__jax_threadmap_original__")
+    assert _jax_dispatch._around == [_program_runs.around]
 
     def handler(xs, shardings):
         inside.append(_program_runs._thread.depth)

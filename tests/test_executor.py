@@ -501,11 +501,10 @@ BLOCKED_KERNELS = (
     from jax_threadmap import threadmap
 
     n, mode = int(sys.argv[1]), sys.argv[2]
-    server = socket.create_server(("127.0.0.1", 0), backlog=n)
     lock, conns, all_blocked = threading.Lock(), [], threading.Event()
 
     def read_forever(x):
-        conn = socket.create_connection(server.getsockname())
+        conn, _peer = socket.socketpair()  # a unix socket: no network needed
         with lock:
             conns.append(conn)
             if len(conns) == n:
@@ -595,7 +594,7 @@ def test_exit_without_waiting_for_dispatched_maps_is_clean(devices, program):
     # own exit handler, and "AssertionError: cannot join a dummy thread".
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = "cpu"  # children run on the CPU
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(DISPATCH_AND_EXIT), program],
         env=env,
@@ -1026,7 +1025,7 @@ def test_executor_shut_down_while_the_map_grows(monkeypatch):
 
 def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
     monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
-    work = type("W", (), {"sums": True, "vectorized": False, "n": 64})()
+    work = type("W", (), {"sums": True, "vectorized": False, "n": 64, "scope": None})()
     work.run_chunk = lambda start, stop, job: None
     assert not _maps.new_job(work, 8).limited  # fixed bounds: not measured
     work.sums = False

@@ -18,6 +18,9 @@ import sys
 import time
 
 import pytest
+from helpers import LOOPBACK, NO_LOOPBACK
+
+pytestmark = pytest.mark.skipif(not LOOPBACK, reason=f"jax.distributed {NO_LOOPBACK}")
 
 HERE = pathlib.Path(__file__).parent
 #: Seconds both processes may take, from start to exit (about 20 s on 2 busy CPUs).
@@ -36,7 +39,7 @@ def test_two_processes_map_their_own_shards_and_exit_promptly():
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p
     )
-    env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = "cpu"  # children run on the CPU
     port = free_port()
     procs = [
         subprocess.Popen(

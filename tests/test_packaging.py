@@ -1,8 +1,10 @@
-"""The wheel and the sdist carry what the metadata promises: the license text."""
+"""The wheel and the sdist carry what the metadata promises (the license text), and
+importing the package starts nothing."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -49,3 +51,36 @@ def test_wheel_and_sdist_ship_the_license(tmp_path):
         assert (
             tf.extractfile(f"{top}/LICENSE").read() == (ROOT / "LICENSE").read_bytes()
         )
+
+
+_IMPORT_ONLY = """
+import atexit, sys
+from jax._src import xla_bridge
+
+def report():  # registered first: runs after every exit hook of the package
+    print("backends", sorted(xla_bridge._backends), flush=True)
+
+atexit.register(report)
+import jax_threadmap
+"""
+
+
+@pytest.mark.parametrize("platforms", ["cpu", "cuda"])
+def test_importing_the_package_starts_no_backend_even_at_exit(platforms):
+    # On a TPU host a backend started at exit opens the chip (15 s, and takes it
+    # from the parent of a child that only imported the package); with a
+    # platform that cannot start, it printed a traceback.
+    env = dict(os.environ, JAX_PLATFORMS=platforms)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ONLY],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "backends []\n", (proc.stdout, proc.stderr)
+    assert proc.stderr == "", proc.stderr

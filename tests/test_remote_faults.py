@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import worker_kernels
+from helpers import LOOPBACK, NO_LOOPBACK
 
 from jax_threadmap import ExecutorError, threadmap
 
@@ -31,6 +32,8 @@ def fragile_client():
     """A Dask cluster of 2 worker processes that retries a task once: a task
     whose worker dies twice fails (``KilledWorker``)."""
     distributed = pytest.importorskip("distributed")
+    if not LOOPBACK:
+        pytest.skip(f"a Dask cluster {NO_LOOPBACK}")
     import dask
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 1}):

@@ -239,7 +239,7 @@ def test_hvp_runs_one_equation_per_kernel_and_counts_calls():
     # jit the gradient itself (not returned) is dropped before anything runs.
     names = sorted(kname(e) for e in threadmap_eqns(jaxpr))
     assert names == ["f", "f_jvp", "f_vjp", "f_vjp_jvp"]
-    got = jax.jit(hvp_fn)(x, jnp.ones_like(x))
+    got = jax.jit(hvp_fn)(x, jnp.ones_like(x)).block_until_ready()  # then count
     assert sorted(set(calls)) == ["f", "f_jvp", "f_vjp_jvp"]
     assert len(calls) == 3 * 4  # one call per element per equation that runs
     ref = reference()

@@ -31,12 +31,14 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import secrets
 import threading
 import time
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._jax import dispatch as _jax_dispatch
@@ -465,14 +467,26 @@ class Dispatch:
             if program is None:
                 if len(self._programs) >= MAX_CACHED_PROGRAMS:
                     self._programs.clear()
-                callback = functools.partial(self._gate_callback, device, spec)
+                # The callback returns only the shards that hold data: an
+                # accelerator's runtime aborts on a 0-size callback result
+                # (see _core/primitive.py); the others are made here.
+                data = tuple(k for k, a in enumerate(avals) if math.prod(a.shape))
+                callback = functools.partial(
+                    self._gate_callback, device, spec, frozenset(data)
+                )
 
                 def run(*gates: jax.Array) -> Any:
                     # The last output, 4 bytes, is never 0-size: XLA runs the
                     # callback even when every other output is (it skips a
                     # computation of 0-size outputs only), so the counts it
                     # gives back and the error it raises never go missing.
-                    return jax.pure_callback(callback, [*avals, _RAN], *gates)
+                    *filled, ran = jax.pure_callback(
+                        callback, [*(avals[k] for k in data), _RAN], *gates
+                    )
+                    outs = [jnp.zeros(a.shape, a.dtype) for a in avals]
+                    for k, value in zip(data, filled, strict=True):
+                        outs[k] = value
+                    return [*outs, ran]
 
                 program = jax.jit(
                     run, out_shardings=jax.sharding.SingleDeviceSharding(device)
@@ -482,17 +496,24 @@ class Dispatch:
 
     # -- when the gates arrive, in an XLA thread --
 
-    def _gate_callback(self, device: Any, spec: tuple, *slots: Any) -> list:
+    def _gate_callback(
+        self, device: Any, spec: tuple, data: frozenset[int], *slots: Any
+    ) -> list:
+        """Copies the shards (those at ``data`` in the flat order of ``spec``:
+        the others hold none) of the calls whose gates carry ``slots``."""
         tasks = [self._slots[int(slot)] for slot in slots]
         try:
             outs = []
+            k = 0
             for task, leaves in zip(tasks, spec, strict=True):
                 for leaf, index in leaves:
-                    data = task.gate_data(leaf, index, device)
-                    if data is None:  # opened with the call's error
+                    value = task.gate_data(leaf, index, device)
+                    if value is None:  # opened with the call's error
                         self._failed_devices.add(device)
                         raise AsyncCallFailed(task.failure_text())
-                    outs.append(data)
+                    if k in data:
+                        outs.append(value)
+                    k += 1
             return [*outs, np.int32(0)]
         finally:
             self._give_waiting(device)

@@ -261,6 +261,11 @@ class _Pool:
                 thread.name = "jax_threadmap-async (idle)"
             del task  # not kept (with its values) while the thread waits for work
 
+    def abandoned(self) -> tuple[str, ...]:
+        """The calls given up on whose function still runs (asks no backend)."""
+        with self._cond:
+            return tuple(str(w.task) for w in self._abandoned)
+
     def status(self) -> AsyncPoolStatus:
         with self._cond:
             bound = self._bound if self._counted else default_async_threads()
@@ -407,7 +412,9 @@ def abandon_at_exit() -> None:
     returned = [c.future for c in calls if c.returned]
     concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
     unfinished = [c for c in calls if not c.future.done()]
-    abandoned = _pool.status().abandoned
+    # Not status(): its bound asks JAX for the device count, which would start
+    # a backend in a process that never used one (on a TPU host: open the chip).
+    abandoned = _pool.abandoned()
     if not unfinished and not abandoned:
         return
     parts = []

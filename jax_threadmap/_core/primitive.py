@@ -20,7 +20,9 @@ Params of every equation:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from .._executors.coroutines import run_async_map
 from .._executors.runners import Executor, run_map
+from .._host.kernel_scope import kernel_scope
 from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
 from .._jax import avals as _avals
@@ -49,8 +52,13 @@ def host_function(
     spec: BatchSpec,
     executor: Executor,
     progress: bool | None,
+    devices: frozenset[Any] = frozenset(),
 ) -> Callable[..., tuple[np.ndarray, ...]]:
-    """The host side of one equation: NumPy operands in, NumPy results out."""
+    """The host side of one equation: NumPy operands in, NumPy results out.
+
+    ``devices``: those of the program whose host callback runs it (none when
+    eager); its kernels never run a JAX program there (:mod:`.._host.kernel_scope`).
+    """
     fn, in_tree, out_tree = kernel.host_call()
     out_core = [(a.shape, a.dtype) for a in result_avals]
     caller: ElementCaller | ChunkCaller
@@ -68,7 +76,8 @@ def host_function(
         )
 
     def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
-        flat_map = HostMap(caller, spec, operands)
+        scope = kernel_scope(devices, kernel.name)
+        flat_map = HostMap(caller, spec, operands, scope)
         if kernel.asynchronous:  # coroutines on the event loop (_async_kernels)
             run_async_map(
                 flat_map, max_in_flight=kernel.max_in_flight, progress=progress
@@ -156,21 +165,76 @@ def _threadmap_batching_rule(
 
 
 def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
+    avals_in, avals_out = ctx.avals_in, ctx.avals_out
+    # A host callback never sees an operand or result that holds no data: an
+    # accelerator's runtime aborts the process on one (libtpu checks its byte
+    # offset), and no element of an empty batch needs a kernel call. Such
+    # results are lowered as zeros (a sum over an empty batch is 0), such
+    # operands are rebuilt empty on the host.
+    data_out = [k for k, a in enumerate(avals_out) if _holds_data(a)]
+    if params["spec"].size == 0 or not data_out:
+        return _rules.lower_zeros(ctx, args, avals_out)
+    data_in = [k for k, a in enumerate(avals_in) if _holds_data(a)]
+    host = host_function(**params, devices=_rules.lowering_devices(ctx))
+    host = _without_empty(host, avals_in, data_in, data_out, len(avals_out))
+    callback_out = [avals_out[k] for k in data_out]
     sharding = _rules.callback_op_sharding(
-        ctx.module_context.axis_context, None, ctx.avals_out
+        ctx.module_context.axis_context, None, callback_out
+    )
+    # The callback's own context: emit_python_callback types the custom call
+    # from the context's avals.
+    callback_ctx = dataclasses.replace(
+        ctx, avals_in=[avals_in[k] for k in data_in], avals_out=callback_out
     )
     results, _, _ = _rules.emit_python_callback(
-        ctx,
-        host_function(**params),
+        callback_ctx,
+        host,
         None,
-        list(args),
-        ctx.avals_in,
-        ctx.avals_out,
+        [args[k] for k in data_in],
+        callback_ctx.avals_in,
+        callback_out,
         has_side_effect=False,
         returns_token=False,
         sharding=sharding,
     )
-    return results
+    if len(data_out) == len(avals_out):
+        return results
+    empty = [a for a in avals_out if not _holds_data(a)]
+    zeros, filled = iter(_rules.lower_zeros(ctx, args, empty)), iter(results)
+    return [
+        next(filled) if k in data_out else next(zeros) for k in range(len(avals_out))
+    ]
+
+
+def _holds_data(aval: Any) -> bool:
+    return math.prod(aval.shape) > 0  # (aval.size is missing on some avals)
+
+
+def _without_empty(
+    host: Callable[..., tuple[np.ndarray, ...]],
+    avals_in: Sequence[Any],
+    data_in: list[int],
+    data_out: list[int],
+    n_out: int,
+) -> Callable[..., tuple[np.ndarray, ...]]:
+    """``host`` for a callback that passes only the operands ``data_in`` and
+    returns only the results ``data_out`` (of ``n_out``): the others hold no
+    data. ``host`` itself when nothing is left out."""
+    if len(data_in) == len(avals_in) and len(data_out) == n_out:
+        return host
+    empty = {
+        k: np.empty(a.shape, a.dtype)
+        for k, a in enumerate(avals_in)
+        if k not in data_in
+    }
+
+    def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
+        given = iter(operands)
+        full = [empty[k] if k in empty else next(given) for k in range(len(avals_in))]
+        outs = host(*full)
+        return tuple(outs[k] for k in data_out)
+
+    return run
 
 
 threadmap_p.def_impl(_threadmap_impl)

@@ -38,6 +38,7 @@ thread touches too (the outcome, the main task) are under ``_lock``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -48,6 +49,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .._host.kernel_scope import KernelScope
 from .._host.maps import ElementCaller, HostMap
 from .._support import environment as _environment
 from .._support import validate as _validate
@@ -182,18 +184,23 @@ class LoopHolds:
 
 
 @types.coroutine
-def _timed(coro: Any, holds: LoopHolds, flat: int) -> Generator[Any, Any, Any]:
+def _timed(
+    coro: Any, holds: LoopHolds, flat: int, scope: KernelScope | None = None
+) -> Generator[Any, Any, Any]:
     """Awaits ``coro`` as ``await coro`` would, with a clock around each of its
     steps (``send``/``throw``): the kernel's own code between two ``await`` s,
     not the waits between them. A step over :data:`SLOW_STEP` goes to ``holds``.
+    Each step runs in ``scope`` (where the kernel's JAX calls run), if any.
     (A generator-based coroutine, one object per element: maps of thousands of
     elements in flight pay for every object the collector tracks.)"""
     value: Any = None
     error: BaseException | None = None
+    step = contextlib.nullcontext if scope is None else scope.entered
     while True:
         start = time.perf_counter()
         try:
-            signal = coro.send(value) if error is None else coro.throw(error)
+            with step():
+                signal = coro.send(value) if error is None else coro.throw(error)
         except StopIteration as stop:
             _check_step(start, holds, flat)
             return stop.value
@@ -417,7 +424,7 @@ class AsyncMap:
                 f"the async def kernel returned {type(coro).__name__}, not a "
                 "coroutine, when called"
             )
-        return _timed(coro, self.holds, i)
+        return _timed(coro, self.holds, i, self.work.scope)
 
     def _store(self, i: int, index: tuple[int, ...], result: Any) -> None:
         caller = self.caller

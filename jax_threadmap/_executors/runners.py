@@ -16,12 +16,13 @@ from typing import Any, Protocol
 
 from .._host import remote as _remote
 from .._host.inner_threads import BLAS_LIMIT
+from .._host.kernel_scope import KernelScope
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
 from . import threads as _threads
-from .jobs import Job, _local
+from .jobs import ChunkFn, Job, _local
 from .progress import Progress, progress_enabled, wait
 from .scheduling import InOrder
 from .threads import interpreter_exiting, refused, said
@@ -54,6 +55,7 @@ class MapWork(Protocol):
     n: int  # elements
     sums: bool  # outputs summed on the host: chunk bounds must not depend on timing
     vectorized: bool  # one kernel call per chunk
+    scope: KernelScope | None  # entered around each chunk run here (kernel_scope.py)
 
     @property
     def element_bytes(self) -> int: ...  # one element's operands and results
@@ -174,9 +176,12 @@ def new_job(
     limited = policy.starts_limited(
         units, workers, cpus, parent is not None, on_threads
     )
+    run_chunk: ChunkFn = work.run_chunk
+    if work.scope is not None:  # the kernels' JAX calls run on the host
+        run_chunk = work.scope.around(run_chunk)
     return Job(
         units,
-        work.run_chunk,
+        run_chunk,
         fixed=fixed,
         divisor=policy.guided_divisor(workers),
         parent=parent,

@@ -30,6 +30,7 @@ from .._support.errors import KernelError, describe, kernel_traceback
 from .._support.result_casts import ResultCastError, check_result_cast
 from . import remote as _remote
 from . import summing as _summing
+from .kernel_scope import KernelScope
 from .loops import element_loop
 from .remote import ChunkFn
 from .vectorized import ChunkCaller, KernelCaller, PiecePlan
@@ -258,6 +259,8 @@ class HostMap:
         caller: Calls, checks and stores one element.
         spec: The equation's batch spec.
         operands: The host callback's operands, in the jaxpr's layout.
+        scope: Where the kernels' own JAX calls run (:mod:`.kernel_scope`), entered
+            around each chunk by the executor layer; ``None``: nowhere special.
     """
 
     vectorized = False
@@ -267,7 +270,9 @@ class HostMap:
         caller: ElementCaller | ChunkCaller,
         spec: BatchSpec,
         operands: Sequence[Any],
+        scope: KernelScope | None = None,
     ) -> HostMap:
+        del scope
         if cls is HostMap:  # the map of this caller, chosen once
             cls = ChunkMap if isinstance(caller, ChunkCaller) else ElementMap
         return super().__new__(cls)
@@ -277,9 +282,11 @@ class HostMap:
         caller: ElementCaller | ChunkCaller,
         spec: BatchSpec,
         operands: Sequence[Any],
+        scope: KernelScope | None = None,
     ):
         self.caller = caller
         self.name = caller.name
+        self.scope = scope
         self.spec = spec
         self.n = spec.size
         self.sums = any(spec.out_sum)
@@ -354,8 +361,9 @@ class ElementMap(HostMap):
         caller: ElementCaller | ChunkCaller,
         spec: BatchSpec,
         operands: Sequence[Any],
+        scope: KernelScope | None = None,
     ):
-        super().__init__(caller, spec, operands)
+        super().__init__(caller, spec, operands, scope)
         self._run: ChunkFn | None = None
         if not self.sums:
             self._run = self.caller.loop(self.in_v, self.out_v, self.shape)
@@ -421,8 +429,9 @@ class ChunkMap(HostMap):
         caller: ElementCaller | ChunkCaller,
         spec: BatchSpec,
         operands: Sequence[Any],
+        scope: KernelScope | None = None,
     ):
-        super().__init__(caller, spec, operands)
+        super().__init__(caller, spec, operands, scope)
         self.plan: PiecePlan | None = None
 
     def split(self, max_elements: int) -> int:

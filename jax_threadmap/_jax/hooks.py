@@ -395,6 +395,20 @@ HOOKS: tuple[Hook, ...] = (
         "on 8 elements (jax 0.10.2, best of 9x30 calls, 3 alternated runs, "
         "loaded machine), so it is not used",
     ),
+    # An accelerator's runtime aborts the process on a host callback with a
+    # 0-size operand or result (libtpu: "HostCommand byte_offset -1 ... not
+    # aligned"), so the lowering never hands one to XLA: the results that hold
+    # no data (an empty batch, a 0-size result) are lowered as zeros instead.
+    Hook(
+        "lower_fun",
+        "lowers the results that hold no data (an empty batch, 0-size results) "
+        "as zeros, in place of a host callback",
+        (THREADMAP,),
+        _everywhere("jax.interpreters.mlir:lower_fun"),
+        _public("jax.interpreters.mlir:lower_fun")
+        + ". A lowering rule must return IR values; no public function turns a "
+        "jax.numpy function into them inside another rule",
+    ),
     Hook(
         "callback_op_sharding",
         "the op sharding pure_callback uses: MAXIMAL on one device under automatic "

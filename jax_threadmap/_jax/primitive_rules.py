@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from . import hooks
 from .hooks import THREADMAP, get, or_missing, require
 
@@ -53,6 +56,44 @@ def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> An
 
 def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
     return get("emit_python_callback")(*args, **kwargs)
+
+
+def lower_zeros(ctx: Any, args: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+    """IR values of zeros shaped like ``avals``, inside the lowering ``ctx`` of
+    an equation whose operands are ``args`` (read by no one)."""
+
+    def zeros(*operands: Any) -> list[Any]:
+        del operands
+        return [jnp.zeros(a.shape, a.dtype) for a in avals]
+
+    return list(get("lower_fun")(zeros, multiple_results=True)(ctx, *args))
+
+
+def lowering_devices(ctx: Any) -> frozenset[Any]:
+    """The devices of the program being lowered (those its host callbacks hold).
+
+    Read from the lowering context's axis context, which JAX fills for the
+    primitives that need devices during lowering
+    (:func:`require_devices_during_lowering`): a ``device_assignment`` (jit), or
+    a mesh (shard_map); else, as a bound from above, every device of the
+    lowering platforms (pmap)."""
+    module = ctx.module_context
+    axis_context = getattr(module, "axis_context", None)
+    devices = getattr(axis_context, "device_assignment", None)
+    if devices is None:
+        try:  # an abstract mesh (shard_map inside jit) has no devices
+            devices = axis_context.mesh.devices.flat  # type: ignore[union-attr]
+        except (AttributeError, ValueError):
+            devices = None
+    if devices is not None:
+        return frozenset(devices)
+    found: set[Any] = set()
+    for platform in getattr(module, "platforms", ()):
+        try:
+            found.update(jax.devices(platform))
+        except RuntimeError:  # a platform this process has no backend for
+            continue
+    return frozenset(found)
 
 
 def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:

@@ -1,0 +1,113 @@
+"""Where JAX calls inside a kernel run: on the host, never on a held device.
+
+A kernel is host code, called from a host callback of a device program (or
+eagerly). On an accelerator, the program that called it holds its device until
+the callback returns, and the device runs programs in order: a JAX program that
+the kernel runs there (a jitted function, an eager ``jnp`` call, an inner
+``threadmap``) could never start, and the kernel would wait for it forever.
+
+So, where the default backend is not the CPU, every kernel runs in a
+:class:`KernelScope`, entered per chunk on whichever thread runs it (and per
+step of an ``async def`` kernel):
+
+- ``jax.default_device`` is the host's CPU: arrays a kernel makes, and programs
+  on them, run on the host, as the kernel's own NumPy code does;
+- programs on the *held* devices (those of the program that called the map,
+  and those held by the maps around it in this thread) raise
+  :class:`~.._jax.dispatch.HeldDeviceError` at once, naming the device and the
+  kernel, instead of hanging. A held scope uses the platform name ``"cpu"`` as
+  its default device and an unheld one the device object: ``default_device``
+  is part of JAX's jit cache key, so a program that passed the check in one
+  kind of scope is not run by JAX's C++ fast path (which the check cannot see)
+  in the other.
+
+On a machine whose default backend is the CPU nothing is held and nothing is
+entered: the CPU client runs many programs at once, and kernels that call JAX
+work as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from .._jax import dispatch as _jax_dispatch
+
+ChunkFn = Callable[[int, int, Any], None]
+
+
+@functools.cache
+def _host_device() -> Any:
+    """The default backend's platform if it is the CPU (then no scope is
+    needed), else the host's first CPU device (``None`` where JAX has no CPU
+    backend: ``JAX_PLATFORMS=tpu``)."""
+    if jax.default_backend() == "cpu":
+        return "cpu"
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def _holds(device: Any) -> bool:
+    """Whether a device's program waits in its host callbacks with its queue
+    held: an accelerator's does (the CPU client runs many programs at once)."""
+    return device.platform != "cpu"
+
+
+class KernelScope:
+    """What a kernel's JAX calls may use (see the module docstring).
+
+    Args:
+        held: The devices whose programs wait for this map's kernels.
+        name: The kernel's name, for the error.
+    """
+
+    __slots__ = ("held", "_default", "_why")
+
+    def __init__(self, held: frozenset[Any], name: str):
+        self.held = held
+        host = _host_device()
+        # A held scope keys JAX's jit cache apart from an unheld one (see above).
+        self._default = None if host is None else ("cpu" if held else host)
+        self._why = f"the results of threadmap kernel {name!r}"
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Runs the body (kernel code, on any thread) in this scope."""
+        with contextlib.ExitStack() as stack:
+            if self._default is not None:
+                stack.enter_context(jax.default_device(self._default))
+            stack.enter_context(_jax_dispatch.refusing(self.held, self._why))
+            yield
+
+    def around(self, fn: ChunkFn) -> ChunkFn:
+        """``fn`` (one chunk of the map) run in this scope."""
+
+        def run_chunk(start: int, stop: int, job: Any) -> None:
+            with self.entered():
+                fn(start, stop, job)
+
+        return run_chunk
+
+
+def kernel_scope(program_devices: frozenset[Any], name: str) -> KernelScope | None:
+    """The scope of a map's kernels, or ``None`` where none is needed.
+
+    Args:
+        program_devices: The devices of the program whose host callback runs
+            the map (none for an eager map).
+        name: The kernel's name.
+    """
+    if _host_device() == "cpu" and not _jax_dispatch.refused_devices():
+        return None
+    held = frozenset(filter(_holds, program_devices))
+    held |= _jax_dispatch.refused_devices()  # the maps around this one
+    if held:
+        # The wrapper that refuses them (installed once; a no-op elsewhere).
+        _jax_dispatch.wrap_program_runs()
+    return KernelScope(held, name)

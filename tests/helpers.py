@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -291,6 +292,28 @@ def run_checks(
     proc = subprocess.run(
         [sys.executable, str(here / script)],
         env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, proc.stdout + proc.stderr[-5000:]
+
+
+def run_child(
+    script: str, *, timeout: float = 120, env: dict | None = None
+) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs the source ``script`` (dedented) in a fresh interpreter on the CPU
+    (``JAX_PLATFORMS=cpu``), with this checkout first on its path and Python's
+    own Ctrl-C handler (:data:`SIGINT_AS_USUAL`), plus ``env``. Returns the
+    process and a report (its stdout and the end of its stderr) for assertion
+    messages; a hang fails at ``timeout``."""
+    root = str(pathlib.Path(__file__).parent.parent)
+    full = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (root, full.get("PYTHONPATH")) if p)
+    source = textwrap.dedent(SIGINT_AS_USUAL) + textwrap.dedent(script)
+    proc = subprocess.run(
+        [sys.executable, "-c", source],
+        env=full,
         capture_output=True,
         text=True,
         timeout=timeout,

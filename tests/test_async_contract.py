@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 import jax
+import jax.experimental.layout
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,6 +89,43 @@ def test_a_format_is_accepted_and_its_layout_kept():
     same(value, theirs)
     assert value.format == theirs.format
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a * 2)(ours)), data * 2)
+
+
+def _formats():
+    from jax.experimental.layout import Format
+
+    auto = getattr(jax.experimental.layout, "Layout", None)
+    auto = getattr(auto, "AUTO", None)
+    if auto is None:  # before jax 0.7
+        auto = jax.experimental.layout.DeviceLocalLayout.AUTO
+    return {
+        "auto layout": Format(auto, SHARDINGS["single"]),
+        "auto layout, no sharding": Format(auto),
+        "no layout, no sharding": Format(None, None),
+    }
+
+
+@pytest.mark.parametrize(
+    "which", ["auto layout", "auto layout, no sharding", "no layout, no sharding"]
+)
+@pytest.mark.parametrize("dtype", [None, np.float32])
+def test_a_format_jax_refuses_is_refused_at_the_call_in_jaxs_words(which, dtype):
+    # Was: Format(Layout.AUTO, sharding) accepted, failing later in result();
+    # Format(None, None) refused with words of our own.
+    fmt = _formats()[which]
+    calls = []
+
+    def fetch(index):
+        calls.append(index)
+        return np.zeros(4, np.float32)[index]
+
+    with pytest.raises(TypeError) as theirs:
+        jax.make_array_from_callback((4,), fmt, fetch)
+    with pytest.raises(TypeError) as ours:
+        async_array_from_callback((4,), fmt, fetch, dtype)
+    assert str(ours.value).startswith(str(theirs.value)), (ours.value, theirs.value)
+    assert "jax_threadmap.async_array_from_callback" in str(ours.value)
+    assert calls == []  # refused before any fetch
 
 
 @pytest.mark.parametrize("dtype", [None, np.float32])

@@ -14,6 +14,18 @@ every dependent carries that same value or error. At the end, with every load
 landed, every count is back where it started, and a deferred call cancelled
 before its first use never started.
 
+Loads fail in every way the hostile pass of issue 43 found (``FAULTS``): the
+loader raises, returns another library's array whose shape is an int or whose
+dtype NumPy cannot read, or whose data raises a ``BaseException`` when read,
+raises an exception that refuses attributes, or returns a view (an ndarray
+subclass) of a buffer it writes again once the array has landed.
+Plain and ``async def`` sharded loads take every fault, as do ``async_call`` s.
+``async def`` kernel maps (plain, or a grad whose cotangent is summed on the
+host) run on the same event loop meanwhile, with an element that fails in
+those ways; their values equal NumPy's, or their error names the element. After
+every step the event loop's thread is alive, and a finished sharded load has no
+part left running.
+
 Only events order the steps (a loader waits for its ``land`` step); where a
 timeout races a landing, either outcome is accepted, but every use must agree
 with the first one seen.
@@ -42,13 +54,18 @@ from hypothesis.stateful import (
 )
 
 from jax_threadmap import (
+    KernelError,
     async_array_from_callback,
     async_call,
     async_pool_status,
     deferred_call,
+    kernel,
+    threadmap,
 )
 from jax_threadmap._async import dispatch as _dispatch
 from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._async.background import PLACED, STOPPED
+from jax_threadmap._support import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -57,8 +74,94 @@ WAIT = 60.0
 STATUS = _dispatch.async_dispatch_status()
 ASYNC = STATUS == "async"
 DEVICE = jax.devices()[0]
-KINDS = ("value", "zero", "pytree", "fail", "async", "sharded", "deferred")
+KINDS = (
+    "value",
+    "zero",
+    "pytree",
+    "fail",
+    "async",
+    "sharded",
+    "async sharded",
+    "deferred",
+)
 TIMEOUTS = {"none": None, "tiny": 1e-3, "huge": 1e10}
+#: The kinds of load that take a fault.
+FAULTY = ("value", "async", "sharded", "async sharded")
+
+
+class Odd(BaseException):
+    """An exception of no usual kind (a BaseException, not an Exception)."""
+
+
+class Frozen(Exception):
+    """An exception that refuses attributes."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("frozen exception")
+
+
+class TorchLikeDtype:
+    """A dtype NumPy cannot read."""
+
+    def __repr__(self) -> str:
+        return "torch.float32"
+
+    __str__ = __repr__
+
+
+class Foreign:
+    """Another library's array: ``shape`` and ``dtype`` as given; reading its
+    data raises ``Odd``."""
+
+    def __init__(self, shape: Any, dtype: Any) -> None:
+        self.shape, self.dtype = shape, dtype
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise Odd("its data could not be read")
+
+
+class Sub(np.ndarray):
+    """An ndarray subclass (as np.memmap is)."""
+
+
+def _aligned_view(value: np.ndarray) -> np.ndarray:
+    """A 64-byte aligned copy of ``value`` seen as :class:`Sub`: what
+    ``jax.device_put`` may keep as its buffer on the CPU."""
+    raw = np.empty(value.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start : start + value.nbytes].view(value.dtype).view(Sub)
+    out[...] = value
+    return out
+
+
+#: What a faulty loader returns (or raises) instead of its value, and the
+#: outcome every use then has.
+FAULTS = {
+    "none": "value",
+    "raises": "ValueError",
+    "int shape": "BadValue",
+    "unknown dtype": "BadValue",
+    "array raises": "Odd",
+    "frozen": "Frozen",
+    "subclass view": "value",
+}
+
+
+def _faulty(fault: str, value: np.ndarray, n: int, buffer: Any) -> Any:
+    """What a loader with ``fault`` returns, or raises."""
+    if fault == "raises":
+        raise ValueError(f"model failure {n}")
+    if fault == "frozen":
+        raise Frozen(f"model failure {n}")
+    if fault == "int shape":
+        return Foreign(len(value), np.float32)
+    if fault == "unknown dtype":
+        return Foreign((len(value) + 1, 2), TorchLikeDtype())
+    if fault == "array raises":
+        return Foreign(value.shape, np.float64)
+    if fault == "subclass view":
+        return buffer
+    return value
 
 
 def dependent(a: Any) -> Any:
@@ -84,6 +187,8 @@ class Call:
     used: bool = False  # something asked for its value (a deferred call starts)
     outcome: str | None = None  # "value", or the error's type name, once seen
     dependents: list[Any] = field(default_factory=list)  # (y, counted)
+    fault: str = "none"
+    buffer: Any = None  # what a "subclass view" loader returns (then rewrites)
 
 
 def _loader(call_box: dict, go: threading.Event, started: threading.Event, value):
@@ -92,22 +197,73 @@ def _loader(call_box: dict, go: threading.Event, started: threading.Event, value
         go.wait(WAIT)
         if call_box["kind"] == "fail":
             raise ValueError(f"model failure {call_box['n']}")
-        if index:  # a shard
+        out = _faulty(call_box["fault"], value, call_box["n"], call_box["buffer"])
+        if index and out is value:  # a shard
             return value[index[0]]
         if call_box["kind"] == "pytree":
             return value, value[:1]
-        return value
+        return out
 
     return load
 
 
-def _async_loader(go: threading.Event, started: threading.Event, value):
-    async def load():
+def _async_loader(call_box: dict, go: threading.Event, started, value):
+    async def load(*index):
         started.set()
         await asyncio.to_thread(go.wait, WAIT)
-        return value
+        await asyncio.sleep(0)
+        return _faulty(call_box["fault"], value, call_box["n"], call_box["buffer"])
 
     return load
+
+
+# --- async def kernel maps ------------------------------------------------------------
+
+#: How element ``at`` of a map fails, and what the KernelError then says.
+MAP_FAULTS = {
+    "none": "",
+    "raises": "LookupError: model element",
+    "kernel raises Odd": "Odd: model element",
+    "result raises Odd": "Odd: its data could not be read",
+    "wrong shape": "returned shape (2,)",
+}
+
+
+def _element_value(fault: str, value: Any) -> Any:
+    if fault == "raises":
+        raise LookupError("model element")
+    if fault == "kernel raises Odd":
+        raise Odd("model element")
+    if fault == "result raises Odd":
+        return Foreign((), np.float64)
+    if fault == "wrong shape":
+        return np.zeros(2)
+    return value
+
+
+def _plain_map(x: np.ndarray, fault: str, at: int, bound: int) -> Any:
+    async def element(v):
+        await asyncio.sleep(0)
+        return _element_value(fault, v * 2 + 1) if int(v) == at else v * 2 + 1
+
+    f = lambda v: threadmap(element, SDS((), np.float32), v, max_in_flight=bound)  # noqa: E731
+    return jax.vmap(f)(x)
+
+
+def _summed_grad(x: np.ndarray, fault: str, at: int, bound: int) -> Any:
+    @kernel(SDS((), np.float32), max_in_flight=bound)
+    async def scaled(v, a):
+        return v * a
+
+    @scaled.defvjp
+    async def scaled_vjp(v, a, ct):  # the cotangent of `a`: summed on the host
+        for _ in range(int(len(x) - v) % 3):  # earlier elements finish later
+            await asyncio.sleep(0)
+        da = _element_value(fault, ct * v) if int(v) == at else ct * v
+        return ct * a, da
+
+    loss = lambda a: jax.vmap(scaled, (0, None))(x, a).sum()  # noqa: E731
+    return jax.grad(loss)(np.float32(3.0))
 
 
 class AsyncArraysModel(RuleBasedStateMachine):
@@ -127,24 +283,45 @@ class AsyncArraysModel(RuleBasedStateMachine):
         target=calls,
         kind=st.sampled_from(KINDS),
         timeout=st.sampled_from(tuple(TIMEOUTS)),
-        size=st.sampled_from([0, 3]),
+        size=st.sampled_from([0, 3, 16]),
+        fault=st.sampled_from(tuple(FAULTS)),
     )
-    def new_call(self, kind: str, timeout: str, size: int) -> Call:
+    def new_call(self, kind: str, timeout: str, size: int, fault: str) -> Call:
+        return self._make(kind, timeout, size, fault)
+
+    @rule(
+        target=calls,
+        kind=st.sampled_from(FAULTY),
+        timeout=st.sampled_from(tuple(TIMEOUTS)),
+        size=st.sampled_from([3, 16]),
+        fault=st.sampled_from(tuple(FAULTS)[1:]),
+    )
+    def new_faulty_load(self, kind: str, timeout: str, size: int, fault: str) -> Call:
+        # A load that fails (or returns a view it writes again): a rule of its
+        # own, so that every fault meets sharded loads in a quick run too.
+        return self._make(kind, timeout, size, fault)
+
+    def _make(self, kind: str, timeout: str, size: int, fault: str) -> Call:
         self.n += 1
         size = 0 if kind == "zero" else max(size, 1) if kind == "pytree" else size
+        fault = fault if kind in FAULTY else "none"
         value = np.arange(size, dtype=np.float32) + self.n
+        buffer = _aligned_view(value) if fault == "subclass view" else None
         go = threading.Event()
         started = threading.Event()
-        box = {"kind": kind, "n": self.n}
+        box = {"kind": kind, "n": self.n, "fault": fault, "buffer": buffer}
         sds = SDS((size,), np.float32)
         seconds = TIMEOUTS[timeout]
         load = _loader(box, go, started, value)
+        sharding = jax.sharding.SingleDeviceSharding(DEVICE)
         if kind == "pytree":
             x = async_call(load, (sds, SDS((1,), np.float32)), timeout=seconds)[0]
         elif kind == "async":
-            x = async_call(_async_loader(go, started, value), sds, timeout=seconds)
-        elif kind == "sharded":
-            sharding = jax.sharding.SingleDeviceSharding(DEVICE)
+            load = _async_loader(box, go, started, value)
+            x = async_call(load, sds, timeout=seconds)
+        elif kind in ("sharded", "async sharded"):
+            if kind == "async sharded":
+                load = _async_loader(box, go, started, value)
             x = async_array_from_callback(
                 (size,), sharding, load, np.float32, timeout=seconds
             )
@@ -152,7 +329,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
             x = deferred_call(load, sds, timeout=seconds)
         else:
             x = async_call(load, sds, timeout=seconds)
-        call = Call(kind, timeout, go, value, x, started)
+        call = Call(kind, timeout, go, value, x, started, fault=fault, buffer=buffer)
         call.used = kind != "deferred"
         self.all.append(call)
         return call
@@ -184,7 +361,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
             )
         except AssertionError:
             raise
-        except Exception as e:  # the call had ended with an error: raised here
+        except (Exception, Odd) as e:  # the call had ended with an error: raised here
             self._seen(call, _error_kind(e, call))
             return
         # Counted if it may have made a gate program (an over-count is safe).
@@ -198,7 +375,47 @@ class AsyncArraysModel(RuleBasedStateMachine):
             return  # it would wait for the landing step
         self._check(call)
 
+    @rule(
+        size=st.integers(0, 24),
+        fault=st.sampled_from(tuple(MAP_FAULTS)),
+        at=st.integers(0, 23),
+        bound=st.sampled_from([1, 4, 2048]),
+        summed=st.booleans(),
+    )
+    def async_map(self, size: int, fault: str, at: int, bound: int, summed: bool):
+        # An async def kernel map on the loop the loaders share (a grad whose
+        # cotangent of an unbatched operand is summed on the host, or a plain
+        # map), with element `at` failing in one way: NumPy's values, or the
+        # error naming the element.
+        x = np.arange(size, dtype=np.float32)
+        run = _summed_grad if summed else _plain_map
+        failing = fault != "none" and at < size
+        try:
+            got = returns_within(run, x, fault, at, bound, limit=WAIT, what="end")
+        except KernelError as e:
+            assert failing, e
+            assert e.index == (at,), (e.index, at, fault)
+            assert MAP_FAULTS[fault] in str(e), (e, fault)
+        else:
+            assert not failing, (fault, at, size)
+            want = x.sum() if summed else x * 2 + 1
+            np.testing.assert_array_equal(np.asarray(got), want)
+
     # -- checks --
+
+    @invariant()
+    def the_event_loop_lives(self) -> None:
+        loop = _event_loop.event_loop()
+        thread = loop._thread  # read only: the loop publishes it once started
+        assert thread is None or thread.is_alive()
+
+    @invariant()
+    def a_finished_sharded_load_has_no_part_running(self) -> None:
+        for call in self.all:
+            task = call.x._task
+            if task.parts and task.future.done():
+                states = [p.state for p in task.parts]
+                assert all(s in (PLACED, STOPPED) for s in states), (states, call)
 
     @invariant()
     def pool_within_bound_and_cap(self) -> None:
@@ -254,12 +471,19 @@ class AsyncArraysModel(RuleBasedStateMachine):
         call.used = True
         try:
             value = np.asarray(call.x.result(timeout=WAIT))
-        except Exception as e:
+        except (Exception, Odd) as e:
             assert not isinstance(e, TimeoutError) or "given up on" in str(e), e
             self._seen(call, _error_kind(e, call))
         else:
             self._seen(call, "value")
             np.testing.assert_array_equal(value, call.expected)
+            if call.buffer is not None:
+                # The loader writes the buffer it returned again, once the
+                # array has landed: the array keeps its value (it never is
+                # the loader's memory).
+                call.buffer[...] = -1
+                value = np.asarray(call.x.result(timeout=WAIT))
+                np.testing.assert_array_equal(value, call.expected)
         for y, counted in call.dependents:
             self._check_dependent(call, y)
             self.outstanding -= counted
@@ -282,7 +506,14 @@ def _text(call: Call) -> str:
         "ValueError": "model failure",
         "TimeoutError": "timeout=",
         "CancelledError": "cancelled",
+        "BadValue": "ValueError",
+        "Odd": "its data could not be read",
+        "Frozen": "model failure",
     }.get(call.outcome or "", "?")
+
+
+#: What a bad value's ValueError says (another library's array), by fault.
+BAD_VALUE_WORDS = ("not a sequence of integers", "dtype torch.float32")
 
 
 def _error_kind(error: BaseException, call: Call) -> str:
@@ -292,6 +523,16 @@ def _error_kind(error: BaseException, call: Call) -> str:
         return "TimeoutError"
     if isinstance(error, ValueError) and "model failure" in str(error):
         return "ValueError"
+    if isinstance(error, ValueError) and any(w in str(error) for w in BAD_VALUE_WORDS):
+        return "BadValue"
+    if isinstance(error, Odd) and "its data could not be read" in str(error):
+        return "Odd"
+    if isinstance(error, Frozen) and "model failure" in str(error):
+        return "Frozen"
+    if isinstance(error, AttributeError) and isinstance(error.__context__, Frozen):
+        # Raised at a jitted dispatch: JAX's traceback filter adds a note to
+        # what crosses jit (Python 3.11+), which this exception refuses.
+        return "Frozen"
     raise AssertionError(f"unexpected error for {call}: {error!r}") from error
 
 
@@ -299,7 +540,7 @@ def _allowed(call: Call) -> set[str]:
     """The outcomes the call may have (a tiny timeout races its landing)."""
     allowed = {"CancelledError"} if call.cancelled else set()
     if not call.cancelled:
-        allowed.add("ValueError" if call.kind == "fail" else "value")
+        allowed.add("ValueError" if call.kind == "fail" else FAULTS[call.fault])
     if call.timeout == "tiny":
         allowed.add("TimeoutError")
     return allowed

@@ -650,8 +650,11 @@ class Task:
     def _returned(self, part: Part | None, out: Any) -> None:
         if part is None:
             self._finish(out)
-        else:
+            return
+        try:
             self._part_returned(part, out)
+        except BaseException as e:  # whatever a landing raises ends the part
+            self._part_failed(part, e)
 
     @staticmethod
     def _land_all() -> None:

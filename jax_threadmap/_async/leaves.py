@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import operator
 from typing import Any, Protocol
 
 import jax
@@ -275,17 +276,7 @@ def _checked_leaf(
             f"a ShapeDtypeStruct, which describes an array but holds no data "
             f"({expected}); return the data itself"
         )
-    got = getattr(leaf, "shape", None)
-    dtype = getattr(leaf, "dtype", None)
-    if got is None or dtype is None:
-        raise _LeafProblem(
-            f"a {type(leaf).__name__} without shape and dtype ({expected})"
-        )
-    if tuple(got) != shape:
-        raise _LeafProblem(
-            f"shape {tuple(got)} and dtype {np.dtype(dtype)} "
-            f"(expected shape {shape} and dtype {declared})"
-        )
+    _check_shape_of(leaf, shape, declared, expected)
     if isinstance(leaf, jax.Array) and leaf.dtype == target:
         return leaf
     try:
@@ -306,6 +297,62 @@ def _checked_leaf(
             f"{e.got}, declared {declared} ({target} on device); {e.reason}"
         ) from None
     return value
+
+
+def _check_shape_of(
+    leaf: Any, shape: tuple[int, ...], declared: Any, expected: str
+) -> None:
+    """Raises a :class:`_LeafProblem` unless ``leaf`` has ``shape`` and a dtype.
+
+    Another library's array has its own shape and dtype objects: an int for a
+    shape, a dtype NumPy cannot read (``torch.float32``), a property that
+    raises. Each is a problem of the leaf, said as such, never an error of
+    the check itself.
+    """
+    try:
+        got = getattr(leaf, "shape", None)
+        dtype = getattr(leaf, "dtype", None)
+    except Exception as e:
+        raise _LeafProblem(
+            f"a {type(leaf).__name__} whose shape or dtype could not be read "
+            f"({describe_error(e)}; {expected})"
+        ) from None
+    if got is None or dtype is None:
+        raise _LeafProblem(
+            f"a {type(leaf).__name__} without shape and dtype ({expected})"
+        )
+    dims = shape_of(leaf)
+    if dims is None:
+        raise _LeafProblem(
+            f"a {type(leaf).__name__} whose shape is {got!r}, not a sequence of "
+            f"integers ({expected})"
+        )
+    if dims != shape:
+        raise _LeafProblem(
+            f"shape {dims} and dtype {dtype_text(dtype)} "
+            f"(expected shape {shape} and dtype {declared})"
+        )
+
+
+def shape_of(value: Any) -> tuple[int, ...] | None:
+    """``value.shape`` as a tuple of ints, or ``None`` if it has none such (an
+    int, a missing attribute, a property that raises)."""
+    try:
+        return tuple(operator.index(n) for n in value.shape)
+    except Exception:
+        return None
+
+
+def dtype_text(dtype: Any) -> str:
+    """``dtype`` as NumPy names it, or as its own ``str`` if NumPy cannot read
+    it (``torch.float32``): a message about a bad leaf must never fail."""
+    try:
+        return str(np.dtype(dtype))
+    except Exception:
+        try:
+            return str(dtype)
+        except Exception:
+            return f"<a {type(dtype).__name__}>"
 
 
 def host_view(leaf: Any) -> np.ndarray:
@@ -466,6 +513,28 @@ def _aliased(placed: list[jax.Array], buffer: np.ndarray) -> bool:
 def _target(device: Any, fmt: Any) -> Any:
     one = jax.sharding.SingleDeviceSharding(device)
     return one if fmt is None else type(fmt)(format_layout(fmt), one)
+
+
+def is_format(value: Any) -> bool:
+    """Whether ``value`` is a ``Format`` (a layout and a sharding, either may
+    be ``None``): its class in ``jax.experimental.layout``, by its fields
+    (``device_local_layout`` before jax 0.7)."""
+    return hasattr(value, "sharding") and (
+        hasattr(value, "layout") or hasattr(value, "device_local_layout")
+    )
+
+
+def auto_layout_name(layout: Any) -> str | None:
+    """``"Layout.AUTO"`` (``"DeviceLocalLayout.AUTO"`` before jax 0.7) if
+    ``layout`` is JAX's public AUTO layout, which a placed array cannot have;
+    else ``None``."""
+    from jax.experimental import layout as public
+
+    for name in ("Layout", "DeviceLocalLayout"):
+        auto = getattr(getattr(public, name, None), "AUTO", None)
+        if auto is not None and layout is auto:
+            return f"{name}.AUTO"
+    return None
 
 
 def format_layout(fmt: Any) -> Any:

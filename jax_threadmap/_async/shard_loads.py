@@ -42,14 +42,17 @@ from .arrays import AsyncArray, make_arrays
 from .background import RUNNING, Part, Task
 from .leaves import (
     LeafSpec,
+    auto_layout_name,
     check_shard,
     extended_spec,
     format_layout,
     index_key,
     index_str,
     is_extended,
+    is_format,
     leaf_specs,
     place_shard,
+    shape_of,
     slice_shape,
 )
 
@@ -168,11 +171,11 @@ class ShardedLoad(Task):
     def _bad_shard(
         self, part: Shard, problem: ValueError, expected: tuple, out: Any
     ) -> str:
-        got = getattr(out, "shape", None)
+        got = shape_of(out)
         jax_words = (  # JAX's own words, for code that matches its error
             f"Expected shard shape {expected} doesn't match the single device "
-            f"array shape {tuple(got)}. "
-            if got is not None and tuple(got) != expected
+            f"array shape {got}. "
+            if got is not None and got != expected
             else ""
         )
         return jax_words + (
@@ -248,12 +251,33 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 
 
 def _check_sharding(sharding: Any) -> tuple[jax.sharding.Sharding, Any]:
-    """The sharding, and the ``Format`` whose layout shards take (or ``None``)."""
+    """The sharding, and the ``Format`` whose layout shards take (or ``None``).
+
+    A ``Format`` is refused at the call as ``jax.make_array_from_callback``
+    refuses it, in JAX's words: with the AUTO layout (a placed array has a
+    concrete one), or without a sharding.
+    """
     if isinstance(sharding, jax.sharding.Sharding):
         return sharding, None
-    inner = getattr(sharding, "sharding", None)
-    if isinstance(inner, jax.sharding.Sharding):  # a Format (layout, sharding)
-        return inner, None if format_layout(sharding) is None else sharding
+    if is_format(sharding):
+        layout = format_layout(sharding)
+        auto = auto_layout_name(layout)
+        if auto is not None:
+            raise TypeError(
+                f"`{auto}` cannot be used in place of a device-local layout when "
+                f"calling `jax.make_array_from_callback`. Got {sharding} "
+                f"(jax_threadmap.{API}). Pass a Format with a concrete layout "
+                "(e.g. a compiled program's input_formats), or the sharding alone."
+            )
+        inner = sharding.sharding
+        if not isinstance(inner, jax.sharding.Sharding):
+            raise TypeError(
+                f"sharding should be an instance of `jax.sharding`. Got {inner} of "
+                f"type {type(inner)} (jax_threadmap.{API}: the sharding of "
+                f"{sharding}). Pass Format(layout, sharding) with a Sharding, e.g. "
+                "jax.sharding.SingleDeviceSharding(device)."
+            )
+        return inner, None if layout is None else sharding
     raise TypeError(
         f"jax_threadmap.{API}: sharding must be a jax.sharding.Sharding or a "
         f"Format. Got sharding={sharding!r} of type {type(sharding).__name__}. "
@@ -346,8 +370,10 @@ def async_array_from_callback(
 
     Raises:
         TypeError: If ``data_callback`` is not callable, ``sharding`` is not a
-            ``Sharding`` or ``Format``, ``dtype`` is not a dtype, ``shape`` is
-            not a sequence of integers, or ``timeout`` is not a number.
+            ``Sharding`` or ``Format`` (or is a ``Format`` with the AUTO layout
+            or without a sharding, in JAX's words), ``dtype`` is not a dtype,
+            ``shape`` is not a sequence of integers, or ``timeout`` is not a
+            number.
         ValueError: If ``sharding`` cannot hold ``shape``, ``shape`` has a
             negative size, ``timeout`` is not positive and finite, or ``dtype``
             is ``None`` and no device of this process holds a shard.

@@ -53,7 +53,7 @@ from .._host.kernel_scope import KernelScope
 from .._host.maps import ElementCaller, HostMap
 from .._support import environment as _environment
 from .._support import validate as _validate
-from .._support.errors import PASS_THROUGH, ExecutorError, KernelError
+from .._support.errors import PASS_THROUGH, ExecutorError, KernelError, describe
 from .._support.event_loop import event_loop, is_coroutine_function
 from .progress import Progress, progress_enabled, wait
 
@@ -362,6 +362,16 @@ class AsyncMap:
                     "exits). Wait for maps before the end of the program."
                 )
             )
+        if self._completed != self.n:  # a no-op once the map has failed
+            # Never a result with an element left unwritten, whatever ended a
+            # worker early.
+            self._record(
+                ExecutorError(
+                    f"threadmap of async def kernel {self.work.name!r} ended with "
+                    f"{self.n - self._completed} of {self.n} element(s) not "
+                    "stored: a worker on jax_threadmap's event loop ended early."
+                )
+            )
         self._done.set()
 
     async def _worker(self, indices: Iterator[int]) -> None:
@@ -388,9 +398,24 @@ class AsyncMap:
                 return  # the map failed meanwhile: store nothing
             try:
                 self._store(i, index, result)
-            except KernelError as e:
-                self._failed(e)
+            except BaseException as e:  # noqa: BLE001 - ends the map, never the loop
+                # (asyncio lets KeyboardInterrupt and SystemExit out of a task,
+                # and with them out of the loop's thread.)
+                self._failed(self._store_error(e, i))
                 return
+
+    def _store_error(self, error: BaseException, i: int) -> BaseException:
+        """What the map raises when checking or storing element ``i``'s result
+        raised ``error`` (a value whose ``__array__`` raises, say): Ctrl-C and
+        exit as themselves, as from a plain loop; any other as a
+        ``KernelError`` naming the element."""
+        if isinstance(error, (KernelError, *PASS_THROUGH)):
+            return error
+        return self.caller.error(
+            i,
+            f"returned a value whose check or store raised {describe(error)}.",
+            cause=error,
+        )
 
     def _element(self, leaves: list[Any], i: int) -> Any:
         coro = self.caller.call(leaves)
@@ -431,9 +456,12 @@ class AsyncMap:
         while self._next_sum in self._held:
             i = self._next_sum
             index, values = self._held.pop(i)
-            for k, (o, v) in enumerate(zip(out_v, values, strict=True)):
-                if self._summed[k]:
-                    caller.store(o, index, v, k, i)
+            try:  # element i's summed outputs, added now (the error is i's)
+                for k, (o, v) in enumerate(zip(out_v, values, strict=True)):
+                    if self._summed[k]:
+                        caller.store(o, index, v, k, i)
+            except BaseException as e:  # noqa: BLE001 - raised as element i's
+                raise self._store_error(e, i)  # noqa: B904 - chained as its cause
             self._next_sum += 1
             self._completed += 1
             added = True

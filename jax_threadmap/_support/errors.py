@@ -227,7 +227,12 @@ class KeptError:
 
     def reraise(self) -> NoReturn:
         error = self.error
-        if self._notes is not None:
-            error.__notes__ = list(self._notes)  # type: ignore[attr-defined]
-        error.__cause__, error.__context__, error.__suppress_context__ = self._chain
+        try:
+            if self._notes is not None:
+                error.__notes__ = list(self._notes)  # type: ignore[attr-defined]
+            cause, context, suppress = self._chain
+            error.__cause__, error.__context__ = cause, context
+            error.__suppress_context__ = suppress
+        except Exception:  # an exception that refuses attributes: raised as it is
+            pass
         raise error.with_traceback(self._traceback)

@@ -134,7 +134,20 @@ class EventLoop:
         self._ident = threading.get_ident()
         loop.call_soon(ready.set)
         try:
-            loop.run_forever()
+            while True:
+                try:
+                    loop.run_forever()
+                except BaseException:  # noqa: BLE001 - logged; the loop goes on
+                    # asyncio lets KeyboardInterrupt and SystemExit out of a
+                    # task's step, and so out of run_forever (the task keeps
+                    # it as its exception). This loop serves every loader and
+                    # map of the process: it must outlive any one coroutine.
+                    logger.exception(
+                        "jax_threadmap: a coroutine let this out of the event "
+                        "loop; the loop goes on"
+                    )
+                    continue
+                return  # stopped: close() at exit
         finally:
             asyncio.set_event_loop(None)
 

@@ -1,0 +1,829 @@
+"""Defects of issue 43 (a hostile pass over the async wing), each a test that
+failed (or hung, bounded) before its fix, and what that pass did not reach.
+
+1. (``test_async_shards.py``) A shard that aliased the callback's memory.
+2. A shard whose check raised ``TypeError`` (a ``shape`` that is an int, a dtype
+   NumPy cannot read with a wrong shape) left its part running for good; the
+   same object given to ``async_call`` raised ``TypeError``, not the
+   ``ValueError`` naming the leaf.
+3. An ``async def`` kernel element whose result raised ``KeyboardInterrupt`` or
+   ``SystemExit`` (from ``__array__``) killed the event loop's thread: the map
+   never returned, and nor did any later ``async def`` map or loader.
+4. A loader's exception whose ``__setattr__`` raises: ``result()`` raised
+   ``AttributeError`` instead of it.
+
+6. What the pass did not reach: 1,320 loaders at once that return, raise, time
+   out and are cancelled; negative, NaN and infinite timeouts at every API; a
+   fork while calls, sharded loads and an ``async def`` map run (a forked child
+   used to claim the queued shards of a load running in the parent, then wait
+   for good); ``async def`` derivative rules, second order and failing; Ctrl-C
+   inside an ``async def`` map.
+
+Every wait is bounded (``result(timeout=...)``, ``returns_within``, a child's
+timeout); no assertion rests on a clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import os
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import returns_within, run_child
+
+from jax_threadmap import (
+    ExecutorError,
+    KernelError,
+    async_array_from_callback,
+    async_call,
+    async_pool_status,
+    deferred_call,
+    kernel,
+    threadmap,
+)
+from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._support import event_loop as _event_loop
+
+pytestmark = pytest.mark.timeout(120)
+
+SDS = jax.ShapeDtypeStruct
+F32 = SDS((), jnp.float32)
+WAIT = 30.0
+DEVICE = jax.devices()[0]
+ONE = jax.sharding.SingleDeviceSharding(DEVICE)
+
+
+# --- 2. a shard (or a leaf) whose check raised TypeError ----------------------------
+
+
+class IntShape:
+    """Another library's array whose ``shape`` is an int."""
+
+    shape = 4
+    dtype = np.float32
+
+
+class UnknownDtype:
+    """Another library's array of a dtype NumPy cannot read (torch.float32),
+    of the wrong shape."""
+
+    shape = (2, 2)
+    dtype = object()
+
+
+class ShapeRaises:
+    """An array whose ``shape`` property raises."""
+
+    dtype = np.float32
+
+    @property
+    def shape(self):
+        raise TypeError("no shape yet")
+
+
+class Odd(BaseException):
+    """An exception of no usual kind."""
+
+
+class ArrayRaises:
+    """The right shape and dtype, but reading its data raises ``Odd``."""
+
+    shape = (4,)
+    dtype = np.float32
+
+    def __array__(self, dtype=None, copy=None):
+        raise Odd("the data could not be read")
+
+
+BAD_LEAVES = {
+    "int shape": (IntShape, "whose shape is 4, not a sequence of integers"),
+    "unknown dtype": (UnknownDtype, "shape (2, 2) and dtype <object object"),
+    "shape raises": (ShapeRaises, "whose shape or dtype could not be read"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_LEAVES))
+@pytest.mark.parametrize("kind", ["plain", "async"])
+def test_a_shard_whose_check_raised_type_error_fails_naming_the_shard(bad, kind):
+    make, words = BAD_LEAVES[bad]
+
+    def fetch(index):
+        return make()
+
+    async def fetch_async(index):
+        return make()
+
+    x = async_array_from_callback(
+        (4,), ONE, fetch if kind == "plain" else fetch_async, np.float32
+    )
+    with pytest.raises(ValueError) as info:
+        x.result(timeout=WAIT)  # was: TimeoutError (the part ran for good)
+    text = str(info.value)
+    assert words in text, text
+    assert "for the shard at index [:] (device 0)" in text, text
+
+
+@pytest.mark.parametrize("bad", list(BAD_LEAVES))
+def test_async_call_names_the_leaf_of_the_same_objects(bad):
+    make, words = BAD_LEAVES[bad]
+    x = async_call(lambda: {"w": make()}, {"w": SDS((4,), np.float32)})["w"]
+    with pytest.raises(ValueError, match="do not match result_shape_dtypes") as info:
+        x.result(timeout=WAIT)
+    assert "at ['w']: " in str(info.value) and words in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["plain", "async"])
+def test_any_exception_of_a_shard_reaches_the_array_naming_the_shard(kind):
+    def fetch(index):
+        return ArrayRaises()
+
+    async def fetch_async(index):
+        return ArrayRaises()
+
+    x = async_array_from_callback(
+        (4,), ONE, fetch if kind == "plain" else fetch_async, np.float32
+    )
+    with pytest.raises(Odd, match="the data could not be read") as info:
+        x.result(timeout=WAIT)
+    if sys.version_info >= (3, 11):
+        assert any(
+            "for the shard at index [:] (device 0)" in n for n in info.value.__notes__
+        ), info.value.__notes__
+    # The next load works.
+    y = async_array_from_callback((4,), ONE, lambda i: np.ones(4)[i], np.float32)
+    np.testing.assert_array_equal(y.result(timeout=WAIT), 1.0)
+
+
+# --- 3. an async def kernel whose result raised a BaseException ---------------------
+
+
+def _raising(exc: BaseException):
+    class Bad:
+        def __array__(self, dtype=None, copy=None):
+            raise exc
+
+    return Bad()
+
+
+def _async_map(fn, n):
+    return jax.vmap(lambda i: threadmap(fn, F32, i))(jnp.arange(float(n)))
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_from_an_elements_result_reaches_the_caller(exc):
+    async def element(i):
+        return _raising(exc()) if i == 2 else i
+
+    with pytest.raises(exc):
+        returns_within(_async_map, element, 8, limit=WAIT, what="end the map")
+    # The loop's thread lives on: the next map and loader run.
+    got = returns_within(_async_map, element, 2, limit=WAIT, what="run the next map")
+    np.testing.assert_array_equal(got, [0.0, 1.0])
+
+    async def load():
+        return np.ones(2, np.float32)
+
+    np.testing.assert_array_equal(
+        async_call(load, SDS((2,), np.float32)).result(timeout=WAIT), 1.0
+    )
+
+
+def test_any_other_exception_from_an_elements_result_names_the_element():
+    async def element(i):
+        await asyncio.sleep(0)
+        return _raising(Odd("odd")) if i == 3 else i
+
+    with pytest.raises(KernelError, match=r"batch index \(3,\).*Odd: odd") as info:
+        returns_within(_async_map, element, 8, limit=WAIT, what="end the map")
+    assert isinstance(info.value.__cause__, Odd)
+    assert info.value.index == (3,)
+
+
+def test_a_summed_output_whose_value_raises_names_its_element():
+    # Cotangents of an unbatched operand are added later, in index order: the
+    # error is the element's whose value raised, not the one stored then.
+    @kernel(F32)
+    async def k(x, a):
+        return x * a
+
+    @k.defvjp
+    async def k_vjp(x, a, ct):
+        for _ in range(int(8 - x)):  # earlier elements finish later
+            await asyncio.sleep(0)
+        return ct * a, (_raising(Odd("odd cotangent")) if x == 5 else ct * x)
+
+    def grad_a():
+        x = jnp.arange(8.0)
+        return jax.grad(lambda a: jax.vmap(k, (0, None))(x, a).sum())(jnp.float32(2))
+
+    with pytest.raises(KernelError, match=r"batch index \(5,\).*odd cotangent"):
+        returns_within(grad_a, limit=WAIT, what="end the map")
+
+
+def test_the_event_loop_outlives_a_coroutine_that_lets_an_interrupt_out(caplog):
+    # asyncio lets KeyboardInterrupt and SystemExit out of run_forever: the
+    # package's loop, which every loader and map shares, goes on.
+    ran = threading.Event()
+    box = {}
+
+    async def escapes():
+        box["task"] = asyncio.current_task()
+        raise SystemExit("out of the loop")
+
+    _event_loop.event_loop().submit(escapes, "escapes")
+
+    async def load():
+        ran.set()
+        return np.zeros(2, np.float32)
+
+    x = async_call(load, SDS((2,), np.float32))
+    np.testing.assert_array_equal(x.result(timeout=WAIT), 0.0)
+    assert ran.is_set()
+    assert any("the loop goes on" in r.getMessage() for r in caplog.records)
+    # Its task kept the exception (read here: asyncio would log it at exit).
+    assert isinstance(box["task"].exception(), SystemExit)
+
+
+def test_a_map_never_returns_with_an_element_unwritten(monkeypatch):
+    # Whatever ends an element without storing it (here: a store that writes
+    # nothing for one element), the map fails rather than return that element
+    # as whatever its output buffer held.
+    from jax_threadmap._executors import coroutines as _coroutines
+
+    real_store = _coroutines.AsyncMap._store
+
+    def store(self, i, index, result):
+        if i != 3:
+            real_store(self, i, index, result)
+
+    monkeypatch.setattr(_coroutines.AsyncMap, "_store", store)
+
+    async def element(i):
+        return i
+
+    with pytest.raises(ExecutorError, match="1 of 8 element"):
+        returns_within(_async_map, element, 8, limit=WAIT, what="end the map")
+
+
+# --- 4. an exception that refuses attributes ----------------------------------------
+
+
+class Frozen(Exception):
+    def __setattr__(self, name, value):
+        raise AttributeError("frozen exception")
+
+
+@pytest.mark.parametrize("kind", ["async_call", "shards"])
+def test_a_loaders_frozen_exception_is_what_every_use_raises(kind):
+    def load(*index):
+        raise Frozen("the loader's own error")
+
+    if kind == "async_call":
+        x = async_call(load, SDS((4,), np.float32))
+    else:
+        x = async_array_from_callback((4,), ONE, load, np.float32)
+    for _ in range(2):  # every use: the same exception
+        with pytest.raises(Frozen, match="the loader's own error"):
+            x.result(timeout=WAIT)
+
+
+# --- 6. what the hostile pass did not reach -----------------------------------------
+
+
+class Hangs:
+    """Loaders that never return until cancelled, counting their cancellations."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Semaphore(0)
+
+    async def __call__(self, *index):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.release()
+            raise
+        return None  # never reached
+
+
+async def _value(i, *index):
+    await asyncio.sleep(0)
+    return np.full((2,), i, np.float32)[index[0] if index else ...]
+
+
+async def _fails(i, *index):
+    await asyncio.sleep(0)
+    raise LookupError(f"missing {i}")
+
+
+def _plain_value(i, *index):
+    return np.full((2,), i, np.float32)[index[0] if index else ...]
+
+
+def _plain_fails(i, *index):
+    raise LookupError(f"missing {i}")
+
+
+#: Each kind of load at scale: its loader (``None``: one that hangs), whether it
+#: is a sharded load, its ``timeout``, whether it is cancelled, and the outcome.
+SCALE_KINDS = {
+    "value": (_value, False, None, False, "value"),
+    "raises": (_fails, False, None, False, "LookupError"),
+    "times out": (None, False, 0.2, False, "TimeoutError"),
+    "cancelled": (None, False, None, True, "CancelledError"),
+    "shard value": (_value, True, None, False, "value"),
+    "shard raises": (_fails, True, None, False, "LookupError"),
+    "shard times out": (None, True, 0.2, False, "TimeoutError"),
+    "shard cancelled": (None, True, None, True, "CancelledError"),
+    "plain value": (_plain_value, False, None, False, "value"),
+    "plain raises": (_plain_fails, False, None, False, "LookupError"),
+    "plain shard": (_plain_value, True, None, False, "value"),
+}
+
+
+def _outcome(x, i):
+    try:
+        value = np.asarray(x.result(timeout=WAIT))
+    except LookupError as e:
+        assert str(e) == f"missing {i}", e
+        return "LookupError"
+    except TimeoutError as e:
+        assert "did not return within timeout=0.2 s" in str(e), e
+        return "TimeoutError"
+    except concurrent.futures.CancelledError:
+        return "CancelledError"
+    np.testing.assert_array_equal(value, np.full((2,), i, np.float32))
+    return "value"
+
+
+def test_a_thousand_async_def_loaders_that_raise_time_out_and_are_cancelled():
+    n = 1320  # 120 of each kind; 960 async def
+    hangs = Hangs()
+    kinds = list(SCALE_KINDS)
+    with _async_threads.live_lock:
+        live_before = len(_async_threads.live)
+    made = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        loader, sharded, timeout, _, _ = SCALE_KINDS[kind]
+        fn = hangs if loader is None else functools.partial(loader, i)
+        if sharded:
+            x = async_array_from_callback((2,), ONE, fn, np.float32, timeout=timeout)
+        else:
+            x = async_call(fn, SDS((2,), np.float32), timeout=timeout)
+        made.append((kind, x))
+    # A few jitted dispatches while they are pending (under the bound of 8).
+    double = jax.jit(lambda a: a * 2)
+    dispatched = []
+    for i, (_, x) in enumerate(made[:6]):
+        try:
+            dispatched.append((i, double(x)))
+        except Exception as e:  # it had failed already: raised at the dispatch
+            assert type(e).__name__ == SCALE_KINDS[made[i][0]][4], e
+    for kind, x in made:
+        if SCALE_KINDS[kind][3]:
+            assert x.cancel()
+    for i, (kind, x) in enumerate(made):
+        assert _outcome(x, i) == SCALE_KINDS[kind][4], (i, kind)
+    for i, y in dispatched:
+        kind = made[i][0]
+        if SCALE_KINDS[kind][4] == "value":
+            np.testing.assert_array_equal(np.asarray(y), np.full((2,), 2 * i))
+        else:
+            with pytest.raises(Exception, match="missing|timeout|cancelled"):
+                np.asarray(y)
+    # Every hanging coroutine was cancelled, and no call stays live.
+    hanging = sum(SCALE_KINDS[k][0] is None for k, _ in made)
+    assert all(hangs.cancelled.acquire(timeout=WAIT) for _ in range(hanging))
+    with _async_threads.live_lock:
+        assert len(_async_threads.live) <= live_before
+    assert async_pool_status().abandoned == ()
+    # The loop still serves loaders.
+    np.testing.assert_array_equal(
+        async_call(functools.partial(_value, 7), SDS((2,), np.float32)).result(WAIT),
+        7.0,
+    )
+
+
+BAD_TIMEOUTS = [-1, -0.0, float("nan"), float("inf"), -float("inf"), np.float32("nan")]
+
+
+@pytest.mark.parametrize(
+    "api, timeout",
+    [
+        (api, t)
+        for api in ("async_call", "deferred_call", "shards", "async shards", "result")
+        for t in BAD_TIMEOUTS
+        if not (api == "result" and t == 0)  # result(timeout=-0.0): look, no wait
+    ],
+    ids=repr,
+)
+def test_a_negative_nan_or_infinite_timeout_is_refused_before_any_work(api, timeout):
+    started = []
+
+    def load(*index):
+        started.append(index)
+        return np.zeros(2, np.float32)[index[0] if index else ...]
+
+    async def load_async(index):
+        started.append(index)
+        return np.zeros(2, np.float32)[index]
+
+    with _async_threads.live_lock:
+        live_before = len(_async_threads.live)
+    with pytest.raises(ValueError, match="finite number of seconds. Got timeout="):
+        if api == "async_call":
+            async_call(load, SDS((2,), np.float32), timeout=timeout)
+        elif api == "deferred_call":
+            deferred_call(load, SDS((2,), np.float32), timeout=timeout)
+        elif api == "shards":  # dtype=None: would fetch one shard at the call
+            async_array_from_callback((2,), ONE, load, timeout=timeout)
+        elif api == "async shards":
+            async_array_from_callback((2,), ONE, load_async, timeout=timeout)
+        else:
+            deferred_call(load, SDS((2,), np.float32)).result(timeout=timeout)
+    assert started == []
+    with _async_threads.live_lock:
+        assert len(_async_threads.live) == live_before
+
+
+FORK_SCRIPT = """
+import asyncio, os, sys, threading, warnings
+warnings.simplefilter("ignore")
+import jax, jax.numpy as jnp, numpy as np
+import jax_threadmap as jtm
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+S = jax.ShapeDtypeStruct((2,), np.float32)
+F32 = jax.ShapeDtypeStruct((), np.float32)
+release, started = threading.Event(), threading.Semaphore(0)
+data = np.arange(8.0, dtype=np.float32)
+sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
+
+def blocked(v):
+    started.release()
+    release.wait(60)
+    return np.full(2, v, np.float32)
+
+def quick(v):
+    return np.full(2, v, np.float32)
+
+async def blocked_async(v):
+    started.release()
+    await asyncio.to_thread(release.wait, 60)
+    return np.full(2, v, np.float32)
+
+def fetch(index):  # the first shard blocks; the others wait in the queue
+    if index[0].start == 0:
+        started.release()
+        release.wait(60)
+    return data[index]
+
+async def element(i):
+    started.release()
+    await asyncio.to_thread(release.wait, 60)
+    return i * 2
+
+def async_map(n):
+    return np.asarray(jax.vmap(lambda i: jtm.threadmap(element, F32, i))(
+        jnp.arange(float(n))))
+
+# The pool has 2 threads: one runs `running`, one the sharded load's first
+# shard; its 3 other shards and `queued` wait in the queue.
+running = jtm.async_call(blocked, S, 1.0)
+sharded = jtm.async_array_from_callback((8,), sharding, fetch, np.float32)
+queued = jtm.async_call(quick, S, 2.0)
+deferred = jtm.deferred_call(quick, S, 3.0)
+coroutine = jtm.async_call(blocked_async, S, 4.0)
+box = {}
+mapper = threading.Thread(target=lambda: box.setdefault("map", async_map(4)))
+mapper.start()
+for _ in range(3 + 4):  # running, the first shard, the coroutine, 4 elements
+    assert started.acquire(timeout=60)
+
+async def double(i):
+    await asyncio.sleep(0)
+    return i * 2
+
+def double_map(x):
+    return np.asarray(jax.vmap(lambda i: jtm.threadmap(double, F32, i))(x))
+
+# What the child runs is compiled here: XLA may not compile in a forked child.
+assert double_map(np.arange(3.0, dtype=np.float32)).tolist() == [0.0, 2.0, 4.0]
+
+def bounded(fn, limit=30):
+    out = {}
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit)
+    return "hung" if t.is_alive() else out
+
+pid = os.fork()
+if pid == 0:
+    failures = []
+    def expect(name, got, ok):
+        if not ok:
+            failures.append(f"{name}: {got}")
+    for name, x in (("running", running), ("coroutine", coroutine),
+                    ("sharded", sharded)):
+        got = bounded(x.result)  # no timeout: the child may run what is left
+        expect(name, got, isinstance(got, dict)
+               and "forked" in str(got.get("error", "")))
+    for name, x, v in (("queued", queued, 2.0), ("deferred", deferred, 3.0)):
+        got = bounded(x.result)
+        expect(name, got, isinstance(got, dict) and "value" in got
+               and np.asarray(got["value"]).tolist() == [v, v])
+    async def fresh(v):
+        await asyncio.sleep(0)
+        return np.full(2, v, np.float32)
+    got = bounded(lambda: jtm.async_call(fresh, S, 5.0).result())
+    expect("a new loader", got, isinstance(got, dict) and "value" in got)
+    got = bounded(lambda: jtm.async_array_from_callback(
+        (8,), sharding, lambda i: data[i], np.float32).result())
+    expect("a new sharded load", got, isinstance(got, dict)
+           and np.array_equal(np.asarray(got.get("value")), data))
+    got = bounded(lambda: double_map(np.arange(3.0, dtype=np.float32)))
+    expect("a new async def map", got, isinstance(got, dict)
+           and np.array_equal(got.get("value"), [0.0, 2.0, 4.0]))
+    print("child:", "; ".join(failures) or "ok", flush=True)
+    os._exit(0 if not failures else 1)
+_, status = os.waitpid(pid, 0)
+release.set()
+values = [float(x.result(60)[0]) for x in (running, queued, deferred, coroutine)]
+mapper.join(60)
+ok = (values == [1.0, 2.0, 3.0, 4.0]
+      and np.array_equal(np.asarray(sharded.result(60)), data)
+      and np.array_equal(box.get("map"), [0.0, 2.0, 4.0, 6.0]))
+print("parent:", "ok" if ok else (values, box), flush=True)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_while_calls_loads_and_an_async_def_map_run():
+    # In the child: what ran at the fork fails at its first use, naming the
+    # fork (a sharded load whose other shards were still queued used to claim
+    # them there, and then wait for good for the shard running in the parent);
+    # what had not started runs there; new loads and maps work. In the parent
+    # everything lands.
+    proc, report = run_child(
+        FORK_SCRIPT,
+        env={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_THREADMAP_ASYNC_THREADS": "2",
+        },
+    )
+    assert "child: ok" in proc.stdout, report
+    assert "parent: ok" in proc.stdout, report
+    assert proc.returncode == 0, report
+
+
+# --- 6. async def derivative rules --------------------------------------------------
+
+S = jax.ShapeDtypeStruct
+F64 = jnp.float64
+
+
+def _async_sin_kernel(max_in_flight=None):
+    """``f(x, a) = sin(x) * a`` (x (3,), a ()) whose rules, and their rules, are
+    all ``async def``: each awaits before it returns."""
+    g, g1, g2 = np.sin, np.cos, lambda x: -np.sin(x)
+    opts = {} if max_in_flight is None else {"max_in_flight": max_in_flight}
+
+    @kernel(S((3,), F64), **opts)
+    async def f(x, a):
+        await asyncio.sleep(0)
+        return g(x) * a
+
+    @kernel(S((3,), F64), **opts)
+    async def f_jvp(x, a, tx, ta):
+        await asyncio.sleep(0)
+        return g1(x) * a * tx + g(x) * ta
+
+    @kernel((S((3,), F64), S((), F64)), **opts)
+    async def f_vjp(x, a, ct):
+        await asyncio.sleep(0)
+        return ct * g1(x) * a, np.sum(ct * g(x))
+
+    @f_jvp.defjvp
+    async def f_jvp_jvp(x, a, tx, ta, dx, da, dtx, dta):
+        await asyncio.sleep(0)
+        return g2(x) * dx * a * tx + g1(x) * (da * tx + a * dtx + dx * ta) + g(x) * dta
+
+    @f_vjp.defjvp
+    async def f_vjp_jvp(x, a, ct, dx, da, dct):
+        await asyncio.sleep(0)
+        return (
+            dct * g1(x) * a + ct * g2(x) * dx * a + ct * g1(x) * da,
+            np.sum(dct * g(x) + ct * g1(x) * dx),
+        )
+
+    @f_jvp.defvjp
+    async def f_jvp_vjp(x, a, tx, ta, ct):
+        await asyncio.sleep(0)
+        return (
+            ct * (g2(x) * a * tx + g1(x) * ta),
+            np.sum(ct * g1(x) * tx),
+            ct * g1(x) * a,
+            np.sum(ct * g(x)),
+        )
+
+    @f_vjp.defvjp
+    async def f_vjp_vjp(x, a, ct, c):
+        await asyncio.sleep(0)
+        cx, ca = c
+        return (
+            cx * ct * g2(x) * a + ca * ct * g1(x),
+            np.sum(cx * ct * g1(x)),
+            cx * g1(x) * a + ca * g(x),
+        )
+
+    f.defjvp(f_jvp)
+    f.defvjp(f_vjp)
+    return f
+
+
+def _loss(f):
+    def loss(x, a):
+        y = jax.vmap(jax.vmap(f, (0, None)), (0, None))(x, a)
+        return jnp.sum(y * jnp.cos(y)) + a * jnp.sum(y)
+
+    return loss
+
+
+SECOND_ORDER = {
+    "hessian": lambda loss: jax.hessian(loss, (0, 1)),
+    "jvp(grad)": lambda loss: (
+        lambda x, a: jax.jvp(
+            jax.grad(loss, (0, 1)), (x, a), (jnp.cos(x), 0.7 * jnp.cos(a))
+        )[1]
+    ),
+    "grad(grad)": lambda loss: jax.grad(
+        lambda x, a: jnp.sum(jnp.sin(jax.grad(loss)(x, a))), (0, 1)
+    ),
+}
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("transform", list(SECOND_ORDER))
+def test_async_def_rules_of_async_def_rules_match_jax_numpy(transform, jit):
+    x = jnp.asarray(np.random.default_rng(0).uniform(-1.5, 1.5, (2, 3, 3)))
+    a = jnp.float64(0.8)
+    make = SECOND_ORDER[transform]
+    got = make(_loss(_async_sin_kernel(max_in_flight=2)))
+    if jit:
+        got = jax.jit(got)
+    want = make(_loss(lambda x, a: jnp.sin(x) * a))(x, a)
+    got = returns_within(got, x, a, limit=WAIT, what="differentiate")
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert g.dtype == w.dtype == np.float64
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", ["jvp", "vjp"])
+@pytest.mark.parametrize("how", ["raises", "wrong shape"])
+def test_a_failing_async_def_rule_names_itself_and_its_element(rule, how):
+    entered, cancelled = [], threading.Semaphore(0)
+
+    @kernel(F32)
+    async def k(x):
+        return x * 2
+
+    async def body(x, out, wrong):
+        if int(x) == 5:
+            if how == "raises":
+                raise ArithmeticError(f"rule failed at {int(x)}")
+            return wrong
+        entered.append(int(x))
+        try:  # the other elements wait until the failure cancels them
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.release()
+            raise
+        return out
+
+    if rule == "jvp":
+
+        @k.defjvp
+        async def k_jvp(x, tx):
+            return await body(x, 2 * tx, np.zeros(2))
+
+        run = lambda x: jax.jvp(jax.vmap(k), (x,), (jnp.ones_like(x),))  # noqa: E731
+    else:
+
+        @k.defvjp
+        async def k_vjp(x, ct):
+            return await body(x, (2 * ct,), (np.zeros(2),))
+
+        run = jax.grad(lambda x: jax.vmap(k)(x).sum())  # noqa: E731
+    x = jnp.arange(8.0)
+    words = "rule failed at 5" if how == "raises" else r"shape \(2,\)"
+    with pytest.raises(KernelError, match=rf"k_{rule}.*batch index \(5,\).*{words}"):
+        returns_within(run, x, limit=WAIT, what="fail")
+    # Every element that had started was cancelled (those after the failure
+    # never start).
+    assert entered
+    assert all(cancelled.acquire(timeout=WAIT) for _ in entered), entered
+    # The next derivative through async def rules works.
+
+    @kernel(F32)
+    async def square(v):
+        return v * v
+
+    @square.defvjp
+    async def square_vjp(v, ct):
+        await asyncio.sleep(0)
+        return (2 * v * ct,)
+
+    grad = jax.grad(lambda x: jax.vmap(square)(x).sum())
+    got = returns_within(grad, x, limit=WAIT, what="differentiate")
+    np.testing.assert_array_equal(got, 2 * np.arange(8.0))
+
+
+# --- 6. Ctrl-C inside an async def kernel map ----------------------------------------
+
+CTRL_C_SCRIPT = """
+import asyncio, os, signal, threading, time
+import jax, jax.numpy as jnp, numpy as np
+import jax_threadmap as jtm
+
+F32 = jax.ShapeDtypeStruct((), np.float32)
+BOUND = 8
+seen = {"in": 0, "cancelled": 0}
+all_cancelled = threading.Event()
+
+async def wait_for_ctrl_c(i):
+    seen["in"] += 1
+    try:
+        if seen["in"] == BOUND:  # all in flight: Ctrl-C from the keyboard
+            os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        seen["cancelled"] += 1
+        if seen["cancelled"] == BOUND:
+            all_cancelled.set()
+        raise
+    return i
+
+@jtm.kernel(F32, max_in_flight=BOUND)
+async def scaled(x, a):
+    return x * a
+
+@scaled.defvjp
+async def scaled_vjp(x, a, ct):  # its cotangent of `a` is summed on the host
+    return await wait_for_ctrl_c(ct * a), ct * x
+
+def plain_map(n):
+    f = lambda i: jtm.threadmap(wait_for_ctrl_c, F32, i, max_in_flight=BOUND)
+    return jax.vmap(f)(np.arange(float(n), dtype=np.float32))
+
+def summed_grad(n):
+    x = np.arange(float(n), dtype=np.float32)
+    return jax.grad(lambda a: jax.vmap(scaled, (0, None))(x, a).sum())(
+        np.float32(2.0))
+
+for name, run in (("map", plain_map), ("summed grad", summed_grad)):
+    seen.update({"in": 0, "cancelled": 0})
+    all_cancelled.clear()
+    try:
+        run(100)
+        print(name, "not interrupted", flush=True)
+    except KeyboardInterrupt:
+        ok = all_cancelled.wait(60)
+        print(name, "interrupted; in flight cancelled:", ok, seen, flush=True)
+
+async def double(i):
+    await asyncio.sleep(0)
+    return i * 2
+
+x = np.arange(4.0, dtype=np.float32)
+got = jax.vmap(lambda i: jtm.threadmap(double, F32, i))(x)
+print("next map:", np.asarray(got).tolist(), flush=True)
+"""
+
+
+def test_ctrl_c_inside_an_async_def_map_and_a_summed_grad():
+    # A real SIGINT while every element in flight waits: the map (and a grad
+    # whose cotangent is summed on the host, added in index order) stops with
+    # KeyboardInterrupt in the caller, every element in flight is cancelled,
+    # and the next map runs.
+    proc, report = run_child(CTRL_C_SCRIPT)
+    for name in ("map", "summed grad"):
+        assert f"{name} interrupted; in flight cancelled: True" in proc.stdout, report
+    assert "next map: [0.0, 2.0, 4.0, 6.0]" in proc.stdout, report
+    assert proc.returncode == 0, report

@@ -175,7 +175,9 @@ class ProgramRun(Task):
         self.root = root
         error = jax.errors.JaxRuntimeError(f"{_JAX_PREFIX}AsyncCallFailed: {text}")
         error.__cause__ = task.future.exception()
-        if self.give_up(error) and _first_report(root):
+        # Said before the failure is set: a thread waiting for the results may
+        # go on (and end) as soon as it is.
+        if not self.future.done() and _first_report(root):
             logger.warning(
                 "jax_threadmap: the jitted programs dispatched on the arrays of "
                 "%s (%s) were not run, and their results raise this error when "
@@ -184,6 +186,7 @@ class ProgramRun(Task):
                 root.api,
                 text,
             )
+        self.give_up(error)
 
     def failure_text(self) -> str:
         """A chain passes the failed argument's error on, not its own wrapper."""

@@ -42,7 +42,7 @@ def test_kernel_sees_numpy_readonly_views_of_unbatched_shape():
     x = np.ones((3, 5, 4), np.float32)
     jax.jit(
         jax.vmap(jax.vmap(lambda x, s: threadmap(k, F32, x, s), (0, None)), (0, None))
-    )(x, np.float32(1))
+    )(x, np.float32(1)).block_until_ready()  # then count
     assert len(seen) == 15
     assert set(seen) == {(np.ndarray, (4,), False, np.ndarray, ())}
 

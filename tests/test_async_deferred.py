@@ -97,10 +97,14 @@ def test_a_call_returns_arrays_at_once_and_their_values_follow():
     assert isinstance(y["twice"], AsyncArray) and isinstance(y["sum"], AsyncArray)
     assert y["twice"].shape == (3,) and y["sum"].dtype == np.float32
     assert not y["twice"].done() and "pending, from `jit(<lambda>)`" in repr(y["sum"])
+    assert not y["twice"].is_ready()
     gate.release.set()
+    # Printed as the jax.Array it stands for: its values, once they are there.
+    assert str(y["twice"]) == str(jnp.asarray(value * 2)) == "[0. 2. 4.]"
     np.testing.assert_array_equal(np.asarray(y["twice"]), value * 2)
     np.testing.assert_array_equal(np.asarray(y["sum"]), value.sum())
-    assert isinstance(y["twice"].result(), jax.Array)
+    assert isinstance(y["twice"].result(), jax.Array) and y["twice"].is_ready()
+    assert "done, from `jit(<lambda>)`" in repr(y["twice"])  # repr: its state
     assert gate.calls == 1
 
 

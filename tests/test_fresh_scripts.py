@@ -39,7 +39,10 @@ sys.exit(3)
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypatch):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_THREADMAP_")}
-    env["PYTHONPATH"] = str(ROOT)
+    # This checkout first, then what the machine's own path holds (JAX, there).
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+    )
     file = tmp_path / f"{name}.py"
     file.write_text(SCRIPTS[name])
     fresh = subprocess.run(
@@ -65,7 +68,8 @@ def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypa
 
 
 def test_a_script_past_its_timeout_is_killed(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
     file = tmp_path / "stuck.py"
     file.write_text("import threading\nthreading.Event().wait()\n")
 

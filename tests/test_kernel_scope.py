@@ -37,6 +37,10 @@ def cpu_held(monkeypatch):
         pytest.skip(_jax_dispatch.dispatch_streams_unavailable())
     monkeypatch.setattr(_kernel_scope, "_holds", lambda device: True)
     monkeypatch.setattr(_kernel_scope, "_host_device", lambda: jax.devices("cpu")[0])
+    # The maps' programs on the CPU too (on an accelerator they would run there,
+    # and the kernels' programs, on the CPU, would not be on a held device).
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def mapped(kernel, shape=(2,)):
@@ -102,21 +106,24 @@ def test_kernels_default_to_the_host_where_the_backend_is_an_accelerator(monkeyp
     monkeypatch.setattr(_kernel_scope, "_host_device", lambda: host)
     seen = []
 
+    def where():  # where an array the kernel makes goes
+        return jnp.zeros(1).devices()
+
     def kernel(x):
-        seen.append(jax.config.jax_default_device)
+        seen.append(where())
         return add_one_in_jax(x)
 
     async def async_kernel(x):
-        seen.append(jax.config.jax_default_device)
+        seen.append(where())
         await asyncio.sleep(0)
-        seen.append(jax.config.jax_default_device)
+        seen.append(where())
         return add_one_in_jax(x)
 
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     for k in (kernel, async_kernel):
         seen.clear()
         np.testing.assert_array_equal(mapped(k)(x), x + 1)
-        assert seen and all(d == host for d in seen), seen
+        assert seen and all(d == {host} for d in seen), seen
     assert jax.config.jax_default_device is None  # the caller's is untouched
 
 

@@ -112,6 +112,11 @@ FORK_TIMEOUT = 60
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="a forked child cannot use the parent's accelerator (JAX's runtime is "
+    "the parent's), and the child's maps put their results there",
+)
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_fork_while_the_layer_is_busy():
     # At the fork: kernels block on the shared threads, and other threads hold

@@ -95,7 +95,7 @@ def test_opened_once_and_reused_across_elements_and_maps():
     handle.close()
     assert (res.entered, res.exited) == (1, 1) and not handle.is_open
     handle.close()  # closed: nothing to do
-    f(jnp.arange(3))  # the next use opens it again
+    np.asarray(f(jnp.arange(3)))  # the next use opens it again (awaited)
     assert (res.entered, res.exited, seen[-1]) == (2, 1, 2)
     handle.close()
     assert res.exited == 2

@@ -320,7 +320,12 @@ class AsyncArray:
             f"{self._task.status()}, from {self._task.name})"
         )
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        # The result of a jitted call on pending data (deferred dispatch) prints
+        # as the jax.Array it stands for does: its values, once they are there.
+        if self._task.stands_for_an_array:
+            return str(self.result())
+        return repr(self)
 
     def __len__(self) -> int:
         if not self.shape:
@@ -507,8 +512,9 @@ def async_call(
         ...           "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
         >>> params = jtm.async_call(load_weights, shapes, 3)
         >>> predict = jax.jit(lambda p, x: p["w"] @ x + p["b"])
-        >>> predict(params, jnp.arange(3.0))  # compiles while loading
-        Array([3., 3., 3.], dtype=float32)
+        >>> y = predict(params, jnp.arange(3.0))  # compiles while loading
+        >>> print(y)  # waits for the weights
+        [3. 3. 3.]
     """
     task = Task.for_call(
         fn, result_shape_dtypes, args, kwargs, device, "async_call", timeout

@@ -230,6 +230,10 @@ class Task:
     :meth:`_publish`, and land a part with :meth:`_land_part`.
     """
 
+    #: Whether its arrays stand for the ``jax.Array`` s of a jitted call (so
+    #: ``str()`` prints their values, as a ``jax.Array``'s does).
+    stands_for_an_array = False
+
     # Named in one string: a thousand calls in flight, each without a __dict__.
     __slots__ = tuple(
         "_lock _state _submitted _clock _pid _fn _args _kwargs name api treedef "

@@ -119,6 +119,7 @@ class ProgramRun(Task):
     """
 
     __slots__ = ("_inputs", "_inputs_lock", "_waiting", "_cause", "root", "_landed")
+    stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
 
     def __init__(
         self,

@@ -653,23 +653,28 @@ def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
 
 
 def async_dispatch_status() -> str:
-    """Says whether jitted calls with pending ``AsyncArray`` s return at once.
+    """Says whether jitted calls with pending ``AsyncArray`` s return at once, and how.
 
-    With ``"async"``, ``y = f(x)`` with ``x`` pending returns at once, and other
-    work (of the same thread too) that does not use ``y`` does not wait for
-    ``x`` (docs/async.md, "Ordering"). Where the JAX hooks for that are missing,
-    it is ``"async, in thread order (...)"``: calls still return at once, but
-    every later program of the same thread runs once ``x`` has arrived.
+    With ``"async"`` (the CPU), ``y = f(x)`` with ``x`` pending returns at once
+    with ``jax.Array`` results, and other work (of the same thread too) that
+    does not use ``y`` does not wait for ``x`` (docs/async.md, "Ordering").
+    Where the JAX hooks for that are missing, it is ``"async, in thread order
+    (...)"``: calls still return at once, but every later program of the same
+    thread runs once ``x`` has arrived. With ``"async, deferred (...)"`` (an
+    accelerator; or a CPU without the gates' loopback transfer server, or
+    ``JAX_THREADMAP_ASYNC_DISPATCH=deferred``), ``y = f(x)`` returns at once
+    with ``AsyncArray`` results, and ``f`` 's program is dispatched from the host
+    when ``x`` lands (docs/accelerators.md).
 
     Returns:
-        ``"async"``, ``"async, in thread order (<reason>)"``, or
-        ``"blocking: <reason>"`` (the reason names the switch or the missing JAX
-        feature).
+        ``"async"``, ``"async, in thread order (<reason>)"``, ``"async, deferred
+        (...)"``, or ``"blocking: <reason>"`` (the reason names the switch or
+        the missing JAX feature).
 
     Examples:
         >>> import jax_threadmap as jtm
-        >>> jtm.async_dispatch_status()  # on CPU with jax 0.6.2 ... 0.12
-        'async'
+        >>> jtm.async_dispatch_status().startswith("async")  # CPU, TPU: jax 0.6.2+
+        True
     """
     reason = mechanism.status()
     if reason is not None:

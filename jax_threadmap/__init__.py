@@ -21,6 +21,8 @@ from ._jax.hooks import UnsupportedJaxError as UnsupportedJaxError
 from ._support.errors import ExecutorError as ExecutorError
 from ._support.errors import KernelError as KernelError
 from ._support.errors import ThreadmapError as ThreadmapError
+from ._support.shared import Shared as Shared
+from ._support.shared import shared as shared
 
 try:
     __version__ = importlib.metadata.version("jax_threadmap")
@@ -33,6 +35,7 @@ __all__ = [
     "InOrder",
     "KernelError",
     "KernelFunction",
+    "Shared",
     "ThreadmapError",
     "UnsupportedJaxError",
     "async_array_from_callback",
@@ -42,6 +45,7 @@ __all__ = [
     "deferred_call",
     "kernel",
     "limit_inner_threads",
+    "shared",
     "threadmap",
     "threadmap_p",
 ]

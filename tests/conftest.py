@@ -19,6 +19,17 @@ import jax  # noqa: E402
 # a TPU. JAX read JAX_PLATFORMS when it was imported above: this process keeps
 # its own platforms (the accelerator, where there is one).
 os.environ["JAX_PLATFORMS"] = "cpu"
+# A TPU host's JAX warns at every import that transparent hugepages are off
+# (jax/_src/cloud_tpu_init.py): a fact of the machine, not of the code under test,
+# whose children must otherwise write nothing to stderr.
+os.environ["PYTHONWARNINGS"] = ",".join(
+    w
+    for w in (
+        os.environ.get("PYTHONWARNINGS"),
+        "ignore:Transparent hugepages are not enabled:UserWarning",
+    )
+    if w
+)
 
 import pytest  # noqa: E402
 from helpers import EXAMPLES, LOOPBACK, NO_LOOPBACK  # noqa: E402

@@ -47,6 +47,12 @@ LOOPBACK = _loopback_sockets()
 NO_LOOPBACK = "needs loopback sockets, which this machine refuses"
 
 
+#: The relative tolerance of float32 transcendentals (sin, exp, tanh) computed
+#: by jax.numpy on the default backend against NumPy on the host: the CPU's
+#: agree to the last digits, an accelerator's to about four or five.
+F32_RTOL = 1e-6 if jax.default_backend() == "cpu" else 2e-4
+
+
 def examples(full: int) -> int:
     """A hypothesis test's ``max_examples``: ``full`` in CI's default leg, a
     quarter otherwise."""

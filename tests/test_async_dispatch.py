@@ -504,10 +504,12 @@ def test_switch_off_gives_blocking_dispatch(monkeypatch):
     np.testing.assert_array_equal(box["y"], [-1.0, -1.0])
     monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "maybe")
     with pytest.raises(ValueError, match="JAX_THREADMAP_ASYNC_DISPATCH='maybe'"):
-        _dispatch.async_dispatch_enabled()
+        _dispatch.async_dispatch_mode()
 
 
-def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplog):
+def test_a_server_that_does_not_start_gives_deferred_dispatch(monkeypatch, caplog):
+    # A machine that refuses loopback sockets (a lent TPU host): no gate
+    # programs, but dispatch on pending data still returns at once (deferred).
     def refuse(*args, **kwargs):
         raise OSError("no loopback here")
 
@@ -515,21 +517,18 @@ def test_a_server_that_does_not_start_gives_blocking_dispatch(monkeypatch, caplo
     monkeypatch.setattr(_dispatch._jax_dispatch, "start_transfer_server", refuse)
     gate = Gate(np.arange(3, dtype=np.float32))
     a = async_call(gate, SDS((3,), np.float32))
-    box = {}
-    t = threading.Thread(target=lambda: box.update(y=jax.jit(lambda v: v * 3)(a)))
-    with caplog.at_level(logging.WARNING, logger="jax_threadmap"):
-        t.start()
-        t.join(0.5)
-        assert t.is_alive()  # waits for the data instead of failing the call
-        gate.release.set()
-        t.join(WAIT)
-    np.testing.assert_array_equal(box["y"], [0.0, 3.0, 6.0])
+    with caplog.at_level(logging.INFO, logger="jax_threadmap"):
+        y = returns_while_gated(jax.jit(lambda v: v * 3), a)
+    assert isinstance(y, AsyncArray) and not y.done()
+    gate.release.set()
+    np.testing.assert_array_equal(np.asarray(y), [0.0, 3.0, 6.0])
     status = _dispatch.async_dispatch_status()
-    assert status.startswith("blocking: unavailable") and "no loopback here" in status
-    assert any("no loopback here" in r.getMessage() for r in caplog.records)
+    assert status.startswith("async, deferred"), status
+    said = [r for r in caplog.records if "no loopback here" in r.getMessage()]
+    assert said and all(r.levelno == logging.INFO for r in said)
 
 
-def test_without_the_transfer_module_import_works_and_dispatch_waits():
+def test_without_the_transfer_module_import_works_and_dispatch_is_deferred():
     script = textwrap.dedent(
         """
         import sys, threading
@@ -537,19 +536,16 @@ def test_without_the_transfer_module_import_works_and_dispatch_waits():
         import jax, numpy as np
         import jax_threadmap as jtm
         status = jtm.async_dispatch_status()
-        assert status.startswith("blocking: unavailable"), status
-        assert "start_transfer_server" in status, status
+        assert status.startswith("async, deferred"), status
         go = threading.Event()
         def load():
             go.wait(30)
             return np.ones(2, np.float32)
         x = jtm.async_call(load, jax.ShapeDtypeStruct((2,), np.float32))
-        box = {}
-        t = threading.Thread(target=lambda: box.update(y=jax.jit(lambda v: v + 1)(x)))
-        t.start(); t.join(0.5)
-        assert t.is_alive(), "dispatch did not wait"
-        go.set(); t.join(30)
-        assert np.asarray(box["y"]).tolist() == [2.0, 2.0]
+        y = jax.jit(lambda v: v + 1)(x)  # returns at once
+        assert not y.done() and not x.done()
+        go.set()
+        assert np.asarray(y).tolist() == [2.0, 2.0]
         print("fallback ok")
         """
     )

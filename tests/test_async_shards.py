@@ -48,8 +48,10 @@ def test_shard_loads_on_8_devices(shardy):
     assert "all shard load checks passed" in proc.stdout, report
     # Every check printed its line (the script stops at the first failure).
     # 163 checks (164 with notes, 3.11+); "dtype must be given" went with issue 32,
-    # "a memory-mapped file's pages" came with issue 43.
-    assert proc.stdout.count("\nok ") >= 163, report
+    # "a memory-mapped file's pages" came with issue 43. Deferred dispatch (the
+    # switch set for this process) has no gate programs, whose 6 checks go.
+    deferred = "async dispatch: async, deferred" in proc.stdout
+    assert proc.stdout.count("\nok ") >= (157 if deferred else 163), report
     assert "was destroyed but it is pending" not in proc.stderr, report
     assert "async dispatch failed" not in proc.stderr, report
 

@@ -241,7 +241,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
     runs, inside = [], []
     wrapper = _compat.get("ExecuteReplicated").__call__
     assert hasattr(wrapper, "__jax_threadmap_original__")
-    assert _jax_dispatch._around == [_program_runs.around]
+    assert _jax_dispatch._around == [_dispatch.around]
 
     def handler(xs, shardings):
         inside.append(_program_runs._thread.depth)
@@ -251,7 +251,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         pass
 
     _array_types.register_array_like(Other, lambda x: x.aval, handler)
-    real_around = _program_runs.around
+    real_around = _dispatch.around
 
     def counting(run, program, args, effects):
         runs.append(list(effects))
@@ -328,3 +328,37 @@ def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():
         "previous one ran; _dispatch could let such programs dispatch on pending "
         "data now."
     )
+
+
+def test_a_compiled_program_still_tells_what_deferred_dispatch_reads():
+    # Deferred dispatch (_async/deferred.py) reads, of JAX's ExecuteReplicated:
+    # its devices, its jax.Ref mutations, its outputs' avals and shardings, and
+    # its name. If JAX moves one, deferred dispatch must be updated.
+    from jax_threadmap._async import deferred as _deferred
+
+    if _jax_dispatch.dispatch_streams_unavailable() is not None:
+        pytest.skip(_jax_dispatch.dispatch_streams_unavailable())
+    seen = []
+    real = _jax_dispatch._around[:]
+
+    def spy(run, program, args, effects):
+        seen.append(program)
+        return run(program, *args)
+
+    try:
+        _jax_dispatch.wrap_program_runs(spy)
+        f = jax.jit(lambda a: {"x": a * 2, "n": jnp.sum(a > 0)}, keep_unused=True)
+        f(np.ones(3, np.float32))  # a Python-path run (the first call)
+    finally:
+        _jax_dispatch._around[:] = real
+    assert seen, f"the wrapper saw no run. {UPDATE}"
+    program = seen[0]
+    assert list(program._local_devices) == [jax.devices()[0]], UPDATE
+    assert program.mut is None and program.name.startswith("jit("), UPDATE
+    assert _deferred.deferrable(program), UPDATE
+    specs = _deferred.output_specs(program)
+    assert sorted((s.shape, str(s.dtype)) for s in specs) == [
+        ((), "int32"),
+        ((3,), "float32"),
+    ], UPDATE
+    assert all(isinstance(s.sharding, jax.sharding.Sharding) for s in specs), UPDATE

@@ -66,6 +66,7 @@ import jax_threadmap
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import fresh_scripts  # noqa: E402
+from helpers import LOOPBACK, NO_LOOPBACK  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -129,6 +130,10 @@ def _skip_reason(block) -> str | None:
     for mark in block["marks"]:
         if mark["kind"] == "skip":
             return mark["arg"] or "marked skip"
+        if mark["kind"] == "requires" and mark["arg"] == "loopback":
+            if not LOOPBACK:  # a local server (a lent TPU host refuses it)
+                return f"the page's local server {NO_LOOPBACK}"
+            continue
         if mark["kind"] == "requires" and missing(mark["arg"]):
             return f"needs {mark['arg']}, which this build of jax_threadmap lacks"
     return None

@@ -188,14 +188,16 @@ def test_grad_of_imaging_loss_under_nested_vmap_matches_direct_sum(x64, do_wgrid
     )(model)
     assert abs(got_value - want_value) / abs(want_value) < 1e-9
     assert rel(got, want) < 1e-8
-    # The gradient is the primal map and the adjoint map, nothing else threaded.
+    # The gradient is the primal map (fwd, with no residuals) and the adjoint
+    # map, nothing else threaded; the adjoint takes the cotangent and the
+    # keyword arguments, never the image.
     jaxpr = jax.make_jaxpr(
         jax.grad(lambda x: _imaging_loss(g.dirty2vis, x, *args[1:]))
     )(model)
-    kernels = [
-        str(e.params["kernel"]) for e in jaxpr.eqns if e.primitive.name == "threadmap"
-    ]
-    assert len(kernels) == 2 and "dirty2vis_vjp" in kernels[1]
+    eqns = [e for e in jaxpr.eqns if e.primitive.name == "threadmap"]
+    kernels = [str(e.params["kernel"]) for e in eqns]
+    assert kernels == ["ducc0.dirty2vis_fwd", "ducc0.dirty2vis_bwd"]
+    assert jaxpr.jaxpr.invars[0] not in eqns[1].invars
     assert not [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
 
 
@@ -229,14 +231,51 @@ def test_hessian_vector_products_match_direct_sum_and_finite_differences(x64):
         for e in jax.make_jaxpr(hvp(g.dirty2vis))(model).eqns[0].params["jaxpr"].eqns
         if e.primitive.name == "threadmap"
     ]
-    # (dirty2vis_vjp, the gradient itself, is not returned: jit drops it.)
+    # fwd and its JVP, bwd of the cotangent (the gradient itself, not returned:
+    # jit drops it) and bwd of the cotangent's tangent (bwd is linear in it).
     assert [k.rpartition(".")[2] for k in kernels] == [
-        "dirty2vis",
-        "dirty2vis_jvp",
-        "dirty2vis_vjp",
-        "dirty2vis_vjp_jvp",
+        "dirty2vis_fwd",
+        "dirty2vis_fwd_jvp",
+        "dirty2vis_bwd",
+        "dirty2vis_bwd",
     ]
     check_grads(loss(g.dirty2vis), (model,), order=2, modes=("fwd", "rev"), eps=1e-3)
+
+
+def test_newton_products_run_two_maps(monkeypatch):
+    # The demo's misfit needs no residual for its curvature, and dirty2vis keeps
+    # none for its backward pass: a product is dirty2vis of v and the adjoint
+    # of that, the model's own dirty2vis(x) is not run (it was, before).
+    from examples.gridding import newton
+    from jax_threadmap._core import primitive as _primitive
+
+    ran = []
+    host_map = _primitive.HostMap
+
+    def RecordingHostMap(caller, *args):  # noqa: N802 - stands for the class
+        ran.append(caller.name.rpartition(".")[2])
+        return host_map(caller, *args)
+
+    obs = demo.observe(times=2, channels=2)
+    hvp = newton.hessian_vector_product(obs)
+    x = jnp.asarray(obs.sky)
+    v = jnp.asarray(np.random.default_rng(9).standard_normal(x.shape), x.dtype)
+    monkeypatch.setattr(_primitive, "HostMap", RecordingHostMap)
+    got = np.asarray(hvp(x, v))
+    monkeypatch.undo()
+    assert sorted(ran) == ["dirty2vis_bwd", "dirty2vis_fwd_jvp"]
+    assert len(ran) == newton.MAPS_PER_HVP
+    # The loss is quadratic: the product is (1 / n) Re A^H A v, whatever x.
+    vis = np.asarray(demo.forward(obs.gridder, v, obs.uvw, obs.freq))
+    want = (
+        np.asarray(
+            jax.vmap(jax.vmap(obs.gridder.vis2dirty, (0, None, 0)), (0, 0, None))(
+                jnp.asarray(vis), obs.uvw, obs.freq
+            ).sum((0, 1))
+        )
+        / vis.size
+    )
+    assert rel(got, want) < 1e-4
 
 
 def test_newton_cg_takes_fewer_maps_than_the_first_order_loop():

@@ -150,7 +150,9 @@ def test_on_an_accelerator_a_kernel_calling_a_jitted_map_finishes():
 
 @pytest.mark.skipif(not ON_ACCELERATOR, reason="needs an accelerator (default backend)")
 def test_on_an_accelerator_a_kernel_using_device_data_raises_at_once():
-    on_device = jnp.ones(2)  # committed to the accelerator the program holds
+    # Committed to the accelerator the program holds (an uncommitted array would
+    # follow the kernel's default device, the host).
+    on_device = jax.device_put(jnp.ones(2), jax.devices()[0])
 
     def kernel(x):
         return np.asarray(jax.jit(lambda a, b: a + b)(x, on_device))

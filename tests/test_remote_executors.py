@@ -183,6 +183,31 @@ def test_grad_in_worker_processes_sums_cotangents_like_the_threads(spawn_pool):
     np.testing.assert_allclose(remote, local, rtol=1e-6)
 
 
+def test_fwd_and_bwd_with_residuals_in_worker_processes(spawn_pool):
+    # fwd's residuals come back from the workers, batched like its output, and
+    # go out again to bwd's; w's cotangent is summed on the host as for threads.
+    x = np.random.default_rng(1).standard_normal((3, 5, 4)).astype(np.float32)
+    w = np.linspace(-1, 1, 4, dtype=np.float32)
+    res = (jax.ShapeDtypeStruct((4,), jnp.float32),) * 2
+
+    def loss(executor):
+        dot = jax_threadmap.kernel(
+            jax.ShapeDtypeStruct((), jnp.float32), executor=executor
+        )(worker_kernels.dot)
+        dot.defvjp(worker_kernels.dot_fwd, worker_kernels.dot_bwd, residuals=res)
+        return lambda x, w: jnp.sum(
+            jnp.sin(jax.vmap(jax.vmap(dot, (0, None)), (0, None))(x, w))
+        )
+
+    remote = jax.jit(jax.grad(loss(spawn_pool), (0, 1)))(x, w)
+    local = jax.jit(jax.grad(loss(2), (0, 1)))(x, w)
+    cos = np.cos(x @ w)[..., None]  # the host's reference
+    np.testing.assert_allclose(remote[0], cos * w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(remote[1], (cos * x).sum((0, 1)), rtol=1e-5)
+    for there, here in zip(remote, local, strict=True):
+        np.testing.assert_allclose(there, here, rtol=1e-6)
+
+
 def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):
     f = jax.vmap(
         lambda x: threadmap(

@@ -7,6 +7,8 @@ another type than a user can rely on.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ import numpy as np
 from typing_extensions import assert_type
 
 import jax_threadmap
-from jax_threadmap import AsyncArray, KernelFunction, threadmap
+from jax_threadmap import AsyncArray, KernelFunction, Shared, threadmap
 
 F32 = jax.ShapeDtypeStruct((3,), jnp.float32)
 
@@ -78,3 +80,41 @@ async def load_async() -> np.ndarray:
 
 
 assert_type(jax_threadmap.async_call(load_async, F32), AsyncArray)
+
+
+# Derivative kernels: one VJP kernel (returned, for decorating), or fwd and bwd
+# with residuals (None).
+def scaled_vjp(
+    x: np.ndarray, a: np.ndarray, ct: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    return ct * np.cos(x) * a, np.sum(ct * np.sin(x))
+
+
+def scaled_fwd(x: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return np.sin(x) * a, np.cos(x) * a
+
+
+def scaled_bwd(res: np.ndarray, ct: np.ndarray) -> tuple[np.ndarray, None]:
+    return ct * res, None
+
+
+vjp_back: Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, ...]]
+vjp_back = k.defvjp(scaled_vjp)  # the very function, for decorating
+assert_type(k.defvjp(scaled_fwd, scaled_bwd, residuals=F32), None)
+
+
+# A resource shared by async def kernels: the handle knows what value() gives.
+@contextlib.asynccontextmanager
+async def connection() -> AsyncIterator[dict[str, float]]:
+    yield {"scale": 2.0}
+
+
+conn = jax_threadmap.shared(connection)
+assert_type(conn, Shared[dict[str, float]])
+
+
+async def use_connection(x: np.ndarray) -> np.ndarray:
+    value = await conn.value()
+    assert_type(value, dict[str, float])
+    result: np.ndarray = x * value["scale"]
+    return result

@@ -43,6 +43,18 @@ def dot_vjp(x, w, ct):
     return ct * w, ct * x
 
 
+def dot_fwd(x, w):
+    """``dot`` and its residuals (w, x), for defvjp(fwd, bwd, residuals=...)."""
+    assert x.shape == w.shape == (4,), (x.shape, w.shape)
+    return np.float32(x @ w), (w, x)
+
+
+def dot_bwd(res, ct):
+    w, x = res
+    assert w.shape == x.shape == (4,) and ct.shape == (), (w.shape, ct.shape)
+    return ct * w, ct * x
+
+
 def scaled_chunk_with_pid(x, y, *, scale):
     """A vectorized kernel: a chunk of k elements of (x + y) * scale, and the id of
     the process that ran it. Checks the shapes and flags it receives."""

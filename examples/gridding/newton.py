@@ -2,10 +2,12 @@
 
 The misfit of ``demo.loss`` is quadratic in the image, with Hessian ``Re A^H A``
 (scaled). Its Hessian-vector product is forward over reverse,
-``jax.jvp(jax.grad(loss), (x,), (v,))``: the gradient runs ``dirty2vis_vjp`` as
-one threaded map, and the JVP of that equation runs ``dirty2vis_vjp``'s own JVP
-kernel as another, both under the two ``vmap`` levels (times, channels) of the
-model. Newton-CG solves ``H p = -g`` with conjugate gradients on those products;
+``jax.jvp(jax.grad(loss), (x,), (v,))``: the gradient runs ``dirty2vis_bwd`` on
+the cotangent alone (``dirty2vis`` keeps no residuals), so the product runs
+``dirty2vis_fwd``'s JVP kernel (``dirty2vis`` of ``v``) and ``dirty2vis_bwd`` of
+its result, two threaded maps under the two ``vmap`` levels (times, channels) of
+the model; the misfit's curvature needs no residual, so ``dirty2vis`` of ``x``
+is not run. Newton-CG solves ``H p = -g`` with conjugate gradients on those products;
 the first-order loop is the accelerated gradient descent of ``demo.reconstruct``
 without its projection, on the same (unconstrained) problem.
 
@@ -26,8 +28,8 @@ import jax.numpy as jnp
 from examples.gridding.demo import Observation, loss, observe, step_size
 
 #: Threaded maps (operator applications, each over every time and channel) per call.
-MAPS_PER_GRADIENT = 2  # dirty2vis, then dirty2vis_vjp
-MAPS_PER_HVP = 3  # dirty2vis and its JVP, then dirty2vis_vjp's JVP kernel
+MAPS_PER_GRADIENT = 2  # dirty2vis_fwd, then dirty2vis_bwd
+MAPS_PER_HVP = 2  # dirty2vis_fwd's JVP kernel, then dirty2vis_bwd
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,13 @@ conjugating):
 - the JVP of ``vis2dirty`` in the visibilities is ``vis2dirty`` of the tangent,
   and its VJP maps a real cotangent ``ct`` to ``conj(dirty2vis(ct))``.
 
+``dirty2vis``, the model of the imaging loss, gives its VJP as ``fwd``/``bwd``
+with no residuals (``defvjp(fwd, bwd, residuals=())``): being linear, its
+backward pass needs nothing of the forward one, so ``bwd`` gets the cotangent
+alone, never the image, and a Hessian-vector product of a loss whose second
+derivative needs no residual runs two maps instead of three
+(docs/derivatives.md, "Newton steps through a solver").
+
 The image (or visibilities) is the one differentiable, positional argument;
 ``uvw``, ``freq`` and ``wgt`` reach the kernels as keywords, so ``jax.grad``
 with respect to them raises instead of returning a wrong zero.
@@ -258,7 +265,12 @@ def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
     def dirty2vis_jvp(dirty, dirty_dot, **kw):
         return host_dirty2vis(dirty_dot, **kw)  # linear: the operator itself
 
-    def dirty2vis_vjp(dirty, vis_ct, **kw):
+    # Reverse mode with residuals (none: the operator is linear): fwd returns
+    # the visibilities and (), bwd maps the cotangent alone.
+    def dirty2vis_fwd(dirty, **kw):
+        return host_dirty2vis(dirty, **kw), ()
+
+    def dirty2vis_bwd(res, vis_ct, **kw):
         return (host_vis2dirty(np.conj(vis_ct), **kw),)  # one per positional arg
 
     def vis2dirty(vis, **kw):
@@ -279,11 +291,18 @@ def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
     def dirty2vis_jvp_vjp(dirty, dirty_dot, vis_ct, **kw):
         return None, host_vis2dirty(np.conj(vis_ct), **kw)
 
-    def dirty2vis_vjp_jvp(dirty, vis_ct, d_dirty, d_vis_ct, **kw):
-        return (host_vis2dirty(np.conj(d_vis_ct), **kw),)
+    # fwd is differentiated like the operator (its result: the visibilities and
+    # no residuals); bwd is linear in the cotangent, so its JVP is bwd itself
+    # (no kernel needed) and its VJP is dirty2vis again.
+    def dirty2vis_fwd_jvp(dirty, d_dirty, **kw):
+        return host_dirty2vis(d_dirty, **kw), ()
 
-    def dirty2vis_vjp_vjp(dirty, vis_ct, ct, **kw):
-        return None, host_dirty2vis(ct[0], **kw)
+    def dirty2vis_fwd_vjp(dirty, ct, **kw):
+        vis_ct, _ = ct  # the cotangent of (visibilities, ())
+        return (host_vis2dirty(np.conj(vis_ct), **kw),)
+
+    def dirty2vis_bwd_vjp(res, vis_ct, ct, **kw):
+        return (), host_dirty2vis(ct[0], **kw)
 
     def vis2dirty_jvp_jvp(vis, vis_dot, d_vis, d_vis_dot, **kw):
         return host_vis2dirty(d_vis_dot, **kw)
@@ -297,10 +316,11 @@ def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
     def vis2dirty_vjp_vjp(vis, dirty_ct, ct, **kw):
         return None, host_vis2dirty(ct[0], **kw)
 
-    def make(result, fn, jvp, vjp):
+    def make(result, fn, jvp, vjp=None):
         k = jax_threadmap.kernel(result, executor=g.executor)(_named(fn))
         k.defjvp(jvp)
-        k.defvjp(vjp)
+        if vjp is not None:
+            k.defvjp(vjp)
         return k
 
     def second(result, fn, jvp, vjp):  # a derivative kernel with its own rules
@@ -310,7 +330,13 @@ def _kernels(g: Gridder, nrows: int, nchan: int, real: str) -> _Kernels:
         visibilities,
         dirty2vis,
         second(visibilities, dirty2vis_jvp, dirty2vis_jvp_jvp, dirty2vis_jvp_vjp),
-        second((image,), dirty2vis_vjp, dirty2vis_vjp_jvp, dirty2vis_vjp_vjp),
+    )
+    bwd = jax_threadmap.kernel((image,), executor=g.executor)(_named(dirty2vis_bwd))
+    bwd.defvjp(_named(dirty2vis_bwd_vjp))  # its JVP: itself, by linearity
+    forward.defvjp(
+        second((visibilities, ()), dirty2vis_fwd, dirty2vis_fwd_jvp, dirty2vis_fwd_vjp),
+        bwd,
+        residuals=(),
     )
     adjoint = make(
         image,

@@ -291,6 +291,13 @@ class AsyncArray:
             seconds = check_timeout(timeout, "AsyncArray.result", zero=True)
         return self._task.value(self._index, seconds, self._describe)
 
+    def is_ready(self) -> bool:
+        """Whether the value is on its device now (never waits), as for
+        ``jax.Array.is_ready``; ``False`` while the call runs or has failed."""
+        if not self._task.future.done() or self._task.future.exception():
+            return False
+        return bool(self.result().is_ready())  # type: ignore[attr-defined]
+
     def block_until_ready(self) -> AsyncArray:
         """Waits until the value is on its device; returns ``self``."""
         self.result().block_until_ready()
@@ -380,6 +387,7 @@ def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
+_dispatch.bind_arrays(AsyncArray, lambda x: x._task, make_arrays)
 
 
 # --- the constructors -----------------------------------------------------------------

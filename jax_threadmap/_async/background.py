@@ -403,7 +403,8 @@ class Task:
         return host[leaf][index_of(where)]
 
     def failure_text(self) -> str:
-        """The error the gate programs raise (once the call failed)."""
+        """The error the programs dispatched on the call's arrays raise (once the
+        call failed): its gate programs, or the deferred programs behind it."""
         return self._error_text or f"{self.name} ({self.api}) failed"
 
     def add_program(self, device: Any, lender: Lender) -> tuple[bool, jax.Array] | None:
@@ -855,18 +856,13 @@ class Task:
             n = len(self.specs)
             _outcomes.note_on(error, self.name, self.api, self.runnable, n, part)
         self._kept = KeptError(error)
+        text = _outcomes.gate_text(
+            error, self.name, self.api, self.runnable, names_call=names_call, part=part
+        )
+        with self._lock:  # what the programs that depend on the call are told
+            self._error_text = text
         if gates:  # the gate programs did not get the data
-            self._fail_gates(
-                gates,
-                _outcomes.gate_text(
-                    error,
-                    self.name,
-                    self.api,
-                    self.runnable,
-                    names_call=names_call,
-                    part=part,
-                ),
-            )
+            self._fail_gates(gates, text)
         self._end()
         self.future.set_exception(error)
 

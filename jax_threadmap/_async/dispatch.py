@@ -35,6 +35,7 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +44,8 @@ import numpy as np
 
 from .._jax import dispatch as _jax_dispatch
 from .._support import fork as _fork
-from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_enabled
+from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
+from . import deferred as _deferred
 from . import program_runs as _program_runs
 from .background import Task, worker_state
 from .leaves import index_key
@@ -173,7 +175,8 @@ def _plan(xs: list[Pending], shardings: list[Any]) -> tuple[Plan, list[list[Any]
 
 
 class Dispatch:
-    """The gate mechanism: transfer servers, gate programs, their bookkeeping."""
+    """Async dispatch: the gate mechanism (transfer servers, gate programs, their
+    bookkeeping) on the CPU, and deferred dispatch (:mod:`.deferred`) elsewhere."""
 
     def __init__(self) -> None:
         self._reset()
@@ -202,19 +205,48 @@ class Dispatch:
         self._reset()
 
     def status(self) -> str | None:
-        """Why dispatch is blocking in this process, or ``None`` if it is async."""
-        if not async_dispatch_enabled():
+        """Why dispatch on the default backend is blocking, or ``None``."""
+        if async_dispatch_mode() == "off":
             return f"disabled by {ENV_ASYNC_DISPATCH}=0"
-        reason = _jax_dispatch.async_dispatch_unavailable() or self._broken
-        if reason is not None:
-            return f"unavailable in jax {jax.__version__}: {reason}"
-        platform = jax.default_backend()
-        if platform not in _DISPATCH_PLATFORMS:
-            return (
-                f"the default backend is {platform}; async dispatch is used on "
-                f"{', '.join(sorted(_DISPATCH_PLATFORMS))} devices only"
-            )
-        return None
+        device = jax.devices()[0]
+        if not self.defers_on(device.platform):
+            self._gates_start(device)  # the first dispatch would: a refusal says so
+        if self.defers_on(device.platform):
+            reason = self._deferral_unavailable()
+        else:
+            reason = self._gates_unavailable()
+        return (
+            None
+            if reason is None
+            else f"unavailable in jax {jax.__version__}: {reason}"
+        )
+
+    def defers_on(self, platform: str) -> bool:
+        """Whether programs on ``platform`` are deferred: on accelerators, where
+        asked for, and where the gates cannot run (no transfer server: its
+        hooks are missing, or the machine refuses its loopback socket)."""
+        return (
+            async_dispatch_mode() == "deferred"
+            or platform not in _DISPATCH_PLATFORMS
+            or self._gates_unavailable() is not None
+        )
+
+    def _gates_start(self, device: Any) -> None:
+        """Starts the transfer server of ``device``'s client if it is not (once;
+        a refusal is remembered, and the gates' platforms defer from then on)."""
+        try:
+            self._server(device.client)
+        except Exception:  # noqa: BLE001 - remembered in _broken, logged there
+            pass
+
+    def _gates_unavailable(self) -> str | None:
+        return _jax_dispatch.async_dispatch_unavailable() or self._broken
+
+    def _deferral_unavailable(self) -> str | None:
+        reason = _jax_dispatch.dispatch_streams_unavailable()
+        if reason is None and self._prepared and not self._wrapped:
+            reason = "the runs of compiled programs could not be wrapped"
+        return reason
 
     def prepare(self) -> None:
         """Installs the wrapper of program runs (once; at the first async call).
@@ -226,15 +258,56 @@ class Dispatch:
             return
         with self._lock:
             if not self._prepared:
-                self._wrapped = _jax_dispatch.wrap_program_runs(_program_runs.around)
+                self._wrapped = _jax_dispatch.wrap_program_runs(around)
                 self._prepared = True
+
+    # -- every run of a compiled program from Python, once prepared --
+
+    def _around(self, run: Any, program: Any, args: tuple, effects: Any) -> Any:
+        """Defers a program on pending data where that is the mechanism;
+        runs any other as :func:`.program_runs.around` does."""
+        kind = _arrays.type
+        if not effects and kind is not None:
+            pending = [a for a in args if type(a) is kind and not a.done()]
+            if pending and self._defers(program):
+                return self._defer(run, program, args, effects, pending)
+        return _program_runs.around(run, program, args, effects)
+
+    def _defers(self, program: Any) -> bool:
+        if async_dispatch_mode() == "off" or self._deferral_unavailable():
+            return False
+        if _deferred.processes() > 1:
+            # Every process must dispatch its programs in the same order (their
+            # collectives meet): deferring one would reorder them.
+            return False
+        devices = program._local_devices
+        if devices and not self.defers_on(devices[0].platform):
+            self._gates_start(devices[0])  # if it cannot start, defer instead
+        return (
+            bool(devices)
+            and all(self.defers_on(d.platform) for d in devices)
+            and _deferred.deferrable(program)
+        )
+
+    def _defer(
+        self, run: Any, program: Any, args: tuple, effects: Any, pending: list[Any]
+    ) -> Any:
+        """The program's results, as arrays of a :class:`.deferred.ProgramRun`
+        that dispatches it once its pending arguments land."""
+        args = _deferred.frozen_args(args)
+        task = _deferred.ProgramRun(
+            functools.partial(self._around, run, program, args, effects),
+            [_arrays.task_of(a) for a in pending],
+            f"`{program.name}`",
+            _deferred.output_specs(program),
+        )
+        outs = _arrays.arrays_of(task)
+        task.submit()
+        return outs
 
     def in_thread_order(self) -> str | None:
         """Why dispatches on pending data keep their thread's stream, or ``None``."""
-        reason = _jax_dispatch.dispatch_streams_unavailable()
-        if reason is None and self._prepared and not self._wrapped:
-            reason = "the runs of compiled programs could not be wrapped"
-        return reason
+        return self._deferral_unavailable()
 
     # -- at dispatch, in the thread that calls the jitted function --
 
@@ -298,7 +371,7 @@ class Dispatch:
             # A call run by the pool that needs another call's value runs that
             # call itself (see Task.wait) rather than queue behind busy workers.
             return False
-        if self.status() is not None:
+        if async_dispatch_mode() != "auto" or self._gates_unavailable():
             return False
         devices = set()
         for sharding in shardings:
@@ -451,9 +524,11 @@ class Dispatch:
                         f"the loopback transfer server did not start "
                         f"({type(e).__name__}: {e})"
                     )
-                    logger.warning(
-                        "jax_threadmap: async dispatch is off: %s. Jitted calls "
-                        "with pending AsyncArrays wait for their data.",
+                    # Not a warning: dispatch on pending data is deferred instead
+                    # (async_dispatch_status() says so, or why it blocks).
+                    logger.info(
+                        "jax_threadmap: no gate programs: %s; jitted calls with "
+                        "pending AsyncArrays use deferred dispatch.",
                         self._broken,
                     )
                     raise
@@ -547,7 +622,34 @@ class Dispatch:
                 logger.debug("jax_threadmap: exit token reset failed", exc_info=True)
 
 
+class _Arrays:
+    """What deferred dispatch needs of :mod:`.arrays` (:func:`bind_arrays`)."""
+
+    type: Any = None
+    task_of: Callable[[Any], Task] = staticmethod(lambda x: x)
+    arrays_of: Callable[[Task], Any] = staticmethod(lambda task: task)
+
+
+_arrays = _Arrays()
+
+
+def bind_arrays(
+    array_type: type, task_of: Callable[[Any], Task], arrays_of: Callable[[Task], Any]
+) -> None:
+    """Called once by :mod:`.arrays` at its import: the array type, the call of
+    an array, the arrays of a call."""
+    _arrays.type = array_type
+    _arrays.task_of = task_of
+    _arrays.arrays_of = arrays_of
+
+
 mechanism = Dispatch()
+
+
+def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
+    """Every run of a compiled program from Python, once an async array exists:
+    the mechanism's (:meth:`Dispatch._around`)."""
+    return mechanism._around(run, program, args, effects)
 
 
 def async_dispatch_status() -> str:
@@ -572,6 +674,11 @@ def async_dispatch_status() -> str:
     reason = mechanism.status()
     if reason is not None:
         return f"blocking: {reason}"
+    if mechanism.defers_on(jax.default_backend()):
+        return (
+            "async, deferred (a jitted call on pending data returns AsyncArrays at "
+            "once; its program is dispatched from the host when the data lands)"
+        )
     in_order = mechanism.in_thread_order()
     if in_order is not None:
         return (

@@ -83,7 +83,7 @@ def _verb(runnable: bool) -> str:
 def timed_out(name: str, api: str, timeout: float, cancels: bool) -> TimeoutError:
     """The error of a call whose ``timeout`` passed; ``cancels``: a coroutine."""
     return TimeoutError(
-        f"{name}, which jax_threadmap.{api} ran, did not return within "
+        f"{name}, which {_by(api)} ran, did not return within "
         f"timeout={timeout:g} s and was given up on ("
         + (
             "its coroutine is cancelled)."
@@ -96,7 +96,7 @@ def timed_out(name: str, api: str, timeout: float, cancels: bool) -> TimeoutErro
 def cancelled(name: str, api: str, runnable: bool) -> BaseException:
     """The error of a call given up on by ``AsyncArray.cancel()``."""
     return concurrent.futures.CancelledError(
-        f"{name}, which jax_threadmap.{api} {_verb(runnable)}, was cancelled "
+        f"{name}, which {_by(api)} {_verb(runnable)}, was cancelled "
         "(AsyncArray.cancel)."
     )
 
@@ -112,10 +112,15 @@ def note_on(
     )
     add_note(
         error,
-        f"{_NOTE_START} {name}, which jax_threadmap.{api} {_verb(runnable)} "
-        f"{what} raises it.",
+        f"{_NOTE_START} {name}, which {_by(api)} {_verb(runnable)} {what} raises it.",
         _NOTE_START,
     )
+
+
+def _by(api: str) -> str:
+    """Who ran a call: ``jax_threadmap.async_call``, or for a program whose
+    dispatch was deferred (``api`` a phrase), ``jax_threadmap's deferred dispatch``."""
+    return f"jax_threadmap.{api}" if api.isidentifier() else f"jax_threadmap's {api}"
 
 
 def gate_text(
@@ -134,13 +139,13 @@ def gate_text(
         return text
     where = f"for {part} " if part else ""
     verb = _verb(runnable)
-    return f"{name}, which jax_threadmap.{api} {verb}, failed {where}with {text}"
+    return f"{name}, which {_by(api)} {verb}, failed {where}with {text}"
 
 
 def exit_text(name: str, api: str, runnable: bool) -> str:
     """What the gate programs of a call abandoned at exit raise."""
     return (
-        f"{name}, which jax_threadmap.{api} {_verb(runnable)}, had not returned "
+        f"{name}, which {_by(api)} {_verb(runnable)}, had not returned "
         "when the interpreter exited"
     )
 

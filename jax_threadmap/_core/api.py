@@ -6,7 +6,7 @@ import concurrent.futures
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, Generic, NamedTuple, TypeVar, cast, overload
 
 import jax
 import numpy as np
@@ -19,7 +19,7 @@ from .._support import environment as _environment
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
 from .batch_spec import BatchSpec
-from .params import KernelParam, RuleKernel, hashable
+from .params import KernelParam, ResidualRule, RuleKernel, hashable
 from .primitive import threadmap_p
 
 #: A JVP or VJP kernel: ``defjvp``/``defvjp`` return the function they are given.
@@ -81,7 +81,7 @@ def _bind(
     vectorized: tuple[bool, int | None],
     max_in_flight: int | None = None,
     jvp: Callable[..., Any] | None = None,
-    vjp: Callable[..., Any] | None = None,
+    vjp: Callable[..., Any] | FwdBwd | None = None,
     wrapped: bool = False,
 ) -> Any:
     """Binds one ``threadmap`` equation; every argument is checked already.
@@ -99,7 +99,7 @@ def _bind(
             in_tree,
             out_tree,
             _rule_param(jvp, ()),
-            _rule_param(vjp, ()),
+            _reverse_param(vjp, ()),
             *vectorized,
             wrapped=wrapped,
             max_in_flight=max_in_flight,
@@ -110,6 +110,15 @@ def _bind(
         progress=progress,
     )
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+class FwdBwd(NamedTuple):
+    """``defvjp(fwd, bwd, residuals=...)`` as a kernel holds it until a call
+    binds it (then a :class:`~.params.ResidualRule`)."""
+
+    fwd: Callable[..., Any]
+    bwd: Callable[..., Any]
+    residuals: Any
 
 
 def _rule_param(
@@ -130,8 +139,27 @@ def _rule_param(
         )
     inner = (*outer, rule)
     return RuleKernel(
-        hashable(rule.fn), _rule_param(rule.jvp, inner), _rule_param(rule.vjp, inner)
+        hashable(rule.fn),
+        _rule_param(rule.jvp, inner),
+        _reverse_param(rule.reverse_rule, inner),
     )
+
+
+def _reverse_param(
+    rule: Callable[..., Any] | FwdBwd | None, outer: tuple[KernelFunction[Any], ...]
+) -> Callable[..., Any] | ResidualRule | None:
+    """:func:`_rule_param` of what ``defvjp`` attached: ``fwd``/``bwd`` become
+    a :class:`~.params.ResidualRule`, their residuals checked now (with the
+    ``jax_enable_x64`` of this call)."""
+    if not isinstance(rule, FwdBwd):
+        return _rule_param(rule, outer)
+    avals, tree = _validate.result_avals(
+        rule.residuals, "defvjp(fwd, bwd, residuals=...)", name="residuals"
+    )
+    fwd, bwd = _rule_param(rule.fwd, outer), _rule_param(rule.bwd, outer)
+    assert fwd is not None and bwd is not None
+    res_avals = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals)
+    return ResidualRule(fwd, bwd, tree, res_avals)
 
 
 @overload
@@ -317,26 +345,20 @@ def threadmap(
 
 
 def _one_derivative_kernel(method: M) -> M:
-    """Makes ``defjvp``/``defvjp`` refuse the shapes of JAX's own rules
-    (``custom_vjp.defvjp(fwd, bwd)``, ``custom_jvp.defjvps(*tangent_fns)``) with the
-    signature expected instead of Python's "takes 2 positional arguments", while
-    their signature stays ``(kernel)`` for readers and type checkers."""
+    """Makes ``defjvp`` refuse the shape of JAX's own ``custom_jvp.defjvps(
+    *tangent_fns)`` with the signature expected instead of Python's "takes 2
+    positional arguments", while its signature stays ``(kernel)`` for readers and
+    type checkers."""
 
     @functools.wraps(method)
     def checked(self: KernelFunction[Any], *args: Any, **kwargs: Any) -> Any:
         given = len(args) + len(kwargs)
         if given > 1:
             name = method.__name__
-            jax_api = (
-                "jax.custom_vjp's defvjp(fwd, bwd): there is no forward function, "
-                "the VJP kernel gets the primals themselves"
-                if name == "defvjp"
-                else "jax.custom_jvp's defjvps(*tangent_fns)"
-            )
             raise TypeError(
                 f"{name} takes one derivative kernel, "
-                f"{_expected_rule(name, self.fn)}; it is not {jax_api}. Got "
-                f"{given} arguments."
+                f"{_expected_rule(name, self.fn)}; it is not jax.custom_jvp's "
+                f"defjvps(*tangent_fns). Got {given} arguments."
             )
         return method(self, *args, **kwargs)
 
@@ -358,6 +380,10 @@ class KernelFunction(Generic[R]):
             [`kernel`][jax_threadmap.kernel].
         jvp: The JVP kernel, or ``None``.
         vjp: The VJP kernel, or ``None``.
+        fwd: The forward kernel of ``defvjp(fwd, bwd, residuals=...)``, or
+            ``None``.
+        bwd: Its backward kernel, or ``None``.
+        residuals: Its residuals' declaration, or ``None``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
@@ -392,6 +418,9 @@ class KernelFunction(Generic[R]):
         self.result_shape_dtypes = result_shape_dtypes
         self.jvp: Callable[..., Any] | None = None
         self.vjp: Callable[..., Any] | None = None
+        self.fwd: Callable[..., Any] | None = None
+        self.bwd: Callable[..., Any] | None = None
+        self.residuals: Any = None
         self._executor = executor
         self._progress = progress
         self._vectorized = _validate.check_vectorized(
@@ -432,10 +461,18 @@ class KernelFunction(Generic[R]):
             vectorized=self._vectorized,
             max_in_flight=self._max_in_flight,
             jvp=self.jvp,
-            vjp=self.vjp,
+            vjp=self.reverse_rule,
             wrapped=True,
         )
         return result
+
+    @property
+    def reverse_rule(self) -> Callable[..., Any] | FwdBwd | None:
+        """What ``defvjp`` attached: the VJP kernel, or ``fwd``/``bwd`` with
+        their residuals, or ``None``."""
+        if self.fwd is not None and self.bwd is not None:
+            return FwdBwd(self.fwd, self.bwd, self.residuals)
+        return self.vjp
 
     @_one_derivative_kernel
     def defjvp(self, jvp: DerivativeKernel) -> DerivativeKernel:
@@ -471,25 +508,83 @@ class KernelFunction(Generic[R]):
         self._check_async(jvp, "JVP kernel")
         return jvp
 
-    @_one_derivative_kernel
-    def defvjp(self, vjp: DerivativeKernel) -> DerivativeKernel:
-        """Attaches the VJP kernel: for ``jax.grad``, ``vjp`` and ``jacrev``.
+    @overload
+    def defvjp(self, vjp: DerivativeKernel, /) -> DerivativeKernel: ...
+
+    @overload
+    def defvjp(
+        self,
+        fwd: Callable[..., Any],
+        bwd: Callable[..., Any],
+        /,
+        *,
+        residuals: Any,
+    ) -> None: ...
+
+    def defvjp(
+        self,
+        vjp_or_fwd: Callable[..., Any],
+        bwd: Callable[..., Any] | None = None,
+        /,
+        *,
+        residuals: Any = None,
+    ) -> Any:
+        """Attaches the reverse-mode rule: for ``jax.grad``, ``vjp`` and ``jacrev``.
+
+        Either one VJP kernel, which gets the primals, or, like
+        ``jax.custom_vjp``, a forward kernel ``fwd`` that returns residuals
+        (a factorization, an intermediate result) beside the output and a
+        backward kernel ``bwd`` that gets them instead of the primals. Where a
+        derivative may follow (``jax.grad``, ``jax.vjp``), ``fwd`` runs instead
+        of the kernel, so what it computes for the backward pass is computed
+        once per element. Attaching one form replaces the other.
 
         Args:
-            vjp: ``vjp(*primals, cotangent, **kwargs)``: one element's positional
-                arguments, then the cotangent of the output (a pytree like
-                ``result_shape_dtypes``; float0 zeros for integer outputs), then
-                the keyword arguments. Returns a tuple with one cotangent per
-                positional argument, each a pytree like the argument or ``None``
-                for zeros (integer leaves are ignored). A plain function, or a
-                [`kernel`][jax_threadmap.kernel] (its ``result_shape_dtypes``: a
-                tuple, one entry per positional argument) whose own
+            vjp_or_fwd: The VJP kernel, alone; or, followed by ``bwd``, the
+                forward kernel ``fwd``:
+
+                - ``vjp(*primals, cotangent, **kwargs)``: one element's
+                  positional arguments, then the cotangent of the output (a
+                  pytree like ``result_shape_dtypes``; float0 zeros for integer
+                  outputs), then the keyword arguments. Returns a tuple with one
+                  cotangent per positional argument, each a pytree like the
+                  argument or ``None`` for zeros (integer leaves are ignored).
+                - ``fwd(*primals, **kwargs)``: returns ``(out, res)``: one
+                  element's output, as the kernel returns it, and its residuals,
+                  a pytree like ``residuals``.
+                - ``bwd(res, cotangent, **kwargs)`` (the argument ``bwd``): the
+                  residuals of the same element, the cotangent of the output,
+                  and the keyword arguments; returns what ``vjp`` returns.
+
+                Each is a plain function, or a
+                [`kernel`][jax_threadmap.kernel] (its ``result_shape_dtypes``:
+                ``(out, residuals)`` for ``fwd``, a tuple with one entry per
+                positional argument for ``vjp`` and ``bwd``) whose own
                 ``defjvp``/``defvjp`` give the second order: ``defjvp`` for
                 ``jax.hessian`` and other forward-over-reverse transforms,
-                ``defvjp`` for ``jax.grad`` of ``jax.grad``.
+                ``defvjp`` for ``jax.grad`` of ``jax.grad``. With ``fwd`` and
+                ``bwd``, the second order differentiates both (the residuals
+                are functions of the primals), as JAX differentiates
+                ``jax.custom_vjp``'s.
+            bwd: The backward kernel, after ``fwd``; ``None`` with a VJP kernel.
+            residuals: With ``fwd`` and ``bwd`` (and only then): one element's
+                residuals, a pytree of
+                [`jax.ShapeDtypeStruct`](https://docs.jax.dev/en/latest/_autosummary/jax.ShapeDtypeStruct.html)
+                (or anything with ``.shape`` and ``.dtype``; ``()`` for none).
+                Under ``vmap`` they are batched like the outputs. ``None`` (the
+                default) goes with a VJP kernel.
 
         Returns:
-            ``vjp`` itself, so ``defvjp`` can be used as a decorator.
+            ``vjp`` itself, so that ``defvjp`` can be used as a decorator; ``None``
+            for ``fwd`` and ``bwd``.
+
+        Raises:
+            TypeError: ``residuals`` missing with ``fwd`` and ``bwd``, given
+                with one kernel, or not a pytree of shapes and dtypes; a kernel
+                that is not callable. At run time, a ``fwd``
+                whose residuals differ from ``residuals`` in structure, shape,
+                or in a dtype that cannot hold their values raises a
+                ``KernelError`` naming the residual and the batch index.
 
         Examples:
             >>> import jax, jax.numpy as jnp, numpy as np
@@ -502,13 +597,50 @@ class KernelFunction(Generic[R]):
             ...     return (2 * x * ct,)
             >>> jax.grad(lambda x: jax.vmap(square)(x).sum())(jnp.arange(3.0))
             Array([0., 2., 4.], dtype=float32)
+
+            With residuals: ``fwd`` inverts each 2 x 2 matrix once, ``bwd``
+            uses the inverse.
+
+            >>> S = jax.ShapeDtypeStruct
+            >>> @jax_threadmap.kernel(S((2,), jnp.float32))
+            ... def solve(a, b):
+            ...     return np.linalg.solve(a, b)
+            >>> def solve_fwd(a, b):
+            ...     inv = np.linalg.inv(a)
+            ...     x = inv @ b
+            ...     return x, (inv, x)
+            >>> def solve_bwd(res, ct):
+            ...     inv, x = res
+            ...     ct_b = inv.T @ ct
+            ...     return -np.outer(ct_b, x), ct_b
+            >>> solve.defvjp(solve_fwd, solve_bwd,
+            ...              residuals=(S((2, 2), jnp.float32), S((2,), jnp.float32)))
+            >>> a = jnp.array([[[2.0, 0.0], [0.0, 4.0]]] * 3)
+            >>> b = jnp.ones((3, 2))
+            >>> jax.grad(lambda b: jax.vmap(solve)(a, b).sum())(b)
+            Array([[0.5 , 0.25],
+                   [0.5 , 0.25],
+                   [0.5 , 0.25]], dtype=float32)
         """
-        self.vjp = _check_rule(vjp, "defvjp", self.fn)
-        self._check_async(vjp, "VJP kernel")
-        return vjp
+        if bwd is None and residuals is None:
+            vjp = vjp_or_fwd
+            self.vjp = _check_rule(vjp, "defvjp", self.fn)
+            self._check_async(vjp, "VJP kernel")
+            self.fwd = self.bwd = self.residuals = None
+            return vjp
+        fwd, bwd = _fwd_bwd(vjp_or_fwd, bwd, residuals, self.fn)
+        self._check_async(fwd, "fwd kernel")
+        self._check_async(bwd, "bwd kernel")
+        self.fwd, self.bwd, self.residuals = fwd, bwd, residuals
+        self.vjp = None
+        return None
 
     def __repr__(self) -> str:
-        rules = [n for n, r in (("jvp", self.jvp), ("vjp", self.vjp)) if r]
+        rules = [
+            n
+            for n, r in (("jvp", self.jvp), ("vjp", self.vjp), ("fwd/bwd", self.fwd))
+            if r
+        ]
         return (
             f"<jax_threadmap kernel {_validate.callable_name(self.fn)}"
             f"{' with ' + ' and '.join(rules) if rules else ''}>"
@@ -547,14 +679,52 @@ def _positional_names(f: Callable[..., Any]) -> list[str]:
 
 
 def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
-    """The signature of ``fn``'s derivative kernel, for messages."""
+    """The signature of ``fn``'s derivative kernel, for messages; ``"fwd/bwd"``:
+    of both kernels of ``defvjp(fwd, bwd, residuals=...)``."""
     primals = _positional_names(fn) or ["*primals"]
     if method == "defjvp":
         tangents = ["*tangents" if p.startswith("*") else f"{p}_dot" for p in primals]
         return f"jvp({', '.join(primals + tangents)}, **kwargs) -> tangent_out"
     cts = ", ".join(f"ct_{p.lstrip('*')}" for p in primals)
     cts = f"({cts},)" if len(primals) == 1 else f"({cts})"
+    if method == "fwd/bwd":
+        return (
+            f"fwd({', '.join(primals)}, **kwargs) -> (out, residuals) and "
+            f"bwd(residuals, ct_out, **kwargs) -> {cts}"
+        )
     return f"vjp({', '.join(primals)}, ct_out, **kwargs) -> {cts}"
+
+
+def _fwd_bwd(
+    fwd: Any, bwd: Any, residuals: Any, fn: Callable[..., Any]
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``defvjp``'s ``fwd`` and ``bwd``, checked with their ``residuals``."""
+    vjp, fwd_bwd = _expected_rule("defvjp", fn), _expected_rule("fwd/bwd", fn)
+    if bwd is None:
+        raise TypeError(
+            "defvjp: residuals= goes with a forward and a backward kernel, "
+            f"defvjp(fwd, bwd, residuals=...), where {fwd_bwd}. A single VJP "
+            f"kernel, {vjp}, gets the primals and keeps no residuals. Got one "
+            f"kernel and residuals={residuals!r}."
+        )
+    if residuals is None:
+        raise TypeError(
+            "defvjp(fwd, bwd) needs residuals=: one element's residuals (what fwd "
+            "returns beside the output), a pytree of jax.ShapeDtypeStruct, e.g. "
+            "residuals=(jax.ShapeDtypeStruct((3, 3), jnp.float32),), or () for "
+            f"none; {fwd_bwd}. Or pass one VJP kernel, {vjp}, which gets the "
+            "primals (the form of jax.custom_vjp without residuals)."
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(residuals)[0]:
+        where = "residuals" + jax.tree_util.keystr(path)
+        _validate.shape_dtype_of(leaf, where, "defvjp(fwd, bwd, residuals=...)")
+    for role, rule in (("fwd", fwd), ("bwd", bwd)):
+        if not callable(rule):
+            raise TypeError(
+                f"defvjp expects callable fwd and bwd kernels, {fwd_bwd}. Got "
+                f"{role}={rule!r} of type {type(rule).__name__}."
+            )
+    return fwd, bwd
 
 
 @overload
@@ -612,7 +782,8 @@ def kernel(
     and fold under ``vmap`` like the primal.
 
     - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``.
-    - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``.
+    - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``; given ``fwd`` and
+      ``bwd`` with residuals, what ``fwd`` computes is reused by ``bwd``.
     - Both work under ``jit`` and any nesting of ``vmap``.
 
     Positional arguments are differentiable; keyword arguments are not (they

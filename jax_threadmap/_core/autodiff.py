@@ -30,6 +30,7 @@ from .params import (
     DerivativeParam,
     KernelParam,
     Node,
+    ResidualRule,
     is_differentiable,
     no_rules_message,
 )
@@ -160,7 +161,8 @@ def jvp_rule(
     spec: BatchSpec,
     **params: Any,
 ) -> tuple[Sequence[Any], Sequence[Any]]:
-    """JVP of a ``threadmap`` equation: the equation again, and a JVP equation."""
+    """JVP of a ``threadmap`` equation: the equation again (or, for a kernel
+    whose VJP has residuals, its ``fwd`` equation), and a tangent equation."""
     _hooks.require(_hooks.DERIVATIVES, "Differentiating a threadmap kernel")
     node, present, keep = _equation_view(kernel, primals, result_avals, spec)
     eqn = dict(kernel=kernel, result_avals=result_avals, spec=spec, **params)
@@ -170,8 +172,6 @@ def jvp_rule(
         # have tangents, its JVP is the equation itself, no new kernel needed.
         return _linear_jvp(bind, primals, tangents, num_base, eqn)
     _check_has_rules(kernel, node)
-    outs = bind(*primals, **eqn)
-    zero_outs = [Zero(_avals.typeof(o).to_tangent_aval()) for o in outs]
     leaf_tangents = _per_leaf(present, tangents)
     _check_kwargs_not_differentiated(
         node.kernel, [leaf_tangents[i] for i in node.keywords]
@@ -181,29 +181,103 @@ def jvp_rule(
     # Per result of this equation: whether it has a tangent (is not an integer).
     out_mask = [is_differentiable(a.dtype) for a in result_avals]
     if not any(live) or not any(out_mask):
-        return outs, zero_outs
+        outs = bind(*primals, **eqn)
+        return outs, [Zero(_avals.typeof(o).to_tangent_aval()) for o in outs]
     _, tangent_ops = partition_list(live, positional)
     leaf_axes = _per_leaf(present, spec.in_axes)
     _, tangent_axes = partition_list(live, [leaf_axes[i] for i in node.positional])
     _, live_avals = partition_list(out_mask, result_avals)
-    tangent_outs = bind(
-        *primals,
-        *tangent_ops,
-        kernel=DerivativeParam(
-            node.derive("jvp"),
-            present + live,
-            tuple(merge_lists(keep, [False] * keep.count(False), out_mask)),
-        ),
+    tangent_eqn = dict(
+        keep=tuple(merge_lists(keep, [False] * keep.count(False), out_mask)),
         result_avals=tuple(live_avals),
-        spec=BatchSpec(
-            spec.shape,
-            spec.in_axes + tuple(tangent_axes),
-            _kept_sums(spec, out_mask),
-        ),
-        **params,
+        out_sum=_kept_sums(spec, out_mask),
     )
+    if isinstance(node.rule("vjp"), ResidualRule):
+        outs, tangent_outs = _residual_jvp(
+            bind, node, primals, (live, tangent_ops, tangent_axes), tangent_eqn, eqn
+        )
+    else:
+        outs = bind(*primals, **eqn)
+        tangent_outs = bind(
+            *primals,
+            *tangent_ops,
+            kernel=DerivativeParam(
+                node.derive("jvp"), present + live, tangent_eqn["keep"]
+            ),
+            result_avals=tangent_eqn["result_avals"],
+            spec=BatchSpec(
+                spec.shape, spec.in_axes + tuple(tangent_axes), tangent_eqn["out_sum"]
+            ),
+            **params,
+        )
+    zero_outs = [Zero(_avals.typeof(o).to_tangent_aval()) for o in outs]
     dead_outs, _ = partition_list(out_mask, zero_outs)
     return outs, merge_lists(out_mask, dead_outs, list(tangent_outs))
+
+
+def _residual_jvp(
+    bind: Bind,
+    node: Node,
+    primals: Sequence[Any],
+    tangents: tuple[tuple[bool, ...], Sequence[Any], Sequence[Axes]],
+    tangent_eqn: dict[str, Any],
+    eqn: dict[str, Any],
+) -> tuple[Sequence[Any], Sequence[Any]]:
+    """The JVP of an equation whose kernel's VJP has residuals, as JAX's
+    ``custom_vjp`` does it: the ``fwd`` equation gives the outputs and the
+    residuals (batched like outputs, kept where JAX keeps arrays), and a ``lin``
+    equation, linear in the tangents, gives the tangents. Reverse mode transposes
+    ``lin`` into the ``bwd`` equation over the residuals and never runs it;
+    running it runs the kernel's JVP kernel, which needs the primals: they are
+    operands only where there is one."""
+    live, tangent_ops, tangent_axes = tangents
+    kernel, spec, result_avals = eqn["kernel"], eqn["spec"], eqn["result_avals"]
+    _, present, keep = _equation_view(kernel, primals, result_avals, spec)
+    res_avals = [
+        _avals.ShapedArray(shape, dtype)
+        for shape, dtype in node.residual_rule.res_avals
+    ]
+    n_out, n_res = len(result_avals), len(res_avals)
+    fwd_outs = bind(
+        *primals,
+        **{
+            **eqn,
+            "kernel": DerivativeParam(
+                node.derive("fwd"), present, keep + (True,) * n_res
+            ),
+            "result_avals": tuple(result_avals) + tuple(res_avals),
+            "spec": BatchSpec(
+                spec.shape,
+                spec.in_axes,
+                spec.out_sum + ((),) * n_res if spec.out_sum else (),
+            ),
+        },
+    )
+    outs, res = fwd_outs[:n_out], fwd_outs[n_out:]
+    lin = node.derive("lin")
+    # The primals (but the keyword arguments, which bwd takes) only for a JVP
+    # kernel to run on.
+    drop = () if lin.rule_object is not None else node.positional
+    lin_base = tuple(here and i not in drop for i, here in enumerate(present))
+    _, base_ops = partition_list(lin_base, _per_leaf(present, primals))
+    _, base_axes = partition_list(lin_base, _per_leaf(present, spec.in_axes))
+    res_axes = [tuple(range(len(spec.shape)))] * n_res  # batched at every level
+    tangent_outs = bind(
+        *base_ops,
+        *res,
+        *tangent_ops,
+        kernel=DerivativeParam(
+            lin, lin_base + (True,) * n_res + live, tangent_eqn["keep"]
+        ),
+        result_avals=tangent_eqn["result_avals"],
+        spec=BatchSpec(
+            spec.shape,
+            tuple(base_axes) + tuple(res_axes) + tuple(tangent_axes),
+            tangent_eqn["out_sum"],
+        ),
+        **{k: v for k, v in eqn.items() if k not in ("kernel", "result_avals", "spec")},
+    )
+    return outs, tangent_outs
 
 
 def _per_leaf(present: Sequence[bool], operands: Sequence[Any]) -> list[Any]:
@@ -280,7 +354,8 @@ def transpose_rule(
     **params: Any,
 ) -> list[Any]:
     """Transpose of a derivative equation: a ``threadmap`` equation running the
-    dual kernel (the VJP kernel for a JVP equation, the JVP kernel for a VJP one).
+    dual kernel (the VJP kernel for a JVP equation, the JVP kernel for a VJP one,
+    ``bwd`` for the JVP over residuals: see :func:`_dual`).
 
     Each result carries the batch levels at which its operand is batched, in the
     operand's own axes; the host sums the levels at which it is not. The
@@ -301,12 +376,14 @@ def transpose_rule(
     ]
     # Per result of this equation: whether it has a nonzero cotangent.
     has_ct = [ct is not None and type(ct) is not Zero for ct in cts]
-    dual, slots = _dual(kernel, has_ct, undefined)
+    dual, slots, pick = _dual(kernel, has_ct, undefined)
     if not any(has_ct) or not slots:
         return [None] * num_base + out
-    results = _bind_dual(
-        bind, dual, slots, base_ops, cts, has_ct, linear_ops, spec, params
-    )
+    base: tuple[Sequence[Any], Sequence[Axes]]
+    base = ([base_ops[i] for i in pick], [spec.in_axes[i] for i in pick])
+    if isinstance(dual.node.rule_object, ResidualRule):
+        dual, base = _residual_dual(bind, dual, base, spec, params)
+    results = _bind_dual(bind, dual, slots, base, cts, has_ct, linear_ops, spec, params)
     for s, ct in zip(slots, results, strict=True):
         out[s] = _to_operand(ct, spec.in_axes[num_base + s], linear_ops[s].aval)
     return [None] * num_base + out
@@ -323,16 +400,18 @@ def _bind_dual(
     bind: Bind,
     dual: DerivativeParam,
     slots: Sequence[int],
-    base_ops: Sequence[Any],
+    base: tuple[Sequence[Any], Sequence[Axes]],
     cts: Sequence[Any],
     has_ct: Sequence[bool],
     linear_ops: Sequence[Any],
     spec: BatchSpec,
     params: dict[str, Any],
 ) -> Sequence[Any]:
-    """Binds the dual equation: the cotangents of the linear operands in
-    ``slots``, each summed over the levels at which its operand is not batched."""
-    num_base = len(base_ops)
+    """Binds the dual equation over the ``base`` operands it takes (with their
+    axes): the cotangents of the linear operands in ``slots``, each summed over
+    the levels at which its operand is not batched."""
+    base_ops, base_axes = base
+    num_base = len(spec.in_axes) - len(linear_ops)
     axes = [spec.in_axes[num_base + s] for s in slots]
     _, ct_ops = partition_list(has_ct, cts)
     ct_axes = [_result_axes(spec, k) for k, h in enumerate(has_ct) if h]
@@ -346,7 +425,7 @@ def _bind_dual(
         ),
         spec=BatchSpec(
             spec.shape,
-            spec.in_axes[:num_base] + tuple(ct_axes),
+            tuple(base_axes) + tuple(ct_axes),
             tuple(map(_summing.summed_levels, axes)),
         ),
         **params,
@@ -356,28 +435,100 @@ def _bind_dual(
 
 def _dual(
     kernel: DerivativeParam, has_ct: Sequence[bool], undefined: Sequence[bool]
-) -> tuple[DerivativeParam, list[int]]:
-    """The param of the transpose of ``kernel``'s equation, and the linear
-    operands (by index among them) whose cotangents it returns.
+) -> tuple[DerivativeParam, list[int], list[int]]:
+    """The param of the transpose of ``kernel``'s equation, the linear operands
+    (by index among them) whose cotangents it returns, and the base operands
+    (by index among them) it takes, in its order.
 
-    The dual node (the VJP kernel of a JVP kernel's base, or the other way round)
-    has this node's outputs as its new leaves, and this node's new leaves as its
-    outputs: it takes the cotangents that exist and returns those of the linear
-    operands that JAX asks for.
+    The dual node has this node's outputs as its new leaves, and returns the
+    cotangents of this node's new leaves: it takes the cotangents that exist and
+    returns those of the linear operands that JAX asks for. It is
+
+    - for a JVP kernel, the VJP kernel of the same base, and the other way round
+      (the same base leaves);
+    - for ``lin`` (a JVP over residuals), ``bwd``: the residuals and the keyword
+      arguments of ``lin``'s base leaves;
+    - for ``bwd``, which is linear in its cotangent, its own VJP kernel, whose
+      cotangent of that cotangent is the transpose whatever its value: the
+      value is left out (zeros), and so are the cotangents of the residuals.
     """
     node, present, keep = kernel.node, kernel.present, kernel.keep
-    assert node.base is not None
-    dual = node.base.derive("vjp" if node.kind == "jvp" else "jvp")
     cts = iter(has_ct)
-    dual_present = present[: node.num_base] + tuple(k and next(cts) for k in keep)
+    ct_present = tuple(k and next(cts) for k in keep)
+    linear_present = present[node.num_base :]
+    dual, base_present, pick, lead = _dual_node(node, present)
     wanted = iter(undefined)
-    dual_keep = tuple(
+    linear_keep = tuple(
         here and next(wanted) and is_differentiable(aval[1])
-        for here, aval in zip(present[node.num_base :], dual.out_avals, strict=True)
+        for here, aval in zip(linear_present, dual.out_avals[len(lead) :], strict=True)
     )
-    new_leaves = [m for m, here in enumerate(present[node.num_base :]) if here]
-    slots = [s for s, m in enumerate(new_leaves) if dual_keep[m]]
-    return DerivativeParam(dual, dual_present, dual_keep), slots
+    new_leaves = [m for m, here in enumerate(linear_present) if here]
+    slots = [s for s, m in enumerate(new_leaves) if linear_keep[m]]
+    param = DerivativeParam(dual, base_present + ct_present, lead + linear_keep)
+    return param, slots, pick
+
+
+def _dual_node(
+    node: Node, present: tuple[bool, ...]
+) -> tuple[Node, tuple[bool, ...], list[int], tuple[bool, ...]]:
+    """:func:`_dual`'s node, which of its base leaves are operands, which base
+    operands of ``node``'s equation those are (in its order), and the outputs
+    it leaves out before the cotangents of ``node``'s new leaves."""
+    base, nb = node.base, node.num_base
+    assert base is not None
+    pick = list(range(sum(present[:nb])))
+    if node.kind == "lin":
+        operand = _slots(present[:nb])
+        leaves = [*range(len(base.in_avals), nb), *base.keywords]
+        pick = [i for i in (operand[j] for j in leaves) if i is not None]
+        return base.derive("bwd"), tuple(present[i] for i in leaves), pick, ()
+    if node.kind == "bwd":
+        absent = (False,) * (len(present) - nb)  # the cotangent's value
+        lead = (False,) * (nb - len(node.keywords))  # the residuals' cotangents
+        return node.derive("vjp"), present[:nb] + absent, pick, lead
+    dual = base.derive("vjp" if node.kind == "jvp" else "jvp")
+    return dual, present[:nb], pick, ()
+
+
+def _residual_dual(
+    bind: Bind,
+    dual: DerivativeParam,
+    base: tuple[Sequence[Any], Sequence[Axes]],
+    spec: BatchSpec,
+    params: dict[str, Any],
+) -> tuple[DerivativeParam, tuple[Sequence[Any], Sequence[Axes]]]:
+    """The dual of a ``bwd`` equation (see :func:`_dual`) whose own VJP is given
+    with residuals: its ``fwd`` equation for the residuals, at a zero cotangent
+    (the transpose does not depend on it), then the param of its ``bwd`` over
+    them, and the base operands that takes."""
+    node = dual.node.base  # the bwd node
+    assert node is not None
+    rule = node.residual_rule
+    base_ops, base_axes = base
+    n_out, n_res = len(node.out_avals), len(rule.res_avals)
+    leaves = dual.present[: len(node.in_avals)]  # the cotangent is left out
+    res = bind(
+        *base_ops,
+        kernel=DerivativeParam(
+            node.derive("fwd"), leaves, (False,) * n_out + (True,) * n_res
+        ),
+        result_avals=tuple(_avals.ShapedArray(*aval) for aval in rule.res_avals),
+        spec=BatchSpec(spec.shape, tuple(base_axes), ()),
+        **params,
+    )
+    # The keyword arguments among the base operands, which bwd takes too.
+    operand = _slots(leaves)
+    keywords = [operand[i] for i in node.keywords if leaves[i]]
+    present = (
+        (True,) * n_res
+        + tuple(leaves[i] for i in node.keywords)
+        + dual.present[len(node.in_avals) :]
+    )
+    all_levels = tuple(range(len(spec.shape)))
+    return DerivativeParam(node.derive("bwd"), present, dual.keep), (
+        [*res, *(base_ops[k] for k in keywords if k is not None)],
+        [*(all_levels,) * n_res, *(base_axes[k] for k in keywords if k is not None)],
+    )
 
 
 def _core_aval_of(aval: Any, axes: Axes) -> Any:

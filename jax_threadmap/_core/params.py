@@ -9,7 +9,9 @@ together with its tree structures, so params of repeated calls compare equal
   :class:`RuleKernel` where such a kernel has rules of its own).
 - :class:`DerivativeParam`: a derivative equation. Its :class:`Node` is the
   JVP or VJP kernel of another node (the user's kernel, or a derivative kernel
-  of it, at any order); the param says which of the node's leaves are operands
+  of it, at any order), or one of the three kernels of a VJP given with
+  residuals (:class:`ResidualRule`: its ``fwd``, its ``bwd``, and the linear
+  map between them); the param says which of the node's leaves are operands
   (the others are zeros built on the host) and which of its outputs it returns.
 
 Each provides ``name`` (shown in jaxprs and messages) and :meth:`host_call`: the
@@ -28,6 +30,7 @@ import jax
 import numpy as np
 
 from .._support.event_loop import is_coroutine_function
+from .._support.result_casts import ResultCastError, check_result_cast
 from .._support.validate import callable_name
 
 Fn = Callable[..., Any]
@@ -90,7 +93,8 @@ class KernelParam:
         in_tree: Treedef of ``(args, kwargs)``.
         out_tree: Treedef of the kernel's result.
         jvp: The JVP kernel, or ``None``.
-        vjp: The VJP kernel, or ``None``.
+        vjp: The VJP kernel, a :class:`ResidualRule` (``fwd``/``bwd``), or
+            ``None``.
         vectorized: Whether the kernels take a chunk of elements (a leading axis)
             instead of one element.
         max_chunk: For vectorized kernels, the most elements per chunk, or
@@ -106,7 +110,7 @@ class KernelParam:
     in_tree: Any
     out_tree: Any
     jvp: Fn | None = None
-    vjp: Fn | None = None
+    vjp: Fn | ResidualRule | None = None
     vectorized: bool = False
     max_chunk: int | None = None
     wrapped: bool = False
@@ -172,12 +176,12 @@ class RuleKernel:
     Attributes:
         fn: The derivative kernel.
         jvp: Its own JVP kernel (a function or a ``RuleKernel``), or ``None``.
-        vjp: Its own VJP kernel, or ``None``.
+        vjp: Its own VJP kernel, a :class:`ResidualRule`, or ``None``.
     """
 
     fn: Fn
     jvp: Fn | None = None
-    vjp: Fn | None = None
+    vjp: Fn | ResidualRule | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _unwrap(self.fn)(*args, **kwargs)
@@ -191,27 +195,72 @@ def _tangent(aval: Aval) -> Aval:
 
 
 @dataclasses.dataclass(frozen=True)
+class ResidualRule:
+    """A VJP given as ``fwd`` and ``bwd`` with residuals, as params carry it.
+
+    ``defvjp(fwd, bwd, residuals=...)`` stores it in place of a VJP kernel, taken
+    when the call is bound (as :class:`RuleKernel`). ``fwd`` runs instead of the
+    kernel where a derivative may follow and returns ``(out, res)``; ``bwd``
+    maps ``(res, cotangent)`` to one cotangent per positional argument, so what
+    ``fwd`` computed (a factorization) is not computed again.
+
+    Attributes:
+        fwd: ``fwd(*args, **kwargs) -> (out, res)``: a function or a
+            :class:`RuleKernel`.
+        bwd: ``bwd(res, ct, **kwargs) -> (ct_arg, ...)``: a function or a
+            :class:`RuleKernel`.
+        res_tree: Treedef of the residuals.
+        res_avals: Per residual leaf, its ``(shape, dtype)`` for one element.
+    """
+
+    fwd: Fn
+    bwd: Fn
+    res_tree: Any
+    res_avals: tuple[Aval, ...]
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        """Per residual leaf, its name in messages: ``residuals[0]['lu']``."""
+        tree = jax.tree_util.tree_unflatten(self.res_tree, range(len(self.res_avals)))
+        paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return tuple("residuals" + jax.tree_util.keystr(path) for path, _ in paths)
+
+
+#: The kinds of a derived :class:`Node`: the rules of its base (``"jvp"``,
+#: ``"vjp"``) and, for a base whose VJP is a :class:`ResidualRule`, its
+#: ``"fwd"``, its ``"bwd"`` and ``"lin"`` (the base's JVP kernel over the base's
+#: leaves and the residuals, whose transpose is ``bwd``).
+KINDS = ("jvp", "vjp", "fwd", "bwd", "lin")
+
+
+@dataclasses.dataclass(frozen=True)
 class Node:
     """A kernel at some order: the user's, or a derivative kernel of another node.
 
     Every node takes one element's positional arguments and keyword arguments and
     returns a pytree, and its own rules follow the same conventions
     (``jvp(*args, *tangents, **kwargs)``, ``vjp(*args, cotangent, **kwargs)``).
-    A derived node's leaves are its base's leaves followed by the new ones (one
+    A derived node's leaves are the base leaves it keeps, then the new ones (one
     tangent per positional leaf of the base, or one cotangent per output leaf),
     which are the positional arguments that it adds:
 
     - ``jvp`` of base ``B``: arguments ``(*B.args, *B.tangents)``, result like
       ``B``'s (its tangent);
     - ``vjp`` of base ``B``: arguments ``(*B.args, B.cotangent)``, result a tuple
-      with one cotangent per positional argument of ``B``.
+      with one cotangent per positional argument of ``B``;
+    - where ``B``'s VJP is a :class:`ResidualRule`: ``fwd`` (``B``'s leaves,
+      result ``(B.out, res)``), ``bwd`` (leaves ``res``, ``B``'s keyword
+      leaves, then ``B.cotangent``; result as ``vjp``'s) and ``lin`` (``B``'s
+      leaves, ``res``, then ``B.tangents``; result as ``jvp``'s, computed by
+      ``B``'s JVP kernel, which takes no residuals: they are there for its
+      transpose, ``bwd``).
 
     Attributes:
         kernel: The user's kernel at the root (its executor and chunking apply).
         in_avals: Per leaf, its ``(shape, dtype)`` for one element.
         out_avals: Per output leaf, its ``(shape, dtype)`` for one element.
         base: The node this one is a derivative kernel of; ``None`` at the root.
-        kind: ``"jvp"`` or ``"vjp"``: which rule of ``base`` this node runs.
+        kind: One of :data:`KINDS`: which kernel of ``base`` this node runs.
     """
 
     kernel: KernelParam
@@ -221,15 +270,29 @@ class Node:
     kind: str = ""
 
     def derive(self, kind: str) -> Node:
-        """The node that runs this node's ``kind`` rule."""
-        ins = self.in_avals
+        """The node that runs this node's ``kind`` kernel (one of :data:`KINDS`)."""
+        ins, outs = self.in_avals, self.out_avals
+        tangents = tuple(_tangent(ins[i]) for i in self.positional)
+        cotangents = tuple(map(_tangent, outs))
         if kind == "jvp":
-            new = tuple(_tangent(ins[i]) for i in self.positional)
-            outs = tuple(map(_tangent, self.out_avals))
-        else:
-            new = tuple(map(_tangent, self.out_avals))
-            outs = tuple(_tangent(ins[i]) for i in self.positional)
-        return Node(self.kernel, ins + new, outs, self, kind)
+            return Node(self.kernel, ins + tangents, cotangents, self, kind)
+        if kind == "vjp":
+            return Node(self.kernel, ins + cotangents, tangents, self, kind)
+        res = self.residual_rule.res_avals
+        if kind == "fwd":
+            return Node(self.kernel, ins, outs + res, self, kind)
+        if kind == "lin":
+            return Node(self.kernel, ins + res + tangents, cotangents, self, kind)
+        assert kind == "bwd", kind
+        keywords = tuple(ins[i] for i in self.keywords)
+        return Node(self.kernel, res + keywords + cotangents, tangents, self, kind)
+
+    @property
+    def residual_rule(self) -> ResidualRule:
+        """This node's VJP given with residuals (``defvjp(fwd, bwd, ...)``)."""
+        rule = self.rule("vjp")
+        assert isinstance(rule, ResidualRule), rule
+        return rule
 
     @property
     def order(self) -> int:
@@ -240,14 +303,19 @@ class Node:
     def rule_object(self) -> Any:
         """What this node runs: a ``KernelParam``, a ``RuleKernel``, a plain
         function, or ``None`` when its base has no such rule."""
-        return self.kernel if self.base is None else self.base.rule(self.kind)
+        base = self.base
+        if base is None:
+            return self.kernel
+        if self.kind in ("fwd", "bwd"):
+            return getattr(base.residual_rule, self.kind)
+        return base.rule("jvp" if self.kind == "lin" else self.kind)
 
-    def rule(self, kind: str) -> Fn | None:
-        """This node's own ``kind`` rule, or ``None``."""
+    def rule(self, kind: str) -> Any:
+        """This node's own ``kind`` rule (``"jvp"`` or ``"vjp"``: a function,
+        a ``RuleKernel`` or, for ``"vjp"``, a ``ResidualRule``), or ``None``."""
         obj = self.rule_object
         if isinstance(obj, (KernelParam, RuleKernel)):
-            rule: Fn | None = getattr(obj, kind)
-            return rule
+            return getattr(obj, kind)
         return None
 
     @property
@@ -255,39 +323,70 @@ class Node:
         obj = self.rule_object
         if obj is None:
             assert self.base is not None
-            return f"{self.kind}({self.base.name})"
+            kind = "jvp" if self.kind == "lin" else self.kind
+            return f"{kind}({self.base.name})"
         if isinstance(obj, (KernelParam, RuleKernel)):
             obj = obj.fn
         return callable_name(_unwrap(obj))
 
-    @property
+    @functools.cached_property
     def num_base(self) -> int:
-        """The number of leaves that come from the base (all, at the root)."""
-        return len(self.in_avals) if self.base is None else len(self.base.in_avals)
+        """The number of leaves before the new ones (all, at the root and for
+        ``fwd``): the leaves the node is not linear in."""
+        base = self.base
+        if base is None:
+            return len(self.in_avals)
+        if self.kind == "lin":
+            return len(base.in_avals) + len(base.residual_rule.res_avals)
+        if self.kind == "bwd":
+            return len(base.residual_rule.res_avals) + len(base.keywords)
+        return len(base.in_avals)
 
     @functools.cached_property
     def positional(self) -> tuple[int, ...]:
         """The leaf indices of the positional-argument leaves, in order."""
-        if self.base is None:
+        base = self.base
+        if base is None:
             return tuple(range(self.kernel.num_positional))
-        return self.base.positional + tuple(range(self.num_base, len(self.in_avals)))
+        new = tuple(range(self.num_base, len(self.in_avals)))
+        if self.kind == "fwd":
+            return base.positional
+        if self.kind == "bwd":
+            return tuple(range(len(base.residual_rule.res_avals))) + new
+        return base.positional + new
 
     @functools.cached_property
     def keywords(self) -> tuple[int, ...]:
         """The leaf indices of the keyword-argument leaves."""
-        if self.base is None:
+        base = self.base
+        if base is None:
             return tuple(range(self.kernel.num_positional, len(self.in_avals)))
-        return self.base.keywords
+        if self.kind == "bwd":
+            start = len(base.residual_rule.res_avals)
+            return tuple(range(start, start + len(base.keywords)))
+        return base.keywords
+
+    @functools.cached_property
+    def unused(self) -> frozenset[int]:
+        """Leaves the kernel never sees (a ``lin`` node's residuals)."""
+        used = set(self.positional) | set(self.keywords)
+        return frozenset(i for i in range(len(self.in_avals)) if i not in used)
 
     @functools.cached_property
     def args_tree(self) -> Any:
         """Treedef of the tuple of positional arguments."""
-        if self.base is None:
+        base = self.base
+        if base is None:
             return self.kernel.in_tree.children()[0]
-        base_args = self.base.args_tree.children()
-        if self.kind == "jvp":
+        if self.kind == "fwd":
+            return base.args_tree
+        base_args = base.args_tree.children()
+        if self.kind in ("jvp", "lin"):
             return jax.tree_util.treedef_tuple(base_args + base_args)
-        return jax.tree_util.treedef_tuple([*base_args, self.base.out_tree])
+        if self.kind == "vjp":
+            return jax.tree_util.treedef_tuple([*base_args, base.out_tree])
+        res_tree = base.residual_rule.res_tree
+        return jax.tree_util.treedef_tuple([res_tree, base.out_tree])
 
     @functools.cached_property
     def kwargs_tree(self) -> Any:
@@ -297,13 +396,18 @@ class Node:
 
     @functools.cached_property
     def out_tree(self) -> Any:
-        if self.base is None:
+        base = self.base
+        if base is None:
             return self.kernel.out_tree
-        return self.base.out_tree if self.kind == "jvp" else self.base.args_tree
+        if self.kind == "fwd":
+            res_tree = base.residual_rule.res_tree
+            return jax.tree_util.treedef_tuple([base.out_tree, res_tree])
+        return base.args_tree if self.kind in ("vjp", "bwd") else base.out_tree
 
-    def call(self, leaves: Sequence[np.ndarray]) -> Any:
+    def call(self, leaves: Sequence[Any], chunk: tuple[int, ...] = ()) -> Any:
         """Runs this node's kernel on all its leaves; one value per output leaf
-        (a coroutine of them, for an ``async def`` kernel)."""
+        (a coroutine of them, for an ``async def`` kernel). ``chunk``: the
+        leading chunk axis of a vectorized kernel's leaves, or ``()``."""
         args = jax.tree_util.tree_unflatten(
             self.args_tree, [leaves[i] for i in self.positional]
         )
@@ -312,8 +416,8 @@ class Node:
         )
         result = self.function(*args, **kwargs)
         if inspect.iscoroutine(result):  # an async def derivative kernel
-            return _then(result, lambda r: self._flat_result(r, leaves))
-        return self._flat_result(result, leaves)
+            return _then(result, lambda r: self._flat_result(r, chunk))
+        return self._flat_result(result, chunk)
 
     @property
     def function(self) -> Fn:
@@ -321,10 +425,12 @@ class Node:
         obj = self.rule_object
         return _unwrap(obj.fn if isinstance(obj, (KernelParam, RuleKernel)) else obj)
 
-    def _flat_result(self, result: Any, leaves: Sequence[np.ndarray]) -> list[Any]:
+    def _flat_result(self, result: Any, chunk: tuple[int, ...]) -> list[Any]:
         """The kernel's result as one value per output leaf."""
-        if self.kind == "vjp":
-            return self._flat_cotangents(result, leaves)
+        if self.kind in ("vjp", "bwd"):
+            return self._flat_cotangents(result, chunk)
+        if self.kind == "fwd":
+            return _flat_forward(self, result, chunk)
         try:
             return list(self.out_tree.flatten_up_to(result))
         except (ValueError, TypeError) as e:
@@ -334,14 +440,15 @@ class Node:
                 f"got {jax.tree_util.tree_structure(result)} ({e})."
             ) from None
 
-    def _flat_cotangents(self, result: Any, leaves: Sequence[np.ndarray]) -> list[Any]:
+    def _flat_cotangents(self, result: Any, chunk: tuple[int, ...]) -> list[Any]:
         """One cotangent per positional leaf of the base, from the kernel's tuple
         (``None``, for an argument or a leaf, is zeros)."""
         assert self.base is not None
+        what = "VJP" if self.kind == "vjp" else "bwd"
         arg_trees = self.base.args_tree.children()
         if not isinstance(result, (tuple, list)) or len(result) != len(arg_trees):
             raise TypeError(
-                f"the VJP kernel must return a tuple with one cotangent per "
+                f"the {what} kernel must return a tuple with one cotangent per "
                 f"positional argument ({len(arg_trees)}), e.g. `return (ct_x,)` for "
                 f"one argument; got {_describe(result)}."
             )
@@ -354,16 +461,82 @@ class Node:
                 flat.extend(tree.flatten_up_to(r))
             except (ValueError, TypeError) as e:
                 raise TypeError(
-                    f"the VJP kernel returned a cotangent for positional argument "
-                    f"{i} of structure {jax.tree_util.tree_structure(r)}, but the "
-                    f"argument has structure {tree} ({e}). Return a pytree like "
-                    "the argument, or None for zeros."
+                    f"the {what} kernel returned a cotangent for positional "
+                    f"argument {i} of structure {jax.tree_util.tree_structure(r)}, "
+                    f"but the argument has structure {tree} ({e}). Return a pytree "
+                    "like the argument, or None for zeros."
                 ) from None
-        base_pos = self.base.positional
         return [
-            _zeros(leaves[base_pos[j]].shape, self.out_avals[j][1]) if c is None else c
+            _zeros(chunk + self.out_avals[j][0], self.out_avals[j][1])
+            if c is None
+            else c
             for j, c in enumerate(flat)
         ]
+
+
+def _flat_forward(node: Node, result: Any, chunk: tuple[int, ...]) -> list[Any]:
+    """A ``fwd`` kernel's ``(out, res)`` as one value per output leaf, then one
+    per residual leaf; each residual checked against its declaration, so that a
+    wrong one is named here rather than as an output number."""
+    assert node.base is not None
+    rule = node.base.residual_rule
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise TypeError(
+            "the fwd kernel must return a pair (out, residuals): the output, a "
+            "pytree like result_shape_dtypes, and the residuals, a pytree like "
+            f"residuals= ({rule.res_tree}); got {_describe(result)}."
+        )
+    out, res = result
+    try:
+        outs = list(node.base.out_tree.flatten_up_to(out))
+    except (ValueError, TypeError) as e:
+        raise TypeError(
+            "the fwd kernel returned an output (the first of its pair) of "
+            f"structure {jax.tree_util.tree_structure(out)}, but "
+            f"result_shape_dtypes has structure {node.base.out_tree} ({e})."
+        ) from None
+    try:
+        values = rule.res_tree.flatten_up_to(res)
+    except (ValueError, TypeError) as e:
+        raise TypeError(
+            "the fwd kernel returned residuals (the second of its pair) of "
+            f"structure {jax.tree_util.tree_structure(res)}, but residuals= "
+            f"declares {rule.res_tree} ({e}). Return them as declared, or declare "
+            "what fwd returns."
+        ) from None
+    for name, (shape, dtype), value in zip(
+        rule.names, rule.res_avals, values, strict=True
+    ):
+        _check_residual(value, name, chunk + shape, dtype)
+    return outs + list(values)
+
+
+def _check_residual(value: Any, name: str, shape: tuple[int, ...], dtype: Any) -> None:
+    """A residual as declared (shape, and a dtype that holds its values), or a
+    ``TypeError`` that names it, what was declared, what came, and the fix."""
+    declared = f"jax.ShapeDtypeStruct({shape}, {np.dtype(dtype).name})"
+    try:
+        got = value if type(value) is np.ndarray else np.asarray(value)
+    except Exception as e:  # noqa: BLE001 - named in the message
+        raise TypeError(
+            f"the fwd kernel returned {name} of type {type(value).__name__}, "
+            f"which is not an array; residuals= declares {declared}."
+        ) from e
+    if got.shape != shape:
+        raise TypeError(
+            f"the fwd kernel returned {name} of shape {got.shape}, but residuals= "
+            f"declares {declared}. Return one element's residual, without batch "
+            f"axes, of the declared shape, or declare shape {got.shape}."
+        )
+    if got.dtype != dtype:
+        try:
+            check_result_cast(got, np.dtype(dtype))
+        except ResultCastError as e:
+            raise TypeError(
+                f"the fwd kernel returned {name} as {e.got}, but residuals= "
+                f"declares {declared}; {e.reason}. Declare the dtype that fwd "
+                "returns, or convert the residual in fwd."
+            ) from None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -416,7 +589,8 @@ class DerivativeParam:
         if node.rule_object is None:
             # Traced and transposed without one; running it needs one.
             assert node.base is not None
-            raise TypeError(missing_rule_message(node.base, node.kind))
+            which = "jvp" if node.kind == "lin" else node.kind
+            raise TypeError(missing_rule_message(node.base, which))
         n_in, n_out = sum(self.present), sum(self.keep)
         return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
 
@@ -424,13 +598,16 @@ class DerivativeParam:
         # A vectorized kernel's operands all have the chunk axis in front.
         chunk = operands[0].shape[:1] if self.vectorized and operands else ()
         ops = iter(operands)
+        unused = self.node.unused
         leaves = [
-            next(ops) if here else _zeros(chunk + shape, dtype)
-            for here, (shape, dtype) in zip(
-                self.present, self.node.in_avals, strict=True
+            next(ops)
+            if here
+            else (None if i in unused else _zeros(chunk + shape, dtype))
+            for i, (here, (shape, dtype)) in enumerate(
+                zip(self.present, self.node.in_avals, strict=True)
             )
         ]
-        out = self.node.call(leaves)
+        out = self.node.call(leaves, chunk)
         if inspect.iscoroutine(out):  # an async def derivative kernel
             return _then(out, self._kept)
         return self._kept(out)
@@ -469,6 +646,8 @@ def missing_rule_message(node: Node, which: str) -> str:
             "reverse mode through it (second-order derivatives such as jax.grad "
             "of jax.grad, and jax.jacrev of jax.grad or of jax.jacfwd)"
         )
+    if which == "jvp" and isinstance(node.rule("vjp"), ResidualRule):
+        needs += f" ({short}'s fwd and bwd give reverse mode only)"
     return (
         f"threadmap kernel {name!r} ({_describe_node(node)}): {short} has no "
         f"def{which}, so {needs} cannot run. {_how_to_attach(node, [which])}"
@@ -494,6 +673,15 @@ def _hessian_hint(root: Node, which: str) -> str:
     vjp = root.kernel.vjp
     if which != "jvp" or vjp is None:
         return ""
+    if isinstance(vjp, ResidualRule):
+        fwd, bwd = _short(root.derive("fwd").name), _short(root.derive("bwd").name)
+        return (
+            " (jax.hessian, jax.jvp of jax.grad and other forward-over-reverse "
+            f"derivatives need no JVP kernel of {root.name!r}: they differentiate "
+            f"{fwd} and {bwd}, which need JVP kernels of their own: make them "
+            f"jax_threadmap.kernels and attach one to each with {fwd}.defjvp and "
+            f"{bwd}.defjvp.)"
+        )
     name = _short(root.derive("vjp").name)
     if isinstance(vjp, RuleKernel) and vjp.jvp is not None:
         return (
@@ -514,7 +702,13 @@ def _short(name: str) -> str:
 
 def _describe_node(node: Node) -> str:
     assert node.base is not None
-    return f"the {node.kind.upper()} kernel of {node.base.name!r}"
+    if node.kind in ("fwd", "bwd"):
+        return (
+            f"the {node.kind} kernel of {node.base.name!r}, from "
+            "defvjp(fwd, bwd, residuals=...)"
+        )
+    kind = "jvp" if node.kind == "lin" else node.kind
+    return f"the {kind.upper()} kernel of {node.base.name!r}"
 
 
 def _how_to_attach(node: Node, which: list[str]) -> str:
@@ -547,6 +741,16 @@ def _how_to_attach(node: Node, which: list[str]) -> str:
 
 def _first_order_missing(kernel: KernelParam, which: str) -> str:
     name = kernel.name
+    if which == "jvp" and isinstance(kernel.vjp, ResidualRule):
+        return (
+            f"threadmap kernel {name!r} has fwd and bwd kernels "
+            "(defvjp(fwd, bwd, residuals=...)) but no JVP kernel, so forward-mode "
+            "derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot run: fwd and "
+            "bwd give reverse mode only, as for jax.custom_vjp. Attach a JVP "
+            f"kernel with {name}.defjvp(jvp_kernel), where jvp_kernel(*primals, "
+            "*tangents) returns the tangent of the output; or use reverse mode "
+            "(jax.grad, jax.vjp, jax.jacrev)."
+        )
     if which == "jvp":
         return (
             f"threadmap kernel {name!r} has a VJP kernel but no JVP kernel, so "

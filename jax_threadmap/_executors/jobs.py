@@ -14,6 +14,7 @@ first failure stops every running chunk at its next unit (the loops read
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +71,8 @@ class Job:
         cpus: A guided map starts on this many threads when fewer than
             ``workers`` (limited), and rises to all (:func:`.scheduling.record_chunk`).
         in_order: Fixed chunks of one unit, on every thread.
+        scope: Entered by each thread around its chunks of the map (where the
+            kernels' JAX calls run: ``_host/kernel_scope.py``).
     """
 
     def __init__(
@@ -83,9 +86,11 @@ class Job:
         workers: int | None = None,
         cpus: int | None = None,
         in_order: bool = False,
+        scope: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     ):
         self.n = n
         self.fn = fn
+        self.scope = scope
         self.fixed = 1 if in_order else fixed
         self.divisor = divisor
         self.workers = n if workers is None else max(1, workers)
@@ -140,10 +145,12 @@ class Job:
 
     def drain(self, busy: Busy | None = None) -> None:
         """Claims and runs chunks until none are left: the one loop of every
-        thread that runs the map's kernels (``busy``: see :meth:`run`)."""
-        claim = self.claim()
-        while claim is not None:
-            claim = self.run(*claim, busy=busy)
+        thread that runs the map's kernels (``busy``: see :meth:`run`), inside
+        the map's scope, if any."""
+        with contextlib.nullcontext() if self.scope is None else self.scope():
+            claim = self.claim()
+            while claim is not None:
+                claim = self.run(*claim, busy=busy)
 
     def claim(self) -> Chunk | None:
         """The next chunk ``(start, stop)`` from the front; ``None`` when none

@@ -22,7 +22,7 @@ from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
 from . import threads as _threads
-from .jobs import ChunkFn, Job, _local
+from .jobs import Job, _local
 from .progress import Progress, progress_enabled, wait
 from .scheduling import InOrder
 from .threads import interpreter_exiting, refused, said
@@ -176,18 +176,18 @@ def new_job(
     limited = policy.starts_limited(
         units, workers, cpus, parent is not None, on_threads
     )
-    run_chunk: ChunkFn = work.run_chunk
-    if work.scope is not None:  # the kernels' JAX calls run on the host
-        run_chunk = work.scope.around(run_chunk)
     return Job(
         units,
-        run_chunk,
+        work.run_chunk,
         fixed=fixed,
         divisor=policy.guided_divisor(workers),
         parent=parent,
         workers=workers,
         cpus=cpus if limited else None,
         in_order=ordered,
+        # Where the kernels' JAX calls run (kernel_scope.py), entered by each
+        # thread that works on the map.
+        scope=None if work.scope is None else work.scope.entered,
     )
 
 

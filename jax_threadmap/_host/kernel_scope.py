@@ -7,8 +7,8 @@ the kernel runs there (a jitted function, an eager ``jnp`` call, an inner
 ``threadmap``) could never start, and the kernel would wait for it forever.
 
 So, where the default backend is not the CPU, every kernel runs in a
-:class:`KernelScope`, entered per chunk on whichever thread runs it (and per
-step of an ``async def`` kernel):
+:class:`KernelScope`, entered by each thread that works on the map, around all
+its chunks (and around each step of an ``async def`` kernel):
 
 - ``jax.default_device`` is the host's CPU: arrays a kernel makes, and programs
   on them, run on the host, as the kernel's own NumPy code does;
@@ -28,16 +28,12 @@ work as they are.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
 from .._jax import dispatch as _jax_dispatch
-
-ChunkFn = Callable[[int, int, Any], None]
 
 
 @functools.cache
@@ -76,23 +72,37 @@ class KernelScope:
         self._default = None if host is None else ("cpu" if held else host)
         self._why = f"the results of threadmap kernel {name!r}"
 
-    @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
-        """Runs the body (kernel code, on any thread) in this scope."""
-        with contextlib.ExitStack() as stack:
-            if self._default is not None:
-                stack.enter_context(jax.default_device(self._default))
-            stack.enter_context(_jax_dispatch.refusing(self.held, self._why))
-            yield
+    def entered(self) -> _Entered:
+        """A context manager that runs its body (kernel code, on any thread) in
+        this scope; one per entry (entries on several threads at once)."""
+        return _Entered(self)
 
-    def around(self, fn: ChunkFn) -> ChunkFn:
-        """``fn`` (one chunk of the map) run in this scope."""
 
-        def run_chunk(start: int, stop: int, job: Any) -> None:
-            with self.entered():
-                fn(start, stop, job)
+class _Entered:
+    """One entry of a :class:`KernelScope` (a few microseconds: an ``async def``
+    kernel enters at every step)."""
 
-        return run_chunk
+    __slots__ = ("_scope", "_device", "_refusing")
+
+    def __init__(self, scope: KernelScope):
+        self._scope = scope
+        self._device: Any = None
+        self._refusing: Any = None
+
+    def __enter__(self) -> None:
+        scope = self._scope
+        if scope._default is not None:
+            self._device = jax.default_device(scope._default)
+            self._device.__enter__()
+        if scope.held:
+            self._refusing = _jax_dispatch.refusing(scope.held, scope._why)
+            self._refusing.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._refusing is not None:
+            self._refusing.__exit__(*exc)
+        if self._device is not None:
+            self._device.__exit__(*exc)
 
 
 def kernel_scope(program_devices: frozenset[Any], name: str) -> KernelScope | None:

@@ -683,7 +683,10 @@ HOOKS: tuple[Hook, ...] = (
         "its __call__ runs a compiled program from Python, after the argument "
         "handlers; wrapped, so that a dispatch on pending data puts the thread "
         "back on its usual stream when it returns (its ordered_effects name the "
-        "programs whose dispatch JAX orders)",
+        "programs whose dispatch JAX orders), that a program on pending data is "
+        "deferred on accelerators (read: _local_devices, mut, name, "
+        "out_handler.out_avals and .out_shardings), and that a kernel's program "
+        "on a device whose program waits for it is refused",
         (DISPATCH_STREAMS,),
         _everywhere("jax._src.interpreters.pxla:ExecuteReplicated"),
         "none: jax.stages.Compiled.__call__ runs only ahead-of-time compiled "

@@ -54,18 +54,28 @@ def env_num_threads() -> int | None:
 ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
 
 
-def async_dispatch_enabled() -> bool:
-    """Whether ``JAX_THREADMAP_ASYNC_DISPATCH`` allows async dispatch (default on)."""
+def async_dispatch_mode() -> str:
+    """``JAX_THREADMAP_ASYNC_DISPATCH``: ``"auto"`` (default: the mechanism each
+    platform was measured with), ``"off"`` (dispatch waits for the data), or
+    ``"deferred"`` (deferred dispatch on every platform, the CPU included)."""
     value = os.environ.get(ENV_ASYNC_DISPATCH, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
+    if value in ("1", "true", "yes", "on", "", "auto"):
+        return "auto"
     if value in ("0", "false", "no", "off"):
-        return False
+        return "off"
+    if value == "deferred":
+        return "deferred"
     raise ValueError(
         f"{ENV_ASYNC_DISPATCH}={value!r} is not understood. Set it to 1 (jitted "
-        "calls with pending AsyncArrays return at once, the default) or 0 (they "
-        "wait for the data, as in earlier releases)."
+        "calls with pending AsyncArrays return at once, the default), 0 (they "
+        "wait for the data, as in earlier releases) or deferred (their programs "
+        "are dispatched from the host once the data lands, as on accelerators)."
     )
+
+
+def async_dispatch_enabled() -> bool:
+    """Whether ``JAX_THREADMAP_ASYNC_DISPATCH`` allows async dispatch (default on)."""
+    return async_dispatch_mode() != "off"
 
 
 _TRUE = ("1", "true", "yes", "on")

@@ -17,7 +17,9 @@ loads in flight need no thousand threads. The loop:
 - cancels a call's task on request (:meth:`EventLoop.cancel`): ``CancelledError``
   is raised inside the coroutine at its current ``await``;
 - at exit (:meth:`EventLoop.close`), cancels what is still pending, lets the
-  coroutines handle it (at most :data:`EXIT_CANCEL_S`), and closes;
+  coroutines handle it (at most :data:`EXIT_CANCEL_S`), then runs its closers
+  (:meth:`EventLoop.on_close`: the resources that ``jax_threadmap.shared`` opened
+  on it close there, at most :data:`EXIT_CLOSE_S`), and closes;
 - in a forked child is forgotten (its selector is the parent's epoll instance):
   the child starts a fresh loop on first use.
 
@@ -46,6 +48,10 @@ logger = logging.getLogger("jax_threadmap._async")
 #: At exit, how long the coroutines still pending may take to handle their
 #: cancellation (close connections) before the loop is closed without them.
 EXIT_CANCEL_S = 2.0
+
+#: At exit, how long the closers (:meth:`EventLoop.on_close`) may take together:
+#: closing a client session or a connection pool takes a few turns of the loop.
+EXIT_CLOSE_S = 2.0
 
 #: How long exit waits for the loop's thread once the loop is told to stop.
 EXIT_JOIN_S = 1.0
@@ -97,6 +103,7 @@ class EventLoop:
         self._queue: collections.deque[Work] = collections.deque()
         self._tasks: set[asyncio.Task] = set()
         self._forget_at = FORGET_MIN  # the size of _tasks at which the ended go
+        self._closers: list[Callable[[], Coroutine[Any, Any, None]]] = []
         #: Threads started by this loop (one, at first use): what benchmarks count.
         self.threads_started = 0
 
@@ -215,6 +222,15 @@ class EventLoop:
         """Whether the caller runs on the loop's thread."""
         return self._ident is not None and threading.get_ident() == self._ident
 
+    def on_close(self, closer: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Runs ``closer()`` on the loop when it closes (at exit), after the
+        pending coroutines were cancelled; the last added runs first, as
+        ``contextlib.AsyncExitStack`` closes. Added once per object: a closer
+        equal to one already added is not added again."""
+        with self._lock:
+            if closer not in self._closers:
+                self._closers.append(closer)
+
     # -- end --
 
     def close(self, timeout: float = EXIT_CANCEL_S) -> list[str]:
@@ -231,7 +247,7 @@ class EventLoop:
         try:
             stuck = asyncio.run_coroutine_threadsafe(
                 self._cancel_all(timeout), loop
-            ).result(timeout + EXIT_JOIN_S)
+            ).result(timeout + EXIT_CLOSE_S + EXIT_JOIN_S)
         except Exception:  # a coroutine that blocks the loop (time.sleep)
             stuck = ["(the loop did not answer: a coroutine blocks it)"]
         loop.call_soon_threadsafe(loop.stop)
@@ -249,8 +265,22 @@ class EventLoop:
         if pending:
             _, left = await asyncio.wait(pending, timeout=timeout)
             stuck = sorted(t.get_name() for t in left)
+        await self._run_closers()
         await asyncio.get_running_loop().shutdown_asyncgens()
         return stuck
+
+    async def _run_closers(self) -> None:
+        """The closers, last added first, within :data:`EXIT_CLOSE_S` in all; a
+        failing one is logged, and the others still run."""
+        with self._lock:
+            closers, self._closers = self._closers[::-1], []
+        deadline = asyncio.get_running_loop().time() + EXIT_CLOSE_S
+        for closer in closers:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                await asyncio.wait_for(closer(), max(left, 0.0))
+            except Exception:  # noqa: BLE001 - at exit: say so, close the others
+                logger.exception("jax_threadmap: %r did not close at exit", closer)
 
 
 _event_loop = EventLoop()

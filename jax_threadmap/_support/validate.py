@@ -168,14 +168,22 @@ def check_has_results(result_shape_dtypes: Any, api: str) -> None:
 
 
 def result_avals(
-    result_shape_dtypes: Any, api: str = "threadmap"
+    result_shape_dtypes: Any,
+    api: str = "threadmap",
+    *,
+    name: str = "result_shape_dtypes",
 ) -> tuple[tuple[Any, ...], Any]:
-    """Checks ``result_shape_dtypes``; returns its flat avals and treedef."""
-    check_has_results(result_shape_dtypes, api)
+    """Checks ``result_shape_dtypes``; returns its flat avals and treedef.
+
+    ``name``: what the declaration is called in messages; any other than
+    ``result_shape_dtypes`` (``residuals``) may have no leaves.
+    """
+    if name == "result_shape_dtypes":
+        check_has_results(result_shape_dtypes, api)
     leaves, tree = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     avals = []
     for path, leaf in leaves:
-        where = "result_shape_dtypes" + jax.tree_util.keystr(path)
+        where = name + jax.tree_util.keystr(path)
         shape, dtype = shape_dtype_of(leaf, where, api)
         if any(s < 0 for s in shape):
             raise ValueError(

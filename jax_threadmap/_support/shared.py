@@ -1,0 +1,435 @@
+"""``jax_threadmap.shared``: one async resource for every coroutine on the loop.
+
+An ``async def`` kernel that talks to a service wants one client session (or
+connection pool) for all its elements and all its maps, not one per element:
+the session keeps connections alive and bounds how many are open. Such a
+resource belongs to the event loop it was opened on, and only the package's
+loop (:mod:`.event_loop`) runs the kernels. :func:`shared` wraps a factory of
+an async context manager (``aiohttp.ClientSession``, a function decorated with
+``contextlib.asynccontextmanager``) in a :class:`Shared` handle, which opens
+nothing when made:
+
+- ``await handle.value()`` in a coroutine on the package's loop (an ``async
+  def`` kernel, derivative kernel or loader) enters the context manager on
+  first use, once however many elements ask at the same time, and returns
+  what it entered; later calls return the same value;
+- an opening that fails fails every coroutine waiting for it with a
+  ``ThreadmapError`` naming the resource, chained to the cause; the next use
+  opens it afresh;
+- at exit the loop exits every open one, after its pending coroutines were
+  cancelled and before it closes (:meth:`.event_loop.EventLoop.on_close`), the
+  last opened first; :meth:`Shared.close` closes one earlier;
+- in a forked child, a resource that the parent opened is the parent's (it
+  lives on the parent's loop): the child neither uses nor closes it, and opens
+  its own on first use.
+
+A handle's life (``closed``, ``opening``, ``open``, ``closing``) is changed
+only by its own methods, under its lock; every context manager entered is
+exited once, in :meth:`Shared._exit`, on every path that entered it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Generic, TypeVar
+
+from . import fork as _fork
+from .errors import ThreadmapError, describe
+from .event_loop import event_loop
+from .validate import callable_name
+
+logger = logging.getLogger("jax_threadmap._async")
+
+T = TypeVar("T")
+
+#: Every handle made, so that a forked child can forget what its parent opened.
+_handles: weakref.WeakSet[Shared[Any]] = weakref.WeakSet()
+#: In a forked child: what the parent had opened, kept referenced so that the
+#: child never finalizes (and so never reports) a resource of the parent's loop.
+_parents_values: list[Any] = []
+
+
+class Shared(Generic[T]):
+    """A resource shared by the coroutines on jax_threadmap's event loop.
+
+    Made by [`shared`][jax_threadmap.shared]; see there. Opened on the first
+    [`value`][jax_threadmap.Shared.value], kept open across elements and maps,
+    closed at exit (or by [`close`][jax_threadmap.Shared.close]).
+
+    Its life is closed, opening, open, closing, and each change is one of its
+    methods, under its lock:
+
+    - closed to opening: the first ``value()`` starts an opening task;
+    - opening to open: the context manager was entered;
+    - opening to closed: entering failed (its waiters get the error);
+    - open to closing: ``close()``, or the loop closing at exit;
+    - closing to closed: the context manager was exited;
+    - any to closed: in a forked child (the parent's value left alone).
+
+    Attributes:
+        name: The resource's name in messages (the factory's, by default).
+
+    Examples:
+        >>> import contextlib, jax, jax.numpy as jnp, numpy as np
+        >>> import jax_threadmap
+        >>> @jax_threadmap.shared
+        ... @contextlib.asynccontextmanager
+        ... async def rates_db():
+        ...     yield {"a": 1.0, "b": 2.0}  # opened once, on the loop
+        >>> print(rates_db)
+        <jax_threadmap.shared rates_db: closed>
+        >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
+        ... async def lookup(i):
+        ...     return (await rates_db.value())["ab"[int(i)]]
+        >>> jax.vmap(lookup)(jnp.arange(2))
+        Array([1., 2.], dtype=float32)
+        >>> print(rates_db.is_open)
+        True
+        >>> rates_db.close()
+        >>> print(rates_db.is_open)
+        False
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], AbstractAsyncContextManager[T]],
+        *,
+        name: str | None = None,
+    ):
+        if not callable(factory):
+            raise TypeError(
+                "jax_threadmap.shared takes a factory of an async context manager: "
+                "a callable with no arguments, e.g. aiohttp.ClientSession or a "
+                "function decorated with contextlib.asynccontextmanager. Got "
+                f"{factory!r} of type {type(factory).__name__}. Pass the class or "
+                "function itself (functools.partial for its arguments), not an "
+                "instance."
+            )
+        if name is not None and not isinstance(name, str):
+            raise TypeError(
+                f"jax_threadmap.shared: name must be a str or None. Got name={name!r}."
+            )
+        self.name = name if name is not None else callable_name(factory)
+        self._factory = factory
+        # Lock rule: _lock guards every field below; they change only in the
+        # transition methods (_begin_open ... _forget), on the loop's thread but
+        # for _forget (a forked child's only thread).
+        self._lock = threading.Lock()
+        self._state = "closed"
+        self._value: Any = None
+        self._manager: Any = None
+        self._pending: asyncio.Task[None] | None = None  # opening or closing
+        _handles.add(self)
+
+    def __repr__(self) -> str:
+        with self._lock:
+            state = self._state
+        return f"<jax_threadmap.shared {self.name}: {state}>"
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the resource is open now (from any thread)."""
+        with self._lock:
+            return self._state == "open"
+
+    # -- use ---------------------------------------------------------------------
+
+    async def value(self) -> T:
+        """The resource, opened on first use: what the context manager entered.
+
+        Await it in a coroutine on jax_threadmap's event loop: an ``async def``
+        kernel (or derivative kernel, or ``async def`` loader). Elements that
+        ask while it opens wait for that one opening. A waiting element that
+        is cancelled (its map failed) leaves the opening running, for the next
+        use.
+
+        Returns:
+            What the context manager's ``__aenter__`` returned (for
+            ``aiohttp.ClientSession``, the session).
+
+        Raises:
+            ThreadmapError: Opening failed (chained to the cause); every element
+                waiting for that opening gets it, and the next use opens again.
+            RuntimeError: Awaited outside jax_threadmap's event loop (in
+                ``asyncio.run`` of your own, say), where the resource cannot live.
+
+        Examples:
+            >>> import asyncio, contextlib, jax, jax.numpy as jnp
+            >>> import jax_threadmap
+            >>> opened = []
+            >>> @contextlib.asynccontextmanager
+            ... async def connection():
+            ...     opened.append(1)
+            ...     yield 10.0
+            >>> conn = jax_threadmap.shared(connection)
+            >>> async def scaled(x):
+            ...     return x * await conn.value()
+            >>> S = jax.ShapeDtypeStruct((), jnp.float32)
+            >>> f = jax.vmap(lambda x: jax_threadmap.threadmap(scaled, S, x))
+            >>> f(jnp.arange(3.0)), f(jnp.ones(2))
+            (Array([ 0., 10., 20.], dtype=float32), Array([10., 10.], dtype=float32))
+            >>> len(opened)  # once, for five elements of two maps
+            1
+            >>> conn.close()
+        """
+        self._check_loop()
+        while True:
+            with self._lock:
+                state, value, pending = self._state, self._value, self._pending
+            if state == "open":
+                return value
+            if state == "closed":
+                pending = self._begin_open()
+            assert pending is not None
+            # The opening (its error raises here), or a closing (then open anew).
+            await self._wait(pending)
+
+    def close(self) -> None:
+        """Closes the resource now, if it is open (or opening); the next use
+        opens it again. Call it from a thread, not from a coroutine on the loop
+        (it waits for the closing, which runs there). Closing is at most once per
+        opening; at exit the package closes every open resource itself.
+
+        Raises:
+            RuntimeError: Called on jax_threadmap's event loop (in an ``async
+                def`` kernel): there, ``await asyncio.to_thread(handle.close)``.
+
+        Examples:
+            >>> import contextlib, jax_threadmap
+            >>> @contextlib.asynccontextmanager
+            ... async def resource():
+            ...     yield "ready"
+            >>> never_used = jax_threadmap.shared(resource)
+            >>> never_used.close()  # not open: nothing to do
+            >>> print(never_used.is_open)
+            False
+        """
+        with self._lock:
+            if self._state == "closed":
+                return
+        if event_loop().in_loop_thread():
+            raise RuntimeError(
+                f"jax_threadmap.shared {self.name!r}: close() was called on "
+                "jax_threadmap's event loop, where it would wait for the closing "
+                "that must run on that very loop. Call it from a thread: in a "
+                "coroutine, await asyncio.to_thread(handle.close)."
+            )
+        event_loop().run(self._close(), f"close of shared {self.name}")
+
+    # -- the loop's side ---------------------------------------------------------
+
+    def _check_loop(self) -> None:
+        if not event_loop().in_loop_thread():
+            raise RuntimeError(
+                f"jax_threadmap.shared {self.name!r}: value() was awaited outside "
+                "jax_threadmap's event loop. The resource lives on that loop (the "
+                "one that runs async def kernels and loaders): await value() in an "
+                "async def kernel, derivative kernel or loader, not in asyncio.run "
+                "or an event loop of your own."
+            )
+
+    def _begin_open(self) -> asyncio.Task[None]:
+        """closed -> opening: starts the opening task (or joins one just started)."""
+        with self._lock:
+            if self._state != "closed":
+                assert self._pending is not None
+                return self._pending
+            self._state = "opening"
+            task = asyncio.get_running_loop().create_task(
+                self._open(), name=f"open shared {self.name}"
+            )
+            self._pending = task
+        task.add_done_callback(self._ended)
+        event_loop().on_close(self._close_at_exit)
+        return task
+
+    async def _open(self) -> None:
+        try:
+            manager = self._factory()
+        except Exception as e:  # noqa: BLE001 - an opening that failed
+            raise self._failed(e) from e
+        try:
+            enter = type(manager).__aenter__
+            type(manager).__aexit__  # noqa: B018 - both, as `async with` needs
+        except AttributeError:
+            raise TypeError(
+                f"jax_threadmap.shared {self.name!r}: the factory returned "
+                f"{manager!r} of type {type(manager).__name__}, which is not an "
+                "async context manager (it lacks __aenter__ or __aexit__). Return "
+                "one, e.g. decorate an async generator with "
+                "contextlib.asynccontextmanager."
+            ) from None
+        try:
+            value = await enter(manager)
+        except Exception as e:  # noqa: BLE001 - an opening that failed
+            raise self._failed(e) from e
+        self._opened(manager, value)
+
+    def _failed(self, e: Exception) -> ThreadmapError:
+        return ThreadmapError(
+            f"jax_threadmap.shared {self.name!r} could not be opened: "
+            f"{describe(e)}. Every element waiting for it fails with this error; "
+            "the next use opens it again.",
+            cause=e,
+        )
+
+    def _opened(self, manager: Any, value: Any) -> None:
+        """opening -> open."""
+        with self._lock:
+            assert self._state == "opening", self._state
+            self._state, self._manager, self._value = "open", manager, value
+            self._pending = None
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """opening -> closed, or closing -> closed: the opening task ended
+        without entering (it failed or was cancelled, even before it started),
+        or the closing task ended. Its error goes to its waiters. Called by the
+        task's done callback and by its waiters, whichever comes first."""
+        with self._lock:
+            if self._pending is task:
+                self._state, self._pending = "closed", None
+
+    async def _close(self, *, cancel_opening: bool = False) -> None:
+        """Closes it, waiting for an opening or a closing under way first
+        (``cancel_opening``: cancels an opening instead, at exit)."""
+        while True:
+            with self._lock:
+                state, pending = self._state, self._pending
+            if state == "closed":
+                return
+            if state == "open":
+                pending = self._begin_close()
+            elif state == "opening" and cancel_opening:
+                assert pending is not None
+                pending.cancel()
+            assert pending is not None
+            try:
+                await self._wait(pending)
+            except asyncio.CancelledError:
+                if not pending.done():  # this close itself was cancelled
+                    raise
+            except Exception:  # noqa: BLE001 - the opening's error: its waiters get it
+                pass
+
+    async def _wait(self, pending: asyncio.Task[None]) -> None:
+        """Waits for an opening or a closing; a waiter that is cancelled does
+        not cancel it. Once it is done, its end is recorded here too (its done
+        callback may not have run yet: waiting again would not wait)."""
+        try:
+            await asyncio.shield(pending)
+        finally:
+            if pending.done():
+                self._ended(pending)
+
+    def _begin_close(self) -> asyncio.Task[None]:
+        """open -> closing: starts the closing task."""
+        with self._lock:
+            assert self._state == "open", self._state
+            manager, self._manager, self._value = self._manager, None, None
+            self._state = "closing"
+            task = asyncio.get_running_loop().create_task(
+                self._exit(manager), name=f"close shared {self.name}"
+            )
+            self._pending = task
+        task.add_done_callback(self._ended)  # closing -> closed, whatever happens
+        return task
+
+    async def _exit(self, manager: Any) -> None:
+        """The one place a context manager this handle entered is exited."""
+        try:
+            await type(manager).__aexit__(manager, None, None, None)
+        except Exception:  # noqa: BLE001 - closed all the same; say so
+            logger.exception("jax_threadmap: shared %r failed to close", self.name)
+
+    async def _close_at_exit(self) -> None:
+        await self._close(cancel_opening=True)
+
+    def _forget(self) -> None:
+        """any -> closed, in a forked child: the parent's value stays the
+        parent's (referenced, never finalized here)."""
+        self._lock = threading.Lock()
+        if self._manager is not None:
+            _parents_values.append(self._manager)
+        self._state, self._value, self._manager, self._pending = (
+            "closed",
+            None,
+            None,
+            None,
+        )
+
+
+def shared(
+    factory: Callable[[], AbstractAsyncContextManager[T]], *, name: str | None = None
+) -> Shared[T]:
+    """Shares an async resource among the coroutines of jax_threadmap's loop.
+
+    ``async def`` kernels run as coroutines on jax_threadmap's one event loop
+    (see [async def kernels](async-kernels.md)). A client session or connection
+    pool they share must be opened and closed on that loop: ``shared(factory)``
+    returns a handle whose ``await handle.value()``, in an ``async def`` kernel
+    (or derivative kernel, or ``async def`` loader of
+    [`async_call`][jax_threadmap.async_call]), enters ``factory()`` on the loop
+    the first time and returns what it entered, to every element of every map
+    until exit, when the package exits it on the loop (after cancelling what is
+    still pending there, before the loop closes; the last opened first). Nothing
+    is opened when the handle is made, and a program that never uses it never
+    starts the loop.
+
+    Args:
+        factory: A callable with no arguments returning an async context
+            manager: ``aiohttp.ClientSession``, ``functools.partial(
+            aiohttp.ClientSession, base_url=...)``, a function decorated with
+            ``contextlib.asynccontextmanager`` (the value is what it yields), or
+            a database pool factory. Usable as a decorator.
+        name: The resource's name in messages; by default the factory's.
+
+    Returns:
+        A [`Shared`][jax_threadmap.Shared] handle. Make it once (at module
+        level, like the kernel), not per call.
+
+    Raises:
+        TypeError: ``factory`` is not callable (an instance was passed instead
+            of its class), or ``name`` is not a string. At the first use, a
+            factory that returns no async context manager.
+
+    Examples:
+        An ``aiohttp`` session for every request of every map (a sketch: the
+        server runs elsewhere; docs/async-kernels.md runs it against a local
+        one)::
+
+            import aiohttp
+            session = jax_threadmap.shared(aiohttp.ClientSession)
+
+            @jax_threadmap.kernel(jax.ShapeDtypeStruct((), jnp.float32))
+            async def fetch(i):
+                http = await session.value()
+                async with http.get(f"http://127.0.0.1:8080/{int(i)}") as r:
+                    return float(await r.text())
+
+        Any async context manager:
+
+        >>> import contextlib, jax, jax.numpy as jnp
+        >>> import jax_threadmap
+        >>> @jax_threadmap.shared
+        ... @contextlib.asynccontextmanager
+        ... async def offsets():
+        ...     yield {"base": 100.0}  # a connection would open here...
+        ...     # ...and close here, at exit
+        >>> async def shifted(x):
+        ...     return x + (await offsets.value())["base"]
+        >>> jax.vmap(lambda x: jax_threadmap.threadmap(
+        ...     shifted, jax.ShapeDtypeStruct((), jnp.float32), x))(jnp.arange(3.0))
+        Array([100., 101., 102.], dtype=float32)
+    """
+    return Shared(factory, name=name)
+
+
+@_fork.in_child
+def _after_fork_in_child() -> None:
+    for handle in list(_handles):
+        handle._forget()

@@ -1,0 +1,397 @@
+"""Deferred dispatch: a jitted call on pending data returns at once, its program
+runs on the device once the data lands, and nothing else waits for it.
+
+The mechanism of accelerators (jax_threadmap/_async/deferred.py), where a host
+callback would hold the device's queue. Here it runs on whatever the default
+backend is: on the CPU it is switched on with ``JAX_THREADMAP_ASYNC_DISPATCH=
+deferred`` (the fixture), on an accelerator it is the default. Each test holds
+the background call on an Event it releases itself, so "returned before the data"
+is checked without timing: the dispatch runs in a helper thread, which must finish
+while the gate is still closed. Values are compared with NumPy on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import F32_RTOL, examples, returns_within
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from jax.experimental import io_callback
+
+import jax_threadmap as jtm
+from jax_threadmap import AsyncArray, async_call, deferred_call, threadmap
+from jax_threadmap._async import dispatch as _dispatch
+
+pytestmark = pytest.mark.timeout(120)
+
+SDS = jax.ShapeDtypeStruct
+WAIT = 30.0
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+F32 = SDS((3,), np.float32)
+
+
+@pytest.fixture(autouse=True)
+def deferred(monkeypatch):
+    """Deferred dispatch on this platform (the default on an accelerator)."""
+    if jax.default_backend() == "cpu":
+        monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "deferred")
+    status = jtm.async_dispatch_status()
+    if not status.startswith("async, deferred"):
+        pytest.skip(f"deferred dispatch is off here: {status}")
+
+
+class Gate:
+    """A background function that returns (or raises) only when released."""
+
+    def __init__(self, value=None, error: BaseException | None = None):
+        self.value, self.error = value, error
+        self.release = threading.Event()
+        self.calls = 0
+        self.__name__ = self.__qualname__ = "load"
+
+    def __call__(self):
+        self.calls += 1
+        if not self.release.wait(WAIT):
+            raise RuntimeError("the test never released the gate")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def gated(value=None, error=None, shape=F32, **kwargs):
+    gate = Gate(value, error)
+    return gate, async_call(gate, shape, **kwargs)
+
+
+def while_gated(fn, *args):
+    """``fn(*args)`` in a thread; fails unless it returns while the data is missing."""
+    return returns_within(fn, *args, limit=WAIT, what="return while the data missed")
+
+
+def test_the_status_says_deferred():
+    assert jtm.async_dispatch_status().startswith("async, deferred")
+
+
+def test_a_call_returns_arrays_at_once_and_their_values_follow():
+    value = np.arange(3, dtype=np.float32)
+    gate, x = gated(value)
+    f = jax.jit(lambda a: {"twice": a * 2, "sum": a.sum()})
+    y = while_gated(f, x)
+    assert isinstance(y["twice"], AsyncArray) and isinstance(y["sum"], AsyncArray)
+    assert y["twice"].shape == (3,) and y["sum"].dtype == np.float32
+    assert not y["twice"].done() and "pending, from `jit(<lambda>)`" in repr(y["sum"])
+    gate.release.set()
+    np.testing.assert_array_equal(np.asarray(y["twice"]), value * 2)
+    np.testing.assert_array_equal(np.asarray(y["sum"]), value.sum())
+    assert isinstance(y["twice"].result(), jax.Array)
+    assert gate.calls == 1
+
+
+def test_a_program_that_does_not_use_the_data_runs_meanwhile():
+    gate, x = gated(np.ones(3, np.float32))
+    y = while_gated(jax.jit(lambda a: a + 1), x)
+    # Dispatched after it, on the same device and thread: done before the load.
+    other = while_gated(
+        lambda: jax.jit(lambda b: b * 3)(jnp.ones(2)).block_until_ready()
+    )
+    np.testing.assert_array_equal(other, [3.0, 3.0])
+    assert not x.done() and not y.done()
+    gate.release.set()
+    np.testing.assert_array_equal(np.asarray(y), [2.0, 2.0, 2.0])
+
+
+def test_chains_eager_ops_and_mixed_arguments():
+    value = np.arange(3, dtype=np.float32)
+    gate, x = gated(value)
+    ready = jnp.full(3, 10.0)
+    host = np.full(3, 100.0, np.float32)
+    y = while_gated(jax.jit(lambda a, b, c: a + b + c), x, ready, host)
+    host[:] = -1.0  # written after the call: the program keeps what it was given
+    z = while_gated(jax.jit(lambda a: a * 2), y)  # on a pending result in turn
+    s = while_gated(jnp.sin, x)  # eager
+    gate.release.set()
+    np.testing.assert_array_equal(np.asarray(y), value + 110.0)
+    np.testing.assert_array_equal(np.asarray(z), (value + 110.0) * 2)
+    np.testing.assert_allclose(np.asarray(s), np.sin(value), rtol=F32_RTOL, atol=1e-6)
+
+
+def test_a_kernel_inside_the_deferred_program():
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    gate, x = gated(value, shape=SDS((2, 3), np.float32))
+    f = jax.jit(jax.vmap(lambda r: threadmap(np.sort, SDS((3,), r.dtype), -r)))
+    y = while_gated(f, x)
+    gate.release.set()
+    np.testing.assert_array_equal(np.asarray(y), np.sort(-value, axis=-1))
+
+
+def test_a_deferred_call_starts_when_a_program_is_dispatched_on_it():
+    calls = []
+    release = threading.Event()
+
+    def load():
+        calls.append(1)
+        release.wait(WAIT)
+        return np.ones(3, np.float32)
+
+    x = deferred_call(load, F32)
+    y = while_gated(jax.jit(lambda a: a * 5), x)
+    release.set()
+    np.testing.assert_array_equal(np.asarray(y), [5.0] * 3)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("how", ["raises", "times out", "cancelled"])
+def test_a_failed_load_fails_every_dependent_with_its_error(how, caplog):
+    if how == "raises":
+        gate, x = gated(error=OSError("no route to the weights"))
+        expected = "`load`, which jax_threadmap.async_call ran, failed with OSError"
+    elif how == "times out":  # its deadline passes after the dispatch (below)
+        gate, x = gated(np.ones(3, np.float32), timeout=3600.0)
+        expected = "TimeoutError: `load`, which jax_threadmap.async_call ran"
+    else:
+        gate, x = gated(np.ones(3, np.float32))
+        expected = "CancelledError: `load`, which jax_threadmap.async_call ran"
+    runs = []
+
+    def count(v):
+        runs.append(1)
+        return v
+
+    f = jax.jit(lambda a: threadmap(count, F32, a))  # counts the program's runs
+    with caplog.at_level(logging.WARNING, logger="jax_threadmap"):
+        y = while_gated(f, x)
+        z = while_gated(jax.jit(lambda a: a - 1), y)  # a chain
+        if how == "cancelled":
+            assert x.cancel()
+        elif how == "times out":
+            x._task.time_out()  # what the timeouts' thread calls at the deadline
+        gate.release.set()
+        for dependent in (y, z, y):  # every use, every time
+            with pytest.raises(jax.errors.JaxRuntimeError) as info:
+                np.asarray(dependent)
+            text = str(info.value)
+            assert f"AsyncCallFailed: {expected}" in text, text
+            assert text.count("AsyncCallFailed") == 1, text  # not nested
+        with pytest.raises(jax.errors.JaxRuntimeError, match="AsyncCallFailed"):
+            z.block_until_ready()
+    assert runs == []  # the program never ran
+    reports = [r.getMessage() for r in caplog.records if "`load`" in r.getMessage()]
+    assert len(reports) == 1, reports  # once per failed call, whatever depends on it
+    if how == "raises":
+        with pytest.raises(OSError, match="no route"):  # the array's own uses
+            x.result()
+        assert y.done(), repr(y)
+        cause = _cause(y)
+        assert isinstance(cause, OSError), repr(cause)
+
+
+def _cause(array):
+    try:
+        array.result()
+    except jax.errors.JaxRuntimeError as e:
+        return e.__cause__
+    return None
+
+
+def test_cancelling_a_deferred_program_means_it_never_runs():
+    gate, x = gated(np.ones(3, np.float32))
+    runs = []
+
+    def count(v):
+        runs.append(1)
+        return v
+
+    y = while_gated(jax.jit(lambda a: threadmap(count, F32, a)), x)
+    assert y.cancel() and not y.cancel()
+    gate.release.set()
+    with pytest.raises(Exception, match="`jit\\(<lambda>\\)`, which jax_threadmap's"):
+        y.result()
+    np.testing.assert_array_equal(np.asarray(x), np.ones(3))  # the load landed
+    assert runs == []
+
+
+def test_a_program_with_ordered_effects_waits_for_its_data_at_dispatch():
+    value = np.arange(3, dtype=np.float32)
+    gate, x = gated(value)
+    seen = []
+    effect_ran = threading.Event()
+
+    def effect(v):
+        seen.append(np.asarray(v))
+        effect_ran.set()
+
+    def f(a):
+        io_callback(effect, None, a, ordered=True)
+        return a + 1
+
+    box = {}
+    t = threading.Thread(target=lambda: box.update(y=jax.jit(f)(x)))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # it waits for the data, in Python
+    gate.release.set()
+    t.join(WAIT)
+    assert isinstance(box["y"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(box["y"]), value + 1)
+    # (Not jax.effects_barrier(): it would also raise the error of an earlier
+    # test's failed program with host callbacks on this thread.)
+    assert effect_ran.wait(WAIT)
+    np.testing.assert_array_equal(seen[0], value)
+
+
+def test_a_donated_pending_argument_is_deleted_once_its_program_ran():
+    gate, x = gated(np.ones(3, np.float32))
+    y = while_gated(jax.jit(lambda a: a * 2, donate_argnums=0), x)
+    gate.release.set()
+    np.testing.assert_array_equal(np.asarray(y), [2.0] * 3)
+    if jax.default_backend() != "cpu":  # the CPU does not donate
+        with pytest.raises(RuntimeError, match="donated"):
+            x.result()
+
+
+# --- the model: random programs on pending, landed, failed and program data ----------
+
+OPS = {
+    "add": (lambda a, b: a + b, np.add),
+    "mul": (lambda a, b: a * b, np.multiply),
+    "sub": (lambda a, b: a - b, np.subtract),
+}
+
+
+class DeferredPrograms(RuleBasedStateMachine):
+    """Loads land or fail in any order; programs are dispatched on any mix of
+    pending, landed, failed and program arrays. After every step: a program's
+    result is pending while one of its inputs is, and once all landed it equals
+    NumPy on the host, or raises the error of a failed load it depends on."""
+
+    @initialize()
+    def start(self):
+        self.loads = []  # (gate, array, value, fails)
+        self.arrays = []  # (array, host value or None, failed load names)
+        self.deps = []  # of each array: the loads it depends on
+
+    @rule(seed=st.integers(0, 10**6), fails=st.booleans())
+    def load(self, seed, fails):
+        value = np.random.default_rng(seed).integers(-9, 9, 3).astype(np.float32)
+        name = f"load_{len(self.loads)}"
+        gate = Gate(value, OSError(f"{name} failed") if fails else None)
+        gate.__name__ = gate.__qualname__ = name
+        x = async_call(gate, F32)
+        self.loads.append((gate, x, value, fails))
+        self.arrays.append((x, None if fails else value, {name} if fails else set()))
+        self.deps.append({name})
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data(), op=st.sampled_from(sorted(OPS)))
+    def dispatch(self, data, op):
+        i = data.draw(st.integers(0, len(self.arrays) - 1))
+        j = data.draw(st.integers(0, len(self.arrays) - 1))
+        (a, va, fa), (b, vb, fb) = self.arrays[i], self.arrays[j]
+        fn, ref = OPS[op]
+        failed = fa | fb
+        try:
+            y = returns_within(jax.jit(fn), a, b, limit=WAIT, what="return")
+        except Exception as e:  # a failed load that had ended raises at the call
+            assert failed and any(f"{name} failed" in str(e) for name in failed), e
+            return
+        value = None if va is None or vb is None else ref(va, vb)
+        self.arrays.append((y, value, failed))
+        self.deps.append(self.deps[i] | self.deps[j])
+
+    @precondition(lambda self: any(not g.release.is_set() for g, *_ in self.loads))
+    @rule(data=st.data())
+    def release(self, data):
+        waiting = [g for g, *_ in self.loads if not g.release.is_set()]
+        data.draw(st.sampled_from(waiting)).release.set()
+
+    @invariant()
+    def pending_while_an_input_is(self):
+        # Done only once every load it depends on is released, or a failed one.
+        released = {g.__name__ for g, *_ in self.loads if g.release.is_set()}
+        failed = {g.__name__ for g, _, _, fails in self.loads if fails}
+        for (array, *_), deps in zip(self.arrays, self.deps, strict=True):
+            if not isinstance(array, AsyncArray) or array.done():  # (or dispatched)
+                assert deps <= released or deps & released & failed, (deps, released)
+
+    def teardown(self):
+        for gate, *_ in self.loads:
+            gate.release.set()
+        for array, value, failed in self.arrays:
+            if failed:
+                with pytest.raises(Exception) as info:  # a load's own, or a program's
+                    np.asarray(array)
+                text = str(info.value)
+                assert any(f"{name} failed" in text for name in failed), text
+            else:
+                np.testing.assert_array_equal(np.asarray(array), value)
+
+
+def test_deferred_programs_model(deferred):
+    del deferred
+    run = DeferredPrograms.TestCase
+    run.settings = settings(
+        max_examples=examples(40),
+        stateful_step_count=12,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    run().runTest()
+
+
+EXIT_SCRIPT = """
+import threading
+import numpy as np, jax, jax.numpy as jnp
+import jax_threadmap as jtm
+
+go = threading.Event()
+def load():
+    go.wait(60)
+    return np.ones(4, np.float32)
+
+x = jtm.async_call(load, jax.ShapeDtypeStruct((4,), np.float32))
+y = jax.jit(lambda v: v * 2)(x)
+h = jax.jit(lambda v, i: v + i)
+outs = [h(y, i) for i in range(30)]  # deferred behind y
+go.set()
+print("last", np.asarray(outs[-1]).tolist(), flush=True)
+# Exits while the other programs may still be dispatched from the pool.
+"""
+
+
+def test_exit_while_deferred_programs_are_dispatched_is_clean():
+    # Was: a pool thread still inside JAX's dispatch while the interpreter
+    # finalized ("FATAL: exception not rethrown", SIGABRT). Exit waits for the
+    # programs whose data landed, as for a call placing its values.
+    env = dict(os.environ, JAX_THREADMAP_ASYNC_DISPATCH="deferred")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+    )
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", EXIT_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout == "last [31.0, 31.0, 31.0, 31.0]\n", proc.stdout
+        assert "FATAL" not in proc.stderr, proc.stderr
+        assert "jax_threadmap" not in proc.stderr, proc.stderr  # nothing to report

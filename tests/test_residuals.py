@@ -1,0 +1,726 @@
+"""VJPs with residuals: ``kernel.defvjp(fwd, bwd, residuals=...)``.
+
+``fwd`` returns residuals beside the output, ``bwd`` gets them instead of the
+primals. Every derivative is compared with the same function in jax.numpy under
+the same vmaps (and jit), and the kernels' calls are counted after the results
+are awaited: reverse mode runs ``fwd`` once per element and never the kernel.
+"""
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import count_eqns, examples, jaxprs_in_params
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jax_threadmap
+from jax_threadmap import KernelError
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
+
+S = jax.ShapeDtypeStruct
+F64 = jnp.float64
+RTOL, ATOL = 1e-11, 1e-12
+
+#: Elementwise g with g' and g'', in NumPy and in jax.numpy.
+FUNCTIONS = {
+    "sin": ((np.sin, np.cos, lambda x: -np.sin(x)), jnp.sin),
+    "exp": ((np.exp, np.exp, np.exp), jnp.exp),
+    "cube": ((lambda x: x**3, lambda x: 3 * x**2, lambda x: 6 * x), lambda x: x**3),
+}
+
+#: The residuals of f(x, a) = g(x) * a: g'(x) * a and g(x), one element's each.
+RESIDUALS = (S((3,), F64), S((3,), F64))
+
+
+def make_kernel(name="sin", *, second=False, jvp=False, calls=None):
+    """``f(x, a) = g(x) * a`` for one element (x (3,), a ()), its VJP given as
+    ``fwd``/``bwd`` with residuals ``(g'(x) * a, g(x))``.
+
+    ``second``: ``fwd`` and ``bwd`` are kernels with rules of their own (for
+    the second order); ``jvp``: ``f`` also has a JVP kernel, with rules.
+    """
+    (g, g1, g2), _ = FUNCTIONS[name]
+
+    def record(tag):
+        if calls is not None:
+            calls.append(tag)
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def f(x, a):
+        record("f")
+        return g(x) * a
+
+    def fwd(x, a):
+        record("fwd")
+        return g(x) * a, (g1(x) * a, g(x))
+
+    def bwd(res, ct):
+        record("bwd")
+        d, v = res
+        return ct * d, np.sum(ct * v)
+
+    if second:
+        fwd = jax_threadmap.kernel((S((3,), F64), RESIDUALS))(fwd)
+        bwd = jax_threadmap.kernel((S((3,), F64), S((), F64)))(bwd)
+
+        @fwd.defjvp
+        def fwd_jvp(x, a, dx, da):
+            record("fwd_jvp")
+            dv = g1(x) * dx
+            return g(x) * da + a * dv, (g2(x) * a * dx + g1(x) * da, dv)
+
+        @fwd.defvjp
+        def fwd_vjp(x, a, c):
+            record("fwd_vjp")
+            c_out, (c_d, c_v) = c
+            return (
+                c_out * g1(x) * a + c_d * g2(x) * a + c_v * g1(x),
+                np.sum(c_out * g(x) + c_d * g1(x)),
+            )
+
+        @bwd.defjvp
+        def bwd_jvp(res, ct, dres, dct):
+            record("bwd_jvp")
+            (d, v), (dd, dv) = res, dres
+            return dct * d + ct * dd, np.sum(dct * v + ct * dv)
+
+        @bwd.defvjp
+        def bwd_vjp(res, ct, c):
+            record("bwd_vjp")
+            d, v = res
+            c_x, c_a = c
+            return (c_x * ct, c_a * ct), c_x * d + c_a * v
+
+    if jvp:
+
+        @jax_threadmap.kernel(S((3,), F64))
+        def f_jvp(x, a, tx, ta):
+            record("f_jvp")
+            return g1(x) * a * tx + g(x) * ta
+
+        @f_jvp.defjvp
+        def f_jvp_jvp(x, a, tx, ta, dx, da, dtx, dta):
+            record("f_jvp_jvp")
+            return (
+                g2(x) * dx * a * tx + g1(x) * (da * tx + a * dtx + dx * ta) + g(x) * dta
+            )
+
+        @f_jvp.defvjp
+        def f_jvp_vjp(x, a, tx, ta, ct):
+            record("f_jvp_vjp")
+            return (
+                ct * (g2(x) * a * tx + g1(x) * ta),
+                np.sum(ct * g1(x) * tx),
+                ct * g1(x) * a,
+                np.sum(ct * g(x)),
+            )
+
+        f.defjvp(f_jvp)
+    f.defvjp(fwd, bwd, residuals=RESIDUALS)
+    return f
+
+
+def reference(name="sin"):
+    _, g = FUNCTIONS[name]
+    return lambda x, a: g(x) * a
+
+
+def values(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).uniform(-1.5, 1.5, shape))
+
+
+def assert_close(got, want):
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+
+def threadmap_eqns(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "threadmap":
+            out.append(eqn)
+        for sub in jaxprs_in_params(eqn.params):
+            out.extend(threadmap_eqns(sub))
+    return out
+
+
+def kname(eqn):
+    return str(eqn.params["kernel"]).rsplit(".", 1)[-1]
+
+
+def nest(f, levels):
+    for axes in levels:
+        f = jax.vmap(f, in_axes=axes)
+    return f
+
+
+def operands(levels, sizes, seed):
+    """x and a for ``levels`` (in_axes of (x, a) per level, innermost first)."""
+    shapes = [[3], []]
+    for axes, size in zip(levels, sizes, strict=True):
+        for k, ax in enumerate(axes):
+            if ax is not None:
+                shapes[k].insert(ax % (len(shapes[k]) + 1), size)
+    return values(tuple(shapes[0]), seed), values(tuple(shapes[1]), seed + 1)
+
+
+@st.composite
+def nestings(draw, max_depth=3):
+    """One to ``max_depth`` vmap levels over (x, a), at random axes."""
+    depth = draw(st.integers(1, max_depth))
+    levels, ndims = [], [1, 0]
+    for _ in range(depth):  # innermost first
+        axes = [draw(st.none() | st.integers(-(n + 1), n)) for n in ndims]
+        if axes[0] is None and axes[1] is None:
+            axes[0] = 0
+        levels.append(tuple(axes))
+        ndims = [n + (ax is not None) for n, ax in zip(ndims, axes, strict=True)]
+    return levels, [draw(st.integers(1, 3)) for _ in levels]
+
+
+# --- first order: property test against jax.numpy --------------------------------
+
+
+FIRST_ORDER = {
+    "grad": lambda f: jax.grad(lambda x, a: jnp.sum(jnp.sin(f(x, a))), (0, 1)),
+    "vjp": lambda f: lambda x, a: jax.vjp(f, x, a)[1](jnp.cos(f(x, a))),
+    "jacrev": lambda f: jax.jacrev(f, (0, 1)),
+}
+KERNELS = {name: make_kernel(name) for name in FUNCTIONS}
+
+
+@settings(
+    max_examples=examples(24),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    nestings(),
+    st.sampled_from(sorted(FUNCTIONS)),
+    st.sampled_from(sorted(FIRST_ORDER)),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_random_nestings_match_jax_numpy(nesting, name, transform, jit, seed):
+    levels, sizes = nesting
+    x, a = operands(levels, sizes, seed)
+    make = FIRST_ORDER[transform]
+    got_fn = make(nest(KERNELS[name], levels))
+    if jit:
+        got_fn = jax.jit(got_fn)
+    assert_close(got_fn(x, a), jax.jit(make(nest(reference(name), levels)))(x, a))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_reverse_mode_runs_fwd_once_per_element_and_never_the_kernel(jit):
+    calls = []
+    f = make_kernel(calls=calls)
+    levels = [(0, None), (None, 0), (-1, 0)]  # three levels, a not batched at one
+    x, a = operands(levels, [2, 3, 2], 4)
+    grad = jax.grad(lambda x, a: jnp.sum(jnp.sin(nest(f, levels)(x, a))), (0, 1))
+    got = (jax.jit(grad) if jit else grad)(x, a)
+    jax.block_until_ready(got)
+    assert sorted(calls) == ["bwd"] * 12 + ["fwd"] * 12  # 2 x 3 x 2 elements
+    ref = jax.grad(
+        lambda x, a: jnp.sum(jnp.sin(nest(reference(), levels)(x, a))), (0, 1)
+    )
+    assert_close(got, ref(x, a))
+
+
+def test_grad_jaxpr_is_fwd_then_bwd_on_its_residuals_under_three_vmaps():
+    f = make_kernel()
+    levels = [(0, None), (None, 0), (-1, 0)]
+    x, a = operands(levels, [2, 3, 2], 5)
+
+    def loss(x, a):
+        return jnp.sum(jnp.sin(nest(f, levels)(x, a)))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, a).jaxpr
+    assert count_eqns(jaxpr, "scan") == count_eqns(jaxpr, "while") == 0
+    fwd, bwd = threadmap_eqns(jaxpr)  # one equation each, for every level
+    assert (kname(fwd), kname(bwd)) == ("fwd", "bwd")
+    spec = fwd.params["spec"]
+    assert spec.shape == (2, 3, 2)
+    # The residuals are outputs of the fwd equation, batched like its output...
+    assert [v.aval.shape for v in fwd.outvars] == [(2, 3, 2, 3)] * 3
+    # ...and all that the bwd equation takes besides the cotangent: no primal.
+    assert bwd.invars[:2] == fwd.outvars[1:]
+    assert len(bwd.invars) == 3
+    # Each cotangent is summed on the host over the level at which its operand
+    # is not batched (x: the middle one, 1; a: the innermost, 2), never tiled.
+    assert bwd.params["spec"].out_sum == ((1,), (2,))
+    assert [v.aval.shape for v in bwd.outvars] == [(2, 2, 3), (2, 3)]
+
+
+def test_vmap_of_grad_keeps_the_outer_level():
+    calls = []
+    f = make_kernel(calls=calls)
+    x, a = values((4, 5, 3), 1), values((4,), 2)
+
+    def grad_a(x, a):  # per outer element: d/da of the inner vmap's sum
+        return jax.grad(lambda a: jnp.sum(jnp.cos(jax.vmap(f, (0, None))(x, a))))(a)
+
+    got = jax.jit(jax.vmap(grad_a))(x, a)
+    ref = jax.vmap(
+        lambda x, a: jax.grad(
+            lambda a: jnp.sum(jnp.cos(jax.vmap(reference(), (0, None))(x, a)))
+        )(a)
+    )(x, a)
+    assert_close(got, ref)
+    assert sorted(set(calls)) == ["bwd", "fwd"] and calls.count("fwd") == 20
+
+
+# --- a 3 x 3 solve: fwd factorizes once per element, bwd uses the factor -------------
+
+
+class Factorizations:
+    """Counts the factorizations of the solve kernels (one per np.linalg.inv)."""
+
+    def __init__(self):
+        self.count = 0
+        self.seen = []
+
+    def inv(self, m):
+        self.count += 1
+        return np.linalg.inv(m)
+
+
+def make_solve(counter, *, residuals=True):
+    res = (S((3, 3), F64), S((3,), F64))
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def solve(m, b):
+        return counter.inv(m) @ b
+
+    def solve_fwd(m, b):
+        inv = counter.inv(m)
+        x = inv @ b
+        return x, (inv, x)
+
+    def solve_bwd(res, ct):
+        inv, x = res
+        counter.seen.append(np.array(inv))
+        ct_b = inv.T @ ct
+        return -np.outer(ct_b, x), ct_b
+
+    def solve_vjp(m, b, ct):  # the same, without residuals: factorizes again
+        inv = counter.inv(m)
+        ct_b = inv.T @ ct
+        return -np.outer(ct_b, inv @ b), ct_b
+
+    if residuals:
+        solve.defvjp(solve_fwd, solve_bwd, residuals=res)
+    else:
+        solve.defvjp(solve_vjp)
+    return solve
+
+
+def matrices(n, seed):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(n, 3, 3)) + 4 * np.eye(3)), jnp.asarray(
+        rng.normal(size=(n, 3))
+    )
+
+
+@pytest.mark.parametrize("residuals", [True, False], ids=["fwd-bwd", "vjp"])
+def test_jit_grad_of_a_solve_factorizes_once_per_element(residuals):
+    counter = Factorizations()
+    solve = make_solve(counter, residuals=residuals)
+    m, b = matrices(6, 0)
+
+    def loss(solve):
+        return lambda m, b: jnp.sum(jnp.sin(jax.vmap(solve)(m, b)))
+
+    got = jax.jit(jax.grad(loss(solve), (0, 1)))(m, b)
+    jax.block_until_ready(got)
+    # With residuals: fwd's six inverses and none in bwd; without: the primal's
+    # and the VJP kernel's.
+    assert counter.count == (6 if residuals else 12)
+    if residuals:  # bwd received each element's own factor
+        np.testing.assert_allclose(
+            np.stack(sorted(counter.seen, key=lambda inv: inv[0, 0])),
+            np.stack(sorted(np.linalg.inv(np.asarray(m)), key=lambda v: v[0, 0])),
+            rtol=RTOL,
+        )
+    # The reference, on the host: x = m^-1 b, ct_b = m^-T cos(x), ct_m = -ct_b x^T.
+    inv = np.linalg.inv(np.asarray(m))
+    x = np.einsum("nij,nj->ni", inv, np.asarray(b))
+    ct_b = np.einsum("nji,nj->ni", inv, np.cos(x))
+    assert_close(got, (-np.einsum("ni,nj->nij", ct_b, x), ct_b))
+
+
+# --- forward mode -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f: jax.jit(lambda x: jax.jvp(lambda x: f(x, 0.5), (x,), (x,))[1]),
+        lambda f: jax.jit(jax.jacfwd(lambda x: f(x, 0.5))),
+        lambda f: jax.jit(lambda x: jax.linearize(lambda x: f(x, 0.5), x)[1](x)),
+    ],
+    ids=["jvp", "jacfwd", "linearize"],
+)
+def test_forward_mode_without_defjvp_says_so_before_anything_runs(transform):
+    # As jax.custom_vjp: fwd and bwd give reverse mode only.
+    calls = []
+    f = make_kernel(calls=calls)
+    with pytest.raises(TypeError) as info:
+        transform(f)(values((3,), 0))
+    msg = str(info.value)
+    assert "has fwd and bwd kernels" in msg and "but no JVP kernel" in msg
+    assert "f.defjvp(jvp_kernel)" in msg and "as for jax.custom_vjp" in msg
+    assert calls == []  # under jit: refused while compiling
+
+
+def test_forward_mode_with_defjvp_runs_the_jvp_kernel():
+    calls = []
+    f = make_kernel(jvp=True, calls=calls)
+    x, a = values((4, 3), 2), values((4,), 3)
+    t = (jnp.cos(x), jnp.sin(a))
+    got = jax.jit(lambda x, a: jax.jvp(jax.vmap(f), (x, a), t))(x, a)
+    jax.block_until_ready(got)
+    assert_close(got, jax.jvp(jax.vmap(reference()), (x, a), t))
+    # fwd gives the output (its residuals wait for a transpose that never comes).
+    assert sorted(set(calls)) == ["f_jvp", "fwd"] and len(calls) == 8
+    # jax.linear_transpose of that JVP is bwd, on fwd's residuals.
+    calls.clear()
+    lin = jax.linear_transpose(lambda *t: jax.jvp(jax.vmap(f), (x, a), t)[1], x, a)
+    ref = jax.linear_transpose(
+        lambda *t: jax.jvp(jax.vmap(reference()), (x, a), t)[1], x, a
+    )
+    assert_close(lin(jnp.cos(x)), ref(jnp.cos(x)))
+    assert sorted(set(calls)) == ["bwd", "fwd"]
+
+
+# --- second order: fwd and bwd with rules of their own ------------------------------
+
+
+def hvp(loss):
+    def run(x, a):
+        v = (jnp.cos(x), 0.7 * jnp.cos(a))
+        return jax.jvp(jax.grad(loss, (0, 1)), (x, a), v)[1]
+
+    return run
+
+
+SECOND_ORDER = {
+    "hessian": lambda loss: jax.hessian(loss, (0, 1)),
+    "jvp(grad)": hvp,
+    "grad(grad)": lambda loss: jax.grad(
+        lambda x, a: jnp.sum(jnp.sin(jax.grad(loss)(x, a))), (0, 1)
+    ),
+    "jacrev(jacrev)": lambda loss: jax.jacrev(jax.jacrev(loss, (0, 1)), (0, 1)),
+    # Forward first: fwd gives the output, so it is differentiated too.
+    "jacfwd(jacfwd)": lambda loss: jax.jacfwd(jax.jacfwd(loss, (0, 1)), (0, 1)),
+    "jacrev(jacfwd)": lambda loss: jax.jacrev(jax.jacfwd(loss, (0, 1)), (0, 1)),
+}
+SECOND = {name: make_kernel(name, second=True, jvp=True) for name in FUNCTIONS}
+
+
+def nested_loss(f, levels):
+    def loss(x, a):
+        y = nest(f, levels)(x, a)
+        return jnp.sum(y * jnp.cos(y)) + jnp.sum(a) * jnp.sum(y)
+
+    return loss
+
+
+#: Every transform under jit; eager, those that might run a rule jit drops.
+SECOND_ORDER_CASES = [(t, True) for t in SECOND_ORDER] + [
+    ("hessian", False),
+    ("grad(grad)", False),
+]
+
+
+@pytest.mark.parametrize(
+    "transform, jit",
+    SECOND_ORDER_CASES,
+    ids=[f"{t}-{'jit' if j else 'eager'}" for t, j in SECOND_ORDER_CASES],
+)
+def test_second_order_transforms_match_jax_numpy(transform, jit):
+    levels = [(0, None), (0, None)]
+    x, a = values((2, 3, 3), 0), jnp.float64(0.8)
+    make = SECOND_ORDER[transform]
+    got_fn = make(nested_loss(SECOND["sin"], levels))
+    if jit:
+        got_fn = jax.jit(got_fn)
+    assert_close(got_fn(x, a), make(nested_loss(reference(), levels))(x, a))
+
+
+@settings(
+    max_examples=examples(16),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    nestings(max_depth=2),
+    st.sampled_from(sorted(FUNCTIONS)),
+    st.sampled_from(["hessian", "jvp(grad)", "grad(grad)"]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_random_second_order_nestings_match_jax_numpy(
+    nesting, name, transform, jit, seed
+):
+    levels, sizes = nesting
+    x, a = operands(levels, sizes, seed)
+    make = SECOND_ORDER[transform]
+    got_fn = make(nested_loss(SECOND[name], levels))
+    if jit:
+        got_fn = jax.jit(got_fn)
+    want = jax.jit(make(nested_loss(reference(name), levels)))(x, a)
+    assert_close(got_fn(x, a), want)
+
+
+def test_hvp_runs_fwd_its_jvp_and_bwds_jvp_once_per_element():
+    calls = []
+    f = make_kernel(second=True, calls=calls)
+    x, a = values((4, 3), 4), jnp.float64(1.1)
+
+    def loss(f):
+        return lambda x: jnp.sum(jax.vmap(f, (0, None))(x, a) ** 2)
+
+    def hvp_fn(f):
+        return lambda x, v: jax.jvp(jax.grad(loss(f)), (x,), (v,))[1]
+
+    jaxpr = jax.make_jaxpr(jax.jit(hvp_fn(f)))(x, x).jaxpr
+    assert sorted(kname(e) for e in threadmap_eqns(jaxpr)) == [
+        "bwd",
+        "bwd_jvp",
+        "fwd",
+        "fwd_jvp",
+    ]
+    got = jax.jit(hvp_fn(f))(x, jnp.cos(x))
+    jax.block_until_ready(got)
+    # Under jit the gradient itself (bwd) is not returned: dropped unrun.
+    assert sorted(calls) == ["bwd_jvp"] * 4 + ["fwd"] * 4 + ["fwd_jvp"] * 4
+    assert_close(got, hvp_fn(reference())(x, jnp.cos(x)))
+
+
+@pytest.mark.parametrize("residual_vjp", [False, True], ids=["vjp", "fwd-bwd"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_reverse_over_reverse_in_the_cotangent_alone(jit, residual_vjp):
+    # The outer derivative reaches bwd through its cotangent only: by linearity
+    # the transpose is the cotangent's part of bwd's own VJP (here also given as
+    # fwd/bwd with residuals), at any cotangent.
+    calls = []
+    f = make_kernel(second=True, calls=calls)
+    if residual_vjp:
+        bwd = f.bwd
+
+        @jax_threadmap.kernel(((S((3,), F64), S((), F64)), RESIDUALS))
+        def bwd_fwd(res, ct):
+            calls.append("bwd_fwd")
+            return bwd.fn(res, ct), res
+
+        def bwd_bwd(res, c):
+            calls.append("bwd_bwd")
+            (d, v), (c_x, c_a) = res, c
+            return (np.zeros(3), np.zeros(3)), c_x * d + c_a * v
+
+        bwd.defvjp(bwd_fwd, bwd_bwd, residuals=RESIDUALS)
+    x, a = values((4, 3), 6), jnp.float64(0.9)
+
+    def outer(f):
+        def inner(s):  # s scales the cotangent, not the kernel's arguments
+            return jax.grad(lambda x: jnp.sum(s * jax.vmap(f, (0, None))(x, a)))(x)
+
+        return jax.grad(lambda s: jnp.sum(jnp.sin(inner(s))))
+
+    s = values((4, 3), 7)
+    got = (jax.jit(outer(f)) if jit else outer(f))(s)
+    assert_close(got, outer(reference())(s))
+    assert ("bwd_bwd" if residual_vjp else "bwd_vjp") in calls
+
+
+# --- defvjp's forms, and their errors -----------------------------------------------
+
+
+def test_defvjp_with_one_kernel_replaces_fwd_and_bwd_and_back():
+    calls = []
+    f = make_kernel(calls=calls)
+    fwd, bwd = f.fwd, f.bwd
+    assert "f with fwd/bwd" in repr(f) and f.vjp is None
+
+    @f.defvjp
+    def f_vjp(x, a, ct):
+        calls.append("vjp")
+        return ct * np.cos(x) * a, np.sum(ct * np.sin(x))
+
+    assert f.fwd is f.bwd is f.residuals is None and f.vjp is f_vjp
+    x, a = values((3, 3), 1), jnp.float64(0.7)
+    loss = lambda f: lambda x: jnp.sum(jax.vmap(f, (0, None))(x, a))  # noqa: E731
+    want = jax.grad(loss(reference()))(x)
+    assert_close(jax.jit(jax.grad(loss(f)))(x), want)
+    assert calls == ["vjp"] * 3  # under jit the unused primal is dropped
+    calls.clear()
+    assert f.defvjp(fwd, bwd, residuals=RESIDUALS) is None
+    assert f.vjp is None and f.fwd is fwd
+    assert_close(jax.jit(jax.grad(loss(f)))(x), want)
+    assert sorted(calls) == ["bwd"] * 3 + ["fwd"] * 3
+
+
+def test_defvjp_refuses_what_it_cannot_take():
+    f = make_kernel()
+    fwd, bwd = f.fwd, f.bwd
+    with pytest.raises(TypeError) as info:
+        f.defvjp(fwd, bwd)
+    msg = str(info.value)
+    assert msg.startswith("defvjp(fwd, bwd) needs residuals=")
+    assert "fwd(x, a, **kwargs) -> (out, residuals)" in msg
+    assert "bwd(residuals, ct_out, **kwargs) -> (ct_x, ct_a)" in msg
+    with pytest.raises(TypeError, match=r"residuals= goes with a forward and a b"):
+        f.defvjp(fwd, residuals=RESIDUALS)
+    with pytest.raises(TypeError, match="takes from 2 to 3 positional arguments"):
+        f.defvjp(fwd, bwd, bwd, residuals=RESIDUALS)
+    with pytest.raises(TypeError, match=r"residuals\[1\] must have .shape and .dtype"):
+        f.defvjp(fwd, bwd, residuals=(RESIDUALS[0], 3))
+    with pytest.raises(TypeError, match=r"Got bwd=3 of type int"):
+        f.defvjp(fwd, 3, residuals=RESIDUALS)
+    assert f.fwd is fwd and f.bwd is bwd  # a refused call changes nothing
+    f32 = jax.ShapeDtypeStruct((3,), jnp.float32)
+    g = jax_threadmap.kernel(f32)(lambda x: x)
+    g.defvjp(lambda x: (x, x), lambda r, ct: (ct,), residuals=f32)
+    g.defvjp(lambda x: (x, x), lambda r, ct: (ct,), residuals=S((3,), F64))
+    jax.config.update("jax_enable_x64", False)  # the x64 fixture restores it
+    with pytest.raises(ValueError, match=r"residuals asks for dtype float64"):
+        jax.grad(lambda x: g(x).sum())(jnp.ones(3, jnp.float32))
+
+
+def bad_kernel(kind):
+    """A kernel whose fwd returns residuals that are not as declared."""
+
+    @jax_threadmap.kernel(S((), F64))
+    def k(x):
+        return x
+
+    def fwd(x):
+        lu, piv = np.zeros((2, 2)), np.int32(1)
+        if kind == "shape":
+            lu = np.zeros((2, 3))
+        if kind == "dtype":
+            piv = np.float64(1.5)
+        if kind == "structure":
+            return x, (lu,)
+        if kind == "pair":
+            return x
+        return x, (lu, {"piv": piv})
+
+    k.defvjp(
+        fwd,
+        lambda res, ct: (ct,),
+        residuals=(S((2, 2), F64), {"piv": S((), jnp.int32)}),
+    )
+    return k
+
+
+@pytest.mark.parametrize(
+    "kind, fragment",
+    [
+        (
+            "shape",
+            r"returned residuals\[0\] of shape \(2, 3\), but residuals= declares "
+            r"jax.ShapeDtypeStruct\(\(2, 2\), float64\)\. Return one element's",
+        ),
+        (
+            "dtype",
+            r"returned residuals\[1\]\['piv'\] as dtype float64, but residuals= "
+            r"declares jax.ShapeDtypeStruct\(\(\), int32\); .*Declare the dtype",
+        ),
+        ("structure", r"returned residuals \(the second of its pair\) of structure"),
+        ("pair", r"must return a pair \(out, residuals\)"),
+    ],
+)
+def test_residuals_not_as_declared_are_named_with_the_batch_index(kind, fragment):
+    g = jax.grad(lambda x: jax.vmap(bad_kernel(kind))(x).sum())
+    with pytest.raises(KernelError, match=r"'bad_kernel.<locals>.fwd' at batch index"):
+        g(jnp.arange(3.0))
+    with pytest.raises(KernelError, match=fragment):
+        g(jnp.arange(3.0))
+    with pytest.raises(Exception, match=fragment):  # under jit, in JAX's error
+        jax.block_until_ready(jax.jit(g)(jnp.arange(3.0)))
+
+
+def test_second_order_without_rules_of_fwd_names_fwd():
+    f = make_kernel()
+    loss = lambda x: jnp.sum(jnp.sin(jax.vmap(f, (0, None))(x, 0.5)))  # noqa: E731
+    with pytest.raises(TypeError) as info:
+        jax.jit(jax.hessian(loss))(values((2, 3), 0))
+    msg = str(info.value)
+    assert "'make_kernel.<locals>.fwd' (the fwd kernel of" in msg
+    assert "Make fwd a jax_threadmap.kernel" in msg
+    assert "@jax_threadmap.kernel((ShapeDtypeStruct(shape=(3,)" in msg
+
+
+# --- other kernels: vectorized, async def, keywords, integers, no residuals ---------
+
+
+def test_vectorized_fwd_and_bwd_take_chunks():
+    @jax_threadmap.kernel(S((), F64), vectorized=2)
+    def k(x, w):
+        return np.sin(x) * w
+
+    def k_fwd(x, w):
+        assert x.shape == w.shape == (len(x),) and len(x) <= 2
+        return np.sin(x) * w, np.cos(x) * w
+
+    def k_bwd(d, ct):
+        assert d.shape == ct.shape and len(d) <= 2
+        return d * ct, None
+
+    k.defvjp(k_fwd, k_bwd, residuals=S((), F64))
+    x = values((5,), 1)
+    got = jax.jit(jax.grad(lambda x: jax.vmap(k, (0, None))(x, 2.0).sum()))(x)
+    assert_close(got, 2 * jnp.cos(x))
+
+
+def test_async_def_fwd_and_bwd_with_keyword_arguments():
+    @jax_threadmap.kernel(S((), F64))
+    async def k(x, *, w):
+        return np.sin(x) * w
+
+    async def k_fwd(x, *, w):
+        await asyncio.sleep(0.001)
+        return np.sin(x) * w, np.cos(x)
+
+    async def k_bwd(c, ct, *, w):  # keyword arguments reach bwd too
+        await asyncio.sleep(0.001)
+        return (c * w * ct,)
+
+    k.defvjp(k_fwd, k_bwd, residuals=S((), F64))
+    x, w = values((6,), 2), jnp.float64(1.5)
+    got = jax.jit(jax.grad(lambda x: jax.vmap(lambda x: k(x, w=w))(x).sum()))(x)
+    assert_close(got, w * jnp.cos(x))
+
+
+def test_integer_residuals_and_none_at_all():
+    @jax_threadmap.kernel(S((3,), F64))
+    def sort(x):
+        return np.sort(x)
+
+    def sort_bwd(order, ct):
+        out = np.zeros(3)
+        out[order] = ct
+        return (out,)
+
+    sort.defvjp(
+        lambda x: (np.sort(x), np.argsort(x)), sort_bwd, residuals=S((3,), jnp.int64)
+    )
+    x = values((4, 3), 3)
+    w = jnp.arange(1.0, 4.0)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(sort)(x) * w)))(x)
+    assert_close(got, jax.grad(lambda x: jnp.sum(jnp.sort(x) * w))(x))
+
+    @jax_threadmap.kernel(S((), F64))
+    def double(x):
+        return 2 * x
+
+    double.defvjp(lambda x: (2 * x, ()), lambda res, ct: (2 * ct,), residuals=())
+    assert_close(jax.grad(lambda x: jax.vmap(double)(x).sum())(x[0]), 2 + 0 * x[0])

@@ -298,18 +298,30 @@ def test_a_loaders_frozen_exception_is_what_every_use_raises(kind):
 
 
 class Hangs:
-    """Loaders that never return until cancelled, counting their cancellations."""
+    """Loaders that never return until cancelled: how many started, and how
+    many of those were cancelled (a call given up on before its coroutine
+    started never starts it)."""
 
     def __init__(self) -> None:
-        self.cancelled = threading.Semaphore(0)
+        self.changed = threading.Condition()
+        self.started = self.cancelled = 0
 
     async def __call__(self, *index):
+        with self.changed:
+            self.started += 1
+            self.changed.notify_all()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
-            self.cancelled.release()
+            with self.changed:
+                self.cancelled += 1
+                self.changed.notify_all()
             raise
         return None  # never reached
+
+    def wait_for(self, predicate) -> bool:
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout=WAIT)
 
 
 async def _value(i, *index):
@@ -386,6 +398,9 @@ def test_a_thousand_async_def_loaders_that_raise_time_out_and_are_cancelled():
             dispatched.append((i, double(x)))
         except Exception as e:  # it had failed already: raised at the dispatch
             assert type(e).__name__ == SCALE_KINDS[made[i][0]][4], e
+    # Some coroutine of a loader that hangs runs (else the cancels below would
+    # all come before the coroutines start, and cancel nothing that runs).
+    assert hangs.wait_for(lambda: hangs.started > 0)
     for kind, x in made:
         if SCALE_KINDS[kind][3]:
             assert x.cancel()
@@ -398,9 +413,11 @@ def test_a_thousand_async_def_loaders_that_raise_time_out_and_are_cancelled():
         else:
             with pytest.raises(Exception, match="missing|timeout|cancelled"):
                 np.asarray(y)
-    # Every hanging coroutine was cancelled, and no call stays live.
+    # Every coroutine of a loader that hangs and started was cancelled (the
+    # calls are all given up on: no more start), and no call stays live.
     hanging = sum(SCALE_KINDS[k][0] is None for k, _ in made)
-    assert all(hangs.cancelled.acquire(timeout=WAIT) for _ in range(hanging))
+    assert hangs.wait_for(lambda: hangs.cancelled == hangs.started)
+    assert 0 < hangs.started <= hanging
     with _async_threads.live_lock:
         assert len(_async_threads.live) <= live_before
     assert async_pool_status().abandoned == ()
@@ -435,8 +452,6 @@ def test_a_negative_nan_or_infinite_timeout_is_refused_before_any_work(api, time
         started.append(index)
         return np.zeros(2, np.float32)[index]
 
-    with _async_threads.live_lock:
-        live_before = len(_async_threads.live)
     with pytest.raises(ValueError, match="finite number of seconds. Got timeout="):
         if api == "async_call":
             async_call(load, SDS((2,), np.float32), timeout=timeout)
@@ -449,8 +464,8 @@ def test_a_negative_nan_or_infinite_timeout_is_refused_before_any_work(api, time
         else:
             deferred_call(load, SDS((2,), np.float32)).result(timeout=timeout)
     assert started == []
-    with _async_threads.live_lock:
-        assert len(_async_threads.live) == live_before
+    with _async_threads.live_lock:  # nothing of it is in flight
+        assert not [t for t in _async_threads.live if "before_any_work" in str(t)]
 
 
 FORK_SCRIPT = """

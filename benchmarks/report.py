@@ -81,10 +81,15 @@ TARGETS = {
 
 
 def load(paths: Iterable[str | pathlib.Path]) -> list[dict[str, Any]]:
-    """The ``benchmarks`` entries of pytest-benchmark JSON files, later files last."""
+    """The ``benchmarks`` entries of pytest-benchmark JSON files, later files last;
+    each entry carries the commit and date of its run (``_commit``, ``_date``)."""
     entries = []
     for path in paths:
-        entries.extend(json.loads(pathlib.Path(path).read_text())["benchmarks"])
+        data = json.loads(pathlib.Path(path).read_text())
+        commit = (data.get("commit_info") or {}).get("id") or ""
+        date = str(data.get("datetime") or "")[:10]
+        for entry in data["benchmarks"]:
+            entries.append({**entry, "_commit": commit[:7], "_date": date})
     return entries
 
 
@@ -151,6 +156,10 @@ def analyse(entries: list[dict[str, Any]], stat: str = "median") -> dict[str, An
     memory = _latest(entries, "vectorized-memory")
     if memory:
         result["vector_memory"] = _analyse_memory(memory, "vectorized-memory")
+    # The revisions the numbers come from (the docs name them beside the numbers).
+    result["commits"] = sorted(
+        {(e["_date"], e["_commit"]) for e in entries if e.get("_commit")}
+    )
     signatures = _analyse_signatures(entries)
     if signatures:
         result["signatures"] = signatures
@@ -584,7 +593,7 @@ def headline(a: dict[str, Any]) -> str:
         "is, and `pure_callback` with a thread pool per call (the best recipe "
         "without this package).\n"
     )
-    text = _table(header, rows) + "\n" + note
+    text = _table(header, rows) + "\n" + note + _measured_at(a)
     floors += _headline_floors(a)
     if floors:
         text += "\n" + _table(["against", "`threadmap`", "floor", "ratio"], floors)
@@ -600,6 +609,15 @@ def headline(a: dict[str, Any]) -> str:
             "hand (a block of rows per core).\n"
         )
     return text
+
+
+def _measured_at(a: dict[str, Any]) -> str:
+    """Which revision of the package the numbers were measured on, and when."""
+    commits = a.get("commits") or []
+    if not commits:
+        return ""
+    said = ", ".join(f"`{commit}` ({date})" for date, commit in commits)
+    return f"Measured at commit {said}.\n"
 
 
 def _worst_signature(a: dict[str, Any]) -> str:

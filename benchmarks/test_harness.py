@@ -5,6 +5,7 @@ the script that writes the docs' tables cannot rot unnoticed.
 """
 
 import importlib.util
+import json
 import pathlib
 
 import harness as B
@@ -157,3 +158,23 @@ def test_docs_tables_read_without_targets_or_internal_names():
     assert "- the host callback's own cost / thread pool by hand = 0.61x" in shown
     assert "- vectorized / thread pool by hand = **0.98x**" in shown
     assert shown.endswith("| hand_threads |\n")  # table cells are left alone
+
+
+def test_the_headline_names_the_commit_it_was_measured_at(tmp_path):
+    report = _load_report()
+    path = tmp_path / "results.json"
+    entries = [
+        _entry("compare-trivial", "threadmap", 1.0e-3, 4096),
+        _entry("compare-trivial", "sequential", 0.5, 4096),
+    ]
+    path.write_text(
+        json.dumps(
+            {
+                "commit_info": {"id": "0123456789abcdef"},
+                "datetime": "2026-12-05T10:00:00",
+                "benchmarks": entries,
+            }
+        )
+    )
+    text = report.headline(report.analyse(report.load([path])))
+    assert "Measured at commit `0123456` (2026-12-05)." in text

@@ -1,6 +1,6 @@
 """Checks of async_array_from_callback on 8 CPU devices.
 
-Run by tests/test_async_shards.py in a subprocess, because the number of CPU
+Run by tests/test_shard_loads.py in a subprocess, because the number of CPU
 devices is fixed when JAX starts and the main test session keeps one. Prints one
 ``ok <check>`` line per check and exits non-zero at the first failure. Every wait
 is on an event (asyncio or threading); bounds only turn a hang into a failure.
@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_threadmap as jtm  # noqa: E402
-from jax_threadmap._async import dispatch as _dispatch  # noqa: E402
+from jax_threadmap._arrays import async_dispatch as _async_dispatch  # noqa: E402
 from jax_threadmap._jax import avals as _avals
 
 assert jax.device_count() == 8, jax.devices()
@@ -34,10 +34,10 @@ WAIT = 30.0
 SHAPE = (8, 16)
 DATA = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
 ROW = jax.ShapeDtypeStruct((16,), jnp.float32)
-ASYNC = _dispatch.async_dispatch_status() == "async"  # gate programs
+ASYNC = _async_dispatch.async_dispatch_status() == "async"  # gate programs
 #: Deferred dispatch (accelerators, or JAX_THREADMAP_ASYNC_DISPATCH=deferred): a
 #: program on pending data returns AsyncArrays, run once every shard landed.
-DEFERRED = _dispatch.async_dispatch_status().startswith("async, deferred")
+DEFERRED = _async_dispatch.async_dispatch_status().startswith("async, deferred")
 AXIS_TYPES = {
     "auto": jax.sharding.AxisType.Auto,
     "explicit": jax.sharding.AxisType.Explicit,
@@ -536,7 +536,12 @@ def bad_arguments():
 
 
 if __name__ == "__main__":
-    print("jax", jax.__version__, "async dispatch:", _dispatch.async_dispatch_status())
+    print(
+        "jax",
+        jax.__version__,
+        "async dispatch:",
+        _async_dispatch.async_dispatch_status(),
+    )
     a_failing_thread_stops_the_rest()
     same_as_make_array_from_callback()
     dispatch_before_the_data()

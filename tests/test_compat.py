@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
-from jax_threadmap._async import dispatch as _async_dispatch
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import explicit_sharding as _explicit_sharding
 from jax_threadmap._jax import hooks as _compat

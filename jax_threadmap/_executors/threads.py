@@ -250,7 +250,7 @@ def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock hel
 
 
 _threads = _Threads()
-#: The shared pools by size (``async_call`` has its own, ``_async/pool.py``).
+#: The shared pools by size (``async_call`` has its own, ``_arrays/async_pool.py``).
 _pools: dict[int, ThreadPool] = {}
 
 

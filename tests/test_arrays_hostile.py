@@ -1,7 +1,7 @@
 """Defects of issue 43 (a hostile pass over the async wing), each a test that
 failed (or hung, bounded) before its fix, and what that pass did not reach.
 
-1. (``test_async_shards.py``) A shard that aliased the callback's memory.
+1. (``test_shard_loads.py``) A shard that aliased the callback's memory.
 2. A shard whose check raised ``TypeError`` (a ``shape`` that is an int, a dtype
    NumPy cannot read with a wrong shape) left its part running for good; the
    same object given to ``async_call`` raised ``TypeError``, not the
@@ -48,7 +48,7 @@ from jax_threadmap import (
     kernel,
     threadmap,
 )
-from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._arrays import async_pool as _async_pool
 from jax_threadmap._support import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(120)
@@ -378,8 +378,8 @@ def test_a_thousand_async_def_loaders_that_raise_time_out_and_are_cancelled():
     n = 1320  # 120 of each kind; 960 async def
     hangs = Hangs()
     kinds = list(SCALE_KINDS)
-    with _async_threads.live_lock:
-        live_before = len(_async_threads.live)
+    with _async_pool.live_lock:
+        live_before = len(_async_pool.live)
     made = []
     for i in range(n):
         kind = kinds[i % len(kinds)]
@@ -418,8 +418,8 @@ def test_a_thousand_async_def_loaders_that_raise_time_out_and_are_cancelled():
     hanging = sum(SCALE_KINDS[k][0] is None for k, _ in made)
     assert hangs.wait_for(lambda: hangs.cancelled == hangs.started)
     assert 0 < hangs.started <= hanging
-    with _async_threads.live_lock:
-        assert len(_async_threads.live) <= live_before
+    with _async_pool.live_lock:
+        assert len(_async_pool.live) <= live_before
     assert async_pool_status().abandoned == ()
     # The loop still serves loaders.
     np.testing.assert_array_equal(
@@ -464,8 +464,8 @@ def test_a_negative_nan_or_infinite_timeout_is_refused_before_any_work(api, time
         else:
             deferred_call(load, SDS((2,), np.float32)).result(timeout=timeout)
     assert started == []
-    with _async_threads.live_lock:  # nothing of it is in flight
-        assert not [t for t in _async_threads.live if "before_any_work" in str(t)]
+    with _async_pool.live_lock:  # nothing of it is in flight
+        assert not [t for t in _async_pool.live if "before_any_work" in str(t)]
 
 
 FORK_SCRIPT = """

@@ -1,7 +1,7 @@
 """Every run of a compiled program from Python, as the async layer sees it.
 
-:func:`around` wraps each run (through ``_jax.dispatch.wrap_program_runs``). It keeps,
-per thread, where the thread is in nested runs (a gate program dispatched by an
+:func:`around` wraps each run (through ``_jax.program_runs.wrap_program_runs``). It
+keeps, per thread, where the thread is in nested runs (a gate program dispatched by an
 argument handler runs inside the run that asked for it), so that:
 
 - **Streams.** A dispatch on pending data goes on a new execution stream

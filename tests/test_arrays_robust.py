@@ -24,15 +24,15 @@ import pytest
 from helpers import SIGINT_AS_USUAL, returns_within
 
 from jax_threadmap import async_call, deferred_call, threadmap
-from jax_threadmap._async import dispatch as _dispatch
-from jax_threadmap._async import pool as _async_threads
-from jax_threadmap._async import program_runs as _program_runs
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import async_pool as _async_pool
+from jax_threadmap._arrays import dispatch_streams as _dispatch_streams
 
 pytestmark = pytest.mark.timeout(120)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-STATUS = _dispatch.async_dispatch_status()
+STATUS = _async_dispatch.async_dispatch_status()
 ASYNC = STATUS.startswith("async")
 #: Programs on pending data have a stream of their own (not only thread order).
 OWN_STREAM = STATUS == "async"
@@ -188,23 +188,26 @@ def test_a_profiler_changes_nothing():
 @pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
 def test_the_stream_is_put_back_when_the_program_run_fails():
 
-    _dispatch.mechanism.prepare()  # as the first async_call does
+    _async_dispatch.mechanism.prepare()  # as the first async_call does
     stream_of_thread = importlib.import_module("jaxlib._jax").get_execution_stream_id
     before = stream_of_thread()
 
     def run(program, *args):
         # What a dispatch on pending data does, then a failure in XLA's execute.
-        assert _program_runs.switch_stream(True) is False  # the run puts it back
+        assert _dispatch_streams.switch_stream(True) is False  # the run puts it back
         assert stream_of_thread() != before
         raise RuntimeError("execute failed")
 
     with pytest.raises(RuntimeError, match="execute failed"):
-        _program_runs.around(run, None, (), ())
+        _dispatch_streams.around(run, None, (), ())
     assert stream_of_thread() == before
-    assert _program_runs._thread.depth == 0 and _program_runs._thread.switched_at == 0
+    assert (
+        _dispatch_streams._thread.depth == 0
+        and _dispatch_streams._thread.switched_at == 0
+    )
     # Outside a run (device_put of a pending array), the caller puts it back.
-    assert _program_runs.switch_stream(True) is True
-    _program_runs.put_back()
+    assert _dispatch_streams.switch_stream(True) is True
+    _dispatch_streams.put_back()
     assert stream_of_thread() == before
 
 
@@ -287,11 +290,11 @@ def test_a_shape_dtype_struct_returned_instead_of_data_is_named():
 
 
 def test_async_threads_are_capped(monkeypatch):
-    monkeypatch.setenv(_async_threads.ENV_ASYNC_THREADS, "100000")
+    monkeypatch.setenv(_async_pool.ENV_ASYNC_THREADS, "100000")
     with pytest.raises(ValueError, match=r"JAX_THREADMAP_ASYNC_THREADS.*4096"):
-        _async_threads.default_async_threads()
-    monkeypatch.setenv(_async_threads.ENV_ASYNC_THREADS, "4096")
-    assert _async_threads.default_async_threads() == 4096
+        _async_pool.default_async_threads()
+    monkeypatch.setenv(_async_pool.ENV_ASYNC_THREADS, "4096")
+    assert _async_pool.default_async_threads() == 4096
 
 
 # --- giving up on a stuck load -----------------------------------------------------
@@ -539,7 +542,7 @@ def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits
         + """
     import threading, jax, numpy as np
     import jax_threadmap as jtm
-    from jax_threadmap._async import dispatch as _dispatch
+    from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
     def load(i):
         threading.Event().wait()  # a download that hangs
@@ -548,7 +551,7 @@ def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits
     f = jax.jit(lambda v: v * 2)
     try:
         for i in range(500):
-            if i == _dispatch.MAX_WAITING_PROGRAMS:
+            if i == _async_dispatch.MAX_WAITING_PROGRAMS:
                 print("waiting", flush=True)
             y = f(jtm.async_call(load, jax.ShapeDtypeStruct((3,), np.float32), i))
     except KeyboardInterrupt:

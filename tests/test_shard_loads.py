@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_threadmap as jtm
-from jax_threadmap._async import leaves as _leaves
-from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._arrays import async_pool as _async_pool
+from jax_threadmap._arrays import leaves as _leaves
 from jax_threadmap._jax import avals as _avals
 
 HERE = pathlib.Path(__file__).parent
@@ -113,7 +113,7 @@ def test_a_float64_dtype_is_canonicalised_as_for_async_call():
 
 
 def test_the_async_pool_can_start_every_shard_of_one_array_together():
-    assert _async_threads.default_async_threads() >= jax.local_device_count()
+    assert _async_pool.default_async_threads() >= jax.local_device_count()
 
 
 @pytest.mark.parametrize(

@@ -28,13 +28,13 @@ import pytest
 from helpers import SIGINT_AS_USUAL, returns_within
 
 from jax_threadmap import async_array_from_callback, async_call, deferred_call
-from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(180)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-STATUS = _dispatch.async_dispatch_status()
+STATUS = _async_dispatch.async_dispatch_status()
 ASYNC = STATUS == "async"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,14 +70,14 @@ def held_load(go: threading.Event, value: np.ndarray, error: str | None = None):
 @pytest.mark.skipif(not ASYNC, reason=f"async dispatch status: {STATUS}")
 def test_pending_zero_size_data_never_turns_dispatch_blocking():
     double = jax.jit(lambda a: a * 2)
-    for _ in range(_dispatch.MAX_WAITING_PROGRAMS + 2):
+    for _ in range(_async_dispatch.MAX_WAITING_PROGRAMS + 2):
         go = threading.Event()
         empty = np.zeros((0, 3), np.float32)
         x = async_call(held_load(go, empty), SDS((0, 3), np.float32))
         y = double(x)  # returns before the data
         go.set()
         assert np.asarray(y).shape == (0, 3)
-    assert _dispatch.async_dispatch_status() == "async"
+    assert _async_dispatch.async_dispatch_status() == "async"
     # Behind a stuck load, a dispatch still returns before its data.
     go = threading.Event()
     x = async_call(held_load(go, np.arange(3.0, dtype=np.float32)), SDS((3,), "f4"))
@@ -150,10 +150,10 @@ _CAP_SCRIPT = """
     import threading
     import jax, numpy as np
     import jax_threadmap as jtm
-    from jax_threadmap._async import pool as _async_threads
+    from jax_threadmap._arrays import async_pool as _async_pool
 
     BOUND = 2
-    CAP = _async_threads.ABANDONED_PER_BOUND * BOUND
+    CAP = _async_pool.ABANDONED_PER_BOUND * BOUND
     release = threading.Event()
     started = {i: threading.Event() for i in range(200)}
     returned = {i: threading.Event() for i in range(200)}
@@ -296,7 +296,7 @@ def test_a_donated_async_array_cannot_be_used_again(landed):
     y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
     go.set()
     np.testing.assert_array_equal(np.asarray(y), value + 1)
-    reason = _dispatch.mechanism.in_thread_order()
+    reason = _async_dispatch.mechanism.in_thread_order()
     if reason is not None:
         pytest.skip(f"the runs of compiled programs are not wrapped: {reason}")
     with pytest.raises(RuntimeError, match="deleted"):

@@ -19,14 +19,14 @@ import sys
 
 import pytest
 
-from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(240)
 
-ASYNC = _dispatch.async_dispatch_status().startswith("async")
+ASYNC = _async_dispatch.async_dispatch_status().startswith("async")
 #: The slots these scenarios fill are those of the gate programs (the CPU's
 #: mechanism); deferred dispatch holds none while data is pending.
-GATES = _dispatch.async_dispatch_status() == "async"
+GATES = _async_dispatch.async_dispatch_status() == "async"
 
 PRELUDE = """
 import sys, threading, time

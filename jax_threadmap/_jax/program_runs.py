@@ -17,7 +17,7 @@ from .hooks import ASYNC_DISPATCH, DISPATCH_STREAMS, get, missing_for, or_missin
 start_transfer_server: Callable[..., Any] | None = or_missing(
     "start_transfer_server", None
 )
-# The callback logger's name (its module's), for `_async/dispatch.py` to filter.
+# The callback logger's name (its module's), for `_arrays/async_dispatch.py` to filter.
 CALLBACK_LOGGER_NAME: str = getattr(
     or_missing("callback_logger", None), "name", "jax._src.callback"
 )

@@ -162,10 +162,10 @@ def test_a_call_whose_end_fails_keeps_neither_itself_nor_its_burst_waiting(
 ):
     # Landed together (one turn of the loop), one call's end raises (here:
     # giving back its slot): it still gets its value, and so does the rest.
-    from jax_threadmap._async import background as _background
+    from jax_threadmap._arrays import task as _task
 
     release = asyncio.Event()
-    real_end = _background.Task._end
+    real_end = _task.Task._end
     broken = []
 
     def end(task):
@@ -182,7 +182,7 @@ def test_a_call_whose_end_fails_keeps_neither_itself_nor_its_burst_waiting(
         release.set()
         return np.zeros(3, np.float32)
 
-    monkeypatch.setattr(_background.Task, "_end", end)
+    monkeypatch.setattr(_task.Task, "_end", end)
     xs = [jtm.async_call(wait_then, F32, i) for i in range(6)]
     jtm.async_call(opener, F32).result(timeout=WAIT)
     for i, x in enumerate(xs):

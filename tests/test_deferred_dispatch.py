@@ -1,7 +1,7 @@
 """Deferred dispatch: a jitted call on pending data returns at once, its program
 runs on the device once the data lands, and nothing else waits for it.
 
-The mechanism of accelerators (jax_threadmap/_async/deferred.py), where a host
+The mechanism of accelerators (jax_threadmap/_arrays/deferred_dispatch.py), where a host
 callback would hold the device's queue. Here it runs on whatever the default
 backend is: on the CPU it is switched on with ``JAX_THREADMAP_ASYNC_DISPATCH=
 deferred`` (the fixture), on an accelerator it is the default. Each test holds
@@ -37,7 +37,7 @@ from jax.experimental import io_callback
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call, deferred_call, threadmap
-from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +51,7 @@ F32 = SDS((3,), np.float32)
 def deferred(monkeypatch):
     """Deferred dispatch on this platform (the default on an accelerator)."""
     if jax.default_backend() == "cpu":
-        monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "deferred")
+        monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "deferred")
     status = jtm.async_dispatch_status()
     if not status.startswith("async, deferred"):
         pytest.skip(f"deferred dispatch is off here: {status}")

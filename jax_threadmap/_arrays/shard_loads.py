@@ -38,8 +38,7 @@ from .._jax import traces as _traces
 from .._support import event_loop as _event_loop
 from .._support.validate import callable_name, check_callable, check_timeout
 from . import outcomes as _outcomes
-from .arrays import AsyncArray, make_arrays
-from .background import RUNNING, Part, Task
+from .async_array import AsyncArray, make_arrays
 from .leaves import (
     LeafSpec,
     auto_layout_name,
@@ -55,6 +54,7 @@ from .leaves import (
     shape_of,
     slice_shape,
 )
+from .task import RUNNING, Part, Task
 
 logger = logging.getLogger("jax_threadmap._async")
 

@@ -21,8 +21,8 @@ from ._jax.hooks import UnsupportedJaxError as UnsupportedJaxError
 from ._support.errors import ExecutorError as ExecutorError
 from ._support.errors import KernelError as KernelError
 from ._support.errors import ThreadmapError as ThreadmapError
-from ._support.shared import Shared as Shared
-from ._support.shared import shared as shared
+from ._support.shared_resources import Shared as Shared
+from ._support.shared_resources import shared as shared
 
 try:
     __version__ = importlib.metadata.version("jax_threadmap")

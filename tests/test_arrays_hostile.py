@@ -255,15 +255,15 @@ def test_a_map_never_returns_with_an_element_unwritten(monkeypatch):
     # Whatever ends an element without storing it (here: a store that writes
     # nothing for one element), the map fails rather than return that element
     # as whatever its output buffer held.
-    from jax_threadmap._executors import coroutines as _coroutines
+    from jax_threadmap._executors import async_kernels as _async_kernels
 
-    real_store = _coroutines.AsyncMap._store
+    real_store = _async_kernels.AsyncMap._store
 
     def store(self, i, index, result):
         if i != 3:
             real_store(self, i, index, result)
 
-    monkeypatch.setattr(_coroutines.AsyncMap, "_store", store)
+    monkeypatch.setattr(_async_kernels.AsyncMap, "_store", store)
 
     async def element(i):
         return i

@@ -28,11 +28,6 @@ ALLOWED = {
     "_arrays": {"_support", "_jax"},
     "_demo": {"_support", "_core"},
 }
-#: Single modules that a subpackage below may import, each with its reason.
-EXCEPTIONS = {
-    ("_host", "_core.batch_spec"): "the value type of a map's batch layout, which "
-    "the host's views and sums read; it imports nothing",
-}
 WINGS = {"maps": {"_core", "_host", "_executors"}, "async arrays": {"_arrays"}}
 
 
@@ -88,8 +83,7 @@ def test_subpackages_import_only_those_below_them():
             continue  # __init__ and __main__ import the public names
         for imported in package_imports(path, name):
             other = _subpackage(imported)
-            allowed = other in ALLOWED[sub] or (sub, imported) in EXCEPTIONS
-            if other != sub and not allowed:
+            if other != sub and other not in ALLOWED[sub]:
                 wrong.append(f"{name} imports {imported}")
     assert wrong == []
 

@@ -139,7 +139,7 @@ def test_remote_chunks_ship_only_their_slices():
     # A map whose operand is batched at the outer level only: each chunk carries
     # the distinct elements it needs, never the whole array.
     big = np.arange(64 * 1000, dtype=np.float32).reshape(64, 1000)
-    from jax_threadmap._core.batch_spec import BatchSpec
+    from jax_threadmap._host.batch_spec import BatchSpec
     from jax_threadmap._host.maps import ElementCaller, HostMap
 
     tree = jax.tree_util.tree_structure(((0, 0), {}))

@@ -14,11 +14,11 @@ import numpy as np
 from .._executors import async_kernels as _async_kernels
 from .._executors.runners import Executor
 from .._executors.scheduling import InOrder
+from .._host.batch_spec import BatchSpec
 from .._jax import hooks as _hooks
 from .._support import environment as _environment
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
-from .batch_spec import BatchSpec
 from .params import KernelParam, ResidualRule, RuleKernel, hashable
 from .primitive import threadmap_p
 

@@ -14,7 +14,7 @@ Params of every equation:
 
 - ``kernel``: a :mod:`.params` value, what runs per element (hashable);
 - ``result_avals``: one element's result leaves;
-- ``spec``: the :class:`~.batch_spec.BatchSpec`;
+- ``spec``: the :class:`~.._host.batch_spec.BatchSpec`;
 - ``executor`` and ``progress``: as passed to ``threadmap``.
 """
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from .._executors.async_kernels import run_async_map
 from .._executors.runners import Executor, run_map
+from .._host.batch_spec import BatchSpec
 from .._host.kernel_scope import kernel_scope
 from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
@@ -38,7 +39,6 @@ from .._jax import avals as _avals
 from .._jax import primitive_rules as _rules
 from . import autodiff as _autodiff
 from . import per_shard as _per_shard
-from .batch_spec import BatchSpec
 from .params import HostCall
 
 threadmap_p = _rules.Primitive("threadmap")

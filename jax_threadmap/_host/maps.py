@@ -25,11 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._core.batch_spec import Axes, BatchSpec
 from .._support.errors import KernelError, describe, kernel_traceback
 from .._support.result_casts import ResultCastError, check_result_cast
 from . import remote as _remote
 from . import summing as _summing
+from .batch_spec import Axes, BatchSpec
 from .kernel_scope import KernelScope
 from .loops import element_loop
 from .remote import ChunkFn

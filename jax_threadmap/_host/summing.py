@@ -3,7 +3,7 @@
 The transpose rule (:func:`.._core.autodiff.transpose_rule`) asks, from the program
 alone, which batch levels the host sums each output over: the levels at which
 the operand whose cotangent it is was not batched (:func:`summed_levels`). It
-records them in the equation's spec (:attr:`.._core.batch_spec.BatchSpec.out_sum`).
+records them in the equation's spec (:attr:`.batch_spec.BatchSpec.out_sum`).
 Everything after that decision lives here too:
 
 - the output buffer holds only the kept levels, zero-filled, and is seen with
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .._core.batch_spec import BatchSpec
+from .batch_spec import BatchSpec
 
 
 def summed_levels(axes: Sequence[int | None]) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import progress as _progress
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import scheduling as _scheduling
-from jax_threadmap._executors import threads as _threads
+from jax_threadmap._executors import shared_threads as _shared_threads
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
@@ -101,7 +101,7 @@ def test_env_var_rejects_garbage(monkeypatch):
 def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     rec = Recorder(gate=n)
     np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
-    started = _threads._threads.started
+    started = _shared_threads._threads.started
     for _ in range(2):
         np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
     assert rec.max_running == n
@@ -109,9 +109,9 @@ def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     sleepy = Recorder(0.002)  # chunks sized from timings: within the bound too
     np.testing.assert_array_equal(run(sleepy, X, executor=n), X * 2)
     assert 1 <= sleepy.max_running <= n
-    assert _threads.get_pool(n).peak <= n
+    assert _shared_threads.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
-    assert _threads._threads.started == started
+    assert _shared_threads._threads.started == started
 
 
 def test_bound_is_per_pool_not_per_map():
@@ -125,7 +125,7 @@ def test_bound_is_per_pool_not_per_map():
 
 
 def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
-    monkeypatch.setattr(_threads, "IDLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(_shared_threads, "IDLE_TIMEOUT", 0.2)
     x = np.zeros(40, np.float32)
     for n in range(1, 21):
         np.testing.assert_array_equal(
@@ -135,11 +135,11 @@ def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
     # threads are handed from pool to pool: far fewer than 1 + 2 + ... + 20 = 210
     # threads ever start (a few more than 20 when a map's threads are still
     # finishing as the next map starts).
-    assert _threads.num_threads() <= 40
+    assert _shared_threads.num_threads() <= 40
     deadline = time.monotonic() + 30
-    while _threads.num_threads() and time.monotonic() < deadline:
+    while _shared_threads.num_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _threads.num_threads() == 0
+    assert _shared_threads.num_threads() == 0
     rec = Recorder(gate=4)
     np.testing.assert_array_equal(run(rec, X, executor=InOrder(4)), X * 2)  # restarted
     assert rec.max_running == 4
@@ -203,7 +203,7 @@ def test_many_python_threads_calling_at_once():
     x = np.arange(8, dtype=np.float32)
     f(x)
     errors = []
-    pool = _threads.get_pool(4)
+    pool = _shared_threads.get_pool(4)
     pool.peak = 0  # (no map of this pool runs now)
 
     def caller(seed):
@@ -242,7 +242,7 @@ def test_failure_cancels_work_not_started():
             other_started.wait(GATE_TIMEOUT)
             raise RuntimeError("first element fails")
         other_started.set()
-        job = _jobs._local.job
+        job = _jobs.this_thread.job
         deadline = time.monotonic() + GATE_TIMEOUT
         while job is not None and not job.failed and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -266,7 +266,7 @@ def test_shut_down_executor_is_a_clear_error():
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_pool_is_fresh_after_fork():
-    pool = _threads.get_pool(2)
+    pool = _shared_threads.get_pool(2)
     out = np.zeros(10)
 
     def fill(start, stop, job):
@@ -277,8 +277,8 @@ def test_pool_is_fresh_after_fork():
     if pid == 0:  # child: the parent's workers do not exist here
         code = 1
         try:
-            child_pool = _threads.get_pool(2)
-            ok = child_pool is not pool and _threads.num_threads() == 0
+            child_pool = _shared_threads.get_pool(2)
+            ok = child_pool is not pool and _shared_threads.num_threads() == 0
             res = np.zeros(10)
 
             def fill_child(start, stop, job):
@@ -309,7 +309,7 @@ def test_interpreter_exit_is_clean():
 
 
 def test_job_of_pool_directly_reports_first_error():
-    pool = _threads.ThreadPool(3)
+    pool = _shared_threads.ThreadPool(3)
 
     def fn(start, stop, job):
         for i in range(start, stop):
@@ -366,7 +366,7 @@ def test_interrupt_while_waiting_stops_work_not_started():
             ran.append(i)
             time.sleep(0.01)
 
-    pool = _threads.ThreadPool(2)
+    pool = _shared_threads.ThreadPool(2)
     job = _jobs.Job(1000, fn)
     with pytest.raises(KeyboardInterrupt):
         pool.run(job, Interrupting(1000, "k"))
@@ -704,9 +704,9 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
         import jax, jax.numpy as jnp, numpy as np
         from jax_threadmap import threadmap
         from jax_threadmap._executors import scheduling as _scheduling
-        from jax_threadmap._executors import threads as _threads
+        from jax_threadmap._executors import shared_threads as _shared_threads
 
-        _threads.IDLE_TIMEOUT = 0.2
+        _shared_threads.IDLE_TIMEOUT = 0.2
 
         def k(v):
             time.sleep(0.001)
@@ -717,11 +717,11 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
             f = jax.jit(jax.vmap(lambda v: threadmap(
                 k, jax.ShapeDtypeStruct((), jnp.float32), v, executor=n)))
             f(np.zeros(64, np.float32))
-            peak = max(peak, _threads.num_threads())
+            peak = max(peak, _shared_threads.num_threads())
         deadline = time.monotonic() + 60
-        while _threads.num_threads() and time.monotonic() < deadline:
+        while _shared_threads.num_threads() and time.monotonic() < deadline:
             time.sleep(0.05)
-        print(peak, _threads.num_threads(), _scheduling.available_cpus())
+        print(peak, _shared_threads.num_threads(), _scheduling.available_cpus())
     """
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -808,7 +808,9 @@ def test_ctrl_c_stops_nested_maps_across_pools():
 def test_thread_that_fails_to_start_gives_its_place_back(
     monkeypatch, error, after_start
 ):
-    monkeypatch.setattr(_threads, "_threads", _threads._Threads())  # none idle
+    monkeypatch.setattr(
+        _shared_threads, "_threads", _shared_threads._Threads()
+    )  # none idle
     real_start = threading.Thread.start
     cut_short = []
 
@@ -827,7 +829,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(
         for i in range(start, stop):
             ran.append(rec(i) // 2)
 
-    pool = _threads.ThreadPool(3)
+    pool = _shared_threads.ThreadPool(3)
     monkeypatch.setattr(threading.Thread, "start", failing_start)
     job = _jobs.Job(12, fn)
     if isinstance(error, KeyboardInterrupt):
@@ -846,7 +848,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(
     for thread in cut_short:  # it found no job, and left
         thread.join(60)
         assert not thread.is_alive()
-    assert pool.active == 0 and _threads.num_threads() == 0
+    assert pool.active == 0 and _shared_threads.num_threads() == 0
     rec = Recorder(gate=3)
     job = _jobs.Job(12, fn)
     pool.run(job)
@@ -912,7 +914,7 @@ class RisenRecorder(Recorder):
     reaches ``max_running == gate`` however loaded the machine."""
 
     def __call__(self, x):
-        job = _jobs._local.job
+        job = _jobs.this_thread.job
         if job is not None and job.limited:
             with self.lock:
                 self.threads.add(threading.current_thread())

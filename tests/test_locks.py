@@ -18,7 +18,8 @@ import pytest
 from jax_threadmap import threadmap
 from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import runners as _maps
-from jax_threadmap._executors import threads as _threads
+from jax_threadmap._executors import shared_threads as _shared_threads
+from jax_threadmap._executors import thread_executors as _thread_executors
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -99,9 +100,9 @@ def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
         assert job.hands <= min(job.n, job.workers)  # Job.add_hand's bound
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # places come back as threads finish
-        with _threads._threads.lock:
-            active = [p.active for p in _threads._pools.values()]
-            queued = len(_threads._threads.queue)
+        with _shared_threads._threads.lock:
+            active = [p.active for p in _shared_threads._pools.values()]
+            queued = len(_shared_threads._threads.queue)
         if not any(active) and not queued:
             break
         time.sleep(0.01)
@@ -137,7 +138,7 @@ def test_fork_while_the_layer_is_busy():
     held = threading.Event()
 
     def hold_locks():
-        with _threads._states_lock, _threads._fallback:
+        with _thread_executors._states_lock, _thread_executors._fallback:
             held.set()
             release.wait(60)
 
@@ -152,7 +153,7 @@ def test_fork_while_the_layer_is_busy():
             code = 3
             try:
                 x = np.arange(40, dtype=np.float32)
-                ok = _threads.num_threads() == 0
+                ok = _shared_threads.num_threads() == 0
                 with concurrent.futures.ThreadPoolExecutor(3) as ex:
                     for executor in (2, ex):
                         f = jax.vmap(

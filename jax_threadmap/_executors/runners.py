@@ -21,11 +21,12 @@ from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
-from . import threads as _threads
-from .jobs import Job, _local
+from . import shared_threads as _shared_threads
+from . import thread_executors as _thread_executors
+from .jobs import Job, this_thread
 from .progress import Progress, progress_enabled, wait
+from .refusals import interpreter_exiting, refused, said
 from .scheduling import InOrder
-from .threads import interpreter_exiting, refused, said
 
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
 #: any of these in ``InOrder`` for one element per claim in index order.
@@ -98,7 +99,7 @@ class SharedThreads:
     on_threads = True
 
     def __init__(self, executor: int | None):
-        self.pool = _threads.get_pool(executor)
+        self.pool = _shared_threads.get_pool(executor)
         self.workers = self.pool.max_workers
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
@@ -120,7 +121,7 @@ class ThreadExecutor(_UserExecutor):
     on_threads = True
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
-        _threads.run_on_executor(self.executor, job, progress)
+        _thread_executors.run_on_executor(self.executor, job, progress)
 
 
 class PicklingExecutor(_UserExecutor):
@@ -205,7 +206,7 @@ def run_map(
     in_order = isinstance(executor, InOrder)
     executor = executor.executor if isinstance(executor, InOrder) else executor
     runner = runner_for(executor)
-    job = new_job(work, executor, max_chunk, _local.job, runner, in_order)
+    job = new_job(work, executor, max_chunk, this_thread.job, runner, in_order)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
@@ -423,7 +424,7 @@ def _at_exit() -> None:
     inside XLA while the interpreter finalizes aborts the process)."""
     deadline = time.monotonic() + policy.EXIT_GRACE
     interpreter_exiting.set()
-    ours = _threads._threads.exit(keep=_run_for_jax)
+    ours = _shared_threads.exit_threads(keep=_run_for_jax)
     _stop_maps_of_daemon_threads(deadline)
     me = threading.current_thread()
     for t in ours:

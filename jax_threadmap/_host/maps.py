@@ -27,12 +27,12 @@ import numpy as np
 
 from .._support.errors import KernelError, describe, kernel_traceback
 from .._support.result_casts import ResultCastError, check_result_cast
-from . import remote as _remote
+from . import packing as _packing
 from . import summing as _summing
 from .batch_spec import Axes, BatchSpec
 from .kernel_scope import KernelScope
 from .loops import element_loop
-from .remote import ChunkFn
+from .packing import ChunkFn
 from .vectorized import ChunkCaller, KernelCaller, PiecePlan
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
@@ -334,9 +334,9 @@ class HostMap:
 
     def shared(self) -> list[np.ndarray]:
         """The large operands that every element reads whole, which an executor
-        that pickles work receives once per map (see :func:`.remote.share`);
+        that pickles work receives once per map (see ``_executors/shipping.py``);
         the tasks that :meth:`pack` makes from now on refer to them."""
-        self._shared, arrays = _remote.shared_operands(self.in_v, self.shape)
+        self._shared, arrays = _packing.shared_operands(self.in_v, self.shape)
         return arrays
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
@@ -344,7 +344,7 @@ class HostMap:
         raise NotImplementedError
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.packing`)."""
         raise NotImplementedError
 
     def finish(self) -> tuple[np.ndarray, ...]:
@@ -380,7 +380,7 @@ class ElementMap(HostMap):
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Elements ``[start, stop)``, packed for a worker in another process."""
-        return _remote.pack(
+        return _packing.pack(
             self.caller,
             self.in_v,
             self.shape,
@@ -391,7 +391,7 @@ class ElementMap(HostMap):
         )
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.packing`)."""
         partials = self.partials.new()
         self._store_rows(start, stop, outs, partials)
         if self.sums:
@@ -483,10 +483,10 @@ class ChunkMap(HostMap):
             index, first, k = self._piece(i)
             leaves = self.plan.leaves(self.in_v, index, k)  # type: ignore[union-attr]
             pieces.append((first, k, leaves))
-        return _remote.pack_pieces(self.caller, pieces, self._shared)
+        return _packing.pack_pieces(self.caller, pieces, self._shared)
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.packing`)."""
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
         for i, values in zip(range(start, stop), outs, strict=True):

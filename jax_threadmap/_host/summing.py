@@ -16,7 +16,7 @@ Everything after that decision lives here too:
 - a per-element loop adds with ``+=`` (``loops`` writes that line for the
   outputs in ``accumulate``); a vectorized piece adds its values, reduced over
   the summed dims inside the piece (:func:`add_piece`);
-- a chunk shipped to another process (:mod:`.remote`) sums in the worker, one
+- a chunk shipped to another process (:mod:`.packing`) sums in the worker, one
   sum per distinct output row it adds into (:func:`remote_outputs`,
   :func:`remote_sums`), and the host adds those rows into the chunk's partial
   (:meth:`PartialSums.add_rows`).

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_threadmap as jtm
 from jax_threadmap._arrays import async_pool as _async_pool
-from jax_threadmap._arrays import leaves as _leaves
+from jax_threadmap._arrays import shards as _shards
 from jax_threadmap._jax import avals as _avals
 
 HERE = pathlib.Path(__file__).parent
@@ -125,8 +125,8 @@ def test_the_async_pool_can_start_every_shard_of_one_array_together():
     ],
 )
 def test_indices_are_written_as_numpy_code_writes_them(index, text):
-    assert _leaves.index_str(index) == text
-    assert _leaves.index_of(_leaves.index_key(index)) == index
+    assert _shards.index_str(index) == text
+    assert _shards.index_of(_shards.index_key(index)) == index
 
 
 EXIT_SCRIPT = """

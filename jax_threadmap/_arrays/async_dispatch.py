@@ -47,7 +47,7 @@ from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
 from . import deferred_dispatch as _deferred_dispatch
 from . import dispatch_streams as _dispatch_streams
-from .leaves import index_key
+from .shards import index_key
 from .task import Task, worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -110,7 +110,7 @@ class Shard(NamedTuple):
     position: int
     #: The leaf of the call's result (``Pending.leaf``).
     leaf: int
-    #: The shard's index into the leaf, hashable (see :func:`.leaves.index_key`).
+    #: The shard's index into the leaf, hashable (see :func:`.shards.index_key`).
     where: tuple
     shape: tuple[int, ...]
     dtype: Any

@@ -39,19 +39,16 @@ from .._support import event_loop as _event_loop
 from .._support.validate import callable_name, check_callable, check_timeout
 from . import outcomes as _outcomes
 from .async_array import AsyncArray, make_arrays
-from .leaves import (
-    LeafSpec,
+from .leaves import LeafSpec, is_extended, leaf_specs, shape_of
+from .shards import (
     auto_layout_name,
     check_shard,
     extended_spec,
     format_layout,
     index_key,
     index_str,
-    is_extended,
     is_format,
-    leaf_specs,
     place_shard,
-    shape_of,
     slice_shape,
 )
 from .task import RUNNING, Part, Task

@@ -44,9 +44,9 @@ from .leaves import (
     check_result,
     describe_error,
     host_view,
-    index_of,
     place,
 )
+from .shards import index_of
 
 logger = logging.getLogger("jax_threadmap._async")
 

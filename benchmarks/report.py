@@ -29,10 +29,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 METHOD_TITLES = {
     "threadmap": "`threadmap`",
-    "recipe": "`pure_callback` + thread pool recipe",
-    "sequential": '`pure_callback(vmap_method="sequential")`',
-    "bare_loop": "bare Python loop, no JAX",
-    "ideal": "ideal: serial kernel time / threads",
+    "recipe": "`pure_callback` + thread pool",
+    "sequential": "`pure_callback` sequential",
+    "bare_loop": "bare loop, no JAX",
+    "ideal": "ideal: serial time / threads",
 }
 METHOD_ORDER = ["threadmap", "recipe", "sequential", "bare_loop", "ideal"]
 #: Groups compared against a floor: group -> (floor method, {method: title}).
@@ -81,10 +81,15 @@ TARGETS = {
 
 
 def load(paths: Iterable[str | pathlib.Path]) -> list[dict[str, Any]]:
-    """The ``benchmarks`` entries of pytest-benchmark JSON files, later files last."""
+    """The ``benchmarks`` entries of pytest-benchmark JSON files, later files last;
+    each entry carries the commit and date of its run (``_commit``, ``_date``)."""
     entries = []
     for path in paths:
-        entries.extend(json.loads(pathlib.Path(path).read_text())["benchmarks"])
+        data = json.loads(pathlib.Path(path).read_text())
+        commit = (data.get("commit_info") or {}).get("id") or ""
+        date = str(data.get("datetime") or "")[:10]
+        for entry in data["benchmarks"]:
+            entries.append({**entry, "_commit": commit[:7], "_date": date})
     return entries
 
 
@@ -151,6 +156,10 @@ def analyse(entries: list[dict[str, Any]], stat: str = "median") -> dict[str, An
     memory = _latest(entries, "vectorized-memory")
     if memory:
         result["vector_memory"] = _analyse_memory(memory, "vectorized-memory")
+    # The revisions the numbers come from (the docs name them beside the numbers).
+    result["commits"] = sorted(
+        {(e["_date"], e["_commit"]) for e in entries if e.get("_commit")}
+    )
     signatures = _analyse_signatures(entries)
     if signatures:
         result["signatures"] = signatures
@@ -267,9 +276,9 @@ def _analyse_compare(case: str, got: dict[str, dict], stat: str) -> dict[str, An
         if name in ratios
     ]
     label = {
-        "trivial": "trivial kernel `x + 1`",
+        "trivial": "trivial `x + 1`",
         "sleep": f"sleep 1 ms, {workers} threads",
-        "sort": f"`np.sort` of 100k floats, {workers} threads",
+        "sort": f"sort 100k floats, {workers} threads",
     }.get(case, case)
     return {
         "title": any_info.get("title", case),
@@ -554,52 +563,68 @@ def _memory_markdown(m: dict[str, Any]) -> list[str]:
 
 
 def headline(a: dict[str, Any]) -> str:
-    """The README's table: per-element time of each method, per case."""
-    header = [
-        "4096 elements, 3 nested vmaps",
-        "`threadmap`",
-        "`pure_callback` sequential",
-        "`pure_callback` + thread pool",
-        "floor",
-    ]
-    rows = []
+    """The README's tables, narrow enough for a phone: per-element time of
+    ``threadmap`` and how much slower each baseline is, per case; then
+    ``threadmap`` against the floor of each case."""
+    header = ["kernel", "`threadmap`", "sequential: slower", "thread pool: slower"]
+    rows, floors = [], []
     for c in a["compare"].values():
         r = c["rows"]
         if "threadmap" not in r:
             continue
         tm = r["threadmap"]["per_element"]
 
-        def cell(method, r=r, tm=tm):
+        def slower(method, r=r, tm=tm):
             if method not in r:
                 return "-"
-            x = r[method]["per_element"]
-            return f"{fmt_time(x)} ({fmt_ratio(x / tm)} slower)"
+            return fmt_ratio(r[method]["per_element"] / tm)
 
+        rows.append([c["label"], fmt_time(tm), slower("sequential"), slower("recipe")])
         floor = "ideal" if "ideal" in r else "bare_loop"
-        floor_cell = "-"
         if floor in r:
-            name = "ideal" if floor == "ideal" else "bare loop"
             x = r[floor]["per_element"]
-            floor_cell = f"{name} {fmt_time(x)} (threadmap {fmt_ratio(tm / x)})"
-        rows.append(
-            [c["label"], fmt_time(tm), cell("sequential"), cell("recipe"), floor_cell]
-        )
+            name = "ideal" if floor == "ideal" else "bare loop"
+            floors.append(
+                [c["label"], fmt_time(tm), f"{name} {fmt_time(x)}", fmt_ratio(tm / x)]
+            )
     note = (
-        "\nPer-element wall time (median), lower is better; ratios against "
-        "`threadmap`.\n"
+        "\n4096 elements in 3 nested vmaps: the per-element wall time (median) of "
+        '`threadmap`, and how much slower `pure_callback(vmap_method="sequential")` '
+        "is, and `pure_callback` with a thread pool per call (the best recipe "
+        "without this package).\n"
     )
-    text = _table(header, rows) + "\n" + note
-    floors = _headline_floors(a)
+    text = _table(header, rows) + "\n" + note + _measured_at(a)
+    floors += _headline_floors(a)
     if floors:
-        text += "\n" + _table(
-            ["against the floor", "`threadmap`", "floor", "ratio"], floors
-        )
+        text += "\n" + _table(["against", "`threadmap`", "floor", "ratio"], floors)
         text += (
-            "\n\nSignatures: the worst of 1-4 operands, keyword arguments, pytree "
-            "arguments and results, several outputs, unmergeable layouts and a "
-            "32-thread executor, each against a bare loop calling the same kernel.\n"
+            "\n\nThe floor: a bare Python loop over NumPy views, or the serial kernel "
+            "time divided by the threads (ideal). Signatures: the worst of 1-4 "
+            "operands, keyword arguments, pytree arguments and results, several "
+            "outputs, unmergeable layouts and a 32-thread executor, each against a "
+            "bare loop calling the same kernel (worst: "
+            + _worst_signature(a)
+            + "). Vectorized: `x + y + z` on a 128^3 outer product against NumPy on "
+            "broadcast arrays, and `np.sort` of 2048 rows against a thread pool by "
+            "hand (a block of rows per core).\n"
         )
     return text
+
+
+def _measured_at(a: dict[str, Any]) -> str:
+    """Which revision of the package the numbers were measured on, and when."""
+    commits = a.get("commits") or []
+    if not commits:
+        return ""
+    said = ", ".join(f"`{commit}` ({date})" for date, commit in commits)
+    return f"Measured at commit {said}.\n"
+
+
+def _worst_signature(a: dict[str, Any]) -> str:
+    sig = a.get("signatures", {}).get("rows")
+    if not sig:
+        return "-"
+    return str(max(sig.values(), key=lambda r: r["ratio"])["title"])
 
 
 def _headline_floors(a: dict[str, Any]) -> list[list[str]]:
@@ -610,15 +635,15 @@ def _headline_floors(a: dict[str, Any]) -> list[list[str]]:
         worst = max(sig.values(), key=lambda r: r["ratio"])
         rows.append(
             [
-                f"every kernel signature (worst: {worst['title']})",
+                "worst kernel signature",
                 fmt_time(worst["threadmap"]),
                 f"bare loop {fmt_time(worst['floor'])}",
                 fmt_ratio(worst["ratio"]),
             ]
         )
     labels = {
-        "vectorized-outer": "vectorized `x + y + z`, 128^3 outer product",
-        "vectorized-sort_rows": "vectorized `np.sort` of 2048 rows",
+        "vectorized-outer": "vectorized `x + y + z`",
+        "vectorized-sort_rows": "vectorized `np.sort` of rows",
     }
     for group, f in a.get("floors", {}).items():
         floor, titles = FLOOR_GROUPS[group]
@@ -626,7 +651,7 @@ def _headline_floors(a: dict[str, Any]) -> list[list[str]]:
         if "vectorized" not in r or floor not in r:
             continue
         tm, fl = r["vectorized"]["per_element"], r[floor]["per_element"]
-        name = titles[floor].replace(" (floor)", "")
+        name = {"numpy": "NumPy", "hand_threads": "hand pool"}.get(floor, floor)
         rows.append(
             [labels[group], fmt_time(tm), f"{name} {fmt_time(fl)}", fmt_ratio(tm / fl)]
         )
@@ -686,6 +711,7 @@ def plots(a: dict[str, Any], outdir: pathlib.Path) -> list[pathlib.Path]:
         if not s:
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
+        shown: list[float] = []
         for method in METHOD_ORDER:
             pts = [
                 (k, s["table"][k][method]) for k in s["keys"] if method in s["table"][k]
@@ -693,11 +719,21 @@ def plots(a: dict[str, Any], outdir: pathlib.Path) -> list[pathlib.Path]:
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ys = [y * 1e6 for y in ys]
+                shown += ys
                 ax.plot(xs, ys, "o-", label=labels[method], color=colors[method])
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        if name == "depth":  # 1, 2, 4, 8 levels, not 2^0 ... 2^3
+            ax.set_xticks(list(s["keys"]), [str(k) for k in s["keys"]])
+        if shown and max(shown) < 10 * min(shown):
+            # Within a decade a log axis labels its minor ticks as 9.2x10^-1:
+            # a linear one, from 0, with plain numbers reads at once.
+            ax.set_ylim(0, max(shown) * 1.15)
+            ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+            ax.set_ylabel("µs per element")
+        else:
+            ax.set_yscale("log")
+            ax.set_ylabel("µs per element (log)")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("µs per element (log)")
         ax.set_title(f"Trivial kernel: per-element cost vs {xlabel}")
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -725,9 +761,29 @@ def replace_region(text: str, name: str, content: str) -> str:
     return pattern.sub(lambda _: f"{start}\n{content.strip()}\n{end}", text)
 
 
+#: How the ratios' method names read on the docs' pages.
+READER_NAMES = {
+    "hand_threads": "thread pool by hand",
+    "callback_only": "the host callback's own cost",
+    "per_element": "one call per element",
+    "numpy": "NumPy",
+}
+
+
+def for_readers(text: str) -> str:
+    """The tables' text as the docs' pages show it: each ratio under its plain
+    name, without the benchmark's targets (which the run's end prints)."""
+    text = re.sub(r" \(target [^)]*: (?:met|NOT met)\)", "", text)
+    text = text.replace(" (for information)", "")
+    for name, words in READER_NAMES.items():
+        text = re.sub(rf"\b{name}\b(?=[^|\n]*= )", words, text)
+    return text
+
+
 def write_docs(a: dict[str, Any], root: pathlib.Path = ROOT) -> None:
     perf = root / "docs" / "performance.md"
-    perf.write_text(replace_region(perf.read_text(), "tables", markdown(a)))
+    tables = for_readers(markdown(a))
+    perf.write_text(replace_region(perf.read_text(), "tables", tables))
     # The headline numbers, on the README and on the docs' home page alike.
     for page in (root / "README.md", root / "docs" / "index.md"):
         page.write_text(replace_region(page.read_text(), "headline", headline(a)))

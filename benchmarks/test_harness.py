@@ -5,6 +5,7 @@ the script that writes the docs' tables cannot rot unnoticed.
 """
 
 import importlib.util
+import json
 import pathlib
 
 import harness as B
@@ -143,3 +144,37 @@ def test_fmt_time():
     assert report.fmt_time(0.0132) == "13.2 ms"
     assert report.fmt_time(4.7) == "4.70 s"
     assert report.fmt_time(150e-9) == "150 ns"
+
+
+def test_docs_tables_read_without_targets_or_internal_names():
+    text = (
+        "- threadmap / bare loop = **1.25x** (target <= 1.3: met)\n"
+        "- callback_only / hand_threads = 0.61x (for information)\n"
+        "- vectorized / hand_threads = **0.98x** (target <= 1.2: NOT met)\n"
+        "| thread pool by hand, a block of rows per core (floor) | hand_threads |\n"
+    )
+    shown = _load_report().for_readers(text)
+    assert "target" not in shown and "for information" not in shown
+    assert "- the host callback's own cost / thread pool by hand = 0.61x" in shown
+    assert "- vectorized / thread pool by hand = **0.98x**" in shown
+    assert shown.endswith("| hand_threads |\n")  # table cells are left alone
+
+
+def test_the_headline_names_the_commit_it_was_measured_at(tmp_path):
+    report = _load_report()
+    path = tmp_path / "results.json"
+    entries = [
+        _entry("compare-trivial", "threadmap", 1.0e-3, 4096),
+        _entry("compare-trivial", "sequential", 0.5, 4096),
+    ]
+    path.write_text(
+        json.dumps(
+            {
+                "commit_info": {"id": "0123456789abcdef"},
+                "datetime": "2026-12-05T10:00:00",
+                "benchmarks": entries,
+            }
+        )
+    )
+    text = report.headline(report.analyse(report.load([path])))
+    assert "Measured at commit `0123456` (2026-12-05)." in text

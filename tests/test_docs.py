@@ -443,7 +443,7 @@ def test_home_page_has_the_install_command_and_the_readme_numbers():
     )
     # benchmarks/report.py --write-docs rewrites both from the same results.
     assert region.search(home)[0] == region.search(readme.read_text())[0]
-    assert "| trivial kernel `x + 1` |" in region.search(home)[0]
+    assert "| trivial `x + 1` |" in region.search(home)[0]
     shell = [
         b["code"] for b in blocks(ROOT / "docs" / "index.md") if b["lang"] == "bash"
     ]

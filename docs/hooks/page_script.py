@@ -1,7 +1,8 @@
 """The code blocks of a docs page, and the page's examples as one script to copy.
 
 A Python block either runs alone, pasted into a fresh file, or says on its first
-line that it continues the example above (``# Continues the example above.``).
+line that it continues an example above (``# Continues the example above.``, or
+naming the block it continues: ``# Continues the first example (rows).``).
 A page with such blocks ends, on the site, with its examples in page order as one
 script ("The whole page as one script"), made here when the site is built
 (``on_page_markdown``, an mkdocs hook named in mkdocs.yml), so it cannot drift
@@ -21,8 +22,11 @@ _MARK = re.compile(
     r"^\s*<!--\s*test:\s*(?P<kind>skip|requires|output|devices|alone)\b"
     r"\s*(?P<arg>.*?)\s*-->"
 )
-#: The first line of a block that continues the blocks above it on its page.
+#: The first line of a block that continues the blocks above it on its page; it
+#: may name the block it continues, and what it takes from it: "# Continues the
+#: I/O-bound example above (fetch, ids)." (any first line "# Continues ... .").
 CONTINUES = "# Continues the example above."
+_CONTINUES = re.compile(r"# Continues [^\n]*\.[ \t]*(?:\n|$)")
 #: The heading of the script appended to pages whose blocks continue.
 HEADING = "## The whole page as one script"
 
@@ -64,7 +68,7 @@ def is_python(block: dict) -> bool:
 
 def continues(block: dict) -> bool:
     """Whether ``block`` says it continues the example above (its first line)."""
-    return block["code"].lstrip("\n").startswith(CONTINUES)
+    return _CONTINUES.match(block["code"].lstrip("\n")) is not None
 
 
 def in_page_script(block: dict) -> bool:
@@ -82,7 +86,7 @@ def whole_script(text: str) -> str | None:
     for b in found:
         code = b["code"].lstrip("\n")
         if continues(b):
-            code = code[len(CONTINUES) :].lstrip("\n")
+            code = _CONTINUES.sub("", code, count=1).lstrip("\n")
         parts.append(code.rstrip("\n"))
     return "\n\n".join(parts) + "\n"
 

@@ -32,8 +32,8 @@ from .params import (
     Node,
     ResidualRule,
     is_differentiable,
-    no_rules_message,
 )
+from .rule_messages import no_rules_message
 
 Zero = _rules.Zero
 Bind = Callable[..., Sequence[Any]]

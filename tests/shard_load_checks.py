@@ -17,11 +17,11 @@ import concurrent.futures  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from helpers import wait_until  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -92,13 +92,18 @@ def same_array(a, b):
     )
 
 
-def wait_ready(arrays):
-    deadline = time.monotonic() + WAIT
-    while not all(a.is_ready() for a in arrays):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
+def waited(condition, what):
+    """Whether ``condition`` came true (:func:`helpers.wait_until`): a check's
+    outcome here, where a failed check is reported, not raised."""
+    try:
+        wait_until(condition, what, timeout=WAIT)
+    except AssertionError:
+        return False
     return True
+
+
+def wait_ready(arrays):
+    return waited(lambda: all(a.is_ready() for a in arrays), "arrays ready")
 
 
 # --- the same array as jax.make_array_from_callback --------------------------------
@@ -333,9 +338,7 @@ def a_failing_shard():
     if sys.version_info >= (3, 11):
         note = " ".join(error.__notes__)
         check("the note names the shard", where in note, note)
-    deadline = time.monotonic() + WAIT
-    while len(cancelled) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    waited(lambda: len(cancelled) >= 3, "3 coroutines cancelled")
     check("the other coroutines are cancelled", sorted(cancelled) == [0, 2, 3])
     text = message(jax.errors.JaxRuntimeError, y.block_until_ready) or ""
     check(

@@ -16,16 +16,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 import threading
 
 import jax
 import numpy as np
 import pytest
-from helpers import SIGINT_AS_USUAL, returns_within
+from helpers import returns_within, run_script
 
 from jax_threadmap import async_array_from_callback, async_call, deferred_call
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
@@ -36,22 +33,6 @@ SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
 STATUS = _async_dispatch.async_dispatch_status()
 ASYNC = STATUS == "async"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_script(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs ``code`` in a fresh interpreter with this checkout first on its path."""
-    full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (ROOT, full_env.get("PYTHONPATH")) if p
-    )
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
 
 
 def held_load(go: threading.Event, value: np.ndarray, error: str | None = None):
@@ -212,15 +193,13 @@ _CAP_SCRIPT = """
 
 
 def test_threads_of_calls_given_up_on_are_capped():
-    proc = run_script(_CAP_SCRIPT, {"JAX_THREADMAP_ASYNC_THREADS": "2"})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    ran = run_script(_CAP_SCRIPT, env={"JAX_THREADMAP_ASYNC_THREADS": "2"}, timeout=150)
+    assert ran.returncode == 0 and "ok" in ran.stdout, ran.report
 
 
 # --- 4. Ctrl-C reaches our waits -----------------------------------------------------
 
-_INTERRUPT_SCRIPT = (
-    SIGINT_AS_USUAL
-    + """
+_INTERRUPT_SCRIPT = """
     import os, signal, threading, time, traceback
     import jax, numpy as np
     import jax_threadmap as jtm
@@ -269,7 +248,6 @@ _INTERRUPT_SCRIPT = (
             pause *= 2
     never.set()
 """
-)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to itself: POSIX")
@@ -277,9 +255,9 @@ def test_ctrl_c_reaches_every_wait_of_ours():
     # The blocking dispatch: async dispatch off, so the jitted call waits, in
     # Python, for its data.
     env = {"JAX_THREADMAP_ASYNC_DISPATCH": "0", "JAX_THREADMAP_ASYNC_THREADS": "16"}
-    proc = run_script(_INTERRUPT_SCRIPT, env)
+    ran = run_script(_INTERRUPT_SCRIPT, env=env, timeout=150)
     for how in ("result", "asarray", "blocking dispatch"):
-        assert f"interrupted {how}" in proc.stdout, proc.stdout + proc.stderr
+        assert f"interrupted {how}" in ran.stdout, ran.report
 
 
 # --- 5. donation ---------------------------------------------------------------------

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within, run_child
+from helpers import returns_within, run_script
 
 from jax_threadmap import (
     ExecutorError,
@@ -592,16 +592,16 @@ def test_fork_while_calls_loads_and_an_async_def_map_run():
     # them there, and then wait for good for the shard running in the parent);
     # what had not started runs there; new loads and maps work. In the parent
     # everything lands.
-    proc, report = run_child(
+    ran = run_script(
         FORK_SCRIPT,
         env={
             "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
             "JAX_THREADMAP_ASYNC_THREADS": "2",
         },
     )
-    assert "child: ok" in proc.stdout, report
-    assert "parent: ok" in proc.stdout, report
-    assert proc.returncode == 0, report
+    assert "child: ok" in ran.stdout, ran.report
+    assert "parent: ok" in ran.stdout, ran.report
+    assert ran.returncode == 0, ran.report
 
 
 # --- 6. async def derivative rules --------------------------------------------------
@@ -837,8 +837,9 @@ def test_ctrl_c_inside_an_async_def_map_and_a_summed_grad():
     # whose cotangent is summed on the host, added in index order) stops with
     # KeyboardInterrupt in the caller, every element in flight is cancelled,
     # and the next map runs.
-    proc, report = run_child(CTRL_C_SCRIPT)
+    ran = run_script(CTRL_C_SCRIPT)
     for name in ("map", "summed grad"):
-        assert f"{name} interrupted; in flight cancelled: True" in proc.stdout, report
-    assert "next map: [0.0, 2.0, 4.0, 6.0]" in proc.stdout, report
-    assert proc.returncode == 0, report
+        said = f"{name} interrupted; in flight cancelled: True"
+        assert said in ran.stdout, ran.report
+    assert "next map: [0.0, 2.0, 4.0, 6.0]" in ran.stdout, ran.report
+    assert ran.returncode == 0, ran.report

@@ -8,20 +8,16 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import importlib
-import os
 import signal
-import subprocess
 import sys
-import textwrap
 import threading
-import time
 import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SIGINT_AS_USUAL, returns_within
+from helpers import returns_within, run_script, start_script, wait_until
 
 from jax_threadmap import async_call, deferred_call, threadmap
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
@@ -399,23 +395,12 @@ def test_a_finished_call_with_a_long_timeout_is_not_kept_until_its_deadline():
     x.result(timeout=WAIT)
     task = weakref.ref(x._task)
     del x
-    for _ in range(200):  # until its pool thread has let go of it
+
+    def released() -> bool:  # (its pool thread lets go of it as it ends)
         gc.collect()
-        if task() is None:
-            break
-        time.sleep(0.05)
-    assert task() is None, "the timeouts' thread keeps the call and its values"
+        return task() is None
 
-
-def run_script(script: str, env: dict | None = None, timeout: float = 90):
-    """Runs ``script`` in a fresh interpreter (a hang fails at ``timeout``)."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})},
-    )
+    wait_until(released, "the timeouts' thread let go of the call and its values")
 
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
@@ -447,9 +432,9 @@ def test_calls_given_up_on_leave_the_pool_and_later_calls_start_at_once(how):
     fast = jtm.async_call(lambda: np.ones(2, np.float32), SDS, timeout=20)
     print("fast", fast.result(timeout=30).tolist(), flush=True)
     """
-    proc = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "2"})
-    out, err = proc.stdout, proc.stderr
-    assert proc.returncode == 0, err[-3000:]
+    ran = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "2"}, timeout=90)
+    out, err = ran.stdout, ran.stderr
+    assert ran.returncode == 0, err[-3000:]
     name = "TimeoutError" if how == "timeout" else "CancelledError"
     assert out.count(f"given up: {name}") == 2, out + err[-3000:]
     assert "bound=2" in out and "abandoned=('`hang` (async_call)', '`hang`" in out
@@ -473,12 +458,12 @@ def test_a_timeout_counts_from_the_call_time_waiting_for_a_thread_included():
     go.set()
     print("busy", busy.result(timeout=30).tolist(), "ran", ran, flush=True)
     """
-    proc = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "1"}, timeout=90)
+    assert ran.returncode == 0, ran.report
     assert "timed out: `<lambda>`, which jax_threadmap.async_call ran, did not " in (
-        proc.stdout
-    ), proc.stdout + proc.stderr[-3000:]
-    assert "busy [1.0, 1.0] ran []" in proc.stdout  # never started
+        ran.stdout
+    ), ran.report
+    assert "busy [1.0, 1.0] ran []" in ran.stdout  # never started
 
 
 # --- independent loads never wait behind a stuck one ---------------------------------
@@ -537,9 +522,7 @@ def test_a_loop_behind_a_load_that_times_out_finishes_with_right_values():
 def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits():
     # Every load hangs: once MAX_WAITING_PROGRAMS gate programs wait, the next
     # dispatch waits for its own data, in Python, where Ctrl-C reaches it.
-    script = (
-        SIGINT_AS_USUAL
-        + """
+    script = """
     import threading, jax, numpy as np
     import jax_threadmap as jtm
     from jax_threadmap._arrays import async_dispatch as _async_dispatch
@@ -557,14 +540,7 @@ def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits
     except KeyboardInterrupt:
         print("interrupted at", i, flush=True)
     """
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    proc = start_script(script)
     try:
         assert proc.stdout.readline().strip() == "waiting"
         proc.send_signal(signal.SIGINT)

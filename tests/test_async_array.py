@@ -5,15 +5,13 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
-import subprocess
-import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cause_of, returns_within
+from helpers import cause_of, returns_within, run_script
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call, deferred_call
@@ -826,13 +824,8 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_call_running_at_fork_fails_clearly_in_the_child():
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _FORK_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    ran = run_script(_FORK_SCRIPT, flags=("-W", "ignore"), timeout=50)
+    assert ran.returncode == 0, ran.report
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import pathlib
-import subprocess
-import sys
 import textwrap
 import threading
 
@@ -21,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within
+from helpers import returns_within, run_script
 from jax.experimental import io_callback
 
 import jax_threadmap as jtm
@@ -62,25 +59,6 @@ class Gate:
         if self.error is not None:
             raise self.error
         return self.value
-
-
-def run_script(
-    script: str, timeout: float = 90, unset: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    """Runs ``script`` in a fresh interpreter that imports this checkout's package
-    (without the environment variables ``unset``); a hang fails at ``timeout``."""
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    for name in unset:
-        env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def returns_while_gated(fn, *args, limit: float = 20.0):

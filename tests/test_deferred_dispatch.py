@@ -13,17 +13,14 @@ while the gate is still closed. Values are compared with NumPy on the host.
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
-import subprocess
-import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import F32_RTOL, examples, returns_within
+from helpers import F32_RTOL, examples, returns_within, run_script
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -383,18 +380,8 @@ def test_exit_while_deferred_programs_are_dispatched_is_clean():
     # Was: a pool thread still inside JAX's dispatch while the interpreter
     # finalized ("FATAL: exception not rethrown", SIGABRT). Exit waits for the
     # programs whose data landed, as for a call placing its values.
-    env = dict(os.environ, JAX_THREADMAP_ASYNC_DISPATCH="deferred")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
-    )
     for _ in range(2):
-        proc = subprocess.run(
-            [sys.executable, "-c", EXIT_SCRIPT],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = run_script(EXIT_SCRIPT, env={"JAX_THREADMAP_ASYNC_DISPATCH": "deferred"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout == "last [31.0, 31.0, 31.0, 31.0]\n", proc.stdout
         assert "FATAL" not in proc.stderr, proc.stderr

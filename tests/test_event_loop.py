@@ -11,14 +11,13 @@ import concurrent.futures
 import functools
 import os
 import pathlib
-import subprocess
 import sys
-import textwrap
 import threading
 
 import jax
 import numpy as np
 import pytest
+from helpers import run_script
 
 import jax_threadmap as jtm
 from jax_threadmap._support import event_loop as _event_loop
@@ -51,19 +50,6 @@ class Hung:
             self.cancelled.set()  # its clean-up runs: connections get closed
             raise
         raise AssertionError("never set")
-
-
-def run_script(script: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 # --- what runs on the loop ---------------------------------------------------------

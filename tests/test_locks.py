@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from jax_threadmap import threadmap
 from jax_threadmap._executors import jobs as _jobs
@@ -98,15 +99,13 @@ def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
         assert job.error is None
         assert job.completed == job.n
         assert job.hands <= min(job.n, job.workers)  # Job.add_hand's bound
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # places come back as threads finish
+
+    def all_given_back() -> bool:  # places come back as threads finish
         with _shared_threads._threads.lock:
             active = [p.active for p in _shared_threads._pools.values()]
-            queued = len(_shared_threads._threads.queue)
-        if not any(active) and not queued:
-            break
-        time.sleep(0.01)
-    assert not any(active) and not queued, (active, queued)
+            return not any(active) and not _shared_threads._threads.queue
+
+    wait_until(all_given_back, "every pool's places given back, no map queued")
 
 
 FORK_TIMEOUT = 60
@@ -163,17 +162,20 @@ def test_fork_while_the_layer_is_busy():
                 code = 0 if ok else 1
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + FORK_TIMEOUT
-        while True:
+        ended: list[int] = []  # its exit status
+
+        def child_ended() -> bool:
             done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child hung on a lock held at the fork")
-            time.sleep(0.05)
-        assert os.waitstatus_to_exitcode(status) == 0
+            ended.extend([status] if done else [])
+            return bool(done)
+
+        try:
+            wait_until(child_ended, "the forked child's end", timeout=FORK_TIMEOUT)
+        except AssertionError:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on a lock held at the fork")
+        assert os.waitstatus_to_exitcode(ended[0]) == 0
     finally:
         release.set()
         for t in threads:

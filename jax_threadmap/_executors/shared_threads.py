@@ -96,6 +96,7 @@ class _Threads:
         self.queue: collections.deque[tuple[ThreadPool, Job]] = collections.deque()
         self.idle: list[_Worker] = []  # the last to go idle is handed work first
         self.workers: set[_Worker] = set()  # the threads alive
+        self.peak = 0  # the most threads alive at once
         self.started = 0
         self.exiting = False
         #: Maps still taken at exit: those of programs that JAX waits for.
@@ -162,6 +163,7 @@ class _Threads:
         worker = _Worker(pool, job, self._work, f"jax_threadmap_{self.started}")
         self.started += 1
         self.workers.add(worker)
+        self.peak = max(self.peak, len(self.workers))
         try:
             worker.thread.start()
         except BaseException as e:  # refused (too many threads), or Ctrl-C

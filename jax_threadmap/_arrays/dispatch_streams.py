@@ -105,7 +105,8 @@ def switch_stream(enabled: bool) -> bool:
     state = _thread
     if state.switched_at or not enabled:
         return False
-    state.switch = _hooks.get("execution_stream_id")(next(_stream_ids))
+    # (Called from the table: a Missing hook raises by name when called.)
+    state.switch = _hooks.RESOLVED["execution_stream_id"](next(_stream_ids))
     state.switch.__enter__()
     if state.depth:
         state.switched_at = state.depth

@@ -60,14 +60,17 @@ def host_function(
     eager); its kernels never run a JAX program there (:mod:`.._host.kernel_scope`).
     """
     fn, in_tree, out_tree = kernel.host_call()
+    # What the param says, read here once (it is frozen), not at every call.
+    name, max_chunk, max_in_flight = kernel.name, kernel.max_chunk, kernel.max_in_flight
+    asynchronous = kernel.asynchronous
     out_core = [(a.shape, a.dtype) for a in result_avals]
     caller: ElementCaller | ChunkCaller
     if kernel.vectorized:
-        caller = ChunkCaller(fn, kernel.name, in_tree, out_tree, out_core, spec.shape)
+        caller = ChunkCaller(fn, name, in_tree, out_tree, out_core, spec.shape)
     else:
         caller = ElementCaller(
             fn,
-            kernel.name,
+            name,
             in_tree,
             out_tree,
             out_core,
@@ -76,14 +79,11 @@ def host_function(
         )
 
     def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
-        scope = kernel_scope(devices, kernel.name)
-        flat_map = HostMap(caller, spec, operands, scope)
-        if kernel.asynchronous:  # coroutines on the event loop (_async_kernels)
-            run_async_map(
-                flat_map, max_in_flight=kernel.max_in_flight, progress=progress
-            )
+        flat_map = HostMap(caller, spec, operands, kernel_scope(devices, name))
+        if asynchronous:  # coroutines on the event loop (_async_kernels)
+            run_async_map(flat_map, max_in_flight=max_in_flight, progress=progress)
         else:
-            run_map(executor, flat_map, progress=progress, max_chunk=kernel.max_chunk)
+            run_map(executor, flat_map, progress=progress, max_chunk=max_chunk)
         return flat_map.finish()
 
     return run

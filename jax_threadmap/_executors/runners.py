@@ -63,7 +63,11 @@ class MapWork(ShippedWork, Protocol):
         how many (the work units)."""
         ...
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None: ...
+    @property
+    def run_chunk(self) -> Callable[[int, int, Any], None]:
+        """What runs units ``[start, stop)`` of the map in this thread, as
+        ``run_chunk(start, stop, job)`` (read once per map)."""
+        ...
 
 
 # --- one runner per kind of executor --------------------------------------------------

@@ -113,10 +113,10 @@ def kernel_scope(program_devices: frozenset[Any], name: str) -> KernelScope | No
             the map (none for an eager map).
         name: The kernel's name.
     """
-    if _host_device() == "cpu" and not _program_runs.refused_devices():
+    refused = _program_runs.this_thread.refused  # by the maps around this one
+    if _host_device() == "cpu" and not refused:
         return None
-    held = frozenset(filter(_holds, program_devices))
-    held |= _program_runs.refused_devices()  # the maps around this one
+    held = frozenset(filter(_holds, program_devices)) | refused
     if held:
         # The wrapper that refuses them (installed once; a no-op elsewhere).
         _program_runs.wrap_program_runs()

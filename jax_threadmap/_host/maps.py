@@ -327,9 +327,11 @@ class HostMap:
         del max_elements
         return self.n
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs work units ``[start, stop)`` in this thread; stops before the
-        next one once ``job.failed`` is true."""
+    @property
+    def run_chunk(self) -> ChunkFn:
+        """What runs work units ``[start, stop)`` in this thread, as
+        ``run_chunk(start, stop, job)``, stopping before the next one once
+        ``job.failed`` is true (read once per map)."""
         raise NotImplementedError
 
     def shared(self) -> list[np.ndarray]:
@@ -364,15 +366,18 @@ class ElementMap(HostMap):
         scope: KernelScope | None = None,
     ):
         super().__init__(caller, spec, operands, scope)
-        self._run: ChunkFn | None = None
+        self._loop: ChunkFn | None = None
         if not self.sums:
-            self._run = self.caller.loop(self.in_v, self.out_v, self.shape)
+            self._loop = self.caller.loop(self.in_v, self.out_v, self.shape)
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs elements ``[start, stop)`` in this thread."""
-        if self._run is not None:
-            self._run(start, stop, job)
-            return
+    @property
+    def run_chunk(self) -> ChunkFn:
+        """The generated loop itself (nothing between it and the job), or, for
+        a map summed on the host, :meth:`_run_summed`."""
+        return self._run_summed if self._loop is None else self._loop
+
+    def _run_summed(self, start: int, stop: int, job: Any) -> None:
+        """Runs elements ``[start, stop)`` into partial sums of their own."""
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
         self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
@@ -434,12 +439,16 @@ class ChunkMap(HostMap):
         super().__init__(caller, spec, operands, scope)
         self.plan: PiecePlan | None = None
 
+    @property
+    def run_chunk(self) -> ChunkFn:
+        return self._run_pieces
+
     def split(self, max_elements: int) -> int:
         """Cuts a vectorized map into pieces; returns how many (the work units)."""
         self.plan = PiecePlan(self.shape, max(1, max_elements))
         return self.plan.count
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
+    def _run_pieces(self, start: int, stop: int, job: Any) -> None:
         """Runs pieces ``[start, stop)`` in this thread; stops before the next
         one once ``job.failed`` is true, as the element loops do."""
         partials = self.partials.new()

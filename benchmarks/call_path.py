@@ -1,8 +1,9 @@
 """The path of one call through the package's modules (docs/architecture.md).
 
 Runs ``jax.jit(jax.vmap(jax.vmap(threadmap(...))))(x)`` once (traced, lowered
-and run), then the compiled call alone, under a profiler hook set by this
-script (never by the package), on every thread. Per thread, it follows which
+and run), then the compiled call alone, then an ``async_call`` and ``jnp.sum`` of
+its array (twice: the first compiles), under a profiler hook set by this script
+(never by the package), on every thread. Per thread, it follows which
 package module runs: each time that changes (a call into another module, or a
 return to the caller's) is one hop; ``A -> B -> A`` is a hop straight back.
 Frames outside the package (JAX, NumPy) are transparent: a callback from JAX
@@ -107,6 +108,24 @@ def _hook_callback_threads(path: Path) -> None:
     primitive.host_function = hooked
 
 
+_landing = threading.Event()
+
+
+def _load() -> np.ndarray:
+    _landing.wait(60)
+    return np.ones(8, np.float32)
+
+
+def _async_sum() -> None:
+    """An ``async_call``, then ``jnp.sum`` of its array dispatched while the
+    call still runs (it returns only then), waited for."""
+    _landing.clear()
+    x = jax_threadmap.async_call(_load, jax.ShapeDtypeStruct((8,), jnp.float32))
+    y = jnp.sum(x)
+    _landing.set()
+    jax.block_until_ready(y)
+
+
 def main() -> None:
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     f = jax.jit(jax.vmap(jax.vmap(lambda v: threadmap(_kernel, f32, v))))
@@ -115,9 +134,13 @@ def main() -> None:
     _hook_callback_threads(path)
     first = path.measure(lambda: jax.block_until_ready(f(x)))
     again = path.measure(lambda: jax.block_until_ready(f(x)))
+    async_first = path.measure(_async_sum)
+    async_again = path.measure(_async_sum)
     for label, (modules, hops, back) in (
         ("traced, lowered and run", first),
         ("the compiled call alone", again),
+        ("async_call then jnp.sum, first", async_first),
+        ("async_call then jnp.sum, again", async_again),
     ):
         print(f"{label}: {modules} modules, {hops} hops, {back} straight back")
 

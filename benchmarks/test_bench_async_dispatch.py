@@ -29,11 +29,11 @@ i); params = step(params, batch)``, each load BATCH_LOAD_S (a sleep), then the f
 parameters used; with async dispatch the loop queues steps while batches load (on the
 pool, several at once); with blocking dispatch each step waits for its batch.
 
-Program runs: ``_jax_dispatch.wrap_program_runs`` wraps JAX's
+Program runs: ``_program_runs.wrap_program_runs`` wraps JAX's
 ``ExecuteReplicated.__call__`` (to put the thread back on its execution stream).
 A jitted program with a host callback (always run from Python) and an ordinary
 jitted call (JAX's C++ fast path, which never reaches the wrapper:
-tests/test_compat_async.py) are timed with the wrapper and without.
+tests/test_compat_arrays.py) are timed with the wrapper and without.
 
 Every comparison alternates its sides round by round and keeps the best of
 ROUNDS (the shared machine's speed swings about 2x minute to minute).
@@ -57,7 +57,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap as jtm
-from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 LOAD_S = float(os.environ.get("LOAD_S", "1.0"))
 COMPILE_S = 1.0  # target; calibrated below
@@ -107,15 +107,15 @@ def n_ops() -> int:
 
 @contextlib.contextmanager
 def dispatch_mode(mode: str):
-    old = os.environ.get(_dispatch.ENV_ASYNC_DISPATCH)
-    os.environ[_dispatch.ENV_ASYNC_DISPATCH] = "1" if mode == "async" else "0"
+    old = os.environ.get(_async_dispatch.ENV_ASYNC_DISPATCH)
+    os.environ[_async_dispatch.ENV_ASYNC_DISPATCH] = "1" if mode == "async" else "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ[_dispatch.ENV_ASYNC_DISPATCH]
+            del os.environ[_async_dispatch.ENV_ASYNC_DISPATCH]
         else:
-            os.environ[_dispatch.ENV_ASYNC_DISPATCH] = old
+            os.environ[_async_dispatch.ENV_ASYNC_DISPATCH] = old
 
 
 def blocking_order() -> list[np.ndarray]:
@@ -255,10 +255,10 @@ def program_run_ns(wrapped: bool, fast: bool = False, calls: int = 3000) -> floa
     the wrapper); else a program with a host callback, which JAX always runs
     from Python.
     """
-    from jax_threadmap._async import dispatch as _dispatch
+    from jax_threadmap._arrays import async_dispatch as _async_dispatch
     from jax_threadmap._jax import hooks as _compat
 
-    _dispatch.mechanism.prepare()
+    _async_dispatch.mechanism.prepare()
     cls = _compat.get("ExecuteReplicated")
     wrapper = cls.__call__
     original = getattr(wrapper, "__jax_threadmap_original__", wrapper)

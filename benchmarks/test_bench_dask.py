@@ -9,7 +9,7 @@ alternately in one process, best of ROUNDS each:
 - ``hand``: what a Dask user writes by hand: ``client.scatter(w, broadcast=True)``
   then ``client.map`` of a function over blocks of the elements (two per worker).
 - ``per_task``: threadmap as it was before the parameter was shared: the
-  parameter pickled into every task (``_remote.SHARE_BYTES`` set beyond its size).
+  parameter pickled into every task (``_packing.SHARE_BYTES`` set beyond its size).
   It takes about a minute per map on 2 CPUs, so it runs in the first round only.
 
 For each: seconds per map and the bytes shipped (pickled into tasks, plus
@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from jax_threadmap import threadmap
-from jax_threadmap._host import remote as _remote
+from jax_threadmap._host import packing as _packing
 
 PARAM_MB = 100
 ELEMENTS = 4096
@@ -118,13 +118,13 @@ def sides(client: Any, x: np.ndarray, w: np.ndarray) -> dict[str, Callable[[], A
 
         def run() -> Any:
             shipped.bytes = 0
-            before = _remote.SHARE_BYTES
-            _remote.SHARE_BYTES = share_bytes
+            before = _packing.SHARE_BYTES
+            _packing.SHARE_BYTES = share_bytes
             try:
                 with shipped:
                     return np.asarray(f(x, w_device)), shipped.bytes
             finally:
-                _remote.SHARE_BYTES = before
+                _packing.SHARE_BYTES = before
 
         return run
 
@@ -140,7 +140,7 @@ def sides(client: Any, x: np.ndarray, w: np.ndarray) -> dict[str, Callable[[], A
             return result, shipped.bytes
 
     return {
-        "threadmap": threadmap_side(_remote.SHARE_BYTES),
+        "threadmap": threadmap_side(_packing.SHARE_BYTES),
         "hand": hand,
         "per_task": threadmap_side(2**62),
     }

@@ -5,12 +5,12 @@ One flat, threaded map per host callback, however deeply it is ``vmap``-ed.
 
 import importlib.metadata
 
-from ._async.arrays import AsyncArray as AsyncArray
-from ._async.arrays import async_call as async_call
-from ._async.arrays import deferred_call as deferred_call
-from ._async.dispatch import async_dispatch_status as async_dispatch_status
-from ._async.pool import async_pool_status as async_pool_status
-from ._async.shard_loads import async_array_from_callback as async_array_from_callback
+from ._arrays.async_array import AsyncArray as AsyncArray
+from ._arrays.async_array import async_call as async_call
+from ._arrays.async_array import deferred_call as deferred_call
+from ._arrays.async_dispatch import async_dispatch_status as async_dispatch_status
+from ._arrays.async_pool import async_pool_status as async_pool_status
+from ._arrays.shard_loads import async_array_from_callback as async_array_from_callback
 from ._core.api import KernelFunction as KernelFunction
 from ._core.api import kernel as kernel
 from ._core.api import threadmap as threadmap
@@ -21,8 +21,8 @@ from ._jax.hooks import UnsupportedJaxError as UnsupportedJaxError
 from ._support.errors import ExecutorError as ExecutorError
 from ._support.errors import KernelError as KernelError
 from ._support.errors import ThreadmapError as ThreadmapError
-from ._support.shared import Shared as Shared
-from ._support.shared import shared as shared
+from ._support.shared_resources import Shared as Shared
+from ._support.shared_resources import shared as shared
 
 try:
     __version__ = importlib.metadata.version("jax_threadmap")

@@ -158,17 +158,16 @@ def _close_zygotes() -> None:
             zygote.proc.kill()
 
 
-def _same_start(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
-    """Whether JAX, started in ``zygote_env``, starts as it would in ``env``."""
+#: Variables that differ from test to test and that nothing the zygote imports
+#: reads: pytest names the running test in PYTEST_CURRENT_TEST. A zygote keyed by
+#: them would be a new one (a JAX import, about 1 s of CPU) for every script.
+NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST"})
 
-    def jax_part(e: dict[str, str]) -> dict[str, str]:
-        return {
-            k: v
-            for k, v in e.items()
-            if k.startswith(("JAX_", "XLA_", "TF_", "PYTHON")) or k == "PATH"
-        }
 
-    return jax_part(env) == jax_part(zygote_env)
+def zygote_key(env: dict[str, str]) -> str:
+    """Which zygote serves a script run with ``env``: one per environment as the
+    zygote's imports see it (the child itself gets ``env`` whole)."""
+    return json.dumps({k: env[k] for k in sorted(env) if k not in NOT_READ_AT_IMPORT})
 
 
 def run(file: str, cwd: str, env: dict[str, str], timeout: float = 600):
@@ -180,7 +179,7 @@ def run(file: str, cwd: str, env: dict[str, str], timeout: float = 600):
             f"JAX_THREADMAP_FRESH_SCRIPTS must be 'fork' or 'processes', got {mode!r}"
         )
     if mode == "fork" and hasattr(os, "fork"):
-        key = json.dumps({k: env[k] for k in sorted(env)})
+        key = zygote_key(env)
         zygote = _zygotes.get(key)
         if zygote is None or zygote.proc.poll() is not None:  # new, or killed
             zygote = _zygotes[key] = _Zygote(env)

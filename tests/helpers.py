@@ -9,9 +9,11 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.extend
@@ -254,6 +256,30 @@ def numpy_keeps_value(value, dtype) -> bool:
     return not lost.any()
 
 
+#: How long a test waits for what must happen before it fails: generous, so that
+#: only a hang fails a test, never a slow or loaded machine.
+PATIENCE = 60.0
+
+
+def wait_until(condition, what: str, *, timeout: float = PATIENCE, poll=0.01):
+    """Waits until ``condition`` holds; fails, saying that ``what`` never
+    happened, once ``timeout`` seconds have passed without it.
+
+    ``condition`` is a ``threading.Event`` (waited on) or a function of no
+    arguments (called every ``poll`` seconds until it returns true). The bound
+    turns a hang into a failure; it is never a measure of speed, so it is
+    generous (:data:`PATIENCE`): a wait that may be long (a thread pool
+    emptying, a child process ending) waits on what it waits for.
+    """
+    if isinstance(condition, threading.Event):
+        assert condition.wait(timeout), f"{what}: not within {timeout} s"
+        return
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(poll)
+
+
 def returns_within(fn, *args, limit: float, what: str = "return"):
     """Runs ``fn(*args)`` in a daemon thread and returns its value (or raises its
     error); fails, naming ``fn``, unless it ends within ``limit`` seconds."""
@@ -274,51 +300,113 @@ def returns_within(fn, *args, limit: float, what: str = "return"):
     return box["value"]
 
 
-def run_checks(
-    script: str, *, shardy: str, timeout: float, unset: tuple[str, ...] = ()
-) -> tuple[subprocess.CompletedProcess, str]:
-    """Runs ``tests/<script>`` (a script of checks on several CPU devices, which
-    it sets up itself) in a fresh process on the CPU, with this checkout first
-    on its path, Shardy (``shardy="1"``) or GSPMD (``"0"``) as the partitioner,
-    and without the variables ``unset``. Returns the process and a report (its
-    stdout and the end of its stderr) for assertion messages."""
-    here = pathlib.Path(__file__).parent
-    # On the CPU, as every child of the tests (conftest.py).
-    env = dict(os.environ, JAX_USE_SHARDY_PARTITIONER=shardy, JAX_PLATFORMS="cpu")
-    root = str(here.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+#: This checkout, first on every child's path.
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def child_env(env: dict | None = None, unset: tuple[str, ...] = ()) -> dict:
+    """The environment of a child process of the tests: this one's (conftest.py
+    adds the tests' folder to ``PYTHONPATH`` and quiets the TPU host's warning),
+    on the CPU (``JAX_PLATFORMS=cpu``: on an accelerator this process holds the
+    device, and one process at a time may hold a TPU), with this checkout first
+    on the path and the machine's ``PYTHONPATH`` after it; then ``env``, and
+    without the variables ``unset``."""
+    full = dict(os.environ, JAX_PLATFORMS="cpu")
+    full["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), full.get("PYTHONPATH")) if p
+    )
+    full.update(env or {})
     for name in unset:
-        env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, str(here / script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return proc, proc.stdout + proc.stderr[-5000:]
+        full.pop(name, None)
+    return full
 
 
-def run_child(
-    script: str, *, timeout: float = 120, env: dict | None = None
-) -> tuple[subprocess.CompletedProcess, str]:
-    """Runs the source ``script`` (dedented) in a fresh interpreter on the CPU
-    (``JAX_PLATFORMS=cpu``), with this checkout first on its path and Python's
-    own Ctrl-C handler (:data:`SIGINT_AS_USUAL`), plus ``env``. Returns the
-    process and a report (its stdout and the end of its stderr) for assertion
-    messages; a hang fails at ``timeout``."""
-    root = str(pathlib.Path(__file__).parent.parent)
-    full = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
-    full["PYTHONPATH"] = os.pathsep.join(p for p in (root, full.get("PYTHONPATH")) if p)
+def package_settings() -> tuple[str, ...]:
+    """The ``JAX_THREADMAP_*`` variables set here (conftest.py's pool size, a
+    test run's own choices): for a child that runs as a user's script does,
+    without them (``unset=``)."""
+    return tuple(k for k in os.environ if k.startswith("JAX_THREADMAP_"))
+
+
+class Ran(subprocess.CompletedProcess):
+    """A child's run: its status and output, and a report of them."""
+
+    @property
+    def report(self) -> str:
+        """Its stdout and the end of its stderr, for assertion messages."""
+        return self.stdout + self.stderr[-5000:]
+
+
+def _argv(script: str | pathlib.Path, args: tuple, flags: tuple) -> list[str]:
+    if isinstance(script, pathlib.Path):  # a file, run as a user runs it
+        return [sys.executable, *flags, str(script), *map(str, args)]
     source = textwrap.dedent(SIGINT_AS_USUAL) + textwrap.dedent(script)
-    proc = subprocess.run(
-        [sys.executable, "-c", source],
-        env=full,
-        capture_output=True,
+    return [sys.executable, *flags, "-c", source, *map(str, args)]
+
+
+def run_script(
+    script: str | pathlib.Path,
+    *args: object,
+    env: dict | None = None,
+    unset: tuple[str, ...] = (),
+    timeout: float = 120,
+    flags: tuple[str, ...] = (),
+    input: str | None = None,
+    forked: bool = False,
+    name: str = "script.py",
+) -> Ran:
+    """Runs a script in a child process and returns its run; a hang fails at
+    ``timeout`` (``subprocess.TimeoutExpired``). The one way the tests start
+    Python children.
+
+    ``script`` is source (dedented; run as ``python [flags] -c SOURCE ARGS``,
+    after :data:`SIGINT_AS_USUAL`) or the path of a file (``python [flags] FILE
+    ARGS``). The child's environment is :func:`child_env` (``env``, ``unset``).
+    With ``forked``, source runs as ``python FILE`` would, from a file ``name``
+    in a fresh folder, forked from a process that imported JAX once
+    (``tests/fresh_scripts.py``, which checks that such a script ends as in a
+    fresh interpreter): a fraction of a fresh interpreter's start.
+    """
+    full = child_env(env, unset)
+    if forked:
+        assert isinstance(script, str) and not (args or flags or input), script
+        import fresh_scripts
+
+        with tempfile.TemporaryDirectory() as tmp:
+            file = pathlib.Path(tmp) / name
+            file.write_text(textwrap.dedent(script))
+            done = fresh_scripts.run(str(file), cwd=tmp, env=full, timeout=timeout)
+    else:
+        done = subprocess.run(
+            _argv(script, args, flags),
+            env=full,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    return Ran(done.args, done.returncode, done.stdout, done.stderr)
+
+
+def start_script(
+    script: str | pathlib.Path,
+    *args: object,
+    env: dict | None = None,
+    unset: tuple[str, ...] = (),
+    flags: tuple[str, ...] = (),
+    stderr: Any = subprocess.PIPE,
+) -> subprocess.Popen:
+    """Starts a script as :func:`run_script` runs it, for a test that talks to
+    it while it runs (reads its output, sends it Ctrl-C): its stdout is a pipe
+    of text, and so is its stderr, unless ``stderr`` says where it goes (a file,
+    for a test that reads stdout alone). The caller waits for it."""
+    return subprocess.Popen(
+        _argv(script, args, flags),
+        env=child_env(env, unset),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
         text=True,
-        timeout=timeout,
     )
-    return proc, proc.stdout + proc.stderr[-5000:]
 
 
 @contextlib.contextmanager

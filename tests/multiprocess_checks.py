@@ -94,7 +94,7 @@ def local_pids(x):
 
 
 def index_text(index):
-    return jax_threadmap._async.leaves.index_str(index)
+    return jax_threadmap._arrays.shards.index_str(index)
 
 
 def async_array_from_callback_checks(f, expected):

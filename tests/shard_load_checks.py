@@ -1,6 +1,6 @@
 """Checks of async_array_from_callback on 8 CPU devices.
 
-Run by tests/test_async_shards.py in a subprocess, because the number of CPU
+Run by tests/test_shard_loads.py in a subprocess, because the number of CPU
 devices is fixed when JAX starts and the main test session keeps one. Prints one
 ``ok <check>`` line per check and exits non-zero at the first failure. Every wait
 is on an event (asyncio or threading); bounds only turn a hang into a failure.
@@ -17,16 +17,16 @@ import concurrent.futures  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from helpers import wait_until  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_threadmap as jtm  # noqa: E402
-from jax_threadmap._async import dispatch as _dispatch  # noqa: E402
+from jax_threadmap._arrays import async_dispatch as _async_dispatch  # noqa: E402
 from jax_threadmap._jax import avals as _avals
 
 assert jax.device_count() == 8, jax.devices()
@@ -34,10 +34,10 @@ WAIT = 30.0
 SHAPE = (8, 16)
 DATA = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
 ROW = jax.ShapeDtypeStruct((16,), jnp.float32)
-ASYNC = _dispatch.async_dispatch_status() == "async"  # gate programs
+ASYNC = _async_dispatch.async_dispatch_status() == "async"  # gate programs
 #: Deferred dispatch (accelerators, or JAX_THREADMAP_ASYNC_DISPATCH=deferred): a
 #: program on pending data returns AsyncArrays, run once every shard landed.
-DEFERRED = _dispatch.async_dispatch_status().startswith("async, deferred")
+DEFERRED = _async_dispatch.async_dispatch_status().startswith("async, deferred")
 AXIS_TYPES = {
     "auto": jax.sharding.AxisType.Auto,
     "explicit": jax.sharding.AxisType.Explicit,
@@ -92,13 +92,18 @@ def same_array(a, b):
     )
 
 
-def wait_ready(arrays):
-    deadline = time.monotonic() + WAIT
-    while not all(a.is_ready() for a in arrays):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
+def waited(condition, what):
+    """Whether ``condition`` came true (:func:`helpers.wait_until`): a check's
+    outcome here, where a failed check is reported, not raised."""
+    try:
+        wait_until(condition, what, timeout=WAIT)
+    except AssertionError:
+        return False
     return True
+
+
+def wait_ready(arrays):
+    return waited(lambda: all(a.is_ready() for a in arrays), "arrays ready")
 
 
 # --- the same array as jax.make_array_from_callback --------------------------------
@@ -333,9 +338,7 @@ def a_failing_shard():
     if sys.version_info >= (3, 11):
         note = " ".join(error.__notes__)
         check("the note names the shard", where in note, note)
-    deadline = time.monotonic() + WAIT
-    while len(cancelled) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    waited(lambda: len(cancelled) >= 3, "3 coroutines cancelled")
     check("the other coroutines are cancelled", sorted(cancelled) == [0, 2, 3])
     text = message(jax.errors.JaxRuntimeError, y.block_until_ready) or ""
     check(
@@ -536,7 +539,12 @@ def bad_arguments():
 
 
 if __name__ == "__main__":
-    print("jax", jax.__version__, "async dispatch:", _dispatch.async_dispatch_status())
+    print(
+        "jax",
+        jax.__version__,
+        "async dispatch:",
+        _async_dispatch.async_dispatch_status(),
+    )
     a_failing_thread_stops_the_rest()
     same_as_make_array_from_callback()
     dispatch_before_the_data()

@@ -17,7 +17,7 @@ import jax_threadmap
 PACKAGE = pathlib.Path(jax_threadmap.__file__).parent
 
 #: The subpackages, and those each may import. The two wings, maps (``_core``,
-#: ``_host``, ``_executors``) and async arrays (``_async``), meet only in what
+#: ``_host``, ``_executors``) and async arrays (``_arrays``), meet only in what
 #: they share: ``_support`` and ``_jax`` (the one home of JAX internals).
 ALLOWED = {
     "_jax": set(),
@@ -25,15 +25,10 @@ ALLOWED = {
     "_host": {"_support", "_jax"},
     "_executors": {"_support", "_host"},
     "_core": {"_support", "_jax", "_host", "_executors"},
-    "_async": {"_support", "_jax"},
+    "_arrays": {"_support", "_jax"},
     "_demo": {"_support", "_core"},
 }
-#: Single modules that a subpackage below may import, each with its reason.
-EXCEPTIONS = {
-    ("_host", "_core.batch_spec"): "the value type of a map's batch layout, which "
-    "the host's views and sums read; it imports nothing",
-}
-WINGS = {"maps": {"_core", "_host", "_executors"}, "async arrays": {"_async"}}
+WINGS = {"maps": {"_core", "_host", "_executors"}, "async arrays": {"_arrays"}}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -88,8 +83,7 @@ def test_subpackages_import_only_those_below_them():
             continue  # __init__ and __main__ import the public names
         for imported in package_imports(path, name):
             other = _subpackage(imported)
-            allowed = other in ALLOWED[sub] or (sub, imported) in EXCEPTIONS
-            if other != sub and not allowed:
+            if other != sub and other not in ALLOWED[sub]:
                 wrong.append(f"{name} imports {imported}")
     assert wrong == []
 
@@ -126,10 +120,10 @@ def test_the_checker_sees_imports_across_subpackages(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
         "def f():\n    from .._core.api import threadmap\n\n"
-        "from . import pool\nfrom .._executors import jobs\n"
+        "from . import async_pool\nfrom .._executors import jobs\n"
     )
-    found = package_imports(bad, "_async.bad")
-    assert found == {"_core.api", "_async.pool", "_executors.jobs"}
+    found = package_imports(bad, "_arrays.bad")
+    assert found == {"_core.api", "_arrays.async_pool", "_executors.jobs"}
 
 
 #: The one module that finds JAX's internals: the hook table. The feature code
@@ -240,15 +234,15 @@ def test_no_module_reads_frames_or_sets_profilers():
 #: The state machines of the async wing with one owner each: the module that
 #: owns the class, and the private fields no other module may touch.
 def _owned_fields() -> dict[str, tuple[str, set[str]]]:
-    from jax_threadmap._async.arrays import AsyncArray
-    from jax_threadmap._async.background import Task
+    from jax_threadmap._arrays.async_array import AsyncArray
+    from jax_threadmap._arrays.task import Task
 
     def private(cls: type) -> set[str]:
         return {n for n in cls.__slots__ if n.startswith("_") and n[:2] != "__"}
 
     return {
-        "Task": ("_async.background", private(Task)),
-        "AsyncArray": ("_async.arrays", private(AsyncArray)),
+        "Task": ("_arrays.task", private(Task)),
+        "AsyncArray": ("_arrays.async_array", private(AsyncArray)),
     }
 
 
@@ -280,11 +274,11 @@ def owner_violations(path: pathlib.Path, name: str) -> list[str]:
 def test_a_call_and_an_array_are_changed_only_by_their_own_modules():
     # One owner, enforced: a Task subclass (the sharded load) uses Task's
     # override points, and async dispatch reaches an array's call and leaf
-    # through the record the array's module hands it (dispatch.Pending).
+    # through the record the array's module hands it (async_dispatch.Pending).
     found = [
         v
         for name, path in modules().items()
-        if name.startswith("_async.")
+        if name.startswith("_arrays.")
         for v in owner_violations(path, name)
     ]
     assert found == [], found
@@ -297,7 +291,7 @@ def test_the_owner_checker_sees_fields_touched_from_outside(tmp_path):
         "def plan(x):\n    return x._task, x._index, x.task._gates\n\n"
         "class Other:\n    def g(self):\n        return self._lock\n"
     )
-    found = owner_violations(bad, "_async.bad")
+    found = owner_violations(bad, "_arrays.bad")
     assert [f.split(" ", 1)[1] for f in found] == [
         "self._state (Task)",
         "x.task._gates (Task)",

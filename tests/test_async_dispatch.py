@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import pathlib
-import subprocess
-import sys
 import textwrap
 import threading
 
@@ -21,19 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within
+from helpers import returns_within, run_script
 from jax.experimental import io_callback
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call, deferred_call
-from jax_threadmap._async import dispatch as _dispatch
-from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import async_pool as _async_pool
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        _dispatch.async_dispatch_status() != "async",
-        reason=f"async dispatch is off here: {_dispatch.async_dispatch_status()}",
+        _async_dispatch.async_dispatch_status() != "async",
+        reason=f"async dispatch is off here: {_async_dispatch.async_dispatch_status()}",
     ),
 ]
 
@@ -62,25 +59,6 @@ class Gate:
         if self.error is not None:
             raise self.error
         return self.value
-
-
-def run_script(
-    script: str, timeout: float = 90, unset: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    """Runs ``script`` in a fresh interpreter that imports this checkout's package
-    (without the environment variables ``unset``); a hang fails at ``timeout``."""
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    for name in unset:
-        env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def returns_while_gated(fn, *args, limit: float = 20.0):
@@ -320,7 +298,7 @@ def test_200_pending_arrays_in_one_call():
 
 
 def test_more_waiting_programs_than_the_cap_fall_back_to_blocking():
-    cap = _dispatch.MAX_WAITING_PROGRAMS
+    cap = _async_dispatch.MAX_WAITING_PROGRAMS
     release = threading.Event()
 
     def load(i):
@@ -472,7 +450,7 @@ def test_dispatch_inside_a_pool_call_still_waits_for_its_data():
     # A call run by the pool that jits with another call's arrays waits for them
     # there (running the other call itself if it has not started), so a full
     # pool cannot deadlock.
-    bound = _async_threads.default_async_threads()
+    bound = _async_pool.default_async_threads()
 
     def inner(i):
         return np.full((1,), i, np.float32)
@@ -490,8 +468,8 @@ def test_dispatch_inside_a_pool_call_still_waits_for_its_data():
 
 
 def test_switch_off_gives_blocking_dispatch(monkeypatch):
-    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "0")
-    assert _dispatch.async_dispatch_status().startswith("blocking: disabled by")
+    monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "0")
+    assert _async_dispatch.async_dispatch_status().startswith("blocking: disabled by")
     gate = Gate(np.ones(2, np.float32))
     a = async_call(gate, SDS((2,), np.float32))
     box = {}
@@ -502,9 +480,9 @@ def test_switch_off_gives_blocking_dispatch(monkeypatch):
     gate.release.set()
     t.join(WAIT)
     np.testing.assert_array_equal(box["y"], [-1.0, -1.0])
-    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "maybe")
+    monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "maybe")
     with pytest.raises(ValueError, match="JAX_THREADMAP_ASYNC_DISPATCH='maybe'"):
-        _dispatch.async_dispatch_mode()
+        _async_dispatch.async_dispatch_mode()
 
 
 def test_a_server_that_does_not_start_gives_deferred_dispatch(monkeypatch, caplog):
@@ -513,8 +491,8 @@ def test_a_server_that_does_not_start_gives_deferred_dispatch(monkeypatch, caplo
     def refuse(*args, **kwargs):
         raise OSError("no loopback here")
 
-    monkeypatch.setattr(_dispatch, "mechanism", _dispatch.Dispatch())
-    monkeypatch.setattr(_dispatch._jax_dispatch, "start_transfer_server", refuse)
+    monkeypatch.setattr(_async_dispatch, "mechanism", _async_dispatch.Dispatch())
+    monkeypatch.setattr(_async_dispatch._program_runs, "start_transfer_server", refuse)
     gate = Gate(np.arange(3, dtype=np.float32))
     a = async_call(gate, SDS((3,), np.float32))
     with caplog.at_level(logging.INFO, logger="jax_threadmap"):
@@ -522,7 +500,7 @@ def test_a_server_that_does_not_start_gives_deferred_dispatch(monkeypatch, caplo
     assert isinstance(y, AsyncArray) and not y.done()
     gate.release.set()
     np.testing.assert_array_equal(np.asarray(y), [0.0, 3.0, 6.0])
-    status = _dispatch.async_dispatch_status()
+    status = _async_dispatch.async_dispatch_status()
     assert status.startswith("async, deferred"), status
     said = [r for r in caplog.records if "no loopback here" in r.getMessage()]
     assert said and all(r.levelno == logging.INFO for r in said)
@@ -625,13 +603,13 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
         import threading, time
         import jax, numpy as np
         import jax_threadmap as jtm
-        from jax_threadmap._async import background as _background
+        from jax_threadmap._arrays import task as _task
 
-        place = _background.place
+        place = _task.place
         def slow_place(task, flat):
             time.sleep(1.0)
             return place(task, flat)
-        _background.place = slow_place
+        _task.place = slow_place
 
         go = threading.Event()
         def slow():
@@ -657,7 +635,7 @@ def test_gate_programs_hand_no_0_size_data_to_their_callback():
     device = jax.devices()[0]
     avals = (SDS((0, 3), np.float32), SDS((2,), np.float32), SDS((0,), np.int32))
     spec = (((0, ()), (1, ()), (2, ())),)
-    program = _dispatch.mechanism._program(device, spec, avals)
+    program = _async_dispatch.mechanism._program(device, spec, avals)
     hlo = program.lower(SDS((), np.int32)).as_text()
     calls = [line for line in hlo.splitlines() if "custom_call" in line]
     assert len(calls) == 1, hlo

@@ -19,7 +19,7 @@ from helpers import cause_of, returns_within, sigint_as_usual
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, threadmap
-from jax_threadmap._executors.coroutines import (
+from jax_threadmap._executors.async_kernels import (
     DEFAULT_MAX_IN_FLIGHT,
     ENV_MAX_IN_FLIGHT,
     SLOW_STEP,

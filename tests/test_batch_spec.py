@@ -2,7 +2,7 @@
 
 import pytest
 
-from jax_threadmap._core.batch_spec import BatchSpec
+from jax_threadmap._host.batch_spec import BatchSpec
 
 
 def test_unbatched_has_no_levels():

@@ -58,15 +58,18 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 
 import pytest
 
 import jax_threadmap
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import fresh_scripts  # noqa: E402
-from helpers import LOOPBACK, NO_LOOPBACK  # noqa: E402
+from helpers import (  # noqa: E402
+    LOOPBACK,
+    NO_LOOPBACK,
+    package_settings,
+    run_script,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -207,22 +210,21 @@ def needs_alone_run(path: pathlib.Path, block: dict) -> bool:
     return block is not first
 
 
-def run_script(path: pathlib.Path, script: str, devices: int | None = None):
-    """Runs ``script`` as ``python FILE`` in a fresh directory, as a user would
-    (forked from a process that imported JAX once: tests/fresh_scripts.py)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_THREADMAP_")}
+def run_page(path: pathlib.Path, script: str, devices: int | None = None):
+    """Runs ``script`` (of the page at ``path``) as ``python FILE`` in a fresh
+    directory, as a user would, without the tests' own settings."""
+    env = {}
     if devices:
-        env["XLA_FLAGS"] = (
-            env.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={devices}"
-        )
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+        flags = os.environ.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+    return run_script(
+        script,
+        env=env,
+        unset=package_settings(),
+        timeout=600,
+        forked=True,
+        name=f"{path.stem}_md.py",
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        file = pathlib.Path(tmp) / f"{path.stem}_md.py"
-        file.write_text(script)
-        return fresh_scripts.run(str(file), cwd=tmp, env=env, timeout=600)
 
 
 def block_outputs(stdout: str) -> dict[int, str]:
@@ -236,7 +238,7 @@ def block_outputs(stdout: str) -> dict[int, str]:
 
 @functools.cache
 def _page_run(path: pathlib.Path):
-    return run_script(path, page_script(path))
+    return run_page(path, page_script(path))
 
 
 def _check_printed(path, block, outputs, proc) -> None:
@@ -275,14 +277,14 @@ def test_doc_block_runs(path, block):
     if reason:
         pytest.skip(reason)
     if _own_script(block):
-        proc = run_script(path, page_script(path, last=block), _devices(block))
+        proc = run_page(path, page_script(path, last=block), _devices(block))
     else:
         proc = _page_run(path)
     _check_printed(path, block, block_outputs(proc.stdout), proc)
     if _own_script(block):
         _check_stderr(f"{path.relative_to(ROOT)}:{block['line']}", proc)
     if needs_alone_run(path, block):
-        alone = run_script(path, alone_script(block))
+        alone = run_page(path, alone_script(block))
         name = f"{path.relative_to(ROOT)}:{block['line']}"
         assert alone.returncode == 0, (
             f"{name} fails when pasted alone into a fresh file; make it a complete "
@@ -328,7 +330,7 @@ def test_whole_page_script_for_a_page_whose_blocks_continue(tmp_path):
     assert pages.HEADING in shown and shown.endswith("print(math.sqrt(x))\n```\n")
     path = tmp_path / "page.md"
     path.write_text(page)
-    proc = run_script(path, pages.whole_script(page))
+    proc = run_page(path, pages.whole_script(page))
     assert (proc.returncode, proc.stdout) == (0, "1.4142135623730951\n")
 
 

@@ -5,9 +5,7 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 import time
 
@@ -15,7 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SIGINT_AS_USUAL, executor_of, fake_clocks
+from helpers import (
+    executor_of,
+    fake_clocks,
+    run_script,
+    start_script,
+    wait_until,
+)
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, InOrder, threadmap
@@ -23,7 +27,7 @@ from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import progress as _progress
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import scheduling as _scheduling
-from jax_threadmap._executors import threads as _threads
+from jax_threadmap._executors import shared_threads as _shared_threads
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
@@ -101,7 +105,7 @@ def test_env_var_rejects_garbage(monkeypatch):
 def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     rec = Recorder(gate=n)
     np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
-    started = _threads._threads.started
+    started = _shared_threads._threads.started
     for _ in range(2):
         np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
     assert rec.max_running == n
@@ -109,9 +113,9 @@ def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
     sleepy = Recorder(0.002)  # chunks sized from timings: within the bound too
     np.testing.assert_array_equal(run(sleepy, X, executor=n), X * 2)
     assert 1 <= sleepy.max_running <= n
-    assert _threads.get_pool(n).peak <= n
+    assert _shared_threads.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
-    assert _threads._threads.started == started
+    assert _shared_threads._threads.started == started
 
 
 def test_bound_is_per_pool_not_per_map():
@@ -125,21 +129,22 @@ def test_bound_is_per_pool_not_per_map():
 
 
 def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
-    monkeypatch.setattr(_threads, "IDLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(_shared_threads, "IDLE_TIMEOUT", 0.2)
+    threads = _shared_threads._Threads()  # a set of its own: its peak is this test's
+    monkeypatch.setattr(_shared_threads, "_threads", threads)
     x = np.zeros(40, np.float32)
     for n in range(1, 21):
         np.testing.assert_array_equal(
             run(Recorder(0.002), x[None], executor=n), x[None]
         )
+        assert _shared_threads.get_pool(n).peak <= n
     # Sequential maps of sizes 1..20 need at most 20 threads at once, and their
     # threads are handed from pool to pool: far fewer than 1 + 2 + ... + 20 = 210
-    # threads ever start (a few more than 20 when a map's threads are still
-    # finishing as the next map starts).
-    assert _threads.num_threads() <= 40
-    deadline = time.monotonic() + 30
-    while _threads.num_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _threads.num_threads() == 0
+    # threads ever start, and at most a few more than 20 are alive at once (when a
+    # map's threads are still finishing as the next map starts). The set records
+    # its exact peak: a count sampled between maps would miss an overshoot.
+    assert 1 <= threads.peak <= 40, threads.peak
+    wait_until(lambda: _shared_threads.num_threads() == 0, "idle threads exited")
     rec = Recorder(gate=4)
     np.testing.assert_array_equal(run(rec, X, executor=InOrder(4)), X * 2)  # restarted
     assert rec.max_running == 4
@@ -203,7 +208,7 @@ def test_many_python_threads_calling_at_once():
     x = np.arange(8, dtype=np.float32)
     f(x)
     errors = []
-    pool = _threads.get_pool(4)
+    pool = _shared_threads.get_pool(4)
     pool.peak = 0  # (no map of this pool runs now)
 
     def caller(seed):
@@ -242,10 +247,12 @@ def test_failure_cancels_work_not_started():
             other_started.wait(GATE_TIMEOUT)
             raise RuntimeError("first element fails")
         other_started.set()
-        job = _jobs._local.job
-        deadline = time.monotonic() + GATE_TIMEOUT
-        while job is not None and not job.failed and time.monotonic() < deadline:
-            time.sleep(0.001)
+        job = _jobs.this_thread.job
+
+        def failed() -> bool:
+            return job is None or job.failed
+
+        wait_until(failed, "the map failed", timeout=GATE_TIMEOUT, poll=1e-3)
         return v
 
     x = np.arange(400, dtype=np.float32)
@@ -266,7 +273,7 @@ def test_shut_down_executor_is_a_clear_error():
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_pool_is_fresh_after_fork():
-    pool = _threads.get_pool(2)
+    pool = _shared_threads.get_pool(2)
     out = np.zeros(10)
 
     def fill(start, stop, job):
@@ -277,8 +284,8 @@ def test_pool_is_fresh_after_fork():
     if pid == 0:  # child: the parent's workers do not exist here
         code = 1
         try:
-            child_pool = _threads.get_pool(2)
-            ok = child_pool is not pool and _threads.num_threads() == 0
+            child_pool = _shared_threads.get_pool(2)
+            ok = child_pool is not pool and _shared_threads.num_threads() == 0
             res = np.zeros(10)
 
             def fill_child(start, stop, job):
@@ -300,16 +307,14 @@ def test_interpreter_exit_is_clean():
         "jax.ShapeDtypeStruct((), v.dtype), v)))\n"
         "print(float(f(np.arange(16.0, dtype=np.float32)).sum()))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
+    proc = run_script(code, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert abs(float(proc.stdout) - np.sqrt(np.arange(16.0)).sum()) < 1e-3
 
 
 def test_job_of_pool_directly_reports_first_error():
-    pool = _threads.ThreadPool(3)
+    pool = _shared_threads.ThreadPool(3)
 
     def fn(start, stop, job):
         for i in range(start, stop):
@@ -366,7 +371,7 @@ def test_interrupt_while_waiting_stops_work_not_started():
             ran.append(i)
             time.sleep(0.01)
 
-    pool = _threads.ThreadPool(2)
+    pool = _shared_threads.ThreadPool(2)
     job = _jobs.Job(1000, fn)
     with pytest.raises(KeyboardInterrupt):
         pool.run(job, Interrupting(1000, "k"))
@@ -456,12 +461,7 @@ class Child:
 
     def __init__(self, code: str, *args: str):
         self.stderr = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code), *args],
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            text=True,
-        )
+        self.proc = start_script(code, *args, stderr=self.stderr)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -492,9 +492,7 @@ class Child:
 
 
 # n kernels that block for good in a socket read with no timeout.
-BLOCKED_KERNELS = (
-    SIGINT_AS_USUAL
-    + """
+BLOCKED_KERNELS = """
     import socket, sys, threading
     import jax, jax.numpy as jnp, numpy as np
     from jax_threadmap import threadmap
@@ -525,7 +523,6 @@ BLOCKED_KERNELS = (
         ).start()
         f(x)
 """
-)
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
@@ -591,16 +588,8 @@ DISPATCH_AND_EXIT = """
 def test_exit_without_waiting_for_dispatched_maps_is_clean(devices, program):
     # Was, with 4 devices: "ExecutorError: The interpreter is exiting" from JAX's
     # own exit handler, and "AssertionError: cannot join a dummy thread".
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"  # children run on the CPU
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(DISPATCH_AND_EXIT), program],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    proc = run_script(DISPATCH_AND_EXIT, program, env={"XLA_FLAGS": flags})
     assert proc.returncode == 0, proc.stderr
     # XLA's own log line about gathering the operands of a host call on one
     # device (under sharded jit, as for jax.pure_callback) is not ours.
@@ -617,6 +606,7 @@ PROCESS_POOL_AT_EXIT = """
     from jax_threadmap import threadmap
     from jax_threadmap._executors import runners as _maps
     import worker_kernels
+    from helpers import wait_until
 
     if __name__ == "__main__":
         ex = concurrent.futures.ProcessPoolExecutor(
@@ -648,8 +638,7 @@ PROCESS_POOL_AT_EXIT = """
         # writes: a non-daemon thread keeps the interpreter until it has (the
         # daemon thread's map is stopped before Python joins non-daemon threads).
         threading.Thread(target=daemon_said.wait, args=(50,)).start()
-        while len(_maps._flights) < 2:  # both maps are in flight
-            time.sleep(0.01)
+        wait_until(lambda: len(_maps._flights) == 2, "both maps in flight")
         print("ready", flush=True)
 """
 
@@ -657,19 +646,8 @@ PROCESS_POOL_AT_EXIT = """
 def test_exit_with_process_pool_maps_in_flight_says_the_interpreter_exits():
     # Was "The executor ... refused new work ... cannot schedule new futures after
     # shutdown. Pass an executor that is running", for both maps.
-    env = dict(os.environ)
-    here = os.path.dirname(__file__)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.path.dirname(here), here, env.get("PYTHONPATH")) if p
-    )
     stderr = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(PROCESS_POOL_AT_EXIT)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-    )
+    proc = start_script(PROCESS_POOL_AT_EXIT, stderr=stderr)
     try:
         assert proc.stdout.readline().strip() == "ready"
         # Exit waits for the tasks that the pool has queued already (a few
@@ -702,44 +680,34 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
     code = """
         import time
         import jax, jax.numpy as jnp, numpy as np
+        from helpers import wait_until
         from jax_threadmap import threadmap
         from jax_threadmap._executors import scheduling as _scheduling
-        from jax_threadmap._executors import threads as _threads
+        from jax_threadmap._executors import shared_threads as _shared_threads
 
-        _threads.IDLE_TIMEOUT = 0.2
+        _shared_threads.IDLE_TIMEOUT = 0.2
 
         def k(v):
             time.sleep(0.001)
             return v
 
-        peak = 0
         for n in range(1, 51):
             f = jax.jit(jax.vmap(lambda v: threadmap(
                 k, jax.ShapeDtypeStruct((), jnp.float32), v, executor=n)))
             f(np.zeros(64, np.float32))
-            peak = max(peak, _threads.num_threads())
-        deadline = time.monotonic() + 60
-        while _threads.num_threads() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        print(peak, _threads.num_threads(), _scheduling.available_cpus())
+        wait_until(lambda: _shared_threads.num_threads() == 0, "idle threads exited")
+        # The most threads alive at once, exactly (recorded as each starts).
+        print(_shared_threads._threads.peak, _scheduling.available_cpus())
     """
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script(code, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    peak, after, cpus = map(int, proc.stdout.split())
+    peak, cpus = map(int, proc.stdout.split())
     assert 1 <= peak <= 50 + cpus, (peak, cpus)
-    assert after == 0, f"{after} idle threads did not exit"
 
 
 # Shared pool -> a user ThreadPoolExecutor(1) -> shared pool: the pool's workers
 # wait on maps on T, whose one thread waits on a map queued behind them.
-NESTED_ACROSS_POOLS = (
-    SIGINT_AS_USUAL
-    + """
+NESTED_ACROSS_POOLS = """
     import sys, time
     from concurrent.futures import ThreadPoolExecutor
     import jax, jax.numpy as jnp, numpy as np
@@ -767,17 +735,11 @@ NESTED_ACROSS_POOLS = (
     outer = jax.jit(outer) if jit_outer == "jit" else outer
     print(np.asarray(outer(np.ones((4, 2, inner_n), np.float32))).tolist(), flush=True)
 """
-)
 
 
 def test_nested_maps_across_pools_complete():
     # Was a deadlock.
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(NESTED_ACROSS_POOLS), "3", "0", "jit"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script(NESTED_ACROSS_POOLS, "3", "0", "jit")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[12.0, 12.0, 12.0, 12.0]"
 
@@ -808,7 +770,9 @@ def test_ctrl_c_stops_nested_maps_across_pools():
 def test_thread_that_fails_to_start_gives_its_place_back(
     monkeypatch, error, after_start
 ):
-    monkeypatch.setattr(_threads, "_threads", _threads._Threads())  # none idle
+    monkeypatch.setattr(
+        _shared_threads, "_threads", _shared_threads._Threads()
+    )  # none idle
     real_start = threading.Thread.start
     cut_short = []
 
@@ -827,7 +791,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(
         for i in range(start, stop):
             ran.append(rec(i) // 2)
 
-    pool = _threads.ThreadPool(3)
+    pool = _shared_threads.ThreadPool(3)
     monkeypatch.setattr(threading.Thread, "start", failing_start)
     job = _jobs.Job(12, fn)
     if isinstance(error, KeyboardInterrupt):
@@ -846,7 +810,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(
     for thread in cut_short:  # it found no job, and left
         thread.join(60)
         assert not thread.is_alive()
-    assert pool.active == 0 and _threads.num_threads() == 0
+    assert pool.active == 0 and _shared_threads.num_threads() == 0
     rec = Recorder(gate=3)
     job = _jobs.Job(12, fn)
     pool.run(job)
@@ -912,7 +876,7 @@ class RisenRecorder(Recorder):
     reaches ``max_running == gate`` however loaded the machine."""
 
     def __call__(self, x):
-        job = _jobs._local.job
+        job = _jobs.this_thread.job
         if job is not None and job.limited:
             with self.lock:
                 self.threads.add(threading.current_thread())

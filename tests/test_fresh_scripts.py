@@ -74,8 +74,7 @@ def test_a_script_past_its_timeout_is_killed(tmp_path):
     file.write_text("import threading\nthreading.Event().wait()\n")
 
     def zygote():
-        (found,) = [z for z in fresh_scripts._zygotes.values() if z.env == env]
-        return found
+        return fresh_scripts._zygotes[fresh_scripts.zygote_key(env)]
 
     with pytest.raises(subprocess.TimeoutExpired):
         fresh_scripts.run(str(file), cwd=str(tmp_path), env=env, timeout=1)
@@ -84,3 +83,23 @@ def test_a_script_past_its_timeout_is_killed(tmp_path):
     file.write_text("print('next')\n")  # the next script gets a new zygote
     assert fresh_scripts.run(str(file), cwd=str(tmp_path), env=env).stdout == "next\n"
     assert zygote() is not killed and zygote().proc.poll() is None
+
+
+def test_the_scripts_of_every_test_share_a_zygote(tmp_path, monkeypatch):
+    # pytest names the running test in PYTEST_CURRENT_TEST: a zygote keyed by it
+    # started afresh (a JAX import) for every test's script, 1-2 s each. The
+    # child still gets its environment whole.
+    monkeypatch.setenv("JAX_THREADMAP_FRESH_SCRIPTS", "fork")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    file = tmp_path / "parent.py"
+    file.write_text(
+        "import os\nprint(os.getppid(), os.environ['PYTEST_CURRENT_TEST'])\n"
+    )
+    seen = []
+    for test in ("a", "b"):
+        env = dict(os.environ, PYTHONPATH=path, PYTEST_CURRENT_TEST=test)
+        ran = fresh_scripts.run(str(file), cwd=str(tmp_path), env=env)
+        parent, name = ran.stdout.split()
+        assert name == test
+        seen.append(int(parent))
+    assert seen[0] == seen[1] != os.getpid()  # forked, both from one zygote

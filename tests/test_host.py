@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jax_threadmap import KernelError
-from jax_threadmap._core.batch_spec import BatchSpec
+from jax_threadmap._host.batch_spec import BatchSpec
 from jax_threadmap._host.maps import (
     ElementCaller,
     HostMap,

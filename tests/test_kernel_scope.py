@@ -21,7 +21,7 @@ from helpers import returns_within
 
 from jax_threadmap import threadmap
 from jax_threadmap._host import kernel_scope as _kernel_scope
-from jax_threadmap._jax import dispatch as _jax_dispatch
+from jax_threadmap._jax import program_runs as _program_runs
 
 SDS = jax.ShapeDtypeStruct
 ON_ACCELERATOR = jax.default_backend() != "cpu"
@@ -33,8 +33,8 @@ HANG = 120.0
 def cpu_held(monkeypatch):
     """Makes this machine's CPU devices count as held by the programs that call
     a map, as an accelerator's are, and the CPU the host to move JAX calls to."""
-    if _jax_dispatch.dispatch_streams_unavailable() is not None:
-        pytest.skip(_jax_dispatch.dispatch_streams_unavailable())
+    if _program_runs.dispatch_streams_unavailable() is not None:
+        pytest.skip(_program_runs.dispatch_streams_unavailable())
     monkeypatch.setattr(_kernel_scope, "_holds", lambda device: True)
     monkeypatch.setattr(_kernel_scope, "_host_device", lambda: jax.devices("cpu")[0])
     # The maps' programs on the CPU too (on an accelerator they would run there,
@@ -69,7 +69,7 @@ def test_a_kernel_running_a_program_on_the_held_device_raises_at_once(cpu_held, 
     assert f"would run on {jax.devices('cpu')[0]}" in text
     assert "kernel 'add_one_in_jax'" in text and "backend='cpu'" in text
     # Nothing leaked into this thread, and the next map works.
-    assert _jax_dispatch.refused_devices() == frozenset()
+    assert _program_runs.this_thread.refused == frozenset()
     np.testing.assert_array_equal(mapped(np.negative)(x), -x)
 
 

@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from jax_threadmap import threadmap
 from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import runners as _maps
-from jax_threadmap._executors import threads as _threads
+from jax_threadmap._executors import shared_threads as _shared_threads
+from jax_threadmap._executors import thread_executors as _thread_executors
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -97,15 +99,13 @@ def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
         assert job.error is None
         assert job.completed == job.n
         assert job.hands <= min(job.n, job.workers)  # Job.add_hand's bound
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # places come back as threads finish
-        with _threads._threads.lock:
-            active = [p.active for p in _threads._pools.values()]
-            queued = len(_threads._threads.queue)
-        if not any(active) and not queued:
-            break
-        time.sleep(0.01)
-    assert not any(active) and not queued, (active, queued)
+
+    def all_given_back() -> bool:  # places come back as threads finish
+        with _shared_threads._threads.lock:
+            active = [p.active for p in _shared_threads._pools.values()]
+            return not any(active) and not _shared_threads._threads.queue
+
+    wait_until(all_given_back, "every pool's places given back, no map queued")
 
 
 FORK_TIMEOUT = 60
@@ -137,7 +137,7 @@ def test_fork_while_the_layer_is_busy():
     held = threading.Event()
 
     def hold_locks():
-        with _threads._states_lock, _threads._fallback:
+        with _thread_executors._states_lock, _thread_executors._fallback:
             held.set()
             release.wait(60)
 
@@ -152,7 +152,7 @@ def test_fork_while_the_layer_is_busy():
             code = 3
             try:
                 x = np.arange(40, dtype=np.float32)
-                ok = _threads.num_threads() == 0
+                ok = _shared_threads.num_threads() == 0
                 with concurrent.futures.ThreadPoolExecutor(3) as ex:
                     for executor in (2, ex):
                         f = jax.vmap(
@@ -162,17 +162,20 @@ def test_fork_while_the_layer_is_busy():
                 code = 0 if ok else 1
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + FORK_TIMEOUT
-        while True:
+        ended: list[int] = []  # its exit status
+
+        def child_ended() -> bool:
             done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child hung on a lock held at the fork")
-            time.sleep(0.05)
-        assert os.waitstatus_to_exitcode(status) == 0
+            ended.extend([status] if done else [])
+            return bool(done)
+
+        try:
+            wait_until(child_ended, "the forked child's end", timeout=FORK_TIMEOUT)
+        except AssertionError:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on a lock held at the fork")
+        assert os.waitstatus_to_exitcode(ended[0]) == 0
     finally:
         release.set()
         for t in threads:

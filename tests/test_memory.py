@@ -1,11 +1,9 @@
 """Unbatched operands are never tiled: a 64 MB constant under an 8x8 vmap."""
 
 import inspect
-import subprocess
-import sys
 
 import pytest
-from helpers import peak_mb
+from helpers import peak_mb, run_script
 
 #: The scripts measure themselves with tests/helpers.py's peak_mb.
 PEAK_MB = "import resource\n\n" + inspect.getsource(peak_mb)
@@ -43,9 +41,7 @@ print(after - before)
 
 def peak_added_mb(script: str, timeout: float) -> float:
     """Runs ``script`` in a fresh interpreter; returns the peak RSS it reports."""
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
-    )
+    proc = run_script(script, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return float(proc.stdout.strip().splitlines()[-1])
 

@@ -10,15 +10,13 @@ error go uncaught: it exits with that error, and process 0 exits cleanly, both
 promptly (no process waits for good on a peer that failed).
 """
 
-import os
 import pathlib
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
-from helpers import LOOPBACK, NO_LOOPBACK
+from helpers import LOOPBACK, NO_LOOPBACK, start_script
 
 pytestmark = pytest.mark.skipif(not LOOPBACK, reason=f"jax.distributed {NO_LOOPBACK}")
 
@@ -35,22 +33,9 @@ def free_port() -> int:
 
 @pytest.mark.timeout(LIMIT + 30)
 def test_two_processes_map_their_own_shards_and_exit_promptly():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p
-    )
-    env["JAX_PLATFORMS"] = "cpu"  # children run on the CPU
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "multiprocess_checks.py"), str(port), str(i)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    checks = HERE / "multiprocess_checks.py"
+    procs = [start_script(checks, port, i) for i in range(2)]
     deadline = time.monotonic() + LIMIT
     outputs = []
     try:

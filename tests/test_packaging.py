@@ -4,7 +4,6 @@ importing the package starts nothing."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import tarfile
 import zipfile
 
 import pytest
+from helpers import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -70,17 +70,7 @@ def test_importing_the_package_starts_no_backend_even_at_exit(platforms):
     # On a TPU host a backend started at exit opens the chip (15 s, and takes it
     # from the parent of a child that only imported the package); with a
     # platform that cannot start, it printed a traceback.
-    env = dict(os.environ, JAX_PLATFORMS=platforms)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_ONLY],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script(_IMPORT_ONLY, env={"JAX_PLATFORMS": platforms})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "backends []\n", (proc.stdout, proc.stderr)
     assert proc.stderr == "", proc.stderr

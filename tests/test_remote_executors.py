@@ -7,17 +7,14 @@ import os
 import pathlib
 import pickle
 import re
-import subprocess
-import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import worker_kernels
-from helpers import cause_of
+from helpers import cause_of, run_script, wait_until
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, threadmap
@@ -139,7 +136,7 @@ def test_remote_chunks_ship_only_their_slices():
     # A map whose operand is batched at the outer level only: each chunk carries
     # the distinct elements it needs, never the whole array.
     big = np.arange(64 * 1000, dtype=np.float32).reshape(64, 1000)
-    from jax_threadmap._core.batch_spec import BatchSpec
+    from jax_threadmap._host.batch_spec import BatchSpec
     from jax_threadmap._host.maps import ElementCaller, HostMap
 
     tree = jax.tree_util.tree_structure(((0, 0), {}))
@@ -358,17 +355,7 @@ def test_a_pool_whose_workers_cannot_import_the_main_script_says_so():
     # The workers of a spawn pool import the main script again; a program read
     # from stdin has none, so they die at start (FileNotFoundError '<stdin>' on
     # their stderr). The map's error says where to look and this cause.
-    env = dict(os.environ)
-    root = str(pathlib.Path(__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-"],
-        input=MAIN_FROM_STDIN,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script(pathlib.Path("-"), input=MAIN_FROM_STDIN)  # python - reads stdin
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "A worker process ended" in proc.stdout, proc.stdout
     assert "the main script is '<stdin>', which is no file" in proc.stdout
@@ -512,10 +499,13 @@ def test_dask_gets_a_large_unbatched_operand_once_per_worker(dask_client):
     assert len(shipped) >= 4 and sum(shipped) < w.nbytes / 8, shipped
     assert scattered == [(w.nbytes, True)] * 2  # once per map, to every worker
     # Released after the map: the workers hold nothing of it.
-    deadline = time.monotonic() + 30
-    while any(dask_client.run(lambda dask_worker: len(dask_worker.data)).values()):
-        assert time.monotonic() < deadline, "the scattered parameter was kept"
-        time.sleep(0.05)
+    wait_until(
+        lambda: (
+            not any(dask_client.run(lambda dask_worker: len(dask_worker.data)).values())
+        ),
+        "the workers released the scattered parameter",
+        poll=0.05,
+    )
 
 
 def test_fast_elements_ship_in_a_few_tasks(counting_pool):

@@ -19,7 +19,7 @@ from jax_threadmap import InOrder, threadmap
 from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import scheduling as policy
-from jax_threadmap._executors import threads as _threads
+from jax_threadmap._executors import shared_threads as _shared_threads
 
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 #: Seconds a barrier waits before it breaks: far above a working map's time.
@@ -204,10 +204,10 @@ def test_threads_follow_the_kernels_running_at_once(monkeypatch):
     # 300 calls of a 50-element map on a pool of 1000: at most 50 kernels run at
     # once. A thread done with a map's chunks takes the next map a moment later;
     # before the fix each call started threads rather than wait for them.
-    monkeypatch.setattr(_threads, "_threads", _threads._Threads())
+    monkeypatch.setattr(_shared_threads, "_threads", _shared_threads._Threads())
     f = jax.jit(jax.vmap(lambda i: threadmap(lambda v: v, I32, i, executor=1000)))
     x = jnp.arange(50, dtype=jnp.int32)
     for _ in range(300):
         np.testing.assert_array_equal(f(x), np.arange(50))
-    started = _threads._threads.started
+    started = _shared_threads._threads.started
     assert started <= 50 + _maps.available_cpus(), started

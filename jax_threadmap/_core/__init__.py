@@ -1,2 +1,2 @@
 """The maps wing's public API and primitive: ``threadmap``, ``kernel``, ``threadmap_p``
-and its rules, their params and batch spec."""
+and its rules, their params."""

@@ -11,14 +11,14 @@ from typing import Any, Generic, NamedTuple, TypeVar, cast, overload
 import jax
 import numpy as np
 
-from .._executors import coroutines as _async_kernels
+from .._executors import async_kernels as _async_kernels
 from .._executors.runners import Executor
 from .._executors.scheduling import InOrder
+from .._host.batch_spec import BatchSpec
 from .._jax import hooks as _hooks
 from .._support import environment as _environment
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
-from .batch_spec import BatchSpec
 from .params import KernelParam, ResidualRule, RuleKernel, hashable
 from .primitive import threadmap_p
 
@@ -431,7 +431,7 @@ class KernelFunction(Generic[R]):
 
     def _check_async(self, fn: Callable[..., Any], what: str) -> None:
         """Refuses an ``async def`` kernel (or derivative kernel) with an
-        executor or ``vectorized`` (see ``_executors.coroutines``)."""
+        executor or ``vectorized`` (see ``_executors.async_kernels``)."""
         _async_kernels.check_async_kernel(
             fn,
             executor=self._executor,

@@ -22,18 +22,18 @@ from typing import Any, TypeVar
 import jax
 
 from .._host import summing as _summing
+from .._host.batch_spec import Axes, BatchSpec
 from .._jax import avals as _avals
 from .._jax import hooks as _hooks
 from .._jax import primitive_rules as _rules
-from .batch_spec import Axes, BatchSpec
 from .params import (
     DerivativeParam,
     KernelParam,
     Node,
     ResidualRule,
     is_differentiable,
-    no_rules_message,
 )
+from .rule_messages import no_rules_message
 
 Zero = _rules.Zero
 Bind = Callable[..., Sequence[Any]]

@@ -32,6 +32,7 @@ import numpy as np
 from .._support.event_loop import is_coroutine_function
 from .._support.result_casts import ResultCastError, check_result_cast
 from .._support.validate import callable_name
+from .rule_messages import missing_rule_message
 
 Fn = Callable[..., Any]
 
@@ -317,6 +318,17 @@ class Node:
         if isinstance(obj, (KernelParam, RuleKernel)):
             return getattr(obj, kind)
         return None
+
+    @property
+    def is_kernel(self) -> bool:
+        """Whether what this node runs takes rules of its own: the user's kernel,
+        or a derivative kernel that is a ``jax_threadmap.kernel``."""
+        return isinstance(self.rule_object, (KernelParam, RuleKernel))
+
+    @property
+    def residuals(self) -> bool:
+        """Whether this node's VJP is given with residuals (``fwd``/``bwd``)."""
+        return isinstance(self.rule("vjp"), ResidualRule)
 
     @property
     def name(self) -> str:
@@ -628,142 +640,3 @@ def _describe(x: Any) -> str:
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of length {len(x)}"
     return f"a value of type {type(x).__name__}"
-
-
-def missing_rule_message(node: Node, which: str) -> str:
-    """``node`` has no ``which`` rule ("jvp" or "vjp"), and one is needed."""
-    if node.base is None:
-        return _first_order_missing(node.kernel, which) + _hessian_hint(node, which)
-    name, short = node.name, _short(node.name)
-    if which == "jvp":
-        needs = (
-            "forward mode through it (second-order derivatives such as "
-            "jax.hessian, jax.jacfwd of jax.grad or of jax.jacfwd, and jax.jvp of "
-            "jax.grad)"
-        )
-    else:
-        needs = (
-            "reverse mode through it (second-order derivatives such as jax.grad "
-            "of jax.grad, and jax.jacrev of jax.grad or of jax.jacfwd)"
-        )
-    if which == "jvp" and isinstance(node.rule("vjp"), ResidualRule):
-        needs += f" ({short}'s fwd and bwd give reverse mode only)"
-    return (
-        f"threadmap kernel {name!r} ({_describe_node(node)}): {short} has no "
-        f"def{which}, so {needs} cannot run. {_how_to_attach(node, [which])}"
-    )
-
-
-def no_rules_message(node: Node) -> str:
-    """A derived ``node`` has no rules at all and is differentiated."""
-    name, short = node.name, _short(node.name)
-    return (
-        f"threadmap kernel {name!r} ({_describe_node(node)}) has no derivative "
-        f"kernels of its own, so it cannot be differentiated: {short} has no "
-        "defjvp (for forward mode over it: jax.hessian, jax.jacfwd of jax.grad or "
-        "of jax.jacfwd, jax.jvp of jax.grad) and no defvjp (for reverse mode over "
-        "it: jax.grad of jax.grad, jax.jacrev of jax.grad or of jax.jacfwd). "
-        f"{_how_to_attach(node, ['jvp', 'vjp'])}"
-    )
-
-
-def _hessian_hint(root: Node, which: str) -> str:
-    """Where forward mode through the user's kernel is asked for by a
-    second-order transform: what that transform needs as well."""
-    vjp = root.kernel.vjp
-    if which != "jvp" or vjp is None:
-        return ""
-    if isinstance(vjp, ResidualRule):
-        fwd, bwd = _short(root.derive("fwd").name), _short(root.derive("bwd").name)
-        return (
-            " (jax.hessian, jax.jvp of jax.grad and other forward-over-reverse "
-            f"derivatives need no JVP kernel of {root.name!r}: they differentiate "
-            f"{fwd} and {bwd}, which need JVP kernels of their own: make them "
-            f"jax_threadmap.kernels and attach one to each with {fwd}.defjvp and "
-            f"{bwd}.defjvp.)"
-        )
-    name = _short(root.derive("vjp").name)
-    if isinstance(vjp, RuleKernel) and vjp.jvp is not None:
-        return (
-            " (Outside jax.jit, jax.hessian and other forward-over-reverse "
-            "derivatives compute this kernel's own tangent as well, so they need "
-            f"it too; under jax.jit, {name}.defjvp is enough.)"
-        )
-    return (
-        " (For jax.hessian and other forward-over-reverse derivatives, the VJP "
-        f"kernel {name} needs a JVP kernel of its own as well: make it a "
-        f"jax_threadmap.kernel and attach one with {name}.defjvp.)"
-    )
-
-
-def _short(name: str) -> str:
-    return name.rpartition(".")[2]  # the function's name: "f", not "g.<locals>.f"
-
-
-def _describe_node(node: Node) -> str:
-    assert node.base is not None
-    if node.kind in ("fwd", "bwd"):
-        return (
-            f"the {node.kind} kernel of {node.base.name!r}, from "
-            "defvjp(fwd, bwd, residuals=...)"
-        )
-    kind = "jvp" if node.kind == "lin" else node.kind
-    return f"the {kind.upper()} kernel of {node.base.name!r}"
-
-
-def _how_to_attach(node: Node, which: list[str]) -> str:
-    short = _short(node.name)
-    signatures = {
-        "jvp": (
-            f"{short}.defjvp(jvp_kernel), where jvp_kernel takes {short}'s "
-            "positional arguments, then one tangent per positional argument, and "
-            f"returns the tangent of {short}'s result"
-        ),
-        "vjp": (
-            f"{short}.defvjp(vjp_kernel), where vjp_kernel takes {short}'s "
-            f"positional arguments, then the cotangent of {short}'s result, and "
-            "returns a tuple with one cotangent per positional argument"
-        ),
-    }
-    attach = "; and/or ".join(signatures[w] for w in which)
-    if isinstance(node.rule_object, RuleKernel):
-        return f"Attach it with {attach}."
-    result = jax.tree_util.tree_unflatten(
-        node.out_tree,
-        [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in node.out_avals],
-    )
-    return (
-        f"Make {short} a jax_threadmap.kernel: "
-        f"@jax_threadmap.kernel({result}) on its definition (its result for one "
-        f"element), and attach {attach}."
-    )
-
-
-def _first_order_missing(kernel: KernelParam, which: str) -> str:
-    name = kernel.name
-    if which == "jvp" and isinstance(kernel.vjp, ResidualRule):
-        return (
-            f"threadmap kernel {name!r} has fwd and bwd kernels "
-            "(defvjp(fwd, bwd, residuals=...)) but no JVP kernel, so forward-mode "
-            "derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot run: fwd and "
-            "bwd give reverse mode only, as for jax.custom_vjp. Attach a JVP "
-            f"kernel with {name}.defjvp(jvp_kernel), where jvp_kernel(*primals, "
-            "*tangents) returns the tangent of the output; or use reverse mode "
-            "(jax.grad, jax.vjp, jax.jacrev)."
-        )
-    if which == "jvp":
-        return (
-            f"threadmap kernel {name!r} has a VJP kernel but no JVP kernel, so "
-            "forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot "
-            "run. Attach one with "
-            f"{name}.defjvp(jvp_kernel), where jvp_kernel(*primals, *tangents) "
-            "returns the tangent of the output; or use reverse mode (jax.grad, "
-            "jax.vjp, jax.jacrev)."
-        )
-    return (
-        f"threadmap kernel {name!r} has a JVP kernel but no VJP kernel, so "
-        "reverse-mode derivatives (jax.grad, jax.vjp, jax.jacrev) cannot be "
-        f"computed. Attach one with {name}.defvjp(vjp_kernel), where "
-        "vjp_kernel(*primals, cotangent) returns a tuple with one cotangent per "
-        "positional argument; or use forward mode (jax.jvp, jax.jacfwd)."
-    )

@@ -30,10 +30,10 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._host.batch_spec import BatchSpec
 from .._jax import avals as _avals
 from .._jax import explicit_sharding as _explicit_sharding
 from .._jax import traces as _traces
-from .batch_spec import BatchSpec
 
 Bind = Callable[..., Sequence[Any]]
 MeshAxes = tuple[str, ...]

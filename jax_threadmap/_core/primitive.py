@@ -6,7 +6,7 @@ moves or tiles an operand. The lowering emits one host callback; the eager impl
 calls the same host function directly. Both run the flat map of
 :mod:`.._host.maps` on the executor named in the params
 (:func:`.._executors.runners.run_map`), or, for an ``async def`` kernel, as
-coroutines on the event loop (:func:`.._executors.coroutines.run_async_map`).
+coroutines on the event loop (:func:`.._executors.async_kernels.run_async_map`).
 The derivative rules are in :mod:`.autodiff`; all six registrations are at the
 bottom of this file.
 
@@ -14,7 +14,7 @@ Params of every equation:
 
 - ``kernel``: a :mod:`.params` value, what runs per element (hashable);
 - ``result_avals``: one element's result leaves;
-- ``spec``: the :class:`~.batch_spec.BatchSpec`;
+- ``spec``: the :class:`~.._host.batch_spec.BatchSpec`;
 - ``executor`` and ``progress``: as passed to ``threadmap``.
 """
 
@@ -29,8 +29,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._executors.coroutines import run_async_map
+from .._executors.async_kernels import run_async_map
 from .._executors.runners import Executor, run_map
+from .._host.batch_spec import BatchSpec
 from .._host.kernel_scope import kernel_scope
 from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
@@ -38,7 +39,6 @@ from .._jax import avals as _avals
 from .._jax import primitive_rules as _rules
 from . import autodiff as _autodiff
 from . import per_shard as _per_shard
-from .batch_spec import BatchSpec
 from .params import HostCall
 
 threadmap_p = _rules.Primitive("threadmap")
@@ -60,14 +60,17 @@ def host_function(
     eager); its kernels never run a JAX program there (:mod:`.._host.kernel_scope`).
     """
     fn, in_tree, out_tree = kernel.host_call()
+    # What the param says, read here once (it is frozen), not at every call.
+    name, max_chunk, max_in_flight = kernel.name, kernel.max_chunk, kernel.max_in_flight
+    asynchronous = kernel.asynchronous
     out_core = [(a.shape, a.dtype) for a in result_avals]
     caller: ElementCaller | ChunkCaller
     if kernel.vectorized:
-        caller = ChunkCaller(fn, kernel.name, in_tree, out_tree, out_core, spec.shape)
+        caller = ChunkCaller(fn, name, in_tree, out_tree, out_core, spec.shape)
     else:
         caller = ElementCaller(
             fn,
-            kernel.name,
+            name,
             in_tree,
             out_tree,
             out_core,
@@ -76,14 +79,11 @@ def host_function(
         )
 
     def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
-        scope = kernel_scope(devices, kernel.name)
-        flat_map = HostMap(caller, spec, operands, scope)
-        if kernel.asynchronous:  # coroutines on the event loop (_async_kernels)
-            run_async_map(
-                flat_map, max_in_flight=kernel.max_in_flight, progress=progress
-            )
+        flat_map = HostMap(caller, spec, operands, kernel_scope(devices, name))
+        if asynchronous:  # coroutines on the event loop (_async_kernels)
+            run_async_map(flat_map, max_in_flight=max_in_flight, progress=progress)
         else:
-            run_map(executor, flat_map, progress=progress, max_chunk=kernel.max_chunk)
+            run_map(executor, flat_map, progress=progress, max_chunk=max_chunk)
         return flat_map.finish()
 
     return run

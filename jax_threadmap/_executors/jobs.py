@@ -37,18 +37,22 @@ class Busy(Protocol):
     running: bool
 
 
-class _Local(threading.local):
-    #: The job whose chunk this thread is running (a kernel is running here).
+class ThisThread(threading.local):
+    """What a thread publishes of itself to the maps it starts."""
+
+    #: The job whose chunk this thread is running (a kernel is running here): a
+    #: map started now is nested in it (its parent, which it drains while waiting).
     job: Job | None = None
 
 
-_local = _Local()
+#: This thread's :class:`ThisThread` (``this_thread.job``).
+this_thread = ThisThread()
 
 
 @_fork.in_child
 def _forget_running_job() -> None:
     # A fork from inside a kernel: the child runs none of the parent's maps.
-    _local.job = None
+    this_thread.job = None
 
 
 class Job:
@@ -174,7 +178,7 @@ class Job:
         claim, made under the hold of the lock that counts this chunk done.
         ``busy.running`` is true while the kernels run, false before the chunk
         counts done."""
-        outer, _local.job = _local.job, self
+        outer, this_thread.job = this_thread.job, self
         timed, limited = self.fixed is None, self.limited  # (see the lock rule)
         if busy is not None:
             busy.running = True
@@ -187,7 +191,7 @@ class Job:
         finally:
             wall = time.perf_counter() - began if timed else 0.0
             cpu = time.thread_time() - cpu if limited else 0.0
-            _local.job = outer
+            this_thread.job = outer
             if busy is not None:
                 busy.running = False
         units = stop - start

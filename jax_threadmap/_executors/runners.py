@@ -1,6 +1,6 @@
 """One map from start to end: :func:`run_map` picks its runner (one per kind
 of ``executor=``, :data:`RUNNERS`), makes its job, runs it, raises its error;
-chunks shipped to executors that pickle work (:class:`_Shipper`); interpreter
+chunks shipped to executors that pickle work (:mod:`.shipping`); interpreter
 exit (docs/executors.md, "Ctrl-C and interpreter exit").
 """
 
@@ -8,24 +8,24 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import pickle
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .._host import remote as _remote
 from .._host.inner_threads import BLAS_LIMIT
 from .._host.kernel_scope import KernelScope
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
-from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
+from .._support.errors import ExecutorError, KernelError
 from . import scheduling as policy
-from . import threads as _threads
-from .jobs import Job, _local
-from .progress import Progress, progress_enabled, wait
+from . import shared_threads as _shared_threads
+from . import thread_executors as _thread_executors
+from .jobs import Job, this_thread
+from .progress import Progress, progress_enabled
+from .refusals import interpreter_exiting, said
 from .scheduling import InOrder
-from .threads import interpreter_exiting, refused, said
+from .shipping import ShippedWork, Shipper, broken_hint
 
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
 #: any of these in ``InOrder`` for one element per claim in index order.
@@ -48,13 +48,11 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
         return None
 
 
-class MapWork(Protocol):
-    """What the executor layer needs of a map (``_host.maps.HostMap``)."""
+class MapWork(ShippedWork, Protocol):
+    """What the executor layer needs of a map (``_host.maps.HostMap``): what
+    shipping needs (:class:`.shipping.ShippedWork`), and this."""
 
-    name: str  # for messages and progress bars
-    n: int  # elements
     sums: bool  # outputs summed on the host: chunk bounds must not depend on timing
-    vectorized: bool  # one kernel call per chunk
     scope: KernelScope | None  # entered around each chunk run here (kernel_scope.py)
 
     @property
@@ -65,17 +63,11 @@ class MapWork(Protocol):
         how many (the work units)."""
         ...
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None: ...
-
-    def shared(self) -> list[Any]:
-        """Operands shipped once per map to an executor that pickles work."""
+    @property
+    def run_chunk(self) -> Callable[[int, int, Any], None]:
+        """What runs units ``[start, stop)`` of the map in this thread, as
+        ``run_chunk(start, stop, job)`` (read once per map)."""
         ...
-
-    def pack(self, start: int, stop: int) -> Callable[..., Any]:
-        """A picklable task running ``[start, stop)`` in another process."""
-        ...
-
-    def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
 
 
 # --- one runner per kind of executor --------------------------------------------------
@@ -98,7 +90,7 @@ class SharedThreads:
     on_threads = True
 
     def __init__(self, executor: int | None):
-        self.pool = _threads.get_pool(executor)
+        self.pool = _shared_threads.get_pool(executor)
         self.workers = self.pool.max_workers
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
@@ -120,7 +112,7 @@ class ThreadExecutor(_UserExecutor):
     on_threads = True
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
-        _threads.run_on_executor(self.executor, job, progress)
+        _thread_executors.run_on_executor(self.executor, job, progress)
 
 
 class PicklingExecutor(_UserExecutor):
@@ -129,7 +121,7 @@ class PicklingExecutor(_UserExecutor):
     on_threads = False
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
-        _Shipper(self.executor, work, job, self.known).run(progress)
+        Shipper(self.executor, work, job, self.known).run(progress)
 
 
 def _is_shared(executor: Any) -> bool:
@@ -205,7 +197,7 @@ def run_map(
     in_order = isinstance(executor, InOrder)
     executor = executor.executor if isinstance(executor, InOrder) else executor
     runner = runner_for(executor)
-    job = new_job(work, executor, max_chunk, _local.job, runner, in_order)
+    job = new_job(work, executor, max_chunk, this_thread.job, runner, in_order)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
@@ -231,136 +223,12 @@ def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
     if isinstance(e, concurrent.futures.BrokenExecutor):
         return ExecutorError(
             f"The executor running threadmap kernel {name!r} broke while the map ran "
-            f"({said(e)}). {_remote.broken_hint(executor)}",
+            f"({said(e)}). {broken_hint(executor)}",
             cause=e,
         )
     return ExecutorError(
         f"threadmap kernel {name!r}: the executor failed with {said(e)}.", cause=e
     )
-
-
-def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
-    return ExecutorError(
-        f"threadmap kernel {name!r} could not be sent to the executor "
-        f"{executor!r}, which runs work in other processes and so pickles it: "
-        f"{said(e)}. Define the kernel at module level (not a lambda "
-        "or closure), or use executor=None / a ThreadPoolExecutor.",
-        cause=e,
-    )
-
-
-def _chunk_failed(
-    executor: Any, work: MapWork, start: int, stop: int, e: BaseException
-) -> ExecutorError:
-    """The error of a chunk that the executor could not run."""
-    unit = "pieces" if work.vectorized else "elements"
-    if isinstance(e, concurrent.futures.BrokenExecutor):
-        hint = " " + _remote.broken_hint(executor)
-    elif isinstance(e, _remote.KernelNotLoaded):
-        hint = ""  # the worker's own account says what to do
-    else:
-        hint = " Pass a working executor to the next call."
-    return ExecutorError(
-        f"The executor {executor!r} failed to run {unit} [{start}, {stop}) (flat "
-        f"indices, of {work.n}) of threadmap kernel {work.name!r}: {said(e)}." + hint,
-        cause=e,
-    )
-
-
-def _unpicklable(e: BaseException) -> bool:
-    # Python 3.13 says "Can't get local object"; the pool's remote traceback
-    # (the cause) names the pickler.
-    return (
-        isinstance(e, (pickle.PicklingError, AttributeError, TypeError))
-        and "pickle" in f"{e} {e.__cause__}".lower()
-    )
-
-
-class _Shipper:
-    """Ships a map to an executor that pickles work, in chunks of
-    :func:`.scheduling.remote_chunk_size` (fixed for a map summed on the host).
-    Used by the waiting thread alone: no lock."""
-
-    def __init__(
-        self,
-        executor: concurrent.futures.Executor,
-        work: MapWork,
-        job: Job,
-        workers: int | None,
-    ):
-        self.executor = executor
-        self.work = work
-        self.job = job
-        self.cap = policy.remote_in_flight(workers)
-        self.first_wave = min(workers or policy.UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
-        self.next = 0
-        self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
-        self.per_element: float | None = None
-        self.sharing = _remote.Sharing([])
-
-    def top_up(self, most: int) -> None:
-        """Ships tasks until ``most`` are in flight or nothing is left."""
-        while self.next < self.job.n and len(self.pending) < most:
-            self.submit()
-
-    def submit(self) -> None:
-        left = self.job.n - self.next
-        size = self.job.fixed or policy.remote_chunk_size(
-            self.per_element, left, self.cap
-        )
-        start, stop = self.next, self.next + min(size, left)
-        task = self.work.pack(start, stop)
-        try:
-            fut = self.executor.submit(task, *self.sharing.args)
-        except RuntimeError as e:
-            if self.pending and isinstance(e, concurrent.futures.BrokenExecutor):
-                # It broke while running this map's tasks, before their futures
-                # said so: the error they will have, naming one of them.
-                lost = next(iter(self.pending.values()))
-                raise _chunk_failed(self.executor, self.work, *lost, e) from e
-            raise refused(self.executor, e) from e
-        except Exception as e:  # e.g. the kernel cannot be pickled
-            raise _cannot_ship(self.executor, self.work.name, e) from e
-        self.pending[fut] = (start, stop)
-        self.next = stop
-
-    def poll(self, timeout: float) -> bool:
-        """Stores what has come back, ships more; whether the map is done."""
-        if self.job.failed:  # stopped from outside: its parent failed, or exit
-            return True
-        done, _ = concurrent.futures.wait(
-            list(self.pending), timeout, concurrent.futures.FIRST_COMPLETED
-        )
-        for fut in done:
-            start, stop = self.pending.pop(fut)
-            try:
-                outs, per_element = fut.result()
-            except KernelError as e:
-                restore_shipped_cause(e)
-                raise
-            except Exception as e:
-                if _unpicklable(e):
-                    raise _cannot_ship(self.executor, self.work.name, e) from e
-                raise _chunk_failed(self.executor, self.work, start, stop, e) from e
-            self.work.store_packed(start, stop, outs)
-            self.job.add_completed(stop - start)
-            self.per_element = policy.smoothed(self.per_element, per_element)
-        self.top_up(self.cap)
-        return not self.pending
-
-    def run(self, progress: Progress | None) -> None:
-        try:
-            # Large operands read whole by every element: once per map.
-            self.sharing = _remote.share(self.executor, self.work.shared())
-            self.top_up(self.first_wave)
-            wait(self.job, self.poll, progress)
-        except BaseException as e:
-            self.job.fail(e)
-        finally:
-            if self.job.failed:
-                for fut in self.pending:
-                    fut.cancel()
-            self.sharing.close()
 
 
 @_fork.in_child
@@ -423,7 +291,7 @@ def _at_exit() -> None:
     inside XLA while the interpreter finalizes aborts the process)."""
     deadline = time.monotonic() + policy.EXIT_GRACE
     interpreter_exiting.set()
-    ours = _threads._threads.exit(keep=_run_for_jax)
+    ours = _shared_threads.exit_threads(keep=_run_for_jax)
     _stop_maps_of_daemon_threads(deadline)
     me = threading.current_thread()
     for t in ours:

@@ -63,7 +63,7 @@ REMOTE_IN_FLIGHT_PER_WORKER = 2
 SMOOTHING = 0.5
 
 
-def SPARE_THREADS() -> int:  # noqa: N802 - a constant of the machine
+def spare_threads() -> int:
     """Shared threads that may be neither idle nor running a kernel before a map
     waits for them to take it rather than start new ones: one per CPU."""
     return available_cpus()

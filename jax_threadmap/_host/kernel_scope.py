@@ -14,7 +14,7 @@ its chunks (and around each step of an ``async def`` kernel):
   on them, run on the host, as the kernel's own NumPy code does;
 - programs on the *held* devices (those of the program that called the map,
   and those held by the maps around it in this thread) raise
-  :class:`~.._jax.dispatch.HeldDeviceError` at once, naming the device and the
+  :class:`~.._jax.program_runs.HeldDeviceError` at once, naming the device and the
   kernel, instead of hanging. A held scope uses the platform name ``"cpu"`` as
   its default device and an unheld one the device object: ``default_device``
   is part of JAX's jit cache key, so a program that passed the check in one
@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from .._jax import dispatch as _jax_dispatch
+from .._jax import program_runs as _program_runs
 
 
 @functools.cache
@@ -95,7 +95,7 @@ class _Entered:
             self._device = jax.default_device(scope._default)
             self._device.__enter__()
         if scope.held:
-            self._refusing = _jax_dispatch.refusing(scope.held, scope._why)
+            self._refusing = _program_runs.refusing(scope.held, scope._why)
             self._refusing.__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -113,11 +113,11 @@ def kernel_scope(program_devices: frozenset[Any], name: str) -> KernelScope | No
             the map (none for an eager map).
         name: The kernel's name.
     """
-    if _host_device() == "cpu" and not _jax_dispatch.refused_devices():
+    refused = _program_runs.this_thread.refused  # by the maps around this one
+    if _host_device() == "cpu" and not refused:
         return None
-    held = frozenset(filter(_holds, program_devices))
-    held |= _jax_dispatch.refused_devices()  # the maps around this one
+    held = frozenset(filter(_holds, program_devices)) | refused
     if held:
         # The wrapper that refuses them (installed once; a no-op elsewhere).
-        _jax_dispatch.wrap_program_runs()
+        _program_runs.wrap_program_runs()
     return KernelScope(held, name)

@@ -25,14 +25,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._core.batch_spec import Axes, BatchSpec
 from .._support.errors import KernelError, describe, kernel_traceback
 from .._support.result_casts import ResultCastError, check_result_cast
-from . import remote as _remote
+from . import packing as _packing
 from . import summing as _summing
+from .batch_spec import Axes, BatchSpec
 from .kernel_scope import KernelScope
 from .loops import element_loop
-from .remote import ChunkFn
+from .packing import ChunkFn
 from .vectorized import ChunkCaller, KernelCaller, PiecePlan
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
@@ -327,16 +327,18 @@ class HostMap:
         del max_elements
         return self.n
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs work units ``[start, stop)`` in this thread; stops before the
-        next one once ``job.failed`` is true."""
+    @property
+    def run_chunk(self) -> ChunkFn:
+        """What runs work units ``[start, stop)`` in this thread, as
+        ``run_chunk(start, stop, job)``, stopping before the next one once
+        ``job.failed`` is true (read once per map)."""
         raise NotImplementedError
 
     def shared(self) -> list[np.ndarray]:
         """The large operands that every element reads whole, which an executor
-        that pickles work receives once per map (see :func:`.remote.share`);
+        that pickles work receives once per map (see ``_executors/shipping.py``);
         the tasks that :meth:`pack` makes from now on refer to them."""
-        self._shared, arrays = _remote.shared_operands(self.in_v, self.shape)
+        self._shared, arrays = _packing.shared_operands(self.in_v, self.shape)
         return arrays
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
@@ -344,7 +346,7 @@ class HostMap:
         raise NotImplementedError
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.packing`)."""
         raise NotImplementedError
 
     def finish(self) -> tuple[np.ndarray, ...]:
@@ -364,15 +366,18 @@ class ElementMap(HostMap):
         scope: KernelScope | None = None,
     ):
         super().__init__(caller, spec, operands, scope)
-        self._run: ChunkFn | None = None
+        self._loop: ChunkFn | None = None
         if not self.sums:
-            self._run = self.caller.loop(self.in_v, self.out_v, self.shape)
+            self._loop = self.caller.loop(self.in_v, self.out_v, self.shape)
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
-        """Runs elements ``[start, stop)`` in this thread."""
-        if self._run is not None:
-            self._run(start, stop, job)
-            return
+    @property
+    def run_chunk(self) -> ChunkFn:
+        """The generated loop itself (nothing between it and the job), or, for
+        a map summed on the host, :meth:`_run_summed`."""
+        return self._run_summed if self._loop is None else self._loop
+
+    def _run_summed(self, start: int, stop: int, job: Any) -> None:
+        """Runs elements ``[start, stop)`` into partial sums of their own."""
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
         self.caller.loop(self.in_v, out_v, self.shape)(start, stop, job)
@@ -380,7 +385,7 @@ class ElementMap(HostMap):
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:
         """Elements ``[start, stop)``, packed for a worker in another process."""
-        return _remote.pack(
+        return _packing.pack(
             self.caller,
             self.in_v,
             self.shape,
@@ -391,7 +396,7 @@ class ElementMap(HostMap):
         )
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.packing`)."""
         partials = self.partials.new()
         self._store_rows(start, stop, outs, partials)
         if self.sums:
@@ -434,12 +439,16 @@ class ChunkMap(HostMap):
         super().__init__(caller, spec, operands, scope)
         self.plan: PiecePlan | None = None
 
+    @property
+    def run_chunk(self) -> ChunkFn:
+        return self._run_pieces
+
     def split(self, max_elements: int) -> int:
         """Cuts a vectorized map into pieces; returns how many (the work units)."""
         self.plan = PiecePlan(self.shape, max(1, max_elements))
         return self.plan.count
 
-    def run_chunk(self, start: int, stop: int, job: Any) -> None:
+    def _run_pieces(self, start: int, stop: int, job: Any) -> None:
         """Runs pieces ``[start, stop)`` in this thread; stops before the next
         one once ``job.failed`` is true, as the element loops do."""
         partials = self.partials.new()
@@ -483,10 +492,10 @@ class ChunkMap(HostMap):
             index, first, k = self._piece(i)
             leaves = self.plan.leaves(self.in_v, index, k)  # type: ignore[union-attr]
             pieces.append((first, k, leaves))
-        return _remote.pack_pieces(self.caller, pieces, self._shared)
+        return _packing.pack_pieces(self.caller, pieces, self._shared)
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
-        """Stores the outputs of a packed chunk (see :mod:`.remote`)."""
+        """Stores the outputs of a packed chunk (see :mod:`.packing`)."""
         partials = self.partials.new()
         out_v = self.partials.views(self.out_v, partials)
         for i, values in zip(range(start, stop), outs, strict=True):

@@ -3,7 +3,7 @@
 The transpose rule (:func:`.._core.autodiff.transpose_rule`) asks, from the program
 alone, which batch levels the host sums each output over: the levels at which
 the operand whose cotangent it is was not batched (:func:`summed_levels`). It
-records them in the equation's spec (:attr:`.._core.batch_spec.BatchSpec.out_sum`).
+records them in the equation's spec (:attr:`.batch_spec.BatchSpec.out_sum`).
 Everything after that decision lives here too:
 
 - the output buffer holds only the kept levels, zero-filled, and is seen with
@@ -16,7 +16,7 @@ Everything after that decision lives here too:
 - a per-element loop adds with ``+=`` (``loops`` writes that line for the
   outputs in ``accumulate``); a vectorized piece adds its values, reduced over
   the summed dims inside the piece (:func:`add_piece`);
-- a chunk shipped to another process (:mod:`.remote`) sums in the worker, one
+- a chunk shipped to another process (:mod:`.packing`) sums in the worker, one
   sum per distinct output row it adds into (:func:`remote_outputs`,
   :func:`remote_sums`), and the host adds those rows into the chunk's partial
   (:meth:`PartialSums.add_rows`).
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .._core.batch_spec import BatchSpec
+from .batch_spec import BatchSpec
 
 
 def summed_levels(axes: Sequence[int | None]) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .hooks import RESOLVED, Missing, get
+from .hooks import RESOLVED, Missing
 
 
 def register_array_like(
@@ -35,6 +35,6 @@ def register_array_like(
 
     def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
         arrays = arrays_of(list(xs), list(shardings))
-        return get("shard_args")(shardings, layouts, copy_semantics, arrays)
+        return RESOLVED["shard_args"](shardings, layouts, copy_semantics, arrays)
 
     shard_arg_handlers[cls] = handler

@@ -15,7 +15,7 @@ ShapedArray: Any = RESOLVED["ShapedArray"]
 
 def typeof(x: Any) -> Any:
     """``jax.typeof(x)``, with the sharding check of JAX >= 0.8.2 on older ones."""
-    return get("typeof")(x)
+    return RESOLVED["typeof"](x)  # (a Missing raises by name when called)
 
 
 def varying_axes(aval: Any) -> frozenset:

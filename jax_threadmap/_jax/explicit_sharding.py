@@ -12,8 +12,8 @@ import jax
 from .hooks import (
     JAX_VERSION,
     PER_SHARD_JIT,
+    RESOLVED,
     SHARD_MAP,
-    get,
     missing_for,
     version_text,
 )
@@ -38,9 +38,9 @@ def per_shard_unavailable() -> str | None:
             f"vmap maps over (jax {version_text(since)} to {version_text(until)} "
             "exclusive)"
         )
-    return missing_for(PER_SHARD_JIT) or missing_for(SHARD_MAP)
+    return missing_for(PER_SHARD_JIT, SHARD_MAP)
 
 
 def reshard(x: Any, spec: Any) -> Any:
     """``jax.sharding.reshard(x, spec)``: ``x`` in the layout ``spec`` of its mesh."""
-    return get("reshard")(x, spec)
+    return RESOLVED["reshard"](x, spec)  # (a Missing raises by name when called)

@@ -20,9 +20,9 @@ The feature code built on the table lives beside it, one module per concern:
 :mod:`.avals` (abstract values and the varying-axes logic), :mod:`.traces`
 (reading the current trace), :mod:`.explicit_sharding` (per-shard maps under
 ``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
-:mod:`.placement` (fast device placement) and :mod:`.dispatch` (async dispatch
-and the program-run wrapper). They reach JAX's internals only through
-:func:`get`, :func:`or_missing` and :data:`RESOLVED`.
+:mod:`.placement` (fast device placement) and :mod:`.program_runs` (the wrapper
+of program runs, and the transfer server of async dispatch). They reach JAX's internals
+only through :func:`get`, :func:`or_missing` and :data:`RESOLVED`.
 
 Rules for this module: every internal is an entry of :data:`HOOKS`; the public
 location first, the private one as the fallback; the entry says why; and
@@ -522,10 +522,10 @@ HOOKS: tuple[Hook, ...] = (
             ("is_undefined_primal", "tells linear inputs in a transpose rule"),
         )
     ),
-    # Async arrays. An `AsyncArray` (jax_threadmap/_async/arrays.py) is passed to `jit`
-    # without its data: tracing and compilation need only its abstract value, and
-    # the wait for the data belongs at execution. JAX has no public hook for such a
-    # type, and since jax 0.8 `__jax_array__` is no longer honoured during
+    # Async arrays. An `AsyncArray` (jax_threadmap/_arrays/async_array.py) is passed
+    # to `jit` without its data: tracing and compilation need only its abstract
+    # value, and the wait for the data belongs at execution. JAX has no public hook for
+    # such a type, and since jax 0.8 `__jax_array__` is no longer honoured during
     # abstractification (it raises), so three private tables are needed.
     Hook(
         "pytype_aval_mappings",
@@ -622,9 +622,9 @@ HOOKS: tuple[Hook, ...] = (
     # filled later. No public API makes one. `jax.experimental.transfer` (the same
     # module and signatures in 0.6.2 ... 0.12; experimental, so it may move) can:
     # `TransferConnection.pull` returns arrays whose buffers arrive when the
-    # server's `await_pull` offers them. `_async/dispatch.py` pulls only a 4-byte gate
-    # through it (the data goes through a `pure_callback` program that waits on
-    # the gate), so the loopback socket carries no data.
+    # server's `await_pull` offers them. `_arrays/async_dispatch.py` pulls only a
+    # 4-byte gate through it (the data goes through a `pure_callback` program that
+    # waits on the gate), so the loopback socket carries no data.
     *(
         Hook(
             name,
@@ -663,10 +663,10 @@ HOOKS: tuple[Hook, ...] = (
     # XLA orders the programs of one execution stream (by default, one per
     # dispatching thread). jaxlib lets a thread pick the stream of what it
     # dispatches (jaxlib.xla_client.execution_stream_id, a context manager that
-    # sets it and puts it back; the same in 0.6.2 ... 0.12). `_async/dispatch.py` puts
-    # a dispatch on pending data on a stream of its own, and puts the thread back
-    # when JAX's call that runs the compiled program (ExecuteReplicated.__call__,
-    # which it wraps: `wrap_program_runs`) returns.
+    # sets it and puts it back; the same in 0.6.2 ... 0.12).
+    # `_arrays/async_dispatch.py` puts a dispatch on pending data on a stream of its
+    # own, and puts the thread back when JAX's call that runs the compiled program
+    # (ExecuteReplicated.__call__, which it wraps: `wrap_program_runs`) returns.
     Hook(
         "execution_stream_id",
         "puts what the thread dispatches next on a stream of its own (entered), "
@@ -800,10 +800,12 @@ def or_missing(name: str, fallback: Any) -> Any:
     return fallback if isinstance(value, Missing) else value
 
 
-def missing_for(feature: str) -> str | None:
-    """Why ``feature`` is unavailable (its first missing hook), or ``None``."""
-    for hook in HOOKS:
-        value = RESOLVED[hook.name]
-        if feature in hook.features and isinstance(value, Missing):
-            return f"{hook.name} is missing: {value.reason}"
+def missing_for(*features: str) -> str | None:
+    """Why ``features`` are unavailable (the first missing hook of the first
+    feature that has one), or ``None``."""
+    for feature in features:
+        for hook in HOOKS:
+            value = RESOLVED[hook.name]
+            if feature in hook.features and isinstance(value, Missing):
+                return f"{hook.name} is missing: {value.reason}"
     return None

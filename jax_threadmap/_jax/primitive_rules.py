@@ -14,8 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import hooks
-from .hooks import THREADMAP, get, or_missing, require
+from .hooks import RESOLVED, THREADMAP, or_missing, require
 
 
 class _PrimitiveStandIn:
@@ -39,23 +38,23 @@ class _PrimitiveStandIn:
 
 Primitive: Any = or_missing("Primitive", _PrimitiveStandIn)
 # Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
-Zero: Any = hooks.RESOLVED["Zero"]
+Zero: Any = RESOLVED["Zero"]
 
 
 def instantiate_zeros(t: Any) -> Any:
-    return get("instantiate_zeros")(t)
+    return RESOLVED["instantiate_zeros"](t)
 
 
 def is_undefined_primal(x: Any) -> bool:
-    return get("is_undefined_primal")(x)
+    return RESOLVED["is_undefined_primal"](x)
 
 
 def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
-    return get("callback_op_sharding")(axis_context, sharding, avals_out)
+    return RESOLVED["callback_op_sharding"](axis_context, sharding, avals_out)
 
 
 def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
-    return get("emit_python_callback")(*args, **kwargs)
+    return RESOLVED["emit_python_callback"](*args, **kwargs)
 
 
 def lower_zeros(ctx: Any, args: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
@@ -66,7 +65,7 @@ def lower_zeros(ctx: Any, args: Sequence[Any], avals: Sequence[Any]) -> list[Any
         del operands
         return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
-    return list(get("lower_fun")(zeros, multiple_results=True)(ctx, *args))
+    return list(RESOLVED["lower_fun"](zeros, multiple_results=True)(ctx, *args))
 
 
 def lowering_devices(ctx: Any) -> frozenset[Any]:

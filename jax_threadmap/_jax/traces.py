@@ -4,14 +4,14 @@ explicit mesh axes that the vmaps around it map over (on the hooks of :mod:`.hoo
 
 from __future__ import annotations
 
-from .hooks import get
+from .hooks import RESOLVED
 
 
 def vmapped_mesh_axes() -> frozenset[str]:
     """The explicit mesh axes that the vmaps around the current trace map over."""
-    return get("trace_ctx")()
+    return RESOLVED["trace_ctx"]()  # (a Missing raises by name when called)
 
 
 def trace_state_clean() -> bool:
     """Whether the caller is outside every trace (``jit``, ``vmap``...)."""
-    return bool(get("trace_state_clean")())
+    return bool(RESOLVED["trace_state_clean"]())

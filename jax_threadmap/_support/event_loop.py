@@ -23,7 +23,7 @@ loads in flight need no thousand threads. The loop:
 - in a forked child is forgotten (its selector is the parent's epoll instance):
   the child starts a fresh loop on first use.
 
-It runs only what it is given (:class:`_async.background.Task` hands it its own
+It runs only what it is given (:class:`_arrays.task.Task` hands it its own
 coroutine), so it knows nothing of what a call computes. The thread publishes
 its ident, so that a wait on that thread, which would block every loader, is
 refused (:meth:`EventLoop.in_loop_thread`); no frame is read.

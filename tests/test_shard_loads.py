@@ -12,22 +12,19 @@ multi-process checks are in ``multiprocess_checks.py``.
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
-import subprocess
-import sys
 import threading
 
 import jax
 import numpy as np
 import pytest
-from helpers import run_checks
+from helpers import run_script
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_threadmap as jtm
-from jax_threadmap._async import leaves as _leaves
-from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._arrays import async_pool as _async_pool
+from jax_threadmap._arrays import shards as _shards
 from jax_threadmap._jax import avals as _avals
 
 HERE = pathlib.Path(__file__).parent
@@ -38,22 +35,22 @@ WAIT = 30.0
 @pytest.mark.parametrize("shardy", ["1", "0"], ids=["shardy", "gspmd"])
 @pytest.mark.timeout(300)
 def test_shard_loads_on_8_devices(shardy):
-    proc, report = run_checks(
-        "shard_load_checks.py",
-        shardy=shardy,
-        timeout=280,
+    ran = run_script(
+        HERE / "shard_load_checks.py",
+        env={"JAX_USE_SHARDY_PARTITIONER": shardy},
         unset=("JAX_THREADMAP_ASYNC_THREADS",),
+        timeout=280,
     )
-    assert proc.returncode == 0, report
-    assert "all shard load checks passed" in proc.stdout, report
+    assert ran.returncode == 0, ran.report
+    assert "all shard load checks passed" in ran.stdout, ran.report
     # Every check printed its line (the script stops at the first failure).
     # 163 checks (164 with notes, 3.11+); "dtype must be given" went with issue 32,
     # "a memory-mapped file's pages" came with issue 43. Deferred dispatch (the
     # switch set for this process) has no gate programs, whose 6 checks go.
-    deferred = "async dispatch: async, deferred" in proc.stdout
-    assert proc.stdout.count("\nok ") >= (157 if deferred else 163), report
-    assert "was destroyed but it is pending" not in proc.stderr, report
-    assert "async dispatch failed" not in proc.stderr, report
+    deferred = "async dispatch: async, deferred" in ran.stdout
+    assert ran.stdout.count("\nok ") >= (157 if deferred else 163), ran.report
+    assert "was destroyed but it is pending" not in ran.stderr, ran.report
+    assert "async dispatch failed" not in ran.stderr, ran.report
 
 
 def test_one_device_gives_the_array_and_jit_uses_it():
@@ -113,7 +110,7 @@ def test_a_float64_dtype_is_canonicalised_as_for_async_call():
 
 
 def test_the_async_pool_can_start_every_shard_of_one_array_together():
-    assert _async_threads.default_async_threads() >= jax.local_device_count()
+    assert _async_pool.default_async_threads() >= jax.local_device_count()
 
 
 @pytest.mark.parametrize(
@@ -125,8 +122,8 @@ def test_the_async_pool_can_start_every_shard_of_one_array_together():
     ],
 )
 def test_indices_are_written_as_numpy_code_writes_them(index, text):
-    assert _leaves.index_str(index) == text
-    assert _leaves.index_of(_leaves.index_key(index)) == index
+    assert _shards.index_str(index) == text
+    assert _shards.index_of(_shards.index_key(index)) == index
 
 
 EXIT_SCRIPT = """
@@ -151,17 +148,6 @@ def test_exit_right_after_a_large_load_is_clean():
     # Was: the pool thread that assembled the array freed the last shard's
     # arrays after the result was set, inside JAX's C++, while the interpreter
     # exited: "FATAL: exception not rethrown", in about half of the runs.
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p
-    )
-    env["JAX_PLATFORMS"] = "cpu"  # children run on the CPU
     for _ in range(4):
-        proc = subprocess.run(
-            [sys.executable, "-c", EXIT_SCRIPT],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]
+        ran = run_script(EXIT_SCRIPT)
+        assert ran.returncode == 0 and "loaded" in ran.stdout, ran.report

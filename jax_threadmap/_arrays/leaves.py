@@ -4,9 +4,8 @@
 ``device``) at the call; :func:`check_result` checks what the call returned
 against it, with ``threadmap``'s dtype rule, and freezes each leaf (a read-only
 copy, taken when the call returns); :func:`place` puts the frozen leaves on
-their devices. For a sharded load, :func:`check_shard` checks one shard the same
-way without a copy, and :func:`place_shard` copies it to its devices (the one
-copy); the index helpers name and key a shard's index.
+their devices. One shard of a sharded load is checked with the same rule
+(:func:`checked_leaf`) in :mod:`.shards`.
 """
 
 from __future__ import annotations
@@ -229,7 +228,7 @@ def check_result(task: CallInfo, out: Any) -> list[Any]:
     for spec, leaf in zip(task.specs, flat, strict=True):
         try:
             frozen.append(_frozen_leaf(spec, leaf))
-        except _LeafProblem as e:
+        except LeafProblem as e:
             problems.append(f"at {spec.path}: {e}")
     if problems:
         raise ValueError(
@@ -242,12 +241,12 @@ def check_result(task: CallInfo, out: Any) -> list[Any]:
     return frozen
 
 
-class _LeafProblem(Exception):
+class LeafProblem(Exception):
     """What is wrong with one leaf of a result, for :func:`check_result`."""
 
 
 def _frozen_leaf(spec: LeafSpec, leaf: Any) -> Any:
-    value = _checked_leaf(spec.shape, spec.dtype, spec.aval.dtype, leaf)
+    value = checked_leaf(spec.shape, spec.dtype, spec.aval.dtype, leaf)
     if not isinstance(value, np.ndarray) and isinstance(value, jax.Array):
         return value  # (np.ndarray first: jax.Array's check is an ABC's, slow)
     copy = np.array(value, dtype=spec.aval.dtype, order="C")
@@ -255,24 +254,24 @@ def _frozen_leaf(spec: LeafSpec, leaf: Any) -> Any:
     return copy
 
 
-def _checked_leaf(
+def checked_leaf(
     shape: tuple[int, ...], declared: Any, target: np.dtype, leaf: Any
 ) -> Any:
     """``leaf`` (a ``jax.Array`` of ``target``, or a NumPy array that may be cast
-    to ``target``), or a :class:`_LeafProblem` that says what is wrong."""
+    to ``target``), or a :class:`LeafProblem` that says what is wrong."""
     if type(leaf) is np.ndarray and leaf.shape == shape and leaf.dtype == target:
         return leaf  # the common case, without the checks below (~10 us)
     expected = f"expected an array of shape {shape} and dtype {declared}"
     if inspect.isawaitable(leaf):
         if inspect.iscoroutine(leaf):
             leaf.close()  # no "never awaited" warning on top of this error
-        raise _LeafProblem(
+        raise LeafProblem(
             f"a {type(leaf).__name__} (an awaitable, never awaited) where an array "
             f"was expected ({expected}); await it inside the function, or make "
             "the function itself async def"
         )
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        raise _LeafProblem(
+        raise LeafProblem(
             f"a ShapeDtypeStruct, which describes an array but holds no data "
             f"({expected}); return the data itself"
         )
@@ -282,18 +281,18 @@ def _checked_leaf(
     try:
         value = np.asarray(leaf)
     except Exception as e:
-        raise _LeafProblem(
+        raise LeafProblem(
             f"a {type(leaf).__name__} whose data could not be read "
             f"({describe_error(e)}; {expected})"
         ) from None
     if value.dtype == object:
-        raise _LeafProblem(
+        raise LeafProblem(
             f"a {type(leaf).__name__} that holds no array data ({expected})"
         )
     try:
         _result_casts.check_result_cast(value, target)
     except _result_casts.ResultCastError as e:
-        raise _LeafProblem(
+        raise LeafProblem(
             f"{e.got}, declared {declared} ({target} on device); {e.reason}"
         ) from None
     return value
@@ -302,7 +301,7 @@ def _checked_leaf(
 def _check_shape_of(
     leaf: Any, shape: tuple[int, ...], declared: Any, expected: str
 ) -> None:
-    """Raises a :class:`_LeafProblem` unless ``leaf`` has ``shape`` and a dtype.
+    """Raises a :class:`LeafProblem` unless ``leaf`` has ``shape`` and a dtype.
 
     Another library's array has its own shape and dtype objects: an int for a
     shape, a dtype NumPy cannot read (``torch.float32``), a property that
@@ -313,22 +312,22 @@ def _check_shape_of(
         got = getattr(leaf, "shape", None)
         dtype = getattr(leaf, "dtype", None)
     except Exception as e:
-        raise _LeafProblem(
+        raise LeafProblem(
             f"a {type(leaf).__name__} whose shape or dtype could not be read "
             f"({describe_error(e)}; {expected})"
         ) from None
     if got is None or dtype is None:
-        raise _LeafProblem(
+        raise LeafProblem(
             f"a {type(leaf).__name__} without shape and dtype ({expected})"
         )
     dims = shape_of(leaf)
     if dims is None:
-        raise _LeafProblem(
+        raise LeafProblem(
             f"a {type(leaf).__name__} whose shape is {got!r}, not a sequence of "
             f"integers ({expected})"
         )
     if dims != shape:
-        raise _LeafProblem(
+        raise LeafProblem(
             f"shape {dims} and dtype {dtype_text(dtype)} "
             f"(expected shape {shape} and dtype {declared})"
         )
@@ -381,164 +380,6 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
     return placed
 
 
-# --- one shard of a sharded load ------------------------------------------------------
-
-
-def index_key(index: tuple) -> tuple:
-    """A hashable key of an index (slices are not hashable before Python 3.12)."""
-    return tuple(
-        (i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index
-    )
-
-
-def index_of(key: tuple) -> tuple:
-    """The index of :func:`index_key`'s ``key``."""
-    return tuple(slice(*k) if isinstance(k, tuple) else k for k in key)
-
-
-def index_str(index: tuple) -> str:
-    """The index as NumPy code writes it: ``[0:2, :]`` (``[()]`` for a 0-d array)."""
-
-    def one(i: Any) -> str:
-        if not isinstance(i, slice):
-            return repr(i)
-        text = (
-            f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
-        )
-        return text + ("" if i.step in (None, 1) else f":{i.step}")
-
-    return "[" + (", ".join(one(i) for i in index) if index else "()") + "]"
-
-
-def slice_shape(index: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of ``array[index]`` for an array of ``shape`` (slices only)."""
-    return tuple(len(range(*i.indices(n))) for i, n in zip(index, shape, strict=True))
-
-
-def check_shard(value: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """The shard to place: ``value`` checked as :func:`check_result` checks a leaf.
-
-    No copy is made here (:func:`place_shard` makes the one copy), but the cast
-    into ``dtype`` where the dtype differs. Raises ``ValueError`` saying what is
-    wrong with it (the caller names the shard).
-    """
-    if is_extended(dtype):  # PRNG keys: a jax.Array of that dtype, as it is
-        got = getattr(value, "shape", None), getattr(value, "dtype", None)
-        if not isinstance(value, jax.Array) or got != (shape, dtype):
-            raise ValueError(
-                f"a {type(value).__name__} of shape {got[0]} and dtype {got[1]} "
-                f"(expected a jax.Array of shape {shape} and dtype {dtype})"
-            )
-        return value
-    try:
-        checked = _checked_leaf(shape, dtype, dtype, value)
-    except _LeafProblem as e:
-        raise ValueError(str(e)) from None
-    if isinstance(checked, np.ndarray) and checked.dtype != dtype:
-        return checked.astype(dtype)
-    return checked
-
-
 def is_extended(dtype: Any) -> bool:
     """Whether ``dtype`` is one of JAX's extended dtypes (PRNG keys)."""
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-
-
-def extended_spec(shape: tuple[int, ...], dtype: Any, sharding: Any) -> LeafSpec:
-    """The spec of an array of an extended dtype (``leaf_specs`` takes NumPy's)."""
-    aval = _jax_avals.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
-    return LeafSpec("<root>", shape, dtype, aval, sharding)
-
-
-def place_shard(
-    shard: Any, value: Any, devices: list[Any], fmt: Any = None
-) -> list[jax.Array]:
-    """``shard`` on each of ``devices``, there when this returns; never aliased.
-
-    ``value`` is what the callback returned (``shard`` itself, a view of its
-    memory, or a cast copy). On CPU, ``jax.device_put`` may keep a NumPy buffer
-    as the device buffer instead of copying it (one 64-byte aligned; seen in
-    jax 0.6.2, 0.10.2 and 0.12, with any ``may_alias``): where it did (the same
-    address) and the buffer is not a copy of ours, the shard is placed again
-    from a copy of its own. Which memory is the callback's is decided by
-    memory, not identity: a slice of an ``np.memmap`` (an ndarray subclass)
-    reaches us as a base-class view of the file's pages. So a shard costs its
-    buffer and one copy at most, as in ``jax.make_array_from_callback``.
-    ``fmt``: a ``Format`` whose layout each shard takes.
-    """
-    placed = _put(shard, devices, fmt)
-    if (
-        isinstance(shard, np.ndarray)
-        and not _own_copy(shard, value)
-        and _aliased(placed, shard)
-    ):
-        del placed
-        placed = _put(np.array(shard, order="C"), devices, fmt)
-    return placed
-
-
-def _own_copy(shard: np.ndarray, value: Any) -> bool:
-    """Whether ``shard`` is a copy made here (a cast) of the callback's
-    ``value``: an array that shares no memory with it. Anything else (the
-    array itself, a view of it, what ``np.asarray`` made of another library's
-    array) may be the callback's memory."""
-    return (
-        shard is not value
-        and isinstance(value, np.ndarray)
-        and not np.may_share_memory(shard, value)
-    )
-
-
-def _put(shard: Any, devices: list[Any], fmt: Any) -> list[jax.Array]:
-    return jax.block_until_ready(
-        [jax.device_put(shard, _target(d, fmt)) for d in devices]
-    )
-
-
-def _aliased(placed: list[jax.Array], buffer: np.ndarray) -> bool:
-    """Whether one of ``placed`` holds ``buffer``'s memory as its own."""
-    if buffer.size == 0:
-        return False
-    start, end = buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes
-    for array in placed:
-        try:
-            pointer = array.unsafe_buffer_pointer()
-        except Exception:  # no single buffer to ask: assume the worst
-            return True
-        if start <= pointer < end:
-            return True
-    return False
-
-
-def _target(device: Any, fmt: Any) -> Any:
-    one = jax.sharding.SingleDeviceSharding(device)
-    return one if fmt is None else type(fmt)(format_layout(fmt), one)
-
-
-def is_format(value: Any) -> bool:
-    """Whether ``value`` is a ``Format`` (a layout and a sharding, either may
-    be ``None``): its class in ``jax.experimental.layout``, by its fields
-    (``device_local_layout`` before jax 0.7)."""
-    return hasattr(value, "sharding") and (
-        hasattr(value, "layout") or hasattr(value, "device_local_layout")
-    )
-
-
-def auto_layout_name(layout: Any) -> str | None:
-    """``"Layout.AUTO"`` (``"DeviceLocalLayout.AUTO"`` before jax 0.7) if
-    ``layout`` is JAX's public AUTO layout, which a placed array cannot have;
-    else ``None``."""
-    from jax.experimental import layout as public
-
-    for name in ("Layout", "DeviceLocalLayout"):
-        auto = getattr(getattr(public, name, None), "AUTO", None)
-        if auto is not None and layout is auto:
-            return f"{name}.AUTO"
-    return None
-
-
-def format_layout(fmt: Any) -> Any:
-    """A ``Format``'s layout (``device_local_layout`` before jax 0.7)."""
-    if hasattr(fmt, "layout"):
-        return fmt.layout
-    return getattr(fmt, "device_local_layout", None)

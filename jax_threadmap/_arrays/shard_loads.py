@@ -38,23 +38,20 @@ from .._jax import traces as _traces
 from .._support import event_loop as _event_loop
 from .._support.validate import callable_name, check_callable, check_timeout
 from . import outcomes as _outcomes
-from .arrays import AsyncArray, make_arrays
-from .background import RUNNING, Part, Task
-from .leaves import (
-    LeafSpec,
+from .async_array import AsyncArray, make_arrays
+from .leaves import LeafSpec, is_extended, leaf_specs, shape_of
+from .shards import (
     auto_layout_name,
     check_shard,
     extended_spec,
     format_layout,
     index_key,
     index_str,
-    is_extended,
     is_format,
-    leaf_specs,
     place_shard,
-    shape_of,
     slice_shape,
 )
+from .task import RUNNING, Part, Task
 
 logger = logging.getLogger("jax_threadmap._async")
 

@@ -1,7 +1,7 @@
 """Defects of issue 43 (a hostile pass over the async wing), each a test that
 failed (or hung, bounded) before its fix, and what that pass did not reach.
 
-1. (``test_async_shards.py``) A shard that aliased the callback's memory.
+1. (``test_shard_loads.py``) A shard that aliased the callback's memory.
 2. A shard whose check raised ``TypeError`` (a ``shape`` that is an int, a dtype
    NumPy cannot read with a wrong shape) left its part running for good; the
    same object given to ``async_call`` raised ``TypeError``, not the
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within, run_child
+from helpers import returns_within, run_script
 
 from jax_threadmap import (
     ExecutorError,
@@ -48,7 +48,7 @@ from jax_threadmap import (
     kernel,
     threadmap,
 )
-from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._arrays import async_pool as _async_pool
 from jax_threadmap._support import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(120)
@@ -255,15 +255,15 @@ def test_a_map_never_returns_with_an_element_unwritten(monkeypatch):
     # Whatever ends an element without storing it (here: a store that writes
     # nothing for one element), the map fails rather than return that element
     # as whatever its output buffer held.
-    from jax_threadmap._executors import coroutines as _coroutines
+    from jax_threadmap._executors import async_kernels as _async_kernels
 
-    real_store = _coroutines.AsyncMap._store
+    real_store = _async_kernels.AsyncMap._store
 
     def store(self, i, index, result):
         if i != 3:
             real_store(self, i, index, result)
 
-    monkeypatch.setattr(_coroutines.AsyncMap, "_store", store)
+    monkeypatch.setattr(_async_kernels.AsyncMap, "_store", store)
 
     async def element(i):
         return i
@@ -378,8 +378,8 @@ def test_a_thousand_async_def_loaders_that_raise_time_out_and_are_cancelled():
     n = 1320  # 120 of each kind; 960 async def
     hangs = Hangs()
     kinds = list(SCALE_KINDS)
-    with _async_threads.live_lock:
-        live_before = len(_async_threads.live)
+    with _async_pool.live_lock:
+        live_before = len(_async_pool.live)
     made = []
     for i in range(n):
         kind = kinds[i % len(kinds)]
@@ -418,8 +418,8 @@ def test_a_thousand_async_def_loaders_that_raise_time_out_and_are_cancelled():
     hanging = sum(SCALE_KINDS[k][0] is None for k, _ in made)
     assert hangs.wait_for(lambda: hangs.cancelled == hangs.started)
     assert 0 < hangs.started <= hanging
-    with _async_threads.live_lock:
-        assert len(_async_threads.live) <= live_before
+    with _async_pool.live_lock:
+        assert len(_async_pool.live) <= live_before
     assert async_pool_status().abandoned == ()
     # The loop still serves loaders.
     np.testing.assert_array_equal(
@@ -464,8 +464,8 @@ def test_a_negative_nan_or_infinite_timeout_is_refused_before_any_work(api, time
         else:
             deferred_call(load, SDS((2,), np.float32)).result(timeout=timeout)
     assert started == []
-    with _async_threads.live_lock:  # nothing of it is in flight
-        assert not [t for t in _async_threads.live if "before_any_work" in str(t)]
+    with _async_pool.live_lock:  # nothing of it is in flight
+        assert not [t for t in _async_pool.live if "before_any_work" in str(t)]
 
 
 FORK_SCRIPT = """
@@ -592,16 +592,16 @@ def test_fork_while_calls_loads_and_an_async_def_map_run():
     # them there, and then wait for good for the shard running in the parent);
     # what had not started runs there; new loads and maps work. In the parent
     # everything lands.
-    proc, report = run_child(
+    ran = run_script(
         FORK_SCRIPT,
         env={
             "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
             "JAX_THREADMAP_ASYNC_THREADS": "2",
         },
     )
-    assert "child: ok" in proc.stdout, report
-    assert "parent: ok" in proc.stdout, report
-    assert proc.returncode == 0, report
+    assert "child: ok" in ran.stdout, ran.report
+    assert "parent: ok" in ran.stdout, ran.report
+    assert ran.returncode == 0, ran.report
 
 
 # --- 6. async def derivative rules --------------------------------------------------
@@ -837,8 +837,9 @@ def test_ctrl_c_inside_an_async_def_map_and_a_summed_grad():
     # whose cotangent is summed on the host, added in index order) stops with
     # KeyboardInterrupt in the caller, every element in flight is cancelled,
     # and the next map runs.
-    proc, report = run_child(CTRL_C_SCRIPT)
+    ran = run_script(CTRL_C_SCRIPT)
     for name in ("map", "summed grad"):
-        assert f"{name} interrupted; in flight cancelled: True" in proc.stdout, report
-    assert "next map: [0.0, 2.0, 4.0, 6.0]" in proc.stdout, report
-    assert proc.returncode == 0, report
+        said = f"{name} interrupted; in flight cancelled: True"
+        assert said in ran.stdout, ran.report
+    assert "next map: [0.0, 2.0, 4.0, 6.0]" in ran.stdout, ran.report
+    assert ran.returncode == 0, ran.report

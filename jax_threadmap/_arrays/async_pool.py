@@ -15,7 +15,7 @@
 
 ``async def`` calls run on the event loop of :mod:`.._support.event_loop` instead of the
 pool. Everything here only calls the methods of :class:`Call` and
-:class:`LiveCall` (which ``background.Task`` has), so this module knows nothing
+:class:`LiveCall` (which ``task.Task`` has), so this module knows nothing
 of what a call computes.
 """
 

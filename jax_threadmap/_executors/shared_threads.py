@@ -1,27 +1,25 @@
-"""Threads of this process that run a map's chunks: the shared threads and
-their pools (:class:`ThreadPool`, a bound on the kernels that run at once) and a
-user's ``ThreadPoolExecutor`` (:func:`run_on_executor`); docs/executors.md says
-what each promises. A thread that starts a map from inside a kernel (a nested
-map) works on its chunks while it waits.
+"""The shared threads of ``executor=None`` and ``executor=N``: the package's own
+daemon threads, and their pools (:class:`ThreadPool`, a bound on the kernels that
+run at once); docs/executors.md says what they promise. A thread that starts a
+map from inside a kernel (a nested map) works on its chunks while it waits. (A
+user's ``ThreadPoolExecutor`` is :mod:`.thread_executors`; the async pool of
+``async_call`` is ``_arrays/async_pool.py``.)
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import concurrent.futures.thread  # now, not lazily at exit (it then fails)
 import threading
-import weakref
 from collections.abc import Callable
-from typing import Any
 
 from .._support import environment as _environment
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError
 from . import scheduling as policy
-from .jobs import Job, _local
+from .jobs import Job, this_thread
 from .progress import Progress, wait
+from .refusals import at_shutdown
 from .scheduling import IDLE_TIMEOUT
 
 
@@ -52,7 +50,7 @@ class ThreadPool:
         job.grow = lambda: threads.hand(self, job)
         try:
             refused_at_exit = threads.hand(self, job, queue=True)
-            if _local.job is not None or refused_at_exit:
+            if this_thread.job is not None or refused_at_exit:
                 # A nested map: work on its chunks rather than wait behind ours.
                 # So does a map whose threads the interpreter refuses at exit
                 # (CPython 3.12.0 and 3.12.1 in atexit hooks, where JAX waits
@@ -98,6 +96,7 @@ class _Threads:
         self.queue: collections.deque[tuple[ThreadPool, Job]] = collections.deque()
         self.idle: list[_Worker] = []  # the last to go idle is handed work first
         self.workers: set[_Worker] = set()  # the threads alive
+        self.peak = 0  # the most threads alive at once
         self.started = 0
         self.exiting = False
         #: Maps still taken at exit: those of programs that JAX waits for.
@@ -108,34 +107,54 @@ class _Threads:
         idle ones, then new ones, unless threads about to return will take it.
         Returns whether the interpreter refused to start them as it exits."""
         with self.lock:
-            if self.exiting and not queue:
-                return False  # more threads for a map in flight: it keeps its own
-            if self.exiting and not self.kept_at_exit(job):
-                raise ExecutorError(
-                    "jax_threadmap's thread pool has been shut down (the "
-                    "interpreter is exiting). Start no new maps during "
-                    "interpreter shutdown."
-                )
+            if self.exiting and not self._admits_at_exit(job, queue):
+                return False
             if queue:
                 self.queue.append((pool, job))
-            returning = None  # threads about to look for work, once counted
-            while pool.active < pool.max_workers:
-                if job.hands >= min(job.n, job.limit):
-                    break  # (read without the job's lock: add_hand decides)
-                if not self.idle:
-                    if returning is None:
-                        returning = self._returning()
-                    if returning >= policy.SPARE_THREADS():
-                        break  # they take it from the queue (_hand_next)
+            returning: list[int] = []  # threads about to look for work, counted once
+            while _can_use_another(pool, job) and not self._returning_take(returning):
                 if not _take_place(pool, job):
                     break
-                if self.idle:
-                    worker = self.idle.pop()
-                    worker.pool, worker.job = pool, job
-                    worker.wake.release()
-                elif self._start(pool, job):
+                if self._give_thread(pool, job):
                     return True
         return False
+
+    def _admits_at_exit(self, job: Job, queue: bool) -> bool:  # lock held
+        """Whether a map gets threads while the interpreter exits: more threads
+        for a map in flight, never (it keeps its own); a new map (``queue``),
+        only one that JAX waits for, and any other is an error."""
+        if not queue:
+            return False
+        if not self.kept_at_exit(job):
+            raise ExecutorError(
+                "jax_threadmap's thread pool has been shut down (the "
+                "interpreter is exiting). Start no new maps during "
+                "interpreter shutdown."
+            )
+        return True
+
+    def _returning_take(self, counted: list[int]) -> bool:  # lock held
+        """Whether threads about to look for work (neither idle nor running a
+        kernel) will take the map from the queue (:meth:`_hand_next`), so that
+        no new thread starts for it: when no thread is idle and at least
+        :func:`.scheduling.spare_threads` of them are returning. ``counted``
+        keeps their count for the rest of one :meth:`hand`."""
+        if self.idle:
+            return False
+        if not counted:
+            counted.append(self._returning())
+        return counted[0] >= policy.spare_threads()
+
+    def _give_thread(self, pool: ThreadPool, job: Job) -> bool:  # lock held
+        """Gives ``job`` (its place taken) the thread that went idle last, else
+        a new one. Returns whether the interpreter refused to start it as it
+        exits: then the caller runs the map."""
+        if self.idle:
+            worker = self.idle.pop()
+            worker.pool, worker.job = pool, job
+            worker.wake.release()
+            return False
+        return self._start(pool, job)
 
     def _start(self, pool: ThreadPool, job: Job) -> bool:  # lock held
         """Starts a thread for ``job``. One that fails to start gives its place
@@ -144,6 +163,7 @@ class _Threads:
         worker = _Worker(pool, job, self._work, f"jax_threadmap_{self.started}")
         self.started += 1
         self.workers.add(worker)
+        self.peak = max(self.peak, len(self.workers))
         try:
             worker.thread.start()
         except BaseException as e:  # refused (too many threads), or Ctrl-C
@@ -151,7 +171,7 @@ class _Threads:
             self.workers.discard(worker)
             pool.active -= 1
             job.drop_hand()
-            if isinstance(e, RuntimeError) and _at_shutdown(e):
+            if isinstance(e, RuntimeError) and at_shutdown(e):
                 return True
             if not isinstance(e, RuntimeError):
                 job.fail(e)
@@ -240,6 +260,14 @@ class _Threads:
             return [w.thread for w in self.workers]
 
 
+def _can_use_another(pool: ThreadPool, job: Job) -> bool:  # threads' lock held
+    """Whether ``job`` may get one more thread of ``pool``: the pool has a free
+    place, and the job fewer threads than its units and than its limit (a
+    limited map starts on one thread per CPU). The job's fields are read
+    without its lock: :meth:`.jobs.Job.add_hand` decides."""
+    return pool.active < pool.max_workers and job.hands < min(job.n, job.limit)
+
+
 def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock held
     """Hands ``job`` one more thread of ``pool``, if it can use one."""
     if not job.add_hand():
@@ -250,7 +278,7 @@ def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock hel
 
 
 _threads = _Threads()
-#: The shared pools by size (``async_call`` has its own, ``_async/pool.py``).
+#: The shared pools by size (``async_call`` has its own, ``_arrays/async_pool.py``).
 _pools: dict[int, ThreadPool] = {}
 
 
@@ -266,126 +294,16 @@ def get_pool(num_threads: int | None) -> ThreadPool:
     return _pools.get(n) or _pools.setdefault(n, ThreadPool(n))
 
 
-#: Per thread executor, the lock held while a map queues its first pullers: two
-#: maps started at once would split its workers, and elements that wait for each
-#: other could wait for good. Executors without weak references share _fallback.
-_states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
-_states_lock = threading.Lock()
-_fallback = threading.Lock()
-
-
-def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
-    with _states_lock:
-        try:
-            return _states.setdefault(executor, threading.Lock())
-        except TypeError:  # an executor that takes no weak references
-            return _fallback
-
-
-#: Set when the interpreter starts to exit (by ``runners``), for messages.
-interpreter_exiting = threading.Event()
-
-
-def said(e: BaseException) -> str:
-    """``Type: message`` of an exception, without its final period."""
-    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
-
-
-def _at_shutdown(e: BaseException) -> bool:
-    """Whether ``e``, raised by starting a thread or submitting work, came from an
-    interpreter that is exiting (CPython's words: "... at interpreter shutdown")."""
-    return interpreter_exiting.is_set() or "interpreter shutdown" in str(e)
-
-
-def refused(executor: Any, e: BaseException) -> ExecutorError:
-    """The error of a map whose executor refused its work."""
-    if _at_shutdown(e):
-        return ExecutorError(
-            "The interpreter is exiting: this threadmap was stopped before it "
-            f"finished, because the executor {executor!r} refuses new work once "
-            "the main thread has ended (concurrent.futures stops its executors at "
-            "exit). Wait for maps on such executors before the end of the main "
-            "thread.",
-            cause=e,
-        )
-    if isinstance(e, concurrent.futures.BrokenExecutor):
-        return ExecutorError(
-            f"The executor {executor!r} passed as executor= is broken: "
-            f"{said(e)}. A worker of it ended "
-            "earlier (the error of the map that ran then said how); pass a new "
-            "executor.",
-            cause=e,
-        )
-    return ExecutorError(
-        f"The executor {executor!r} passed as executor= refused new work: "
-        f"{said(e)}. Pass an executor that is "
-        "running, or executor=None for the shared pool.",
-        cause=e,
-    )
-
-
-def run_on_executor(
-    executor: concurrent.futures.Executor,
-    job: Job,
-    progress: Progress | None,
-) -> None:
-    """Runs ``job`` on a thread executor: one puller task (``job.drain``) per
-    thread it may use; a nested map's thread drains it too."""
-    lock = threading.Lock()  # guards ``left`` and ``futures``
-    left = [0]  # pullers submitted and not yet done
-    futures: list[concurrent.futures.Future[None]] = []
-
-    def on_done(f: concurrent.futures.Future[None]) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if f.cancelled():
-            if last:  # no puller will ever claim the rest
-                job.fail(ExecutorError(f"The executor {executor!r} cancelled the map."))
-        elif f.exception() is not None:
-            job.fail(f.exception())  # type: ignore[arg-type]
-
-    def hand() -> None:
-        """Submits pullers up to the job's limit; a refusal fails the map when
-        no puller runs it."""
-        while job.add_hand():
-            with lock:
-                left[0] += 1
-            try:
-                future = executor.submit(job.drain)  # a puller
-            except RuntimeError as e:
-                job.drop_hand()
-                with lock:
-                    left[0] -= 1
-                    alone = not futures
-                if alone:
-                    job.fail(refused(executor, e))
-                return
-            with lock:
-                futures.append(future)
-            future.add_done_callback(on_done)
-
-    job.grow = hand
-    try:
-        with _queueing(executor):
-            hand()
-        if _local.job is not None:
-            job.drain()
-        wait(job, job.done.wait, progress)
-    finally:
-        with lock:
-            started = list(futures)
-        for f in started:  # pullers that never started: nothing left to claim
-            f.cancel()
+def exit_threads(keep: Callable[[Job], bool]) -> list[threading.Thread]:
+    """At interpreter exit: refuses new maps but those ``keep`` accepts, lets
+    idle threads exit; returns the threads alive (:meth:`_Threads.exit`)."""
+    return _threads.exit(keep)
 
 
 @_fork.in_child
 def _start_afresh() -> None:
     """A forked child has none of the parent's threads, and any lock here may
     have been held at the fork."""
-    global _threads, _states, _states_lock, _fallback
+    global _threads
     _threads = _Threads()
     _pools.clear()
-    _states = weakref.WeakKeyDictionary()
-    _states_lock = threading.Lock()
-    _fallback = threading.Lock()

@@ -13,15 +13,13 @@ import asyncio
 import contextlib
 import os
 import pathlib
-import tempfile
-import textwrap
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LOOPBACK, NO_LOOPBACK
+from helpers import LOOPBACK, NO_LOOPBACK, package_settings, run_script
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -241,20 +239,6 @@ class _Instance:
 # --- exit and fork, in processes of their own --------------------------------------
 
 
-def run_script(script: str):
-    import fresh_scripts
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_THREADMAP_")}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        file = pathlib.Path(tmp) / "script.py"
-        file.write_text(textwrap.dedent(script))
-        return fresh_scripts.run(str(file), cwd=tmp, env=env, timeout=120)
-
-
 AIOHTTP_SCRIPT = """
 import asyncio, gc, sys, threading
 import aiohttp
@@ -308,7 +292,9 @@ print("exiting", flush=True)
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "control"])
 def test_an_aiohttp_session_closes_at_exit_without_a_warning(shared):
     pytest.importorskip("aiohttp")
-    proc = run_script(f"SHARED = {shared}\n" + AIOHTTP_SCRIPT)
+    proc = run_script(
+        f"SHARED = {shared}\n" + AIOHTTP_SCRIPT, forked=True, unset=package_settings()
+    )
     report = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "exiting" in proc.stdout, report
     if shared:
@@ -359,7 +345,7 @@ print("exiting", flush=True)
 
 
 def test_exit_cancels_what_is_pending_then_closes_the_last_opened_first():
-    proc = run_script(EXIT_SCRIPT)
+    proc = run_script(EXIT_SCRIPT, forked=True, unset=package_settings())
     report = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "exiting" in proc.stdout, report
     order = "open first open second cancelled close second close first"
@@ -403,7 +389,7 @@ print("fork ok", flush=True)
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_opens_its_own():
-    proc = run_script(FORK_SCRIPT)
+    proc = run_script(FORK_SCRIPT, forked=True, unset=package_settings())
     assert "fork ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 

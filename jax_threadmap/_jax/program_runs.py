@@ -17,23 +17,27 @@ from .hooks import ASYNC_DISPATCH, DISPATCH_STREAMS, get, missing_for, or_missin
 start_transfer_server: Callable[..., Any] | None = or_missing(
     "start_transfer_server", None
 )
-# The callback logger's name (its module's), for `_async/dispatch.py` to filter.
+# The callback logger's name (its module's), for `_arrays/async_dispatch.py` to filter.
 CALLBACK_LOGGER_NAME: str = getattr(
     or_missing("callback_logger", None), "name", "jax._src.callback"
 )
 
 
-def dispatch_streams_unavailable() -> str | None:
-    """Why dispatches on pending data cannot get a stream of their own, or ``None``."""
-    return missing_for(DISPATCH_STREAMS)
+#: ``dispatch_streams_unavailable()``: why dispatches on pending data cannot get
+#: a stream of their own, or ``None``. (The table's own lookup, called directly:
+#: no function of this module between the caller and the table.)
+dispatch_streams_unavailable: Callable[[], str | None] = functools.partial(
+    missing_for, DISPATCH_STREAMS
+)
 
 
 #: On the wrapper: JAX's own method it wraps.
 _ORIGINAL = "__jax_threadmap_original__"
 
 
-class _Runs(threading.local):
-    """What the wrapper of program runs reads, per thread (see :func:`refusing`)."""
+class ThisThread(threading.local):
+    """What the wrapper of program runs reads of this thread (set by
+    :func:`refusing`; read by ``_host/kernel_scope.py`` too)."""
 
     #: Devices a program run from this thread must not use.
     refused: frozenset[Any] = frozenset()
@@ -41,7 +45,8 @@ class _Runs(threading.local):
     why: str = ""
 
 
-_runs = _Runs()
+#: This thread's :class:`ThisThread`.
+this_thread = ThisThread()
 #: The async layer's ``around`` (:func:`wrap_program_runs`), once it set one.
 _around: list[Callable[..., Any]] = []
 
@@ -69,27 +74,22 @@ class refusing:  # noqa: N801 - used as a context manager, like contextlib's
         self._outer: tuple[frozenset[Any], str] = (frozenset(), "")
 
     def __enter__(self) -> None:
-        runs = _runs
+        runs = this_thread
         self._outer = (runs.refused, runs.why)
         if self._devices:
             runs.refused, runs.why = runs.refused | self._devices, self._why
 
     def __exit__(self, *exc: object) -> None:
-        _runs.refused, _runs.why = self._outer
-
-
-def refused_devices() -> frozenset[Any]:
-    """The devices that programs run from this thread must not use now."""
-    return _runs.refused
+        this_thread.refused, this_thread.why = self._outer
 
 
 def _check_devices(program: Any) -> None:
-    used = set(program._local_devices) & _runs.refused
+    used = set(program._local_devices) & this_thread.refused
     if used:
         names = ", ".join(sorted(str(d) for d in used))
         raise HeldDeviceError(
             f"a JAX program ({program.name}) would run on {names}, whose program "
-            f"is waiting for {_runs.why}: the device runs programs in order, so "
+            f"is waiting for {this_thread.why}: the device runs programs in order, so "
             "this one could never start. Run JAX inside kernels on the host (the "
             "default for arrays a kernel makes; jax.device_put(x, "
             "jax.devices('cpu')[0]) for arrays from elsewhere, or "
@@ -121,7 +121,7 @@ def wrap_program_runs(around: Callable[..., Any] | None = None) -> bool:
 
     @functools.wraps(run)
     def __call__(self: Any, *args: Any) -> Any:
-        if _runs.refused:
+        if this_thread.refused:
             _check_devices(self)
         if not _around:
             return run(self, *args)
@@ -132,6 +132,8 @@ def wrap_program_runs(around: Callable[..., Any] | None = None) -> bool:
     return True
 
 
-def async_dispatch_unavailable() -> str | None:
-    """Why this JAX cannot dispatch on pending arrays, or ``None`` if it can."""
-    return missing_for(ASYNC_DISPATCH)
+#: ``async_dispatch_unavailable()``: why this JAX cannot dispatch on pending
+#: arrays (no transfer server for the gates), or ``None`` if it can.
+async_dispatch_unavailable: Callable[[], str | None] = functools.partial(
+    missing_for, ASYNC_DISPATCH
+)

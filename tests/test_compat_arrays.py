@@ -17,9 +17,9 @@ from helpers import LOOPBACK, NO_LOOPBACK
 
 from jax_threadmap._jax import array_types as _array_types
 from jax_threadmap._jax import avals as _avals
-from jax_threadmap._jax import dispatch as _jax_dispatch
 from jax_threadmap._jax import hooks as _compat
 from jax_threadmap._jax import placement as _placement
+from jax_threadmap._jax import program_runs as _program_runs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,18 +165,18 @@ def test_async_dispatch_hook_is_still_where_we_expect_it(hook):
         "jitted calls with pending AsyncArrays fall back to blocking dispatch. "
         "Update the 'async dispatch' entries of HOOKS in jax_threadmap/_jax/hooks.py."
     )
-    assert _jax_dispatch.async_dispatch_unavailable() is None
+    assert _program_runs.async_dispatch_unavailable() is None
 
 
 def _pulled_gate(uuid: int):
     """A scalar int32 array on the first device, pulled from a transfer server of
     this process and not yet offered (``server.await_pull(uuid, ...)`` offers it):
-    the gate of _dispatch.Dispatch. Returns the device, the server, the gate and
-    the connection it was pulled over (the test keeps it, as _dispatch does)."""
+    the gate of _async_dispatch.Dispatch. Returns the device, the server, the gate and
+    the connection it was pulled over (the test keeps it, as _async_dispatch does)."""
     if not LOOPBACK:
         pytest.skip(f"the gates' transfer server {NO_LOOPBACK}")
     dev = jax.devices("cpu")[0]  # the gates' platform
-    server = _jax_dispatch.start_transfer_server(
+    server = _program_runs.start_transfer_server(
         dev.client, "127.0.0.1:0", ["127.0.0.1:0"]
     )
     conn = server.connect(server.address())
@@ -187,7 +187,7 @@ def _pulled_gate(uuid: int):
 
 
 def test_a_pulled_gate_holds_a_callback_program_until_offered():
-    # The gate mechanism of _dispatch.Dispatch, reduced to its parts: a program
+    # The gate mechanism of _async_dispatch.Dispatch, reduced to its parts: a program
     # whose input is a pulled, not yet offered array is dispatched without
     # running; once offered, its host callback runs and the value arrives.
     import threading
@@ -229,39 +229,39 @@ def test_a_pulled_gate_holds_a_callback_program_until_offered():
 
 
 def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
-    # _dispatch puts the thread back on its usual stream when the wrapped
+    # _async_dispatch puts the thread back on its usual stream when the wrapped
     # ExecuteReplicated.__call__ returns: the handler must run inside it, for
     # every way a jitted program runs from Python, and ordinary calls on the C++
     # fast path must never reach the wrapper (it costs them nothing).
-    if _jax_dispatch.dispatch_streams_unavailable() is not None:
-        pytest.skip(_jax_dispatch.dispatch_streams_unavailable())
+    if _program_runs.dispatch_streams_unavailable() is not None:
+        pytest.skip(_program_runs.dispatch_streams_unavailable())
     from jax.experimental import io_callback
 
-    from jax_threadmap._async import dispatch as _dispatch
-    from jax_threadmap._async import program_runs as _program_runs
+    from jax_threadmap._arrays import async_dispatch as _async_dispatch
+    from jax_threadmap._arrays import dispatch_streams as _dispatch_streams
 
-    _dispatch.mechanism.prepare()  # wraps the runs, as the first async_call does
+    _async_dispatch.mechanism.prepare()  # wraps the runs, as the first async_call does
     runs, inside = [], []
     wrapper = _compat.get("ExecuteReplicated").__call__
     assert hasattr(wrapper, "__jax_threadmap_original__")
-    assert _jax_dispatch._around == [_dispatch.around]
+    assert _program_runs._around == [_async_dispatch.around]
 
     def handler(xs, shardings):
-        inside.append(_program_runs._thread.depth)
+        inside.append(_dispatch_streams._thread.depth)
         return [jnp.asarray(x.value) for x in xs]
 
     class Other(_Probe):
         pass
 
     _array_types.register_array_like(Other, lambda x: x.aval, handler)
-    real_around = _dispatch.around
+    real_around = _async_dispatch.around
 
     def counting(run, program, args, effects):
         runs.append(list(effects))
         return real_around(run, program, args, effects)
 
     try:
-        _jax_dispatch.wrap_program_runs(counting)
+        _program_runs.wrap_program_runs(counting)
         x = Other(np.arange(3.0, dtype=np.float32))
         f = jax.jit(lambda a: a * 2)
         f(x), f(x)  # the first call compiles; the second is a plain Python call
@@ -286,7 +286,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
             f"ordered effects would be dispatched on pending data. {UPDATE}"
         )
     finally:
-        _jax_dispatch.wrap_program_runs(real_around)
+        _program_runs.wrap_program_runs(real_around)
 
 
 def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():
@@ -328,38 +328,38 @@ def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():
     assert int(box["first"]) == 2 and int(box["second"]) == 6
     assert box["first ran before"], (
         "JAX dispatched a program with an ordered effect before the thread's "
-        "previous one ran; _dispatch could let such programs dispatch on pending "
+        "previous one ran; _async_dispatch could let such programs dispatch on pending "
         "data now."
     )
 
 
 def test_a_compiled_program_still_tells_what_deferred_dispatch_reads():
-    # Deferred dispatch (_async/deferred.py) reads, of JAX's ExecuteReplicated:
-    # its devices, its jax.Ref mutations, its outputs' avals and shardings, and
-    # its name. If JAX moves one, deferred dispatch must be updated.
-    from jax_threadmap._async import deferred as _deferred
+    # Deferred dispatch (_arrays/deferred_dispatch.py) reads, of JAX's
+    # ExecuteReplicated: its devices, its jax.Ref mutations, its outputs' avals and
+    # shardings, and its name. If JAX moves one, deferred dispatch must be updated.
+    from jax_threadmap._arrays import deferred_dispatch as _deferred_dispatch
 
-    if _jax_dispatch.dispatch_streams_unavailable() is not None:
-        pytest.skip(_jax_dispatch.dispatch_streams_unavailable())
+    if _program_runs.dispatch_streams_unavailable() is not None:
+        pytest.skip(_program_runs.dispatch_streams_unavailable())
     seen = []
-    real = _jax_dispatch._around[:]
+    real = _program_runs._around[:]
 
     def spy(run, program, args, effects):
         seen.append(program)
         return run(program, *args)
 
     try:
-        _jax_dispatch.wrap_program_runs(spy)
+        _program_runs.wrap_program_runs(spy)
         f = jax.jit(lambda a: {"x": a * 2, "n": jnp.sum(a > 0)}, keep_unused=True)
         f(np.ones(3, np.float32))  # a Python-path run (the first call)
     finally:
-        _jax_dispatch._around[:] = real
+        _program_runs._around[:] = real
     assert seen, f"the wrapper saw no run. {UPDATE}"
     program = seen[0]
     assert list(program._local_devices) == [jax.devices()[0]], UPDATE
     assert program.mut is None and program.name.startswith("jit("), UPDATE
-    assert _deferred.deferrable(program), UPDATE
-    specs = _deferred.output_specs(program)
+    assert _deferred_dispatch.deferrable(program), UPDATE
+    specs = _deferred_dispatch.output_specs(program)
     assert sorted((s.shape, str(s.dtype)) for s in specs) == [
         ((), "int32"),
         ((3,), "float32"),

@@ -1,6 +1,6 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
-The one file to swap to change the mechanism: :mod:`.arrays` uses only
+The one file to swap to change the mechanism: :mod:`.async_array` uses only
 :data:`mechanism`, :class:`Pending`, :func:`async_dispatch_status` and
 :class:`AsyncCallFailed`; of a call, only ``Task``'s public methods are used.
 How it works (docs/async.md, "How it works", says the same):
@@ -16,7 +16,7 @@ How it works (docs/async.md, "How it works", says the same):
 - **Streams.** XLA runs the programs of one execution stream in dispatch order
   (by default a stream per thread). The gate programs and the program behind
   them go on a new stream per dispatch, so that nothing else waits for this
-  data (:mod:`.program_runs`, which wraps every run of a program).
+  data (:mod:`.dispatch_streams`, which wraps every run of a program).
 - **The bound.** XLA's CPU client admits 32 programs per device, waiting ones
   included. At most :data:`MAX_WAITING_PROGRAMS` gate programs (and as many
   programs behind them) wait per device; beyond that a dispatch waits, in
@@ -42,13 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._jax import dispatch as _jax_dispatch
+from .._jax import program_runs as _program_runs
 from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
-from . import deferred as _deferred
-from . import program_runs as _program_runs
-from .background import Task, worker_state
-from .leaves import index_key
+from . import deferred_dispatch as _deferred_dispatch
+from . import dispatch_streams as _dispatch_streams
+from .shards import index_key
+from .task import Task, worker_state
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -86,7 +86,7 @@ class Pending(NamedTuple):
     """An ``AsyncArray`` handed to a dispatch: its call, the leaf of the call's
     result it is, and the array (its shape, dtype, and value once there).
 
-    Made by :mod:`.arrays` (the array's owner), so that this module reaches
+    Made by :mod:`.async_array` (the array's owner), so that this module reaches
     the call and leaf by these fields, never by the array's private ones.
     """
 
@@ -110,7 +110,7 @@ class Shard(NamedTuple):
     position: int
     #: The leaf of the call's result (``Pending.leaf``).
     leaf: int
-    #: The shard's index into the leaf, hashable (see :func:`.leaves.index_key`).
+    #: The shard's index into the leaf, hashable (see :func:`.shards.index_key`).
     where: tuple
     shape: tuple[int, ...]
     dtype: Any
@@ -146,7 +146,7 @@ def _keep_gate_errors_out_of_jax_log(record: logging.LogRecord) -> bool:
     return not isinstance(exc, AsyncCallFailed)
 
 
-logging.getLogger(_jax_dispatch.CALLBACK_LOGGER_NAME).addFilter(
+logging.getLogger(_program_runs.CALLBACK_LOGGER_NAME).addFilter(
     _keep_gate_errors_out_of_jax_log
 )
 
@@ -176,7 +176,8 @@ def _plan(xs: list[Pending], shardings: list[Any]) -> tuple[Plan, list[list[Any]
 
 class Dispatch:
     """Async dispatch: the gate mechanism (transfer servers, gate programs, their
-    bookkeeping) on the CPU, and deferred dispatch (:mod:`.deferred`) elsewhere."""
+    bookkeeping) on the CPU, and deferred dispatch (:mod:`.deferred_dispatch`)
+    elsewhere."""
 
     def __init__(self) -> None:
         self._reset()
@@ -240,10 +241,10 @@ class Dispatch:
             pass
 
     def _gates_unavailable(self) -> str | None:
-        return _jax_dispatch.async_dispatch_unavailable() or self._broken
+        return _program_runs.async_dispatch_unavailable() or self._broken
 
     def _deferral_unavailable(self) -> str | None:
-        reason = _jax_dispatch.dispatch_streams_unavailable()
+        reason = _program_runs.dispatch_streams_unavailable()
         if reason is None and self._prepared and not self._wrapped:
             reason = "the runs of compiled programs could not be wrapped"
         return reason
@@ -258,25 +259,25 @@ class Dispatch:
             return
         with self._lock:
             if not self._prepared:
-                self._wrapped = _jax_dispatch.wrap_program_runs(around)
+                self._wrapped = _program_runs.wrap_program_runs(around)
                 self._prepared = True
 
     # -- every run of a compiled program from Python, once prepared --
 
     def _around(self, run: Any, program: Any, args: tuple, effects: Any) -> Any:
         """Defers a program on pending data where that is the mechanism;
-        runs any other as :func:`.program_runs.around` does."""
-        kind = _arrays.type
+        runs any other as :func:`.dispatch_streams.around` does."""
+        kind = _array_api.type
         if not effects and kind is not None:
             pending = [a for a in args if type(a) is kind and not a.done()]
             if pending and self._defers(program):
                 return self._defer(run, program, args, effects, pending)
-        return _program_runs.around(run, program, args, effects)
+        return _dispatch_streams.around(run, program, args, effects)
 
     def _defers(self, program: Any) -> bool:
         if async_dispatch_mode() == "off" or self._deferral_unavailable():
             return False
-        if _deferred.processes() > 1:
+        if _deferred_dispatch.processes() > 1:
             # Every process must dispatch its programs in the same order (their
             # collectives meet): deferring one would reorder them.
             return False
@@ -286,22 +287,22 @@ class Dispatch:
         return (
             bool(devices)
             and all(self.defers_on(d.platform) for d in devices)
-            and _deferred.deferrable(program)
+            and _deferred_dispatch.deferrable(program)
         )
 
     def _defer(
         self, run: Any, program: Any, args: tuple, effects: Any, pending: list[Any]
     ) -> Any:
-        """The program's results, as arrays of a :class:`.deferred.ProgramRun`
+        """The program's results, as arrays of a :class:`.deferred_dispatch.ProgramRun`
         that dispatches it once its pending arguments land."""
-        args = _deferred.frozen_args(args)
-        task = _deferred.ProgramRun(
+        args = _deferred_dispatch.frozen_args(args)
+        task = _deferred_dispatch.ProgramRun(
             functools.partial(self._around, run, program, args, effects),
-            [_arrays.task_of(a) for a in pending],
+            [_array_api.task_of(a) for a in pending],
             f"`{program.name}`",
-            _deferred.output_specs(program),
+            _deferred_dispatch.output_specs(program),
         )
-        outs = _arrays.arrays_of(task)
+        outs = _array_api.arrays_of(task)
         task.submit()
         return outs
 
@@ -331,7 +332,7 @@ class Dispatch:
             if out[i] is None:  # blocking dispatch: its own data
                 out[i] = xs[i].array.result()
         for x, array in zip(xs, out, strict=True):  # later uses fail if donated
-            _program_runs.note_handed(array, x.task.donation_of(x.leaf))
+            _dispatch_streams.note_handed(array, x.task.donation_of(x.leaf))
         return out
 
     def _dispatch_pending(
@@ -341,7 +342,7 @@ class Dispatch:
         # The gate programs (and the program being dispatched, if any) go on a
         # stream of their own, so that nothing else waits for this data.
         enabled = self._wrapped and not self.in_thread_order()
-        put_back = _program_runs.switch_stream(enabled)
+        put_back = _dispatch_streams.switch_stream(enabled)
         try:
             made = self._pending_arrays(
                 [xs[i] for i in todo], [shardings[i] for i in todo]
@@ -356,12 +357,12 @@ class Dispatch:
             return
         finally:
             if put_back:
-                _program_runs.put_back()
+                _dispatch_streams.put_back()
         for i, array in zip(todo, made, strict=True):
             out[i] = array
 
     def _may_dispatch(self, shardings: list[Any]) -> bool:
-        if _program_runs.ordered_effects():
+        if _dispatch_streams.ordered_effects():
             # JAX dispatches a program with an ordered effect only once the
             # previous one with that effect has run, and a failed one fails
             # every later one (before jax 0.12): wait for the data here, in
@@ -513,9 +514,9 @@ class Dispatch:
         with self._lock:
             if client not in self._servers:
                 try:
-                    start = _jax_dispatch.start_transfer_server
+                    start = _program_runs.start_transfer_server
                     if start is None:  # status() reports why; callers checked it
-                        raise RuntimeError(_jax_dispatch.async_dispatch_unavailable())
+                        raise RuntimeError(_program_runs.async_dispatch_unavailable())
                     # Loopback only, on a port the OS picks; started on first use.
                     server = start(client, "127.0.0.1:0", ["127.0.0.1:0"])
                     conn = server.connect(server.address())
@@ -622,25 +623,25 @@ class Dispatch:
                 logger.debug("jax_threadmap: exit token reset failed", exc_info=True)
 
 
-class _Arrays:
-    """What deferred dispatch needs of :mod:`.arrays` (:func:`bind_arrays`)."""
+class _ArrayApi:
+    """What deferred dispatch needs of :mod:`.async_array` (:func:`bind_arrays`)."""
 
     type: Any = None
     task_of: Callable[[Any], Task] = staticmethod(lambda x: x)
     arrays_of: Callable[[Task], Any] = staticmethod(lambda task: task)
 
 
-_arrays = _Arrays()
+_array_api = _ArrayApi()
 
 
 def bind_arrays(
     array_type: type, task_of: Callable[[Any], Task], arrays_of: Callable[[Task], Any]
 ) -> None:
-    """Called once by :mod:`.arrays` at its import: the array type, the call of
+    """Called once by :mod:`.async_array` at its import: the array type, the call of
     an array, the arrays of a call."""
-    _arrays.type = array_type
-    _arrays.task_of = task_of
-    _arrays.arrays_of = arrays_of
+    _array_api.type = array_type
+    _array_api.task_of = task_of
+    _array_api.arrays_of = arrays_of
 
 
 mechanism = Dispatch()

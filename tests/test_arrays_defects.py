@@ -16,42 +16,23 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 import threading
 
 import jax
 import numpy as np
 import pytest
-from helpers import SIGINT_AS_USUAL, returns_within
+from helpers import returns_within, run_script
 
 from jax_threadmap import async_array_from_callback, async_call, deferred_call
-from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(180)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-STATUS = _dispatch.async_dispatch_status()
+STATUS = _async_dispatch.async_dispatch_status()
 ASYNC = STATUS == "async"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_script(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs ``code`` in a fresh interpreter with this checkout first on its path."""
-    full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (ROOT, full_env.get("PYTHONPATH")) if p
-    )
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
 
 
 def held_load(go: threading.Event, value: np.ndarray, error: str | None = None):
@@ -70,14 +51,14 @@ def held_load(go: threading.Event, value: np.ndarray, error: str | None = None):
 @pytest.mark.skipif(not ASYNC, reason=f"async dispatch status: {STATUS}")
 def test_pending_zero_size_data_never_turns_dispatch_blocking():
     double = jax.jit(lambda a: a * 2)
-    for _ in range(_dispatch.MAX_WAITING_PROGRAMS + 2):
+    for _ in range(_async_dispatch.MAX_WAITING_PROGRAMS + 2):
         go = threading.Event()
         empty = np.zeros((0, 3), np.float32)
         x = async_call(held_load(go, empty), SDS((0, 3), np.float32))
         y = double(x)  # returns before the data
         go.set()
         assert np.asarray(y).shape == (0, 3)
-    assert _dispatch.async_dispatch_status() == "async"
+    assert _async_dispatch.async_dispatch_status() == "async"
     # Behind a stuck load, a dispatch still returns before its data.
     go = threading.Event()
     x = async_call(held_load(go, np.arange(3.0, dtype=np.float32)), SDS((3,), "f4"))
@@ -150,10 +131,10 @@ _CAP_SCRIPT = """
     import threading
     import jax, numpy as np
     import jax_threadmap as jtm
-    from jax_threadmap._async import pool as _async_threads
+    from jax_threadmap._arrays import async_pool as _async_pool
 
     BOUND = 2
-    CAP = _async_threads.ABANDONED_PER_BOUND * BOUND
+    CAP = _async_pool.ABANDONED_PER_BOUND * BOUND
     release = threading.Event()
     started = {i: threading.Event() for i in range(200)}
     returned = {i: threading.Event() for i in range(200)}
@@ -212,15 +193,13 @@ _CAP_SCRIPT = """
 
 
 def test_threads_of_calls_given_up_on_are_capped():
-    proc = run_script(_CAP_SCRIPT, {"JAX_THREADMAP_ASYNC_THREADS": "2"})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    ran = run_script(_CAP_SCRIPT, env={"JAX_THREADMAP_ASYNC_THREADS": "2"}, timeout=150)
+    assert ran.returncode == 0 and "ok" in ran.stdout, ran.report
 
 
 # --- 4. Ctrl-C reaches our waits -----------------------------------------------------
 
-_INTERRUPT_SCRIPT = (
-    SIGINT_AS_USUAL
-    + """
+_INTERRUPT_SCRIPT = """
     import os, signal, threading, time, traceback
     import jax, numpy as np
     import jax_threadmap as jtm
@@ -269,7 +248,6 @@ _INTERRUPT_SCRIPT = (
             pause *= 2
     never.set()
 """
-)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to itself: POSIX")
@@ -277,9 +255,9 @@ def test_ctrl_c_reaches_every_wait_of_ours():
     # The blocking dispatch: async dispatch off, so the jitted call waits, in
     # Python, for its data.
     env = {"JAX_THREADMAP_ASYNC_DISPATCH": "0", "JAX_THREADMAP_ASYNC_THREADS": "16"}
-    proc = run_script(_INTERRUPT_SCRIPT, env)
+    ran = run_script(_INTERRUPT_SCRIPT, env=env, timeout=150)
     for how in ("result", "asarray", "blocking dispatch"):
-        assert f"interrupted {how}" in proc.stdout, proc.stdout + proc.stderr
+        assert f"interrupted {how}" in ran.stdout, ran.report
 
 
 # --- 5. donation ---------------------------------------------------------------------
@@ -296,7 +274,7 @@ def test_a_donated_async_array_cannot_be_used_again(landed):
     y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
     go.set()
     np.testing.assert_array_equal(np.asarray(y), value + 1)
-    reason = _dispatch.mechanism.in_thread_order()
+    reason = _async_dispatch.mechanism.in_thread_order()
     if reason is not None:
         pytest.skip(f"the runs of compiled programs are not wrapped: {reason}")
     with pytest.raises(RuntimeError, match="deleted"):

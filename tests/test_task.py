@@ -1,4 +1,4 @@
-"""``Task``, the one owner of a background call's state (``_async/background.py``).
+"""``Task``, the one owner of a background call's state (``_arrays/task.py``).
 
 Every move of a call (and of a sharded load's part) goes through one method that
 refuses a move not in the table, as ``concurrent.futures.Future`` refuses one;
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from jax_threadmap import async_array_from_callback, async_call, deferred_call
-from jax_threadmap._async import arrays as _arrays
-from jax_threadmap._async import background as _background
-from jax_threadmap._async import dispatch as _dispatch
-from jax_threadmap._async.background import (
+from jax_threadmap._arrays import async_array as _async_array
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import task as _task
+from jax_threadmap._arrays.task import (
     CALL_MOVES,
     FINISHED,
     FINISHING,
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 SDS = jax.ShapeDtypeStruct
 F32 = SDS((3,), np.float32)
 WAIT = 30.0
-ASYNC = _dispatch.async_dispatch_status() == "async"
+ASYNC = _async_dispatch.async_dispatch_status() == "async"
 CALL_STATES = (PENDING, RUNNING, FINISHING, FINISHED)
 PART_STATES = (PENDING, RUNNING, PLACED, STOPPED)
 
@@ -91,14 +91,14 @@ def _call_in(state: str, monkeypatch) -> tuple[Task, threading.Event]:
         go.wait(WAIT)
         return np.zeros(3, np.float32)
 
-    real_place = _background.place
+    real_place = _task.place
 
     def slow_place(task, frozen):
         placing.set()
         placed.wait(WAIT)
         return real_place(task, frozen)
 
-    monkeypatch.setattr(_background, "place", slow_place)
+    monkeypatch.setattr(_task, "place", slow_place)
     if state == PENDING:
         x = deferred_call(fn, F32)
     else:
@@ -174,7 +174,7 @@ class PlacedCall(Task):
 
 def _placed_call(fn, shapes):
     task = PlacedCall.for_call(fn, shapes, (), {}, None, "async_call", None)
-    out = _arrays.make_arrays(task)
+    out = _async_array.make_arrays(task)
     task.submit()
     return out
 
@@ -183,13 +183,13 @@ def _placed_call(fn, shapes):
 def host_copies(monkeypatch):
     """Counts the host copies made for gate programs (``host_view``)."""
     copies = []
-    real = _background.host_view
+    real = _task.host_view
 
     def counting(leaf):
         copies.append(type(leaf))
         return real(leaf)
 
-    monkeypatch.setattr(_background, "host_view", counting)
+    monkeypatch.setattr(_task, "host_view", counting)
     return copies
 
 
@@ -198,7 +198,7 @@ def test_a_subclass_that_publishes_placed_arrays_at_once(monkeypatch, host_copie
         raise AssertionError("a placed result is neither checked, copied nor waited")
 
     for name in ("check_result", "place"):
-        monkeypatch.setattr(_background, name, never)
+        monkeypatch.setattr(_task, name, never)
     monkeypatch.setattr(Task, "_ready", never)
     made = {}
 

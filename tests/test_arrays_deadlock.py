@@ -13,20 +13,17 @@ thresholds), so the slots are full when it does.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_script
 
-from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(240)
 
-ASYNC = _dispatch.async_dispatch_status().startswith("async")
+ASYNC = _async_dispatch.async_dispatch_status().startswith("async")
 #: The slots these scenarios fill are those of the gate programs (the CPU's
 #: mechanism); deferred dispatch holds none while data is pending.
-GATES = _dispatch.async_dispatch_status() == "async"
+GATES = _async_dispatch.async_dispatch_status() == "async"
 
 PRELUDE = """
 import sys, threading, time
@@ -86,17 +83,12 @@ print("next", outcome(lambda: f(x2)), flush=True)
 """
 
 
-def run_script(body: str, timeout: float = 150) -> dict[str, str]:
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + body],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
-    lines["stderr"] = proc.stderr
+def scenario(body: str) -> dict[str, str]:
+    """Runs a scenario in a child; what it printed, by line's first word."""
+    ran = run_script(PRELUDE + body, timeout=150)
+    assert ran.returncode == 0, ran.report
+    lines = dict(line.split(" ", 1) for line in ran.stdout.splitlines() if " " in line)
+    lines["stderr"] = ran.stderr
     return lines
 
 
@@ -106,7 +98,7 @@ def run_script(body: str, timeout: float = 150) -> dict[str, str]:
 def test_the_timeout_ends_a_loader_that_runs_jax_behind_a_full_device(loader, n):
     # 30: every slot is held when the loader's JAX call starts; 40: then the
     # dispatching thread also waits inside XLA for a slot, until the timeout.
-    out = run_script(LOADERS[loader] + f"N = {n}\nTIMEOUT = 3.0\n" + SCENARIO)
+    out = scenario(LOADERS[loader] + f"N = {n}\nTIMEOUT = 3.0\n" + SCENARIO)
     assert out["x"] == "error TimeoutError timeout=True", out
     assert out["last"] == "error JaxRuntimeError timeout=True", out
     assert out["first"] == "error JaxRuntimeError timeout=True", out
@@ -129,7 +121,7 @@ def load():
 @pytest.mark.parametrize("n", [30, 40])
 def test_a_loader_without_jax_behind_a_full_device_gets_its_values(n):
     # Nothing fails a call that has no timeout, however full the device.
-    out = run_script(NUMPY_LOADER + f"N = {n}\nTIMEOUT = None\n" + SCENARIO)
+    out = scenario(NUMPY_LOADER + f"N = {n}\nTIMEOUT = None\n" + SCENARIO)
     assert out["x"] == "value [1.0, 1.0, 1.0, 1.0]", out
     assert out["last"] == f"value [{n + 1.0}, {n + 1.0}, {n + 1.0}, {n + 1.0}]", out
     assert out["first"] == "value [2.0, 2.0, 2.0, 2.0]", out
@@ -138,7 +130,7 @@ def test_a_loader_without_jax_behind_a_full_device_gets_its_values(n):
 @pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
 @pytest.mark.parametrize("loader", sorted(LOADERS))
 def test_fewer_programs_behind_a_loader_that_runs_jax_get_their_values(loader):
-    out = run_script(LOADERS[loader] + "N = 20\nTIMEOUT = 60.0\n" + SCENARIO)
+    out = scenario(LOADERS[loader] + "N = 20\nTIMEOUT = 60.0\n" + SCENARIO)
     assert out["x"] == "value [1.0, 1.0, 1.0, 1.0]", out
     assert out["last"] == "value [21.0, 21.0, 21.0, 21.0]", out
     assert out["first"] == "value [2.0, 2.0, 2.0, 2.0]", out

@@ -8,31 +8,27 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import importlib
-import os
 import signal
-import subprocess
 import sys
-import textwrap
 import threading
-import time
 import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SIGINT_AS_USUAL, returns_within
+from helpers import returns_within, run_script, start_script, wait_until
 
 from jax_threadmap import async_call, deferred_call, threadmap
-from jax_threadmap._async import dispatch as _dispatch
-from jax_threadmap._async import pool as _async_threads
-from jax_threadmap._async import program_runs as _program_runs
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import async_pool as _async_pool
+from jax_threadmap._arrays import dispatch_streams as _dispatch_streams
 
 pytestmark = pytest.mark.timeout(120)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-STATUS = _dispatch.async_dispatch_status()
+STATUS = _async_dispatch.async_dispatch_status()
 ASYNC = STATUS.startswith("async")
 #: Programs on pending data have a stream of their own (not only thread order).
 OWN_STREAM = STATUS == "async"
@@ -188,23 +184,26 @@ def test_a_profiler_changes_nothing():
 @pytest.mark.skipif(not OWN_STREAM, reason=f"async dispatch status: {STATUS}")
 def test_the_stream_is_put_back_when_the_program_run_fails():
 
-    _dispatch.mechanism.prepare()  # as the first async_call does
+    _async_dispatch.mechanism.prepare()  # as the first async_call does
     stream_of_thread = importlib.import_module("jaxlib._jax").get_execution_stream_id
     before = stream_of_thread()
 
     def run(program, *args):
         # What a dispatch on pending data does, then a failure in XLA's execute.
-        assert _program_runs.switch_stream(True) is False  # the run puts it back
+        assert _dispatch_streams.switch_stream(True) is False  # the run puts it back
         assert stream_of_thread() != before
         raise RuntimeError("execute failed")
 
     with pytest.raises(RuntimeError, match="execute failed"):
-        _program_runs.around(run, None, (), ())
+        _dispatch_streams.around(run, None, (), ())
     assert stream_of_thread() == before
-    assert _program_runs._thread.depth == 0 and _program_runs._thread.switched_at == 0
+    assert (
+        _dispatch_streams._thread.depth == 0
+        and _dispatch_streams._thread.switched_at == 0
+    )
     # Outside a run (device_put of a pending array), the caller puts it back.
-    assert _program_runs.switch_stream(True) is True
-    _program_runs.put_back()
+    assert _dispatch_streams.switch_stream(True) is True
+    _dispatch_streams.put_back()
     assert stream_of_thread() == before
 
 
@@ -287,11 +286,11 @@ def test_a_shape_dtype_struct_returned_instead_of_data_is_named():
 
 
 def test_async_threads_are_capped(monkeypatch):
-    monkeypatch.setenv(_async_threads.ENV_ASYNC_THREADS, "100000")
+    monkeypatch.setenv(_async_pool.ENV_ASYNC_THREADS, "100000")
     with pytest.raises(ValueError, match=r"JAX_THREADMAP_ASYNC_THREADS.*4096"):
-        _async_threads.default_async_threads()
-    monkeypatch.setenv(_async_threads.ENV_ASYNC_THREADS, "4096")
-    assert _async_threads.default_async_threads() == 4096
+        _async_pool.default_async_threads()
+    monkeypatch.setenv(_async_pool.ENV_ASYNC_THREADS, "4096")
+    assert _async_pool.default_async_threads() == 4096
 
 
 # --- giving up on a stuck load -----------------------------------------------------
@@ -396,23 +395,12 @@ def test_a_finished_call_with_a_long_timeout_is_not_kept_until_its_deadline():
     x.result(timeout=WAIT)
     task = weakref.ref(x._task)
     del x
-    for _ in range(200):  # until its pool thread has let go of it
+
+    def released() -> bool:  # (its pool thread lets go of it as it ends)
         gc.collect()
-        if task() is None:
-            break
-        time.sleep(0.05)
-    assert task() is None, "the timeouts' thread keeps the call and its values"
+        return task() is None
 
-
-def run_script(script: str, env: dict | None = None, timeout: float = 90):
-    """Runs ``script`` in a fresh interpreter (a hang fails at ``timeout``)."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})},
-    )
+    wait_until(released, "the timeouts' thread let go of the call and its values")
 
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
@@ -444,9 +432,9 @@ def test_calls_given_up_on_leave_the_pool_and_later_calls_start_at_once(how):
     fast = jtm.async_call(lambda: np.ones(2, np.float32), SDS, timeout=20)
     print("fast", fast.result(timeout=30).tolist(), flush=True)
     """
-    proc = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "2"})
-    out, err = proc.stdout, proc.stderr
-    assert proc.returncode == 0, err[-3000:]
+    ran = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "2"}, timeout=90)
+    out, err = ran.stdout, ran.stderr
+    assert ran.returncode == 0, err[-3000:]
     name = "TimeoutError" if how == "timeout" else "CancelledError"
     assert out.count(f"given up: {name}") == 2, out + err[-3000:]
     assert "bound=2" in out and "abandoned=('`hang` (async_call)', '`hang`" in out
@@ -470,12 +458,12 @@ def test_a_timeout_counts_from_the_call_time_waiting_for_a_thread_included():
     go.set()
     print("busy", busy.result(timeout=30).tolist(), "ran", ran, flush=True)
     """
-    proc = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = run_script(script, env={"JAX_THREADMAP_ASYNC_THREADS": "1"}, timeout=90)
+    assert ran.returncode == 0, ran.report
     assert "timed out: `<lambda>`, which jax_threadmap.async_call ran, did not " in (
-        proc.stdout
-    ), proc.stdout + proc.stderr[-3000:]
-    assert "busy [1.0, 1.0] ran []" in proc.stdout  # never started
+        ran.stdout
+    ), ran.report
+    assert "busy [1.0, 1.0] ran []" in ran.stdout  # never started
 
 
 # --- independent loads never wait behind a stuck one ---------------------------------
@@ -534,12 +522,10 @@ def test_a_loop_behind_a_load_that_times_out_finishes_with_right_values():
 def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits():
     # Every load hangs: once MAX_WAITING_PROGRAMS gate programs wait, the next
     # dispatch waits for its own data, in Python, where Ctrl-C reaches it.
-    script = (
-        SIGINT_AS_USUAL
-        + """
+    script = """
     import threading, jax, numpy as np
     import jax_threadmap as jtm
-    from jax_threadmap._async import dispatch as _dispatch
+    from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
     def load(i):
         threading.Event().wait()  # a download that hangs
@@ -548,20 +534,13 @@ def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits
     f = jax.jit(lambda v: v * 2)
     try:
         for i in range(500):
-            if i == _dispatch.MAX_WAITING_PROGRAMS:
+            if i == _async_dispatch.MAX_WAITING_PROGRAMS:
                 print("waiting", flush=True)
             y = f(jtm.async_call(load, jax.ShapeDtypeStruct((3,), np.float32), i))
     except KeyboardInterrupt:
         print("interrupted at", i, flush=True)
     """
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    proc = start_script(script)
     try:
         assert proc.stdout.readline().strip() == "waiting"
         proc.send_signal(signal.SIGINT)

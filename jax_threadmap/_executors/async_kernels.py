@@ -86,16 +86,12 @@ logger = logging.getLogger("jax_threadmap.async_kernels")
 # --- checks at the call -------------------------------------------------------------
 
 
-def is_async(fn: Any) -> bool:
-    """Whether ``fn`` is an ``async def`` kernel (or a partial or callable of one)."""
-    return is_coroutine_function(fn)
-
-
 def check_async_kernel(
     fn: Any, *, executor: Any, vectorized: bool, api: str, what: str = "kernel"
 ) -> None:
-    """Refuses the options an ``async def`` kernel cannot run with, at the call."""
-    if not is_async(fn):
+    """Refuses the options an ``async def`` kernel (or a partial or callable of
+    one) cannot run with, at the call."""
+    if not is_coroutine_function(fn):
         return
     name = _validate.callable_name(fn)
     if executor is not None:

@@ -7,6 +7,10 @@ position of that level's axis in its own array, or ``None`` when the operand is
 not mapped at that level. Batched operands are never moved or tiled in the jaxpr;
 the host side reads them through strided (and, for missing levels, zero-stride)
 views.
+
+It lives on the lowest floor of its users: the host's views and sums read it
+(:mod:`.maps`, :mod:`.summing`), and the primitive's rules above grow it
+(``_core``).
 """
 
 from __future__ import annotations

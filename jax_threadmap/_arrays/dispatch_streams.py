@@ -1,7 +1,7 @@
 """Every run of a compiled program from Python, as the async layer sees it.
 
-:func:`around` wraps each run (through ``_jax.dispatch.wrap_program_runs``). It keeps,
-per thread, where the thread is in nested runs (a gate program dispatched by an
+:func:`around` wraps each run (through ``_jax.program_runs.wrap_program_runs``). It
+keeps, per thread, where the thread is in nested runs (a gate program dispatched by an
 argument handler runs inside the run that asked for it), so that:
 
 - **Streams.** A dispatch on pending data goes on a new execution stream
@@ -105,7 +105,8 @@ def switch_stream(enabled: bool) -> bool:
     state = _thread
     if state.switched_at or not enabled:
         return False
-    state.switch = _hooks.get("execution_stream_id")(next(_stream_ids))
+    # (Called from the table: a Missing hook raises by name when called.)
+    state.switch = _hooks.RESOLVED["execution_stream_id"](next(_stream_ids))
     state.switch.__enter__()
     if state.depth:
         state.switched_at = state.depth

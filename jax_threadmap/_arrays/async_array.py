@@ -3,9 +3,10 @@
 - :class:`AsyncArray`: an array whose value a background call is still
   computing. ``jax.jit`` traces and compiles with its shape and dtype while the
   call runs; when a compiled program runs with it, the argument handler
-  registered here (through :mod:`.._jax.array_types`) asks :mod:`.dispatch` for buffers.
+  registered here (through :mod:`.._jax.array_types`) asks
+  :mod:`.async_dispatch` for buffers.
 - :func:`async_call`, :func:`deferred_call`, :meth:`AsyncArray.from_future`: each
-  makes the :class:`~.background.Task` behind every array of one call.
+  makes the :class:`~.task.Task` behind every array of one call.
 - Exit (:func:`_at_exit`): calls still running are reported and abandoned.
 """
 
@@ -22,17 +23,16 @@ import numpy as np
 from .._jax import array_types as _array_types
 from .._support import event_loop as _event_loop
 from .._support.validate import check_timeout
-from . import background as _background
-from . import dispatch as _dispatch
-from . import pool as _async_threads
-from .background import Task
+from . import async_dispatch as _async_dispatch
+from . import async_pool as _async_pool
 from .leaves import LeafSpec
+from .task import Task
 
 
 def _at_exit() -> None:
-    _async_threads.abandon_at_exit()
+    _async_pool.abandon_at_exit()
     _event_loop.close_at_exit()
-    _dispatch.mechanism.clean_up_at_exit()
+    _async_dispatch.mechanism.clean_up_at_exit()
 
 
 # Registered after `import jax`, so it runs before JAX's own exit handlers.
@@ -191,7 +191,7 @@ class AsyncArray:
             ...     print(x + 1)
             [1. 2. 3.]
         """
-        task = _background.Task.for_future(future, result_shape_dtypes, device)
+        task = Task.for_future(future, result_shape_dtypes, device)
         out = make_arrays(task)
         future.add_done_callback(task.on_source_done)
         return out
@@ -380,19 +380,19 @@ class AsyncArray:
 
 def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
-    _dispatch.mechanism.prepare()  # before any dispatch with them
+    _async_dispatch.mechanism.prepare()  # before any dispatch with them
     arrays = [AsyncArray._new(task, i) for i in range(len(task.specs))]
     return jax.tree_util.tree_unflatten(task.treedef, arrays)
 
 
 def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
     # Called by jit only when a compiled program runs, after compilation.
-    pending = [_dispatch.Pending(x._task, x._index, x) for x in xs]
-    return _dispatch.mechanism.arrays_for(pending, shardings)
+    pending = [_async_dispatch.Pending(x._task, x._index, x) for x in xs]
+    return _async_dispatch.mechanism.arrays_for(pending, shardings)
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
-_dispatch.bind_arrays(AsyncArray, lambda x: x._task, make_arrays)
+_async_dispatch.bind_arrays(AsyncArray, lambda x: x._task, make_arrays)
 
 
 # --- the constructors -----------------------------------------------------------------

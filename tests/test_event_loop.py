@@ -11,14 +11,13 @@ import concurrent.futures
 import functools
 import os
 import pathlib
-import subprocess
 import sys
-import textwrap
 import threading
 
 import jax
 import numpy as np
 import pytest
+from helpers import run_script
 
 import jax_threadmap as jtm
 from jax_threadmap._support import event_loop as _event_loop
@@ -51,19 +50,6 @@ class Hung:
             self.cancelled.set()  # its clean-up runs: connections get closed
             raise
         raise AssertionError("never set")
-
-
-def run_script(script: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    root = str(HERE.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 # --- what runs on the loop ---------------------------------------------------------
@@ -162,10 +148,10 @@ def test_a_call_whose_end_fails_keeps_neither_itself_nor_its_burst_waiting(
 ):
     # Landed together (one turn of the loop), one call's end raises (here:
     # giving back its slot): it still gets its value, and so does the rest.
-    from jax_threadmap._async import background as _background
+    from jax_threadmap._arrays import task as _task
 
     release = asyncio.Event()
-    real_end = _background.Task._end
+    real_end = _task.Task._end
     broken = []
 
     def end(task):
@@ -182,7 +168,7 @@ def test_a_call_whose_end_fails_keeps_neither_itself_nor_its_burst_waiting(
         release.set()
         return np.zeros(3, np.float32)
 
-    monkeypatch.setattr(_background.Task, "_end", end)
+    monkeypatch.setattr(_task.Task, "_end", end)
     xs = [jtm.async_call(wait_then, F32, i) for i in range(6)]
     jtm.async_call(opener, F32).result(timeout=WAIT)
     for i, x in enumerate(xs):

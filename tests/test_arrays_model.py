@@ -62,16 +62,16 @@ from jax_threadmap import (
     kernel,
     threadmap,
 )
-from jax_threadmap._async import dispatch as _dispatch
-from jax_threadmap._async import pool as _async_threads
-from jax_threadmap._async.background import PLACED, STOPPED
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import async_pool as _async_pool
+from jax_threadmap._arrays.task import PLACED, STOPPED
 from jax_threadmap._support import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(600)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 60.0
-STATUS = _dispatch.async_dispatch_status()
+STATUS = _async_dispatch.async_dispatch_status()
 ASYNC = STATUS == "async"
 DEVICE = jax.devices()[0]
 KINDS = (
@@ -272,7 +272,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.all: list[Call] = []
-        self.waiting, self.slots = _dispatch.mechanism.counts()
+        self.waiting, self.slots = _async_dispatch.mechanism.counts()
         self.abandoned = len(async_pool_status().abandoned)
         self.outstanding = 0  # dispatches on pending data not yet looked at
         self.n = 0
@@ -347,7 +347,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
             call.never_starts = call.never_starts or unused
             self._seen(call, "CancelledError")
 
-    @precondition(lambda self: self.outstanding < _dispatch.MAX_WAITING_PROGRAMS)
+    @precondition(lambda self: self.outstanding < _async_dispatch.MAX_WAITING_PROGRAMS)
     @rule(call=calls)
     def dispatch(self, call: Call) -> None:
         if not ASYNC and not self._ends(call):
@@ -420,16 +420,16 @@ class AsyncArraysModel(RuleBasedStateMachine):
     @invariant()
     def pool_within_bound_and_cap(self) -> None:
         status = async_pool_status()
-        assert status.abandoned_cap == _async_threads.ABANDONED_PER_BOUND * status.bound
+        assert status.abandoned_cap == _async_pool.ABANDONED_PER_BOUND * status.bound
         assert status.running <= status.bound, status
         assert len(status.abandoned) <= status.abandoned_cap, status
 
     @invariant()
     def waiting_programs_within_the_model(self) -> None:
-        waiting, _ = _dispatch.mechanism.counts()
+        waiting, _ = _async_dispatch.mechanism.counts()
         for device, n in waiting.items():
             assert n <= self.waiting.get(device, 0) + self.outstanding, (waiting, self)
-        assert _dispatch.async_dispatch_status() == STATUS
+        assert _async_dispatch.async_dispatch_status() == STATUS
 
     def teardown(self) -> None:
         for call in self.all:
@@ -442,7 +442,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
                 if call.never_starts:  # cancelled before its first use
                     assert not call.started.is_set(), call
             # Every count back where it started, once the gate programs ran.
-            waiting, slots = _dispatch.mechanism.counts()
+            waiting, slots = _async_dispatch.mechanism.counts()
             for device, n in waiting.items():
                 assert n <= self.waiting.get(device, 0), waiting
             assert slots <= self.slots, slots

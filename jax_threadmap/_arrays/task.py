@@ -7,7 +7,7 @@ that refuses a move not in its table (:meth:`Task._move`, the tables in its
 docstring); no other module reads or writes its fields, and a subclass (a
 sharded load, :mod:`.shard_loads`, whose :class:`Part` s are the call's too)
 changes what the call does through override points only. A plain ``fn`` runs on
-the async pool (:mod:`.pool`), an ``async def`` one on the event loop
+the async pool (:mod:`.async_pool`), an ``async def`` one on the event loop
 (:mod:`.._support.event_loop`); a thread that needs a value whose call has not started
 runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock. The dispatch
 mechanism lends a call a slot and gates (:class:`Lender`,
@@ -34,8 +34,9 @@ from .._support import event_loop as _event_loop
 from .._support import fork as _fork
 from .._support.errors import KeptError
 from .._support.validate import callable_name
+from . import async_pool as _async_pool
 from . import outcomes as _outcomes
-from . import pool as _async_threads
+from .async_pool import worker_state
 from .leaves import (
     LeafSpec,
     check_call,
@@ -43,10 +44,9 @@ from .leaves import (
     check_result,
     describe_error,
     host_view,
-    index_of,
     place,
 )
-from .pool import worker_state
+from .shards import index_of
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -129,10 +129,10 @@ class Part:
         #: Names the part in errors: "the shard at index [0:2] (devices 0, 1)".
         self.what = what
         self.state = PENDING
-        self.worker: _async_threads.Worker | None = None
+        self.worker: _async_pool.Worker | None = None
         self.source: asyncio.Task | None = None
 
-    def run(self, worker: _async_threads.Worker | None = None) -> None:
+    def run(self, worker: _async_pool.Worker | None = None) -> None:
         self.task._run(self, worker)
 
     def time_out(self) -> None:  # the call's timeout covers its parts
@@ -285,7 +285,7 @@ class Task:
         self.timeout = timeout
         # The pool thread running fn, while it runs (it leaves the bound if the
         # call is given up on).
-        self._worker: _async_threads.Worker | None = None
+        self._worker: _async_pool.Worker | None = None
         # Whether fn runs on the event loop; its asyncio task while it runs
         # there (cancelled if the call is given up on).
         self.coroutine = _event_loop.is_coroutine_function(fn)
@@ -332,8 +332,8 @@ class Task:
         treedef, specs = check_future(future, result_shape_dtypes, device)
         name = f"a {type(future).__name__} of the caller"
         task = cls(None, None, None, name=name, api=api, treedef=treedef, specs=specs)
-        with _async_threads.live_lock:
-            _async_threads.live.add(task)
+        with _async_pool.live_lock:
+            _async_pool.live.add(task)
         return task
 
     def _set_parts(self, parts: list[Part]) -> None:
@@ -479,7 +479,7 @@ class Task:
             if self._clock or self.timeout is None:
                 return
             self._clock = True
-        _async_threads.deadlines().add(self, self.timeout)
+        _async_pool.deadlines().add(self, self.timeout)
 
     def submit(self) -> None:
         """Queues the call on the pool or loop (once); its timeout counts from now."""
@@ -487,8 +487,8 @@ class Task:
             if not self.runnable or self._submitted or self._state != PENDING:
                 return
             self._submitted = True
-        with _async_threads.live_lock:
-            _async_threads.live.add(self)
+        with _async_pool.live_lock:
+            _async_pool.live.add(self)
         self._start_clock()
         self._start()
 
@@ -511,15 +511,15 @@ class Task:
                     coroutine = functools.partial(self._run_coroutine, part)
                     _event_loop.event_loop().submit(coroutine, self.name)
                 else:
-                    _async_threads.pool().submit(part)
+                    _async_pool.pool().submit(part)
         elif self.coroutine:
             _event_loop.event_loop().submit(self._run_coroutine, self.name)
         else:
-            _async_threads.pool().submit(self)
+            _async_pool.pool().submit(self)
 
     def _claim(
         self,
-        worker: _async_threads.Worker | None,
+        worker: _async_pool.Worker | None,
         source: asyncio.Task | None = None,
         part: Part | None = None,
     ) -> bool:
@@ -545,8 +545,8 @@ class Task:
                 self._worker, self._source = worker, source
             self._pid = pid
         if not known:
-            with _async_threads.live_lock:
-                _async_threads.live.add(self)
+            with _async_pool.live_lock:
+                _async_pool.live.add(self)
             self._start_clock()
         return True
 
@@ -569,7 +569,7 @@ class Task:
                 part.source = source
             return True
 
-    def run(self, worker: _async_threads.Worker | None = None) -> None:
+    def run(self, worker: _async_pool.Worker | None = None) -> None:
         """Runs the call here, unless it has already started (or ended).
 
         A coroutine call is submitted to the event loop instead: there is no
@@ -595,7 +595,7 @@ class Task:
         self._fn = self._args = self._kwargs = None
         return _event_loop.call(fn, args, kwargs)
 
-    def _run(self, part: Part | None, worker: _async_threads.Worker | None) -> None:
+    def _run(self, part: Part | None, worker: _async_pool.Worker | None) -> None:
         """Runs the call (or ``part``) here, in a thread, once claimed."""
         if not self._claim(worker, None, part):
             return
@@ -724,7 +724,7 @@ class Task:
             worker, source = self._worker, self._source
             self._worker = self._source = None
         if worker is not None:
-            _async_threads.pool().abandon(worker, self)
+            _async_pool.pool().abandon(worker, self)
         if source is not None:
             _event_loop.event_loop().cancel(source)
         self._conclude(error, gates, raised_by_fn=False, names_call=True)
@@ -834,8 +834,8 @@ class Task:
     def _end(self) -> None:
         with self._lock:
             self._move(FINISHED)
-        with _async_threads.live_lock:
-            _async_threads.live.discard(self)
+        with _async_pool.live_lock:
+            _async_pool.live.discard(self)
         self._give_back_slot()
 
     def _conclude(
@@ -979,7 +979,7 @@ class Task:
             self._early = {}
         for part, worker, source in handles:
             if worker is not None:
-                _async_threads.pool().abandon(worker, part)
+                _async_pool.pool().abandon(worker, part)
             if source is not None:
                 _event_loop.event_loop().cancel(source)
 

@@ -1,24 +1,22 @@
-"""Tests of async_call, deferred_call and AsyncArray (jax_threadmap/_async/)."""
+"""Tests of async_call, deferred_call and AsyncArray (jax_threadmap/_arrays/)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
 import os
-import subprocess
-import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cause_of, returns_within
+from helpers import cause_of, returns_within, run_script
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call, deferred_call
-from jax_threadmap._async import dispatch as _dispatch
-from jax_threadmap._async import pool as _async_threads
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import async_pool as _async_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -599,7 +597,7 @@ def test_bad_arguments_fail_at_the_call(args, kwargs, exc, pattern):
 
 def test_hundreds_of_pending_arrays_use_a_bounded_pool():
     n = 300
-    bound = _async_threads.default_async_threads()
+    bound = _async_pool.default_async_threads()
     assert bound < n
     baseline = threading.active_count()
     release = threading.Event()
@@ -641,7 +639,7 @@ def test_hundreds_of_pending_arrays_use_a_bounded_pool():
 
 
 def test_value_needed_behind_a_full_pool_runs_in_the_caller():
-    bound = _async_threads.default_async_threads()
+    bound = _async_pool.default_async_threads()
     gates = [Gate(np.zeros(1, np.float32)) for _ in range(bound)]
     try:
         blockers = [async_call(g, SDS((1,), np.float32)) for g in gates]
@@ -661,7 +659,7 @@ def test_value_needed_behind_a_full_pool_runs_in_the_caller():
 
 
 def test_nested_calls_do_not_deadlock_a_full_pool():
-    bound = _async_threads.default_async_threads()
+    bound = _async_pool.default_async_threads()
 
     def inner(i):
         return np.full((1,), i, np.float32)
@@ -676,13 +674,13 @@ def test_nested_calls_do_not_deadlock_a_full_pool():
 
 
 def test_async_threads_env_var(monkeypatch):
-    monkeypatch.setenv(_async_threads.ENV_ASYNC_THREADS, "3")
-    assert _async_threads.default_async_threads() == 3
-    monkeypatch.setenv(_async_threads.ENV_ASYNC_THREADS, "zero")
+    monkeypatch.setenv(_async_pool.ENV_ASYNC_THREADS, "3")
+    assert _async_pool.default_async_threads() == 3
+    monkeypatch.setenv(_async_pool.ENV_ASYNC_THREADS, "zero")
     with pytest.raises(ValueError, match="JAX_THREADMAP_ASYNC_THREADS='zero'"):
-        _async_threads.default_async_threads()
-    monkeypatch.delenv(_async_threads.ENV_ASYNC_THREADS)
-    assert _async_threads.default_async_threads() >= 1
+        _async_pool.default_async_threads()
+    monkeypatch.delenv(_async_pool.ENV_ASYNC_THREADS)
+    assert _async_pool.default_async_threads() >= 1
 
 
 # --- deferred ------------------------------------------------------------------------
@@ -691,9 +689,9 @@ def test_async_threads_env_var(monkeypatch):
 @pytest.mark.parametrize("dispatch", ["async", "blocking"])
 def test_deferred_runs_only_when_first_needed_and_once(dispatch, monkeypatch):
     monkeypatch.setenv(
-        _dispatch.ENV_ASYNC_DISPATCH, "1" if dispatch == "async" else "0"
+        _async_dispatch.ENV_ASYNC_DISPATCH, "1" if dispatch == "async" else "0"
     )
-    async_dispatch = _dispatch.async_dispatch_status().startswith("async")
+    async_dispatch = _async_dispatch.async_dispatch_status().startswith("async")
     calls = []
 
     def fn(seed):
@@ -826,21 +824,16 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_call_running_at_fork_fails_clearly_in_the_child():
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _FORK_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    ran = run_script(_FORK_SCRIPT, flags=("-W", "ignore"), timeout=50)
+    assert ran.returncode == 0, ran.report
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_the_set_of_live_calls_is_unlocked_in_a_forked_child():
 
-    with _async_threads.live_lock:  # held by this thread at the fork
+    with _async_pool.live_lock:  # held by this thread at the fork
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
-            os._exit(0 if _async_threads.live_lock.acquire(timeout=5) else 1)
+            os._exit(0 if _async_pool.live_lock.acquire(timeout=5) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

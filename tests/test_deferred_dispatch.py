@@ -1,7 +1,7 @@
 """Deferred dispatch: a jitted call on pending data returns at once, its program
 runs on the device once the data lands, and nothing else waits for it.
 
-The mechanism of accelerators (jax_threadmap/_async/deferred.py), where a host
+The mechanism of accelerators (jax_threadmap/_arrays/deferred_dispatch.py), where a host
 callback would hold the device's queue. Here it runs on whatever the default
 backend is: on the CPU it is switched on with ``JAX_THREADMAP_ASYNC_DISPATCH=
 deferred`` (the fixture), on an accelerator it is the default. Each test holds
@@ -13,17 +13,14 @@ while the gate is still closed. Values are compared with NumPy on the host.
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
-import subprocess
-import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import F32_RTOL, examples, returns_within
+from helpers import F32_RTOL, examples, returns_within, run_script
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -37,7 +34,7 @@ from jax.experimental import io_callback
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call, deferred_call, threadmap
-from jax_threadmap._async import dispatch as _dispatch
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +48,7 @@ F32 = SDS((3,), np.float32)
 def deferred(monkeypatch):
     """Deferred dispatch on this platform (the default on an accelerator)."""
     if jax.default_backend() == "cpu":
-        monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "deferred")
+        monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "deferred")
     status = jtm.async_dispatch_status()
     if not status.startswith("async, deferred"):
         pytest.skip(f"deferred dispatch is off here: {status}")
@@ -383,18 +380,8 @@ def test_exit_while_deferred_programs_are_dispatched_is_clean():
     # Was: a pool thread still inside JAX's dispatch while the interpreter
     # finalized ("FATAL: exception not rethrown", SIGABRT). Exit waits for the
     # programs whose data landed, as for a call placing its values.
-    env = dict(os.environ, JAX_THREADMAP_ASYNC_DISPATCH="deferred")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
-    )
     for _ in range(2):
-        proc = subprocess.run(
-            [sys.executable, "-c", EXIT_SCRIPT],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = run_script(EXIT_SCRIPT, env={"JAX_THREADMAP_ASYNC_DISPATCH": "deferred"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout == "last [31.0, 31.0, 31.0, 31.0]\n", proc.stdout
         assert "FATAL" not in proc.stderr, proc.stderr

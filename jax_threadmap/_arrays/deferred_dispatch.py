@@ -1,7 +1,7 @@
 """Deferred dispatch: a program on pending data is dispatched when the data lands.
 
 On an accelerator a host callback holds the device's queue while it runs (a TPU
-runs its programs in order), so the gate programs of :mod:`.dispatch`, which wait
+runs its programs in order), so the gate programs of :mod:`.async_dispatch`, which wait
 in a host callback, would make every later program wait for the load. There, a
 jitted call whose arguments include pending ``AsyncArray`` s is not run at once:
 
@@ -21,7 +21,7 @@ jitted call whose arguments include pending ``AsyncArray`` s is not run at once:
 Not deferred (they wait for their data at dispatch, in Python): programs with
 ordered effects, programs on ``jax.Ref`` s, programs with outputs of extended
 dtypes (PRNG keys), dispatches from the async pool's own threads (a call that
-needs another's value runs it, :meth:`.background.Task.wait`), and every
+needs another's value runs it, :meth:`.task.Task.wait`), and every
 program of a multi-process run (all processes must dispatch in one order).
 
 At exit, the programs whose data has landed are dispatched (exit waits for
@@ -41,9 +41,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .background import Task
+from .async_pool import worker_state
 from .leaves import LeafSpec, is_extended
-from .pool import worker_state
+from .task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -106,7 +106,7 @@ class ProgramRun(Task):
     A call whose ``fn`` dispatches the program and returns its outputs, placed
     already; it starts once every input call (the calls of the pending
     arguments) has landed, and fails without running when one of them fails.
-    Override points of :class:`.background.Task`: :meth:`_start` (wait for the
+    Override points of :class:`.task.Task`: :meth:`_start` (wait for the
     inputs), :meth:`run` (a waiter helps the inputs, then dispatches),
     :meth:`_accept` (publish the outputs at once) and :meth:`failure_text`.
 

@@ -1,4 +1,5 @@
-"""Chunks packed for executors that pickle work (process pools, Dask).
+"""Chunks packed for executors that pickle work (process pools, Dask), and run in
+their workers; the shipping of the tasks is ``_executors/shipping.py``.
 
 A worker in another process cannot read the host callback's buffers, so each task
 carries its chunk's slices of the operands: batched operands ship only the
@@ -10,68 +11,30 @@ seconds per element (the executor sizes later tasks from it).
 
 The kernel's caller travels pickled on its own inside each task (:class:`_Task`):
 a worker that cannot load it (its module does not import there) returns why as
-the task's error, and the pool lives on. When a pool breaks all the same (a
-worker crashed, or could not start), :func:`broken_hint` says where its own
-error went and the usual causes.
+the task's error (:class:`KernelNotLoaded`), and the pool lives on.
 
 An operand that every element reads whole (unbatched) and that is large
-(:data:`SHARE_BYTES`) is not packed in each task: :func:`share` ships it once
-per map, by the route that the executor offers (:class:`Sharing`), and the
-tasks hold a :class:`Shared` marker in its place.
+(:data:`SHARE_BYTES`, :func:`shared_operands`) is not packed in each task: the
+shipper sends it once per map, and the tasks hold a :class:`Shared` marker in
+its place, resolved in the worker from what the task is called with.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import mmap
 import os
 import pickle
-import sys
-import tempfile
-import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from . import summing as _summing
 
 #: Bytes from which an operand read whole by every element is shipped once per
-#: map (see :func:`share`) rather than in every task.
+#: map (see :func:`shared_operands`) rather than in every task.
 SHARE_BYTES = 64 * 1024
-
-
-def broken_hint(executor: Any) -> str:
-    """What to say when an executor that pickles work broke: a worker process
-    ended. Its own traceback, if it wrote one, went to its stderr, which the
-    user may not see (a notebook, a captured subprocess); so this names where
-    to look and the usual causes, and the one this process can tell: workers
-    that import a main script that has no file."""
-    hint = (
-        "A worker process ended: it crashed (native code, out of memory), or it "
-        "could not start, and then its own traceback is on its stderr (the "
-        "terminal of this program, or the Jupyter server's log). A worker "
-        "started with 'spawn' or 'forkserver' imports the main script again: "
-        'its top-level code must be under `if __name__ == "__main__":`, and '
-        "every module it imports must import there."
-    )
-    context = getattr(executor, "_mp_context", None)  # ProcessPoolExecutor's
-    main = getattr(sys.modules.get("__main__"), "__file__", None)
-    method = context.get_start_method() if context is not None else None
-    if method in ("spawn", "forkserver") and main and not os.path.isfile(main):
-        hint += (
-            f" Here the main script is {main!r}, which is no file (code read from "
-            "stdin or passed with -c), so the workers cannot start: put the "
-            "program in a script file, or the kernel in a module."
-        )
-    return (
-        hint + " The map was abandoned, and a broken process pool stays broken: "
-        "pass a new executor to the next call (a Dask cluster replaces its dead "
-        "workers)."
-    )
 
 
 class KernelNotLoaded(RuntimeError):
@@ -419,109 +382,16 @@ def shared_operands(
     return index, arrays
 
 
-class Sharing:
-    """How one map's shared operands reach an executor's workers.
+@runtime_checkable
+class SharedHandle(Protocol):
+    """What a task may receive for a shared operand, besides the array itself:
+    a handle that maps it (``_executors/shipping.py``'s ``MappedFile``)."""
 
-    Every task of the map is submitted as ``executor.submit(task, *args)``;
-    :meth:`close` ends the sharing once the map is over.
-
-    Args:
-        args: What each task receives for the shared operands: the arrays
-            themselves (pickled with each task), Dask futures of data scattered
-            to every worker, or :class:`MappedFile` handles.
-        close: Releases what the sharing holds (scattered data, files).
-    """
-
-    def __init__(self, args: list[Any], close: Callable[[], None] | None = None):
-        self.args = args
-        self._close = close
-
-    def close(self) -> None:
-        if self._close is not None:
-            self._close()
-            self._close = None
-
-
-def share(executor: concurrent.futures.Executor, arrays: list[np.ndarray]) -> Sharing:
-    """Ships ``arrays`` to ``executor``'s workers once for a map.
-
-    - A Dask ``ClientExecutor``: ``client.scatter(..., broadcast=True)``, one
-      copy per worker; each task names the scattered data.
-    - A process pool (workers on this host): one file per array in the
-      temporary folder, which each worker maps read-only on first use (no copy
-      through the pool's pipes), removed after the map.
-    - Any other executor: the arrays travel with each task, as a last resort.
-    """
-    if not arrays:
-        return Sharing([])
-    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
-    if client is not None and hasattr(client, "scatter"):
-        futures = client.scatter(list(arrays), broadcast=True, hash=False)
-        return Sharing(list(futures), lambda: client.cancel(futures))
-    if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
-        try:
-            return _in_files(arrays)
-        except OSError:  # no room in the temporary folder: with each task
-            pass
-    return Sharing(list(arrays))
-
-
-def _in_files(arrays: list[np.ndarray]) -> Sharing:
-    paths: list[str] = []
-    handles = []
-    try:
-        for a in arrays:
-            # A name used once: a worker's mapping of a finished map's file
-            # must never be taken for a new one.
-            fd, path = tempfile.mkstemp(prefix=f"jax_threadmap-{uuid.uuid4().hex}-")
-            paths.append(path)
-            with os.fdopen(fd, "wb") as f:
-                f.write(np.ascontiguousarray(a).data)
-            handles.append(MappedFile(path, a.shape, a.dtype))
-    except BaseException:
-        _remove(paths)
-        raise
-    return Sharing(handles, lambda: _remove(paths))
-
-
-def _remove(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.remove(path)
-        except OSError:  # gone already; or still mapped, on Windows
-            pass
-
-
-#: In a worker process: the files of shared operands it has mapped, by path.
-_mapped: dict[str, np.ndarray] = {}
-_mapped_lock = threading.Lock()
-
-
-class MappedFile:
-    """A shared operand in a file that workers on this host map read-only.
-
-    A worker maps each file once, on the first task of the map that reads it,
-    and keeps the mapping until a task of a later map finds the file removed.
-    """
-
-    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype):
-        self.path = path
-        self.shape = shape
-        self.dtype = dtype
-
-    def open(self) -> np.ndarray:
-        with _mapped_lock:
-            array = _mapped.get(self.path)
-            if array is None:
-                for gone in [p for p in _mapped if not os.path.exists(p)]:
-                    del _mapped[gone]  # maps that are over
-                with open(self.path, "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                array = np.frombuffer(m, self.dtype).reshape(self.shape)
-                _mapped[self.path] = array
-            return array
+    def open(self) -> np.ndarray: ...
 
 
 def _resolve(x: Any) -> np.ndarray:
-    """A shared operand as a task receives it, as an array."""
-    return x.open() if isinstance(x, MappedFile) else np.asarray(x)
+    """A shared operand as a task receives it (see :class:`SharedHandle`), as an
+    array: the array pickled with the task, or data scattered to a Dask worker
+    (which Dask hands the task as it is), or the array a handle opens."""
+    return x.open() if isinstance(x, SharedHandle) else np.asarray(x)

@@ -1,0 +1,186 @@
+"""What a missing derivative kernel's error says: which derivatives need it, and
+how to attach one (``defjvp``/``defvjp``, or making the rule a
+``jax_threadmap.kernel`` first).
+
+The messages read a kernel node (:class:`.params.Node`) through
+:class:`RuleNode` only, so that the params, which raise them, import this
+module and not the reverse.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+
+class RuleNode(Protocol):
+    """What a message reads of a kernel node (:class:`.params.Node`)."""
+
+    @property
+    def base(self) -> RuleNode | None: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def out_tree(self) -> Any: ...
+
+    @property
+    def out_avals(self) -> tuple[tuple[tuple[int, ...], Any], ...]: ...
+
+    @property
+    def residuals(self) -> bool:
+        """Whether its VJP is given with residuals (``fwd``/``bwd``)."""
+        ...
+
+    @property
+    def is_kernel(self) -> bool:
+        """Whether what it runs is a ``jax_threadmap.kernel`` (takes rules)."""
+        ...
+
+    def rule(self, kind: str) -> Any: ...
+
+    def derive(self, kind: str) -> RuleNode: ...
+
+
+def missing_rule_message(node: RuleNode, which: str) -> str:
+    """``node`` has no ``which`` rule ("jvp" or "vjp"), and one is needed."""
+    if node.base is None:
+        return _first_order_missing(node, which) + _hessian_hint(node, which)
+    name, short = node.name, _short(node.name)
+    if which == "jvp":
+        needs = (
+            "forward mode through it (second-order derivatives such as "
+            "jax.hessian, jax.jacfwd of jax.grad or of jax.jacfwd, and jax.jvp of "
+            "jax.grad)"
+        )
+    else:
+        needs = (
+            "reverse mode through it (second-order derivatives such as jax.grad "
+            "of jax.grad, and jax.jacrev of jax.grad or of jax.jacfwd)"
+        )
+    if which == "jvp" and node.residuals:
+        needs += f" ({short}'s fwd and bwd give reverse mode only)"
+    return (
+        f"threadmap kernel {name!r} ({_describe_node(node)}): {short} has no "
+        f"def{which}, so {needs} cannot run. {_how_to_attach(node, [which])}"
+    )
+
+
+def no_rules_message(node: RuleNode) -> str:
+    """A derived ``node`` has no rules at all and is differentiated."""
+    name, short = node.name, _short(node.name)
+    return (
+        f"threadmap kernel {name!r} ({_describe_node(node)}) has no derivative "
+        f"kernels of its own, so it cannot be differentiated: {short} has no "
+        "defjvp (for forward mode over it: jax.hessian, jax.jacfwd of jax.grad or "
+        "of jax.jacfwd, jax.jvp of jax.grad) and no defvjp (for reverse mode over "
+        "it: jax.grad of jax.grad, jax.jacrev of jax.grad or of jax.jacfwd). "
+        f"{_how_to_attach(node, ['jvp', 'vjp'])}"
+    )
+
+
+def _hessian_hint(root: RuleNode, which: str) -> str:
+    """Where forward mode through the user's kernel is asked for by a
+    second-order transform: what that transform needs as well."""
+    if which != "jvp" or root.rule("vjp") is None:
+        return ""
+    if root.residuals:
+        fwd, bwd = _short(root.derive("fwd").name), _short(root.derive("bwd").name)
+        return (
+            " (jax.hessian, jax.jvp of jax.grad and other forward-over-reverse "
+            f"derivatives need no JVP kernel of {root.name!r}: they differentiate "
+            f"{fwd} and {bwd}, which need JVP kernels of their own: make them "
+            f"jax_threadmap.kernels and attach one to each with {fwd}.defjvp and "
+            f"{bwd}.defjvp.)"
+        )
+    vjp = root.derive("vjp")
+    name = _short(vjp.name)
+    if vjp.rule("jvp") is not None:  # a jax_threadmap.kernel with a defjvp
+        return (
+            " (Outside jax.jit, jax.hessian and other forward-over-reverse "
+            "derivatives compute this kernel's own tangent as well, so they need "
+            f"it too; under jax.jit, {name}.defjvp is enough.)"
+        )
+    return (
+        " (For jax.hessian and other forward-over-reverse derivatives, the VJP "
+        f"kernel {name} needs a JVP kernel of its own as well: make it a "
+        f"jax_threadmap.kernel and attach one with {name}.defjvp.)"
+    )
+
+
+def _short(name: str) -> str:
+    return name.rpartition(".")[2]  # the function's name: "f", not "g.<locals>.f"
+
+
+def _describe_node(node: RuleNode) -> str:
+    assert node.base is not None
+    if node.kind in ("fwd", "bwd"):
+        return (
+            f"the {node.kind} kernel of {node.base.name!r}, from "
+            "defvjp(fwd, bwd, residuals=...)"
+        )
+    kind = "jvp" if node.kind == "lin" else node.kind
+    return f"the {kind.upper()} kernel of {node.base.name!r}"
+
+
+def _how_to_attach(node: RuleNode, which: list[str]) -> str:
+    short = _short(node.name)
+    signatures = {
+        "jvp": (
+            f"{short}.defjvp(jvp_kernel), where jvp_kernel takes {short}'s "
+            "positional arguments, then one tangent per positional argument, and "
+            f"returns the tangent of {short}'s result"
+        ),
+        "vjp": (
+            f"{short}.defvjp(vjp_kernel), where vjp_kernel takes {short}'s "
+            f"positional arguments, then the cotangent of {short}'s result, and "
+            "returns a tuple with one cotangent per positional argument"
+        ),
+    }
+    attach = "; and/or ".join(signatures[w] for w in which)
+    if node.is_kernel:
+        return f"Attach it with {attach}."
+    result = jax.tree_util.tree_unflatten(
+        node.out_tree,
+        [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in node.out_avals],
+    )
+    return (
+        f"Make {short} a jax_threadmap.kernel: "
+        f"@jax_threadmap.kernel({result}) on its definition (its result for one "
+        f"element), and attach {attach}."
+    )
+
+
+def _first_order_missing(root: RuleNode, which: str) -> str:
+    name = root.name
+    if which == "jvp" and root.residuals:
+        return (
+            f"threadmap kernel {name!r} has fwd and bwd kernels "
+            "(defvjp(fwd, bwd, residuals=...)) but no JVP kernel, so forward-mode "
+            "derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot run: fwd and "
+            "bwd give reverse mode only, as for jax.custom_vjp. Attach a JVP "
+            f"kernel with {name}.defjvp(jvp_kernel), where jvp_kernel(*primals, "
+            "*tangents) returns the tangent of the output; or use reverse mode "
+            "(jax.grad, jax.vjp, jax.jacrev)."
+        )
+    if which == "jvp":
+        return (
+            f"threadmap kernel {name!r} has a VJP kernel but no JVP kernel, so "
+            "forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot "
+            "run. Attach one with "
+            f"{name}.defjvp(jvp_kernel), where jvp_kernel(*primals, *tangents) "
+            "returns the tangent of the output; or use reverse mode (jax.grad, "
+            "jax.vjp, jax.jacrev)."
+        )
+    return (
+        f"threadmap kernel {name!r} has a JVP kernel but no VJP kernel, so "
+        "reverse-mode derivatives (jax.grad, jax.vjp, jax.jacrev) cannot be "
+        f"computed. Attach one with {name}.defvjp(vjp_kernel), where "
+        "vjp_kernel(*primals, cotangent) returns a tuple with one cotangent per "
+        "positional argument; or use forward mode (jax.jvp, jax.jacfwd)."
+    )

@@ -1,0 +1,307 @@
+"""Shipping a map to an executor that pickles work (process pools, Dask): the
+tasks in flight and their results (:class:`Shipper`), the operands sent once
+per map (:func:`share`: Dask's scatter, or files that a process pool's workers
+map, :class:`MappedFile`), and what a broken or refusing executor means
+(:func:`broken_hint`). What each task carries and runs in the worker is
+``_host/packing.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import mmap
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._host.packing import KernelNotLoaded
+from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
+from . import scheduling as policy
+from .jobs import Job
+from .progress import Progress, wait
+from .refusals import refused, said
+
+
+class ShippedWork(Protocol):
+    """What shipping needs of a map (``_host.maps.HostMap``)."""
+
+    name: str  # for messages
+    n: int  # work units
+    vectorized: bool  # units are pieces of a vectorized map
+
+    def shared(self) -> list[Any]:
+        """Operands shipped once per map to an executor that pickles work."""
+        ...
+
+    def pack(self, start: int, stop: int) -> Callable[..., Any]:
+        """A picklable task running ``[start, stop)`` in another process."""
+        ...
+
+    def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
+
+
+class Shipper:
+    """Ships a map to an executor that pickles work, in chunks of
+    :func:`.scheduling.remote_chunk_size` (fixed for a map summed on the host).
+    Used by the waiting thread alone: no lock."""
+
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor,
+        work: ShippedWork,
+        job: Job,
+        workers: int | None,
+    ):
+        self.executor = executor
+        self.work = work
+        self.job = job
+        self.cap = policy.remote_in_flight(workers)
+        self.first_wave = min(workers or policy.UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
+        self.next = 0
+        self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
+        self.per_element: float | None = None
+        self.sharing = Sharing([])
+
+    def top_up(self, most: int) -> None:
+        """Ships tasks until ``most`` are in flight or nothing is left."""
+        while self.next < self.job.n and len(self.pending) < most:
+            self.submit()
+
+    def submit(self) -> None:
+        left = self.job.n - self.next
+        size = self.job.fixed or policy.remote_chunk_size(
+            self.per_element, left, self.cap
+        )
+        start, stop = self.next, self.next + min(size, left)
+        task = self.work.pack(start, stop)
+        try:
+            fut = self.executor.submit(task, *self.sharing.args)
+        except RuntimeError as e:
+            if self.pending and isinstance(e, concurrent.futures.BrokenExecutor):
+                # It broke while running this map's tasks, before their futures
+                # said so: the error they will have, naming one of them.
+                lost = next(iter(self.pending.values()))
+                raise _chunk_failed(self.executor, self.work, *lost, e) from e
+            raise refused(self.executor, e) from e
+        except Exception as e:  # e.g. the kernel cannot be pickled
+            raise _cannot_ship(self.executor, self.work.name, e) from e
+        self.pending[fut] = (start, stop)
+        self.next = stop
+
+    def poll(self, timeout: float) -> bool:
+        """Stores what has come back, ships more; whether the map is done."""
+        if self.job.failed:  # stopped from outside: its parent failed, or exit
+            return True
+        done, _ = concurrent.futures.wait(
+            list(self.pending), timeout, concurrent.futures.FIRST_COMPLETED
+        )
+        for fut in done:
+            start, stop = self.pending.pop(fut)
+            try:
+                outs, per_element = fut.result()
+            except KernelError as e:
+                restore_shipped_cause(e)
+                raise
+            except Exception as e:
+                if _unpicklable(e):
+                    raise _cannot_ship(self.executor, self.work.name, e) from e
+                raise _chunk_failed(self.executor, self.work, start, stop, e) from e
+            self.work.store_packed(start, stop, outs)
+            self.job.add_completed(stop - start)
+            self.per_element = policy.smoothed(self.per_element, per_element)
+        self.top_up(self.cap)
+        return not self.pending
+
+    def run(self, progress: Progress | None) -> None:
+        try:
+            # Large operands read whole by every element: once per map.
+            self.sharing = share(self.executor, self.work.shared())
+            self.top_up(self.first_wave)
+            wait(self.job, self.poll, progress)
+        except BaseException as e:
+            self.job.fail(e)
+        finally:
+            if self.job.failed:
+                for fut in self.pending:
+                    fut.cancel()
+            self.sharing.close()
+
+
+def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
+    return ExecutorError(
+        f"threadmap kernel {name!r} could not be sent to the executor "
+        f"{executor!r}, which runs work in other processes and so pickles it: "
+        f"{said(e)}. Define the kernel at module level (not a lambda "
+        "or closure), or use executor=None / a ThreadPoolExecutor.",
+        cause=e,
+    )
+
+
+def _chunk_failed(
+    executor: Any, work: ShippedWork, start: int, stop: int, e: BaseException
+) -> ExecutorError:
+    """The error of a chunk that the executor could not run."""
+    unit = "pieces" if work.vectorized else "elements"
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        hint = " " + broken_hint(executor)
+    elif isinstance(e, KernelNotLoaded):
+        hint = ""  # the worker's own account says what to do
+    else:
+        hint = " Pass a working executor to the next call."
+    return ExecutorError(
+        f"The executor {executor!r} failed to run {unit} [{start}, {stop}) (flat "
+        f"indices, of {work.n}) of threadmap kernel {work.name!r}: {said(e)}." + hint,
+        cause=e,
+    )
+
+
+def _unpicklable(e: BaseException) -> bool:
+    # Python 3.13 says "Can't get local object"; the pool's remote traceback
+    # (the cause) names the pickler.
+    return (
+        isinstance(e, (pickle.PicklingError, AttributeError, TypeError))
+        and "pickle" in f"{e} {e.__cause__}".lower()
+    )
+
+
+def broken_hint(executor: Any) -> str:
+    """What to say when an executor that pickles work broke: a worker process
+    ended. Its own traceback, if it wrote one, went to its stderr, which the
+    user may not see (a notebook, a captured subprocess); so this names where
+    to look and the usual causes, and the one this process can tell: workers
+    that import a main script that has no file."""
+    hint = (
+        "A worker process ended: it crashed (native code, out of memory), or it "
+        "could not start, and then its own traceback is on its stderr (the "
+        "terminal of this program, or the Jupyter server's log). A worker "
+        "started with 'spawn' or 'forkserver' imports the main script again: "
+        'its top-level code must be under `if __name__ == "__main__":`, and '
+        "every module it imports must import there."
+    )
+    context = getattr(executor, "_mp_context", None)  # ProcessPoolExecutor's
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    method = context.get_start_method() if context is not None else None
+    if method in ("spawn", "forkserver") and main and not os.path.isfile(main):
+        hint += (
+            f" Here the main script is {main!r}, which is no file (code read from "
+            "stdin or passed with -c), so the workers cannot start: put the "
+            "program in a script file, or the kernel in a module."
+        )
+    return (
+        hint + " The map was abandoned, and a broken process pool stays broken: "
+        "pass a new executor to the next call (a Dask cluster replaces its dead "
+        "workers)."
+    )
+
+
+# --- operands shipped once per map -----------------------------------------------
+
+
+class Sharing:
+    """How one map's shared operands reach an executor's workers.
+
+    Every task of the map is submitted as ``executor.submit(task, *args)``;
+    :meth:`close` ends the sharing once the map is over.
+
+    Args:
+        args: What each task receives for the shared operands: the arrays
+            themselves (pickled with each task), Dask futures of data scattered
+            to every worker, or :class:`MappedFile` handles.
+        close: Releases what the sharing holds (scattered data, files).
+    """
+
+    def __init__(self, args: list[Any], close: Callable[[], None] | None = None):
+        self.args = args
+        self._close = close
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+
+def share(executor: concurrent.futures.Executor, arrays: list[np.ndarray]) -> Sharing:
+    """Ships ``arrays`` to ``executor``'s workers once for a map.
+
+    - A Dask ``ClientExecutor``: ``client.scatter(..., broadcast=True)``, one
+      copy per worker; each task names the scattered data.
+    - A process pool (workers on this host): one file per array in the
+      temporary folder, which each worker maps read-only on first use (no copy
+      through the pool's pipes), removed after the map.
+    - Any other executor: the arrays travel with each task, as a last resort.
+    """
+    if not arrays:
+        return Sharing([])
+    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
+    if client is not None and hasattr(client, "scatter"):
+        futures = client.scatter(list(arrays), broadcast=True, hash=False)
+        return Sharing(list(futures), lambda: client.cancel(futures))
+    if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
+        try:
+            return _in_files(arrays)
+        except OSError:  # no room in the temporary folder: with each task
+            pass
+    return Sharing(list(arrays))
+
+
+def _in_files(arrays: list[np.ndarray]) -> Sharing:
+    paths: list[str] = []
+    handles = []
+    try:
+        for a in arrays:
+            # A name used once: a worker's mapping of a finished map's file
+            # must never be taken for a new one.
+            fd, path = tempfile.mkstemp(prefix=f"jax_threadmap-{uuid.uuid4().hex}-")
+            paths.append(path)
+            with os.fdopen(fd, "wb") as f:
+                f.write(np.ascontiguousarray(a).data)
+            handles.append(MappedFile(path, a.shape, a.dtype))
+    except BaseException:
+        _remove(paths)
+        raise
+    return Sharing(handles, lambda: _remove(paths))
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:  # gone already; or still mapped, on Windows
+            pass
+
+
+#: In a worker process: the files of shared operands it has mapped, by path.
+_mapped: dict[str, np.ndarray] = {}
+_mapped_lock = threading.Lock()
+
+
+class MappedFile:
+    """A shared operand in a file that workers on this host map read-only.
+
+    A worker maps each file once, on the first task of the map that reads it,
+    and keeps the mapping until a task of a later map finds the file removed.
+    """
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype):
+        self.path = path
+        self.shape = shape
+        self.dtype = dtype
+
+    def open(self) -> np.ndarray:
+        with _mapped_lock:
+            array = _mapped.get(self.path)
+            if array is None:
+                for gone in [p for p in _mapped if not os.path.exists(p)]:
+                    del _mapped[gone]  # maps that are over
+                with open(self.path, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                array = np.frombuffer(m, self.dtype).reshape(self.shape)
+                _mapped[self.path] = array
+            return array

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within, run_script
+from helpers import cause_of, returns_within, run_script
 
 from jax_threadmap import (
     ExecutorError,
@@ -202,7 +202,7 @@ def test_any_other_exception_from_an_elements_result_names_the_element():
 
     with pytest.raises(KernelError, match=r"batch index \(3,\).*Odd: odd") as info:
         returns_within(_async_map, element, 8, limit=WAIT, what="end the map")
-    assert isinstance(info.value.__cause__, Odd)
+    assert isinstance(cause_of(info.value), Odd)
     assert info.value.index == (3,)
 
 

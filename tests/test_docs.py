@@ -386,13 +386,15 @@ def jax_params_dropped(text: str) -> str:
     """A printed jaxpr without the params of primitives other than ``threadmap``.
 
     A line that is only ``...`` (the docs' elision) is joined to the line before
-    it, so that it may also stand for nothing once params are dropped. Text that
-    is not a jaxpr is returned as it is.
+    it, so that it may also stand for nothing once params are dropped. Lines
+    before the jaxpr (what the block printed first) are kept as they are, and text
+    without a jaxpr is returned as it is.
     """
-    if not text.lstrip().startswith("{ lambda "):
+    start = re.search(r"^\s*\{ lambda ", text, re.MULTILINE)
+    if start is None:
         return text
-    lines, open_eqns = [], []
-    for line in text.splitlines():
+    lines, open_eqns = text[: start.start()].splitlines(), []
+    for line in text[start.start() :].splitlines():
         if m := _EQN_OPEN.search(line):
             open_eqns.append(m["prim"])
         elif open_eqns and _EQN_CLOSE.match(line):
@@ -496,3 +498,6 @@ def test_printed_jaxprs_are_compared_without_jax_params():
     other_spec = old.replace("in_axes=[(), ()]", "in_axes=[(0,), ()]")
     assert jax_params_dropped(other_spec) != jax_params_dropped(old)
     assert jax_params_dropped("BatchSpec(shape=(2,))\n") == "BatchSpec(shape=(2,))\n"
+    # A block that prints other lines first, then the jaxpr: the jaxpr part too.
+    printed = "8\nTrue True\n"
+    assert jax_params_dropped(printed + old) == printed + jax_params_dropped(new)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LOOPBACK, NO_LOOPBACK, package_settings, run_script
+from helpers import LOOPBACK, NO_LOOPBACK, cause_of, package_settings, run_script
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -136,7 +136,7 @@ def test_an_opening_failure_is_named_and_the_next_map_retries():
     assert "jax_threadmap.shared 'catalogue' could not be opened" in msg
     assert "ConnectionRefusedError: the server is down" in msg
     assert "the next use opens it again" in msg
-    cause = info.value.__cause__
+    cause = cause_of(info.value)
     assert isinstance(cause, ThreadmapError)
     assert isinstance(cause.__cause__, ConnectionRefusedError)
     assert not handle.is_open and res.entered == 0 and seen == []

@@ -539,6 +539,9 @@ def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits
             y = f(jtm.async_call(load, jax.ShapeDtypeStruct((3,), np.float32), i))
     except KeyboardInterrupt:
         print("interrupted at", i, flush=True)
+    except BaseException as e:  # what reached the loop instead, for the report
+        print("escaped at", i, type(e).__name__, repr(e)[:2000], flush=True)
+        raise
     """
     proc = start_script(script)
     try:
@@ -547,5 +550,8 @@ def test_ctrl_c_reaches_a_dispatch_that_waits_for_its_data_and_the_process_exits
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert "interrupted at" in out, (out, err)
+    # (A string message: pytest prints it whole. Seen once in CI on Python 3.13
+    # + JAX 0.12 under load, an exception other than KeyboardInterrupt left the
+    # loop; not reproduced in 300 runs with Ctrl-C at every point of the dispatch.)
+    assert "interrupted at" in out, f"stdout: {out!r}\nstderr:\n{err[-6000:]}"
     assert "`load` (async_call)" in err

@@ -112,7 +112,13 @@ class _Threads:
             if queue:
                 self.queue.append((pool, job))
             returning: list[int] = []  # threads about to look for work, counted once
-            while _can_use_another(pool, job) and not self._returning_take(returning):
+            # (The room is read once: under this lock only this loop changes it,
+            # and Job.add_hand decides against a limit lowered meanwhile. Each
+            # rule is asked once per thread handed, the second only when no
+            # thread is idle: this loop runs once per element of a small map.)
+            for _ in range(_room(pool, job)):
+                if not self.idle and self._returning_take(returning):
+                    break
                 if not _take_place(pool, job):
                     break
                 if self._give_thread(pool, job):
@@ -136,9 +142,10 @@ class _Threads:
     def _returning_take(self, counted: list[int]) -> bool:  # lock held
         """Whether threads about to look for work (neither idle nor running a
         kernel) will take the map from the queue (:meth:`_hand_next`), so that
-        no new thread starts for it: when no thread is idle and at least
-        :func:`.scheduling.spare_threads` of them are returning. ``counted``
-        keeps their count for the rest of one :meth:`hand`."""
+        no new thread starts for it: when no thread is idle (the caller asks
+        only then) and at least :func:`.scheduling.spare_threads` of them are
+        returning. ``counted`` keeps their count for the rest of one
+        :meth:`hand`."""
         if self.idle:
             return False
         if not counted:
@@ -260,12 +267,12 @@ class _Threads:
             return [w.thread for w in self.workers]
 
 
-def _can_use_another(pool: ThreadPool, job: Job) -> bool:  # threads' lock held
-    """Whether ``job`` may get one more thread of ``pool``: the pool has a free
-    place, and the job fewer threads than its units and than its limit (a
+def _room(pool: ThreadPool, job: Job) -> int:  # threads' lock held
+    """How many more threads of ``pool`` ``job`` may get: the pool's free
+    places, and what the job has fewer than its units and than its limit (a
     limited map starts on one thread per CPU). The job's fields are read
     without its lock: :meth:`.jobs.Job.add_hand` decides."""
-    return pool.active < pool.max_workers and job.hands < min(job.n, job.limit)
+    return min(pool.max_workers - pool.active, min(job.n, job.limit) - job.hands)
 
 
 def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock held

@@ -76,6 +76,31 @@ def count_eqns(jaxpr, name: str) -> int:
     return n
 
 
+def threadmap_eqns(jaxpr) -> list:
+    """The ``threadmap`` equations of ``jaxpr``, sub-jaxprs included, in order."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "threadmap":
+            out.append(eqn)
+        for sub in jaxprs_in_params(eqn.params):
+            out.extend(threadmap_eqns(sub))
+    return out
+
+
+def kname(eqn) -> str:
+    """The name of a ``threadmap`` equation's kernel, without its enclosing
+    function."""
+    return str(eqn.params["kernel"]).rsplit(".", 1)[-1]
+
+
+def nest(fn, levels):
+    """``fn`` under one ``jax.vmap`` per entry of ``levels`` (its ``in_axes``,
+    innermost first)."""
+    for axes in levels:
+        fn = jax.vmap(fn, in_axes=axes)
+    return fn
+
+
 def jaxprs_in_params(params):
     # What jax.extend.core.jaxprs_in_params (jax >= 0.10) does, for every JAX.
     for value in params.values():

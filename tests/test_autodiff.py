@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_eqns, examples, jaxprs_in_params
+from helpers import count_eqns, examples, kname, nest, threadmap_eqns
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -77,12 +77,6 @@ NESTINGS = {
     "both-a": ([(1, 0), (0, None)], [3, 2]),
     "depth3": ([(0, None), (None, 0), (-1, 0)], [2, 3, 2]),
 }
-
-
-def nest(fn, levels):
-    for axes in levels:
-        fn = jax.vmap(fn, in_axes=axes)
-    return fn
 
 
 def operand_shapes(levels, sizes):
@@ -197,21 +191,6 @@ def _no_loops(jaxpr):
     return count_eqns(jaxpr, "scan") == 0 and count_eqns(jaxpr, "while") == 0
 
 
-def kname(eqn):
-    """The kernel's name without its enclosing function."""
-    return str(eqn.params["kernel"]).rsplit(".", 1)[-1]
-
-
-def _threadmap_eqns(jaxpr):
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "threadmap":
-            out.append(eqn)
-        for sub in jaxprs_in_params(eqn.params):
-            out.extend(_threadmap_eqns(sub))
-    return out
-
-
 def test_grad_of_vmap_folds_and_does_not_tile_unbatched_operand():
     f = make_scaled_sin(np.float32)
     x, a = values((2, 5, 3), np.float32), jnp.float32(0.5)
@@ -221,7 +200,7 @@ def test_grad_of_vmap_folds_and_does_not_tile_unbatched_operand():
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, a).jaxpr
     assert _no_loops(jaxpr)
-    eqns = {kname(e): e for e in _threadmap_eqns(jaxpr)}
+    eqns = {kname(e): e for e in threadmap_eqns(jaxpr)}
     assert "scaled_sin_vjp" in eqns
     vjp = eqns["scaled_sin_vjp"]
     # `a` enters the VJP equation as its own scalar, unbatched at both levels.
@@ -281,7 +260,7 @@ def test_vmap_of_grad_of_vmap_keeps_outer_level_and_sums_inner():
 
     g = jax.vmap(grad_a)
     jaxpr = jax.make_jaxpr(g)(x, a).jaxpr
-    vjp = {kname(e): e for e in _threadmap_eqns(jaxpr)}["scaled_sin_vjp"]
+    vjp = {kname(e): e for e in threadmap_eqns(jaxpr)}["scaled_sin_vjp"]
     # The outer vmap level came after the transpose: it is kept, the inner summed.
     assert vjp.params["spec"].shape == (4, 5)
     assert vjp.params["spec"].out_sum == ((1,),)
@@ -320,7 +299,7 @@ def test_transforms_of_derivatives_stay_threadmap_equations(make, args):
     f = make_scaled_sin(np.float32)
     jaxpr = jax.make_jaxpr(make(f))(*args).jaxpr
     assert _no_loops(jaxpr)
-    kernels = {kname(e) for e in _threadmap_eqns(jaxpr)}
+    kernels = {kname(e) for e in threadmap_eqns(jaxpr)}
     assert kernels & {"scaled_sin_jvp", "scaled_sin_vjp"}
     for got, want in zip(
         jax.tree.leaves(make(f)(*args)),
@@ -334,7 +313,7 @@ def test_jacfwd_batches_tangents_only():
     f = jax.vmap(make_scaled_sin(np.float32), (0, None))
     x, a = values((4, 3), np.float32), jnp.float32(2.0)
     jaxpr = jax.make_jaxpr(jax.jacfwd(f))(x, a).jaxpr
-    (jvp,) = [e for e in _threadmap_eqns(jaxpr) if "jvp" in kname(e)]
+    (jvp,) = [e for e in threadmap_eqns(jaxpr) if "jvp" in kname(e)]
     spec = jvp.params["spec"]
     # Outer level: the jacobian basis (tangents only); inner: the user's vmap.
     assert spec.shape == (12, 4)
@@ -707,7 +686,7 @@ def test_grad_jaxpr_is_the_same_whatever_the_executor():
     ]
     assert _without_executor(jaxprs[0]) == _without_executor(jaxprs[1])
     assert _without_executor(jaxprs[0]) == _without_executor(jaxprs[2])
-    vjp = {kname(e): e for e in _threadmap_eqns(jaxprs[2])}["dot_vjp"]
+    vjp = {kname(e): e for e in threadmap_eqns(jaxprs[2])}["dot_vjp"]
     assert vjp.params["spec"].out_sum == ((0, 1),)  # summed on the host
     for executor in (None, ex):
         g = jax.jit(jax.grad(dot_loss(x, executor)))(w)

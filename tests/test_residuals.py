@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_eqns, examples, jaxprs_in_params
+from helpers import count_eqns, examples, kname, nest, threadmap_eqns
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -140,26 +140,6 @@ def assert_close(got, want):
     for g, w in zip(got_leaves, want_leaves, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
-
-
-def threadmap_eqns(jaxpr):
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "threadmap":
-            out.append(eqn)
-        for sub in jaxprs_in_params(eqn.params):
-            out.extend(threadmap_eqns(sub))
-    return out
-
-
-def kname(eqn):
-    return str(eqn.params["kernel"]).rsplit(".", 1)[-1]
-
-
-def nest(f, levels):
-    for axes in levels:
-        f = jax.vmap(f, in_axes=axes)
-    return f
 
 
 def operands(levels, sizes, seed):

@@ -351,7 +351,7 @@ def test_block_outputs_are_split_by_block():
 
 
 def test_page_script_keeps_the_page_line_numbers():
-    path = ROOT / "docs" / "api.md"
+    path = ROOT / "docs" / "api-threadmap.md"
     script = page_script(path).splitlines()
     (block,) = [b for p, b in PY_BLOCKS if p == path]
     assert _sentinel(block["line"]).strip() in script[block["line"] - 1]

@@ -112,7 +112,7 @@ def _skip(reason: str) -> None:
 def readme_docs_command() -> tuple[dict[str, str], list[str]]:
     """The environment and arguments of README's ``mkdocs build --strict``."""
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r"`((?:\w+=\S+ )*)mkdocs build --strict`", readme)
+    command = re.search(r"`((?:\w+=\S+ )*)\.venv/bin/mkdocs build --strict`", readme)
     assert command, "README: no `mkdocs build --strict` command"
     env = {k: v for k, v in os.environ.items() if k != "NO_MKDOCS_2_WARNING"}
     env.update(kv.split("=", 1) for kv in command[1].split())

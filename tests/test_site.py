@@ -402,11 +402,13 @@ def test_inline_code_hook_keeps_words_whole_but_not_code_blocks():
         '<a href="#">jax.Array</a>.at[i].set(jax.experimental.transfer.x)</code>'
         "</p><table><tr><td><code>np.linalg.eigvalsh</code></td></tr></table>"
     )
+    # A break leaves 3 characters or more on each side: none before ".at", none
+    # before "x)".
     assert inline_code.words_kept_whole(html) == (
         '<p><code><span class="tok">--size</span> <span class="tok">x</span></code>'
         ' <pre><code>a b</code></pre><code><a href="#"><span class="tok">jax.Array'
-        '</span></a><span class="tok">.<wbr>at[i].<wbr>set(<wbr>jax.<wbr>experimental.'
-        "<wbr>transfer.<wbr>x)</span></code></p><table><tr><td><code>"
+        '</span></a><span class="tok">.at[i].<wbr>set(<wbr>jax.<wbr>experimental.'
+        "<wbr>transfer.x)</span></code></p><table><tr><td><code>"
         '<span class="tok">np.<wbr>linalg.<wbr>eigvalsh</span></code></td></tr></table>'
     )
 

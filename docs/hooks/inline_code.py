@@ -6,7 +6,8 @@ hook (named in mkdocs.yml) wraps each word (a run without spaces) of inline code
 in a ``<span class="tok">``, which docs/stylesheets/code.css keeps on one line;
 a word of 24 characters or more (``jax.experimental.transfer.start_transfer_server``),
 12 in a table's cell, may still break after a ``.``, ``/``, ``,``, ``=`` or ``(`` (a
-``<wbr>``), so that it fits a phone. Code blocks (``<pre>``) are left as they are.
+``<wbr>``) that leaves 3 characters or more on each side, so that it fits a phone.
+Code blocks (``<pre>``) are left as they are.
 tests/browser_check.py checks every page at 1280 and 390 px.
 """
 
@@ -23,10 +24,20 @@ _BREAK_AFTER = re.compile(r"([./,=(])(?=[^)])")
 LONG, LONG_IN_TABLE = 24, 12
 
 
+#: A break leaves at least this many characters on each side (no `(` / `2)`).
+SIDE = 3
+
+
 def _word(match: re.Match[str], long: int) -> str:
     word = match[0]
     if len(word) >= long:
-        word = _BREAK_AFTER.sub(r"\1<wbr>", word)
+        cuts = [
+            m.end()
+            for m in _BREAK_AFTER.finditer(word)
+            if SIDE <= m.end() <= len(word) - SIDE
+        ]
+        parts = [word[i:j] for i, j in zip([0, *cuts], [*cuts, len(word)], strict=True)]
+        word = "<wbr>".join(parts)
     return f'<span class="tok">{word}</span>'
 
 

@@ -266,8 +266,15 @@ def test_the_readme_docs_command_prints_no_theme_banner(built):
 
 
 def test_site_in_headless_chromium(site, chromium):
-    problems = browser_check.check_site(site, chromium=chromium)
+    heights = {}
+    problems = browser_check.check_site(site, chromium=chromium, heights=heights)
     assert not problems, "\n".join(problems)
+    # Every page of the built site, at both widths (the API reference's and the
+    # async arrays' pages among them).
+    pages = browser_check.site_pages(site)
+    assert sorted(heights) == pages and len(pages) >= 25, pages
+    assert {"api/", "api-threadmap/", "async/", "async-dispatch/"} <= set(pages)
+    assert all(sorted(h) == [390, 1280] for h in heights.values())
 
 
 def write_site(root: pathlib.Path, pages: dict[str, str]) -> None:

@@ -107,3 +107,21 @@ def test_other_type_errors_keep_their_own_message():
         run(wrong)
     assert "without awaiting" not in str(info.value)
     assert "raised UFuncTypeError" in str(info.value), str(info.value)
+
+
+class BrokenStr(TypeError):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+async def raises_broken_str(x):
+    raise BrokenStr
+
+
+def test_a_type_error_whose_str_fails_is_still_the_element_s_error():
+    # The check for "'coroutine'" reads the message safely: the map ends in the
+    # element's KernelError, never in an error of the check (or a hang).
+    with pytest.raises(KernelError) as info:
+        run(raises_broken_str)
+    assert "raised BrokenStr: <exception str() failed>" in str(info.value)
+    np.testing.assert_array_equal(run(good), X + 1)

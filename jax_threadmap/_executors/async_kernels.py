@@ -432,10 +432,9 @@ class AsyncMap:
         """The error for element ``i``'s kernel that raised ``error``; for a
         coroutine used as a value (Python says only "'coroutine' object is not
         subscriptable"), it says so and what to write."""
-        if isinstance(error, (TypeError, AttributeError)) and "'coroutine'" in str(
-            error
-        ):
-            what = f"used a coroutine without awaiting it ({describe(error)}): "
+        text = describe(error)  # never raises, unlike a broken __str__
+        if isinstance(error, (TypeError, AttributeError)) and "'coroutine'" in text:
+            what = f"used a coroutine without awaiting it ({text}): "
             where = kernel_traceback(error)
             fix = _AWAIT.format(good="await f(...)", bad="f(...)")
             return self.caller.error(i, what + fix + where, error)

@@ -595,7 +595,7 @@ def test_shell_block_runs_after_the_readme_set_up(path, block):
 
 #: Inline code that is a command: its environment variables, then the program.
 _INLINE_COMMAND = re.compile(
-    r"`((?:[A-Z0-9_]+=\S+ )*(?:[\w./-]*/)?(?:python3?|pip3?|pytest|mkdocs) [^`]*)`"
+    r"`((?:[A-Z0-9_]+=\S+ )*(?:[\w./-]*/)?(?:python3?|pip3?|pytest|mkdocs)\s[^`]*)`"
 )
 
 

@@ -135,8 +135,13 @@ _LAYOUT = """(wideColumns) => {
         }
     }
     for (const table of document.querySelectorAll('table')) {
+        // Wider than its box, or scrolled inside it (the theme's tables scroll).
         const box = table.closest('.md-typeset__scrollwrap') || table.parentElement;
-        const over = table.getBoundingClientRect().width - box.clientWidth;
+        const over = Math.max(
+            table.getBoundingClientRect().width - box.clientWidth,
+            box.scrollWidth - box.clientWidth,
+            table.scrollWidth - table.clientWidth,
+        );
         const columns = table.rows.length ? table.rows[0].cells.length : 0;
         const allowed = window.innerWidth < 600 && columns >= wideColumns;
         if (over > 1 && !allowed) {

@@ -372,7 +372,10 @@ def test_browser_check_finds_overflow_and_inline_code_broken_in_a_word(
         "<html><body>"
         '<div class="md-typeset__scrollwrap" style="width: 300px; overflow: auto">'
         "<table><tr><td>a</td><td>b</td><td>" + "y" * 80 + "</td></tr></table>"
-        '</div><div style="width: 1500px">wide</div></body></html>'
+        # As the theme lays a table out: it scrolls inside itself, its box fits.
+        '</div><div style="width: 300px"><table style="display: inline-block; '
+        'max-width: 100%; overflow: auto"><tr><td>a</td><td>' + "z" * 80 + "</td>"
+        '</tr></table></div><div style="width: 1500px">wide</div></body></html>'
     )
     write_site(
         tmp_path, {"": _FINE, "broken/": broken, "allowed/": allowed, "wide/": wide}
@@ -384,10 +387,13 @@ def test_browser_check_finds_overflow_and_inline_code_broken_in_a_word(
             and f"({width} px)" in p
             for p in problems
         ), problems
-        assert any(
-            "/wide/: table" in p and "(3 columns)" in p and f"({width} px)" in p
-            for p in problems
-        ), problems
+        for columns in (3, 2):
+            assert any(
+                "/wide/: table" in p
+                and f"({columns} columns)" in p
+                and f"({width} px)" in p
+                for p in problems
+            ), problems
         assert any(
             "/wide/: the page scrolls sideways by" in p and f"({width} px)" in p
             for p in problems

@@ -54,7 +54,8 @@ from .._host.maps import ElementCaller, HostMap
 from .._support import environment as _environment
 from .._support import validate as _validate
 from .._support.errors import PASS_THROUGH, ExecutorError, KernelError, describe
-from .._support.event_loop import event_loop, is_coroutine_function
+from .._support.event_loop import event_loop
+from .._support.validate import is_coroutine_function
 from .progress import Progress, progress_enabled, wait
 
 #: Elements of one map in flight at once when neither ``max_in_flight=`` nor

@@ -312,3 +312,15 @@ def test_the_owner_checker_sees_fields_touched_from_outside(tmp_path):
         "x._task (AsyncArray)",
         "x._index (AsyncArray)",
     ], found
+
+
+def test_test_files_are_named_by_the_room_they_exercise():
+    # As the package is grouped (issue 50): tests/test_async_pool.py, not
+    # tests/test_arrays_defects.py. A test file named by an attitude hides
+    # what it tests; put a new case in the file of the room it exercises.
+    attitudes = ("hostile", "defects", "robust", "deadlock", "faults", "regressions")
+    tests = pathlib.Path(__file__).parent
+    named = [
+        p.name for p in tests.glob("test_*.py") if any(a in p.stem for a in attitudes)
+    ]
+    assert named == [], named

@@ -87,11 +87,6 @@ def _dispatch_mode(raw: str) -> str:
     )
 
 
-def async_dispatch_enabled() -> bool:
-    """Whether ``JAX_THREADMAP_ASYNC_DISPATCH`` allows async dispatch (default on)."""
-    return async_dispatch_mode() != "off"
-
-
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 

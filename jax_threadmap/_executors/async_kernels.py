@@ -60,7 +60,8 @@ from .._support.errors import (
     describe,
     kernel_traceback,
 )
-from .._support.event_loop import event_loop, is_coroutine_function
+from .._support.event_loop import event_loop
+from .._support.validate import is_coroutine_function
 from .progress import Progress, progress_enabled, wait
 
 #: Elements of one map in flight at once when neither ``max_in_flight=`` nor

@@ -22,7 +22,7 @@ def test_classic_meshes_map_per_shard_on_8_devices(shardy):
     ran = run_script(CHECKS, env={"JAX_USE_SHARDY_PARTITIONER": shardy}, timeout=180)
     assert ran.returncode == 0, ran.report
     assert "all auto sharding checks passed" in ran.stdout, ran.report
-    assert ran.stdout.count("ok ") == 28, ran.report
+    assert ran.stdout.count("ok ") == 29, ran.report
 
 
 def test_host_callbacks_are_still_ffi_calls_by_index():

@@ -3,18 +3,17 @@
 With a mesh whose axes are automatic (``jax.sharding.Mesh``, ``AxisType.Auto``)
 the sharding of an operand is decided by XLA's partitioner after the equation
 is lowered. :func:`lower` lowers a batched equation as a ``custom_partitioning``
-call: when XLA partitions it, :func:`_Plan.partition` reads the shardings that
-XLA chose for the operands and asks for each batched operand with its batch
-axes on the mesh axes they are sharded over (its other axes whole: an operand
-sharded along an element's own axes is gathered along those only), and for
-unbatched operands whole. The mesh's other axes are added to a batch level too
-(each device maps its own elements, nothing is computed twice). Each device
-then calls the host once, on its own block (one flat map), and the results
-keep the batch sharding. Blocks are the same size on every device; where a
-level does not divide evenly, XLA pads the last blocks, and the host maps only
-a block's real elements (it is told its position) and fills the rest with
-zeros, which XLA drops. Levels that an output sums away (reverse-mode
-cotangents) are summed over their mesh axes with ``psum``.
+call: when XLA partitions it, :meth:`_Plan.partition` reads the shardings that
+XLA chose (:meth:`_Plan.levels`) and asks for each batched operand with its
+batch axes on those mesh axes and its other axes whole (an operand sharded
+along an element's own axes is gathered along those only), and for unbatched
+operands whole. Each device then calls the host once, on its own block (one
+flat map), and the results keep the batch sharding. Blocks are the same size
+on every device; where a level does not divide evenly, XLA pads the last
+blocks, and the host maps only a block's real elements (it is told the
+block's position) and fills the rest with zeros, which XLA drops. Levels that
+an output sums away (reverse-mode cotangents) are summed over their mesh axes
+with ``psum``.
 
 Where this JAX or platform cannot (:func:`.._jax.auto_sharding.unavailable`),
 the equation is lowered as before: one device maps every element.

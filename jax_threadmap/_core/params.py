@@ -197,27 +197,32 @@ def _tangent(aval: Aval) -> Aval:
 
 @dataclasses.dataclass(frozen=True)
 class ResidualRule:
-    """A VJP given as ``fwd`` and ``bwd`` with residuals, as params carry it.
+    """Rules given with ``fwd`` and its residuals, as params carry them.
 
-    ``defvjp(fwd, bwd, residuals=...)`` stores it in place of a VJP kernel, taken
-    when the call is bound (as :class:`RuleKernel`). ``fwd`` runs instead of the
-    kernel where a derivative may follow and returns ``(out, res)``; ``bwd``
-    maps ``(res, cotangent)`` to one cotangent per positional argument, so what
-    ``fwd`` computed (a factorization) is not computed again.
+    ``defvjp(fwd, bwd, residuals=...)`` and ``defjvp(fwd, jvp, residuals=...)``
+    store it in place of a VJP kernel, taken when the call is bound (as
+    :class:`RuleKernel`). ``fwd`` runs instead of the kernel where a derivative
+    may follow and returns ``(out, res)``; ``bwd`` maps ``(res, cotangent)`` to
+    one cotangent per positional argument and ``jvp`` maps ``(res, *tangents)``
+    to the output's tangent, so what ``fwd`` computed (a factorization) is not
+    computed again.
 
     Attributes:
         fwd: ``fwd(*args, **kwargs) -> (out, res)``: a function or a
             :class:`RuleKernel`.
         bwd: ``bwd(res, ct, **kwargs) -> (ct_arg, ...)``: a function or a
-            :class:`RuleKernel`.
+            :class:`RuleKernel`; ``None`` with a ``jvp`` alone.
         res_tree: Treedef of the residuals.
         res_avals: Per residual leaf, its ``(shape, dtype)`` for one element.
+        jvp: ``jvp(res, *tangents, **kwargs) -> tangent``, or ``None`` (then
+            forward mode runs the kernel's JVP kernel, if any, on the primals).
     """
 
     fwd: Fn
-    bwd: Fn
+    bwd: Fn | None
     res_tree: Any
     res_avals: tuple[Aval, ...]
+    jvp: Fn | None = None
 
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
@@ -229,8 +234,8 @@ class ResidualRule:
 
 #: The kinds of a derived :class:`Node`: the rules of its base (``"jvp"``,
 #: ``"vjp"``) and, for a base whose VJP is a :class:`ResidualRule`, its
-#: ``"fwd"``, its ``"bwd"`` and ``"lin"`` (the base's JVP kernel over the base's
-#: leaves and the residuals, whose transpose is ``bwd``).
+#: ``"fwd"``, its ``"bwd"`` and ``"lin"`` (a JVP over the base's leaves and the
+#: residuals, whose transpose is ``bwd``).
 KINDS = ("jvp", "vjp", "fwd", "bwd", "lin")
 
 
@@ -253,8 +258,9 @@ class Node:
       result ``(B.out, res)``), ``bwd`` (leaves ``res``, ``B``'s keyword
       leaves, then ``B.cotangent``; result as ``vjp``'s) and ``lin`` (``B``'s
       leaves, ``res``, then ``B.tangents``; result as ``jvp``'s, computed by
-      ``B``'s JVP kernel, which takes no residuals: they are there for its
-      transpose, ``bwd``).
+      the residual rule's ``jvp`` on ``(res, *B.tangents)``, or else by
+      ``B``'s JVP kernel on ``(*B.args, *B.tangents)``; its transpose is
+      ``bwd``).
 
     Attributes:
         kernel: The user's kernel at the root (its executor and chunking apply).
@@ -309,7 +315,16 @@ class Node:
             return self.kernel
         if self.kind in ("fwd", "bwd"):
             return getattr(base.residual_rule, self.kind)
+        if self.residual_jvp:
+            return base.residual_rule.jvp
         return base.rule("jvp" if self.kind == "lin" else self.kind)
+
+    @property
+    def residual_jvp(self) -> bool:
+        """Whether this is a ``lin`` node run by ``defjvp(fwd, jvp, ...)``'s
+        ``jvp``, which takes the residuals instead of the primals."""
+        base = self.base
+        return self.kind == "lin" and base is not None and bool(base.residual_rule.jvp)
 
     def rule(self, kind: str) -> Any:
         """This node's own ``kind`` rule (``"jvp"`` or ``"vjp"``: a function,
@@ -365,6 +380,8 @@ class Node:
             return base.positional
         if self.kind == "bwd":
             return tuple(range(len(base.residual_rule.res_avals))) + new
+        if self.residual_jvp:
+            return tuple(range(len(base.in_avals), self.num_base)) + new
         return base.positional + new
 
     @functools.cached_property
@@ -380,7 +397,8 @@ class Node:
 
     @functools.cached_property
     def unused(self) -> frozenset[int]:
-        """Leaves the kernel never sees (a ``lin`` node's residuals)."""
+        """Leaves the kernel never sees (a ``lin`` node's residuals, or its
+        primals where ``jvp`` takes the residuals)."""
         used = set(self.positional) | set(self.keywords)
         return frozenset(i for i in range(len(self.in_avals)) if i not in used)
 
@@ -393,6 +411,9 @@ class Node:
         if self.kind == "fwd":
             return base.args_tree
         base_args = base.args_tree.children()
+        if self.residual_jvp:
+            res_tree = base.residual_rule.res_tree
+            return jax.tree_util.treedef_tuple([res_tree, *base_args])
         if self.kind in ("jvp", "lin"):
             return jax.tree_util.treedef_tuple(base_args + base_args)
         if self.kind == "vjp":
@@ -601,7 +622,7 @@ class DerivativeParam:
         if node.rule_object is None:
             # Traced and transposed without one; running it needs one.
             assert node.base is not None
-            which = "jvp" if node.kind == "lin" else node.kind
+            which = {"lin": "jvp", "bwd": "vjp"}.get(node.kind, node.kind)
             raise TypeError(missing_rule_message(node.base, which))
         n_in, n_out = sum(self.present), sum(self.keep)
         return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)

@@ -41,7 +41,9 @@ def make_kernel(name="sin", *, second=False, jvp=False, calls=None):
     ``fwd``/``bwd`` with residuals ``(g'(x) * a, g(x))``.
 
     ``second``: ``fwd`` and ``bwd`` are kernels with rules of their own (for
-    the second order); ``jvp``: ``f`` also has a JVP kernel, with rules.
+    the second order); ``jvp``: ``f`` also has a JVP kernel, with rules; or
+    ``jvp="residuals"``: ``defjvp(fwd, jvp, ...)`` over the same residuals
+    (a kernel with rules, when ``second``).
     """
     (g, g1, g2), _ = FUNCTIONS[name]
 
@@ -95,7 +97,30 @@ def make_kernel(name="sin", *, second=False, jvp=False, calls=None):
             c_x, c_a = c
             return (c_x * ct, c_a * ct), c_x * d + c_a * v
 
-    if jvp:
+    if jvp == "residuals":
+
+        def f_jvp_res(res, tx, ta):
+            record("f_jvp_res")
+            d, v = res
+            return d * tx + v * ta
+
+        if second:
+            f_jvp_res = jax_threadmap.kernel(S((3,), F64))(f_jvp_res)
+
+            @f_jvp_res.defjvp
+            def f_jvp_res_jvp(res, tx, ta, dres, dtx, dta):
+                record("f_jvp_res_jvp")
+                (d, v), (dd, dv) = res, dres
+                return dd * tx + d * dtx + dv * ta + v * dta
+
+            @f_jvp_res.defvjp
+            def f_jvp_res_vjp(res, tx, ta, ct):
+                record("f_jvp_res_vjp")
+                d, v = res
+                return (ct * tx, ct * ta), ct * d, np.sum(ct * v)
+
+        f.defjvp(fwd, f_jvp_res, residuals=RESIDUALS)
+    elif jvp:
 
         @jax_threadmap.kernel(S((3,), F64))
         def f_jvp(x, a, tx, ta):
@@ -173,8 +198,16 @@ FIRST_ORDER = {
     "grad": lambda f: jax.grad(lambda x, a: jnp.sum(jnp.sin(f(x, a))), (0, 1)),
     "vjp": lambda f: lambda x, a: jax.vjp(f, x, a)[1](jnp.cos(f(x, a))),
     "jacrev": lambda f: jax.jacrev(f, (0, 1)),
+    "jvp": lambda f: lambda x, a: jax.jvp(f, (x, a), (jnp.cos(x), jnp.sin(a))),
+    "jacfwd": lambda f: jax.jacfwd(f, (0, 1)),
+    "linearize": lambda f: lambda x, a: jax.linearize(f, x, a)[1](jnp.cos(x), a),
 }
-KERNELS = {name: make_kernel(name) for name in FUNCTIONS}
+#: Per function: fwd/bwd alone (reverse mode), and with defjvp(fwd, jvp, ...).
+KERNELS = {
+    (name, form): make_kernel(name, jvp="residuals" if form == "fwd-jvp" else False)
+    for name in FUNCTIONS
+    for form in ("fwd-bwd", "fwd-jvp")
+}
 
 
 @settings(
@@ -186,13 +219,16 @@ KERNELS = {name: make_kernel(name) for name in FUNCTIONS}
     st.sampled_from(sorted(FUNCTIONS)),
     st.sampled_from(sorted(FIRST_ORDER)),
     st.booleans(),
+    st.booleans(),
     st.integers(0, 2**16),
 )
-def test_random_nestings_match_jax_numpy(nesting, name, transform, jit, seed):
+def test_random_nestings_match_jax_numpy(nesting, name, transform, jit, fwd_bwd, seed):
     levels, sizes = nesting
     x, a = operands(levels, sizes, seed)
     make = FIRST_ORDER[transform]
-    got_fn = make(nest(KERNELS[name], levels))
+    forward = transform in ("jvp", "jacfwd", "linearize")
+    form = "fwd-bwd" if fwd_bwd and not forward else "fwd-jvp"
+    got_fn = make(nest(KERNELS[name, form], levels))
     if jit:
         got_fn = jax.jit(got_fn)
     assert_close(got_fn(x, a), jax.jit(make(nest(reference(name), levels)))(x, a))
@@ -402,7 +438,15 @@ SECOND_ORDER = {
     "jacfwd(jacfwd)": lambda loss: jax.jacfwd(jax.jacfwd(loss, (0, 1)), (0, 1)),
     "jacrev(jacfwd)": lambda loss: jax.jacrev(jax.jacfwd(loss, (0, 1)), (0, 1)),
 }
-SECOND = {name: make_kernel(name, second=True, jvp=True) for name in FUNCTIONS}
+#: Per function and JVP form (a JVP kernel on the primals, or over fwd's
+#: residuals), the kernel with rules for the second order.
+SECOND = {
+    (name, form): make_kernel(
+        name, second=True, jvp="residuals" if form == "fwd-jvp" else True
+    )
+    for name in FUNCTIONS
+    for form in ("jvp", "fwd-jvp")
+}
 
 
 def nested_loss(f, levels):
@@ -417,19 +461,21 @@ def nested_loss(f, levels):
 SECOND_ORDER_CASES = [(t, True) for t in SECOND_ORDER] + [
     ("hessian", False),
     ("grad(grad)", False),
+    ("jacfwd(jacfwd)", False),
 ]
 
 
+@pytest.mark.parametrize("form", ["jvp", "fwd-jvp"])
 @pytest.mark.parametrize(
     "transform, jit",
     SECOND_ORDER_CASES,
     ids=[f"{t}-{'jit' if j else 'eager'}" for t, j in SECOND_ORDER_CASES],
 )
-def test_second_order_transforms_match_jax_numpy(transform, jit):
+def test_second_order_transforms_match_jax_numpy(transform, jit, form):
     levels = [(0, None), (0, None)]
     x, a = values((2, 3, 3), 0), jnp.float64(0.8)
     make = SECOND_ORDER[transform]
-    got_fn = make(nested_loss(SECOND["sin"], levels))
+    got_fn = make(nested_loss(SECOND["sin", form], levels))
     if jit:
         got_fn = jax.jit(got_fn)
     assert_close(got_fn(x, a), make(nested_loss(reference(), levels))(x, a))
@@ -442,17 +488,18 @@ def test_second_order_transforms_match_jax_numpy(transform, jit):
 @given(
     nestings(max_depth=2),
     st.sampled_from(sorted(FUNCTIONS)),
-    st.sampled_from(["hessian", "jvp(grad)", "grad(grad)"]),
+    st.sampled_from(["hessian", "jvp(grad)", "grad(grad)", "jacfwd(jacfwd)"]),
+    st.sampled_from(["jvp", "fwd-jvp"]),
     st.booleans(),
     st.integers(0, 2**16),
 )
 def test_random_second_order_nestings_match_jax_numpy(
-    nesting, name, transform, jit, seed
+    nesting, name, transform, form, jit, seed
 ):
     levels, sizes = nesting
     x, a = operands(levels, sizes, seed)
     make = SECOND_ORDER[transform]
-    got_fn = make(nested_loss(SECOND[name], levels))
+    got_fn = make(nested_loss(SECOND[name, form], levels))
     if jit:
         got_fn = jax.jit(got_fn)
     want = jax.jit(make(nested_loss(reference(name), levels)))(x, a)

@@ -675,6 +675,107 @@ def test_residuals_not_as_declared_are_named_with_the_batch_index(kind, fragment
         jax.block_until_ready(jax.jit(g)(jnp.arange(3.0)))
 
 
+def forward_kernel(kind):
+    """A kernel with ``defjvp(fwd, jvp, ...)`` that returns something wrong."""
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def k(x):
+        return np.sin(x)
+
+    def fwd(x):
+        return np.sin(x), (np.zeros((2, 3)) if kind == "residual" else np.cos(x))
+
+    def jvp(c, tx):
+        if kind == "shape":
+            return (c * tx)[:2]
+        if kind == "dtype":
+            return c * tx + 1j
+        return c * tx
+
+    k.defjvp(fwd, jvp, residuals=S((3,), F64))
+    return k
+
+
+@pytest.mark.parametrize(
+    "kind, fragment",
+    [
+        (
+            "residual",
+            r"'forward_kernel.<locals>.fwd' at batch index \([\d, ]+\).*returned "
+            r"residuals of shape \(2, 3\), but residuals= declares "
+            r"jax.ShapeDtypeStruct\(\(3,\), float64\)\. Return one element's "
+            r"residual, .* \(jvp receives it as declared\)",
+        ),
+        (
+            "shape",
+            r"'forward_kernel.<locals>.jvp' at batch index \([\d, ]+\).*returned shape "
+            r"\(2,\) for output 0, expected \(3,\) .*Return one element's result",
+        ),
+        (
+            "dtype",
+            r"'forward_kernel.<locals>.jvp' at batch index \([\d, ]+\).*returned dtype "
+            r"complex128 for output 0, expected float64.*Cast the result",
+        ),
+    ],
+)
+def test_forward_residuals_and_tangents_not_as_declared_are_named(kind, fragment):
+    f = jax.vmap(forward_kernel(kind))
+    x = values((4, 3), 0)
+    with pytest.raises(KernelError, match=fragment):
+        jax.jvp(f, (x,), (x,))
+    with pytest.raises(Exception, match=fragment):  # under jit, in JAX's error
+        jax.block_until_ready(jax.jit(jax.jacfwd(f))(x))
+
+
+def test_defjvp_with_residuals_shares_fwd_with_defvjp():
+    f = make_kernel(jvp="residuals")
+    fwd, jvp, bwd = f.fwd, f.jvp, f.bwd
+    assert "f with fwd/jvp and fwd/bwd" in repr(f)
+    with pytest.raises(TypeError) as info:
+        f.defjvp(lambda x, a: fwd(x, a), jvp, residuals=RESIDUALS)
+    msg = str(info.value)
+    assert "already has defvjp(fwd, bwd, residuals=...) with fwd=" in msg
+    assert "Pass the same fwd and residuals to both" in msg
+    with pytest.raises(TypeError, match="must share it"):
+        f.defvjp(fwd, bwd, residuals=RESIDUALS[:1])
+    with pytest.raises(TypeError, match=r"not by a VJP kernel on the primals"):
+        f.defvjp(lambda x, a, ct: (ct, None))
+    with pytest.raises(TypeError) as info:
+        f.defjvp(fwd, jvp)
+    msg = str(info.value)
+    assert msg.startswith("defjvp(fwd, jvp) needs residuals=")
+    assert "jvp(residuals, x_dot, a_dot, **kwargs) -> tangent_out" in msg
+    assert "not jax.custom_jvp's defjvps" in msg
+    assert (f.fwd, f.jvp, f.bwd) == (fwd, jvp, bwd)  # refused calls change nothing
+
+
+def test_forward_mode_alone_over_residuals():
+    @jax_threadmap.kernel(S((3,), F64))
+    def h(x, a):
+        return np.sin(x) * a
+
+    def h_fwd(x, a):
+        return np.sin(x) * a, (np.cos(x) * a, np.sin(x))
+
+    h.defjvp(h_fwd, lambda res, tx, ta: res[0] * tx + res[1] * ta, residuals=RESIDUALS)
+    x, a = values((2, 3), 1), jnp.float64(0.5)
+
+    def loss(h):
+        return lambda x: jnp.sum(jax.vmap(h, (0, None))(x, a))
+
+    assert_close(jax.jvp(loss(h), (x,), (x,)), jax.jvp(loss(reference()), (x,), (x,)))
+    assert_close(jax.jit(jax.jacfwd(loss(h)))(x), jax.jacfwd(loss(reference()))(x))
+    with pytest.raises(TypeError) as info:  # reverse mode names what is missing
+        jax.jit(jax.grad(loss(h)))(x)
+    msg = str(info.value)
+    assert "has fwd and jvp kernels (defjvp(fwd, jvp, residuals=...)) but no bwd" in msg
+    assert ".h.defvjp(fwd, bwd, residuals=...), the same fwd" in msg
+    # A JVP kernel on the primals replaces the form, and fwd goes with it.
+    h.defjvp(lambda x, a, tx, ta: np.cos(x) * a * tx + np.sin(x) * ta)
+    assert h.fwd is None and repr(h).endswith("h with jvp>")
+    assert_close(jax.jvp(loss(h), (x,), (x,)), jax.jvp(loss(reference()), (x,), (x,)))
+
+
 def test_second_order_without_rules_of_fwd_names_fwd():
     f = make_kernel()
     loss = lambda x: jnp.sum(jnp.sin(jax.vmap(f, (0, None))(x, 0.5)))  # noqa: E731

@@ -694,7 +694,7 @@ class KernelFunction(Generic[R]):
         if bwd is None and residuals is None:
             vjp = vjp_or_fwd
             if self._jvp_on_residuals:
-                raise TypeError(_one_fwd_message(self.fn, "a VJP kernel"))
+                raise TypeError(_one_fwd_message(self.fn))
             self.vjp = _check_rule(vjp, "defvjp", self.fn)
             self._check_async(vjp, "VJP kernel")
             self.fwd = self.bwd = self.residuals = None
@@ -837,14 +837,14 @@ def _residual_layout(residuals: Any) -> tuple[Any, list[tuple[Any, Any]]]:
     return tree, [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
 
 
-def _one_fwd_message(fn: Callable[..., Any], what: str) -> str:
+def _one_fwd_message(fn: Callable[..., Any]) -> str:
     name = _validate.callable_name(fn)
     return (
         f"defvjp: {name} has defjvp(fwd, jvp, residuals=...), whose jvp is "
-        f"transposed by a bwd over the same residuals, so it takes no {what}. "
-        f"Attach {_expected_rule('fwd/bwd', fn)} with defvjp(fwd, bwd, "
-        "residuals=...), the same fwd and residuals; or attach a JVP kernel "
-        "that takes the primals (defjvp(jvp)) first."
+        "transposed by a bwd over the same residuals, not by a VJP kernel on the "
+        f"primals. Attach {_expected_rule('fwd/bwd', fn)} with defvjp(fwd, bwd, "
+        "residuals=...), the same fwd and residuals; or first attach a JVP kernel "
+        "that takes the primals (defjvp(jvp))."
     )
 
 

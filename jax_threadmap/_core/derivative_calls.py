@@ -194,7 +194,7 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
     )
     fix = (
         "Return one element's residual, without batch axes, of the declared shape "
-        f"({users} receive it as declared)"
+        f"({users} {'receive' if ' and ' in users else 'receives'} it as declared)"
     )
 
     def flat(result: Any, chunk: tuple[int, ...]) -> list[Any]:

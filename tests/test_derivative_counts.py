@@ -94,17 +94,16 @@ def _col(a, like):
     return np.asarray(a)[..., None] if np.ndim(like) > np.ndim(a) else a
 
 
+def callback_exp(d, counter):
+    """``exp`` on the host, through ``jax.pure_callback`` (batched by vmap)."""
+    return lambda x: jax.pure_callback(
+        lambda x: counter.exp(x, d), S(x.shape, x.dtype), x, vmap_method="broadcast_all"
+    )
+
+
 def recipe_jvp(d, counter):
     """``exp`` as ``custom_jvp`` around ``pure_callback``, its rule calling it."""
-
-    @jax.custom_jvp
-    def exp(x):
-        return jax.pure_callback(
-            lambda x: counter.exp(x, d),
-            S(x.shape, x.dtype),
-            x,
-            vmap_method="broadcast_all",
-        )
+    exp = jax.custom_jvp(callback_exp(d, counter))
 
     @exp.defjvp
     def exp_jvp(primals, tangents):
@@ -116,14 +115,7 @@ def recipe_jvp(d, counter):
 
 def recipe_vjp(d, counter):
     """``custom_vjp`` whose ``fwd`` keeps the callback's ``exp`` for ``bwd``."""
-
-    def exp(x):
-        return jax.pure_callback(
-            lambda x: counter.exp(x, d),
-            S(x.shape, x.dtype),
-            x,
-            vmap_method="broadcast_all",
-        )
+    exp = callback_exp(d, counter)
 
     @jax.custom_vjp
     def f(x, a):

@@ -688,3 +688,27 @@ def test_integer_residuals_and_none_at_all():
 
     double.defvjp(lambda x: (2 * x, ()), lambda res, ct: (2 * ct,), residuals=())
     assert_close(jax.grad(lambda x: jax.vmap(double)(x).sum())(x[0]), 2 + 0 * x[0])
+
+
+def test_derivative_params_of_repeated_traces_are_equal_and_cached():
+    # The params (the jit cache key) compare and hash alike per trace; what the
+    # host calls per element is built from them per lowering, not stored in them.
+    f = make_kernel(jvp="residuals")
+    x, a = values((4, 3), 2), jnp.float64(0.5)
+
+    def jvp_and_grad(x, a):
+        tangent = jax.jvp(jax.vmap(f, (0, None)), (x, a), (x, a))[1]
+        return tangent, jax.grad(lambda x: jnp.sum(jax.vmap(f, (0, None))(x, a)))(x)
+
+    first, second = (
+        [e.params for e in threadmap_eqns(jax.make_jaxpr(jvp_and_grad)(x, a).jaxpr)]
+        for _ in range(2)
+    )
+    assert len(first) == 4 and first == second  # fwd, jvp; fwd, bwd
+    assert [hash(tuple(sorted(p.items()))) for p in first] == [
+        hash(tuple(sorted(p.items()))) for p in second
+    ]
+    jitted = jax.jit(jvp_and_grad)
+    jitted(x, a)
+    jitted(x + 1, a)
+    assert jitted._cache_size() == 1

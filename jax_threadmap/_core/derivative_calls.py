@@ -91,7 +91,10 @@ class DerivativeCall:
         ]
 
     def __call__(self, *operands: np.ndarray) -> Any:
-        args = self._leaves(self.plans[0], operands)
+        if self.vectorized:
+            args = self._leaves(self.plans[0], operands)
+        else:  # the common case, inline
+            args = [operands[i] if i >= 0 else v for i, v in self.plans[0]]
         if not self.flat_args:
             args = self.args_tree.unflatten(args)
         if self.keywords:
@@ -124,7 +127,7 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def _result_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
     """The function giving a node's kernel result as one value per output leaf."""
     if node.kind in ("vjp", "bwd"):
-        return lambda result, chunk: _flat_cotangents(node, result, chunk)
+        return _cotangent_flattener(node)
     if node.kind == "fwd":
         return _forward_flattener(node)
     out_tree = node.out_tree
@@ -152,35 +155,45 @@ def _jvp_kind(node: Any) -> str:
     return "JVP kernel"
 
 
-def _flat_cotangents(node: Any, result: Any, chunk: tuple[int, ...]) -> list[Any]:
-    """One cotangent per positional leaf of the base, from the kernel's tuple
-    (``None``, for an argument or a leaf, is zeros)."""
+def _cotangent_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
+    """The function giving a VJP (or ``bwd``) kernel's tuple as one cotangent
+    per positional leaf of the base (``None``, for an argument or a leaf, is
+    zeros)."""
     what = "VJP" if node.kind == "vjp" else "bwd"
     arg_trees = node.base.args_tree.children()
-    if not isinstance(result, (tuple, list)) or len(result) != len(arg_trees):
-        raise TypeError(
-            f"the {what} kernel must return a tuple with one cotangent per "
-            f"positional argument ({len(arg_trees)}), e.g. `return (ct_x,)` for "
-            f"one argument; got {_describe(result)}."
-        )
-    flat: list[Any] = []
-    for i, (tree, r) in enumerate(zip(arg_trees, result, strict=True)):
-        if r is None:
-            flat.extend([None] * tree.num_leaves)
-            continue
-        try:
-            flat.extend(tree.flatten_up_to(r))
-        except (ValueError, TypeError) as e:
+    leaf = [t.num_leaves == 1 and t.num_nodes == 1 for t in arg_trees]
+    out_avals = node.out_avals
+
+    def flat(result: Any, chunk: tuple[int, ...]) -> list[Any]:
+        if not isinstance(result, (tuple, list)) or len(result) != len(arg_trees):
             raise TypeError(
-                f"the {what} kernel returned a cotangent for positional "
-                f"argument {i} of structure {jax.tree_util.tree_structure(r)}, "
-                f"but the argument has structure {tree} ({e}). Return a pytree "
-                "like the argument, or None for zeros."
-            ) from None
-    return [
-        zeros(chunk + node.out_avals[j][0], node.out_avals[j][1]) if c is None else c
-        for j, c in enumerate(flat)
-    ]
+                f"the {what} kernel must return a tuple with one cotangent per "
+                f"positional argument ({len(arg_trees)}), e.g. `return (ct_x,)` for "
+                f"one argument; got {_describe(result)}."
+            )
+        out: list[Any] = []
+        for i, (tree, r) in enumerate(zip(arg_trees, result, strict=True)):
+            if r is None:
+                out.extend([None] * tree.num_leaves)
+            elif leaf[i]:
+                out.append(r)
+            else:
+                try:
+                    out.extend(tree.flatten_up_to(r))
+                except (ValueError, TypeError) as e:
+                    raise TypeError(
+                        f"the {what} kernel returned a cotangent for positional "
+                        f"argument {i} of structure "
+                        f"{jax.tree_util.tree_structure(r)}, but the argument has "
+                        f"structure {tree} ({e}). Return a pytree like the "
+                        "argument, or None for zeros."
+                    ) from None
+        for j, c in enumerate(out):
+            if c is None:
+                out[j] = zeros(chunk + out_avals[j][0], out_avals[j][1])
+        return out
+
+    return flat
 
 
 def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
@@ -189,6 +202,7 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
     declaration, so that a wrong one is named rather than as an output number."""
     rule, out_tree = node.base.residual_rule, node.base.out_tree
     res_tree, checks = rule.res_tree, list(zip(rule.names, rule.res_avals, strict=True))
+    one_out = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
     users = " and ".join(
         kind for kind, r in (("jvp", rule.jvp), ("bwd", rule.bwd)) if r is not None
     )
@@ -206,7 +220,7 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
             )
         out, res = result
         try:
-            outs = out_tree.flatten_up_to(out)
+            outs = [out] if one_out else out_tree.flatten_up_to(out)
         except (ValueError, TypeError) as e:
             raise TypeError(
                 "the fwd kernel returned an output (the first of its pair) of "

@@ -366,10 +366,11 @@ class KernelFunction(Generic[R]):
         fn: The primal kernel.
         result_shape_dtypes: One element's result, as given to
             [`kernel`][jax_threadmap.kernel].
-        jvp: The JVP kernel, or ``None``.
-        vjp: The VJP kernel, or ``None``.
-        fwd: The forward kernel of ``defvjp(fwd, bwd, residuals=...)``, or
+        jvp: The JVP kernel (on the primals, or on ``fwd``'s residuals), or
             ``None``.
+        vjp: The VJP kernel, or ``None``.
+        fwd: The forward kernel of ``defvjp(fwd, bwd, residuals=...)`` and
+            ``defjvp(fwd, jvp, residuals=...)``, or ``None``.
         bwd: Its backward kernel, or ``None``.
         residuals: Its residuals' declaration, or ``None``.
 
@@ -902,7 +903,9 @@ def kernel(
     kernels: unbatched NumPy kernels, like ``fn``, that run as ``threadmap`` equations
     and fold under ``vmap`` like the primal.
 
-    - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``.
+    - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``; given
+      ``fwd`` and ``jvp`` with residuals (the ``fwd`` of ``defvjp``), ``fwd``
+      runs once per element for every tangent direction.
     - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``; given ``fwd`` and
       ``bwd`` with residuals, what ``fwd`` computes is reused by ``bwd``.
     - Both work under ``jit`` and any nesting of ``vmap``.

@@ -12,6 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from elementwise import (
+    F64,
+    FUNCTIONS,
+    RESIDUALS,
+    RTOL,
+    S,
+    assert_close,
+    hvp,
+    nestings,
+    operands,
+    reference,
+    values,
+)
+from elementwise import residual_kernel as make_kernel
 from helpers import count_eqns, examples, kname, nest, threadmap_eqns
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,151 +35,6 @@ from jax_threadmap import KernelError
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
 
-S = jax.ShapeDtypeStruct
-F64 = jnp.float64
-RTOL, ATOL = 1e-11, 1e-12
-
-#: Elementwise g with g' and g'', in NumPy and in jax.numpy.
-FUNCTIONS = {
-    "sin": ((np.sin, np.cos, lambda x: -np.sin(x)), jnp.sin),
-    "exp": ((np.exp, np.exp, np.exp), jnp.exp),
-    "cube": ((lambda x: x**3, lambda x: 3 * x**2, lambda x: 6 * x), lambda x: x**3),
-}
-
-#: The residuals of f(x, a) = g(x) * a: g'(x) * a and g(x), one element's each.
-RESIDUALS = (S((3,), F64), S((3,), F64))
-
-
-def make_kernel(name="sin", *, second=False, jvp=False, calls=None):
-    """``f(x, a) = g(x) * a`` for one element (x (3,), a ()), its VJP given as
-    ``fwd``/``bwd`` with residuals ``(g'(x) * a, g(x))``.
-
-    ``second``: ``fwd`` and ``bwd`` are kernels with rules of their own (for
-    the second order); ``jvp``: ``f`` also has a JVP kernel, with rules.
-    """
-    (g, g1, g2), _ = FUNCTIONS[name]
-
-    def record(tag):
-        if calls is not None:
-            calls.append(tag)
-
-    @jax_threadmap.kernel(S((3,), F64))
-    def f(x, a):
-        record("f")
-        return g(x) * a
-
-    def fwd(x, a):
-        record("fwd")
-        return g(x) * a, (g1(x) * a, g(x))
-
-    def bwd(res, ct):
-        record("bwd")
-        d, v = res
-        return ct * d, np.sum(ct * v)
-
-    if second:
-        fwd = jax_threadmap.kernel((S((3,), F64), RESIDUALS))(fwd)
-        bwd = jax_threadmap.kernel((S((3,), F64), S((), F64)))(bwd)
-
-        @fwd.defjvp
-        def fwd_jvp(x, a, dx, da):
-            record("fwd_jvp")
-            dv = g1(x) * dx
-            return g(x) * da + a * dv, (g2(x) * a * dx + g1(x) * da, dv)
-
-        @fwd.defvjp
-        def fwd_vjp(x, a, c):
-            record("fwd_vjp")
-            c_out, (c_d, c_v) = c
-            return (
-                c_out * g1(x) * a + c_d * g2(x) * a + c_v * g1(x),
-                np.sum(c_out * g(x) + c_d * g1(x)),
-            )
-
-        @bwd.defjvp
-        def bwd_jvp(res, ct, dres, dct):
-            record("bwd_jvp")
-            (d, v), (dd, dv) = res, dres
-            return dct * d + ct * dd, np.sum(dct * v + ct * dv)
-
-        @bwd.defvjp
-        def bwd_vjp(res, ct, c):
-            record("bwd_vjp")
-            d, v = res
-            c_x, c_a = c
-            return (c_x * ct, c_a * ct), c_x * d + c_a * v
-
-    if jvp:
-
-        @jax_threadmap.kernel(S((3,), F64))
-        def f_jvp(x, a, tx, ta):
-            record("f_jvp")
-            return g1(x) * a * tx + g(x) * ta
-
-        @f_jvp.defjvp
-        def f_jvp_jvp(x, a, tx, ta, dx, da, dtx, dta):
-            record("f_jvp_jvp")
-            return (
-                g2(x) * dx * a * tx + g1(x) * (da * tx + a * dtx + dx * ta) + g(x) * dta
-            )
-
-        @f_jvp.defvjp
-        def f_jvp_vjp(x, a, tx, ta, ct):
-            record("f_jvp_vjp")
-            return (
-                ct * (g2(x) * a * tx + g1(x) * ta),
-                np.sum(ct * g1(x) * tx),
-                ct * g1(x) * a,
-                np.sum(ct * g(x)),
-            )
-
-        f.defjvp(f_jvp)
-    f.defvjp(fwd, bwd, residuals=RESIDUALS)
-    return f
-
-
-def reference(name="sin"):
-    _, g = FUNCTIONS[name]
-    return lambda x, a: g(x) * a
-
-
-def values(shape, seed):
-    return jnp.asarray(np.random.default_rng(seed).uniform(-1.5, 1.5, shape))
-
-
-def assert_close(got, want):
-    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
-    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
-    assert got_tree == want_tree
-    for g, w in zip(got_leaves, want_leaves, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
-
-
-def operands(levels, sizes, seed):
-    """x and a for ``levels`` (in_axes of (x, a) per level, innermost first)."""
-    shapes = [[3], []]
-    for axes, size in zip(levels, sizes, strict=True):
-        for k, ax in enumerate(axes):
-            if ax is not None:
-                shapes[k].insert(ax % (len(shapes[k]) + 1), size)
-    return values(tuple(shapes[0]), seed), values(tuple(shapes[1]), seed + 1)
-
-
-@st.composite
-def nestings(draw, max_depth=3):
-    """One to ``max_depth`` vmap levels over (x, a), at random axes."""
-    depth = draw(st.integers(1, max_depth))
-    levels, ndims = [], [1, 0]
-    for _ in range(depth):  # innermost first
-        axes = [draw(st.none() | st.integers(-(n + 1), n)) for n in ndims]
-        if axes[0] is None and axes[1] is None:
-            axes[0] = 0
-        levels.append(tuple(axes))
-        ndims = [n + (ax is not None) for n, ax in zip(ndims, axes, strict=True)]
-    return levels, [draw(st.integers(1, 3)) for _ in levels]
-
-
 # --- first order: property test against jax.numpy --------------------------------
 
 
@@ -173,8 +42,16 @@ FIRST_ORDER = {
     "grad": lambda f: jax.grad(lambda x, a: jnp.sum(jnp.sin(f(x, a))), (0, 1)),
     "vjp": lambda f: lambda x, a: jax.vjp(f, x, a)[1](jnp.cos(f(x, a))),
     "jacrev": lambda f: jax.jacrev(f, (0, 1)),
+    "jvp": lambda f: lambda x, a: jax.jvp(f, (x, a), (jnp.cos(x), jnp.sin(a))),
+    "jacfwd": lambda f: jax.jacfwd(f, (0, 1)),
+    "linearize": lambda f: lambda x, a: jax.linearize(f, x, a)[1](jnp.cos(x), a),
 }
-KERNELS = {name: make_kernel(name) for name in FUNCTIONS}
+#: Per function: fwd/bwd alone (reverse mode), and with defjvp(fwd, jvp, ...).
+KERNELS = {
+    (name, form): make_kernel(name, jvp="residuals" if form == "fwd-jvp" else False)
+    for name in FUNCTIONS
+    for form in ("fwd-bwd", "fwd-jvp")
+}
 
 
 @settings(
@@ -186,13 +63,16 @@ KERNELS = {name: make_kernel(name) for name in FUNCTIONS}
     st.sampled_from(sorted(FUNCTIONS)),
     st.sampled_from(sorted(FIRST_ORDER)),
     st.booleans(),
+    st.booleans(),
     st.integers(0, 2**16),
 )
-def test_random_nestings_match_jax_numpy(nesting, name, transform, jit, seed):
+def test_random_nestings_match_jax_numpy(nesting, name, transform, jit, fwd_bwd, seed):
     levels, sizes = nesting
     x, a = operands(levels, sizes, seed)
     make = FIRST_ORDER[transform]
-    got_fn = make(nest(KERNELS[name], levels))
+    forward = transform in ("jvp", "jacfwd", "linearize")
+    form = "fwd-bwd" if fwd_bwd and not forward else "fwd-jvp"
+    got_fn = make(nest(KERNELS[name, form], levels))
     if jit:
         got_fn = jax.jit(got_fn)
     assert_close(got_fn(x, a), jax.jit(make(nest(reference(name), levels)))(x, a))
@@ -383,14 +263,6 @@ def test_forward_mode_with_defjvp_runs_the_jvp_kernel():
 # --- second order: fwd and bwd with rules of their own ------------------------------
 
 
-def hvp(loss):
-    def run(x, a):
-        v = (jnp.cos(x), 0.7 * jnp.cos(a))
-        return jax.jvp(jax.grad(loss, (0, 1)), (x, a), v)[1]
-
-    return run
-
-
 SECOND_ORDER = {
     "hessian": lambda loss: jax.hessian(loss, (0, 1)),
     "jvp(grad)": hvp,
@@ -402,7 +274,15 @@ SECOND_ORDER = {
     "jacfwd(jacfwd)": lambda loss: jax.jacfwd(jax.jacfwd(loss, (0, 1)), (0, 1)),
     "jacrev(jacfwd)": lambda loss: jax.jacrev(jax.jacfwd(loss, (0, 1)), (0, 1)),
 }
-SECOND = {name: make_kernel(name, second=True, jvp=True) for name in FUNCTIONS}
+#: Per function and JVP form (a JVP kernel on the primals, or over fwd's
+#: residuals), the kernel with rules for the second order.
+SECOND = {
+    (name, form): make_kernel(
+        name, second=True, jvp="residuals" if form == "fwd-jvp" else True
+    )
+    for name in FUNCTIONS
+    for form in ("jvp", "fwd-jvp")
+}
 
 
 def nested_loss(f, levels):
@@ -417,19 +297,21 @@ def nested_loss(f, levels):
 SECOND_ORDER_CASES = [(t, True) for t in SECOND_ORDER] + [
     ("hessian", False),
     ("grad(grad)", False),
+    ("jacfwd(jacfwd)", False),
 ]
 
 
+@pytest.mark.parametrize("form", ["jvp", "fwd-jvp"])
 @pytest.mark.parametrize(
     "transform, jit",
     SECOND_ORDER_CASES,
     ids=[f"{t}-{'jit' if j else 'eager'}" for t, j in SECOND_ORDER_CASES],
 )
-def test_second_order_transforms_match_jax_numpy(transform, jit):
+def test_second_order_transforms_match_jax_numpy(transform, jit, form):
     levels = [(0, None), (0, None)]
     x, a = values((2, 3, 3), 0), jnp.float64(0.8)
     make = SECOND_ORDER[transform]
-    got_fn = make(nested_loss(SECOND["sin"], levels))
+    got_fn = make(nested_loss(SECOND["sin", form], levels))
     if jit:
         got_fn = jax.jit(got_fn)
     assert_close(got_fn(x, a), make(nested_loss(reference(), levels))(x, a))
@@ -442,17 +324,18 @@ def test_second_order_transforms_match_jax_numpy(transform, jit):
 @given(
     nestings(max_depth=2),
     st.sampled_from(sorted(FUNCTIONS)),
-    st.sampled_from(["hessian", "jvp(grad)", "grad(grad)"]),
+    st.sampled_from(["hessian", "jvp(grad)", "grad(grad)", "jacfwd(jacfwd)"]),
+    st.sampled_from(["jvp", "fwd-jvp"]),
     st.booleans(),
     st.integers(0, 2**16),
 )
 def test_random_second_order_nestings_match_jax_numpy(
-    nesting, name, transform, jit, seed
+    nesting, name, transform, form, jit, seed
 ):
     levels, sizes = nesting
     x, a = operands(levels, sizes, seed)
     make = SECOND_ORDER[transform]
-    got_fn = make(nested_loss(SECOND[name], levels))
+    got_fn = make(nested_loss(SECOND[name, form], levels))
     if jit:
         got_fn = jax.jit(got_fn)
     want = jax.jit(make(nested_loss(reference(name), levels)))(x, a)
@@ -628,13 +511,114 @@ def test_residuals_not_as_declared_are_named_with_the_batch_index(kind, fragment
         jax.block_until_ready(jax.jit(g)(jnp.arange(3.0)))
 
 
+def forward_kernel(kind):
+    """A kernel with ``defjvp(fwd, jvp, ...)`` that returns something wrong."""
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def k(x):
+        return np.sin(x)
+
+    def fwd(x):
+        return np.sin(x), (np.zeros((2, 3)) if kind == "residual" else np.cos(x))
+
+    def jvp(c, tx):
+        if kind == "shape":
+            return (c * tx)[:2]
+        if kind == "dtype":
+            return c * tx + 1j
+        return c * tx
+
+    k.defjvp(fwd, jvp, residuals=S((3,), F64))
+    return k
+
+
+@pytest.mark.parametrize(
+    "kind, fragment",
+    [
+        (
+            "residual",
+            r"'forward_kernel.<locals>.fwd' at batch index \([\d, ]+\).*returned "
+            r"residuals of shape \(2, 3\), but residuals= declares "
+            r"jax.ShapeDtypeStruct\(\(3,\), float64\)\. Return one element's "
+            r"residual, .* \(jvp receives it as declared\)",
+        ),
+        (
+            "shape",
+            r"'forward_kernel.<locals>.jvp' at batch index \([\d, ]+\).*returned shape "
+            r"\(2,\) for output 0, expected \(3,\) .*Return one element's result",
+        ),
+        (
+            "dtype",
+            r"'forward_kernel.<locals>.jvp' at batch index \([\d, ]+\).*returned dtype "
+            r"complex128 for output 0, expected float64.*Cast the result",
+        ),
+    ],
+)
+def test_forward_residuals_and_tangents_not_as_declared_are_named(kind, fragment):
+    f = jax.vmap(forward_kernel(kind))
+    x = values((4, 3), 0)
+    with pytest.raises(KernelError, match=fragment):
+        jax.jvp(f, (x,), (x,))
+    with pytest.raises(Exception, match=fragment):  # under jit, in JAX's error
+        jax.block_until_ready(jax.jit(jax.jacfwd(f))(x))
+
+
+def test_defjvp_with_residuals_shares_fwd_with_defvjp():
+    f = make_kernel(jvp="residuals")
+    fwd, jvp, bwd = f.fwd, f.jvp, f.bwd
+    assert "f with fwd/jvp and fwd/bwd" in repr(f)
+    with pytest.raises(TypeError) as info:
+        f.defjvp(lambda x, a: fwd(x, a), jvp, residuals=RESIDUALS)
+    msg = str(info.value)
+    assert "already has defvjp(fwd, bwd, residuals=...) with fwd=" in msg
+    assert "Pass the same fwd and residuals to both" in msg
+    with pytest.raises(TypeError, match="must share it"):
+        f.defvjp(fwd, bwd, residuals=RESIDUALS[:1])
+    with pytest.raises(TypeError, match=r"not by a VJP kernel on the primals"):
+        f.defvjp(lambda x, a, ct: (ct, None))
+    with pytest.raises(TypeError) as info:
+        f.defjvp(fwd, jvp)
+    msg = str(info.value)
+    assert msg.startswith("defjvp(fwd, jvp) needs residuals=")
+    assert "jvp(residuals, x_dot, a_dot, **kwargs) -> tangent_out" in msg
+    assert "not jax.custom_jvp's defjvps" in msg
+    assert (f.fwd, f.jvp, f.bwd) == (fwd, jvp, bwd)  # refused calls change nothing
+
+
+def test_forward_mode_alone_over_residuals():
+    @jax_threadmap.kernel(S((3,), F64))
+    def h(x, a):
+        return np.sin(x) * a
+
+    def h_fwd(x, a):
+        return np.sin(x) * a, (np.cos(x) * a, np.sin(x))
+
+    h.defjvp(h_fwd, lambda res, tx, ta: res[0] * tx + res[1] * ta, residuals=RESIDUALS)
+    x, a = values((2, 3), 1), jnp.float64(0.5)
+
+    def loss(h):
+        return lambda x: jnp.sum(jax.vmap(h, (0, None))(x, a))
+
+    assert_close(jax.jvp(loss(h), (x,), (x,)), jax.jvp(loss(reference()), (x,), (x,)))
+    assert_close(jax.jit(jax.jacfwd(loss(h)))(x), jax.jacfwd(loss(reference()))(x))
+    with pytest.raises(TypeError) as info:  # reverse mode names what is missing
+        jax.jit(jax.grad(loss(h)))(x)
+    msg = str(info.value)
+    assert "has fwd and jvp kernels (defjvp(fwd, jvp, residuals=...)) but no bwd" in msg
+    assert ".h.defvjp(fwd, bwd, residuals=...), the same fwd" in msg
+    # A JVP kernel on the primals replaces the form, and fwd goes with it.
+    h.defjvp(lambda x, a, tx, ta: np.cos(x) * a * tx + np.sin(x) * ta)
+    assert h.fwd is None and repr(h).endswith("h with jvp>")
+    assert_close(jax.jvp(loss(h), (x,), (x,)), jax.jvp(loss(reference()), (x,), (x,)))
+
+
 def test_second_order_without_rules_of_fwd_names_fwd():
     f = make_kernel()
     loss = lambda x: jnp.sum(jnp.sin(jax.vmap(f, (0, None))(x, 0.5)))  # noqa: E731
     with pytest.raises(TypeError) as info:
         jax.jit(jax.hessian(loss))(values((2, 3), 0))
     msg = str(info.value)
-    assert "'make_kernel.<locals>.fwd' (the fwd kernel of" in msg
+    assert "'residual_kernel.<locals>.fwd' (the fwd kernel of" in msg
     assert "Make fwd a jax_threadmap.kernel" in msg
     assert "@jax_threadmap.kernel((ShapeDtypeStruct(shape=(3,)" in msg
 
@@ -704,3 +688,27 @@ def test_integer_residuals_and_none_at_all():
 
     double.defvjp(lambda x: (2 * x, ()), lambda res, ct: (2 * ct,), residuals=())
     assert_close(jax.grad(lambda x: jax.vmap(double)(x).sum())(x[0]), 2 + 0 * x[0])
+
+
+def test_derivative_params_of_repeated_traces_are_equal_and_cached():
+    # The params (the jit cache key) compare and hash alike per trace; what the
+    # host calls per element is built from them per lowering, not stored in them.
+    f = make_kernel(jvp="residuals")
+    x, a = values((4, 3), 2), jnp.float64(0.5)
+
+    def jvp_and_grad(x, a):
+        tangent = jax.jvp(jax.vmap(f, (0, None)), (x, a), (x, a))[1]
+        return tangent, jax.grad(lambda x: jnp.sum(jax.vmap(f, (0, None))(x, a)))(x)
+
+    first, second = (
+        [e.params for e in threadmap_eqns(jax.make_jaxpr(jvp_and_grad)(x, a).jaxpr)]
+        for _ in range(2)
+    )
+    assert len(first) == 4 and first == second  # fwd, jvp; fwd, bwd
+    assert [hash(tuple(sorted(p.items()))) for p in first] == [
+        hash(tuple(sorted(p.items()))) for p in second
+    ]
+    jitted = jax.jit(jvp_and_grad)
+    jitted(x, a)
+    jitted(x + 1, a)
+    assert jitted._cache_size() == 1

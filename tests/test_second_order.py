@@ -8,6 +8,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from elementwise import (
+    F64,
+    FUNCTIONS,
+    RTOL,
+    S,
+    hvp,
+    nestings,
+    operands,
+    reference,
+    residual_kernel,
+    values,
+)
+from elementwise import assert_close as _assert_close
 from helpers import count_eqns, examples, kname, threadmap_eqns
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,17 +28,6 @@ from hypothesis import strategies as st
 import jax_threadmap
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
-
-S = jax.ShapeDtypeStruct
-F64 = jnp.float64
-RTOL, ATOL = 1e-11, 1e-12
-
-#: Elementwise g with g' and g'', in NumPy and in jax.numpy.
-FUNCTIONS = {
-    "sin": ((np.sin, np.cos, lambda x: -np.sin(x)), jnp.sin),
-    "exp": ((np.exp, np.exp, np.exp), jnp.exp),
-    "cube": ((lambda x: x**3, lambda x: 3 * x**2, lambda x: 6 * x), lambda x: x**3),
-}
 
 
 def make_kernel(
@@ -100,15 +102,6 @@ def make_kernel(
     return f
 
 
-def reference(name="sin"):
-    _, g = FUNCTIONS[name]
-    return lambda x, a: g(x) * a
-
-
-def values(shape, seed):
-    return jnp.asarray(np.random.default_rng(seed).uniform(-1.5, 1.5, shape))
-
-
 def nested_loss(f, x_axes=(0, 0)):
     """A loss through two nested vmaps: x batched at both levels, a at none."""
 
@@ -120,14 +113,6 @@ def nested_loss(f, x_axes=(0, 0)):
         return jnp.sum(y * jnp.cos(y)) + a * jnp.sum(y)
 
     return loss
-
-
-def hvp(loss):
-    def run(x, a):
-        v = (jnp.cos(x), 0.7 * jnp.cos(a))
-        return jax.jvp(jax.grad(loss, (0, 1)), (x, a), v)[1]
-
-    return run
 
 
 TRANSFORMS = {
@@ -144,12 +129,7 @@ TRANSFORMS = {
 
 
 def assert_close(got, want):
-    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
-    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
-    assert got_tree == want_tree
-    for g, w in zip(got_leaves, want_leaves, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype == np.float64
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    _assert_close(got, want, np.float64)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -413,36 +393,28 @@ def test_a_kernel_among_its_own_rules_is_refused():
 
 @st.composite
 def cases(draw):
-    """A kernel, a nesting of one or two vmaps (in_axes of x, a), jit, and a
-    second-order transform."""
-    depth = draw(st.integers(1, 2))
-    levels, ndims = [], [1, 0]
-    for _ in range(depth):  # innermost first
-        axes = [draw(st.none() | st.integers(-(n + 1), n)) for n in ndims]
-        if axes[0] is None and axes[1] is None:
-            axes[0] = 0
-        levels.append(tuple(axes))
-        ndims = [n + (ax is not None) for n, ax in zip(ndims, axes, strict=True)]
+    """A kernel (the rules of this file, or fwd/jvp/bwd over residuals), a
+    nesting of one or two vmaps (in_axes of x, a), jit, and a second-order
+    transform."""
+    levels, sizes = draw(nestings(max_depth=2))
     return {
         "kernel": draw(st.sampled_from(sorted(FUNCTIONS))),
+        "form": draw(st.sampled_from(["rules", "fwd-jvp"])),
         "levels": levels,
-        "sizes": [draw(st.integers(1, 3)) for _ in levels],
+        "sizes": sizes,
         "jit": draw(st.booleans()),
         "transform": draw(st.sampled_from(["hessian", "jacfwd(jacrev)", "jvp(grad)"])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
 
-def _operands(levels, sizes, seed):
-    shapes = [[3], []]
-    for axes, size in zip(levels, sizes, strict=True):
-        for k, ax in enumerate(axes):
-            if ax is not None:
-                shapes[k].insert(ax % (len(shapes[k]) + 1), size)
-    return values(tuple(shapes[0]), seed), values(tuple(shapes[1]), seed + 1)
-
-
-KERNELS = {name: make_kernel(name) for name in FUNCTIONS}
+KERNELS = {
+    (name, form): make_kernel(name)
+    if form == "rules"
+    else residual_kernel(name, second=True, jvp="residuals")
+    for name in FUNCTIONS
+    for form in ("rules", "fwd-jvp")
+}
 
 
 @settings(
@@ -452,7 +424,7 @@ KERNELS = {name: make_kernel(name) for name in FUNCTIONS}
 )
 @given(cases())
 def test_random_second_order_nestings_match_jax_numpy(case):
-    x, a = _operands(case["levels"], case["sizes"], case["seed"])
+    x, a = operands(case["levels"], case["sizes"], case["seed"])
 
     def loss(f):
         for axes in case["levels"]:
@@ -460,7 +432,7 @@ def test_random_second_order_nestings_match_jax_numpy(case):
         return lambda x, a: jnp.sum(jnp.sin(f(x, a)))
 
     make = TRANSFORMS[case["transform"]]
-    got_fn = make(loss(KERNELS[case["kernel"]]))
+    got_fn = make(loss(KERNELS[case["kernel"], case["form"]]))
     if case["jit"]:
         got_fn = jax.jit(got_fn)
     want = jax.jit(make(loss(reference(case["kernel"]))))(x, a)

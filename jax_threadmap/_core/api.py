@@ -6,7 +6,7 @@ import concurrent.futures
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Generic, NamedTuple, TypeVar, cast, overload
+from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 import jax
 import numpy as np
@@ -27,7 +27,6 @@ DerivativeKernel = TypeVar("DerivativeKernel", bound=Callable[..., Any])
 #: What a kernel call returns, for type checkers: ``jax.Array`` for one
 #: ``jax.ShapeDtypeStruct``, a tuple of them for a tuple, else ``Any`` (a pytree).
 R = TypeVar("R")
-M = TypeVar("M", bound=Callable[..., Any])
 
 
 def check_executor(executor: Any, api: str = "threadmap") -> Executor:
@@ -113,12 +112,14 @@ def _bind(
 
 
 class FwdBwd(NamedTuple):
-    """``defvjp(fwd, bwd, residuals=...)`` as a kernel holds it until a call
-    binds it (then a :class:`~.params.ResidualRule`)."""
+    """``defvjp(fwd, bwd, residuals=...)`` and ``defjvp(fwd, jvp,
+    residuals=...)`` as a kernel holds them until a call binds them (then a
+    :class:`~.params.ResidualRule`)."""
 
     fwd: Callable[..., Any]
-    bwd: Callable[..., Any]
+    bwd: Callable[..., Any] | None
     residuals: Any
+    jvp: Callable[..., Any] | None = None
 
 
 def _rule_param(
@@ -140,7 +141,7 @@ def _rule_param(
     inner = (*outer, rule)
     return RuleKernel(
         hashable(rule.fn),
-        _rule_param(rule.jvp, inner),
+        _rule_param(rule.primal_jvp, inner),
         _reverse_param(rule.reverse_rule, inner),
     )
 
@@ -148,18 +149,26 @@ def _rule_param(
 def _reverse_param(
     rule: Callable[..., Any] | FwdBwd | None, outer: tuple[KernelFunction[Any], ...]
 ) -> Callable[..., Any] | ResidualRule | None:
-    """:func:`_rule_param` of what ``defvjp`` attached: ``fwd``/``bwd`` become
-    a :class:`~.params.ResidualRule`, their residuals checked now (with the
+    """:func:`_rule_param` of what ``defvjp`` attached: ``fwd``/``bwd`` (and
+    ``defjvp``'s ``jvp`` over the same residuals) become a
+    :class:`~.params.ResidualRule`, their residuals checked now (with the
     ``jax_enable_x64`` of this call)."""
     if not isinstance(rule, FwdBwd):
         return _rule_param(rule, outer)
+    api = "defvjp(fwd, bwd, " if rule.bwd else "defjvp(fwd, jvp, "
     avals, tree = _validate.result_avals(
-        rule.residuals, "defvjp(fwd, bwd, residuals=...)", name="residuals"
+        rule.residuals, api + "residuals=...)", name="residuals"
     )
-    fwd, bwd = _rule_param(rule.fwd, outer), _rule_param(rule.bwd, outer)
-    assert fwd is not None and bwd is not None
+    fwd = _rule_param(rule.fwd, outer)
+    assert fwd is not None
     res_avals = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals)
-    return ResidualRule(fwd, bwd, tree, res_avals)
+    return ResidualRule(
+        fwd,
+        _rule_param(rule.bwd, outer),
+        tree,
+        res_avals,
+        _rule_param(rule.jvp, outer),
+    )
 
 
 @overload
@@ -347,27 +356,6 @@ def threadmap(
     )
 
 
-def _one_derivative_kernel(method: M) -> M:
-    """Makes ``defjvp`` refuse the shape of JAX's own ``custom_jvp.defjvps(
-    *tangent_fns)`` with the signature expected instead of Python's "takes 2
-    positional arguments", while its signature stays ``(kernel)`` for readers and
-    type checkers."""
-
-    @functools.wraps(method)
-    def checked(self: KernelFunction[Any], *args: Any, **kwargs: Any) -> Any:
-        given = len(args) + len(kwargs)
-        if given > 1:
-            name = method.__name__
-            raise TypeError(
-                f"{name} takes one derivative kernel, "
-                f"{_expected_rule(name, self.fn)}; it is not jax.custom_jvp's "
-                f"defjvps(*tangent_fns). Got {given} arguments."
-            )
-        return method(self, *args, **kwargs)
-
-    return cast(M, checked)
-
-
 class KernelFunction(Generic[R]):
     """A per-element NumPy kernel, callable like ``threadmap(fn, ...)``.
 
@@ -381,10 +369,11 @@ class KernelFunction(Generic[R]):
         fn: The primal kernel.
         result_shape_dtypes: One element's result, as given to
             [`kernel`][jax_threadmap.kernel].
-        jvp: The JVP kernel, or ``None``.
-        vjp: The VJP kernel, or ``None``.
-        fwd: The forward kernel of ``defvjp(fwd, bwd, residuals=...)``, or
+        jvp: The JVP kernel (on the primals, or on ``fwd``'s residuals), or
             ``None``.
+        vjp: The VJP kernel, or ``None``.
+        fwd: The forward kernel of ``defvjp(fwd, bwd, residuals=...)`` and
+            ``defjvp(fwd, jvp, residuals=...)``, or ``None``.
         bwd: Its backward kernel, or ``None``.
         residuals: Its residuals' declaration, or ``None``.
 
@@ -424,6 +413,7 @@ class KernelFunction(Generic[R]):
         self.fwd: Callable[..., Any] | None = None
         self.bwd: Callable[..., Any] | None = None
         self.residuals: Any = None
+        self._jvp_on_residuals = False  # defjvp(fwd, jvp, residuals=...)
         self._executor = executor
         self._progress = progress
         self._vectorized = _validate.check_vectorized(
@@ -463,7 +453,7 @@ class KernelFunction(Generic[R]):
             progress=self._progress,
             vectorized=self._vectorized,
             max_in_flight=self._max_in_flight,
-            jvp=self.jvp,
+            jvp=self.primal_jvp,
             vjp=self.reverse_rule,
             wrapped=True,
         )
@@ -472,28 +462,79 @@ class KernelFunction(Generic[R]):
     @property
     def reverse_rule(self) -> Callable[..., Any] | FwdBwd | None:
         """What ``defvjp`` attached: the VJP kernel, or ``fwd``/``bwd`` with
-        their residuals, or ``None``."""
-        if self.fwd is not None and self.bwd is not None:
-            return FwdBwd(self.fwd, self.bwd, self.residuals)
+        their residuals (and ``defjvp``'s ``jvp`` over them), or ``None``."""
+        if self.fwd is not None:
+            jvp = self.jvp if self._jvp_on_residuals else None
+            return FwdBwd(self.fwd, self.bwd, self.residuals, jvp)
         return self.vjp
 
-    @_one_derivative_kernel
-    def defjvp(self, jvp: DerivativeKernel) -> DerivativeKernel:
-        """Attaches the JVP kernel: for ``jax.jvp``, ``jacfwd`` and ``linearize``.
+    @property
+    def primal_jvp(self) -> Callable[..., Any] | None:
+        """The JVP kernel that takes the primals, or ``None``."""
+        return None if self._jvp_on_residuals else self.jvp
+
+    @overload
+    def defjvp(self, jvp: DerivativeKernel, /) -> DerivativeKernel: ...
+
+    @overload
+    def defjvp(
+        self,
+        fwd: Callable[..., Any],
+        jvp: Callable[..., Any],
+        /,
+        *,
+        residuals: Any,
+    ) -> None: ...
+
+    def defjvp(
+        self,
+        jvp_or_fwd: Callable[..., Any],
+        jvp: Callable[..., Any] | None = None,
+        /,
+        *,
+        residuals: Any = None,
+    ) -> Any:
+        """Attaches the forward-mode rule: for ``jax.jvp``, ``jacfwd``, ``linearize``.
+
+        Either one JVP kernel, which gets the primals, or a forward kernel
+        ``fwd`` that returns residuals beside the output (as for
+        ``defvjp(fwd, bwd, residuals=...)``, and the same ``fwd`` when both are
+        given) and a ``jvp`` that gets them instead of the primals. ``fwd`` then
+        runs once per element for the output and every tangent direction
+        (``jax.jacfwd``, ``vmap`` of ``jax.jvp``, each application of
+        ``jax.linearize``), and only ``jvp`` runs per direction. Attaching one
+        form replaces the other.
 
         Args:
-            jvp: ``jvp(*primals, *tangents, **kwargs)``: one element's positional
-                arguments, then one tangent per positional argument (same
-                pytree structure; float0 zeros for integer and bool leaves), then
-                the keyword arguments. Returns the tangent of the output, a
-                pytree like ``result_shape_dtypes`` (any value, e.g. ``None``,
-                for integer outputs). A plain function, or a
-                [`kernel`][jax_threadmap.kernel] whose own ``defjvp``/``defvjp``
-                give the second order (its arguments: these primals and
-                tangents).
+            jvp_or_fwd: The JVP kernel, alone; or, followed by ``jvp``, ``fwd``:
+
+                - ``jvp(*primals, *tangents, **kwargs)`` (alone): one element's
+                  positional arguments, then one tangent per positional argument
+                  (same pytree structure; float0 zeros for integer and bool
+                  leaves), then the keyword arguments. Returns the tangent of the
+                  output, a pytree like ``result_shape_dtypes`` (any value, e.g.
+                  ``None``, for integer outputs).
+                - ``fwd(*primals, **kwargs)``: returns ``(out, res)``, as for
+                  ``defvjp``.
+                - ``jvp(res, *tangents, **kwargs)`` (after ``fwd``): the
+                  residuals of the same element, the tangents, and the keyword
+                  arguments; returns the tangent of the output.
+
+                Each is a plain function, or a [`kernel`][jax_threadmap.kernel]
+                whose own ``defjvp``/``defvjp`` give the second order (its
+                arguments: those listed here).
+            jvp: The JVP kernel over the residuals, after ``fwd``.
+            residuals: With ``fwd`` and ``jvp``: one element's residuals, as for
+                ``defvjp``.
 
         Returns:
-            ``jvp`` itself, so ``defjvp`` can be used as a decorator.
+            ``jvp`` itself, so ``defjvp`` can be used as a decorator; ``None``
+            for ``fwd`` and ``jvp``.
+
+        Raises:
+            TypeError: ``residuals`` missing with two kernels, or given with
+                one; a ``fwd`` or ``residuals`` other than those of
+                ``defvjp(fwd, bwd, residuals=...)`` already attached.
 
         Examples:
             >>> import jax, jax.numpy as jnp, numpy as np
@@ -506,10 +547,39 @@ class KernelFunction(Generic[R]):
             ...     return 2 * x * tx
             >>> jax.jvp(jax.vmap(square), (jnp.arange(3.0),), (jnp.ones(3),))[1]
             Array([0., 2., 4.], dtype=float32)
+
+            With residuals: ``fwd`` computes ``exp`` once per element, for the
+            output and every direction of ``jax.jacfwd``.
+
+            >>> @jax_threadmap.kernel(jax.ShapeDtypeStruct((2,), jnp.float32))
+            ... def expm(x):
+            ...     return np.exp(x)
+            >>> def expm_fwd(x):
+            ...     e = np.exp(x)
+            ...     return e, e
+            >>> def expm_jvp(e, tx):
+            ...     return e * tx
+            >>> expm.defjvp(expm_fwd, expm_jvp,
+            ...             residuals=jax.ShapeDtypeStruct((2,), jnp.float32))
+            >>> jax.jacfwd(expm)(jnp.zeros(2))
+            Array([[1., 0.],
+                   [0., 1.]], dtype=float32)
         """
-        self.jvp = _check_rule(jvp, "defjvp", self.fn)
+        if jvp is None and residuals is None:
+            self.jvp = _check_rule(jvp_or_fwd, "defjvp", self.fn)
+            self._check_async(jvp_or_fwd, "JVP kernel")
+            self._jvp_on_residuals = False
+            if self.bwd is None:
+                self.fwd = self.residuals = None
+            return jvp_or_fwd
+        fwd, jvp = _fwd_rule(jvp_or_fwd, jvp, residuals, self.fn, "defjvp")
+        if self.bwd is not None:
+            _check_shared_fwd(self, fwd, residuals, "defjvp")
+        self._check_async(fwd, "fwd kernel")
         self._check_async(jvp, "JVP kernel")
-        return jvp
+        self.fwd, self.jvp, self.residuals = fwd, jvp, residuals
+        self._jvp_on_residuals = True
+        return None
 
     @overload
     def defvjp(self, vjp: DerivativeKernel, /) -> DerivativeKernel: ...
@@ -627,11 +697,15 @@ class KernelFunction(Generic[R]):
         """
         if bwd is None and residuals is None:
             vjp = vjp_or_fwd
+            if self._jvp_on_residuals:
+                raise TypeError(_one_fwd_message(self.fn))
             self.vjp = _check_rule(vjp, "defvjp", self.fn)
             self._check_async(vjp, "VJP kernel")
             self.fwd = self.bwd = self.residuals = None
             return vjp
-        fwd, bwd = _fwd_bwd(vjp_or_fwd, bwd, residuals, self.fn)
+        fwd, bwd = _fwd_rule(vjp_or_fwd, bwd, residuals, self.fn, "defvjp")
+        if self._jvp_on_residuals:
+            _check_shared_fwd(self, fwd, residuals, "defvjp")
         self._check_async(fwd, "fwd kernel")
         self._check_async(bwd, "bwd kernel")
         self.fwd, self.bwd, self.residuals = fwd, bwd, residuals
@@ -639,9 +713,10 @@ class KernelFunction(Generic[R]):
         return None
 
     def __repr__(self) -> str:
+        jvp = "fwd/jvp" if self._jvp_on_residuals else "jvp"
         rules = [
             n
-            for n, r in (("jvp", self.jvp), ("vjp", self.vjp), ("fwd/bwd", self.fwd))
+            for n, r in ((jvp, self.jvp), ("vjp", self.vjp), ("fwd/bwd", self.bwd))
             if r
         ]
         return (
@@ -690,44 +765,91 @@ def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
         return f"jvp({', '.join(primals + tangents)}, **kwargs) -> tangent_out"
     cts = ", ".join(f"ct_{p.lstrip('*')}" for p in primals)
     cts = f"({cts},)" if len(primals) == 1 else f"({cts})"
-    if method == "fwd/bwd":
-        return (
-            f"fwd({', '.join(primals)}, **kwargs) -> (out, residuals) and "
-            f"bwd(residuals, ct_out, **kwargs) -> {cts}"
-        )
+    if method.startswith("fwd/"):
+        fwd = f"fwd({', '.join(primals)}, **kwargs) -> (out, residuals) and "
+        if method == "fwd/jvp":
+            tangents = [
+                "*tangents" if p.startswith("*") else f"{p}_dot" for p in primals
+            ]
+            return (
+                fwd + f"jvp(residuals, {', '.join(tangents)}, **kwargs) -> tangent_out"
+            )
+        return fwd + f"bwd(residuals, ct_out, **kwargs) -> {cts}"
     return f"vjp({', '.join(primals)}, ct_out, **kwargs) -> {cts}"
 
 
-def _fwd_bwd(
-    fwd: Any, bwd: Any, residuals: Any, fn: Callable[..., Any]
+def _fwd_rule(
+    fwd: Any, rule: Any, residuals: Any, fn: Callable[..., Any], method: str
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``defvjp``'s ``fwd`` and ``bwd``, checked with their ``residuals``."""
-    vjp, fwd_bwd = _expected_rule("defvjp", fn), _expected_rule("fwd/bwd", fn)
-    if bwd is None:
+    """``fwd`` and ``defvjp``'s ``bwd`` or ``defjvp``'s ``jvp``, checked with
+    their ``residuals``."""
+    one = _expected_rule(method, fn)
+    role = "bwd" if method == "defvjp" else "jvp"
+    two = _expected_rule(f"fwd/{role}", fn)
+    if rule is None:
         raise TypeError(
-            "defvjp: residuals= goes with a forward and a backward kernel, "
-            f"defvjp(fwd, bwd, residuals=...), where {fwd_bwd}. A single VJP "
-            f"kernel, {vjp}, gets the primals and keeps no residuals. Got one "
-            f"kernel and residuals={residuals!r}."
+            f"{method}: residuals= goes with a forward and a {role} kernel, "
+            f"{method}(fwd, {role}, residuals=...), where {two}. A single kernel, "
+            f"{one}, gets the primals and keeps no residuals. Got one kernel and "
+            f"residuals={residuals!r}."
         )
     if residuals is None:
+        custom_jvp = (
+            " (it is not jax.custom_jvp's defjvps(*tangent_fns))"
+            if method == "defjvp"
+            else ""
+        )
         raise TypeError(
-            "defvjp(fwd, bwd) needs residuals=: one element's residuals (what fwd "
-            "returns beside the output), a pytree of jax.ShapeDtypeStruct, e.g. "
-            "residuals=(jax.ShapeDtypeStruct((3, 3), jnp.float32),), or () for "
-            f"none; {fwd_bwd}. Or pass one VJP kernel, {vjp}, which gets the "
-            "primals (the form of jax.custom_vjp without residuals)."
+            f"{method}(fwd, {role}) needs residuals=: one element's residuals "
+            "(what fwd returns beside the output), a pytree of "
+            "jax.ShapeDtypeStruct, e.g. residuals=(jax.ShapeDtypeStruct((3, 3), "
+            f"jnp.float32),), or () for none; {two}. Or pass one kernel, {one}, "
+            f"which gets the primals{custom_jvp}."
         )
     for path, leaf in jax.tree_util.tree_flatten_with_path(residuals)[0]:
         where = "residuals" + jax.tree_util.keystr(path)
-        _validate.shape_dtype_of(leaf, where, "defvjp(fwd, bwd, residuals=...)")
-    for role, rule in (("fwd", fwd), ("bwd", bwd)):
-        if not callable(rule):
+        _validate.shape_dtype_of(leaf, where, f"{method}(fwd, {role}, residuals=...)")
+    for name, given in (("fwd", fwd), (role, rule)):
+        if not callable(given):
             raise TypeError(
-                f"defvjp expects callable fwd and bwd kernels, {fwd_bwd}. Got "
-                f"{role}={rule!r} of type {type(rule).__name__}."
+                f"{method} expects callable fwd and {role} kernels, {two}. Got "
+                f"{name}={given!r} of type {type(given).__name__}."
             )
-    return fwd, bwd
+    return fwd, rule
+
+
+def _check_shared_fwd(
+    kernel: KernelFunction[Any], fwd: Any, residuals: Any, method: str
+) -> None:
+    """``defjvp(fwd, jvp, ...)`` and ``defvjp(fwd, bwd, ...)`` share one ``fwd``:
+    a second one with another ``fwd`` or other residuals is refused."""
+    same_res = _residual_layout(residuals) == _residual_layout(kernel.residuals)
+    if fwd is kernel.fwd and same_res:
+        return
+    other = "defvjp(fwd, bwd" if method == "defjvp" else "defjvp(fwd, jvp"
+    raise TypeError(
+        f"{method}: {_validate.callable_name(kernel.fn)} already has "
+        f"{other}, residuals=...) with fwd={_validate.callable_name(kernel.fwd)} "
+        f"and residuals={kernel.residuals!r}; both rules run on the residuals of "
+        f"one fwd, so they must share it. Got fwd={_validate.callable_name(fwd)} "
+        f"and residuals={residuals!r}. Pass the same fwd and residuals to both."
+    )
+
+
+def _residual_layout(residuals: Any) -> tuple[Any, list[tuple[Any, Any]]]:
+    leaves, tree = jax.tree_util.tree_flatten(residuals)
+    return tree, [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+
+
+def _one_fwd_message(fn: Callable[..., Any]) -> str:
+    name = _validate.callable_name(fn)
+    return (
+        f"defvjp: {name} has defjvp(fwd, jvp, residuals=...), whose jvp is "
+        "transposed by a bwd over the same residuals, not by a VJP kernel on the "
+        f"primals. Attach {_expected_rule('fwd/bwd', fn)} with defvjp(fwd, bwd, "
+        "residuals=...), the same fwd and residuals; or first attach a JVP kernel "
+        "that takes the primals (defjvp(jvp))."
+    )
 
 
 @overload
@@ -784,7 +906,9 @@ def kernel(
     kernels: unbatched NumPy kernels, like ``fn``, that run as ``threadmap`` equations
     and fold under ``vmap`` like the primal.
 
-    - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``.
+    - With ``defjvp``: ``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``; given
+      ``fwd`` and ``jvp`` with residuals (the ``fwd`` of ``defvjp``), ``fwd``
+      runs once per element for every tangent direction.
     - With ``defvjp``: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``; given ``fwd`` and
       ``bwd`` with residuals, what ``fwd`` computes is reused by ``bwd``.
     - Both work under ``jit`` and any nesting of ``vmap``.

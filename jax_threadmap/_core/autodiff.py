@@ -228,8 +228,10 @@ def _residual_jvp(
     residuals (batched like outputs, kept where JAX keeps arrays), and a ``lin``
     equation, linear in the tangents, gives the tangents. Reverse mode transposes
     ``lin`` into the ``bwd`` equation over the residuals and never runs it;
-    running it runs the kernel's JVP kernel, which needs the primals: they are
-    operands only where there is one."""
+    running it runs ``defjvp(fwd, jvp, ...)``'s ``jvp`` on the residuals, or
+    else the kernel's JVP kernel, which needs the primals: they are operands
+    only then. Under ``jacfwd`` only ``lin`` gets the directions' level, so
+    ``fwd`` runs once per element for all of them."""
     live, tangent_ops, tangent_axes = tangents
     kernel, spec, result_avals = eqn["kernel"], eqn["spec"], eqn["result_avals"]
     _, present, keep = _equation_view(kernel, primals, result_avals, spec)
@@ -256,8 +258,9 @@ def _residual_jvp(
     outs, res = fwd_outs[:n_out], fwd_outs[n_out:]
     lin = node.derive("lin")
     # The primals (but the keyword arguments, which bwd takes) only for a JVP
-    # kernel to run on.
-    drop = () if lin.rule_object is not None else node.positional
+    # kernel that takes them.
+    on_primals = lin.rule_object is not None and not lin.residual_jvp
+    drop = () if on_primals else node.positional
     lin_base = tuple(here and i not in drop for i, here in enumerate(present))
     _, base_ops = partition_list(lin_base, _per_leaf(present, primals))
     _, base_axes = partition_list(lin_base, _per_leaf(present, spec.in_axes))

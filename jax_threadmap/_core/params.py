@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from .._support.event_loop import is_coroutine_function
-from .._support.result_casts import ResultCastError, check_result_cast
 from .._support.validate import callable_name
+from .derivative_calls import DerivativeCall
 from .rule_messages import missing_rule_message
 
 Fn = Callable[..., Any]
@@ -159,12 +158,6 @@ def tangent_dtype(dtype: Any) -> np.dtype:
     return np.dtype(dtype) if is_differentiable(dtype) else jax.dtypes.float0
 
 
-def _zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    z = np.zeros(shape, dtype)
-    z.flags.writeable = False  # like the other inputs of a kernel
-    return z
-
-
 @dataclasses.dataclass(frozen=True)
 class RuleKernel:
     """A derivative kernel with derivative kernels of its own, as params carry it.
@@ -197,27 +190,32 @@ def _tangent(aval: Aval) -> Aval:
 
 @dataclasses.dataclass(frozen=True)
 class ResidualRule:
-    """A VJP given as ``fwd`` and ``bwd`` with residuals, as params carry it.
+    """Rules given with ``fwd`` and its residuals, as params carry them.
 
-    ``defvjp(fwd, bwd, residuals=...)`` stores it in place of a VJP kernel, taken
-    when the call is bound (as :class:`RuleKernel`). ``fwd`` runs instead of the
-    kernel where a derivative may follow and returns ``(out, res)``; ``bwd``
-    maps ``(res, cotangent)`` to one cotangent per positional argument, so what
-    ``fwd`` computed (a factorization) is not computed again.
+    ``defvjp(fwd, bwd, residuals=...)`` and ``defjvp(fwd, jvp, residuals=...)``
+    store it in place of a VJP kernel, taken when the call is bound (as
+    :class:`RuleKernel`). ``fwd`` runs instead of the kernel where a derivative
+    may follow and returns ``(out, res)``; ``bwd`` maps ``(res, cotangent)`` to
+    one cotangent per positional argument and ``jvp`` maps ``(res, *tangents)``
+    to the output's tangent, so what ``fwd`` computed (a factorization) is not
+    computed again.
 
     Attributes:
         fwd: ``fwd(*args, **kwargs) -> (out, res)``: a function or a
             :class:`RuleKernel`.
         bwd: ``bwd(res, ct, **kwargs) -> (ct_arg, ...)``: a function or a
-            :class:`RuleKernel`.
+            :class:`RuleKernel`; ``None`` with a ``jvp`` alone.
         res_tree: Treedef of the residuals.
         res_avals: Per residual leaf, its ``(shape, dtype)`` for one element.
+        jvp: ``jvp(res, *tangents, **kwargs) -> tangent``, or ``None`` (then
+            forward mode runs the kernel's JVP kernel, if any, on the primals).
     """
 
     fwd: Fn
-    bwd: Fn
+    bwd: Fn | None
     res_tree: Any
     res_avals: tuple[Aval, ...]
+    jvp: Fn | None = None
 
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
@@ -229,8 +227,8 @@ class ResidualRule:
 
 #: The kinds of a derived :class:`Node`: the rules of its base (``"jvp"``,
 #: ``"vjp"``) and, for a base whose VJP is a :class:`ResidualRule`, its
-#: ``"fwd"``, its ``"bwd"`` and ``"lin"`` (the base's JVP kernel over the base's
-#: leaves and the residuals, whose transpose is ``bwd``).
+#: ``"fwd"``, its ``"bwd"`` and ``"lin"`` (a JVP over the base's leaves and the
+#: residuals, whose transpose is ``bwd``).
 KINDS = ("jvp", "vjp", "fwd", "bwd", "lin")
 
 
@@ -253,8 +251,9 @@ class Node:
       result ``(B.out, res)``), ``bwd`` (leaves ``res``, ``B``'s keyword
       leaves, then ``B.cotangent``; result as ``vjp``'s) and ``lin`` (``B``'s
       leaves, ``res``, then ``B.tangents``; result as ``jvp``'s, computed by
-      ``B``'s JVP kernel, which takes no residuals: they are there for its
-      transpose, ``bwd``).
+      the residual rule's ``jvp`` on ``(res, *B.tangents)``, or else by
+      ``B``'s JVP kernel on ``(*B.args, *B.tangents)``; its transpose is
+      ``bwd``).
 
     Attributes:
         kernel: The user's kernel at the root (its executor and chunking apply).
@@ -309,7 +308,16 @@ class Node:
             return self.kernel
         if self.kind in ("fwd", "bwd"):
             return getattr(base.residual_rule, self.kind)
+        if self.residual_jvp:
+            return base.residual_rule.jvp
         return base.rule("jvp" if self.kind == "lin" else self.kind)
+
+    @property
+    def residual_jvp(self) -> bool:
+        """Whether this is a ``lin`` node run by ``defjvp(fwd, jvp, ...)``'s
+        ``jvp``, which takes the residuals instead of the primals."""
+        base = self.base
+        return self.kind == "lin" and base is not None and bool(base.residual_rule.jvp)
 
     def rule(self, kind: str) -> Any:
         """This node's own ``kind`` rule (``"jvp"`` or ``"vjp"``: a function,
@@ -365,6 +373,8 @@ class Node:
             return base.positional
         if self.kind == "bwd":
             return tuple(range(len(base.residual_rule.res_avals))) + new
+        if self.residual_jvp:
+            return tuple(range(len(base.in_avals), self.num_base)) + new
         return base.positional + new
 
     @functools.cached_property
@@ -380,7 +390,8 @@ class Node:
 
     @functools.cached_property
     def unused(self) -> frozenset[int]:
-        """Leaves the kernel never sees (a ``lin`` node's residuals)."""
+        """Leaves the kernel never sees (a ``lin`` node's residuals, or its
+        primals where ``jvp`` takes the residuals)."""
         used = set(self.positional) | set(self.keywords)
         return frozenset(i for i in range(len(self.in_avals)) if i not in used)
 
@@ -393,6 +404,9 @@ class Node:
         if self.kind == "fwd":
             return base.args_tree
         base_args = base.args_tree.children()
+        if self.residual_jvp:
+            res_tree = base.residual_rule.res_tree
+            return jax.tree_util.treedef_tuple([res_tree, *base_args])
         if self.kind in ("jvp", "lin"):
             return jax.tree_util.treedef_tuple(base_args + base_args)
         if self.kind == "vjp":
@@ -416,139 +430,11 @@ class Node:
             return jax.tree_util.treedef_tuple([base.out_tree, res_tree])
         return base.args_tree if self.kind in ("vjp", "bwd") else base.out_tree
 
-    def call(self, leaves: Sequence[Any], chunk: tuple[int, ...] = ()) -> Any:
-        """Runs this node's kernel on all its leaves; one value per output leaf
-        (a coroutine of them, for an ``async def`` kernel). ``chunk``: the
-        leading chunk axis of a vectorized kernel's leaves, or ``()``."""
-        args = jax.tree_util.tree_unflatten(
-            self.args_tree, [leaves[i] for i in self.positional]
-        )
-        kwargs = jax.tree_util.tree_unflatten(
-            self.kwargs_tree, [leaves[i] for i in self.keywords]
-        )
-        result = self.function(*args, **kwargs)
-        if inspect.iscoroutine(result):  # an async def derivative kernel
-            return _then(result, lambda r: self._flat_result(r, chunk))
-        return self._flat_result(result, chunk)
-
     @property
     def function(self) -> Fn:
         """The function this node runs per element."""
         obj = self.rule_object
         return _unwrap(obj.fn if isinstance(obj, (KernelParam, RuleKernel)) else obj)
-
-    def _flat_result(self, result: Any, chunk: tuple[int, ...]) -> list[Any]:
-        """The kernel's result as one value per output leaf."""
-        if self.kind in ("vjp", "bwd"):
-            return self._flat_cotangents(result, chunk)
-        if self.kind == "fwd":
-            return _flat_forward(self, result, chunk)
-        try:
-            return list(self.out_tree.flatten_up_to(result))
-        except (ValueError, TypeError) as e:
-            raise TypeError(
-                f"the JVP kernel must return the tangent of the output, a pytree "
-                f"with the structure of result_shape_dtypes ({self.out_tree}); "
-                f"got {jax.tree_util.tree_structure(result)} ({e})."
-            ) from None
-
-    def _flat_cotangents(self, result: Any, chunk: tuple[int, ...]) -> list[Any]:
-        """One cotangent per positional leaf of the base, from the kernel's tuple
-        (``None``, for an argument or a leaf, is zeros)."""
-        assert self.base is not None
-        what = "VJP" if self.kind == "vjp" else "bwd"
-        arg_trees = self.base.args_tree.children()
-        if not isinstance(result, (tuple, list)) or len(result) != len(arg_trees):
-            raise TypeError(
-                f"the {what} kernel must return a tuple with one cotangent per "
-                f"positional argument ({len(arg_trees)}), e.g. `return (ct_x,)` for "
-                f"one argument; got {_describe(result)}."
-            )
-        flat: list[Any] = []
-        for i, (tree, r) in enumerate(zip(arg_trees, result, strict=True)):
-            if r is None:
-                flat.extend([None] * tree.num_leaves)
-                continue
-            try:
-                flat.extend(tree.flatten_up_to(r))
-            except (ValueError, TypeError) as e:
-                raise TypeError(
-                    f"the {what} kernel returned a cotangent for positional "
-                    f"argument {i} of structure {jax.tree_util.tree_structure(r)}, "
-                    f"but the argument has structure {tree} ({e}). Return a pytree "
-                    "like the argument, or None for zeros."
-                ) from None
-        return [
-            _zeros(chunk + self.out_avals[j][0], self.out_avals[j][1])
-            if c is None
-            else c
-            for j, c in enumerate(flat)
-        ]
-
-
-def _flat_forward(node: Node, result: Any, chunk: tuple[int, ...]) -> list[Any]:
-    """A ``fwd`` kernel's ``(out, res)`` as one value per output leaf, then one
-    per residual leaf; each residual checked against its declaration, so that a
-    wrong one is named here rather than as an output number."""
-    assert node.base is not None
-    rule = node.base.residual_rule
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
-        raise TypeError(
-            "the fwd kernel must return a pair (out, residuals): the output, a "
-            "pytree like result_shape_dtypes, and the residuals, a pytree like "
-            f"residuals= ({rule.res_tree}); got {_describe(result)}."
-        )
-    out, res = result
-    try:
-        outs = list(node.base.out_tree.flatten_up_to(out))
-    except (ValueError, TypeError) as e:
-        raise TypeError(
-            "the fwd kernel returned an output (the first of its pair) of "
-            f"structure {jax.tree_util.tree_structure(out)}, but "
-            f"result_shape_dtypes has structure {node.base.out_tree} ({e})."
-        ) from None
-    try:
-        values = rule.res_tree.flatten_up_to(res)
-    except (ValueError, TypeError) as e:
-        raise TypeError(
-            "the fwd kernel returned residuals (the second of its pair) of "
-            f"structure {jax.tree_util.tree_structure(res)}, but residuals= "
-            f"declares {rule.res_tree} ({e}). Return them as declared, or declare "
-            "what fwd returns."
-        ) from None
-    for name, (shape, dtype), value in zip(
-        rule.names, rule.res_avals, values, strict=True
-    ):
-        _check_residual(value, name, chunk + shape, dtype)
-    return outs + list(values)
-
-
-def _check_residual(value: Any, name: str, shape: tuple[int, ...], dtype: Any) -> None:
-    """A residual as declared (shape, and a dtype that holds its values), or a
-    ``TypeError`` that names it, what was declared, what came, and the fix."""
-    declared = f"jax.ShapeDtypeStruct({shape}, {np.dtype(dtype).name})"
-    try:
-        got = value if type(value) is np.ndarray else np.asarray(value)
-    except Exception as e:  # noqa: BLE001 - named in the message
-        raise TypeError(
-            f"the fwd kernel returned {name} of type {type(value).__name__}, "
-            f"which is not an array; residuals= declares {declared}."
-        ) from e
-    if got.shape != shape:
-        raise TypeError(
-            f"the fwd kernel returned {name} of shape {got.shape}, but residuals= "
-            f"declares {declared}. Return one element's residual, without batch "
-            f"axes, of the declared shape, or declare shape {got.shape}."
-        )
-    if got.dtype != dtype:
-        try:
-            check_result_cast(got, np.dtype(dtype))
-        except ResultCastError as e:
-            raise TypeError(
-                f"the fwd kernel returned {name} as {e.got}, but residuals= "
-                f"declares {declared}; {e.reason}. Declare the dtype that fwd "
-                "returns, or convert the residual in fwd."
-            ) from None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -601,42 +487,11 @@ class DerivativeParam:
         if node.rule_object is None:
             # Traced and transposed without one; running it needs one.
             assert node.base is not None
-            which = "jvp" if node.kind == "lin" else node.kind
+            which = {"lin": "jvp", "bwd": "vjp"}.get(node.kind, node.kind)
             raise TypeError(missing_rule_message(node.base, which))
         n_in, n_out = sum(self.present), sum(self.keep)
-        return self, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
-
-    def __call__(self, *operands: np.ndarray) -> Any:
-        # A vectorized kernel's operands all have the chunk axis in front.
-        chunk = operands[0].shape[:1] if self.vectorized and operands else ()
-        ops = iter(operands)
-        unused = self.node.unused
-        leaves = [
-            next(ops)
-            if here
-            else (None if i in unused else _zeros(chunk + shape, dtype))
-            for i, (here, (shape, dtype)) in enumerate(
-                zip(self.present, self.node.in_avals, strict=True)
-            )
-        ]
-        out = self.node.call(leaves, chunk)
-        if inspect.iscoroutine(out):  # an async def derivative kernel
-            return _then(out, self._kept)
-        return self._kept(out)
-
-    def _kept(self, out: list[Any]) -> tuple[Any, ...]:
-        return tuple(o for o, keep in zip(out, self.keep, strict=True) if keep)
-
-
-async def _then(result: Any, finish: Callable[[Any], Any]) -> Any:
-    """``finish(await result)``: a derivative adapter around an async def kernel."""
-    return finish(await result)
+        call = DerivativeCall(self)
+        return call, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
 
 
 AnyParam = KernelParam | DerivativeParam
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of length {len(x)}"
-    return f"a value of type {type(x).__name__}"

@@ -168,6 +168,16 @@ def _first_order_missing(root: RuleNode, which: str) -> str:
             "*tangents) returns the tangent of the output; or use reverse mode "
             "(jax.grad, jax.vjp, jax.jacrev)."
         )
+    if root.residuals:  # defjvp(fwd, jvp, residuals=...) without a bwd
+        return (
+            f"threadmap kernel {name!r} has fwd and jvp kernels "
+            "(defjvp(fwd, jvp, residuals=...)) but no bwd kernel, so reverse-mode "
+            "derivatives (jax.grad, jax.vjp, jax.jacrev) cannot run. Attach one "
+            f"with {name}.defvjp(fwd, bwd, residuals=...), the same fwd and "
+            "residuals, where bwd(residuals, cotangent) returns a tuple with one "
+            "cotangent per positional argument; or use forward mode (jax.jvp, "
+            "jax.jacfwd)."
+        )
     if which == "jvp":
         return (
             f"threadmap kernel {name!r} has a VJP kernel but no JVP kernel, so "

@@ -1,0 +1,299 @@
+"""What the host calls per element for a derivative equation, on worker threads.
+
+A :class:`~.params.DerivativeParam` is the static description of a derivative
+equation (part of the jit cache key); :class:`DerivativeCall` is made from it
+once per lowered equation and runs it: it builds the kernel's arguments from
+the operands (zeros built on the host for the leaves that are not operands),
+calls the derivative kernel, and returns one value per result leaf, with the
+residuals and tangents checked against what was declared so that a wrong one
+is named. Everything that does not change per element (the function, where
+each argument comes from, the zeros of an unbatched map) is worked out once
+here, so that a derivative kernel costs about what the user's kernel costs per
+call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._support.result_casts import ResultCastError, check_result_cast
+
+#: Where one leaf of a node comes from: an operand (its index), a zeros array
+#: (its ``(shape, dtype)``), or nowhere (``None``: a leaf the kernel never sees).
+Source = int | tuple[tuple[int, ...], Any] | None
+
+
+class DerivativeCall:
+    """Calls a derivative param's kernel on one element's (or chunk's) operands.
+
+    Made by ``DerivativeParam.host_call``; pickled as its param (executors that
+    pickle work rebuild it in the worker).
+    """
+
+    def __init__(self, param: Any):
+        self.param = param
+        node = param.node
+        self.node = node
+        self.fn = node.function
+        self.vectorized = param.vectorized
+        ops = iter(range(sum(param.present)))
+        sources: list[Source] = [
+            next(ops) if here else (None if i in node.unused else aval)
+            for i, (here, aval) in enumerate(
+                zip(param.present, node.in_avals, strict=True)
+            )
+        ]
+        positional = [sources[i] for i in node.positional]
+        self.keywords = [sources[i] for i in node.keywords]
+        self.args_tree, self.kwargs_tree = node.args_tree, node.kwargs_tree
+        # Arguments that are single leaves are passed as they come.
+        self.flat_args = all(
+            t.num_leaves == 1 and t.num_nodes == 1 for t in self.args_tree.children()
+        )
+        self.keep = (
+            None if all(param.keep) else [k for k, w in enumerate(param.keep) if w]
+        )
+        self.asynchronous = param.asynchronous
+        # Per argument leaf: (operand index, or -1 and the value: one element's
+        # zeros, built once, read-only and shared, or None).
+        self.plans = [
+            [self._plan(src) for src in sources]
+            for sources in (positional, self.keywords)
+        ]
+        self.flat_result = _result_flattener(node)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return DerivativeCall, (self.param,)
+
+    def _plan(self, src: Source) -> tuple[int, Any]:
+        if isinstance(src, int):
+            return src, None
+        if src is None or self.vectorized:  # a chunk's zeros: per call
+            return -1, src
+        return -1, zeros(*src)
+
+    def _leaves(
+        self, plan: list[tuple[int, Any]], operands: Sequence[Any]
+    ) -> list[Any]:
+        if not self.vectorized:
+            return [operands[i] if i >= 0 else v for i, v in plan]
+        chunk = operands[0].shape[:1] if operands else ()
+        return [
+            operands[i]
+            if i >= 0
+            else (None if v is None else zeros(chunk + v[0], v[1]))
+            for i, v in plan
+        ]
+
+    def __call__(self, *operands: np.ndarray) -> Any:
+        if self.vectorized:
+            args = self._leaves(self.plans[0], operands)
+        else:  # the common case, inline
+            args = [operands[i] if i >= 0 else v for i, v in self.plans[0]]
+        if not self.flat_args:
+            args = self.args_tree.unflatten(args)
+        if self.keywords:
+            kwargs = self.kwargs_tree.unflatten(self._leaves(self.plans[1], operands))
+            result = self.fn(*args, **kwargs)
+        else:
+            result = self.fn(*args)
+        chunk = operands[0].shape[:1] if self.vectorized and operands else ()
+        if self.asynchronous and inspect.iscoroutine(result):
+            return _then(result, lambda r: self._kept(self.flat_result(r, chunk)))
+        return self._kept(self.flat_result(result, chunk))
+
+    def _kept(self, out: list[Any]) -> tuple[Any, ...]:
+        if self.keep is None:
+            return tuple(out)
+        return tuple(out[k] for k in self.keep)
+
+
+async def _then(result: Any, finish: Callable[[Any], Any]) -> Any:
+    """``finish(await result)``: a derivative adapter around an async def kernel."""
+    return finish(await result)
+
+
+def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    z = np.zeros(shape, dtype)
+    z.flags.writeable = False  # like the other inputs of a kernel
+    return z
+
+
+def _result_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
+    """The function giving a node's kernel result as one value per output leaf."""
+    if node.kind in ("vjp", "bwd"):
+        return _cotangent_flattener(node)
+    if node.kind == "fwd":
+        return _forward_flattener(node)
+    out_tree = node.out_tree
+    what = _jvp_kind(node)
+    if out_tree.num_leaves == 1 and out_tree.num_nodes == 1:
+        # One leaf: the host's store checks it (and names a container in it).
+        return lambda result, chunk: [result]
+
+    def tangents(result: Any, chunk: tuple[int, ...]) -> list[Any]:
+        try:
+            return list(out_tree.flatten_up_to(result))
+        except (ValueError, TypeError) as e:
+            raise TypeError(
+                f"the {what} must return the tangent of the output, a pytree "
+                f"with the structure of result_shape_dtypes ({out_tree}); got "
+                f"{jax.tree_util.tree_structure(result)} ({e})."
+            ) from None
+
+    return tangents
+
+
+def _jvp_kind(node: Any) -> str:
+    if node.residual_jvp:
+        return "JVP kernel (of defjvp(fwd, jvp, residuals=...))"
+    return "JVP kernel"
+
+
+def _cotangent_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
+    """The function giving a VJP (or ``bwd``) kernel's tuple as one cotangent
+    per positional leaf of the base (``None``, for an argument or a leaf, is
+    zeros)."""
+    what = "VJP" if node.kind == "vjp" else "bwd"
+    arg_trees = node.base.args_tree.children()
+    leaf = [t.num_leaves == 1 and t.num_nodes == 1 for t in arg_trees]
+    out_avals = node.out_avals
+
+    def flat(result: Any, chunk: tuple[int, ...]) -> list[Any]:
+        if not isinstance(result, (tuple, list)) or len(result) != len(arg_trees):
+            raise TypeError(
+                f"the {what} kernel must return a tuple with one cotangent per "
+                f"positional argument ({len(arg_trees)}), e.g. `return (ct_x,)` for "
+                f"one argument; got {_describe(result)}."
+            )
+        out: list[Any] = []
+        for i, (tree, r) in enumerate(zip(arg_trees, result, strict=True)):
+            if r is None:
+                out.extend([None] * tree.num_leaves)
+            elif leaf[i]:
+                out.append(r)
+            else:
+                try:
+                    out.extend(tree.flatten_up_to(r))
+                except (ValueError, TypeError) as e:
+                    raise TypeError(
+                        f"the {what} kernel returned a cotangent for positional "
+                        f"argument {i} of structure "
+                        f"{jax.tree_util.tree_structure(r)}, but the argument has "
+                        f"structure {tree} ({e}). Return a pytree like the "
+                        "argument, or None for zeros."
+                    ) from None
+        for j, c in enumerate(out):
+            if c is None:
+                out[j] = zeros(chunk + out_avals[j][0], out_avals[j][1])
+        return out
+
+    return flat
+
+
+def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
+    """The function giving a ``fwd`` kernel's ``(out, res)`` as one value per
+    output leaf, then one per residual leaf; each residual checked against its
+    declaration, so that a wrong one is named rather than as an output number."""
+    rule, out_tree = node.base.residual_rule, node.base.out_tree
+    res_tree, checks = rule.res_tree, list(zip(rule.names, rule.res_avals, strict=True))
+    one_out = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
+    users = " and ".join(
+        kind for kind, r in (("jvp", rule.jvp), ("bwd", rule.bwd)) if r is not None
+    )
+    fix = (
+        "Return one element's residual, without batch axes, of the declared shape "
+        f"({users} {'receive' if ' and ' in users else 'receives'} it as declared)"
+    )
+
+    def flat(result: Any, chunk: tuple[int, ...]) -> list[Any]:
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise TypeError(
+                "the fwd kernel must return a pair (out, residuals): the output, a "
+                "pytree like result_shape_dtypes, and the residuals, a pytree like "
+                f"residuals= ({res_tree}); got {_describe(result)}."
+            )
+        out, res = result
+        try:
+            outs = [out] if one_out else out_tree.flatten_up_to(out)
+        except (ValueError, TypeError) as e:
+            raise TypeError(
+                "the fwd kernel returned an output (the first of its pair) of "
+                f"structure {jax.tree_util.tree_structure(out)}, but "
+                f"result_shape_dtypes has structure {out_tree} ({e})."
+            ) from None
+        try:
+            values = res_tree.flatten_up_to(res)
+        except (ValueError, TypeError) as e:
+            raise TypeError(
+                "the fwd kernel returned residuals (the second of its pair) of "
+                f"structure {jax.tree_util.tree_structure(res)}, but residuals= "
+                f"declares {res_tree} ({e}). Return them as declared, or declare "
+                "what fwd returns."
+            ) from None
+        for (name, (shape, dtype)), value in zip(checks, values, strict=True):
+            if not (
+                type(value) is np.ndarray
+                and value.dtype == dtype
+                and value.shape == chunk + shape
+            ):
+                check_declared(
+                    value,
+                    name,
+                    chunk + shape,
+                    dtype,
+                    who="the fwd kernel",
+                    declared="residuals=",
+                    fix=fix,
+                )
+        return outs + values
+
+    return flat
+
+
+def check_declared(
+    value: Any,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    who: str,
+    declared: str,
+    fix: str,
+) -> None:
+    """``value`` as declared (shape, and a dtype that holds its values), or a
+    ``TypeError`` that names it, what was declared, what came, and the fix."""
+    spelled = f"jax.ShapeDtypeStruct({shape}, {np.dtype(dtype).name})"
+    try:
+        got = value if type(value) is np.ndarray else np.asarray(value)
+    except Exception as e:  # noqa: BLE001 - named in the message
+        raise TypeError(
+            f"{who} returned {name} of type {type(value).__name__}, which is not "
+            f"an array; {declared} declares {spelled}."
+        ) from e
+    if got.shape != shape:
+        raise TypeError(
+            f"{who} returned {name} of shape {got.shape}, but {declared} declares "
+            f"{spelled}. {fix or 'Return it as declared'}, or declare shape "
+            f"{got.shape}."
+        )
+    if got.dtype != dtype:
+        try:
+            check_result_cast(got, np.dtype(dtype))
+        except ResultCastError as e:
+            raise TypeError(
+                f"{who} returned {name} as {e.got}, but {declared} declares "
+                f"{spelled}; {e.reason}. Declare the dtype that it returns, or "
+                "convert it in the kernel."
+            ) from None
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of length {len(x)}"
+    return f"a value of type {type(x).__name__}"

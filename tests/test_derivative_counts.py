@@ -1,0 +1,229 @@
+"""How often each derivative runs a kernel's expensive part, against JAX's recipe.
+
+One element of ``f(x, a) = exp(x) * a`` (x of ``d`` entries, a scalar): the
+expensive part is ``exp`` (a factorization, in real kernels), counted per
+element on the host. Ours: ``fwd`` computes it and returns it as a residual;
+``defjvp(fwd, jvp, ...)`` and ``defvjp(fwd, bwd, ...)`` share it, and ``fwd``
+has such rules of its own for the second order. JAX's recipe, for the same
+transform: ``exp`` as a ``jax.custom_jvp`` function around ``jax.pure_callback``
+(its rule calls it again, for any order), and for reverse mode also a
+``jax.custom_vjp`` whose ``fwd`` keeps it. Each transform runs per element under
+``jax.jit`` and two nested ``vmap`` s (``a`` not batched at the inner one), is
+compared with ``jax.numpy``, and counts no more expensive calls per element than
+the better recipe (docs/derivatives.md has the table).
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_threadmap
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
+
+S = jax.ShapeDtypeStruct
+F64 = jnp.float64
+OUTER, INNER = 2, 3  # the two vmap levels' sizes
+
+
+class Counter:
+    """Elements whose expensive part ran (from any thread)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.count = 0
+
+    def exp(self, x, d):
+        with self.lock:
+            self.count += x.size // d  # one per element of a chunk or batch
+        return np.exp(x)
+
+
+def ours(d, counter, vectorized=False):
+    """The kernel, with rules that run ``exp`` in ``fwd`` only (at any order)."""
+    vec, res = S((d,), F64), (S((d,), F64), S((), F64))
+
+    def kernel(result):
+        return jax_threadmap.kernel(result, vectorized=vectorized)
+
+    @kernel(vec)
+    def f(x, a):
+        return counter.exp(x, d) * a
+
+    @kernel((vec, res))
+    def fwd(x, a):
+        e = counter.exp(x, d)
+        return e * _col(a, e), (e, a)
+
+    def jvp(res, tx, ta):
+        e, a = res
+        return e * (_col(a, e) * tx + _col(ta, e))
+
+    @kernel((vec, S((), F64)))
+    def bwd(res, ct):
+        e, a = res
+        return ct * e * _col(a, e), np.sum(ct * e, axis=-1)
+
+    def fwd_fwd(x, a):
+        out, res = fwd.fn(x, a)
+        return (out, res), res
+
+    def fwd_jvp(res, tx, ta):
+        e, a = res
+        return jvp(res, tx, ta), (e * tx, ta)
+
+    @bwd.defjvp  # no expensive part: it has the residuals
+    def bwd_jvp(res, ct, dres, dct):
+        (e, a), (de, da) = res, dres
+        return (
+            (dct * e + ct * de) * _col(a, e) + ct * e * _col(da, e),
+            np.sum(dct * e + ct * de, axis=-1),
+        )
+
+    fwd.defjvp(fwd_fwd, fwd_jvp, residuals=res)
+    f.defjvp(fwd, jvp, residuals=res)
+    f.defvjp(fwd, bwd, residuals=res)
+    return f
+
+
+def _col(a, like):
+    """``a`` against ``like``'s last axis (a chunk's scalars as a column)."""
+    return np.asarray(a)[..., None] if np.ndim(like) > np.ndim(a) else a
+
+
+def callback_exp(d, counter):
+    """``exp`` on the host, through ``jax.pure_callback`` (batched by vmap)."""
+    return lambda x: jax.pure_callback(
+        lambda x: counter.exp(x, d), S(x.shape, x.dtype), x, vmap_method="broadcast_all"
+    )
+
+
+def recipe_jvp(d, counter):
+    """``exp`` as ``custom_jvp`` around ``pure_callback``, its rule calling it."""
+    exp = jax.custom_jvp(callback_exp(d, counter))
+
+    @exp.defjvp
+    def exp_jvp(primals, tangents):
+        e = exp(primals[0])
+        return e, e * tangents[0]
+
+    return lambda x, a: exp(x) * a
+
+
+def recipe_vjp(d, counter):
+    """``custom_vjp`` whose ``fwd`` keeps the callback's ``exp`` for ``bwd``."""
+    exp = callback_exp(d, counter)
+
+    @jax.custom_vjp
+    def f(x, a):
+        return exp(x) * a
+
+    def f_fwd(x, a):
+        e = exp(x)
+        return e * a, (e, a)
+
+    def f_bwd(res, ct):
+        e, a = res
+        return ct * e * a, jnp.sum(ct * e)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def loss(f):
+    return lambda x, a: jnp.sum(jnp.sin(f(x, a)))
+
+
+def applied(make, n=5):
+    """``make(f)(x, a)`` gives a linear function and its input: applied ``n``
+    times, to ``n`` multiples of that input."""
+
+    def run(f):
+        def per_element(x, a):
+            lin, arg = make(f)(x, a)
+            return [lin(*(i * v for v in arg)) for i in range(1, n + 1)]
+
+        return per_element
+
+    return run
+
+
+#: Per element: the transform of one element's f (x (d,), a ()).
+TRANSFORMS = {
+    "jvp": lambda f: lambda x, a: jax.jvp(f, (x, a), (jnp.cos(x), 0.5 * a)),
+    "jacfwd": lambda f: jax.jacfwd(f),  # d directions: x's entries
+    "linearize, 5 applications": applied(
+        lambda f: lambda x, a: (jax.linearize(f, x, a)[1], (jnp.cos(x), a))
+    ),
+    "grad": lambda f: jax.grad(loss(f), (0, 1)),
+    "vjp, 5 applications": applied(
+        lambda f: lambda x, a: (jax.vjp(f, x, a)[1], (jnp.cos(x),))
+    ),
+    "hessian": lambda f: jax.hessian(loss(f), (0, 1)),
+    "jvp of grad": lambda f: (
+        lambda x, a: jax.jvp(jax.grad(loss(f), (0, 1)), (x, a), (jnp.cos(x), 0.5 * a))
+    ),
+}
+#: The transforms a custom_vjp recipe supports (reverse mode, first order).
+REVERSE = ("grad", "vjp, 5 applications")
+
+
+def per_element_run(transform, f, d):
+    """Under jit and two vmaps: the counts' inputs and the jitted transform."""
+    fn = jax.vmap(jax.vmap(TRANSFORMS[transform](f), (0, None)), (0, 0))
+    rng = np.random.default_rng(d)
+    x = jnp.asarray(rng.uniform(-1, 1, (OUTER, INNER, d)))
+    a = jnp.asarray(rng.uniform(0.5, 1.5, (OUTER,)))
+    return jax.jit(fn), (x, a)
+
+
+def count(transform, f, counter, d):
+    run, args = per_element_run(transform, f, d)
+    jax.block_until_ready(run(*args))  # compiles, runs once
+    counter.count = 0
+    got = jax.block_until_ready(run(*args))
+    return counter.count / (OUTER * INNER), got
+
+
+def assert_close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def counts(transform, d, vectorized=False):
+    """``(ours, JAX's recipe)`` expensive calls per element, the results checked."""
+    counter = Counter()
+    mine, got = count(transform, ours(d, counter, vectorized), counter, d)
+    recipes = [recipe_jvp] + ([recipe_vjp] if transform in REVERSE else [])
+    theirs = []
+    for recipe in recipes:
+        theirs.append(count(transform, recipe(d, counter), counter, d)[0])
+    run, args = per_element_run(transform, lambda x, a: jnp.exp(x) * a, d)
+    assert_close(got, run(*args))
+    return mine, min(theirs)
+
+
+CASES = [(t, 3) for t in TRANSFORMS] + [("jacfwd", 16)]
+
+
+@pytest.mark.parametrize("vectorized", [False, True], ids=["per-element", "vectorized"])
+@pytest.mark.parametrize(
+    "transform, d", CASES, ids=[f"{t}-{d}" if d != 3 else t for t, d in CASES]
+)
+def test_expensive_calls_per_element_at_most_jax_recipe(transform, d, vectorized):
+    mine, theirs = counts(transform, d, vectorized)
+    assert mine <= theirs, (transform, mine, theirs)
+    assert mine == 1  # fwd once per element, whatever the transform
+
+
+if __name__ == "__main__":  # the table of docs/derivatives.md
+    jax.config.update("jax_enable_x64", True)
+    print("| Transform (per element) | ours | JAX's recipe |\n|---|---|---|")
+    for transform, d in CASES:
+        name = f"`{transform}`" + (
+            f" ({d} directions)" if "jacfwd" in transform else ""
+        )
+        print("| {} | {:g} | {:g} |".format(name, *counts(transform, d)))

@@ -78,6 +78,8 @@ WAITING_PROPERTIES = (
     "device",
     "committed",
     "__cuda_array_interface__",
+    "device_buffer",  # removed in JAX: raises as it does there
+    "device_buffers",
 )
 #: Read by JAX's own dispatch of every ``jit`` argument (``getattr(arg, "format",
 #: None)``), so they never wait: ``None`` (the default layout), as before.
@@ -103,7 +105,7 @@ def landed(x: Any) -> Any:
     result = getattr(x, "result", None)
     if result is not None and not isinstance(x, jax.Array):
         x = result()
-    if isinstance(x, jax.Array):
+    if isinstance(x, jax.Array) and not x.is_deleted():
         x.block_until_ready()
     return x
 
@@ -252,21 +254,23 @@ def _update(x: Any, index: Any, op: str, *args: Any, **kwargs: Any) -> Any:
     return getattr(x.at[index], op)(*args, **kwargs)
 
 
-def _chunk(x: Any) -> tuple:
+#: The most rows that ``iter`` hands out deferred, from one program (its compile
+#: grows with the rows, and each pending dispatch holds a gate): beyond, it waits.
+DEFERRED_ROWS = 32
+
+
+def _rows(x: Any) -> tuple:
     return tuple(x[i] for i in range(x.shape[0]))
 
 
 def iterate(x: Any, is_async: Any) -> Iterator[Any]:
-    """``iter(x)`` as for a ``jax.Array``, deferred: rows in chunks of 100."""
+    """``iter(x)`` as for a ``jax.Array``: up to :data:`DEFERRED_ROWS` rows from
+    one deferred program; more, from the landed array (JAX's own iteration)."""
     if not x.shape:
         raise TypeError("iteration over a 0-d array")
-    for start in range(0, x.shape[0], 100):
-        part = apply(_getitem_slice, x, (start, start + 100), {}, is_async)
-        yield from apply(_chunk, part, (), {}, is_async)
-
-
-def _getitem_slice(x: Any, start: int, stop: int) -> Any:
-    return x[start:stop]
+    if x.shape[0] > DEFERRED_ROWS:
+        return iter(landed(x))
+    return iter(apply(_rows, x, (), {}, is_async))
 
 
 def _tables() -> tuple[dict, dict, dict]:

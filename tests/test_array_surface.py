@@ -77,13 +77,13 @@ WAITS |= {"item", "block_until_ready", "__jax_array__"}
 #: Their result's shape depends on the values: under jit they fail to trace
 #: (ConcretizationTypeError), so they wait and run on the landed array.
 WAITS |= {"compress", "nonzero"}
-#: The array each name is tried on: "f" a (2, 3) float32, "i" a (2, 3) int32,
+#: The array each name is tried on: "f" a (2, 3) float32, "INTS" a (2, 3) int32,
 #: "s" a 0-d int32 (for the conversions to Python scalars).
 INT_ONLY = {"and", "or", "xor", "lshift", "rshift", "invert", "hex", "oct"}
 SCALAR = {"__bool__", "__int__", "__float__", "__complex__", "__index__", "item"}
 SCALAR |= {"__hex__", "__oct__"}
 F = np.array([[1.5, -2.0, 3.25], [0.5, 4.0, -1.0]], np.float32)
-I = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
+INTS = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
 S = np.array(3, np.int32)
 #: Arguments of the methods that need some (others are called without any).
 ARGS: dict[str, tuple] = {
@@ -122,7 +122,7 @@ def _array_for(name: str) -> np.ndarray:
     if name in SCALAR:
         return S
     if bare in INT_ONLY or name.strip("_") in INT_ONLY:
-        return I
+        return INTS
     return F
 
 

@@ -46,6 +46,7 @@ NAMES = sorted(
 )
 #: Not part of an array's behaviour (class bookkeeping, construction).
 HOUSEKEEPING = {
+    "__class__",
     "__annotations__",
     "__dict__",
     "__del__",
@@ -63,9 +64,9 @@ HOUSEKEEPING = {
 #: Different by design, each said in the AsyncArray docstring: ``repr``/``str``
 #: of a plain async_call array never wait (they say whether the call ended);
 #: ``sharding`` is ``None`` for an uncommitted array (it names the target
-#: only); ``format``/``layout`` are ``None`` (JAX's dispatch reads them from
-#: every jit argument, so they cannot wait for a value).
-BY_DESIGN = {"__repr__", "__str__", "sharding", "format", "layout"}
+#: only); ``format``/``layout`` are absent (JAX's dispatch reads them from every
+#: jit argument that has them, so they could not wait for a value).
+BY_DESIGN = {"__repr__", "__str__", "sharding", *_array_surface.NO_LAYOUT}
 #: Whether the value is there now: checked on its own (False while pending).
 BY_DESIGN |= {"is_ready"}
 #: Destructive: checked on their own, last.
@@ -166,7 +167,11 @@ def _same(got, want, where: str) -> None:
         assert isinstance(got, (jax.Array, AsyncArray)), f"{where}: {type(got)}"
         assert (got.shape, got.dtype) == (want.shape, want.dtype), where
         assert got.weak_type == want.weak_type, where
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=where)
+        # Exact, but for floats: one program under jit may round the last bit
+        # otherwise than JAX's eager ops, one program per op (var on JAX 0.6.2).
+        np.testing.assert_allclose(
+            np.asarray(got), np.asarray(want), rtol=1e-6, atol=0, err_msg=where
+        )
     elif isinstance(want, (list, tuple)):
         assert type(got) is type(want) and len(got) == len(want), where
         for g, w in zip(got, want, strict=True):
@@ -179,6 +184,8 @@ def _same(got, want, where: str) -> None:
     elif type(want).__name__ == "Shard":
         assert (got.device, got.index) == (want.device, want.index), where
         _same(got.data, want.data, where)
+    elif type(want).__name__ == "RawBuffer":  # the same buffer, a new handle
+        assert repr(got) == repr(want), where
     elif type(want).__name__ == "Traceback":
         assert type(got) is type(want), where
     else:
@@ -217,7 +224,12 @@ class Held:
 
 
 def test_every_name_of_jax_array_is_on_async_array():
-    missing = [n for n in NAMES if n not in HOUSEKEEPING and not hasattr(AsyncArray, n)]
+    missing = [
+        n
+        for n in NAMES
+        if n not in HOUSEKEEPING | set(_array_surface.NO_LAYOUT)
+        and not hasattr(AsyncArray, n)
+    ]
     assert not missing, f"AsyncArray lacks {missing} of jax.Array"
     # The tables that make them are JAX's own on every supported JAX.
     assert _array_surface.surface_unavailable() is None
@@ -253,7 +265,7 @@ def test_by_design_differences_are_those_documented(mode):
     held = Held(F)
     x = held.array
     assert "AsyncArray(shape=(2, 3)" in repr(x) and "pending" in repr(x)
-    assert x.sharding is None and x.format is None and not x.is_ready()
+    assert x.sharding is None and not hasattr(x, "format") and not x.is_ready()
     held.release.set()
     assert x.block_until_ready().is_ready()
     landed = x.result()

@@ -81,8 +81,9 @@ WAITING_PROPERTIES = (
     "device_buffer",  # removed in JAX: raises as it does there
     "device_buffers",
 )
-#: Read by JAX's own dispatch of every ``jit`` argument (``getattr(arg, "format",
-#: None)``), so they never wait: ``None`` (the default layout), as before.
+#: Left out: JAX's own dispatch reads them from every ``jit`` argument that has
+#: them (``arg.format``, ``arg.layout.device_local_layout`` on 0.6), so they must
+#: not wait, and an AsyncArray's layout is not known before its value is.
 NO_LAYOUT = ("format", "layout")
 #: The class of JAX's arrays (``object`` where this JAX moved it: the waiting
 #: methods are then left out, :func:`surface_unavailable` says why).
@@ -320,9 +321,6 @@ def install(cls: type, is_async: Callable[[Any], bool]) -> None:
     for name in WAITING_PROPERTIES:
         if hasattr(_IMPL, name):
             setattr(cls, name, _waiting_property(name))
-    for name in NO_LAYOUT:
-        if hasattr(_IMPL, name):
-            setattr(cls, name, None)
     if "__numpy_dtype__" in vars(jax.Array):  # JAX >= 0.10: reads .dtype only
         cls.__numpy_dtype__ = vars(jax.Array)["__numpy_dtype__"]  # type: ignore[attr-defined]
 

@@ -52,10 +52,14 @@ class AsyncArray:
     dtype are known at once, so it can be passed to ``jax.jit`` functions (tracing and
     compilation proceed while the call runs; the program waits for the buffer only when
     it executes), eager ``jax.numpy`` functions, ``jax.device_put``, ``np.asarray`` and
-    ``threadmap``. Python operators, indexing, ``bool``/``int``/``float`` wait for the
-    value and act like those of the ``jax.Array`` that
-    [`result`][jax_threadmap.AsyncArray.result] returns; use ``result()`` for any other
-    ``jax.Array`` method.
+    ``threadmap``. Every method, operator and property of ``jax.Array`` works as on
+    the ``jax.Array`` that [`result`][jax_threadmap.AsyncArray.result] returns: those
+    that need no value (``x.T``, ``x.sum()``, ``x.astype(t)``, ``x[0]``, ``x + 1``,
+    ``x.at[i].set(v)``) run JAX's own under ``jax.jit`` and return at once; those that
+    read the buffer (``item``, ``tolist``, ``np.asarray``, ``__dlpack__``,
+    ``unsafe_buffer_pointer``, ``addressable_shards``, pickling) wait for the value in
+    Python first. ``repr`` never waits; ``sharding`` is ``None`` when uncommitted;
+    ``isinstance(x, jax.Array)`` is ``False`` (docs/async.md says why).
 
     If the call raised, every use of the array re-raises that exception (same
     type, message and ``__cause__``, with a note naming the call).

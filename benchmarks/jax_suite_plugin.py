@@ -3,9 +3,10 @@
 Loaded by ``benchmarks/jax_suite.py`` (``-p jax_suite_plugin``) into a run of
 JAX's own tests. Before the test modules are imported, it wraps ``jax.jit`` (each
 call's array arguments, static ones excepted) and the array makers that tests use
-(``jax.device_put``, ``jnp.array``, ``jnp.arange``, ``jnp.zeros``, ``jnp.ones``): each ``jax.Array`` (not a tracer, not deleted, of a NumPy dtype) or
-NumPy array becomes an ``AsyncArray`` whose load returns that value a millisecond
-later, on the same sharding when it was committed.
+(``jax.device_put``, ``jnp.array``, ``jnp.arange``, ``jnp.zeros``, ``jnp.ones``):
+each ``jax.Array`` (not a tracer, not deleted, of a NumPy dtype) or NumPy array
+becomes an ``AsyncArray`` whose load returns that value a millisecond later, on
+the same sharding when it was committed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _outside_traces = hooks.get("trace_state_clean")
 
 #: Set by the runner: whether this run makes inputs pending.
 ACTIVE = os.environ.get("JAX_SUITE_PENDING") == "1"
+#: Set by the runner: the file each test's start and outcome are appended to
+#: (so that a test that hangs the process is known, and the run goes on without it).
+LOG = os.environ.get("JAX_SUITE_LOG")
 LOAD_SECONDS = 0.001
 
 
@@ -127,3 +131,33 @@ def pytest_configure(config: Any) -> None:
     jax.device_put = _wrap_maker(jax.device_put)
     for name in ("array", "arange", "zeros", "ones"):
         setattr(jnp, name, _wrap_maker(getattr(jnp, name)))
+
+
+def _log(*fields: str) -> None:
+    if LOG:
+        with open(LOG, "a") as f:
+            f.write("\t".join(x.replace("\t", " ").replace("\n", " ") for x in fields))
+            f.write("\n")
+
+
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    """Notes the test that starts (a hang leaves it without an outcome)."""
+    del location
+    _log("start", nodeid)
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """Notes each test's outcome and the first line of its error."""
+    if report.when == "call" or report.outcome != "passed":
+        message = ""
+        if report.failed:
+            message = str(
+                report.longrepr.reprcrash.message
+                if hasattr(report.longrepr, "reprcrash")
+                else report.longrepr
+            )
+        _log(
+            report.outcome,
+            report.nodeid,
+            message.splitlines()[0][:200] if message else "",
+        )

@@ -63,7 +63,7 @@ def run(tests: pathlib.Path, mode: str, timeout: float) -> dict[str, tuple[str, 
     """Runs the selection in ``mode``; test id -> (outcome, first error line).
 
     A test that hangs (``timeout`` seconds; pytest-timeout's thread method ends
-    the process) is recorded as ``hung`` and the run goes on without it."""
+    the process) is recorded as ``timeout`` and the run goes on without it."""
     log = tests / f"log-{mode}.txt"
     log.unlink(missing_ok=True)
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
@@ -85,8 +85,8 @@ def run(tests: pathlib.Path, mode: str, timeout: float) -> dict[str, tuple[str, 
         found, hung = outcomes(log)
         if hung is not None:
             with log.open("a") as f:
-                f.write(f"hung\t{hung}\tno outcome within {timeout} s\n")
-            found[hung] = ("hung", "")
+                f.write(f"timeout\t{hung}\tno outcome within {timeout} s\n")
+            found[hung] = ("timeout", "")
         deselect = [f"--deselect={name}" for name in found]
         done = subprocess.run(argv + deselect, cwd=tests, env=env, capture_output=True)
         if outcomes(log)[1] is None:  # ended normally
@@ -95,7 +95,7 @@ def run(tests: pathlib.Path, mode: str, timeout: float) -> dict[str, tuple[str, 
 
 
 def outcomes(log: pathlib.Path) -> tuple[dict[str, tuple[str, str]], str | None]:
-    """Test id -> (passed|failed|skipped|hung, first error line), and the test
+    """Test id -> (passed|failed|skipped|timeout, first error line), and the test
     that started last without an outcome (``None``: none)."""
     found: dict[str, tuple[str, str]] = {}
     started = None
@@ -143,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ref", help="the tag to extract (e.g. jax-v0.10.2)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
-        "--timeout", type=float, default=120, help="seconds per test before it is hung"
+        "--timeout",
+        type=float,
+        default=120,
+        help="seconds per test before it counts as hung",
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -90,8 +90,12 @@ def run(tests: pathlib.Path, mode: str, timeout: float) -> dict[str, tuple[str, 
         deselect = [f"--deselect={name}" for name in found]
         done = subprocess.run(argv + deselect, cwd=tests, env=env, capture_output=True)
         if outcomes(log)[1] is None:  # ended normally
-            return {name.split("::", 1)[1]: v for name, v in outcomes(log)[0].items()}
+            return _by_test(outcomes(log)[0])
         del done
+
+
+def _by_test(found: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    return {name.split("::", 1)[1]: v for name, v in found.items()}
 
 
 def outcomes(log: pathlib.Path) -> tuple[dict[str, tuple[str, str]], str | None]:
@@ -158,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             parser.error("give --tests DIR, or --jax-git DIR and --ref TAG")
         results = {m: run(tests, m, args.timeout) for m in args.modes.split(",")}
+        if "plain" not in results and (tests / "log-plain.txt").exists():
+            plain = outcomes(tests / "log-plain.txt")[0]  # from an earlier run
+            results = {"plain": _by_test(plain), **results}
         print(summary(results))
 
 

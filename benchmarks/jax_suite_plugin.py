@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 import time
 from typing import Any
 
@@ -60,6 +61,10 @@ def pending(x: Any) -> Any:
 
 
 def _pending_tree(tree: Any) -> Any:
+    # Only the test's own calls (JAX's tests run in the main thread): the
+    # package places a load's value with jax.device_put from its own threads.
+    if threading.current_thread() is not threading.main_thread():
+        return tree
     return jax.tree_util.tree_map(pending, tree)
 
 
@@ -82,6 +87,8 @@ class _Jitted:
         return self._jitted(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_jitted":  # not set yet (copy, pickle)
+            raise AttributeError(name)
         return getattr(self._jitted, name)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:

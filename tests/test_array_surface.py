@@ -74,7 +74,7 @@ DESTRUCTIVE = {"delete"}
 #: Names that need no value: on a pending array they return while the load is
 #: held. The rest read the buffer or its state and wait (in Python).
 WAITS = set(_array_surface.WAITING_METHODS) | set(_array_surface.WAITING_PROPERTIES)
-WAITS |= {"item", "block_until_ready", "__jax_array__"}
+WAITS |= {"item", "block_until_ready", "__jax_array__", "is_deleted"}
 #: Their result's shape depends on the values: under jit they fail to trace
 #: (ConcretizationTypeError), so they wait and run on the landed array.
 WAITS |= {"compress", "nonzero"}

@@ -169,3 +169,13 @@ def test_a_failed_load_fails_the_results_not_the_call(mode):
         np.asarray(y)
     with pytest.raises(OSError, match="disk gone"):
         x.tolist()
+
+
+def test_a_donated_input_is_deleted(mode, held):
+    x = held(A)
+    y = jax.jit(lambda a: a * 2, donate_argnums=0)(x)
+    held.release()
+    _check(y, A * 2)
+    assert x.is_deleted()
+    with pytest.raises(RuntimeError, match="donated"):
+        x.tolist()

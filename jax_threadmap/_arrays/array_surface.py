@@ -62,7 +62,6 @@ WAITING_METHODS = (
     "addressable_data",
     "copy_to_host_async",
     "on_device_size_in_bytes",
-    "is_deleted",
     "delete",
     "clone",
     "devices",

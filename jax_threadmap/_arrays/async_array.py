@@ -320,6 +320,13 @@ class AsyncArray:
     def __reversed__(self) -> Iterator[Any]:
         return iter(self[::-1])
 
+    def is_deleted(self) -> bool:
+        """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
+        for the value, in Python, unless it was donated)."""
+        if self._task.donated(self._index):
+            return True
+        return bool(_surface.landed(self).is_deleted())
+
     @property
     def aval(self) -> Any:
         return self._spec.aval

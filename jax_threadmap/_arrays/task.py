@@ -998,6 +998,10 @@ class Task:
         with self._lock:
             self._donated = self._donated | {leaf}
 
+    def donated(self, leaf: int) -> bool:
+        """Whether ``leaf`` was donated to a jitted call (its uses then fail)."""
+        return leaf in self._donated
+
     def value(
         self, leaf: int, timeout: float | None, describe: Callable[[], str]
     ) -> jax.Array:

@@ -1,9 +1,11 @@
 """A pytest plugin that makes every array input of JAX's tests a pending AsyncArray.
 
 Loaded by ``benchmarks/jax_suite.py`` (``-p jax_suite_plugin``) into a run of
-JAX's own tests. Before the test modules are imported, it wraps ``jax.jit`` (each
-call's array arguments, static ones excepted) and the array makers that tests use
-(``jax.device_put``, ``jnp.array``, ``jnp.arange``, ``jnp.zeros``, ``jnp.ones``):
+JAX's own tests. Once the test modules are collected, their names ``jax``, ``jnp``,
+``jit`` and ``device_put`` are replaced by wrappers (JAX's own modules, and this
+package's, keep the real ones): ``jax.jit`` (each call's array arguments, static
+ones excepted) and the array makers that tests use (``jax.device_put``,
+``jnp.array``, ``jnp.arange``, ``jnp.zeros``, ``jnp.ones``):
 each ``jax.Array`` (not a tracer, not deleted, of a NumPy dtype) or NumPy array
 becomes an ``AsyncArray`` whose load returns that value a millisecond later, on
 the same sharding when it was committed.
@@ -14,8 +16,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import threading
 import time
+import types
 from typing import Any
 
 import jax
@@ -61,10 +63,6 @@ def pending(x: Any) -> Any:
 
 
 def _pending_tree(tree: Any) -> Any:
-    # Only the test's own calls (JAX's tests run in the main thread): the
-    # package places a load's value with jax.device_put from its own threads.
-    if threading.current_thread() is not threading.main_thread():
-        return tree
     return jax.tree_util.tree_map(pending, tree)
 
 
@@ -129,15 +127,43 @@ def _wrap_maker(make: Any) -> Any:
     return wrapped
 
 
-def pytest_configure(config: Any) -> None:
-    """Wraps JAX's entry points before the test modules import them."""
-    del config
+class _Module(types.ModuleType):
+    """A module as the tests see it: ``overrides``, then the real module's names."""
+
+    def __init__(self, real: types.ModuleType, overrides: dict[str, Any]) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self.__dict__.update(overrides)
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _test_names() -> dict[str, Any]:
+    """What a test module's ``jax``, ``jnp``, ``jit`` and ``device_put`` become."""
+    jit, device_put = _wrap_jit(jax.jit), _wrap_maker(jax.device_put)
+    makers = {
+        n: _wrap_maker(getattr(jnp, n)) for n in ("array", "arange", "zeros", "ones")
+    }
+    numpy = _Module(jnp, makers)
+    return {
+        "jax": _Module(jax, {"jit": jit, "device_put": device_put, "numpy": numpy}),
+        "jnp": numpy,
+        "jit": jit,
+        "device_put": device_put,
+    }
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Gives each test module of JAX the wrapped names (JAX itself, and this
+    package, keep the real ones: a load's value is placed with jax.device_put)."""
     if not ACTIVE:
         return
-    jax.jit = _wrap_jit(jax.jit)
-    jax.device_put = _wrap_maker(jax.device_put)
-    for name in ("array", "arange", "zeros", "ones"):
-        setattr(jnp, name, _wrap_maker(getattr(jnp, name)))
+    names = _test_names()
+    for module in {id(i.module): i.module for i in items if i.module}.values():
+        for name, value in names.items():
+            if name in vars(module):
+                setattr(module, name, value)
 
 
 def _log(*fields: str) -> None:

@@ -45,7 +45,7 @@ def pending(x: Any) -> Any:
         if not isinstance(x.dtype, np.dtype) or x.dtype == jax.dtypes.float0:
             return x
         device = x.sharding if getattr(x, "committed", False) else None
-    elif isinstance(x, np.ndarray) and x.dtype.kind in "biufc":
+    elif type(x) is np.ndarray and x.dtype.kind in "biufc":  # not a MaskedArray
         device = None
     else:
         return x
@@ -83,6 +83,9 @@ class _Jitted:
                 for k, v in kwargs.items()
             }
         return self._jitted(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return repr(self._jitted)
 
     def __getattr__(self, name: str) -> Any:
         if name == "_jitted":  # not set yet (copy, pickle)

@@ -16,6 +16,7 @@ import pytest
 from helpers import run_script
 
 import jax_threadmap
+from jax_threadmap._arrays import array_surface as _array_surface
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import explicit_sharding as _explicit_sharding
@@ -71,6 +72,7 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.PER_SHARD_JIT,
         _compat.AUTO_PER_SHARD,
         _compat.FAST_PLACEMENT,
+        _compat.ARRAY_SURFACE,
     }
     for form in hook.forms:
         assert form.where and all(re.fullmatch(r"[\w.]+:\w+", w) for w in form.where)
@@ -124,6 +126,9 @@ def test_the_private_locations_are_few():
             "batched_device_put",
             "callback_logger",
             "ExecuteReplicated",
+            "array_methods",
+            "array_operators",
+            "array_properties",
         ]
     )
 
@@ -317,6 +322,20 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         # (with one INFO line; tests/auto_sharding_checks.py runs that on 8 devices)
         reason = _compat.missing_for(_compat.AUTO_PER_SHARD)
         assert reason is not None and reason.startswith(f"{hook.name} is missing")
+        for use in FEATURE_USES.values():
+            use()
+        return
+    if hook.features == (_compat.ARRAY_SURFACE,):  # optional: wait and delegate
+        reason = _array_surface.surface_unavailable()
+        assert reason is not None and reason.startswith(f"{hook.name} is missing")
+        methods, operators, properties = _array_surface._tables()
+        assert "sum" in methods and "add" in operators and "T" in properties
+        assert not any((*methods.values(), *operators.values(), *properties.values()))
+        waiting = type("Waiting", (jax_threadmap.AsyncArray,), {"__slots__": ()})
+        _array_surface.install(waiting, lambda a: isinstance(a, waiting))
+        x = jax_threadmap.async_call(np.arange, jax.ShapeDtypeStruct((3,), "int32"), 3)
+        y = waiting._new(x._task, 0)  # the same call's array, surface waiting
+        assert (y.sum(), (y + 1).tolist(), y.T.tolist()) == (3, [1, 2, 3], [0, 1, 2])
         for use in FEATURE_USES.values():
             use()
         return

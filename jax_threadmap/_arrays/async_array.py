@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 from collections.abc import Callable, Iterator
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import numpy as np
@@ -23,6 +23,7 @@ import numpy as np
 from .._jax import array_types as _array_types
 from .._support import event_loop as _event_loop
 from .._support.validate import check_timeout
+from . import array_surface as _surface
 from . import async_dispatch as _async_dispatch
 from . import async_pool as _async_pool
 from .leaves import LeafSpec
@@ -42,26 +43,6 @@ atexit.register(_at_exit)
 # --- the array ------------------------------------------------------------------------
 
 
-def _binary(name: str) -> Callable[[AsyncArray, Any], Any]:
-    def method(self: AsyncArray, other: Any) -> Any:
-        if isinstance(other, AsyncArray):
-            other = other.result()
-        return getattr(self.result(), name)(other)
-
-    method.__name__ = name
-    method.__doc__ = f"Waits for the value, then applies ``jax.Array.{name}``."
-    return method
-
-
-def _unary(name: str) -> Callable[[AsyncArray], Any]:
-    def method(self: AsyncArray) -> Any:
-        return getattr(self.result(), name)()
-
-    method.__name__ = name
-    method.__doc__ = f"Waits for the value, then applies ``jax.Array.{name}``."
-    return method
-
-
 class AsyncArray:
     """An array whose value a background call is still computing.
 
@@ -71,10 +52,14 @@ class AsyncArray:
     dtype are known at once, so it can be passed to ``jax.jit`` functions (tracing and
     compilation proceed while the call runs; the program waits for the buffer only when
     it executes), eager ``jax.numpy`` functions, ``jax.device_put``, ``np.asarray`` and
-    ``threadmap``. Python operators, indexing, ``bool``/``int``/``float`` wait for the
-    value and act like those of the ``jax.Array`` that
-    [`result`][jax_threadmap.AsyncArray.result] returns; use ``result()`` for any other
-    ``jax.Array`` method.
+    ``threadmap``. Every method, operator and property of ``jax.Array`` works as on
+    the ``jax.Array`` that [`result`][jax_threadmap.AsyncArray.result] returns: those
+    that need no value (``x.T``, ``x.sum()``, ``x.astype(t)``, ``x[0]``, ``x + 1``,
+    ``x.at[i].set(v)``) run JAX's own under ``jax.jit`` and return at once; those that
+    read the buffer (``item``, ``tolist``, ``np.asarray``, ``__dlpack__``,
+    ``unsafe_buffer_pointer``, ``addressable_shards``, pickling) wait for the value in
+    Python first. ``repr`` never waits; ``sharding`` is ``None`` when uncommitted;
+    ``isinstance(x, jax.Array)`` is ``False`` (docs/async.md says why).
 
     If the call raised, every use of the array re-raises that exception (same
     type, message and ``__cause__``, with a note naming the call).
@@ -306,9 +291,6 @@ class AsyncArray:
     def __jax_array__(self) -> jax.Array:
         return self.result()
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return self.result().__array__(dtype=dtype, copy=copy)
-
     # -- never blocks --
 
     def _describe(self) -> str:
@@ -332,50 +314,58 @@ class AsyncArray:
             raise TypeError("len() of unsized object")
         return self.shape[0]
 
-    def __copy__(self) -> AsyncArray:
-        return self  # immutable, like a tuple
+    def __iter__(self) -> Iterator[Any]:
+        return _surface.iterate(self, _is_async)
 
-    def __deepcopy__(self, memo: dict) -> AsyncArray:
-        return self
+    def __reversed__(self) -> Iterator[Any]:
+        return iter(self[::-1])
 
-    def __reduce__(self) -> Any:
-        raise TypeError(
-            f"{self._describe()} cannot be pickled: its value may not exist yet. "
-            "Pickle x.result() (the jax.Array, which waits for the value) instead."
-        )
+    def is_deleted(self) -> bool:
+        """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
+        for the value, in Python, unless it was donated)."""
+        if self._task.donated(self._index):
+            return True
+        return bool(_surface.landed(self).is_deleted())
 
-    # -- the rest waits for the value --
+    @property
+    def aval(self) -> Any:
+        return self._spec.aval
 
-    def __iter__(self) -> Iterator[jax.Array]:
-        return iter(self.result())
-
-    def __getitem__(self, index: Any) -> jax.Array:
-        return self.result()[index]
+    @property
+    def weak_type(self) -> bool:
+        return bool(self._spec.aval.weak_type)
 
     __hash__ = None  # type: ignore[assignment]  # like jax.Array
 
-    __add__, __radd__ = _binary("__add__"), _binary("__radd__")
-    __sub__, __rsub__ = _binary("__sub__"), _binary("__rsub__")
-    __mul__, __rmul__ = _binary("__mul__"), _binary("__rmul__")
-    __truediv__, __rtruediv__ = _binary("__truediv__"), _binary("__rtruediv__")
-    __floordiv__, __rfloordiv__ = _binary("__floordiv__"), _binary("__rfloordiv__")
-    __mod__, __rmod__ = _binary("__mod__"), _binary("__rmod__")
-    __divmod__, __rdivmod__ = _binary("__divmod__"), _binary("__rdivmod__")
-    __pow__, __rpow__ = _binary("__pow__"), _binary("__rpow__")
-    __matmul__, __rmatmul__ = _binary("__matmul__"), _binary("__rmatmul__")
-    __and__, __rand__ = _binary("__and__"), _binary("__rand__")
-    __or__, __ror__ = _binary("__or__"), _binary("__ror__")
-    __xor__, __rxor__ = _binary("__xor__"), _binary("__rxor__")
-    __lshift__, __rlshift__ = _binary("__lshift__"), _binary("__rlshift__")
-    __rshift__, __rrshift__ = _binary("__rshift__"), _binary("__rrshift__")
-    __eq__, __ne__ = _binary("__eq__"), _binary("__ne__")
-    __lt__, __le__ = _binary("__lt__"), _binary("__le__")
-    __gt__, __ge__ = _binary("__gt__"), _binary("__ge__")
-    __neg__, __pos__ = _unary("__neg__"), _unary("__pos__")
-    __abs__, __invert__ = _unary("__abs__"), _unary("__invert__")
-    __bool__, __int__ = _unary("__bool__"), _unary("__int__")
-    __float__, __complex__ = _unary("__float__"), _unary("__complex__")
-    __index__ = _unary("__index__")
+    if TYPE_CHECKING:  # the jax.Array surface, installed below from JAX's tables
+
+        def __getattr__(self, name: str) -> Any: ...
+        def __getitem__(self, index: Any) -> Any: ...
+        def __add__(self, other: Any) -> Any: ...
+        def __radd__(self, other: Any) -> Any: ...
+        def __sub__(self, other: Any) -> Any: ...
+        def __rsub__(self, other: Any) -> Any: ...
+        def __mul__(self, other: Any) -> Any: ...
+        def __rmul__(self, other: Any) -> Any: ...
+        def __truediv__(self, other: Any) -> Any: ...
+        def __rtruediv__(self, other: Any) -> Any: ...
+        def __matmul__(self, other: Any) -> Any: ...
+        def __rmatmul__(self, other: Any) -> Any: ...
+        def __pow__(self, other: Any) -> Any: ...
+        def __neg__(self) -> Any: ...
+        def __lt__(self, other: Any) -> Any: ...
+        def __gt__(self, other: Any) -> Any: ...
+        def __bool__(self) -> bool: ...
+        def __int__(self) -> int: ...
+        def __float__(self) -> float: ...
+        def __index__(self) -> int: ...
+
+
+def _is_async(x: Any) -> bool:
+    return isinstance(x, AsyncArray)
+
+
+_surface.install(AsyncArray, _is_async)
 
 
 def make_arrays(task: Task) -> Any:

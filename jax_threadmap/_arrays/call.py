@@ -387,7 +387,8 @@ class Call:
         with self._lock:
             self._donated = self._donated | {leaf}
 
-    def _is_donated(self, leaf: int) -> bool:
+    def donated(self, leaf: int) -> bool:
+        """Whether ``leaf`` was donated to a jitted call (its uses then fail)."""
         return leaf in self._donated
 
     def __str__(self) -> str:

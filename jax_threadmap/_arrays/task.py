@@ -399,7 +399,7 @@ class Task(Call):
     ) -> jax.Array:
         """The placed ``leaf``; raises the call's error, TimeoutError, or that
         the leaf was donated. ``describe()`` names the array, for the errors."""
-        if self._is_donated(leaf):
+        if self.donated(leaf):
             raise _outcomes.donated_error(describe())
         value = self._value  # the common case, cheaply: no lock
         if value is not None:

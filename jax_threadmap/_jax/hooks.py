@@ -73,6 +73,10 @@ PER_SHARD_JIT = "per-shard jit"
 #: per shard (:mod:`.._core.auto_shard`). Where a hook is missing, it is mapped
 #: on one device, with one INFO log line (:func:`.auto_sharding.unavailable`).
 AUTO_PER_SHARD = "per-shard jit on automatic axes"
+#: Optional: the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own under
+#: ``jit`` (deferred); where a hook is missing, each waits for the value and
+#: delegates to the ``jax.Array`` (:func:`.._arrays.array_surface.surface_unavailable`).
+ARRAY_SURFACE = "jax.Array surface"
 
 
 def version_text(version: tuple[int, ...]) -> str:
@@ -713,6 +717,41 @@ HOOKS: tuple[Hook, ...] = (
         "tried: jax.device_put, which serves (it is the fallback where this hook "
         "is missing) at about 5x the cost per result (see the comment above); "
         "optional, so nothing fails without it",
+    ),
+    # The jax.Array surface of AsyncArray (issue 48 item 2). JAX defines the
+    # methods, operators and properties of its arrays (and of tracers, through
+    # the abstract value) from three tables of plain functions of the array, the
+    # same module and names in 0.6.2, 0.8.3, 0.10.2 and 0.12.0.1 (44, 43 and 8
+    # entries on 0.6.2 and 0.8.3; 45, 44 and 8 from 0.10: `byteswap` and
+    # `__contains__`). `_arrays/array_surface.py` runs each under jit with the
+    # AsyncArray as argument, so that `y.sum()` dispatches without its data.
+    Hook(
+        "ArrayImpl",
+        "the class of JAX's arrays: which of its methods that read the buffer "
+        "(tolist, __dlpack__, unsafe_buffer_pointer...) this JAX has, each of "
+        "which an AsyncArray gets as a wait in Python and a delegation",
+        (ARRAY_SURFACE,),
+        _everywhere("jaxlib.xla_client:ArrayImpl"),
+        _public("jaxlib.xla_client:ArrayImpl")
+        + ". type(jnp.zeros(())) is the same class but starts a backend at import",
+    ),
+    *(
+        Hook(
+            name,
+            why,
+            (ARRAY_SURFACE,),
+            _everywhere(f"jax._src.numpy.array_methods:_{name}"),
+            "tried: the methods of jax.Array's concrete class (ArrayImpl), which "
+            "coerce their argument with __jax_array__ (that waits for an "
+            "AsyncArray's value) or read its buffer; jax.Array's own attributes "
+            "are abstract stubs that raise NotImplementedError. No public module "
+            "exports the tables on any supported JAX",
+        )
+        for name, why in (
+            ("array_methods", "jax.Array's methods (sum, astype, reshape...)"),
+            ("array_operators", "jax.Array's operators (__add__, __getitem__...)"),
+            ("array_properties", "jax.Array's properties (T, mT, real, at...)"),
+        )
     ),
     # Async dispatch (issue 13). A jitted call with a pending `AsyncArray` returns
     # at once when the argument handler can hand JAX a `jax.Array` whose buffer is

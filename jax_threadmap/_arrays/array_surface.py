@@ -310,7 +310,11 @@ def install(cls: type, is_async: Callable[[Any], bool]) -> None:
         if name == "at" and fn is not None:
             value: Any = property(lambda self: _At(self, is_async))
         elif fn is None or name in _DIRECT:
-            value = property(fn) if fn else _waiting_property(name)
+            value = (
+                property(fn, doc=f"``jax.Array.{name}``.")
+                if fn
+                else _waiting_property(name)
+            )
         else:
             value = property(_deferred(name, fn, is_async))
         setattr(cls, name, value)

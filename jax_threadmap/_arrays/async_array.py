@@ -54,7 +54,7 @@ class AsyncArray:
     it executes), eager ``jax.numpy`` functions, ``jax.device_put``, ``np.asarray`` and
     ``threadmap``. Every method, operator and property of ``jax.Array`` works as on
     the ``jax.Array`` that [`result`][jax_threadmap.AsyncArray.result] returns: those
-    that need no value (``x.T``, ``x.sum()``, ``x.astype(t)``, ``x[0]``, ``x + 1``,
+    that need no value (``x.T``, ``x.sum()``, ``x.astype(t)``, ``x[0]``, ``x * 2``,
     ``x.at[i].set(v)``) run JAX's own under ``jax.jit`` and return at once; those that
     read the buffer (``item``, ``tolist``, ``np.asarray``, ``__dlpack__``,
     ``unsafe_buffer_pointer``, ``addressable_shards``, pickling) wait for the value in

@@ -392,7 +392,9 @@ def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
-_async_dispatch.bind_arrays(AsyncArray, lambda x: x._task, make_arrays)
+_async_dispatch.bind_arrays(
+    AsyncArray, lambda x: _async_dispatch.Pending(x._task, x._index, x), make_arrays
+)
 
 
 # --- the constructors -----------------------------------------------------------------

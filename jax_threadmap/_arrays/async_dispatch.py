@@ -1,9 +1,13 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
 The one file to swap to change the mechanism: :mod:`.async_array` uses only
-:data:`mechanism`, :class:`Pending`, :func:`async_dispatch_status` and
-:class:`AsyncCallFailed`; of a call, only ``Task``'s public methods are used.
-How it works (docs/async.md, "How it works", says the same):
+:data:`mechanism`, :class:`Pending`, :func:`bind_arrays`,
+:func:`async_dispatch_status` and :class:`AsyncCallFailed`; of a call, only
+``Task``'s public methods are used. One class per job: :class:`Dispatch` sends
+each run on ``AsyncArray`` s where it belongs (deferred, gated or blocking) and
+makes its array outputs ``AsyncArray`` s whatever the timing (:class:`Results`);
+:class:`Gates` is the CPU's gate mechanism. How it works (docs/async.md, "How it
+works", says the same):
 
 - **Gates.** The argument handler hands JAX, for the pending arrays of one
   dispatch, the outputs of a small *gate program* per device, whose input is a
@@ -32,6 +36,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -47,6 +52,7 @@ from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
 from . import deferred_dispatch as _deferred_dispatch
 from . import dispatch_streams as _dispatch_streams
+from .leaves import LeafSpec
 from .shards import index_key
 from .task import Task, worker_state
 
@@ -174,10 +180,9 @@ def _plan(xs: list[Pending], shardings: list[Any]) -> tuple[Plan, list[list[Any]
     return plan, layouts
 
 
-class Dispatch:
-    """Async dispatch: the gate mechanism (transfer servers, gate programs, their
-    bookkeeping) on the CPU, and deferred dispatch (:mod:`.deferred_dispatch`)
-    elsewhere."""
+class Gates:
+    """The gate mechanism (the CPU's): transfer servers, gate programs and their
+    bookkeeping; the :class:`.task.Lender` of the calls it serves."""
 
     def __init__(self) -> None:
         self._reset()
@@ -191,10 +196,6 @@ class Dispatch:
         self._slots: dict[int, Task] = {}
         self._slot_ids = itertools.count(1)
         self._failed_devices: set[Any] = set()
-        # Whether prepare() ran, and whether program runs are wrapped (then a
-        # dispatch on pending data gets a stream of its own).
-        self._prepared = False
-        self._wrapped = False
 
     def counts(self) -> tuple[dict[Any, int], int]:
         """The gate programs waiting per device, and the calls lent a slot."""
@@ -205,34 +206,7 @@ class Dispatch:
         # Servers, gates and programs in flight belong to the parent.
         self._reset()
 
-    def status(self) -> str | None:
-        """Why dispatch on the default backend is blocking, or ``None``."""
-        if async_dispatch_mode() == "off":
-            return f"disabled by {ENV_ASYNC_DISPATCH}=0"
-        device = jax.devices()[0]
-        if not self.defers_on(device.platform):
-            self._gates_start(device)  # the first dispatch would: a refusal says so
-        if self.defers_on(device.platform):
-            reason = self._deferral_unavailable()
-        else:
-            reason = self._gates_unavailable()
-        return (
-            None
-            if reason is None
-            else f"unavailable in jax {jax.__version__}: {reason}"
-        )
-
-    def defers_on(self, platform: str) -> bool:
-        """Whether programs on ``platform`` are deferred: on accelerators, where
-        asked for, and where the gates cannot run (no transfer server: its
-        hooks are missing, or the machine refuses its loopback socket)."""
-        return (
-            async_dispatch_mode() == "deferred"
-            or platform not in _DISPATCH_PLATFORMS
-            or self._gates_unavailable() is not None
-        )
-
-    def _gates_start(self, device: Any) -> None:
+    def start(self, device: Any) -> None:
         """Starts the transfer server of ``device``'s client if it is not (once;
         a refusal is remembered, and the gates' platforms defer from then on)."""
         try:
@@ -240,109 +214,35 @@ class Dispatch:
         except Exception:  # noqa: BLE001 - remembered in _broken, logged there
             pass
 
-    def _gates_unavailable(self) -> str | None:
+    def unavailable(self) -> str | None:
+        """Why gate programs cannot run, or ``None``."""
         return _program_runs.async_dispatch_unavailable() or self._broken
 
-    def _deferral_unavailable(self) -> str | None:
-        reason = _program_runs.dispatch_streams_unavailable()
-        if reason is None and self._prepared and not self._wrapped:
-            reason = "the runs of compiled programs could not be wrapped"
-        return reason
-
-    def prepare(self) -> None:
-        """Installs the wrapper of program runs (once; at the first async call).
-
-        No ``AsyncArray`` exists before that, so no dispatch on pending data can
-        happen earlier, and a process that never makes one runs JAX untouched.
-        """
-        if self._prepared:
-            return
+    def has_room(self, shardings: list[Any]) -> bool:
+        """Whether the gate programs' platforms and bound allow a dispatch."""
+        devices = set()
+        for sharding in shardings:
+            devices |= set(sharding.addressable_devices)
+        if any(d.platform not in _DISPATCH_PLATFORMS for d in devices):
+            return False
         with self._lock:
-            if not self._prepared:
-                self._wrapped = _program_runs.wrap_program_runs(around)
-                self._prepared = True
-
-    # -- every run of a compiled program from Python, once prepared --
-
-    def _around(self, run: Any, program: Any, args: tuple, effects: Any) -> Any:
-        """Defers a program on pending data where that is the mechanism;
-        runs any other as :func:`.dispatch_streams.around` does."""
-        kind = _array_api.type
-        if not effects and kind is not None:
-            pending = [a for a in args if type(a) is kind and not a.done()]
-            if pending and self._defers(program):
-                return self._defer(run, program, args, effects, pending)
-        return _dispatch_streams.around(run, program, args, effects)
-
-    def _defers(self, program: Any) -> bool:
-        if async_dispatch_mode() == "off" or self._deferral_unavailable():
-            return False
-        if _deferred_dispatch.processes() > 1:
-            # Every process must dispatch its programs in the same order (their
-            # collectives meet): deferring one would reorder them.
-            return False
-        devices = program._local_devices
-        if devices and not self.defers_on(devices[0].platform):
-            self._gates_start(devices[0])  # if it cannot start, defer instead
-        return (
-            bool(devices)
-            and all(self.defers_on(d.platform) for d in devices)
-            and _deferred_dispatch.deferrable(program)
-        )
-
-    def _defer(
-        self, run: Any, program: Any, args: tuple, effects: Any, pending: list[Any]
-    ) -> Any:
-        """The program's results, as arrays of a :class:`.deferred_dispatch.ProgramRun`
-        that dispatches it once its pending arguments land."""
-        args = _deferred_dispatch.frozen_args(args)
-        task = _deferred_dispatch.ProgramRun(
-            functools.partial(self._around, run, program, args, effects),
-            [_array_api.task_of(a) for a in pending],
-            f"`{program.name}`",
-            _deferred_dispatch.output_specs(program),
-        )
-        outs = _array_api.arrays_of(task)
-        task.submit()
-        return outs
-
-    def in_thread_order(self) -> str | None:
-        """Why dispatches on pending data keep their thread's stream, or ``None``."""
-        return self._deferral_unavailable()
+            return all(self._waiting.get(d, 0) < MAX_WAITING_PROGRAMS for d in devices)
 
     # -- at dispatch, in the thread that calls the jitted function --
 
-    def arrays_for(self, xs: list[Pending], shardings: list[Any]) -> list[Any]:
-        """One jax.Array per x: the value if there, else a pending one.
-
-        Where async dispatch is off or its bound is reached, waits for the data
-        of ``xs`` (blocking dispatch): never for another call.
-        """
-        out: list[Any] = [None] * len(xs)
-        todo = []
-        for i, x in enumerate(xs):
-            # Blocking for a sharded load asked for in another layout.
-            if x.task.future.done() or not x.task.serves(shardings[i], x.shape):
-                out[i] = x.array.result()
-            else:
-                todo.append(i)
-        if todo and self._may_dispatch([shardings[i] for i in todo]):
-            self._dispatch_pending(xs, shardings, todo, out)
-        for i in todo:
-            if out[i] is None:  # blocking dispatch: its own data
-                out[i] = xs[i].array.result()
-        for x, array in zip(xs, out, strict=True):  # later uses fail if donated
-            _dispatch_streams.note_handed(array, x.task.donation_of(x.leaf))
-        return out
-
-    def _dispatch_pending(
-        self, xs: list[Pending], shardings: list[Any], todo: list[int], out: list[Any]
+    def fill(
+        self,
+        xs: list[Pending],
+        shardings: list[Any],
+        todo: list[int],
+        out: list[Any],
+        own_stream: bool,
     ) -> None:
-        """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs."""
+        """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs
+        (left ``None`` where the call finished meanwhile, or on a failure)."""
         # The gate programs (and the program being dispatched, if any) go on a
         # stream of their own, so that nothing else waits for this data.
-        enabled = self._wrapped and not self.in_thread_order()
-        put_back = _dispatch_streams.switch_stream(enabled)
+        put_back = _dispatch_streams.switch_stream(own_stream)
         try:
             made = self._pending_arrays(
                 [xs[i] for i in todo], [shardings[i] for i in todo]
@@ -360,27 +260,6 @@ class Dispatch:
                 _dispatch_streams.put_back()
         for i, array in zip(todo, made, strict=True):
             out[i] = array
-
-    def _may_dispatch(self, shardings: list[Any]) -> bool:
-        if _dispatch_streams.ordered_effects():
-            # JAX dispatches a program with an ordered effect only once the
-            # previous one with that effect has run, and a failed one fails
-            # every later one (before jax 0.12): wait for the data here, in
-            # Python, and a failed call raises at this dispatch instead.
-            return False
-        if getattr(worker_state, "in_pool", False):
-            # A call run by the pool that needs another call's value runs that
-            # call itself (see Task.wait) rather than queue behind busy workers.
-            return False
-        if async_dispatch_mode() != "auto" or self._gates_unavailable():
-            return False
-        devices = set()
-        for sharding in shardings:
-            devices |= set(sharding.addressable_devices)
-        if any(d.platform not in _DISPATCH_PLATFORMS for d in devices):
-            return False
-        with self._lock:
-            return all(self._waiting.get(d, 0) < MAX_WAITING_PROGRAMS for d in devices)
 
     def _pending_arrays(self, xs: list[Pending], shardings: list[Any]) -> list:
         plan, layouts = _plan(xs, shardings)
@@ -516,7 +395,7 @@ class Dispatch:
                 try:
                     start = _program_runs.start_transfer_server
                     if start is None:  # status() reports why; callers checked it
-                        raise RuntimeError(_program_runs.async_dispatch_unavailable())
+                        raise RuntimeError(self.unavailable())
                     # Loopback only, on a port the OS picks; started on first use.
                     server = start(client, "127.0.0.1:0", ["127.0.0.1:0"])
                     conn = server.connect(server.address())
@@ -623,34 +502,260 @@ class Dispatch:
                 logger.debug("jax_threadmap: exit token reset failed", exc_info=True)
 
 
-class _ArrayApi:
-    """What deferred dispatch needs of :mod:`.async_array` (:func:`bind_arrays`)."""
+class ArrayKind(NamedTuple):
+    """What dispatch needs of :mod:`.async_array` (the array's owner), handed
+    down by it (:func:`bind_arrays`): the array type, the ``Pending`` of an
+    array, and the arrays of a call."""
 
-    type: Any = None
-    task_of: Callable[[Any], Task] = staticmethod(lambda x: x)
-    arrays_of: Callable[[Task], Any] = staticmethod(lambda task: task)
+    type: Any
+    pending_of: Callable[[Any], Pending]
+    arrays_of: Callable[[Task], Any]
 
 
-_array_api = _ArrayApi()
+class Dispatch:
+    """Async dispatch: what a program run with ``AsyncArray`` arguments does.
+
+    It reads the switch (once per change), installs the hooks when the first
+    ``AsyncArray`` is made, and sends a run where it belongs: deferred
+    (:mod:`.deferred_dispatch`) where that is the mechanism, else run with gate
+    programs (:class:`Gates`) or blocking; either way its array outputs are
+    ``AsyncArray`` s (:meth:`around`).
+    """
+
+    def __init__(self) -> None:
+        self.gates = Gates()
+        self.readers = _deferred_dispatch.Readers()
+        self.kind: ArrayKind | None = None
+        self._env: tuple[str | None, str] = (None, "auto")
+        self._lock = threading.Lock()
+        # Whether prepare() ran, and whether program runs are wrapped (then a
+        # dispatch on pending data gets a stream of its own).
+        self._prepared = False
+        self._wrapped = False
+
+    def mode(self) -> str:
+        """``JAX_THREADMAP_ASYNC_DISPATCH``'s mode, parsed once per change."""
+        raw = os.environ.get(ENV_ASYNC_DISPATCH)
+        if raw != self._env[0] or self._env[0] is None:
+            self._env = (raw, async_dispatch_mode())
+        return self._env[1]
+
+    def counts(self) -> tuple[dict[Any, int], int]:
+        """The gate programs waiting per device, and the calls lent a slot."""
+        return self.gates.counts()
+
+    def clean_up_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
+        """Lets failed gate programs finish; leaves JAX no failed exit token."""
+        self.gates.clean_up_at_exit(timeout)
+
+    def status(self) -> str | None:
+        """Why dispatch on the default backend is blocking, or ``None``."""
+        if self.mode() == "off":
+            return f"disabled by {ENV_ASYNC_DISPATCH}=0"
+        device = jax.devices()[0]
+        if not self.defers_on(device.platform):
+            self.gates.start(device)  # the first dispatch would: a refusal says so
+        if self.defers_on(device.platform):
+            reason = self.in_thread_order()
+        else:
+            reason = self.gates.unavailable()
+        return (
+            None
+            if reason is None
+            else f"unavailable in jax {jax.__version__}: {reason}"
+        )
+
+    def defers_on(self, platform: str, mode: str | None = None) -> bool:
+        """Whether programs on ``platform`` are deferred: on accelerators, where
+        asked for, and where the gates cannot run (no transfer server: its
+        hooks are missing, or the machine refuses its loopback socket).
+        ``mode``: :meth:`mode`, if the caller has read it."""
+        return (
+            (mode or self.mode()) == "deferred"
+            or platform not in _DISPATCH_PLATFORMS
+            or self.gates.unavailable() is not None
+        )
+
+    def in_thread_order(self) -> str | None:
+        """Why dispatches on pending data keep their thread's stream (and
+        cannot be deferred), or ``None``."""
+        reason = _program_runs.dispatch_streams_unavailable()
+        if reason is None and self._prepared and not self._wrapped:
+            reason = "the runs of compiled programs could not be wrapped"
+        return reason
+
+    def prepare(self) -> None:
+        """Installs the hooks on program runs (once; at the first async call).
+
+        No ``AsyncArray`` exists before that, so no dispatch on pending data can
+        happen earlier, and a process that never makes one runs JAX untouched.
+        """
+        if self._prepared:
+            return
+        with self._lock:
+            if not self._prepared:
+                self._wrapped = _program_runs.RUNS.install(around)
+                self._prepared = True
+
+    # -- every run of a compiled program from Python, once prepared --
+
+    def around(self, run: Any, program: Any, args: tuple, effects: Any) -> Any:
+        """A run with ``AsyncArray`` arguments returns ``AsyncArray`` s: deferred
+        where that is the mechanism, else run (:func:`.dispatch_streams.around`)
+        and its array outputs wrapped; any other run is JAX's."""
+        kind = self.kind
+        if kind is None or not any(type(a) is kind.type for a in args):
+            return _dispatch_streams.around(run, program, args, effects)
+        if not effects and self._defers(program, args, kind):
+            return _deferred_dispatch.defer(
+                functools.partial(self._run_deferred, run, program, effects),
+                program,
+                args,
+                kind,
+                self.readers,
+            )
+        return self._results(_dispatch_streams.around(run, program, args, effects))
+
+    def _run_deferred(
+        self, run: Any, program: Any, effects: Any, args: list[Any]
+    ) -> list[Any]:
+        return _dispatch_streams.around(run, program, tuple(args), effects)
+
+    def _defers(self, program: Any, args: tuple, kind: ArrayKind) -> bool:
+        if not any(type(a) is kind.type and not a.done() for a in args):
+            return False
+        mode = self.mode()
+        if mode == "off" or self.in_thread_order():
+            return False
+        if _deferred_dispatch.processes() > 1:
+            # Every process must dispatch its programs in the same order (their
+            # collectives meet): deferring one would reorder them.
+            return False
+        devices = program._local_devices
+        if devices and not self.defers_on(devices[0].platform, mode):
+            self.gates.start(devices[0])  # if it cannot start, defer instead
+        return (
+            bool(devices)
+            and all(self.defers_on(d.platform, mode) for d in devices)
+            and _deferred_dispatch.deferrable(program)
+        )
+
+    def _results(self, outs: list[Any]) -> list[Any]:
+        """The outputs of a run on ``AsyncArray`` s: its arrays as ``AsyncArray``
+        s of a call that has landed, the rest (tokens) as they are."""
+        assert self.kind is not None
+        at = [k for k, o in enumerate(outs) if isinstance(o, jax.Array)]
+        if not at:
+            return outs
+        leaves = [outs[k] for k in at]
+        made = self.kind.arrays_of(Results(leaves))
+        outs = list(outs)
+        for k, array in zip(at, made, strict=True):
+            outs[k] = array
+        return outs
+
+    # -- at dispatch, in the thread that calls the jitted function --
+
+    def arrays_for(self, xs: list[Pending], shardings: list[Any]) -> list[Any]:
+        """One jax.Array per x: the value if there, else a pending one.
+
+        Where async dispatch is off or its bound is reached, waits for the data
+        of ``xs`` (blocking dispatch): never for another call.
+        """
+        out: list[Any] = [None] * len(xs)
+        todo = []
+        for i, x in enumerate(xs):
+            # Blocking for a sharded load asked for in another layout.
+            if x.task.future.done() or not x.task.serves(shardings[i], x.shape):
+                out[i] = self._landed(x)
+            else:
+                todo.append(i)
+        if todo and self._may_dispatch([shardings[i] for i in todo]):
+            own_stream = self._wrapped and not self.in_thread_order()
+            self.gates.fill(xs, shardings, todo, out, own_stream)
+        for i in todo:
+            if out[i] is None:  # blocking dispatch: its own data
+                out[i] = self._landed(xs[i])
+        for x, array in zip(xs, out, strict=True):  # later uses fail if donated
+            _dispatch_streams.note_handed(array, x.task.donation_of(x.leaf))
+        return out
+
+    def _landed(self, x: Pending) -> jax.Array:
+        """The value of ``x``, once the deferred programs called before this
+        one that read it no longer need it (a later donation)."""
+        value = x.array.result()
+        if self.readers.by_task:
+            self.readers.settle(x.task)
+        return value
+
+    def _may_dispatch(self, shardings: list[Any]) -> bool:
+        if _dispatch_streams.ordered_effects():
+            # JAX dispatches a program with an ordered effect only once the
+            # previous one with that effect has run, and a failed one fails
+            # every later one (before jax 0.12): wait for the data here, in
+            # Python, and a failed call raises at this dispatch instead.
+            return False
+        if getattr(worker_state, "in_pool", False):
+            # A call run by the pool that needs another call's value runs that
+            # call itself (see Task.wait) rather than queue behind busy workers.
+            return False
+        if self.mode() != "auto" or self.gates.unavailable():
+            return False
+        return self.gates.has_room(shardings)
+
+    def after_fork(self) -> None:
+        # Servers, gates and programs in flight belong to the parent.
+        self.gates.after_fork()
 
 
-def bind_arrays(
-    array_type: type, task_of: Callable[[Any], Task], arrays_of: Callable[[Task], Any]
-) -> None:
-    """Called once by :mod:`.async_array` at its import: the array type, the call of
-    an array, the arrays of a call."""
-    _array_api.type = array_type
-    _array_api.task_of = task_of
-    _array_api.arrays_of = arrays_of
+class Results(Task):
+    """The call behind the ``AsyncArray`` results of a program run with
+    ``AsyncArray`` arguments that was not deferred: it has landed when made,
+    with the run's outputs (``jax.Array`` s, still being computed)."""
+
+    __slots__ = ()
+    stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
+
+    def __init__(self, leaves: list[jax.Array]):
+        specs = [
+            LeafSpec(f"[{k}]", leaf.shape, leaf.dtype, leaf.aval, leaf.sharding)
+            for k, leaf in enumerate(leaves)
+        ]
+        super().__init__(
+            None,  # nothing to run: a wrapped outcome
+            (),
+            {},
+            name="a jitted call on AsyncArrays",
+            api="jit",
+            treedef=_treedef(len(leaves)),
+            specs=specs,
+        )
+        self._claim(None)
+        self._publish_placed(leaves)
+
+
+@functools.cache
+def _treedef(n: int) -> Any:
+    return jax.tree_util.tree_structure(list(range(n)))
 
 
 mechanism = Dispatch()
 
 
+def bind_arrays(
+    array_type: type,
+    pending_of: Callable[[Any], Pending],
+    arrays_of: Callable[[Task], Any],
+) -> None:
+    """Called once by :mod:`.async_array` at its import: the array type, the
+    ``Pending`` of an array, the arrays of a call (:class:`ArrayKind`)."""
+    mechanism.kind = ArrayKind(array_type, pending_of, arrays_of)
+
+
 def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python, once an async array exists:
-    the mechanism's (:meth:`Dispatch._around`)."""
-    return mechanism._around(run, program, args, effects)
+    """Every run of a compiled program from Python, once an async array exists
+    (:data:`.program_runs.RUNS`): the mechanism's (:meth:`Dispatch.around`)."""
+    return mechanism.around(run, program, args, effects)
 
 
 def async_dispatch_status() -> str:

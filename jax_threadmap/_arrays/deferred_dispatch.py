@@ -16,7 +16,14 @@ jitted call whose arguments include pending ``AsyncArray`` s is not run at once:
 - when an argument's call fails, times out or is cancelled, the program never
   runs, and every use of its results raises ``JaxRuntimeError`` with that call's
   error (``AsyncCallFailed: ...``), as the gate programs' dependents do;
-- a program on the results of a ``ProgramRun`` is deferred in turn (a chain).
+- a program on the results of a ``ProgramRun`` is deferred in turn (a chain);
+- the program reads its arguments as they were at the call, whatever later
+  calls do to them (a donation, ``delete()``, a write to a NumPy array), as JAX's
+  runtime promises for the programs it has enqueued: NumPy arrays and
+  ``jax.Array`` s are copied at the call (:func:`frozen_args`: jit's C++ fast
+  path donates without passing any hook, so no later point could copy), and an
+  ``AsyncArray`` is let go of (:class:`Readers`) before a later program is handed
+  it.
 
 Not deferred (they wait for their data at dispatch, in Python): programs with
 ordered effects, programs on ``jax.Ref`` s, programs with outputs of extended
@@ -31,6 +38,7 @@ are abandoned with their loads.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import threading
@@ -62,10 +70,14 @@ def processes() -> int:
 
 def deferrable(program: Any) -> bool:
     """Whether ``program`` (JAX's ``ExecuteReplicated``) may be deferred: no
-    ``jax.Ref`` s, only plain outputs, and not dispatched by the async pool."""
+    ``jax.Ref`` s, only plain array outputs (no tokens, no PRNG keys), and not
+    dispatched by the async pool."""
     if getattr(worker_state, "in_pool", False) or program.mut is not None:
         return False
-    return not any(is_extended(a.dtype) for a in program.out_handler.out_avals)
+    return all(
+        hasattr(a, "dtype") and not is_extended(a.dtype)
+        for a in program.out_handler.out_avals
+    )
 
 
 def output_specs(program: Any) -> list[LeafSpec]:
@@ -79,12 +91,132 @@ def output_specs(program: Any) -> list[LeafSpec]:
     ]
 
 
-def frozen_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``args`` as they are now: a NumPy array the caller writes to later must not
-    change a program that runs later (JAX copies it at dispatch)."""
-    return tuple(
-        np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in args
+def frozen_args(args: tuple[Any, ...]) -> tuple[list[Any], list[tuple[Any, Any]]]:
+    """``args`` as they are now, and each ``jax.Array`` with its copy.
+
+    A NumPy array the caller writes to later must not change a program that
+    runs later (JAX copies it at dispatch). Nor may a ``jax.Array`` that the
+    caller donates (``donate_argnums``) or deletes before the program runs:
+    JAX's runtime orders a donation after the programs it has enqueued, but a
+    deferred program is not enqueued yet, and a donation through jit's C++
+    fast path is never seen from Python (no hook can copy at the conflict).
+    So each is copied on its devices now (dispatched, not waited for).
+    """
+    copies: dict[int, tuple[Any, Any]] = {}
+    frozen = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            a = np.array(a, copy=True)
+        elif isinstance(a, jax.Array) and not is_extended(a.dtype):
+            if id(a) not in copies:
+                copies[id(a)] = (a, jax.device_put(a, may_alias=False))
+            a = copies[id(a)][1]
+        frozen.append(a)
+    return frozen, list(copies.values())
+
+
+def defer(
+    dispatch: Callable[[list[Any]], list[jax.Array]],
+    program: Any,
+    args: tuple[Any, ...],
+    kind: Any,
+    readers: Readers,
+) -> Any:
+    """The program's results, as arrays of a :class:`ProgramRun` that runs
+    ``dispatch`` with its arguments once its pending ones land.
+
+    ``kind``: the ``AsyncArray`` type, with its ``Pending`` and the arrays of a
+    call (``async_dispatch.ArrayKind``).
+    """
+    frozen, copies = frozen_args(args)
+    reads = [kind.pending_of(a) if type(a) is kind.type else None for a in frozen]
+    inputs = [r.task for r in reads if r is not None and not r.task.future.done()]
+    run = ProgramRun(
+        functools.partial(_dispatch_then_free, dispatch, copies),
+        frozen,
+        reads,
+        inputs,
+        f"`{program.name}`",
+        output_specs(program),
     )
+    readers.add(run, [r.task for r in reads if r is not None])
+    outs = kind.arrays_of(run)
+    run.submit()
+    return outs
+
+
+def _dispatch_then_free(
+    dispatch: Callable[[list[Any]], list[jax.Array]],
+    copies: list[tuple[Any, Any]],
+    args: list[Any],
+) -> list[jax.Array]:
+    """Runs the program; a copy it donated stands for the caller's array, which
+    is deleted then (later uses fail, as after a donation; JAX's runtime keeps
+    it for the programs enqueued before)."""
+    try:
+        return dispatch(args)
+    finally:
+        for original, copy in copies:
+            if copy.is_deleted() and not original.is_deleted():
+                original.delete()
+
+
+class _Dispatching(threading.local):
+    #: The program run this thread dispatches (see :meth:`Readers.settle`).
+    run: ProgramRun | None = None
+
+
+_dispatching = _Dispatching()
+
+
+class Readers:
+    """The deferred programs that read each call's arrays, in call order.
+
+    A program called before another reads its arguments as they were (JAX's
+    runtime orders a donation after the programs enqueued before it). Before a
+    call's array is handed to a program (:meth:`settle`), every deferred
+    program called earlier that reads it is made independent of it: dispatched
+    here if its data has landed, else given a copy (the only copy: at the
+    conflict). All such handing passes here: an ``AsyncArray`` argument never
+    takes jit's C++ fast path.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: The deferred programs not finished, by the call whose arrays they
+        #: read (read without the lock: whether there are any).
+        self.by_task: dict[Task, list[ProgramRun]] = {}
+
+    def add(self, run: ProgramRun, tasks: list[Task]) -> None:
+        with self._lock:
+            for task in tasks:
+                self.by_task.setdefault(task, []).append(run)
+        run.future.add_done_callback(lambda _: self._remove(run, tasks))
+
+    def _remove(self, run: ProgramRun, tasks: list[Task]) -> None:
+        with self._lock:
+            for task in tasks:
+                runs = self.by_task.get(task, [])
+                if run in runs:
+                    runs.remove(run)
+                if not runs:
+                    self.by_task.pop(task, None)
+
+    def settle(self, task: Task) -> None:
+        """Before ``task``'s arrays are handed to a program: the deferred
+        programs called before it that read them no longer need them."""
+        me = _dispatching.run
+        with self._lock:
+            runs = list(self.by_task.get(task, ()))
+        for run in runs:
+            if run is me:
+                break  # those called later read after this one
+            run.let_go(task)
+
+
+@functools.cache
+def _treedef(n: int) -> Any:
+    return jax.tree_util.tree_structure(list(range(n)))
 
 
 #: The failed calls whose dependents' failure was logged (once per call).
@@ -111,27 +243,50 @@ class ProgramRun(Task):
     :meth:`_accept` (publish the outputs at once) and :meth:`failure_text`.
 
     Args:
-        dispatch: Dispatches the program; called with no arguments once every
-            input has landed; returns its outputs.
+        dispatch: Dispatches the program with the arguments it is given, once
+            every input has landed; returns its outputs.
+        args: The program's arguments (:func:`frozen_args`).
+        reads: For each argument that is a call's array, the call and leaf
+            (``Pending``), else ``None``: what :meth:`let_go` copies.
         inputs: The calls of the pending arguments.
         name: The program's name, for messages (``\\`jit(f)\\```).
         specs: The program's output leaves.
     """
 
-    __slots__ = ("_inputs", "_inputs_lock", "_waiting", "_cause", "root", "_landed")
+    __slots__ = (
+        "_inputs",
+        "_inputs_lock",
+        "_waiting",
+        "_cause",
+        "root",
+        "_landed",
+        "_dispatch",
+        "_program_args",
+        "_reads",
+    )
     stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
 
     def __init__(
         self,
-        dispatch: Callable[[], list[jax.Array]],
+        dispatch: Callable[[list[Any]], list[jax.Array]],
+        args: list[Any],
+        reads: list[Any],
         inputs: list[Task],
         name: str,
         specs: list[LeafSpec],
     ):
-        treedef = jax.tree_util.tree_structure(list(range(len(specs))))
         super().__init__(
-            dispatch, (), {}, name=name, api=API, treedef=treedef, specs=specs
+            self._dispatch_now,
+            (),
+            {},
+            name=name,
+            api=API,
+            treedef=_treedef(len(specs)),
+            specs=specs,
         )
+        self._dispatch = dispatch
+        self._program_args = args
+        self._reads = reads
         self._inputs = tuple(dict.fromkeys(inputs))  # each call once, in order
         self._inputs_lock = threading.Lock()
         self._waiting = len(self._inputs)  # inputs not landed yet
@@ -142,6 +297,35 @@ class ProgramRun(Task):
         self.root: Task | None = None
         #: Whether every input landed (the dispatch is queued or running).
         self._landed = False
+
+    def _dispatch_now(self) -> list[jax.Array]:
+        with self._inputs_lock:
+            args, self._program_args = self._program_args, []
+        outer, _dispatching.run = _dispatching.run, self
+        try:
+            return self._dispatch(args)
+        finally:
+            _dispatching.run = outer
+
+    def let_go(self, task: Task) -> None:
+        """Makes this program independent of ``task``'s arrays, before a
+        program called later is handed them: dispatched here if its data has
+        landed (it was called first), else reading a copy of them."""
+        with self._inputs_lock:
+            waiting = self._waiting and not self.future.done()
+            if waiting and task.future.done() and task.future.exception() is None:
+                for k, read in enumerate(self._reads):
+                    if read is not None and read.task is task:
+                        self._reads[k] = None
+                        value = task.future.result()[read.leaf]
+                        try:
+                            copy = jax.device_put(value, may_alias=False)
+                        except Exception:  # noqa: BLE001 - deleted: this run fails
+                            continue  # on its own (the dispatch, not this one)
+                        self._program_args[k] = copy
+        if not waiting:
+            self.run()
+            concurrent.futures.wait([self.future])  # the dispatch: moments
 
     def _start(self) -> None:
         """Starts the inputs that nothing started (a ``deferred_call``) and
@@ -187,6 +371,8 @@ class ProgramRun(Task):
                 root.api,
                 text,
             )
+        with self._inputs_lock:
+            self._program_args = []  # the copies are not needed any more
         self.give_up(error)
 
     def failure_text(self) -> str:

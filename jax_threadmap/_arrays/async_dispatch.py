@@ -526,7 +526,8 @@ class Dispatch:
         self.gates = Gates()
         self.readers = _deferred_dispatch.Readers()
         self.kind: ArrayKind | None = None
-        self._env: tuple[str | None, str] = (None, "auto")
+        #: The switch's text and mode, as last read (:meth:`mode`).
+        self._env: tuple[str | None, str] = (None, "")
         self._lock = threading.Lock()
         # Whether prepare() ran, and whether program runs are wrapped (then a
         # dispatch on pending data gets a stream of its own).
@@ -535,8 +536,8 @@ class Dispatch:
 
     def mode(self) -> str:
         """``JAX_THREADMAP_ASYNC_DISPATCH``'s mode, parsed once per change."""
-        raw = os.environ.get(ENV_ASYNC_DISPATCH)
-        if raw != self._env[0] or self._env[0] is None:
+        raw = os.environ.get(ENV_ASYNC_DISPATCH, "")
+        if raw != self._env[0]:
             self._env = (raw, async_dispatch_mode())
         return self._env[1]
 
@@ -606,12 +607,14 @@ class Dispatch:
         kind = self.kind
         if kind is None or not any(type(a) is kind.type for a in args):
             return _dispatch_streams.around(run, program, args, effects)
-        if not effects and self._defers(program, args, kind):
+        reads = [kind.pending_of(a) if type(a) is kind.type else None for a in args]
+        if not effects and self._defers(program, reads):
             return _deferred_dispatch.defer(
                 functools.partial(self._run_deferred, run, program, effects),
                 program,
                 args,
-                kind,
+                reads,
+                kind.arrays_of,
                 self.readers,
             )
         return self._results(_dispatch_streams.around(run, program, args, effects))
@@ -621,8 +624,8 @@ class Dispatch:
     ) -> list[Any]:
         return _dispatch_streams.around(run, program, tuple(args), effects)
 
-    def _defers(self, program: Any, args: tuple, kind: ArrayKind) -> bool:
-        if not any(type(a) is kind.type and not a.done() for a in args):
+    def _defers(self, program: Any, reads: list[Pending | None]) -> bool:
+        if all(r is None or r.task.future.done() for r in reads):
             return False
         mode = self.mode()
         if mode == "off" or self.in_thread_order():

@@ -119,28 +119,28 @@ def defer(
     dispatch: Callable[[list[Any]], list[jax.Array]],
     program: Any,
     args: tuple[Any, ...],
-    kind: Any,
+    reads: list[Any],
+    arrays_of: Callable[[Task], Any],
     readers: Readers,
 ) -> Any:
     """The program's results, as arrays of a :class:`ProgramRun` that runs
     ``dispatch`` with its arguments once its pending ones land.
 
-    ``kind``: the ``AsyncArray`` type, with its ``Pending`` and the arrays of a
-    call (``async_dispatch.ArrayKind``).
+    ``reads``: for each argument that is an ``AsyncArray``, its ``Pending`` (its
+    call and leaf), else ``None``; ``arrays_of``: the ``AsyncArray`` s of a call.
     """
     frozen, copies = frozen_args(args)
-    reads = [kind.pending_of(a) if type(a) is kind.type else None for a in frozen]
     inputs = [r.task for r in reads if r is not None and not r.task.future.done()]
     run = ProgramRun(
         functools.partial(_dispatch_then_free, dispatch, copies),
         frozen,
-        reads,
+        list(reads),
         inputs,
         f"`{program.name}`",
         output_specs(program),
     )
     readers.add(run, [r.task for r in reads if r is not None])
-    outs = kind.arrays_of(run)
+    outs = arrays_of(run)
     run.submit()
     return outs
 

@@ -113,7 +113,7 @@ def kernel_scope(program_devices: frozenset[Any], name: str) -> KernelScope | No
             the map (none for an eager map).
         name: The kernel's name.
     """
-    refused = RUNS.refused()  # by the maps around this one
+    refused = RUNS.refused.devices  # by the maps around this one
     if _host_device() == "cpu" and not refused:
         return None
     held = frozenset(filter(_holds, program_devices)) | refused

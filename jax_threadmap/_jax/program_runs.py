@@ -68,7 +68,9 @@ class ProgramRuns:
     """
 
     def __init__(self) -> None:
-        self._refused = _Refused()
+        #: What this thread's programs must not use (:meth:`refusing`), read
+        #: as an attribute (``refused.devices``) on every kernel's first call.
+        self.refused = _Refused()
         #: What every run goes through (the async layer's), once set.
         self.around: Callable[..., Any] | None = None
 
@@ -83,7 +85,7 @@ class ProgramRuns:
         if hasattr(cls.__call__, _ORIGINAL):
             return True
         run = cls.__call__
-        refused = self._refused
+        refused = self.refused
 
         @functools.wraps(run)
         def __call__(program: Any, *args: Any) -> Any:
@@ -98,19 +100,15 @@ class ProgramRuns:
         cls.__call__ = __call__
         return True
 
-    def refused(self) -> frozenset[Any]:
-        """The devices this thread's programs must not use (the scopes around)."""
-        return self._refused.devices
-
     def refusing(self, devices: frozenset[Any], why: str) -> _Refusing:
         """While entered, programs run from this thread on ``devices`` raise
         :class:`HeldDeviceError` (``why`` says what waits on them) instead of
         being dispatched. Nested scopes add up. Reaches the programs that JAX
         runs from Python, not those of its C++ fast path."""
-        return _Refusing(self._refused, devices, why)
+        return _Refusing(self.refused, devices, why)
 
     def _check_devices(self, program: Any) -> None:
-        refused = self._refused
+        refused = self.refused
         used = set(program._local_devices) & refused.devices
         if used:
             names = ", ".join(sorted(str(d) for d in used))

@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within
+from helpers import examples, returns_within
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call
@@ -221,3 +223,59 @@ def test_tokens_stay_tokens_and_arrays_become_async_arrays(mode):
     y, token = jax.jit(lambda a, t: (a, t))(x, jax.lax.create_token())
     np.testing.assert_array_equal(np.asarray(y), BATCH)
     assert type(token) is type(want_token)
+
+
+# --- many readers of one array --------------------------------------------------------
+
+
+def test_pending_programs_on_one_ready_array_share_one_copy(mode):
+    if mode != "deferred":
+        pytest.skip("gate programs are enqueued: JAX's runtime keeps their inputs")
+    readers = _async_dispatch.mechanism.readers
+    gates, outs = [], []
+    params = jnp.asarray(PARAMS)
+    for k in range(4):
+        gate, batch = gated(BATCH + k)
+        gates.append(gate)
+        outs.append(while_gated(jax.jit(loss), batch, params))
+    copies = {id(s) for s in readers.by_source if type(s).__name__ == "Held"}
+    assert len(copies) == 1  # one copy for the four, not four
+    params.delete()
+    for gate in reversed(gates):  # the last called lands first
+        gate.release.set()
+    for k, out in enumerate(outs):
+        np.testing.assert_array_equal(np.asarray(out), (BATCH + k) * PARAMS + 1)
+
+
+@settings(
+    max_examples=examples(12),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    n=st.integers(1, 4),
+    donate_after=st.integers(-1, 3),
+    order=st.permutations(range(4)),
+)
+def test_readers_and_a_donation_in_any_landing_order(mode, n, donate_after, order):
+    # n programs read w (each with a pending batch); after the donate_after-th,
+    # w is donated (jit's C++ fast path) and the rest read the new w. The
+    # batches land in any order; each result is the same program on ready data.
+    step = jax.jit(lambda b, w, k: b * w + k)
+    update = warmed(jax.jit(lambda w: w * 3 - 1, donate_argnums=0), PARAMS)
+    w = jnp.asarray(PARAMS)
+    values = np.asarray(w)
+    gates, outs, expected = [], [], []
+    for k in range(n):
+        gate, batch = gated(BATCH + k)
+        gates.append(gate)
+        outs.append(while_gated(step, batch, w, np.float32(k)))
+        expected.append((BATCH + k) * values + k)
+        if k == donate_after:
+            w = update(w)
+            values = values * 3 - 1
+    for i in order:
+        if i < n:
+            gates[i].release.set()
+    for out, want in zip(outs, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)

@@ -687,7 +687,7 @@ class Dispatch:
         """The value of ``x``, once the deferred programs called before this
         one that read it no longer need it (a later donation)."""
         value = x.array.result()
-        if self.readers.by_task:
+        if self.readers.by_source:
             self.readers.settle(x.task)
         return value
 

@@ -91,28 +91,102 @@ def output_specs(program: Any) -> list[LeafSpec]:
     ]
 
 
-def frozen_args(args: tuple[Any, ...]) -> tuple[list[Any], list[tuple[Any, Any]]]:
-    """``args`` as they are now, and each ``jax.Array`` with its copy.
+class Held:
+    """A copy of a ready ``jax.Array`` (``original``; ``None`` for a copy of a
+    call's array) that the pending deferred programs reading it share."""
 
-    A NumPy array the caller writes to later must not change a program that
-    runs later (JAX copies it at dispatch). Nor may a ``jax.Array`` that the
-    caller donates (``donate_argnums``) or deletes before the program runs:
-    JAX's runtime orders a donation after the programs it has enqueued, but a
-    deferred program is not enqueued yet, and a donation through jit's C++
-    fast path is never seen from Python (no hook can copy at the conflict).
-    So each is copied on its devices now (dispatched, not waited for).
+    __slots__ = ("original", "copy")
+
+    def __init__(self, original: Any, copy: Any):
+        self.original, self.copy = original, copy
+
+
+class _Dispatching(threading.local):
+    #: The program run this thread dispatches (see :meth:`Readers.settle`).
+    run: ProgramRun | None = None
+
+
+_dispatching = _Dispatching()
+
+
+class Readers:
+    """What the pending deferred programs read, and the order they were called in.
+
+    A program reads its arguments as they were at its call, whatever later
+    calls do to them (JAX's runtime promises that for the programs it has
+    enqueued; a deferred one is not enqueued yet):
+
+    - a ready ``jax.Array`` is copied at the call (:meth:`freeze`; dispatched,
+      not waited for), once for all the pending programs that read it: jit's
+      C++ fast path donates without passing any hook, so no later point could
+      copy at the conflict;
+    - before a call's array, or such a copy, is handed to a program
+      (:meth:`settle`), which may donate it, the pending programs called
+      earlier that read it are let go of it (:meth:`ProgramRun.let_go`):
+      dispatched first if their data has landed, else given one new copy
+      between them (the only other copy: at the conflict). An ``AsyncArray``
+      argument never takes the fast path, so all its handing passes here.
     """
-    copies: dict[int, tuple[Any, Any]] = {}
-    frozen = []
-    for a in args:
-        if isinstance(a, np.ndarray):
-            a = np.array(a, copy=True)
-        elif isinstance(a, jax.Array) and not is_extended(a.dtype):
-            if id(a) not in copies:
-                copies[id(a)] = (a, jax.device_put(a, may_alias=False))
-            a = copies[id(a)][1]
-        frozen.append(a)
-    return frozen, list(copies.values())
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: The pending deferred programs, in call order, by what they read: a
+        #: call (its arrays) or a :class:`Held` copy. Read without the lock:
+        #: whether there are any.
+        self.by_source: dict[Any, list[ProgramRun]] = {}
+        #: The shared copies of ready arrays, by ``id`` of the original.
+        self._held: dict[int, Held] = {}
+
+    def freeze(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+        """``args`` as they are now, and what each reads (a :class:`Held` for a
+        ``jax.Array``; NumPy arrays are copied, as JAX copies them at dispatch)."""
+        frozen: list[Any] = []
+        held: list[Any] = []
+        for a in args:
+            h = None
+            if isinstance(a, np.ndarray):
+                a = np.array(a, copy=True)
+            elif isinstance(a, jax.Array) and not is_extended(a.dtype):
+                with self._lock:
+                    h = self._held.get(id(a))
+                if h is None or h.original is not a or h.copy.is_deleted():
+                    h = Held(a, jax.device_put(a, may_alias=False))
+                    with self._lock:
+                        self._held[id(a)] = h
+                a = h.copy
+            frozen.append(a)
+            held.append(h)
+        return frozen, held
+
+    def add(self, run: ProgramRun, sources: list[Any]) -> None:
+        """``run`` reads ``sources`` (calls, copies) until it finishes."""
+        with self._lock:
+            for source in sources:
+                self.by_source.setdefault(source, []).append(run)
+        run.future.add_done_callback(lambda _: self._remove(run))
+
+    def _remove(self, run: ProgramRun) -> None:
+        with self._lock:
+            for source, runs in list(self.by_source.items()):
+                if run in runs:
+                    runs.remove(run)
+                if not runs:
+                    del self.by_source[source]
+                    if isinstance(source, Held) and source.original is not None:
+                        if self._held.get(id(source.original)) is source:
+                            del self._held[id(source.original)]
+
+    def settle(self, source: Any) -> None:
+        """Before ``source``'s arrays are handed to a program: the pending
+        programs called before it that read them no longer need them."""
+        me = _dispatching.run
+        with self._lock:
+            runs = list(self.by_source.get(source, ()))
+        made: dict[Any, Held] = {}
+        for run in runs:
+            if run is me:
+                break  # those called later read after this one
+            run.let_go(source, made, self)
 
 
 def defer(
@@ -129,89 +203,49 @@ def defer(
     ``reads``: for each argument that is an ``AsyncArray``, its ``Pending`` (its
     call and leaf), else ``None``; ``arrays_of``: the ``AsyncArray`` s of a call.
     """
-    frozen, copies = frozen_args(args)
-    inputs = [r.task for r in reads if r is not None and not r.task.future.done()]
+    frozen, held = readers.freeze(args)
+    reads = [r if r is not None else h for r, h in zip(reads, held, strict=True)]
+    inputs = [r.task for r in reads if _is_call(r) and not r.task.future.done()]
     run = ProgramRun(
-        functools.partial(_dispatch_then_free, dispatch, copies),
+        dispatch,
+        readers,
         frozen,
-        list(reads),
+        reads,
         inputs,
         f"`{program.name}`",
         output_specs(program),
     )
-    readers.add(run, [r.task for r in reads if r is not None])
+    sources = [r.task if _is_call(r) else r for r in reads if r is not None]
+    readers.add(run, list(dict.fromkeys(sources)))
     outs = arrays_of(run)
     run.submit()
     return outs
 
 
-def _dispatch_then_free(
-    dispatch: Callable[[list[Any]], list[jax.Array]],
-    copies: list[tuple[Any, Any]],
-    args: list[Any],
-) -> list[jax.Array]:
-    """Runs the program; a copy it donated stands for the caller's array, which
-    is deleted then (later uses fail, as after a donation; JAX's runtime keeps
-    it for the programs enqueued before)."""
-    try:
-        return dispatch(args)
-    finally:
-        for original, copy in copies:
-            if copy.is_deleted() and not original.is_deleted():
-                original.delete()
+def _is_call(read: Any) -> bool:
+    """Whether ``read`` is a call's array (a ``Pending``), not a :class:`Held`."""
+    return read is not None and not isinstance(read, Held)
 
 
-class _Dispatching(threading.local):
-    #: The program run this thread dispatches (see :meth:`Readers.settle`).
-    run: ProgramRun | None = None
+#: :func:`_key` of a read that does not read the source.
+_OTHER = object()
 
 
-_dispatching = _Dispatching()
+def _key(read: Any, source: Any) -> Any:
+    """Which of ``source``'s arrays ``read`` reads: its leaf (a call's), ``None``
+    (a copy), or :data:`_OTHER`."""
+    if read is source:
+        return None
+    if _is_call(read) and read.task is source:
+        return read.leaf
+    return _OTHER
 
 
-class Readers:
-    """The deferred programs that read each call's arrays, in call order.
-
-    A program called before another reads its arguments as they were (JAX's
-    runtime orders a donation after the programs enqueued before it). Before a
-    call's array is handed to a program (:meth:`settle`), every deferred
-    program called earlier that reads it is made independent of it: dispatched
-    here if its data has landed, else given a copy (the only copy: at the
-    conflict). All such handing passes here: an ``AsyncArray`` argument never
-    takes jit's C++ fast path.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        #: The deferred programs not finished, by the call whose arrays they
-        #: read (read without the lock: whether there are any).
-        self.by_task: dict[Task, list[ProgramRun]] = {}
-
-    def add(self, run: ProgramRun, tasks: list[Task]) -> None:
-        with self._lock:
-            for task in tasks:
-                self.by_task.setdefault(task, []).append(run)
-        run.future.add_done_callback(lambda _: self._remove(run, tasks))
-
-    def _remove(self, run: ProgramRun, tasks: list[Task]) -> None:
-        with self._lock:
-            for task in tasks:
-                runs = self.by_task.get(task, [])
-                if run in runs:
-                    runs.remove(run)
-                if not runs:
-                    self.by_task.pop(task, None)
-
-    def settle(self, task: Task) -> None:
-        """Before ``task``'s arrays are handed to a program: the deferred
-        programs called before it that read them no longer need them."""
-        me = _dispatching.run
-        with self._lock:
-            runs = list(self.by_task.get(task, ()))
-        for run in runs:
-            if run is me:
-                break  # those called later read after this one
-            run.let_go(task)
+def _value(read: Any, source: Any) -> Any:
+    """The array that ``read`` reads of ``source`` now."""
+    if isinstance(source, Held):
+        return source.copy
+    return source.future.result()[read.leaf]
 
 
 @functools.cache
@@ -245,9 +279,10 @@ class ProgramRun(Task):
     Args:
         dispatch: Dispatches the program with the arguments it is given, once
             every input has landed; returns its outputs.
-        args: The program's arguments (:func:`frozen_args`).
-        reads: For each argument that is a call's array, the call and leaf
-            (``Pending``), else ``None``: what :meth:`let_go` copies.
+        readers: What the pending programs read (:class:`Readers`).
+        args: The program's arguments (:meth:`Readers.freeze`).
+        reads: For each argument, what it reads: a call's array (``Pending``),
+            a :class:`Held` copy, or ``None``.
         inputs: The calls of the pending arguments.
         name: The program's name, for messages (``\\`jit(f)\\```).
         specs: The program's output leaves.
@@ -261,6 +296,7 @@ class ProgramRun(Task):
         "root",
         "_landed",
         "_dispatch",
+        "_readers",
         "_program_args",
         "_reads",
     )
@@ -269,6 +305,7 @@ class ProgramRun(Task):
     def __init__(
         self,
         dispatch: Callable[[list[Any]], list[jax.Array]],
+        readers: Readers,
         args: list[Any],
         reads: list[Any],
         inputs: list[Task],
@@ -285,6 +322,7 @@ class ProgramRun(Task):
             specs=specs,
         )
         self._dispatch = dispatch
+        self._readers = readers
         self._program_args = args
         self._reads = reads
         self._inputs = tuple(dict.fromkeys(inputs))  # each call once, in order
@@ -301,28 +339,44 @@ class ProgramRun(Task):
     def _dispatch_now(self) -> list[jax.Array]:
         with self._inputs_lock:
             args, self._program_args = self._program_args, []
+            held = [r for r in self._reads if isinstance(r, Held)]
         outer, _dispatching.run = _dispatching.run, self
         try:
+            for h in held:  # it may donate them: the earlier readers first
+                self._readers.settle(h)
             return self._dispatch(args)
         finally:
             _dispatching.run = outer
+            for h in held:
+                # A donated copy stands for the caller's array, deleted now
+                # (later uses fail, as after a donation; JAX's runtime keeps
+                # it for the programs enqueued before).
+                if h.copy.is_deleted() and h.original is not None:
+                    if not h.original.is_deleted():
+                        h.original.delete()
 
-    def let_go(self, task: Task) -> None:
-        """Makes this program independent of ``task``'s arrays, before a
-        program called later is handed them: dispatched here if its data has
-        landed (it was called first), else reading a copy of them."""
+    def let_go(self, source: Any, made: dict[Any, Held], readers: Readers) -> None:
+        """Makes this program independent of ``source`` (a call or a
+        :class:`Held` copy), before a program called later is handed it:
+        dispatched here if its data has landed (it was called first), else
+        reading a new copy, made once for all in ``made``."""
         with self._inputs_lock:
-            waiting = self._waiting and not self.future.done()
-            if waiting and task.future.done() and task.future.exception() is None:
+            waiting = bool(self._waiting) and not self.future.done()
+            if waiting:
                 for k, read in enumerate(self._reads):
-                    if read is not None and read.task is task:
-                        self._reads[k] = None
-                        value = task.future.result()[read.leaf]
+                    key = _key(read, source)
+                    if key is _OTHER:
+                        continue
+                    if key not in made:
                         try:
+                            value = _value(read, source)
                             copy = jax.device_put(value, may_alias=False)
-                        except Exception:  # noqa: BLE001 - deleted: this run fails
-                            continue  # on its own (the dispatch, not this one)
-                        self._program_args[k] = copy
+                        except Exception:  # noqa: BLE001 - deleted or failed: this
+                            continue  # run fails on its own, at its dispatch
+                        made[key] = Held(None, copy)
+                        readers.add(self, [made[key]])
+                    self._program_args[k] = made[key].copy
+                    self._reads[k] = made[key]
         if not waiting:
             self.run()
             concurrent.futures.wait([self.future])  # the dispatch: moments

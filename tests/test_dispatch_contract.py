@@ -5,8 +5,7 @@
   donation (``donate_argnums``, through jit's C++ fast path too), ``delete()``, a
   donation by another deferred program in a chain. JAX's runtime promises this for
   the programs it has enqueued; deferred dispatch holds programs back, so it must
-  keep the promise itself (``_arrays/deferred_dispatch.py``, ``frozen_args`` and
-  ``Readers``).
+  keep the promise itself (``_arrays/deferred_dispatch.py``, ``Readers``).
 - **Types never depend on timing.** A call with an ``AsyncArray`` argument returns
   ``AsyncArray`` s for its array outputs, whether the load ended before the call or
   after, in every mode; a call without one returns what JAX returns; tokens stay

@@ -30,29 +30,9 @@ from . import dispatch_streams as _dispatch_streams
 from .gates import EXIT_DRAIN_S, GATE_PLATFORMS, Gates
 from .gates import MAX_WAITING_PROGRAMS as MAX_WAITING_PROGRAMS
 from .gates import AsyncCallFailed as AsyncCallFailed
+from .gates import Pending as Pending
 from .leaves import LeafSpec
 from .task import Task, worker_state
-
-
-class Pending(NamedTuple):
-    """An ``AsyncArray`` handed to a dispatch: its call, the leaf of the call's
-    result it is, and the array (its shape, dtype, and value once there).
-
-    Made by :mod:`.async_array` (the array's owner), so that this module reaches
-    the call and leaf by these fields, never by the array's private ones.
-    """
-
-    task: Task
-    leaf: int
-    array: Any
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.array.shape
-
-    @property
-    def dtype(self) -> Any:
-        return self.array.dtype
 
 
 class ArrayKind(NamedTuple):
@@ -119,13 +99,12 @@ class Dispatch:
             else f"unavailable in jax {jax.__version__}: {reason}"
         )
 
-    def defers_on(self, platform: str, mode: str | None = None) -> bool:
+    def defers_on(self, platform: str) -> bool:
         """Whether programs on ``platform`` are deferred: on accelerators, where
         asked for, and where the gates cannot run (no transfer server: its
-        hooks are missing, or the machine refuses its loopback socket).
-        ``mode``: :meth:`mode`, if the caller has read it."""
+        hooks are missing, or the machine refuses its loopback socket)."""
         return (
-            (mode or self.mode()) == "deferred"
+            self.mode() == "deferred"
             or platform not in GATE_PLATFORMS
             or self.gates.unavailable() is not None
         )
@@ -188,13 +167,14 @@ class Dispatch:
             # collectives meet): deferring one would reorder them.
             return False
         devices = program._local_devices
-        if devices and not self.defers_on(devices[0].platform, mode):
-            self.gates.start(devices[0])  # if it cannot start, defer instead
-        return (
-            bool(devices)
-            and all(self.defers_on(d.platform, mode) for d in devices)
-            and _deferred_dispatch.deferrable(program)
-        )
+        if not devices:
+            return False
+        if mode == "auto" and all(d.platform in GATE_PLATFORMS for d in devices):
+            if devices[0].client not in self.gates.servers:
+                self.gates.start(devices[0])  # if it cannot start, defer instead
+            if self.gates.unavailable() is None:
+                return False  # gate programs
+        return _deferred_dispatch.deferrable(program)
 
     def _results(self, outs: list[Any]) -> list[Any]:
         """The outputs of a run on ``AsyncArray`` s: its arrays as ``AsyncArray``
@@ -226,7 +206,7 @@ class Dispatch:
                 out[i] = self._landed(x)
             else:
                 todo.append(i)
-        if todo and self._may_dispatch([shardings[i] for i in todo]):
+        if todo and self._may_dispatch():
             own_stream = self._wrapped and not self.in_thread_order()
             self.gates.fill(xs, shardings, todo, out, own_stream)
         for i in todo:
@@ -244,7 +224,7 @@ class Dispatch:
             self.readers.settle(x.task)
         return value
 
-    def _may_dispatch(self, shardings: list[Any]) -> bool:
+    def _may_dispatch(self) -> bool:
         if _dispatch_streams.ordered_effects():
             # JAX dispatches a program with an ordered effect only once the
             # previous one with that effect has run, and a failed one fails
@@ -255,9 +235,7 @@ class Dispatch:
             # A call run by the pool that needs another call's value runs that
             # call itself (see Task.wait) rather than queue behind busy workers.
             return False
-        if self.mode() != "auto" or self.gates.unavailable():
-            return False
-        return self.gates.has_room(shardings)
+        return self.mode() == "auto" and self.gates.unavailable() is None
 
     def after_fork(self) -> None:
         # Servers, gates and programs in flight belong to the parent.

@@ -20,7 +20,7 @@ jitted call whose arguments include pending ``AsyncArray`` s is not run at once:
 - the program reads its arguments as they were at the call, whatever later
   calls do to them (a donation, ``delete()``, a write to a NumPy array), as JAX's
   runtime promises for the programs it has enqueued: NumPy arrays and
-  ``jax.Array`` s are copied at the call (:func:`frozen_args`: jit's C++ fast
+  ``jax.Array`` s are copied at the call (:meth:`Readers.freeze`: jit's C++ fast
   path donates without passing any hook, so no later point could copy), and an
   ``AsyncArray`` is let go of (:class:`Readers`) before a later program is handed
   it.

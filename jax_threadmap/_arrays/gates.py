@@ -72,6 +72,27 @@ _RAN = jax.ShapeDtypeStruct((), np.int32)
 GATE_PLATFORMS = frozenset({"cpu"})
 
 
+class Pending(NamedTuple):
+    """An ``AsyncArray`` handed to a dispatch: its call, the leaf of the call's
+    result it is, and the array (its shape, dtype, and value once there).
+
+    Made by :mod:`.async_array` (the array's owner), so that dispatch reaches
+    the call and leaf by these fields, never by the array's private ones.
+    """
+
+    task: Task
+    leaf: int
+    array: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.array.dtype
+
+
 class Shard(NamedTuple):
     """One shard of one pending array that a gate program makes."""
 
@@ -152,7 +173,10 @@ class Gates:
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._servers: dict[Any, tuple[Any, Any]] = {}
+        #: The transfer server and its connection, by client (read without the
+        #: lock: whether a client's server started).
+        self.servers: dict[Any, tuple[Any, Any]] = {}
+        #: Why a transfer server did not start, or ``None``.
         self._broken: str | None = None
         self._programs: dict[Any, Any] = {}
         self._waiting: dict[Any, int] = {}
@@ -178,10 +202,11 @@ class Gates:
             pass
 
     def unavailable(self) -> str | None:
-        """Why gate programs cannot run, or ``None``."""
+        """Why gate programs cannot run (a hook missing, a server that did not
+        start), or ``None``."""
         return _program_runs.async_dispatch_unavailable() or self._broken
 
-    def has_room(self, shardings: list[Any]) -> bool:
+    def _has_room(self, shardings: list[Any]) -> bool:
         """Whether the gate programs' platforms and bound allow a dispatch."""
         devices = set()
         for sharding in shardings:
@@ -202,7 +227,10 @@ class Gates:
         own_stream: bool,
     ) -> None:
         """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs
-        (left ``None`` where the call finished meanwhile, or on a failure)."""
+        (left ``None`` where the bound is reached, the call finished meanwhile,
+        or on a failure: that dispatch waits for its data)."""
+        if not self._has_room([shardings[i] for i in todo]):
+            return
         # The gate programs (and the program being dispatched, if any) go on a
         # stream of their own, so that nothing else waits for this data.
         put_back = _dispatch_streams.switch_stream(own_stream)
@@ -354,7 +382,7 @@ class Gates:
 
     def _server(self, client: Any) -> tuple[Any, Any]:
         with self._lock:
-            if client not in self._servers:
+            if client not in self.servers:
                 try:
                     start = _program_runs.start_transfer_server
                     if start is None:  # status() reports why; callers checked it
@@ -375,8 +403,8 @@ class Gates:
                         self._broken,
                     )
                     raise
-                self._servers[client] = (server, conn)
-            return self._servers[client]
+                self.servers[client] = (server, conn)
+            return self.servers[client]
 
     def _program(self, device: Any, spec: tuple, avals: tuple) -> Any:
         key = (device, spec, avals)

@@ -96,8 +96,9 @@ class AsyncArray:
         ...                    2, dtype=np.float32)
         >>> x.shape, x.dtype
         ((2,), dtype('float32'))
-        >>> jax.jit(lambda a: a * 2)(x)
-        Array([2., 2.], dtype=float32)
+        >>> y = jax.jit(lambda a: a * 2)(x)  # an AsyncArray, as its argument
+        >>> print(y)
+        [2. 2.]
     """
 
     __slots__ = ("_task", "_index", "__weakref__")

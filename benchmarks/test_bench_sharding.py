@@ -15,9 +15,18 @@ On one machine the gather is a copy in memory, so the two sides cost about the
 same; the per-shard path matters where shards live on several hosts or GPUs (no
 data through device 0, each host maps its own rows).
 
+The second benchmark (issue 52) puts a classic mesh (``jax.sharding.Mesh``,
+automatic axes: the map is partitioned by XLA through ``custom_partitioning``)
+beside an explicit one (a ``shard_map`` per shard), on 8 CPU devices: a
+``(rows, 4096)`` float32 batch sharded by rows (64 MB; 1 GB with
+``--classic 1024``), a vectorized kernel that doubles the rows or sorts them,
+and ``jax.pure_callback`` (vectorized) on the classic mesh, which XLA runs on
+one device. Ratios are to the explicit mesh.
+
 Run:
     pytest benchmarks/test_bench_sharding.py -s
     python benchmarks/test_bench_sharding.py
+    python benchmarks/test_bench_sharding.py --classic 1024   # the 1 GB batch
 """
 
 from __future__ import annotations
@@ -75,6 +84,103 @@ def child() -> dict[str, float]:
     return best
 
 
+CLASSIC_WIDTH = 4096
+#: MB of the classic-mesh batch (float32 rows of CLASSIC_WIDTH); 1024: 1 GB.
+CLASSIC_MB = 64
+CLASSIC_ROUNDS = 5
+#: The largest batch timed with pure_callback: its all-gather puts the whole
+#: batch on each of the 8 devices (8 GB and more for 1 GB, beyond a shared box).
+PURE_CALLBACK_MB = 256
+
+
+def classic_child(mb: int, rounds: int) -> dict[str, float]:
+    """Best times of the classic-mesh sides against the explicit mesh."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_threadmap import threadmap
+
+    assert jax.device_count() == 8, jax.devices()
+    rows = mb * 2**20 // (4 * CLASSIC_WIDTH)
+    row = jax.ShapeDtypeStruct((CLASSIC_WIDTH,), jnp.float32)
+    kernels = {"double": lambda x: x * 2, "sort": lambda x: np.sort(x, axis=-1)}
+    classic = Mesh(np.array(jax.devices()), ("b",))
+    explicit = jax.make_mesh((8,), ("b",), axis_types=(AxisType.Explicit,))
+    x = np.random.default_rng(0).random((rows, CLASSIC_WIDTH), np.float32)
+    xc = jax.device_put(x, NamedSharding(classic, P("b")))
+    xe = jax.device_put(x, NamedSharding(explicit, P("b")))
+    del x
+    best: dict[str, float] = {"rows": rows}
+    for kname, kernel in kernels.items():
+
+        def mapped(rows, kernel=kernel):
+            one = lambda r: threadmap(kernel, row, r, vectorized=True)  # noqa: E731
+            return jax.vmap(one)(rows)
+
+        def callback(rows, kernel=kernel):
+            return jax.pure_callback(
+                kernel, jax.typeof(rows), rows, vmap_method="expand_dims"
+            )
+
+        sides = {
+            "explicit": (jax.jit(mapped), xe),
+            "classic": (jax.jit(mapped), xc),
+        }
+        if mb <= PURE_CALLBACK_MB:  # (it gathers the batch on all 8 devices)
+            sides["pure_callback"] = (jax.jit(jax.vmap(callback)), xc)
+        want = None
+        for f, arg in sides.values():  # compile and check, off the clock
+            got = np.asarray(f(arg))
+            want = got if want is None else want
+            assert np.array_equal(got, want)
+        del want, got
+        times = {name: float("inf") for name in sides}
+        for _ in range(rounds):
+            for name, (f, arg) in sides.items():
+                t = time.perf_counter()
+                f(arg).block_until_ready()
+                times[name] = min(times[name], time.perf_counter() - t)
+        for name, t in times.items():
+            best[f"{kname}_{name}"] = t
+    return best
+
+
+def classic_report(r: dict[str, float], mb: int) -> str:
+    lines = [
+        f"{int(r['rows'])} x {CLASSIC_WIDTH} float32 ({mb} MB) on 8 CPU devices, "
+        "vectorized kernel, best of each side:",
+        "| kernel | explicit mesh | classic mesh | pure_callback (classic) |",
+        "|---|---|---|---|",
+    ]
+    for k in ("double", "sort"):
+        e, c = r[f"{k}_explicit"], r[f"{k}_classic"]
+        p = r.get(f"{k}_pure_callback")
+        callback = "not run" if p is None else f"{p * 1e3:.0f} ms ({p / e:.2f}x)"
+        lines.append(
+            f"| {k} | {e * 1e3:.0f} ms | {c * 1e3:.0f} ms ({c / e:.2f}x) | {callback} |"
+        )
+    return "\n".join(lines)
+
+
+def compare_classic(mb: int = CLASSIC_MB, rounds: int = CLASSIC_ROUNDS) -> dict:
+    """Runs :func:`classic_child` in a process with 8 CPU devices."""
+    import harness
+
+    return harness.script_in_child(
+        __file__, "--classic-child", str(mb), str(rounds), devices=8
+    )
+
+
+def test_classic_mesh_against_explicit_mesh(benchmark):
+    benchmark.group = "sharding: classic mesh / explicit mesh"
+    result = benchmark.pedantic(compare_classic, rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+    print("\n" + classic_report(result, CLASSIC_MB))
+
+
 def compare() -> dict[str, float]:
     """Runs :func:`child` in a process with 4 CPU devices."""
     import harness  # here: the child runs this file too, and needs none of it
@@ -102,5 +208,11 @@ def test_per_shard_against_gathered(benchmark):
 if __name__ == "__main__":
     if sys.argv[1:] == ["--child"]:
         print(json.dumps(child()))
+    elif sys.argv[1:2] == ["--classic-child"]:
+        print(json.dumps(classic_child(int(sys.argv[2]), int(sys.argv[3]))))
+    elif sys.argv[1:2] == ["--classic"]:
+        mb = int(sys.argv[2])
+        print(classic_report(compare_classic(mb, 3 if mb > 64 else 5), mb))
     else:
         print(report(compare()))
+        print(classic_report(compare_classic(), CLASSIC_MB))

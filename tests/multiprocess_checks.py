@@ -201,47 +201,43 @@ def main():
         calls,
     )
 
-    # Sharded jit without shard_map: right values, whichever process maps them.
-    g = jax.jit(per_row, out_shardings=NamedSharding(MESH, P("d")))
+    # Sharded jit without shard_map on a classic mesh (automatic axes): the
+    # map is partitioned by XLA (custom_partitioning), so each process maps its
+    # own devices' 4 rows on its own threads, and the result keeps the rows'
+    # sharding (docs/sharding.md).
+    g = jax.jit(per_row)
     del calls[:]
     out = g(rows, A)
     check("sharded jit values", np.array_equal(gathered(out["v"]), expected))
-    # What the compiled program does today (docs/sharding.md): the partitioner
-    # places the host call on device 0, so process 0 maps all 8 rows.
-    pids = set(gathered(out["pid"]).tolist())
-    check("sharded jit: one process maps all rows", len(pids) == 1, pids)
-    check("sharded jit: process 0", len(calls) == (8 if INDEX == 0 else 0), calls)
-
-    # Sharded jit on an explicit mesh ("sharding in types"): jax_threadmap maps
-    # per shard by itself, so each process maps its own devices' 4 rows on its
-    # own threads, and the result keeps the rows' sharding.
-    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
-    # (jax 0.7 to 0.9 refuse that, and map every row in process 0 as above.)
-    since, until = jax_threadmap._jax.explicit_sharding.PER_SHARD_REFUSED
-    refused = since <= jax_threadmap._jax.hooks.JAX_VERSION < until
-    erows = global_rows(explicit)
-    del calls[:]
-    # Where refused, without out_shardings jax 0.8.3 fails to place the result
-    # ("Cannot convert GSPMDSharding {maximal device=0} into SdyArray").
-    shardings = NamedSharding(explicit, P("d")) if refused else None
-    out = jax.jit(per_row, out_shardings=shardings)(erows, A)
-    check("explicit jit values", np.array_equal(gathered(out["v"]), expected))
-    pids = set(gathered(out["pid"]).tolist())
+    check("sharded jit ran here", local_pids(out["pid"]) == {os.getpid()})
     check(
-        "explicit jit ran here",
-        len(pids) == 1 if refused else local_pids(out["pid"]) == {os.getpid()},
-        pids,
+        "sharded jit on this process's threads",
+        len(calls) == 4 and main_thread not in calls,
+        calls,
     )
     check(
+        "sharded jit keeps the sharding",
+        out["v"].sharding.is_equivalent_to(rows.sharding, 2),
+        out["v"].sharding,
+    )
+
+    # Sharded jit on an explicit mesh ("sharding in types"): mapped per shard
+    # too (in a shard_map; on jax 0.8.1 to 0.9.0.1, which refuse that, by the
+    # partitioner as above).
+    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    erows = global_rows(explicit)
+    del calls[:]
+    out = jax.jit(per_row)(erows, A)
+    check("explicit jit values", np.array_equal(gathered(out["v"]), expected))
+    check("explicit jit ran here", local_pids(out["pid"]) == {os.getpid()})
+    check(
         "explicit jit on this process's threads",
-        (len(calls) == (8 if INDEX == 0 else 0))
-        if refused
-        else (len(calls) == 4 and main_thread not in calls),
+        len(calls) == 4 and main_thread not in calls,
         calls,
     )
     check(
         "explicit jit keeps the sharding",
-        refused or out["v"].sharding.is_equivalent_to(erows.sharding, 2),
+        out["v"].sharding.is_equivalent_to(erows.sharding, 2),
         out["v"].sharding,
     )
 

@@ -97,19 +97,18 @@ def check(name, got, want, calls=None, elements=None):
     print("ok", name)
 
 
-def gathered_jit(xs, tag):
-    """jit with NamedSharding inputs in automatic mode: what the compiled program
-    does, as docs/sharding.md says. The partitioner places the host call on
-    device 0: the batched operand is all-gathered, device 0 alone calls the host
-    (a conditional on the partition id), with all 8 rows in one flat map, and the
-    result stays on device 0."""
+def auto_per_shard_jit(xs, tag):
+    """jit with NamedSharding inputs in automatic mode (and, on jax 0.8.1 to
+    0.9.0.1, explicit mode): the equation is lowered through
+    custom_partitioning, so XLA's partitioner splits it along the batch axis:
+    one flat map per device on its own 2 rows, no collective, and the result
+    keeps the rows' sharding (docs/sharding.md)."""
     f = jax.jit(per_row(scaled_sort))
-    out = f(xs, A)
-    check(f"{tag} jit NamedSharding", out, SORTED, [("scaled_sort", (8,))])
-    hlo = f.lower(xs, A).compile().as_text()
-    assert "all-gather(" in hlo, hlo
-    assert "conditional(" in hlo and "partition-id()" in hlo, hlo
-    assert "{maximal device=0}" in str(out.sharding), out.sharding
+    out = compiled_without_movement(f, xs, A)(xs, A)
+    check(
+        f"{tag} jit NamedSharding per shard", out, SORTED, [("scaled_sort", (2,))] * 4
+    )
+    assert_same_sharding(out, xs)
 
 
 def assert_same_sharding(out, x):
@@ -291,15 +290,25 @@ def per_shard_jit(mesh, xs):
         np.sort(X) * 6.0,
         elements=8,
     )
-    # A mesh mixing explicit and automatic axes: mapped on one device.
+    # A mesh mixing explicit and automatic axes: partitioned by XLA along "x"
+    # (custom_partitioning); the devices along the automatic "y" map the same
+    # rows under Shardy, which keeps the result on P("x"), and their own rows
+    # under GSPMD, which takes the finer sharding proposed.
     mixed = jax.make_mesh(
         (2, 2), ("x", "y"), axis_types=(AxisType.Explicit, AxisType.Auto)
     )
     xm = jax.device_put(X, NamedSharding(mixed, P("x")))
-    check("Explicit and Auto axes", f(xm, A), SORTED, [("scaled_sort", (8,))])
-    # A batch too small to split over every device: mapped on one device.
+    shardy = jax.config.jax_use_shardy_partitioner
+    block = (4,) if shardy else (2,)
+    out = compiled_without_movement(f, xm, A)(xm, A)
+    check("Explicit and Auto axes", out, SORTED, [("scaled_sort", block)] * 4)
+    # A batch too small to split over "y" too: each row is mapped on both
+    # devices of its "x" block (no data moves).
     x1 = jax.device_put(X[:2], NamedSharding(mesh2, P("x")))
-    check("Explicit batch of 2 on 4 devices", f(x1, A), SORTED[:2], elements=2)
+    out = compiled_without_movement(f, x1, A)(x1, A)
+    check(
+        "Explicit batch of 2 on 4 devices", out, SORTED[:2], [("scaled_sort", (1,))] * 4
+    )
 
 
 def main():
@@ -355,8 +364,8 @@ def main():
 
         if axis_type == AxisType.Explicit and not PER_SHARD_REFUSED:
             per_shard_jit(mesh, xs)
-        else:  # also explicit axes on jax 0.7 to 0.9 (docs/sharding.md)
-            gathered_jit(xs, tag)
+        else:  # also explicit axes on jax 0.8.1 to 0.9.0.1 (docs/sharding.md)
+            auto_per_shard_jit(xs, tag)
 
         # Derivatives inside shard_map: per-shard JVP/VJP equations.
         def loss(x, a):

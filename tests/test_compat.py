@@ -69,6 +69,7 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.DISPATCH_STREAMS,
         _compat.SHARD_MAP,
         _compat.PER_SHARD_JIT,
+        _compat.AUTO_PER_SHARD,
         _compat.FAST_PLACEMENT,
     }
     for form in hook.forms:
@@ -309,6 +310,13 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         return
     if hook.features == (_compat.FAST_PLACEMENT,):  # optional: jax.device_put
         assert _placement.put_on_device(None, np.zeros(2), None) is None
+        for use in FEATURE_USES.values():
+            use()
+        return
+    if hook.features == (_compat.AUTO_PER_SHARD,):  # optional: one device maps
+        # (with one INFO line; tests/auto_sharding_checks.py runs that on 8 devices)
+        reason = _compat.missing_for(_compat.AUTO_PER_SHARD)
+        assert reason is not None and reason.startswith(f"{hook.name} is missing")
         for use in FEATURE_USES.values():
             use()
         return

@@ -37,6 +37,7 @@ from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
 from .._jax import avals as _avals
 from .._jax import primitive_rules as _rules
+from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
 from . import per_shard as _per_shard
 from .params import HostCall
@@ -175,7 +176,11 @@ def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     if params["spec"].size == 0 or not data_out:
         return _rules.lower_zeros(ctx, args, avals_out)
     data_in = [k for k, a in enumerate(avals_in) if _holds_data(a)]
-    host = host_function(**params, devices=_rules.lowering_devices(ctx))
+    devices = _rules.lowering_devices(ctx)
+    per_shard = _lower_per_shard(ctx, args, params, devices, data_in, data_out)
+    if per_shard is not None:
+        return per_shard
+    host = host_function(**params, devices=devices)
     host = _without_empty(host, avals_in, data_in, data_out, len(avals_out))
     callback_out = [avals_out[k] for k in data_out]
     sharding = _rules.callback_op_sharding(
@@ -197,6 +202,15 @@ def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
         returns_token=False,
         sharding=sharding,
     )
+    return _with_zeros(ctx, args, data_out, results)
+
+
+def _with_zeros(
+    ctx: Any, args: Sequence[Any], data_out: list[int], results: Sequence[Any]
+) -> Sequence[Any]:
+    """The callback's ``results`` (those ``data_out``), with zeros for the
+    results that hold no data."""
+    avals_out = ctx.avals_out
     if len(data_out) == len(avals_out):
         return results
     empty = [a for a in avals_out if not _holds_data(a)]
@@ -204,6 +218,26 @@ def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     return [
         next(filled) if k in data_out else next(zeros) for k in range(len(avals_out))
     ]
+
+
+def _lower_per_shard(
+    ctx: Any,
+    args: Sequence[Any],
+    params: dict[str, Any],
+    devices: frozenset[Any],
+    data_in: list[int],
+    data_out: list[int],
+) -> Sequence[Any] | None:
+    """Under jit on automatic mesh axes: one host call per device, each on its
+    own block (docs/sharding.md); ``None`` elsewhere, and where an operand or
+    a result holds no data."""
+    if len(data_in) < len(ctx.avals_in) or len(data_out) < len(ctx.avals_out):
+        return None
+
+    def make_host(spec: BatchSpec) -> Callable[..., tuple[np.ndarray, ...]]:
+        return host_function(**{**params, "spec": spec}, devices=devices)
+
+    return _auto_shard.lower(ctx, args, params, threadmap_p.bind, make_host)
 
 
 def _holds_data(aval: Any) -> bool:

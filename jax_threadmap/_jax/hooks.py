@@ -68,6 +68,11 @@ FAST_PLACEMENT = "fast placement"
 #: per shard (:mod:`.._core.per_shard`). Where a hook is missing, such equations are
 #: mapped on one device as in automatic mode (:func:`per_shard_unavailable`).
 PER_SHARD_JIT = "per-shard jit"
+#: Optional: under ``jit`` on automatic mesh axes (GSPMD or Shardy), a map whose
+#: batch axes are sharded is lowered through ``custom_partitioning`` and mapped
+#: per shard (:mod:`.._core.auto_shard`). Where a hook is missing, it is mapped
+#: on one device, with one INFO log line (:func:`.auto_sharding.unavailable`).
+AUTO_PER_SHARD = "per-shard jit on automatic axes"
 
 
 def version_text(version: tuple[int, ...]) -> str:
@@ -287,6 +292,45 @@ def _mesh_axes_of_enclosing_vmaps(trace_ctx: Any) -> Any:
     return vmapped_mesh_axes
 
 
+#: JAX's FFI targets of host callbacks, by platform (what emit_python_callback
+#: emits on every supported JAX: ``xla_ffi_python_{cpu,gpu}_callback`` with an
+#: ``index`` attribute into the program's host callbacks). TPU callbacks are
+#: send/recv pairs instead; there per-shard maps on automatic axes fall back.
+PYTHON_CALLBACK_TARGETS: dict[str, str] = {
+    "cpu": "xla_ffi_python_cpu_callback",
+    "cuda": "xla_ffi_python_gpu_callback",
+    "rocm": "xla_ffi_python_gpu_callback",
+}
+
+
+def _host_callback_registrar(module_context_class: Any) -> Any:
+    if not hasattr(module_context_class, "add_host_callback"):
+        raise AttributeError("ModuleContext has no add_host_callback")
+
+    def register_host_callback(module_context: Any, callback: Any) -> int:
+        # The callback's index in the program's host callbacks, which the FFI
+        # call names (emit_python_callback computes it the same way).
+        module_context.add_host_callback(callback)
+        return len(module_context.host_callbacks) - 1
+
+    return register_host_callback
+
+
+def _automatic_mesh_of(sharding_context: type) -> Any:
+    def automatic_mesh(axis_context: Any) -> Any:
+        # jit with shardings on several devices, not inside shard_map: the
+        # mesh custom_partitioning reads (None without one, or on one device).
+        if not isinstance(axis_context, sharding_context):
+            return None
+        devices = getattr(axis_context, "device_assignment", None) or ()
+        mesh = getattr(axis_context, "abstract_mesh", None)
+        if len(devices) < 2 or mesh is None or getattr(mesh, "empty", True):
+            return None
+        return mesh
+
+    return automatic_mesh
+
+
 # --- the table -----------------------------------------------------------------------
 
 #: What the ``public`` field says of a hook whose every location is public.
@@ -504,6 +548,59 @@ HOOKS: tuple[Hook, ...] = (
         "tried: jax.core.trace_ctx, public on 0.6.2, deprecated (a warning) on "
         "0.10.2 and gone on 0.12.0.1. jax.sharding.get_abstract_mesh() gives the "
         "mesh and its axis types, not which axes an enclosing vmap maps over",
+    ),
+    # --- per-shard maps on automatic mesh axes (issue 52, h5-sharding) -------------
+    # XLA's partitioner decides the sharding after the equation is lowered, so
+    # the lowering emits a custom_partitioning call whose partition function
+    # (run by XLA during compilation) lowers one host callback per device. Its
+    # module is built apart from the program's, and the host callbacks a
+    # program may call are fixed when compilation starts (jax-ml/jax#23620), so
+    # the callback is registered in the program's module while it is lowered,
+    # and the partition function emits JAX's own FFI host-callback call with
+    # that callback's index (PYTHON_CALLBACK_TARGETS below).
+    Hook(
+        "custom_partitioning",
+        "lowers a batched equation under automatic shardings to a call that "
+        "XLA's partitioner (GSPMD or Shardy) splits along its batch axes",
+        (AUTO_PER_SHARD,),
+        _everywhere("jax.experimental.custom_partitioning:custom_partitioning"),
+        _public("jax.experimental.custom_partitioning:custom_partitioning")
+        + ". Tried instead: jax.pure_callback (its sharding= is fixed when "
+        "traced, and under automatic axes the sharding is only known to the "
+        "partitioner), and a shard_map chosen at lowering (it would impose a "
+        "sharding, not take the one XLA chose)",
+    ),
+    Hook(
+        "ffi_lowering",
+        "emits the per-shard host-callback call (JAX's own FFI target, by index)",
+        (AUTO_PER_SHARD,),
+        _everywhere("jax.ffi:ffi_lowering"),
+        _public("jax.ffi:ffi_lowering")
+        + ". emit_python_callback cannot serve: it registers the callback in "
+        "the partition function's own module, which the program never sees",
+    ),
+    Hook(
+        "ModuleContext",
+        "registers the per-shard host callback in the program's module while it "
+        "is lowered (add_host_callback; its index in host_callbacks)",
+        (AUTO_PER_SHARD,),
+        _everywhere(
+            "jax.interpreters.mlir:ModuleContext", adapt=_host_callback_registrar
+        ),
+        "none: no public API adds a host callback to a program being lowered; "
+        "the class is exported by jax.interpreters.mlir on every supported JAX, "
+        "its add_host_callback method and host_callbacks list are not documented",
+    ),
+    Hook(
+        "ShardingContext",
+        "tells a lowering under jit with automatic shardings on several devices "
+        "(the axis context custom_partitioning partitions) and its mesh",
+        (AUTO_PER_SHARD,),
+        _everywhere("jax.interpreters.mlir:ShardingContext", adapt=_automatic_mesh_of),
+        _public("jax.interpreters.mlir:ShardingContext")
+        + ". jax.sharding.get_abstract_mesh() is empty under jit with "
+        "NamedSharding arguments and no mesh context, and a lowering rule has "
+        "no other view of its program's devices and mesh",
     ),
     # Derivative rules on the primitive.
     *(

@@ -1,0 +1,339 @@
+"""Per-shard maps under ``jit`` on automatic mesh axes (GSPMD or Shardy).
+
+With a mesh whose axes are automatic (``jax.sharding.Mesh``, ``AxisType.Auto``)
+the sharding of an operand is decided by XLA's partitioner after the equation
+is lowered. :func:`lower` lowers a batched equation as a ``custom_partitioning``
+call: when XLA partitions it, :meth:`_Plan.partition` reads the shardings that
+XLA chose (:meth:`_Plan.levels`) and asks for each batched operand with its
+batch axes on those mesh axes and its other axes whole (an operand sharded
+along an element's own axes is gathered along those only), and for unbatched
+operands whole. Each device then calls the host once, on its own block (one
+flat map), and the results keep the batch sharding. Blocks are the same size
+on every device; where a level does not divide evenly, XLA pads the last
+blocks, and the host maps only a block's real elements (it is told the
+block's position) and fills the rest with zeros, which XLA drops. Levels that
+an output sums away (reverse-mode cotangents) are summed over their mesh axes
+with ``psum``.
+
+Where this JAX or platform cannot (:func:`.._jax.auto_sharding.unavailable`),
+the equation is lowered as before: one device maps every element.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._host.batch_spec import BatchSpec
+from .._jax import auto_sharding as _auto
+from .._jax import avals as _avals
+from .._jax import primitive_rules as _rules
+
+HostFn = Callable[..., tuple[np.ndarray, ...]]
+MeshAxes = tuple[str, ...]
+
+
+def lower(
+    ctx: Any,
+    args: Sequence[Any],
+    params: dict[str, Any],
+    bind: Callable[..., Sequence[Any]],
+    make_host: Callable[[BatchSpec], HostFn],
+) -> list[Any] | None:
+    """The equation lowered per shard, or ``None`` to lower it as before.
+
+    ``bind``: the primitive's bind (the call's body off the partitioner's
+    path); ``make_host(spec)``: the host function for a block of batch shape
+    ``spec.shape``.
+    """
+    spec: BatchSpec = params["spec"]
+    if not spec.shape or _auto.automatic_mesh(ctx) is None:
+        return None
+    reason = _auto.unavailable(ctx)
+    if reason is not None:
+        _auto.log_fallback(reason)
+        return None
+    plan = _Plan(spec, ctx.avals_in, params["result_avals"])
+    host = _ShardHost(spec, params["result_avals"], make_host)
+    plan.index = _auto.register_host_callback(ctx, host)
+    return _auto.lower_partitioned(
+        ctx,
+        args,
+        lambda *xs: list(bind(*xs, **params)),
+        partition=plan.partition,
+        infer=plan.infer,
+        rule=plan.rule(),
+    )
+
+
+class _Plan:
+    """The sharding rules of one equation's ``custom_partitioning`` call."""
+
+    def __init__(self, spec: BatchSpec, avals_in: Sequence[Any], results: Any):
+        self.spec = spec
+        self.ndims = [len(a.shape) for a in avals_in]
+        self.results = tuple(results)  # one element's result avals
+        self.index = -1  # of the host callback, in the program
+
+    def rule(self) -> str:
+        """The Shardy rule: each level one factor, every other axis its own."""
+        spec = self.spec
+
+        def operand(k: int, ndim: int) -> str:
+            names = [f"o{k}x{d}" for d in range(ndim)]
+            for level, d in enumerate(spec.in_axes[k]):
+                if d is not None:
+                    names[d] = f"b{level}"
+            return " ".join(names)
+
+        def result(k: int, ndim: int) -> str:
+            kept = [f"b{lv}" for lv in self._kept(k)]
+            return " ".join(kept + [f"r{k}x{d}" for d in range(ndim)])
+
+        ins = ", ".join(operand(k, n) for k, n in enumerate(self.ndims))
+        outs = ", ".join(result(k, len(a.shape)) for k, a in enumerate(self.results))
+        return f"{ins} -> {outs}"
+
+    def _kept(self, k: int) -> list[int]:
+        summed = self.spec.summed(k)
+        return [lv for lv in range(len(self.spec.shape)) if lv not in summed]
+
+    def levels(
+        self, mesh: Any, arg_shapes: Sequence[Any], chosen: Sequence[Any] | None = None
+    ) -> list[MeshAxes]:
+        """Per level, the mesh axes its elements are split over.
+
+        First those of the results' batch axes in the shardings ``chosen`` by
+        XLA, then those of the first batched operand sharded at a level. Mesh
+        axes that shard an element's own axes of a batched operand are left
+        out (that operand is gathered along them). When no level is sharded,
+        the mesh's other axes (of size > 1) go on the first level whose block
+        they divide, else on the largest level, in blocks padded at the end.
+        Else, proposed to XLA (``chosen`` is ``None``), they go on the first
+        level whose block they divide (a local slice of the data); otherwise,
+        and where none does, the devices along such an axis map the same
+        elements.
+        """
+        levels: list[MeshAxes] = [()] * len(self.spec.shape)
+        taken = self._core_axes(arg_shapes)
+        for lv, names in self._sharded(arg_shapes, chosen or ()):
+            if names and not levels[lv] and not taken & set(names):
+                levels[lv] = names
+                taken.update(names)
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        anywhere = not any(levels)
+        for name in mesh.axis_names:
+            if name in taken or sizes[name] == 1:
+                continue
+            blocks = self._blocks(sizes, levels)
+            fits = [lv for lv, b in enumerate(blocks) if b % sizes[name] == 0]
+            if anywhere or (fits and chosen is None):
+                lv = fits[0] if fits else int(np.argmax(blocks))
+                levels[lv] = (*levels[lv], name)
+        return levels
+
+    def _core_axes(self, arg_shapes: Sequence[Any]) -> set[str]:
+        """The mesh axes that shard an element's own axes of a batched operand."""
+        core: set[str] = set()
+        for shape, axes in zip(arg_shapes, self.spec.in_axes, strict=True):
+            if all(d is None for d in axes):
+                continue
+            for d, entry in enumerate(_spec_entries(shape)):
+                if d not in axes:
+                    core.update(_names(entry))
+        return core
+
+    def _sharded(
+        self, arg_shapes: Sequence[Any], chosen: Sequence[Any]
+    ) -> list[tuple[int, MeshAxes]]:
+        """``(level, mesh axes)`` of each batch axis of the results (in the
+        shardings XLA chose), then of the operands."""
+        found: list[tuple[int, MeshAxes]] = []
+        for k, result in enumerate(chosen):
+            entries = _spec_entries(result)
+            found.extend(
+                (lv, _names(entries[i]))
+                for i, lv in enumerate(self._kept(k))
+                if i < len(entries)
+            )
+        for shape, axes in zip(arg_shapes, self.spec.in_axes, strict=True):
+            entries = _spec_entries(shape)
+            found.extend(
+                (lv, _names(entries[d]))
+                for lv, d in enumerate(axes)
+                if d is not None and d < len(entries)
+            )
+        return found
+
+    def _blocks(self, sizes: dict[str, int], levels: list[MeshAxes]) -> list[int]:
+        return [
+            math.ceil(n / math.prod(sizes[a] for a in lv))
+            for n, lv in zip(self.spec.shape, levels, strict=True)
+        ]
+
+    def _result_shardings(self, mesh: Any, levels: list[MeshAxes]) -> list[Any]:
+        return [
+            NamedSharding(
+                mesh,
+                P(
+                    *(_entry(levels[lv]) for lv in self._kept(k)),
+                    *[None] * len(a.shape),
+                ),
+            )
+            for k, a in enumerate(self.results)
+        ]
+
+    def infer(self, mesh: Any, arg_shapes: Sequence[Any], result_shape: Any) -> Any:
+        del result_shape
+        return self._result_shardings(mesh, self.levels(mesh, arg_shapes))
+
+    def partition(
+        self, mesh: Any, arg_shapes: Sequence[Any], result_shape: Any
+    ) -> tuple[Any, Callable[..., Any], Any, Any]:
+        chosen = result_shape if isinstance(result_shape, (list, tuple)) else None
+        levels = self.levels(mesh, arg_shapes, chosen)
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        arg_shardings = []
+        for ndim, axes in zip(self.ndims, self.spec.in_axes, strict=True):
+            entries: list[Any] = [None] * ndim
+            for level, d in enumerate(axes):
+                if d is not None:
+                    entries[d] = _entry(levels[level])
+            arg_shardings.append(NamedSharding(mesh, P(*entries)))
+        block = self._blocks(sizes, levels)
+        block_avals = tuple(
+            (
+                tuple(block[lv] for lv in self._kept(k)) + tuple(a.shape),
+                np.dtype(a.dtype).str,
+            )
+            for k, a in enumerate(self.results)
+        )
+        index = self.index
+
+        def per_device(*blocks: Any) -> list[Any]:
+            where = jax.numpy.stack(
+                [jax.lax.axis_index(lv) if lv else 0 for lv in levels]
+            ).astype(np.int32)
+            outs = shard_callback_p.bind(
+                where, *blocks, index=index, result_avals=block_avals
+            )
+            return [self._sum(k, o, levels) for k, o in enumerate(outs)]
+
+        return (
+            mesh,
+            per_device,
+            self._result_shardings(mesh, levels),
+            tuple(arg_shardings),
+        )
+
+    def _sum(self, k: int, out: Any, levels: list[MeshAxes]) -> Any:
+        axes = tuple(a for lv in self.spec.summed(k) for a in levels[lv])
+        return jax.lax.psum(out, axes) if axes else out
+
+
+class _ShardHost:
+    """The host side of every device's call: maps the real elements of its
+    block (``where``: the block's position along each level) and pads the
+    results with zeros to the block's shape (XLA drops the padding)."""
+
+    def __init__(
+        self,
+        spec: BatchSpec,
+        results: Sequence[Any],
+        make_host: Callable[[BatchSpec], HostFn],
+    ):
+        self.spec = spec
+        self.results = [(tuple(a.shape), np.dtype(a.dtype)) for a in results]
+        self.make_host = make_host
+        self.hosts: dict[tuple[int, ...], HostFn] = {}
+
+    def host(self, shape: tuple[int, ...]) -> HostFn:
+        host = self.hosts.get(shape)
+        if host is None:
+            spec = BatchSpec(shape, self.spec.in_axes, self.spec.out_sum)
+            host = self.hosts.setdefault(shape, self.make_host(spec))
+        return host
+
+    def __call__(
+        self, where: np.ndarray, *blocks: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
+        spec = self.spec
+        block = [0] * len(spec.shape)
+        for x, axes in zip(blocks, spec.in_axes, strict=True):
+            for level, d in enumerate(axes):
+                if d is not None:
+                    block[level] = x.shape[d]
+        real = tuple(
+            max(0, min(b, n - int(i) * b))
+            for b, n, i in zip(block, spec.shape, where, strict=True)
+        )
+        if real == tuple(block):
+            return self.host(real)(*blocks)
+        outs: Sequence[np.ndarray] = ()
+        if 0 not in real:  # (a block of padding only maps nothing)
+            trimmed = [
+                x[tuple(_slice(axes, d, real) for d in range(x.ndim))]
+                for x, axes in zip(blocks, spec.in_axes, strict=True)
+            ]
+            outs = self.host(real)(*trimmed)
+        padded = []
+        for k, (core, dtype) in enumerate(self.results):
+            kept = [lv for lv in range(len(block)) if lv not in spec.summed(k)]
+            full = np.zeros(tuple(block[lv] for lv in kept) + core, dtype)
+            if outs:
+                full[tuple(slice(0, real[lv]) for lv in kept)] = outs[k]
+            padded.append(full)
+        return tuple(padded)
+
+
+def _slice(axes: Sequence[int | None], d: int, real: tuple[int, ...]) -> slice:
+    """The real elements along axis ``d`` of an operand with batch ``axes``."""
+    level = list(axes).index(d) if d in axes else None
+    return slice(None) if level is None else slice(0, real[level])
+
+
+def _spec_entries(shape: Any) -> tuple[Any, ...]:
+    """The partition spec entries of a value's (or a sharding's) sharding."""
+    sharding = getattr(shape, "sharding", shape)
+    return tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+
+
+def _names(entry: Any) -> MeshAxes:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: MeshAxes) -> Any:
+    """A partition spec's entry for ``axes``: ``None``, one name, or a tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+#: One device's host call inside the partition function: its operands are the
+#: block's position along each level and its blocks of the operands.
+shard_callback_p = _rules.Primitive("threadmap_shard_callback")
+shard_callback_p.multiple_results = True
+
+
+def _shard_callback_abstract_eval(*avals: Any, index: int, result_avals: Any) -> Any:
+    del avals, index
+    return [
+        _avals.shaped_array(tuple(s), np.dtype(d), frozenset()) for s, d in result_avals
+    ]
+
+
+def _shard_callback_lowering(
+    ctx: Any, *args: Any, index: int, result_avals: Any
+) -> Any:
+    del result_avals
+    return _auto.shard_callback_lowering(ctx, *args, index=index)
+
+
+shard_callback_p.def_abstract_eval(_shard_callback_abstract_eval)
+_rules.register_lowering(shard_callback_p, _shard_callback_lowering)

@@ -254,7 +254,8 @@ def each_device_waits_for_its_own_shard():
     shards = Shards(1)
     x = jtm.async_array_from_callback(SHAPE, sharding, shards.callback(), np.float32)
     y = jax.jit(lambda a: a * 2 + 1)(x)
-    outs = sorted(y.addressable_shards, key=lambda s: s.index[0].start)
+    # y: an AsyncArray (its argument is one), of the gated jax.Array: its shards.
+    outs = sorted(y.result().addressable_shards, key=lambda s: s.index[0].start)
     shards.offer(0)
     check("elementwise: device 0's part runs on its shard", wait_ready([outs[0].data]))
     check(

@@ -244,7 +244,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
     runs, inside = [], []
     wrapper = _compat.get("ExecuteReplicated").__call__
     assert hasattr(wrapper, "__jax_threadmap_original__")
-    assert _program_runs._around == [_async_dispatch.around]
+    assert _program_runs.RUNS.around is _async_dispatch.around
 
     def handler(xs, shardings):
         inside.append(_dispatch_streams._thread.depth)
@@ -261,7 +261,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         return real_around(run, program, args, effects)
 
     try:
-        _program_runs.wrap_program_runs(counting)
+        _program_runs.RUNS.install(counting)
         x = Other(np.arange(3.0, dtype=np.float32))
         f = jax.jit(lambda a: a * 2)
         f(x), f(x)  # the first call compiles; the second is a plain Python call
@@ -286,7 +286,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
             f"ordered effects would be dispatched on pending data. {UPDATE}"
         )
     finally:
-        _program_runs.wrap_program_runs(real_around)
+        _program_runs.RUNS.install(real_around)
 
 
 def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():
@@ -342,18 +342,18 @@ def test_a_compiled_program_still_tells_what_deferred_dispatch_reads():
     if _program_runs.dispatch_streams_unavailable() is not None:
         pytest.skip(_program_runs.dispatch_streams_unavailable())
     seen = []
-    real = _program_runs._around[:]
+    real = _program_runs.RUNS.around
 
     def spy(run, program, args, effects):
         seen.append(program)
         return run(program, *args)
 
     try:
-        _program_runs.wrap_program_runs(spy)
+        _program_runs.RUNS.install(spy)
         f = jax.jit(lambda a: {"x": a * 2, "n": jnp.sum(a > 0)}, keep_unused=True)
         f(np.ones(3, np.float32))  # a Python-path run (the first call)
     finally:
-        _program_runs._around[:] = real
+        _program_runs.RUNS.around = real
     assert seen, f"the wrapper saw no run. {UPDATE}"
     program = seen[0]
     assert list(program._local_devices) == [jax.devices()[0]], UPDATE

@@ -249,7 +249,8 @@ def test_a_program_with_ordered_effects_waits_for_its_data_at_dispatch():
     assert t.is_alive()  # it waits for the data, in Python
     gate.release.set()
     t.join(WAIT)
-    assert isinstance(box["y"], jax.Array)
+    # Run at once on the landed data (not deferred): an AsyncArray that is done.
+    assert isinstance(box["y"], AsyncArray) and box["y"].done()
     np.testing.assert_array_equal(np.asarray(box["y"]), value + 1)
     # (Not jax.effects_barrier(): it would also raise the error of an earlier
     # test's failed program with host callbacks on this thread.)

@@ -69,7 +69,7 @@ def test_a_kernel_running_a_program_on_the_held_device_raises_at_once(cpu_held, 
     assert f"would run on {jax.devices('cpu')[0]}" in text
     assert "kernel 'add_one_in_jax'" in text and "backend='cpu'" in text
     # Nothing leaked into this thread, and the next map works.
-    assert _program_runs.this_thread.refused == frozenset()
+    assert _program_runs.RUNS.refused.devices == frozenset()
     np.testing.assert_array_equal(mapped(np.negative)(x), -x)
 
 

@@ -81,8 +81,9 @@ class AsyncArray:
         ...                    2, dtype=np.float32)
         >>> x.shape, x.dtype
         ((2,), dtype('float32'))
-        >>> jax.jit(lambda a: a * 2)(x)
-        Array([2., 2.], dtype=float32)
+        >>> y = jax.jit(lambda a: a * 2)(x)  # an AsyncArray, as its argument
+        >>> print(y)
+        [2. 2.]
     """
 
     __slots__ = ("_task", "_index", "__weakref__")
@@ -382,7 +383,9 @@ def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
-_async_dispatch.bind_arrays(AsyncArray, lambda x: x._task, make_arrays)
+_async_dispatch.bind_arrays(
+    AsyncArray, lambda x: _async_dispatch.Pending(x._task, x._index, x), make_arrays
+)
 
 
 # --- the constructors -----------------------------------------------------------------

@@ -1,221 +1,98 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
 The one file to swap to change the mechanism: :mod:`.async_array` uses only
-:data:`mechanism`, :class:`Pending`, :func:`async_dispatch_status` and
-:class:`AsyncCallFailed`; of a call, only ``Task``'s public methods are used.
-How it works (docs/async.md, "How it works", says the same):
-
-- **Gates.** The argument handler hands JAX, for the pending arrays of one
-  dispatch, the outputs of a small *gate program* per device, whose input is a
-  4-byte gate pulled from a loopback transfer server (``jax.experimental.
-  transfer``). The call opens its gates when it ends; the program's host
-  callback then copies the call's result (never through the socket) or raises
-  its error, which reaches every dependent. A sharded load opens each device's
-  gate when that device's shard is placed, and a later dispatch takes the placed
-  shard itself (``Task.add_program``); asked for in another layout, it waits.
-- **Streams.** XLA runs the programs of one execution stream in dispatch order
-  (by default a stream per thread). The gate programs and the program behind
-  them go on a new stream per dispatch, so that nothing else waits for this
-  data (:mod:`.dispatch_streams`, which wraps every run of a program).
-- **The bound.** XLA's CPU client admits 32 programs per device, waiting ones
-  included. At most :data:`MAX_WAITING_PROGRAMS` gate programs (and as many
-  programs behind them) wait per device; beyond that a dispatch waits, in
-  Python, for its own data (blocking dispatch), never for another call.
-- **Ordered effects.** JAX dispatches a thread's program with an ordered effect
-  only once its previous one has run, and (before jax 0.12) fails every later
-  one after one failed: such a program waits for its pending data at dispatch.
+:data:`mechanism`, :class:`Pending`, :func:`bind_arrays`,
+:func:`async_dispatch_status` and :class:`AsyncCallFailed`; of a call, only
+``Task``'s public methods are used. One class per job: :class:`Dispatch` sends
+each run on ``AsyncArray`` s where it belongs (deferred by
+:mod:`.deferred_dispatch`, gated by :class:`.gates.Gates`, or blocking) and
+makes its array outputs ``AsyncArray`` s whatever the timing (:class:`Results`).
+A program with ordered effects waits for its pending data at dispatch: JAX
+dispatches a thread's program with an ordered effect only once its previous one
+has run, and (before jax 0.12) fails every later one after one failed.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-import logging
-import math
-import secrets
+import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from .._jax import program_runs as _program_runs
 from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
 from . import deferred_dispatch as _deferred_dispatch
 from . import dispatch_streams as _dispatch_streams
-from .shards import index_key
+from .gates import EXIT_DRAIN_S, GATE_PLATFORMS, Gates
+from .gates import MAX_WAITING_PROGRAMS as MAX_WAITING_PROGRAMS
+from .gates import AsyncCallFailed as AsyncCallFailed
+from .gates import Pending as Pending
+from .leaves import LeafSpec
 from .task import Task, worker_state
 
-logger = logging.getLogger("jax_threadmap._async")
 
-#: Gate programs that may wait on one device at once (each with the program
-#: dispatched behind it: twice as many of XLA's slots); more dispatches wait, in
-#: Python, for their own data. XLA's CPU client runs at most 32 programs per
-#: device at a time, waiting ones included: this leaves half of them to plain
-#: programs that use pending results, to the loaders' own JAX calls and to
-#: other work.
-MAX_WAITING_PROGRAMS = 8
+class ArrayKind(NamedTuple):
+    """What dispatch needs of :mod:`.async_array` (the array's owner), handed
+    down by it (:func:`bind_arrays`): the array type, the ``Pending`` of an
+    array, and the arrays of a call."""
 
-#: Gate programs kept compiled, by device and layout (a steady workload needs a
-#: handful): a bound against ever new layouts, cleared when full (a miss costs
-#: one compile of a tiny program).
-MAX_CACHED_PROGRAMS = 256
-
-#: At exit, how long to let the gate programs of failed or abandoned calls run
-#: (they raise at once) before JAX's own exit handler waits for them: long
-#: enough for XLA's threads to get the GIL on a busy machine.
-EXIT_DRAIN_S = 3.0
-
-#: How often the exit drain looks at the count of waiting programs: the programs
-#: need the GIL, which a sleep gives them.
-EXIT_POLL_S = 0.01
-
-# The gate programs' last output (see Dispatch._program).
-_RAN = jax.ShapeDtypeStruct((), np.int32)
-
-# Platforms on which the gate mechanism was measured (dispatch latency, values,
-# failures, exit): others fall back to blocking dispatch.
-_DISPATCH_PLATFORMS = frozenset({"cpu"})
-
-
-class Pending(NamedTuple):
-    """An ``AsyncArray`` handed to a dispatch: its call, the leaf of the call's
-    result it is, and the array (its shape, dtype, and value once there).
-
-    Made by :mod:`.async_array` (the array's owner), so that this module reaches
-    the call and leaf by these fields, never by the array's private ones.
-    """
-
-    task: Task
-    leaf: int
-    array: Any
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.array.shape
-
-    @property
-    def dtype(self) -> Any:
-        return self.array.dtype
-
-
-class Shard(NamedTuple):
-    """One shard of one pending array that a gate program makes."""
-
-    #: The array's position among the arguments of the dispatch.
-    position: int
-    #: The leaf of the call's result (``Pending.leaf``).
-    leaf: int
-    #: The shard's index into the leaf, hashable (see :func:`.shards.index_key`).
-    where: tuple
-    shape: tuple[int, ...]
-    dtype: Any
-
-
-class _Gate(NamedTuple):
-    """A gate (``background.Gate``): a pending 4-byte pull on one device."""
-
-    array: jax.Array
-    pull_id: int
-    server: Any
-    device: Any
-
-    def open(self, slot: int) -> None:
-        """Sends ``slot`` to the pull: the gate programs on it run."""
-        value = jax.device_put(np.int32(slot), self.device)
-        self.server.await_pull(self.pull_id, [value])
-
-
-class AsyncCallFailed(RuntimeError):
-    """Raised in a gate program for a call that failed or never returned.
-
-    A jitted program dispatched with pending arrays receives this error's text
-    (``JaxRuntimeError: ... AsyncCallFailed: <fn> ... failed with <Type>:
-    <message>``) when its results are used.
-    """
-
-
-def _keep_gate_errors_out_of_jax_log(record: logging.LogRecord) -> bool:
-    # JAX logs each exception of a pure_callback; a failed call is reported once,
-    # by Task._fail, and its text is in every dependent's error.
-    exc = record.exc_info[1] if record.exc_info else None
-    return not isinstance(exc, AsyncCallFailed)
-
-
-logging.getLogger(_program_runs.CALLBACK_LOGGER_NAME).addFilter(
-    _keep_gate_errors_out_of_jax_log
-)
-
-
-#: What the gate programs of one dispatch make: by device, by task, the shards.
-Plan = dict[Any, dict[Task, list[Shard]]]
-#: The tasks that serve a dispatch, with each device's gate (taken under the task's
-#: lock: a sharded load offers and drops it when that device's shard lands) or, for
-#: a shard placed already, the shard: ``{task: {device: (gated, array)}}``.
-Claimed = dict[Task, dict[Any, tuple[bool, jax.Array]]]
-
-
-def _plan(xs: list[Pending], shardings: list[Any]) -> tuple[Plan, list[list[Any]]]:
-    """One gate program per device; returns it and each array's device order."""
-    plan: Plan = {}
-    layouts = []
-    for k, (x, sharding) in enumerate(zip(xs, shardings, strict=True)):
-        indices = sharding.addressable_devices_indices_map(x.shape)
-        layouts.append(list(indices))
-        shard_shape = sharding.shard_shape(x.shape)
-        for device, index in indices.items():
-            plan.setdefault(device, {}).setdefault(x.task, []).append(
-                Shard(k, x.leaf, index_key(index), shard_shape, x.dtype)
-            )
-    return plan, layouts
+    type: Any
+    pending_of: Callable[[Any], Pending]
+    arrays_of: Callable[[Task], Any]
 
 
 class Dispatch:
-    """Async dispatch: the gate mechanism (transfer servers, gate programs, their
-    bookkeeping) on the CPU, and deferred dispatch (:mod:`.deferred_dispatch`)
-    elsewhere."""
+    """Async dispatch: what a program run with ``AsyncArray`` arguments does.
+
+    It reads the switch (once per change), installs the hooks when the first
+    ``AsyncArray`` is made, and sends a run where it belongs: deferred
+    (:mod:`.deferred_dispatch`) where that is the mechanism, else run with gate
+    programs (:class:`Gates`) or blocking; either way its array outputs are
+    ``AsyncArray`` s (:meth:`around`).
+    """
 
     def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
+        self.gates = Gates()
+        self.readers = _deferred_dispatch.Readers()
+        self.kind: ArrayKind | None = None
+        #: The switch's text and mode, as last read (:meth:`mode`).
+        self._env: tuple[str | None, str] = (None, "")
         self._lock = threading.Lock()
-        self._servers: dict[Any, tuple[Any, Any]] = {}
-        self._broken: str | None = None
-        self._programs: dict[Any, Any] = {}
-        self._waiting: dict[Any, int] = {}
-        self._slots: dict[int, Task] = {}
-        self._slot_ids = itertools.count(1)
-        self._failed_devices: set[Any] = set()
         # Whether prepare() ran, and whether program runs are wrapped (then a
         # dispatch on pending data gets a stream of its own).
         self._prepared = False
         self._wrapped = False
 
+    def mode(self) -> str:
+        """``JAX_THREADMAP_ASYNC_DISPATCH``'s mode, parsed once per change."""
+        raw = os.environ.get(ENV_ASYNC_DISPATCH, "")
+        if raw != self._env[0]:
+            self._env = (raw, async_dispatch_mode())
+        return self._env[1]
+
     def counts(self) -> tuple[dict[Any, int], int]:
         """The gate programs waiting per device, and the calls lent a slot."""
-        with self._lock:
-            return {d: n for d, n in self._waiting.items() if n}, len(self._slots)
+        return self.gates.counts()
 
-    def after_fork(self) -> None:
-        # Servers, gates and programs in flight belong to the parent.
-        self._reset()
+    def clean_up_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
+        """Lets failed gate programs finish; leaves JAX no failed exit token."""
+        self.gates.clean_up_at_exit(timeout)
 
     def status(self) -> str | None:
         """Why dispatch on the default backend is blocking, or ``None``."""
-        if async_dispatch_mode() == "off":
+        if self.mode() == "off":
             return f"disabled by {ENV_ASYNC_DISPATCH}=0"
         device = jax.devices()[0]
         if not self.defers_on(device.platform):
-            self._gates_start(device)  # the first dispatch would: a refusal says so
+            self.gates.start(device)  # the first dispatch would: a refusal says so
         if self.defers_on(device.platform):
-            reason = self._deferral_unavailable()
+            reason = self.in_thread_order()
         else:
-            reason = self._gates_unavailable()
+            reason = self.gates.unavailable()
         return (
             None
             if reason is None
@@ -227,30 +104,21 @@ class Dispatch:
         asked for, and where the gates cannot run (no transfer server: its
         hooks are missing, or the machine refuses its loopback socket)."""
         return (
-            async_dispatch_mode() == "deferred"
-            or platform not in _DISPATCH_PLATFORMS
-            or self._gates_unavailable() is not None
+            self.mode() == "deferred"
+            or platform not in GATE_PLATFORMS
+            or self.gates.unavailable() is not None
         )
 
-    def _gates_start(self, device: Any) -> None:
-        """Starts the transfer server of ``device``'s client if it is not (once;
-        a refusal is remembered, and the gates' platforms defer from then on)."""
-        try:
-            self._server(device.client)
-        except Exception:  # noqa: BLE001 - remembered in _broken, logged there
-            pass
-
-    def _gates_unavailable(self) -> str | None:
-        return _program_runs.async_dispatch_unavailable() or self._broken
-
-    def _deferral_unavailable(self) -> str | None:
+    def in_thread_order(self) -> str | None:
+        """Why dispatches on pending data keep their thread's stream (and
+        cannot be deferred), or ``None``."""
         reason = _program_runs.dispatch_streams_unavailable()
         if reason is None and self._prepared and not self._wrapped:
             reason = "the runs of compiled programs could not be wrapped"
         return reason
 
     def prepare(self) -> None:
-        """Installs the wrapper of program runs (once; at the first async call).
+        """Installs the hooks on program runs (once; at the first async call).
 
         No ``AsyncArray`` exists before that, so no dispatch on pending data can
         happen earlier, and a process that never makes one runs JAX untouched.
@@ -259,56 +127,68 @@ class Dispatch:
             return
         with self._lock:
             if not self._prepared:
-                self._wrapped = _program_runs.wrap_program_runs(around)
+                self._wrapped = _program_runs.RUNS.install(around)
                 self._prepared = True
 
     # -- every run of a compiled program from Python, once prepared --
 
-    def _around(self, run: Any, program: Any, args: tuple, effects: Any) -> Any:
-        """Defers a program on pending data where that is the mechanism;
-        runs any other as :func:`.dispatch_streams.around` does."""
-        kind = _array_api.type
-        if not effects and kind is not None:
-            pending = [a for a in args if type(a) is kind and not a.done()]
-            if pending and self._defers(program):
-                return self._defer(run, program, args, effects, pending)
-        return _dispatch_streams.around(run, program, args, effects)
+    def around(self, run: Any, program: Any, args: tuple, effects: Any) -> Any:
+        """A run with ``AsyncArray`` arguments returns ``AsyncArray`` s: deferred
+        where that is the mechanism, else run (:func:`.dispatch_streams.around`)
+        and its array outputs wrapped; any other run is JAX's."""
+        kind = self.kind
+        if kind is None or not any(type(a) is kind.type for a in args):
+            return _dispatch_streams.around(run, program, args, effects)
+        reads = [kind.pending_of(a) if type(a) is kind.type else None for a in args]
+        if not effects and self._defers(program, reads):
+            return _deferred_dispatch.defer(
+                functools.partial(self._run_deferred, run, program, effects),
+                program,
+                args,
+                reads,
+                kind.arrays_of,
+                self.readers,
+            )
+        return self._results(_dispatch_streams.around(run, program, args, effects))
 
-    def _defers(self, program: Any) -> bool:
-        if async_dispatch_mode() == "off" or self._deferral_unavailable():
+    def _run_deferred(
+        self, run: Any, program: Any, effects: Any, args: list[Any]
+    ) -> list[Any]:
+        return _dispatch_streams.around(run, program, tuple(args), effects)
+
+    def _defers(self, program: Any, reads: list[Pending | None]) -> bool:
+        if all(r is None or r.task.future.done() for r in reads):
+            return False
+        mode = self.mode()
+        if mode == "off" or self.in_thread_order():
             return False
         if _deferred_dispatch.processes() > 1:
             # Every process must dispatch its programs in the same order (their
             # collectives meet): deferring one would reorder them.
             return False
         devices = program._local_devices
-        if devices and not self.defers_on(devices[0].platform):
-            self._gates_start(devices[0])  # if it cannot start, defer instead
-        return (
-            bool(devices)
-            and all(self.defers_on(d.platform) for d in devices)
-            and _deferred_dispatch.deferrable(program)
-        )
+        if not devices:
+            return False
+        if mode == "auto" and all(d.platform in GATE_PLATFORMS for d in devices):
+            if devices[0].client not in self.gates.servers:
+                self.gates.start(devices[0])  # if it cannot start, defer instead
+            if self.gates.unavailable() is None:
+                return False  # gate programs
+        return _deferred_dispatch.deferrable(program)
 
-    def _defer(
-        self, run: Any, program: Any, args: tuple, effects: Any, pending: list[Any]
-    ) -> Any:
-        """The program's results, as arrays of a :class:`.deferred_dispatch.ProgramRun`
-        that dispatches it once its pending arguments land."""
-        args = _deferred_dispatch.frozen_args(args)
-        task = _deferred_dispatch.ProgramRun(
-            functools.partial(self._around, run, program, args, effects),
-            [_array_api.task_of(a) for a in pending],
-            f"`{program.name}`",
-            _deferred_dispatch.output_specs(program),
-        )
-        outs = _array_api.arrays_of(task)
-        task.submit()
+    def _results(self, outs: list[Any]) -> list[Any]:
+        """The outputs of a run on ``AsyncArray`` s: its arrays as ``AsyncArray``
+        s of a call that has landed, the rest (tokens) as they are."""
+        assert self.kind is not None
+        at = [k for k, o in enumerate(outs) if isinstance(o, jax.Array)]
+        if not at:
+            return outs
+        leaves = [outs[k] for k in at]
+        made = self.kind.arrays_of(Results(leaves))
+        outs = list(outs)
+        for k, array in zip(at, made, strict=True):
+            outs[k] = array
         return outs
-
-    def in_thread_order(self) -> str | None:
-        """Why dispatches on pending data keep their thread's stream, or ``None``."""
-        return self._deferral_unavailable()
 
     # -- at dispatch, in the thread that calls the jitted function --
 
@@ -323,45 +203,28 @@ class Dispatch:
         for i, x in enumerate(xs):
             # Blocking for a sharded load asked for in another layout.
             if x.task.future.done() or not x.task.serves(shardings[i], x.shape):
-                out[i] = x.array.result()
+                out[i] = self._landed(x)
             else:
                 todo.append(i)
-        if todo and self._may_dispatch([shardings[i] for i in todo]):
-            self._dispatch_pending(xs, shardings, todo, out)
+        if todo and self._may_dispatch():
+            own_stream = self._wrapped and not self.in_thread_order()
+            self.gates.fill(xs, shardings, todo, out, own_stream)
         for i in todo:
             if out[i] is None:  # blocking dispatch: its own data
-                out[i] = xs[i].array.result()
+                out[i] = self._landed(xs[i])
         for x, array in zip(xs, out, strict=True):  # later uses fail if donated
             _dispatch_streams.note_handed(array, x.task.donation_of(x.leaf))
         return out
 
-    def _dispatch_pending(
-        self, xs: list[Pending], shardings: list[Any], todo: list[int], out: list[Any]
-    ) -> None:
-        """Fills ``out[i]`` for the pending ``xs[i]`` with gate programs' outputs."""
-        # The gate programs (and the program being dispatched, if any) go on a
-        # stream of their own, so that nothing else waits for this data.
-        enabled = self._wrapped and not self.in_thread_order()
-        put_back = _dispatch_streams.switch_stream(enabled)
-        try:
-            made = self._pending_arrays(
-                [xs[i] for i in todo], [shardings[i] for i in todo]
-            )
-        except Exception:
-            # Whatever went wrong (a sharding we cannot split, a transfer
-            # server that did not start) costs the wait, not the call.
-            logger.warning(
-                "jax_threadmap: async dispatch failed; this call waits for its data.",
-                exc_info=True,
-            )
-            return
-        finally:
-            if put_back:
-                _dispatch_streams.put_back()
-        for i, array in zip(todo, made, strict=True):
-            out[i] = array
+    def _landed(self, x: Pending) -> jax.Array:
+        """The value of ``x``, once the deferred programs called before this
+        one that read it no longer need it (a later donation)."""
+        value = x.array.result()
+        if self.readers.by_source:
+            self.readers.settle(x.task)
+        return value
 
-    def _may_dispatch(self, shardings: list[Any]) -> bool:
+    def _may_dispatch(self) -> bool:
         if _dispatch_streams.ordered_effects():
             # JAX dispatches a program with an ordered effect only once the
             # previous one with that effect has run, and a failed one fails
@@ -372,285 +235,61 @@ class Dispatch:
             # A call run by the pool that needs another call's value runs that
             # call itself (see Task.wait) rather than queue behind busy workers.
             return False
-        if async_dispatch_mode() != "auto" or self._gates_unavailable():
-            return False
-        devices = set()
-        for sharding in shardings:
-            devices |= set(sharding.addressable_devices)
-        if any(d.platform not in _DISPATCH_PLATFORMS for d in devices):
-            return False
-        with self._lock:
-            return all(self._waiting.get(d, 0) < MAX_WAITING_PROGRAMS for d in devices)
+        return self.mode() == "auto" and self.gates.unavailable() is None
 
-    def _pending_arrays(self, xs: list[Pending], shardings: list[Any]) -> list:
-        plan, layouts = _plan(xs, shardings)
-        # (task, device) pairs whose program count was raised and whose program
-        # is not dispatched yet: undone if anything fails on the way.
-        owed: list[tuple[Task, Any]] = []
-        try:
-            claimed = self._claim(plan, owed)
-            shards = self._run_gate_programs(plan, claimed, owed)
-        except BaseException:
-            for task, _ in owed:
-                task.program_ran()
-            raise
-        for task in claimed:
-            task.submit()  # a deferred call starts now; no-op for the others
-        made: list[Any] = []
-        for k, (x, sharding) in enumerate(zip(xs, shardings, strict=True)):
-            if x.task not in claimed:
-                made.append(None)  # finishing: wait for its placed value
-                continue
-            parts = [shards[k, device] for device in layouts[k]]
-            made.append(
-                jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
-            )
-        return made
+    def after_fork(self) -> None:
+        # Servers, gates and programs in flight belong to the parent.
+        self.gates.after_fork()
 
-    def _run_gate_programs(
-        self, plan: Plan, claimed: Claimed, owed: list[tuple[Task, Any]]
-    ) -> dict[tuple[int, Any], jax.Array]:
-        """The array of each (argument position, device): placed, or gated."""
-        shards: dict[tuple[int, Any], jax.Array] = {}
-        for device, by_task in plan.items():
-            tasks = [t for t in by_task if t in claimed and claimed[t][device][0]]
-            for t in by_task:
-                if t in claimed and not claimed[t][device][0]:
-                    for s in by_task[t]:
-                        shards[s.position, device] = claimed[t][device][1]
-            if tasks:
-                gates = [claimed[t][device][1] for t in tasks]
-                outs = self._run_gate_program(device, tasks, by_task, owed, gates)
-                positions = [s.position for t in tasks for s in by_task[t]]
-                for k, array in zip(positions, outs, strict=True):
-                    shards[k, device] = array
-        return shards
 
-    def _claim(self, plan: Plan, owed: list[tuple[Task, Any]]) -> Claimed:
-        """Adds gates and program counts to the tasks still running.
+class Results(Task):
+    """The call behind the ``AsyncArray`` results of a program run with
+    ``AsyncArray`` arguments that was not deferred: it has landed when made,
+    with the run's outputs (``jax.Array`` s, still being computed)."""
 
-        A sharded load's device whose shard is placed gets no gate: the shard.
-        """
-        claimed: Claimed = {}
-        refused: set[Task] = set()
-        for device, by_task in plan.items():
-            for task in by_task:
-                if task in refused:
-                    continue
-                got = task.add_program(device, self)
-                if got is None:
-                    refused.add(task)
-                    continue
-                if got[0]:
-                    owed.append((task, device))
-                claimed.setdefault(task, {})[device] = got
-        # A call that finished between two devices waits for its value instead.
-        for task, device in [(t, d) for t, d in owed if t in refused]:
-            owed.remove((task, device))
-            task.program_ran()
-        for task in refused:
-            claimed.pop(task, None)
-        return claimed
+    __slots__ = ()
+    stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
 
-    def _run_gate_program(
-        self,
-        device: Any,
-        tasks: list[Task],
-        by_task: dict[Task, list[Shard]],
-        owed: list[tuple[Task, Any]],
-        gates: list[jax.Array],
-    ) -> list[jax.Array]:
-        spec = tuple(tuple((s.leaf, s.where) for s in by_task[t]) for t in tasks)
-        avals = tuple(
-            jax.ShapeDtypeStruct(s.shape, s.dtype) for t in tasks for s in by_task[t]
+    def __init__(self, leaves: list[jax.Array]):
+        specs = [
+            LeafSpec(f"[{k}]", leaf.shape, leaf.dtype, leaf.aval, leaf.sharding)
+            for k, leaf in enumerate(leaves)
+        ]
+        super().__init__(
+            None,  # nothing to run: a wrapped outcome
+            (),
+            {},
+            name="a jitted call on AsyncArrays",
+            api="jit",
+            treedef=_treedef(len(leaves)),
+            specs=specs,
         )
-        program = self._program(device, spec, avals)
-        self._take_waiting(device)
-        try:
-            *outs, _ = program(*gates)
-        except BaseException:
-            self._give_waiting(device)
-            raise
-        # From here the program's callback settles the counts, whatever happens.
-        for t in tasks:
-            owed.remove((t, device))
-        return outs
-
-    # -- what a call is lent (a background.Lender), under the call's lock --
-
-    def lend_slot(self, task: Task) -> int:
-        """The id by which the gate programs find ``task``."""
-        with self._lock:
-            slot = next(self._slot_ids)
-            self._slots[slot] = task
-        return slot
-
-    def give_back_slot(self, slot: int) -> None:
-        """No gate program reads the call of ``slot`` any more."""
-        with self._lock:
-            self._slots.pop(slot, None)
-
-    def pull(self, device: Any) -> _Gate:
-        """A new gate on ``device``: a pull from the loopback transfer server."""
-        server, conn = self._server(device.client)
-        pull_id = secrets.randbits(62)
-        gate_aval = jax.ShapeDtypeStruct(
-            (), np.int32, sharding=jax.sharding.SingleDeviceSharding(device)
-        )
-        return _Gate(conn.pull(pull_id, [gate_aval])[0], pull_id, server, device)
-
-    # -- the count of waiting gate programs per device: taken when one is
-    # dispatched, given back when its callback runs (or its dispatch failed) --
-
-    def _take_waiting(self, device: Any) -> None:
-        with self._lock:
-            self._waiting[device] = self._waiting.get(device, 0) + 1
-
-    def _give_waiting(self, device: Any) -> None:
-        with self._lock:
-            self._waiting[device] -= 1
-
-    def _server(self, client: Any) -> tuple[Any, Any]:
-        with self._lock:
-            if client not in self._servers:
-                try:
-                    start = _program_runs.start_transfer_server
-                    if start is None:  # status() reports why; callers checked it
-                        raise RuntimeError(_program_runs.async_dispatch_unavailable())
-                    # Loopback only, on a port the OS picks; started on first use.
-                    server = start(client, "127.0.0.1:0", ["127.0.0.1:0"])
-                    conn = server.connect(server.address())
-                except Exception as e:
-                    self._broken = (
-                        f"the loopback transfer server did not start "
-                        f"({type(e).__name__}: {e})"
-                    )
-                    # Not a warning: dispatch on pending data is deferred instead
-                    # (async_dispatch_status() says so, or why it blocks).
-                    logger.info(
-                        "jax_threadmap: no gate programs: %s; jitted calls with "
-                        "pending AsyncArrays use deferred dispatch.",
-                        self._broken,
-                    )
-                    raise
-                self._servers[client] = (server, conn)
-            return self._servers[client]
-
-    def _program(self, device: Any, spec: tuple, avals: tuple) -> Any:
-        key = (device, spec, avals)
-        with self._lock:
-            program = self._programs.get(key)
-            if program is None:
-                if len(self._programs) >= MAX_CACHED_PROGRAMS:
-                    self._programs.clear()
-                # The callback returns only the shards that hold data: an
-                # accelerator's runtime aborts on a 0-size callback result
-                # (see _core/primitive.py); the others are made here.
-                data = tuple(k for k, a in enumerate(avals) if math.prod(a.shape))
-                callback = functools.partial(
-                    self._gate_callback, device, spec, frozenset(data)
-                )
-
-                def run(*gates: jax.Array) -> Any:
-                    # The last output, 4 bytes, is never 0-size: XLA runs the
-                    # callback even when every other output is (it skips a
-                    # computation of 0-size outputs only), so the counts it
-                    # gives back and the error it raises never go missing.
-                    *filled, ran = jax.pure_callback(
-                        callback, [*(avals[k] for k in data), _RAN], *gates
-                    )
-                    outs = [jnp.zeros(a.shape, a.dtype) for a in avals]
-                    for k, value in zip(data, filled, strict=True):
-                        outs[k] = value
-                    return [*outs, ran]
-
-                program = jax.jit(
-                    run, out_shardings=jax.sharding.SingleDeviceSharding(device)
-                )
-                self._programs[key] = program
-        return program
-
-    # -- when the gates arrive, in an XLA thread --
-
-    def _gate_callback(
-        self, device: Any, spec: tuple, data: frozenset[int], *slots: Any
-    ) -> list:
-        """Copies the shards (those at ``data`` in the flat order of ``spec``:
-        the others hold none) of the calls whose gates carry ``slots``."""
-        tasks = [self._slots[int(slot)] for slot in slots]
-        try:
-            outs = []
-            k = 0
-            for task, leaves in zip(tasks, spec, strict=True):
-                for leaf, index in leaves:
-                    value = task.gate_data(leaf, index, device)
-                    if value is None:  # opened with the call's error
-                        self._failed_devices.add(device)
-                        raise AsyncCallFailed(task.failure_text())
-                    if k in data:
-                        outs.append(value)
-                    k += 1
-            return [*outs, np.int32(0)]
-        finally:
-            self._give_waiting(device)
-            for task in tasks:
-                task.program_ran()
-
-    def clean_up_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
-        """Lets failed gate programs finish; leaves JAX no failed exit token."""
-        # JAX's exit handler (registered before ours, so run after it) waits, in
-        # this thread, for this thread's last program with host callbacks on
-        # each device, and prints its error if it failed. Let the failed gate
-        # programs run (XLA threads, which need the GIL: sleep), then dispatch a
-        # good program after them in this thread.
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not any(self._waiting.values()):
-                    break
-            time.sleep(EXIT_POLL_S)
-        if not self._failed_devices:
-            return
-        noop = jax.jit(
-            lambda g: jax.pure_callback(
-                lambda v: v, jax.ShapeDtypeStruct((), np.int32), g
-            )
-        )
-        for device in list(self._failed_devices):
-            try:
-                noop(jax.device_put(np.int32(0), device))
-            except Exception:  # at exit: never let this hide the rest
-                logger.debug("jax_threadmap: exit token reset failed", exc_info=True)
+        self._claim(None)
+        self._publish_placed(leaves)
 
 
-class _ArrayApi:
-    """What deferred dispatch needs of :mod:`.async_array` (:func:`bind_arrays`)."""
-
-    type: Any = None
-    task_of: Callable[[Any], Task] = staticmethod(lambda x: x)
-    arrays_of: Callable[[Task], Any] = staticmethod(lambda task: task)
-
-
-_array_api = _ArrayApi()
-
-
-def bind_arrays(
-    array_type: type, task_of: Callable[[Any], Task], arrays_of: Callable[[Task], Any]
-) -> None:
-    """Called once by :mod:`.async_array` at its import: the array type, the call of
-    an array, the arrays of a call."""
-    _array_api.type = array_type
-    _array_api.task_of = task_of
-    _array_api.arrays_of = arrays_of
+@functools.cache
+def _treedef(n: int) -> Any:
+    return jax.tree_util.tree_structure(list(range(n)))
 
 
 mechanism = Dispatch()
 
 
+def bind_arrays(
+    array_type: type,
+    pending_of: Callable[[Any], Pending],
+    arrays_of: Callable[[Task], Any],
+) -> None:
+    """Called once by :mod:`.async_array` at its import: the array type, the
+    ``Pending`` of an array, the arrays of a call (:class:`ArrayKind`)."""
+    mechanism.kind = ArrayKind(array_type, pending_of, arrays_of)
+
+
 def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python, once an async array exists:
-    the mechanism's (:meth:`Dispatch._around`)."""
-    return mechanism._around(run, program, args, effects)
+    """Every run of a compiled program from Python, once an async array exists
+    (:data:`.program_runs.RUNS`): the mechanism's (:meth:`Dispatch.around`)."""
+    return mechanism.around(run, program, args, effects)
 
 
 def async_dispatch_status() -> str:

@@ -16,7 +16,14 @@ jitted call whose arguments include pending ``AsyncArray`` s is not run at once:
 - when an argument's call fails, times out or is cancelled, the program never
   runs, and every use of its results raises ``JaxRuntimeError`` with that call's
   error (``AsyncCallFailed: ...``), as the gate programs' dependents do;
-- a program on the results of a ``ProgramRun`` is deferred in turn (a chain).
+- a program on the results of a ``ProgramRun`` is deferred in turn (a chain);
+- the program reads its arguments as they were at the call, whatever later
+  calls do to them (a donation, ``delete()``, a write to a NumPy array), as JAX's
+  runtime promises for the programs it has enqueued: NumPy arrays and
+  ``jax.Array`` s are copied at the call (:meth:`Readers.freeze`: jit's C++ fast
+  path donates without passing any hook, so no later point could copy), and an
+  ``AsyncArray`` is let go of (:class:`Readers`) before a later program is handed
+  it.
 
 Not deferred (they wait for their data at dispatch, in Python): programs with
 ordered effects, programs on ``jax.Ref`` s, programs with outputs of extended
@@ -31,6 +38,7 @@ are abandoned with their loads.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import threading
@@ -62,10 +70,14 @@ def processes() -> int:
 
 def deferrable(program: Any) -> bool:
     """Whether ``program`` (JAX's ``ExecuteReplicated``) may be deferred: no
-    ``jax.Ref`` s, only plain outputs, and not dispatched by the async pool."""
+    ``jax.Ref`` s, only plain array outputs (no tokens, no PRNG keys), and not
+    dispatched by the async pool."""
     if getattr(worker_state, "in_pool", False) or program.mut is not None:
         return False
-    return not any(is_extended(a.dtype) for a in program.out_handler.out_avals)
+    return all(
+        hasattr(a, "dtype") and not is_extended(a.dtype)
+        for a in program.out_handler.out_avals
+    )
 
 
 def output_specs(program: Any) -> list[LeafSpec]:
@@ -79,12 +91,166 @@ def output_specs(program: Any) -> list[LeafSpec]:
     ]
 
 
-def frozen_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``args`` as they are now: a NumPy array the caller writes to later must not
-    change a program that runs later (JAX copies it at dispatch)."""
-    return tuple(
-        np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in args
+class Held:
+    """A copy of a ready ``jax.Array`` (``original``; ``None`` for a copy of a
+    call's array) that the pending deferred programs reading it share."""
+
+    __slots__ = ("original", "copy")
+
+    def __init__(self, original: Any, copy: Any):
+        self.original, self.copy = original, copy
+
+
+class _Dispatching(threading.local):
+    #: The program run this thread dispatches (see :meth:`Readers.settle`).
+    run: ProgramRun | None = None
+
+
+_dispatching = _Dispatching()
+
+
+class Readers:
+    """What the pending deferred programs read, and the order they were called in.
+
+    A program reads its arguments as they were at its call, whatever later
+    calls do to them (JAX's runtime promises that for the programs it has
+    enqueued; a deferred one is not enqueued yet):
+
+    - a ready ``jax.Array`` is copied at the call (:meth:`freeze`; dispatched,
+      not waited for), once for all the pending programs that read it: jit's
+      C++ fast path donates without passing any hook, so no later point could
+      copy at the conflict;
+    - before a call's array, or such a copy, is handed to a program
+      (:meth:`settle`), which may donate it, the pending programs called
+      earlier that read it are let go of it (:meth:`ProgramRun.let_go`):
+      dispatched first if their data has landed, else given one new copy
+      between them (the only other copy: at the conflict). An ``AsyncArray``
+      argument never takes the fast path, so all its handing passes here.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: The pending deferred programs, in call order, by what they read: a
+        #: call (its arrays) or a :class:`Held` copy. Read without the lock:
+        #: whether there are any.
+        self.by_source: dict[Any, list[ProgramRun]] = {}
+        #: The shared copies of ready arrays, by ``id`` of the original.
+        self._held: dict[int, Held] = {}
+
+    def freeze(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+        """``args`` as they are now, and what each reads (a :class:`Held` for a
+        ``jax.Array``; NumPy arrays are copied, as JAX copies them at dispatch)."""
+        frozen: list[Any] = []
+        held: list[Any] = []
+        for a in args:
+            h = None
+            if isinstance(a, np.ndarray):
+                a = np.array(a, copy=True)
+            elif isinstance(a, jax.Array) and not is_extended(a.dtype):
+                with self._lock:
+                    h = self._held.get(id(a))
+                if h is None or h.original is not a or h.copy.is_deleted():
+                    h = Held(a, jax.device_put(a, may_alias=False))
+                    with self._lock:
+                        self._held[id(a)] = h
+                a = h.copy
+            frozen.append(a)
+            held.append(h)
+        return frozen, held
+
+    def add(self, run: ProgramRun, sources: list[Any]) -> None:
+        """``run`` reads ``sources`` (calls, copies) until it finishes."""
+        with self._lock:
+            for source in sources:
+                self.by_source.setdefault(source, []).append(run)
+        run.future.add_done_callback(lambda _: self._remove(run))
+
+    def _remove(self, run: ProgramRun) -> None:
+        with self._lock:
+            for source, runs in list(self.by_source.items()):
+                if run in runs:
+                    runs.remove(run)
+                if not runs:
+                    del self.by_source[source]
+                    if isinstance(source, Held) and source.original is not None:
+                        if self._held.get(id(source.original)) is source:
+                            del self._held[id(source.original)]
+
+    def settle(self, source: Any) -> None:
+        """Before ``source``'s arrays are handed to a program: the pending
+        programs called before it that read them no longer need them."""
+        me = _dispatching.run
+        with self._lock:
+            runs = list(self.by_source.get(source, ()))
+        made: dict[Any, Held] = {}
+        for run in runs:
+            if run is me:
+                break  # those called later read after this one
+            run.let_go(source, made, self)
+
+
+def defer(
+    dispatch: Callable[[list[Any]], list[jax.Array]],
+    program: Any,
+    args: tuple[Any, ...],
+    reads: list[Any],
+    arrays_of: Callable[[Task], Any],
+    readers: Readers,
+) -> Any:
+    """The program's results, as arrays of a :class:`ProgramRun` that runs
+    ``dispatch`` with its arguments once its pending ones land.
+
+    ``reads``: for each argument that is an ``AsyncArray``, its ``Pending`` (its
+    call and leaf), else ``None``; ``arrays_of``: the ``AsyncArray`` s of a call.
+    """
+    frozen, held = readers.freeze(args)
+    reads = [r if r is not None else h for r, h in zip(reads, held, strict=True)]
+    inputs = [r.task for r in reads if _is_call(r) and not r.task.future.done()]
+    run = ProgramRun(
+        dispatch,
+        readers,
+        frozen,
+        reads,
+        inputs,
+        f"`{program.name}`",
+        output_specs(program),
     )
+    sources = [r.task if _is_call(r) else r for r in reads if r is not None]
+    readers.add(run, list(dict.fromkeys(sources)))
+    outs = arrays_of(run)
+    run.submit()
+    return outs
+
+
+def _is_call(read: Any) -> bool:
+    """Whether ``read`` is a call's array (a ``Pending``), not a :class:`Held`."""
+    return read is not None and not isinstance(read, Held)
+
+
+#: :func:`_key` of a read that does not read the source.
+_OTHER = object()
+
+
+def _key(read: Any, source: Any) -> Any:
+    """Which of ``source``'s arrays ``read`` reads: its leaf (a call's), ``None``
+    (a copy), or :data:`_OTHER`."""
+    if read is source:
+        return None
+    if _is_call(read) and read.task is source:
+        return read.leaf
+    return _OTHER
+
+
+def _value(read: Any, source: Any) -> Any:
+    """The array that ``read`` reads of ``source`` now."""
+    if isinstance(source, Held):
+        return source.copy
+    return source.future.result()[read.leaf]
+
+
+@functools.cache
+def _treedef(n: int) -> Any:
+    return jax.tree_util.tree_structure(list(range(n)))
 
 
 #: The failed calls whose dependents' failure was logged (once per call).
@@ -111,27 +277,54 @@ class ProgramRun(Task):
     :meth:`_accept` (publish the outputs at once) and :meth:`failure_text`.
 
     Args:
-        dispatch: Dispatches the program; called with no arguments once every
-            input has landed; returns its outputs.
+        dispatch: Dispatches the program with the arguments it is given, once
+            every input has landed; returns its outputs.
+        readers: What the pending programs read (:class:`Readers`).
+        args: The program's arguments (:meth:`Readers.freeze`).
+        reads: For each argument, what it reads: a call's array (``Pending``),
+            a :class:`Held` copy, or ``None``.
         inputs: The calls of the pending arguments.
         name: The program's name, for messages (``\\`jit(f)\\```).
         specs: The program's output leaves.
     """
 
-    __slots__ = ("_inputs", "_inputs_lock", "_waiting", "_cause", "root", "_landed")
+    __slots__ = (
+        "_inputs",
+        "_inputs_lock",
+        "_waiting",
+        "_cause",
+        "root",
+        "_landed",
+        "_dispatch",
+        "_readers",
+        "_program_args",
+        "_reads",
+    )
     stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
 
     def __init__(
         self,
-        dispatch: Callable[[], list[jax.Array]],
+        dispatch: Callable[[list[Any]], list[jax.Array]],
+        readers: Readers,
+        args: list[Any],
+        reads: list[Any],
         inputs: list[Task],
         name: str,
         specs: list[LeafSpec],
     ):
-        treedef = jax.tree_util.tree_structure(list(range(len(specs))))
         super().__init__(
-            dispatch, (), {}, name=name, api=API, treedef=treedef, specs=specs
+            self._dispatch_now,
+            (),
+            {},
+            name=name,
+            api=API,
+            treedef=_treedef(len(specs)),
+            specs=specs,
         )
+        self._dispatch = dispatch
+        self._readers = readers
+        self._program_args = args
+        self._reads = reads
         self._inputs = tuple(dict.fromkeys(inputs))  # each call once, in order
         self._inputs_lock = threading.Lock()
         self._waiting = len(self._inputs)  # inputs not landed yet
@@ -142,6 +335,51 @@ class ProgramRun(Task):
         self.root: Task | None = None
         #: Whether every input landed (the dispatch is queued or running).
         self._landed = False
+
+    def _dispatch_now(self) -> list[jax.Array]:
+        with self._inputs_lock:
+            args, self._program_args = self._program_args, []
+            held = [r for r in self._reads if isinstance(r, Held)]
+        outer, _dispatching.run = _dispatching.run, self
+        try:
+            for h in held:  # it may donate them: the earlier readers first
+                self._readers.settle(h)
+            return self._dispatch(args)
+        finally:
+            _dispatching.run = outer
+            for h in held:
+                # A donated copy stands for the caller's array, deleted now
+                # (later uses fail, as after a donation; JAX's runtime keeps
+                # it for the programs enqueued before).
+                if h.copy.is_deleted() and h.original is not None:
+                    if not h.original.is_deleted():
+                        h.original.delete()
+
+    def let_go(self, source: Any, made: dict[Any, Held], readers: Readers) -> None:
+        """Makes this program independent of ``source`` (a call or a
+        :class:`Held` copy), before a program called later is handed it:
+        dispatched here if its data has landed (it was called first), else
+        reading a new copy, made once for all in ``made``."""
+        with self._inputs_lock:
+            waiting = bool(self._waiting) and not self.future.done()
+            if waiting:
+                for k, read in enumerate(self._reads):
+                    key = _key(read, source)
+                    if key is _OTHER:
+                        continue
+                    if key not in made:
+                        try:
+                            value = _value(read, source)
+                            copy = jax.device_put(value, may_alias=False)
+                        except Exception:  # noqa: BLE001 - deleted or failed: this
+                            continue  # run fails on its own, at its dispatch
+                        made[key] = Held(None, copy)
+                        readers.add(self, [made[key]])
+                    self._program_args[k] = made[key].copy
+                    self._reads[k] = made[key]
+        if not waiting:
+            self.run()
+            concurrent.futures.wait([self.future])  # the dispatch: moments
 
     def _start(self) -> None:
         """Starts the inputs that nothing started (a ``deferred_call``) and
@@ -187,6 +425,8 @@ class ProgramRun(Task):
                 root.api,
                 text,
             )
+        with self._inputs_lock:
+            self._program_args = []  # the copies are not needed any more
         self.give_up(error)
 
     def failure_text(self) -> str:

@@ -1,6 +1,6 @@
 """Every run of a compiled program from Python, as the async layer sees it.
 
-:func:`around` wraps each run (through ``_jax.program_runs.wrap_program_runs``). It
+:func:`around` wraps each run (through ``_jax.program_runs.RUNS``). It
 keeps, per thread, where the thread is in nested runs (a gate program dispatched by an
 argument handler runs inside the run that asked for it), so that:
 
@@ -60,7 +60,7 @@ _stream_ids = itertools.count(FIRST_PENDING_STREAM)
 
 
 def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python (``wrap_program_runs``).
+    """Every run of a compiled program from Python (``RUNS.around``).
 
     Puts the thread back on its usual stream when the run whose argument handler
     switched it returns, whatever happens; tells the handler the program's

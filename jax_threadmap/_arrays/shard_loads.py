@@ -492,8 +492,8 @@ def async_array_from_callback(
         ...     (4, 4), NamedSharding(mesh, P("x")), fetch, np.float32)
         >>> x.shape, x.sharding.spec == P("x")
         ((4, 4), True)
-        >>> jax.jit(lambda a: a.sum())(x)
-        Array(120., dtype=float32)
+        >>> print(jax.jit(lambda a: a.sum())(x))  # an AsyncArray, as x
+        120.0
     """
     check_callable(
         data_callback,

@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from .._jax import program_runs as _program_runs
+from .._jax.program_runs import RUNS
 
 
 @functools.cache
@@ -95,7 +95,7 @@ class _Entered:
             self._device = jax.default_device(scope._default)
             self._device.__enter__()
         if scope.held:
-            self._refusing = _program_runs.refusing(scope.held, scope._why)
+            self._refusing = RUNS.refusing(scope.held, scope._why)
             self._refusing.__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -113,11 +113,11 @@ def kernel_scope(program_devices: frozenset[Any], name: str) -> KernelScope | No
             the map (none for an eager map).
         name: The kernel's name.
     """
-    refused = _program_runs.this_thread.refused  # by the maps around this one
+    refused = RUNS.refused.devices  # by the maps around this one
     if _host_device() == "cpu" and not refused:
         return None
     held = frozenset(filter(_holds, program_devices)) | refused
     if held:
         # The wrapper that refuses them (installed once; a no-op elsewhere).
-        _program_runs.wrap_program_runs()
+        RUNS.install()
     return KernelScope(held, name)

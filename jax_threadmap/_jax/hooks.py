@@ -802,7 +802,7 @@ HOOKS: tuple[Hook, ...] = (
     # sets it and puts it back; the same in 0.6.2 ... 0.12).
     # `_arrays/async_dispatch.py` puts a dispatch on pending data on a stream of its
     # own, and puts the thread back when JAX's call that runs the compiled program
-    # (ExecuteReplicated.__call__, which it wraps: `wrap_program_runs`) returns.
+    # (ExecuteReplicated.__call__, which it wraps: `ProgramRuns.install`) returns.
     Hook(
         "execution_stream_id",
         "puts what the thread dispatches next on a stream of its own (entered), "

@@ -1,8 +1,9 @@
 """Program runs: the transfer server whose pulls are the async layer's gates,
-the name of the logger to filter, and the wrapper around every run of a
-compiled program from Python (on the hooks of :mod:`.hooks`), through which the
-async layer sees its dispatches and kernels are kept off the devices whose
-programs wait for them (:func:`refusing`).
+the name of the logger to filter, and :data:`RUNS`, the one hooks object that
+wraps every run of a compiled program from Python (on the hooks of
+:mod:`.hooks`), through which the async layer sees its dispatches and kernels
+are kept off the devices whose programs wait for them
+(:meth:`ProgramRuns.refusing`).
 """
 
 from __future__ import annotations
@@ -35,22 +36,6 @@ dispatch_streams_unavailable: Callable[[], str | None] = functools.partial(
 _ORIGINAL = "__jax_threadmap_original__"
 
 
-class ThisThread(threading.local):
-    """What the wrapper of program runs reads of this thread (set by
-    :func:`refusing`; read by ``_host/kernel_scope.py`` too)."""
-
-    #: Devices a program run from this thread must not use.
-    refused: frozenset[Any] = frozenset()
-    #: Why (what waits on them), for the error.
-    why: str = ""
-
-
-#: This thread's :class:`ThisThread`.
-this_thread = ThisThread()
-#: The async layer's ``around`` (:func:`wrap_program_runs`), once it set one.
-_around: list[Callable[..., Any]] = []
-
-
 class HeldDeviceError(RuntimeError):
     """A program would run on a device whose queue waits for the caller.
 
@@ -61,75 +46,103 @@ class HeldDeviceError(RuntimeError):
     """
 
 
-class refusing:  # noqa: N801 - used as a context manager, like contextlib's
-    """While entered, programs run from this thread on ``devices`` raise
-    :class:`HeldDeviceError` (``why`` says what waits on them) instead of
-    being dispatched. Nested scopes add up. Reaches the programs that JAX runs
-    from Python (:func:`wrap_program_runs`), not those of its C++ fast path."""
+class _Refused(threading.local):
+    #: Devices a program run from this thread must not use.
+    devices: frozenset[Any] = frozenset()
+    #: Why (what waits on them), for the error.
+    why: str = ""
 
-    __slots__ = ("_devices", "_why", "_outer")
 
-    def __init__(self, devices: frozenset[Any], why: str):
-        self._devices, self._why = devices, why
+class ProgramRuns:
+    """The one hooks object for JAX's runs of compiled programs from Python.
+
+    Installed when first needed (:meth:`install`: by the first ``AsyncArray``,
+    or the first kernel scope with held devices), it wraps
+    ``ExecuteReplicated.__call__``: JAX runs a jitted program from Python there
+    (its C++ fast path aside, which never sees an ``AsyncArray``), the argument
+    handlers first, then XLA's execute. Each run first refuses a program on a
+    device that this thread must not use (:meth:`refusing`, the kernel scope's
+    channel), then goes through :attr:`around` where one is set (the async
+    layer's): ``around(run, program, args, ordered_effects)`` must return
+    ``run(program, *args)``.
+    """
+
+    def __init__(self) -> None:
+        #: What this thread's programs must not use (:meth:`refusing`), read
+        #: as an attribute (``refused.devices``) on every kernel's first call.
+        self.refused = _Refused()
+        #: What every run goes through (the async layer's), once set.
+        self.around: Callable[..., Any] | None = None
+
+    def install(self, around: Callable[..., Any] | None = None) -> bool:
+        """Wraps the runs (once); sets :attr:`around` if given. Returns whether
+        the hook is there (:func:`dispatch_streams_unavailable` says why not)."""
+        if dispatch_streams_unavailable() is not None:
+            return False
+        if around is not None:
+            self.around = around
+        cls = get("ExecuteReplicated")
+        if hasattr(cls.__call__, _ORIGINAL):
+            return True
+        run = cls.__call__
+        refused = self.refused
+
+        @functools.wraps(run)
+        def __call__(program: Any, *args: Any) -> Any:
+            if refused.devices:
+                self._check_devices(program)
+            around = self.around
+            if around is None:
+                return run(program, *args)
+            return around(run, program, args, program.ordered_effects)
+
+        setattr(__call__, _ORIGINAL, run)
+        cls.__call__ = __call__
+        return True
+
+    def refusing(self, devices: frozenset[Any], why: str) -> _Refusing:
+        """While entered, programs run from this thread on ``devices`` raise
+        :class:`HeldDeviceError` (``why`` says what waits on them) instead of
+        being dispatched. Nested scopes add up. Reaches the programs that JAX
+        runs from Python, not those of its C++ fast path."""
+        return _Refusing(self.refused, devices, why)
+
+    def _check_devices(self, program: Any) -> None:
+        refused = self.refused
+        used = set(program._local_devices) & refused.devices
+        if used:
+            names = ", ".join(sorted(str(d) for d in used))
+            raise HeldDeviceError(
+                f"a JAX program ({program.name}) would run on {names}, whose program "
+                f"is waiting for {refused.why}: the device runs programs in order, "
+                "so this one could never start. Run JAX inside kernels on the host "
+                "(the default for arrays a kernel makes; jax.device_put(x, "
+                "jax.devices('cpu')[0]) for arrays from elsewhere, or "
+                "jax.jit(f, backend='cpu')), or do this work outside the kernel."
+            )
+
+
+class _Refusing:
+    """One entry of :meth:`ProgramRuns.refusing`."""
+
+    __slots__ = ("_refused", "_devices", "_why", "_outer")
+
+    def __init__(self, refused: _Refused, devices: frozenset[Any], why: str):
+        self._refused, self._devices, self._why = refused, devices, why
         self._outer: tuple[frozenset[Any], str] = (frozenset(), "")
 
     def __enter__(self) -> None:
-        runs = this_thread
-        self._outer = (runs.refused, runs.why)
+        refused = self._refused
+        self._outer = (refused.devices, refused.why)
         if self._devices:
-            runs.refused, runs.why = runs.refused | self._devices, self._why
+            refused.devices, refused.why = refused.devices | self._devices, self._why
 
     def __exit__(self, *exc: object) -> None:
-        this_thread.refused, this_thread.why = self._outer
+        self._refused.devices, self._refused.why = self._outer
 
 
-def _check_devices(program: Any) -> None:
-    used = set(program._local_devices) & this_thread.refused
-    if used:
-        names = ", ".join(sorted(str(d) for d in used))
-        raise HeldDeviceError(
-            f"a JAX program ({program.name}) would run on {names}, whose program "
-            f"is waiting for {this_thread.why}: the device runs programs in order, so "
-            "this one could never start. Run JAX inside kernels on the host (the "
-            "default for arrays a kernel makes; jax.device_put(x, "
-            "jax.devices('cpu')[0]) for arrays from elsewhere, or "
-            "jax.jit(f, backend='cpu')), or do this work outside the kernel."
-        )
-
-
-def wrap_program_runs(around: Callable[..., Any] | None = None) -> bool:
-    """Makes every run of a compiled program from Python go through the wrapper.
-
-    JAX runs a jitted program from Python (its C++ fast path aside, which never
-    sees an ``AsyncArray``) in ``ExecuteReplicated.__call__``: the argument
-    handlers first, then XLA's execute. The wrapper first refuses a program on a
-    device that this thread must not use (:func:`refusing`); then, if ``around``
-    was given (by this call or an earlier one; a later one replaces it), the
-    run is ``around(run, program, args, ordered_effects)``, which must return
-    ``run(program, *args)``; ``ordered_effects`` are the program's ordered
-    effects. Returns whether the hook is there
-    (:func:`dispatch_streams_unavailable` says why not).
-    """
-    if dispatch_streams_unavailable() is not None:
-        return False
-    if around is not None:
-        _around[:] = [around]
-    cls = get("ExecuteReplicated")
-    if hasattr(cls.__call__, _ORIGINAL):
-        return True
-    run = cls.__call__
-
-    @functools.wraps(run)
-    def __call__(self: Any, *args: Any) -> Any:
-        if this_thread.refused:
-            _check_devices(self)
-        if not _around:
-            return run(self, *args)
-        return _around[0](run, self, args, self.ordered_effects)
-
-    setattr(__call__, _ORIGINAL, run)
-    cls.__call__ = __call__
-    return True
+#: The hooks object (one per process: JAX's class is wrapped once).
+RUNS = ProgramRuns()
 
 
 #: ``async_dispatch_unavailable()``: why this JAX cannot dispatch on pending

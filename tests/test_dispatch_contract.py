@@ -278,3 +278,17 @@ def test_readers_and_a_donation_in_any_landing_order(mode, n, donate_after, orde
             gates[i].release.set()
     for out, want in zip(outs, expected, strict=True):
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
+
+
+def test_deleting_a_landed_async_array_leaves_an_earlier_pending_reader_right(mode):
+    # y reads the landed AsyncArray p and waits for the batch; p.delete() before the
+    # batch lands must leave y as it was at the call.
+    expected = np.asarray(jax.jit(loss)(BATCH, PARAMS))
+    params = async_call(lambda: PARAMS, F4)
+    params.block_until_ready()
+    gate, batch = gated(BATCH)
+    y = while_gated(jax.jit(loss), batch, params)
+    params.delete()
+    gate.release.set()
+    np.testing.assert_array_equal(np.asarray(y), expected)
+    assert params.is_deleted()

@@ -369,6 +369,17 @@ def _is_async(x: Any) -> bool:
 _surface.install(AsyncArray, _is_async)
 
 
+def _delete(self: AsyncArray) -> None:
+    """``jax.Array.delete``: waits for the value, lets the pending deferred programs
+    that read it take it first, then deletes it."""
+    value = _surface.landed(self)
+    _async_dispatch.mechanism.settle(self._task)
+    value.delete()
+
+
+AsyncArray.delete = _delete  # type: ignore[method-assign]
+
+
 def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
     _async_dispatch.mechanism.prepare()  # before any dispatch with them

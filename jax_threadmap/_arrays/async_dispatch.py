@@ -220,9 +220,15 @@ class Dispatch:
         """The value of ``x``, once the deferred programs called before this
         one that read it no longer need it (a later donation)."""
         value = x.array.result()
-        if self.readers.by_source:
-            self.readers.settle(x.task)
+        self.settle(x.task)
         return value
+
+    def settle(self, task: Task) -> None:
+        """Before ``task``'s values are handed on (to a program that may donate
+        them, or to ``delete()``): the pending deferred programs that read them
+        no longer need them (:meth:`.deferred_dispatch.Readers.settle`)."""
+        if self.readers.by_source:
+            self.readers.settle(task)
 
     def _may_dispatch(self) -> bool:
         if _dispatch_streams.ordered_effects():
@@ -296,7 +302,7 @@ def async_dispatch_status() -> str:
     """Says whether jitted calls with pending ``AsyncArray`` s return at once, and how.
 
     With ``"async"`` (the CPU), ``y = f(x)`` with ``x`` pending returns at once
-    with ``jax.Array`` results, and other work (of the same thread too) that
+    with ``AsyncArray`` results, and other work (of the same thread too) that
     does not use ``y`` does not wait for ``x`` (docs/async.md, "Ordering").
     Where the JAX hooks for that are missing, it is ``"async, in thread order
     (...)"``: calls still return at once, but every later program of the same

@@ -377,7 +377,7 @@ def _delete(self: AsyncArray) -> None:
     value.delete()
 
 
-AsyncArray.delete = _delete  # type: ignore[method-assign]
+AsyncArray.delete = _delete  # type: ignore[attr-defined]
 
 
 def make_arrays(task: Task) -> Any:

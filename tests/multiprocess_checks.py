@@ -79,6 +79,10 @@ def global_rows(mesh=MESH):
 
 
 def gathered(x):
+    # A result of a call on AsyncArrays is an AsyncArray, which JAX's
+    # process_allgather (it tests isinstance(x, jax.Array)) takes by its value.
+    if isinstance(x, jax_threadmap.AsyncArray):
+        x = x.result()
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 

@@ -607,8 +607,8 @@ def deferred_call(
         ...                       2, 7.0, dtype=np.float32)
         >>> x.done()
         False
-        >>> x + 1
-        Array([8., 8.], dtype=float32)
+        >>> print(x + 1)
+        [8. 8.]
     """
     task = Task.for_call(
         fn, result_shape_dtypes, args, kwargs, device, "deferred_call", timeout

@@ -661,6 +661,7 @@ class Task:
             self._part_failed(part, e)
 
     @staticmethod
+    @_async_pool.landing
     def _land_all() -> None:
         """Lands the ``async def`` calls whose fn returned in the last turn of
         the event loop (on its thread): all are checked and placed before any
@@ -741,6 +742,7 @@ class Task:
         with self._lock:
             return None if self._state != RUNNING else self._close()
 
+    @_async_pool.landing
     def _finish(self, out: Any) -> None:
         """Lands what ``fn`` returned, in the thread it returned to."""
         accepted = self._accept(out)
@@ -897,6 +899,7 @@ class Task:
 
     # -- a call of parts --
 
+    @_async_pool.landing
     def _part_returned(self, part: Part, out: Any) -> None:
         """Checks and places what ``part``'s fetch returned, then lands it
         (:meth:`_land_part`), or fails the call. Override point of a call of

@@ -1,8 +1,17 @@
 """What docs/accelerators.md reports, measured on the default backend (a TPU).
 
-Run by hand on the accelerator, in one process (one program may hold a TPU):
+Run by hand on the accelerator, in one process (one program may hold a TPU), after
+the README's set-up (``.venv``, the package installed):
 
-    PYTHONPATH=.:benchmarks python benchmarks/accelerator.py --json out.json
+    .venv/bin/python benchmarks/accelerator.py --out accelerator.json
+    .venv/bin/python benchmarks/accelerator.py --quick    # a first look
+
+It prints each part's results as it finishes, with the time it took, and writes
+them all as JSON to ``--out`` (nothing is written without it). On a CPU the
+full run is slow: its maps run 4096 elements of each kernel on the host's
+cores, 7 reps of each side (``RUN_TIME`` below, measured, which it prints
+first); ``--quick`` runs 64 elements, one rep and one dispatch round, to check
+that everything runs (its numbers are not the page's).
 
 Sides are alternated rep by rep and each side's best is kept (these machines'
 speed swings), and every timed result is checked against NumPy on the host:
@@ -44,6 +53,13 @@ from jax_threadmap import threadmap
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 #: The load behind the pending array of the dispatch measurements (seconds).
 LOAD_S = float(os.environ.get("LOAD_S", "1.5"))
+#: ``--quick``: the maps' batch (64 elements, not 4096), reps, dispatch rounds.
+QUICK_SHAPE, QUICK_REPS, QUICK_ROUNDS = (4, 4, 4), 1, 1
+#: What the run took, measured (printed at the start, so that a reader knows).
+RUN_TIME = (
+    "measured on a 2-CPU machine's CPU backend, shared with other work: the full "
+    "run 15 min (14 of them the maps), --quick 21 s"
+)
 
 
 def best_alternated(sides: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
@@ -72,12 +88,12 @@ def call_cost(reps: int) -> dict[str, Any]:
     return {k: v / 20 for k, v in best.items()}
 
 
-def maps(reps: int) -> dict[str, Any]:
+def maps(reps: int, shape: tuple[int, ...] = B.NESTED_SHAPE) -> dict[str, Any]:
     """The headline cases, per element, with their baselines."""
     out = {}
     for name in ("trivial", "sleep", "sort"):
         case = B.CASES[name]
-        full = case.inputs(B.NESTED_SHAPE)
+        full = case.inputs(shape)
         sub = full.subset(min(case.sequential_subset, 256))
         runs = {
             "threadmap": (B.threadmap_runner(case, full), full.size),
@@ -211,32 +227,56 @@ def nested() -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--out", "--json", default=None, help="write the results here, as JSON"
+    )
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--dispatch-rounds", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{int(np.prod(QUICK_SHAPE))} elements, {QUICK_REPS} rep, "
+        f"{QUICK_ROUNDS} dispatch round: a check that it runs, not the numbers",
+    )
+    args = parser.parse_args(argv)
+    shape = QUICK_SHAPE if args.quick else B.NESTED_SHAPE
+    reps = QUICK_REPS if args.quick else args.reps
+    rounds = QUICK_ROUNDS if args.quick else args.dispatch_rounds
     results: dict[str, Any] = {
         "devices": [str(d) for d in jax.devices()],
         "backend": jax.default_backend(),
         "jax": jax.__version__,
         "host_cpus": os.cpu_count(),
         "python": platform.python_version(),
+        "quick": args.quick,
     }
+    print(
+        f"benchmarks/accelerator.py on {results['backend']} "
+        f"({'--quick' if args.quick else 'full run'}; {RUN_TIME})",
+        flush=True,
+    )
+    started = time.perf_counter()
     for name, run in (
-        ("call", lambda: call_cost(args.reps)),
-        ("maps", lambda: maps(args.reps)),
-        ("dispatch", lambda: dispatch(args.dispatch_rounds)),
+        ("call", lambda: call_cost(reps)),
+        ("maps", lambda: maps(reps, shape)),
+        ("dispatch", lambda: dispatch(rounds)),
         ("nested", nested),
     ):
         t = time.perf_counter()
         results[name] = run()
         results[name + "_took_s"] = time.perf_counter() - t
         print(name, json.dumps(results[name], indent=1), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+        print(
+            f"{name}: {results[name + '_took_s']:.1f} s "
+            f"({time.perf_counter() - started:.0f} s in all)",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+        print(f"results written to {args.out}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Runs ``jax.jit(jax.vmap(jax.vmap(threadmap(...))))(x)`` once (traced, lowered
 and run), then the compiled call alone, then an ``async_call`` and ``jnp.sum`` of
-its array (twice: the first compiles), under a profiler hook set by this script
+its array (twice: the first compiles), then ``jax.jit(jax.grad(...))`` of a
+kernel with ``defvjp(fwd, bwd, residuals=...)`` under ``vmap`` (twice: the first
+traces, lowers and runs), under a profiler hook set by this script
 (never by the package), on every thread. Per thread, it follows which
 package module runs: each time that changes (a call into another module, or a
 return to the caller's) is one hop; ``A -> B -> A`` is a hop straight back.
@@ -126,6 +128,31 @@ def _async_sum() -> None:
     jax.block_until_ready(y)
 
 
+S = jax.ShapeDtypeStruct
+
+
+@jax_threadmap.kernel(S((3,), jnp.float32))
+def _solve(m: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.linalg.solve(m, b)
+
+
+def _solve_fwd(m: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, Any]:
+    inv = np.linalg.inv(m)
+    x = inv @ b
+    return x, (inv, x)
+
+
+def _solve_bwd(res: Any, ct: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    inv, x = res
+    ct_b = inv.T @ ct
+    return -np.outer(ct_b, x), ct_b
+
+
+_solve.defvjp(
+    _solve_fwd, _solve_bwd, residuals=(S((3, 3), jnp.float32), S((3,), jnp.float32))
+)
+
+
 def main() -> None:
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     f = jax.jit(jax.vmap(jax.vmap(lambda v: threadmap(_kernel, f32, v))))
@@ -136,11 +163,18 @@ def main() -> None:
     again = path.measure(lambda: jax.block_until_ready(f(x)))
     async_first = path.measure(_async_sum)
     async_again = path.measure(_async_sum)
+    grad = jax.jit(jax.grad(lambda m, b: jnp.sum(jax.vmap(_solve)(m, b)), (0, 1)))
+    m = jnp.ones((8, 3, 3), jnp.float32) + 4 * jnp.eye(3, dtype=jnp.float32)
+    b = jnp.ones((8, 3), jnp.float32)
+    grad_first = path.measure(lambda: jax.block_until_ready(grad(m, b)))
+    grad_again = path.measure(lambda: jax.block_until_ready(grad(m, b)))
     for label, (modules, hops, back) in (
         ("traced, lowered and run", first),
         ("the compiled call alone", again),
         ("async_call then jnp.sum, first", async_first),
         ("async_call then jnp.sum, again", async_again),
+        ("grad with residuals, traced, lowered and run", grad_first),
+        ("grad with residuals, compiled", grad_again),
     ):
         print(f"{label}: {modules} modules, {hops} hops, {back} straight back")
 

@@ -1,23 +1,31 @@
 """Opens the built docs site in headless Chromium, as a reader would.
 
-Serves the site on 127.0.0.1 (a port the OS picks), opens the home page, the API
-reference and two guides, and fails on a console error (a script error, a resource
-that did not load), a broken image, a formula that MathJax did not typeset, or a
-search for "vmap" (typed into the search box of mkdocs-material) that finds
-nothing. Every page, at a desktop's width (1280 px) and a phone's (390 px),
-fails on a code line cut at the edge of its block (wider than the block, so
-that its end is hidden) and on a word of a table broken in two (a break at a
-hyphen is no such break). Nothing is fetched from
-outside 127.0.0.1: a request elsewhere is blocked and counts as a failure, so
-the site must work offline.
+Serves the site on 127.0.0.1 (a port the OS picks) and opens every page of it
+(each ``index.html`` of the built site), at a desktop's width (1280 px) and a
+phone's (390 px). A page fails on a console error (a script error, a resource
+that did not load), a broken image, a formula that MathJax did not typeset, and
+on its layout: the page scrolls sideways; a code line cut at the edge of its
+block (wider than the block, so that its end is hidden); a table wider than the
+text column (at 390 px a table of 5 columns or more may scroll sideways in its
+own box, a narrower one must fit); a word of a table broken in two (a break at a
+hyphen is no such break); inline code broken inside a word (``--size`` as ``-``
+/ ``-size``; a long word may break after a ``.``, ``/``, ``,``, ``=`` or ``(``,
+where docs/hooks/inline_code.py allows it) or running past the text column. A
+search for "vmap" (typed into the search box of mkdocs-material) must find
+something. Nothing is fetched from outside 127.0.0.1: a request elsewhere is
+blocked and counts as a failure, so the site must work offline.
 
     python tests/browser_check.py                # builds the site first (mkdocs)
     python tests/browser_check.py --site site    # a site built already
+    python tests/browser_check.py --heights      # and each page's height in px
     python tests/browser_check.py --screenshot api.png
 
-Needs ``playwright`` (the ``browser`` extra) and a Chromium executable
-(``apt-get install chromium``: ``/usr/bin/chromium``; ``--chromium PATH``).
-Exit status 0 when every check passes; otherwise each failure is printed.
+Needs ``playwright`` (the ``browser`` extra) and a Chromium executable: Debian's
+and Ubuntu's ``chromium`` package (``apt-get install chromium``, which installs
+from a local mirror or a package cache too: ``/usr/bin/chromium``), or any other
+with ``--chromium PATH``. (``playwright install chromium`` downloads a browser
+instead, which an offline machine cannot do.) Exit status 0 when every check
+passes; otherwise each failure is printed.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,16 +54,16 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-#: The pages opened: home, the API reference, a guide with images, and one with
-#: maths (MathJax, served by the site itself).
-PAGES = ["", "api/", "performance/", "gridding/"]
-#: Opened again on a phone's width (the theme lays maths out differently there).
-NARROW_PAGES = ["gridding/"]
 NARROW = {"width": 390, "height": 844}
 WIDE = {"width": 1280, "height": 1600}
 SEARCH_TERM = "vmap"
 #: Bounds every wait on the browser, in milliseconds.
 TIMEOUT_MS = 30_000
+#: At a phone's width, a table of this many columns or more may scroll sideways
+#: in its own box (benchmark tables); a narrower one must fit the text column.
+WIDE_TABLE_COLUMNS = 5
+#: The page whose docstring examples ``--screenshot`` shows.
+SCREENSHOT_PAGE = "api-threadmap/"
 
 
 def build_site(site_dir: pathlib.Path) -> None:
@@ -78,11 +87,18 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         del format, args
 
 
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # A page closed while it loads (the search index): a broken pipe.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 @contextlib.contextmanager
 def serve(site_dir: pathlib.Path) -> Iterator[str]:
     """Serves ``site_dir`` on 127.0.0.1; yields the base URL."""
     handler = functools.partial(_QuietHandler, directory=str(site_dir))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _QuietServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -98,11 +114,15 @@ _BROKEN_IMAGES = """() => Array.from(document.images)
     .map((img) => img.currentSrc || img.src)"""
 
 
-#: Per code block wider than its box: by how much, and its longest line; per
-#: word of a table cell that the layout breaks over two lines (its range has
-#: boxes on two lines): the word.
-_CUT = """() => {
+#: Every layout problem of the page (see the module's docstring), one line each;
+#: its argument is the number of columns from which a table may scroll.
+_LAYOUT = """(wideColumns) => {
     const cut = [];
+    const root = document.documentElement;
+    const sideways = root.scrollWidth - root.clientWidth;
+    if (sideways > 1) {
+        cut.push(`the page scrolls sideways by ${sideways} px`);
+    }
     for (const code of document.querySelectorAll('pre > code')) {
         if (code.offsetParent === null) continue;  // hidden (a closed tab)
         const over = Math.max(...[code, code.parentElement]
@@ -112,6 +132,23 @@ _CUT = """() => {
             const lines = code.textContent.split('\\n');
             const longest = lines.reduce((a, b) => (b.length > a.length ? b : a));
             cut.push(`code line cut by ${over} px: ${longest.trim().slice(0, 70)}`);
+        }
+    }
+    for (const table of document.querySelectorAll('table')) {
+        // Wider than its box, or scrolled inside it (the theme's tables scroll).
+        const box = table.closest('.md-typeset__scrollwrap') || table.parentElement;
+        const over = Math.max(
+            table.getBoundingClientRect().width - box.clientWidth,
+            box.scrollWidth - box.clientWidth,
+            table.scrollWidth - table.clientWidth,
+        );
+        const columns = table.rows.length ? table.rows[0].cells.length : 0;
+        const allowed = window.innerWidth < 600 && columns >= wideColumns;
+        if (over > 1 && !allowed) {
+            const head = table.rows.length ? table.rows[0].textContent : '';
+            const names = head.trim().replace(/\\s+/g, ' | ').slice(0, 60);
+            cut.push(`table ${over.toFixed(0)} px wider than the text column `
+                + `(${columns} columns): ${names}`);
         }
     }
     for (const cell of document.querySelectorAll('td, th')) {
@@ -128,14 +165,52 @@ _CUT = """() => {
             }
         }
     }
+    const article = document.querySelector('article') || document.body;
+    const right = article.getBoundingClientRect().right;
+    for (const code of article.querySelectorAll('code')) {
+        if (code.closest('pre') || code.offsetParent === null) continue;
+        // Its words (docs/hooks/inline_code.py), not the space that ends a line.
+        const words = code.querySelectorAll('.tok');
+        const boxes = Array.from(words.length ? words : [code])
+            .flatMap((word) => Array.from(word.getClientRects()));
+        const rects = Array.from(code.getClientRects());
+        if (boxes.some((box) => box.right > right + 1) && !code.closest('table')) {
+            const text = code.textContent.slice(0, 60);
+            cut.push(`inline code runs past the text column: ${text}`);
+        }
+        if (new Set(rects.map((box) => Math.round(box.top))).size < 2) continue;
+        // It wraps: each character's line, to find a break inside a word.
+        const chars = [];
+        const texts = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+        while (texts.nextNode()) {
+            const node = texts.currentNode;
+            for (let i = 0; i < node.textContent.length; i++) {
+                const range = document.createRange();
+                range.setStart(node, i);
+                range.setEnd(node, i + 1);
+                const box = Array.from(range.getClientRects()).find((b) => b.width > 0);
+                chars.push([node.textContent[i], box ? Math.round(box.top) : null]);
+            }
+        }
+        for (let i = 1; i < chars.length; i++) {
+            const [prev, top0] = chars[i - 1];
+            const [char, top1] = chars[i];
+            if (top0 === null || top1 === null || top0 === top1) continue;
+            if (/\\s/.test(prev) || /\\s/.test(char)) continue;
+            if (/[./,=(]/.test(prev) && char !== ')') continue;
+            const text = chars.map((c) => c[0]).join('');
+            cut.push(`inline code broken inside a word: ${text.slice(0, 60)} `
+                + `(${text.slice(Math.max(0, i - 12), i)} / ${text.slice(i, i + 12)})`);
+            break;
+        }
+    }
     return cut;
 }"""
 
 
-def check_layout(page, url: str, problems: list[str]) -> None:
-    """Opens ``url``; adds its cut code lines and broken table words."""
-    page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
-    problems.extend(f"{url}: {p}" for p in page.evaluate(_CUT))
+def check_layout(page) -> list[str]:
+    """The layout problems of the page open in ``page``."""
+    return page.evaluate(_LAYOUT, WIDE_TABLE_COLUMNS)
 
 
 def site_pages(site_dir: pathlib.Path) -> list[str]:
@@ -144,8 +219,11 @@ def site_pages(site_dir: pathlib.Path) -> list[str]:
     return sorted("" if p == pathlib.Path() else f"{p.as_posix()}/" for p in found)
 
 
-def check_page(page, url: str, problems: list[str]) -> None:
-    """Opens ``url``; adds its console errors and broken images to ``problems``."""
+def check_page(page, url: str, problems: list[str]) -> int:
+    """Opens ``url``; adds its problems to ``problems``; returns its height in px.
+
+    Its console errors, broken images, formulas and layout.
+    """
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
@@ -158,12 +236,14 @@ def check_page(page, url: str, problems: list[str]) -> None:
     response = page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
     if response is None or not response.ok:
         problems.append(f"{url}: HTTP {response.status if response else 'none'}")
-    problems.extend(f"{url}: console error: {e}" for e in errors)
     for src in page.evaluate(_BROKEN_IMAGES):
         problems.append(f"{url}: broken image {src}")
     problems.extend(f"{url}: {p}" for p in check_maths(page))
     if mathjax and not page.evaluate("document.querySelector('.arithmatex') !== null"):
         problems.append(f"{url}: loads MathJax (2 MB) but has no formula")
+    problems.extend(f"{url}: {p}" for p in check_layout(page))
+    problems.extend(f"{url}: console error: {e}" for e in errors)
+    return page.evaluate("document.documentElement.scrollHeight")
 
 
 #: Per formula of the page (pymdownx.arithmatex's elements): its TeX, whether
@@ -247,51 +327,47 @@ def check_site(
     chromium: str = CHROMIUM,
     screenshot: pathlib.Path | None = None,
     search: bool = True,
+    heights: dict[str, dict[int, int]] | None = None,
 ) -> list[str]:
-    """Every problem found on the pages of ``site_dir``; empty when all is well."""
+    """Every problem found on the pages of ``site_dir``; empty when all is well.
+
+    Every page is opened at both widths; ``heights``, if given, gets each page's
+    height in px per width (``{"api/": {1280: 1600, 390: 844}}``).
+    """
     from playwright.sync_api import sync_playwright
 
     problems: list[str] = []
     with serve(site_dir) as base, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(viewport=WIDE)
-            context.route("**/*", lambda route: _block_outside(route, base))
-            for path in PAGES:
-                page = context.new_page()
-                check_page(page, base + path, problems)
-                if path == "api/" and screenshot is not None:
-                    # From the first docstring example on, where a reader looks.
-                    examples = page.locator(".doc-section-title", has_text="Examples")
-                    examples.first.evaluate(
-                        "e => { e.scrollIntoView(); window.scrollBy(0, -80); }"
-                    )
-                    page.screenshot(path=str(screenshot))
-                page.close()
-            narrow = browser.new_context(viewport=NARROW)
-            narrow.route("**/*", lambda route: _block_outside(route, base))
-            for path in NARROW_PAGES:
-                page = narrow.new_page()
-                before = len(problems)
-                check_page(page, base + path, problems)
-                problems[before:] = [
-                    f"{p} ({NARROW['width']} px)" for p in problems[before:]
-                ]
-                page.close()
             for viewport in (WIDE, NARROW):
-                layout = browser.new_context(viewport=viewport)
-                layout.route("**/*", lambda route: _block_outside(route, base))
-                page = layout.new_page()
-                before = len(problems)
+                context = browser.new_context(viewport=viewport)
+                context.route("**/*", lambda route: _block_outside(route, base))
                 for path in site_pages(site_dir):
-                    check_layout(page, base + path, problems)
-                problems[before:] = [
-                    f"{p} ({viewport['width']} px)" for p in problems[before:]
-                ]
-                layout.close()
-            if search:
-                hits = check_search(context.new_page(), base, problems)
-                print(f"browser_check: search for {SEARCH_TERM!r}: {hits} result(s)")
+                    page = context.new_page()
+                    before = len(problems)
+                    height = check_page(page, base + path, problems)
+                    problems[before:] = [
+                        f"{p} ({viewport['width']} px)" for p in problems[before:]
+                    ]
+                    if heights is not None:
+                        heights.setdefault(path, {})[viewport["width"]] = height
+                    if path == SCREENSHOT_PAGE and viewport is WIDE and screenshot:
+                        # From the first docstring example on, where a reader looks.
+                        examples = page.locator(
+                            ".doc-section-title", has_text="Examples"
+                        )
+                        examples.first.evaluate(
+                            "e => { e.scrollIntoView(); window.scrollBy(0, -80); }"
+                        )
+                        page.screenshot(path=str(screenshot))
+                    page.close()
+                if search and viewport is WIDE:
+                    hits = check_search(context.new_page(), base, problems)
+                    print(
+                        f"browser_check: search for {SEARCH_TERM!r}: {hits} result(s)"
+                    )
+                context.close()
         finally:
             browser.close()
     return problems
@@ -301,18 +377,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--site", type=pathlib.Path, help="a built site (else built)")
     parser.add_argument("--chromium", default=CHROMIUM, help="Chromium executable")
-    parser.add_argument("--screenshot", type=pathlib.Path, help="PNG of the API page")
+    parser.add_argument(
+        "--screenshot", type=pathlib.Path, help=f"PNG of /{SCREENSHOT_PAGE}"
+    )
+    parser.add_argument(
+        "--heights", action="store_true", help="print each page's height in px"
+    )
     args = parser.parse_args(argv)
+    heights: dict[str, dict[int, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         site = args.site
         if site is None:
             site = pathlib.Path(tmp) / "site"
             build_site(site)
-        problems = check_site(site, chromium=args.chromium, screenshot=args.screenshot)
+        started = time.monotonic()
+        problems = check_site(
+            site, chromium=args.chromium, screenshot=args.screenshot, heights=heights
+        )
+        seconds = time.monotonic() - started
+    if args.heights:
+        print(f"{'page':28} {WIDE['width']:>7} {NARROW['width']:>7}  (px tall)")
+        for path, height in heights.items():
+            print(
+                f"{'/' + path:28} {height[WIDE['width']]:7} {height[NARROW['width']]:7}"
+            )
     for problem in problems:
         print(f"browser_check: {problem}", file=sys.stderr)
-    pages = ", ".join("/" + p for p in PAGES)
-    print(f"browser_check: {pages}: {len(problems)} problem(s)")
+    print(
+        f"browser_check: {len(heights)} pages at {WIDE['width']} and "
+        f"{NARROW['width']} px in {seconds:.1f} s: {len(problems)} problem(s)"
+    )
     return 1 if problems else 0
 
 

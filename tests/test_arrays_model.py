@@ -63,7 +63,7 @@ from jax_threadmap import (
 )
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import async_pool as _async_pool
-from jax_threadmap._arrays.task import PLACED, STOPPED
+from jax_threadmap._arrays.parts import PartState
 from jax_threadmap._support import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(600)
@@ -418,7 +418,12 @@ class AsyncArraysModel(RuleBasedStateMachine):
             task = call.x._task
             if task.parts and task.future.done():
                 states = [p.state for p in task.parts]
-                assert all(s in (PLACED, STOPPED) for s in states), (states, call)
+                assert all(
+                    s in (PartState.PLACED, PartState.STOPPED) for s in states
+                ), (
+                    states,
+                    call,
+                )
 
     @invariant()
     def pool_within_bound_and_cap(self) -> None:

@@ -1,4 +1,6 @@
-"""``async def`` kernels: each element a coroutine on the package's event loop.
+"""``async def`` kernels: each element a coroutine on the package's event loop;
+what an element's result may raise, ``async def`` derivative rules (second order,
+failing), and Ctrl-C inside such a map.
 
 No assertion rests on a clock: the tests count elements in flight and the threads
 that ran them, and wait on events (with generous bounds, so nothing hangs).
@@ -15,15 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cause_of, returns_within, sigint_as_usual
+from helpers import cause_of, returns_within, run_script, sigint_as_usual
 
 import jax_threadmap
-from jax_threadmap import ExecutorError, KernelError, threadmap
+from jax_threadmap import ExecutorError, KernelError, async_call, kernel, threadmap
 from jax_threadmap._executors.async_kernels import (
     DEFAULT_MAX_IN_FLIGHT,
     ENV_MAX_IN_FLIGHT,
     SLOW_STEP,
 )
+from jax_threadmap._support import event_loop as _event_loop
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 #: Seconds a test waits for an event before it fails (never reached when it passes).
@@ -463,3 +466,364 @@ def test_summed_cotangents_are_added_in_index_order_within_the_bound():
     g = jax.grad(lambda a: jax.vmap(k, (0, None))(x, a).sum())(jnp.float32(2.0))
     assert float(g) == float(x.sum())
     assert seen.peak <= 4
+
+
+SDS = jax.ShapeDtypeStruct
+#: Seconds a call's result is waited for (never reached when a test passes).
+WAIT = 30.0
+
+
+class Odd(BaseException):
+    """An exception no code catches by type."""
+
+
+# --- an element whose result raised a BaseException (issue 43) ---------------------
+
+
+def _raising(exc: BaseException):
+    class Bad:
+        def __array__(self, dtype=None, copy=None):
+            raise exc
+
+    return Bad()
+
+
+def _async_map(fn, n):
+    return jax.vmap(lambda i: threadmap(fn, F32, i))(jnp.arange(float(n)))
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_from_an_elements_result_reaches_the_caller(exc):
+    async def element(i):
+        return _raising(exc()) if i == 2 else i
+
+    with pytest.raises(exc):
+        returns_within(_async_map, element, 8, limit=WAIT, what="end the map")
+    # The loop's thread lives on: the next map and loader run.
+    got = returns_within(_async_map, element, 2, limit=WAIT, what="run the next map")
+    np.testing.assert_array_equal(got, [0.0, 1.0])
+
+    async def load():
+        return np.ones(2, np.float32)
+
+    np.testing.assert_array_equal(
+        async_call(load, SDS((2,), np.float32)).result(timeout=WAIT), 1.0
+    )
+
+
+def test_any_other_exception_from_an_elements_result_names_the_element():
+    async def element(i):
+        await asyncio.sleep(0)
+        return _raising(Odd("odd")) if i == 3 else i
+
+    with pytest.raises(KernelError, match=r"batch index \(3,\).*Odd: odd") as info:
+        returns_within(_async_map, element, 8, limit=WAIT, what="end the map")
+    assert isinstance(cause_of(info.value), Odd)
+    assert info.value.index == (3,)
+
+
+def test_a_summed_output_whose_value_raises_names_its_element():
+    # Cotangents of an unbatched operand are added later, in index order: the
+    # error is the element's whose value raised, not the one stored then.
+    @kernel(F32)
+    async def k(x, a):
+        return x * a
+
+    @k.defvjp
+    async def k_vjp(x, a, ct):
+        for _ in range(int(8 - x)):  # earlier elements finish later
+            await asyncio.sleep(0)
+        return ct * a, (_raising(Odd("odd cotangent")) if x == 5 else ct * x)
+
+    def grad_a():
+        x = jnp.arange(8.0)
+        return jax.grad(lambda a: jax.vmap(k, (0, None))(x, a).sum())(jnp.float32(2))
+
+    with pytest.raises(KernelError, match=r"batch index \(5,\).*odd cotangent"):
+        returns_within(grad_a, limit=WAIT, what="end the map")
+
+
+def test_the_event_loop_outlives_a_coroutine_that_lets_an_interrupt_out(caplog):
+    # asyncio lets KeyboardInterrupt and SystemExit out of run_forever: the
+    # package's loop, which every loader and map shares, goes on.
+    ran = threading.Event()
+    box = {}
+
+    async def escapes():
+        box["task"] = asyncio.current_task()
+        raise SystemExit("out of the loop")
+
+    _event_loop.event_loop().submit(escapes, "escapes")
+
+    async def load():
+        ran.set()
+        return np.zeros(2, np.float32)
+
+    x = async_call(load, SDS((2,), np.float32))
+    np.testing.assert_array_equal(x.result(timeout=WAIT), 0.0)
+    assert ran.is_set()
+    assert any("the loop goes on" in r.getMessage() for r in caplog.records)
+    # Its task kept the exception (read here: asyncio would log it at exit).
+    assert isinstance(box["task"].exception(), SystemExit)
+
+
+def test_a_map_never_returns_with_an_element_unwritten(monkeypatch):
+    # Whatever ends an element without storing it (here: a store that writes
+    # nothing for one element), the map fails rather than return that element
+    # as whatever its output buffer held.
+    from jax_threadmap._executors import async_kernels as _async_kernels
+
+    real_store = _async_kernels.AsyncMap._store
+
+    def store(self, i, index, result):
+        if i != 3:
+            real_store(self, i, index, result)
+
+    monkeypatch.setattr(_async_kernels.AsyncMap, "_store", store)
+
+    async def element(i):
+        return i
+
+    with pytest.raises(ExecutorError, match="1 of 8 element"):
+        returns_within(_async_map, element, 8, limit=WAIT, what="end the map")
+
+
+# --- async def derivative rules, second order and failing (issue 43) ---------------
+
+S = jax.ShapeDtypeStruct
+F64 = jnp.float64
+
+
+def _async_sin_kernel(max_in_flight=None):
+    """``f(x, a) = sin(x) * a`` (x (3,), a ()) whose rules, and their rules, are
+    all ``async def``: each awaits before it returns."""
+    g, g1, g2 = np.sin, np.cos, lambda x: -np.sin(x)
+    opts = {} if max_in_flight is None else {"max_in_flight": max_in_flight}
+
+    @kernel(S((3,), F64), **opts)
+    async def f(x, a):
+        await asyncio.sleep(0)
+        return g(x) * a
+
+    @kernel(S((3,), F64), **opts)
+    async def f_jvp(x, a, tx, ta):
+        await asyncio.sleep(0)
+        return g1(x) * a * tx + g(x) * ta
+
+    @kernel((S((3,), F64), S((), F64)), **opts)
+    async def f_vjp(x, a, ct):
+        await asyncio.sleep(0)
+        return ct * g1(x) * a, np.sum(ct * g(x))
+
+    @f_jvp.defjvp
+    async def f_jvp_jvp(x, a, tx, ta, dx, da, dtx, dta):
+        await asyncio.sleep(0)
+        return g2(x) * dx * a * tx + g1(x) * (da * tx + a * dtx + dx * ta) + g(x) * dta
+
+    @f_vjp.defjvp
+    async def f_vjp_jvp(x, a, ct, dx, da, dct):
+        await asyncio.sleep(0)
+        return (
+            dct * g1(x) * a + ct * g2(x) * dx * a + ct * g1(x) * da,
+            np.sum(dct * g(x) + ct * g1(x) * dx),
+        )
+
+    @f_jvp.defvjp
+    async def f_jvp_vjp(x, a, tx, ta, ct):
+        await asyncio.sleep(0)
+        return (
+            ct * (g2(x) * a * tx + g1(x) * ta),
+            np.sum(ct * g1(x) * tx),
+            ct * g1(x) * a,
+            np.sum(ct * g(x)),
+        )
+
+    @f_vjp.defvjp
+    async def f_vjp_vjp(x, a, ct, c):
+        await asyncio.sleep(0)
+        cx, ca = c
+        return (
+            cx * ct * g2(x) * a + ca * ct * g1(x),
+            np.sum(cx * ct * g1(x)),
+            cx * g1(x) * a + ca * g(x),
+        )
+
+    f.defjvp(f_jvp)
+    f.defvjp(f_vjp)
+    return f
+
+
+def _loss(f):
+    def loss(x, a):
+        y = jax.vmap(jax.vmap(f, (0, None)), (0, None))(x, a)
+        return jnp.sum(y * jnp.cos(y)) + a * jnp.sum(y)
+
+    return loss
+
+
+SECOND_ORDER = {
+    "hessian": lambda loss: jax.hessian(loss, (0, 1)),
+    "jvp(grad)": lambda loss: (
+        lambda x, a: jax.jvp(
+            jax.grad(loss, (0, 1)), (x, a), (jnp.cos(x), 0.7 * jnp.cos(a))
+        )[1]
+    ),
+    "grad(grad)": lambda loss: jax.grad(
+        lambda x, a: jnp.sum(jnp.sin(jax.grad(loss)(x, a))), (0, 1)
+    ),
+}
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("transform", list(SECOND_ORDER))
+def test_async_def_rules_of_async_def_rules_match_jax_numpy(transform, jit):
+    x = jnp.asarray(np.random.default_rng(0).uniform(-1.5, 1.5, (2, 3, 3)))
+    a = jnp.float64(0.8)
+    make = SECOND_ORDER[transform]
+    got = make(_loss(_async_sin_kernel(max_in_flight=2)))
+    if jit:
+        got = jax.jit(got)
+    want = make(_loss(lambda x, a: jnp.sin(x) * a))(x, a)
+    got = returns_within(got, x, a, limit=WAIT, what="differentiate")
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert g.dtype == w.dtype == np.float64
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", ["jvp", "vjp"])
+@pytest.mark.parametrize("how", ["raises", "wrong shape"])
+def test_a_failing_async_def_rule_names_itself_and_its_element(rule, how):
+    entered, cancelled = [], threading.Semaphore(0)
+
+    @kernel(F32)
+    async def k(x):
+        return x * 2
+
+    async def body(x, out, wrong):
+        if int(x) == 5:
+            if how == "raises":
+                raise ArithmeticError(f"rule failed at {int(x)}")
+            return wrong
+        entered.append(int(x))
+        try:  # the other elements wait until the failure cancels them
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.release()
+            raise
+        return out
+
+    if rule == "jvp":
+
+        @k.defjvp
+        async def k_jvp(x, tx):
+            return await body(x, 2 * tx, np.zeros(2))
+
+        run = lambda x: jax.jvp(jax.vmap(k), (x,), (jnp.ones_like(x),))  # noqa: E731
+    else:
+
+        @k.defvjp
+        async def k_vjp(x, ct):
+            return await body(x, (2 * ct,), (np.zeros(2),))
+
+        run = jax.grad(lambda x: jax.vmap(k)(x).sum())  # noqa: E731
+    x = jnp.arange(8.0)
+    words = "rule failed at 5" if how == "raises" else r"shape \(2,\)"
+    with pytest.raises(KernelError, match=rf"k_{rule}.*batch index \(5,\).*{words}"):
+        returns_within(run, x, limit=WAIT, what="fail")
+    # Every element that had started was cancelled (those after the failure
+    # never start).
+    assert entered
+    assert all(cancelled.acquire(timeout=WAIT) for _ in entered), entered
+    # The next derivative through async def rules works.
+
+    @kernel(F32)
+    async def square(v):
+        return v * v
+
+    @square.defvjp
+    async def square_vjp(v, ct):
+        await asyncio.sleep(0)
+        return (2 * v * ct,)
+
+    grad = jax.grad(lambda x: jax.vmap(square)(x).sum())
+    got = returns_within(grad, x, limit=WAIT, what="differentiate")
+    np.testing.assert_array_equal(got, 2 * np.arange(8.0))
+
+
+# --- Ctrl-C inside an async def kernel map (issue 43) ---------------------------------
+
+CTRL_C_SCRIPT = """
+import asyncio, os, signal, threading, time
+import jax, jax.numpy as jnp, numpy as np
+import jax_threadmap as jtm
+
+F32 = jax.ShapeDtypeStruct((), np.float32)
+BOUND = 8
+seen = {"in": 0, "cancelled": 0}
+all_cancelled = threading.Event()
+
+async def wait_for_ctrl_c(i):
+    seen["in"] += 1
+    try:
+        if seen["in"] == BOUND:  # all in flight: Ctrl-C from the keyboard
+            os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        seen["cancelled"] += 1
+        if seen["cancelled"] == BOUND:
+            all_cancelled.set()
+        raise
+    return i
+
+@jtm.kernel(F32, max_in_flight=BOUND)
+async def scaled(x, a):
+    return x * a
+
+@scaled.defvjp
+async def scaled_vjp(x, a, ct):  # its cotangent of `a` is summed on the host
+    return await wait_for_ctrl_c(ct * a), ct * x
+
+def plain_map(n):
+    f = lambda i: jtm.threadmap(wait_for_ctrl_c, F32, i, max_in_flight=BOUND)
+    return jax.vmap(f)(np.arange(float(n), dtype=np.float32))
+
+def summed_grad(n):
+    x = np.arange(float(n), dtype=np.float32)
+    return jax.grad(lambda a: jax.vmap(scaled, (0, None))(x, a).sum())(
+        np.float32(2.0))
+
+for name, run in (("map", plain_map), ("summed grad", summed_grad)):
+    seen.update({"in": 0, "cancelled": 0})
+    all_cancelled.clear()
+    try:
+        run(100)
+        print(name, "not interrupted", flush=True)
+    except KeyboardInterrupt:
+        ok = all_cancelled.wait(60)
+        print(name, "interrupted; in flight cancelled:", ok, seen, flush=True)
+
+async def double(i):
+    await asyncio.sleep(0)
+    return i * 2
+
+x = np.arange(4.0, dtype=np.float32)
+got = jax.vmap(lambda i: jtm.threadmap(double, F32, i))(x)
+print("next map:", np.asarray(got).tolist(), flush=True)
+"""
+
+
+def test_ctrl_c_inside_an_async_def_map_and_a_summed_grad():
+    # A real SIGINT while every element in flight waits: the map (and a grad
+    # whose cotangent is summed on the host, added in index order) stops with
+    # KeyboardInterrupt in the caller, every element in flight is cancelled,
+    # and the next map runs.
+    ran = run_script(CTRL_C_SCRIPT)
+    for name in ("map", "summed grad"):
+        said = f"{name} interrupted; in flight cancelled: True"
+        assert said in ran.stdout, ran.report
+    assert "next map: [0.0, 2.0, 4.0, 6.0]" in ran.stdout, ran.report
+    assert ran.returncode == 0, ran.report

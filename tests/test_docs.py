@@ -44,8 +44,14 @@ changes how it runs:
   nesting of sub-jaxprs are compared in full (``jax_params_dropped``).
 
 Shell blocks (``bash``) are not run here: README's two commands are what
-``.ci/run`` runs, and ``tests/test_demo.py`` runs the demo. The docstring
-examples that the API reference shows run as doctests below.
+``.ci/run`` runs, and ``tests/test_demo.py`` runs the demo. Each shell block
+is checked instead (``test_shell_block_runs_after_the_readme_set_up``): it
+runs as written after the README's set-up (``python3 -m venv .venv && .venv/bin/pip
+install -q .``, from the repository's root), so its ``python``, ``pip``,
+``pytest`` and ``mkdocs`` are those of ``.venv/bin/``, and it installs the
+extras that what it runs needs (``.venv/bin/pip install -q ".[examples]"``);
+inline code that is a command uses ``.venv/bin/`` too. The docstring examples
+that the API reference shows run as doctests below.
 """
 
 from __future__ import annotations
@@ -354,7 +360,7 @@ def test_block_outputs_are_split_by_block():
 
 
 def test_page_script_keeps_the_page_line_numbers():
-    path = ROOT / "docs" / "api.md"
+    path = ROOT / "docs" / "api-threadmap.md"
     script = page_script(path).splitlines()
     (block,) = [b for p, b in PY_BLOCKS if p == path]
     assert _sentinel(block["line"]).strip() in script[block["line"] - 1]
@@ -435,8 +441,14 @@ def test_no_table_has_an_empty_header_row():
 
 
 def test_readme_has_exactly_the_two_commands_that_ci_runs():
-    shell = [b for b in blocks(ROOT / "README.md") if b["lang"] == "bash"]
+    # "The two commands": the README's first shell blocks, one line each; the
+    # docs section's block (the browser check) comes after them.
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    shell = [b for b in pages.blocks(section) if b["lang"] == "bash"]
     assert [len(b["code"].splitlines()) for b in shell] == [1, 1]
+    first = [b for b in blocks(ROOT / "README.md") if b["lang"] == "bash"][:2]
+    assert [b["code"] for b in first] == [b["code"] for b in shell]
     demo, tests = (b["code"] for b in shell)
     assert demo.endswith("-m jax_threadmap")
     ci = (ROOT / ".ci" / "run").read_text()
@@ -504,3 +516,132 @@ def test_printed_jaxprs_are_compared_without_jax_params():
     # A block that prints other lines first, then the jaxpr: the jaxpr part too.
     printed = "8\nTrue True\n"
     assert jax_params_dropped(printed + old) == printed + jax_params_dropped(new)
+
+
+SHELL = ("bash", "sh", "shell", "console")
+#: A command's program: python, pip, pytest or mkdocs, with the path it is run by.
+_TOOL = re.compile(
+    r"(?<![\w./-])(?P<path>[\w./-]*/)?(?P<tool>python3?|pip3?|pytest|mkdocs)"
+    r"(?![\w.-])(?P<rest>[^\n]*)"
+)
+#: What a command runs -> the extras of which it needs one (pyproject.toml).
+NEEDS = [
+    (re.compile(r"\bpytest\b"), {"test"}),
+    (re.compile(r"benchmarks/test_bench_|pytest benchmarks"), {"bench"}),
+    (re.compile(r"\bexamples[./]|gridding"), {"examples"}),
+    (re.compile(r"--plot"), {"plot", "examples"}),
+    (re.compile(r"\bmkdocs\b"), {"docs"}),
+    (re.compile(r"\bdask\b"), {"dask", "test"}),
+]
+_EXTRAS = re.compile(
+    r"""\.venv/bin/pip install [^\n]*?["']\.\[(?P<names>[\w,]+)\]["']"""
+)
+
+
+def installed_extras(code: str) -> set[str]:
+    """The extras that ``code`` installs with ``.venv/bin/pip install``."""
+    return {e for m in _EXTRAS.finditer(code) for e in m["names"].split(",")}
+
+
+def pyproject_extras() -> set[str]:
+    """The extras that pyproject.toml defines."""
+    text = (ROOT / "pyproject.toml").read_text()
+    table = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([\w-]+) = \[", table, re.M))
+
+
+def shell_block_problems(
+    code: str, extras: set[str], installed_above: frozenset[str] = frozenset()
+) -> list[str]:
+    """Why a shell block would not run as written after the README's set-up.
+
+    ``installed_above``: the extras that the page's shell blocks above install.
+    """
+    problems = []
+    for m in _TOOL.finditer(code):
+        venv = m["path"] == ".venv/bin/"
+        makes_venv = m["tool"] == "python3" and m["rest"].startswith(" -m venv .venv")
+        if not venv and not makes_venv:
+            problems.append(
+                f"{(m['path'] or '') + m['tool']!r}: the README set up .venv, so "
+                f"write .venv/bin/{m['tool']}"
+            )
+    installed = installed_extras(code)
+    unknown = sorted(installed - extras)
+    if unknown:
+        problems.append(f"installs extras that pyproject.toml lacks: {unknown}")
+    runs = "\n".join(m[0] for m in _TOOL.finditer(code) if "pip" not in m["tool"])
+    for pattern, wanted in NEEDS:
+        if pattern.search(runs) and not wanted & (installed | installed_above):
+            problems.append(
+                f"runs {pattern.search(runs)[0]!r}, which needs the extra "
+                f"{' or '.join(sorted(wanted))}: add .venv/bin/pip install -q "
+                f'".[{sorted(wanted)[0]}]" to the block'
+            )
+    return problems
+
+
+SHELL_BLOCKS = [(p, b) for p in FILES for b in blocks(p) if b["lang"] in SHELL]
+
+
+@pytest.mark.parametrize(
+    "path,block",
+    SHELL_BLOCKS,
+    ids=[f"{p.relative_to(ROOT)}:{b['line']}" for p, b in SHELL_BLOCKS],
+)
+def test_shell_block_runs_after_the_readme_set_up(path, block):
+    above = [b for p, b in SHELL_BLOCKS if p == path and b["line"] < block["line"]]
+    installed = frozenset().union(*(installed_extras(b["code"]) for b in above))
+    problems = shell_block_problems(block["code"], pyproject_extras(), installed)
+    assert not problems, f"{path.relative_to(ROOT)}:{block['line']}: {problems}"
+
+
+#: Inline code that is a command: its environment variables, then the program.
+_INLINE_COMMAND = re.compile(
+    r"`((?:[A-Z0-9_]+=\S+ )*(?:[\w./-]*/)?(?:python3?|pip3?|pytest|mkdocs)\s[^`]*)`"
+)
+
+
+def test_inline_commands_use_the_readme_venv():
+    found = []
+    for path in FILES:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for command in _INLINE_COMMAND.findall(text):
+            if any(
+                ".venv/bin/" not in m[0] and not m[0].startswith("python3 -m venv")
+                for m in _TOOL.finditer(command)
+            ):
+                found.append(f"{path.relative_to(ROOT)}: {command}")
+    assert not found, "commands not run by .venv/bin/ (README's set-up):\n" + "\n".join(
+        found
+    )
+
+
+def test_shell_block_check_finds_what_a_block_needs():
+    extras = pyproject_extras()
+    assert {"test", "docs", "examples", "bench"} <= extras
+    examples = '.venv/bin/pip install -q ".[examples]"'
+    run = ".venv/bin/python -m examples.gridding"
+    assert shell_block_problems(f"{examples}\n{run}", extras) == []
+    assert shell_block_problems(run, extras, frozenset({"examples"})) == []
+    assert (
+        shell_block_problems(
+            "python3 -m venv .venv && .venv/bin/pip install -q . && "
+            ".venv/bin/python -m jax_threadmap",
+            extras,
+        )
+        == []
+    )
+    (bare,) = shell_block_problems("python benchmarks/accelerator.py", extras)
+    assert "write .venv/bin/python" in bare
+    (needs,) = shell_block_problems(
+        ".venv/bin/python -m examples.gridding.newton", extras
+    )
+    assert "needs the extra examples" in needs
+    problems = shell_block_problems(
+        '.venv/bin/pip install -q ".[tests]"\n.venv/bin/pytest tests', extras
+    )
+    assert any("lacks: ['tests']" in p for p in problems), problems
+    assert any("needs the extra test" in p for p in problems), problems
+    assert shell_block_problems("pip install ducc0", extras)
+    assert not shell_block_problems('.venv/bin/pip install -q "jax[tpu]"', extras)

@@ -1,6 +1,10 @@
-"""Executors that pickle work: process pools and a real Dask cluster."""
+"""Executors that pickle work: process pools and a real Dask cluster, and Dask
+workers that die in the middle of a map: a map never hangs on a dead worker: it
+completes on the workers left (Dask's retry) or fails with an error that names
+the chunk, and the next map works."""
 
 import concurrent.futures
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -14,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import worker_kernels
-from helpers import cause_of, run_script, wait_until
+from helpers import LOOPBACK, NO_LOOPBACK, cause_of, run_script, wait_until
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, threadmap
@@ -36,6 +40,12 @@ def nested_call(executor):
 
     # x batched at both levels, y at the inner one only, s unbatched.
     return jax.jit(jax.vmap(jax.vmap(f, in_axes=(0, 0, None)), in_axes=(0, None, None)))
+
+
+def mapped(kernel, executor):
+    """``kernel`` mapped over a vector of float32 elements on ``executor``."""
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    return jax.vmap(lambda x: threadmap(kernel, f32, x, executor=executor))
 
 
 def check_nested(executor):
@@ -206,14 +216,7 @@ def test_fwd_and_bwd_with_residuals_in_worker_processes(spawn_pool):
 
 
 def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):
-    f = jax.vmap(
-        lambda x: threadmap(
-            worker_kernels.raises_at_five,
-            jax.ShapeDtypeStruct((), jnp.float32),
-            x,
-            executor=spawn_pool,
-        )
-    )
+    f = mapped(worker_kernels.raises_at_five, spawn_pool)
     with pytest.raises(KernelError) as info:
         f(np.arange(8, dtype=np.float32))
     assert "batch index (5,)" in str(info.value) and "KeyError" in str(info.value)
@@ -226,14 +229,7 @@ def test_kernel_error_from_process_keeps_index_and_message(spawn_pool):
 
 def test_kernel_exception_whose_message_fails_keeps_index_and_cause(spawn_pool):
     # Was "ExecutorError: ... the executor failed with RuntimeError: str broke".
-    f = jax.vmap(
-        lambda x: threadmap(
-            worker_kernels.unprintable_at_two,
-            jax.ShapeDtypeStruct((), jnp.float32),
-            x,
-            executor=spawn_pool,
-        )
-    )
+    f = mapped(worker_kernels.unprintable_at_two, spawn_pool)
     with pytest.raises(KernelError) as info:
         f(np.arange(4, dtype=np.float32))
     assert "batch index (2,)" in str(info.value)
@@ -247,25 +243,14 @@ def test_kernel_exception_whose_message_fails_keeps_index_and_cause(spawn_pool):
 
 
 def test_base_exception_in_a_worker_is_a_kernel_error(spawn_pool):
-    f = jax.vmap(
-        lambda x: threadmap(
-            worker_kernels.aborts_at_one,
-            jax.ShapeDtypeStruct((), jnp.float32),
-            x,
-            executor=spawn_pool,
-        )
-    )
+    f = mapped(worker_kernels.aborts_at_one, spawn_pool)
     with pytest.raises(KernelError, match="raised Abort: stop") as info:
         f(np.arange(3, dtype=np.float32))
     assert info.value.index == (1,)
 
 
 def test_unpicklable_kernel_is_a_clear_error(spawn_pool):
-    f = jax.vmap(
-        lambda x: threadmap(
-            lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x, executor=spawn_pool
-        )
-    )
+    f = mapped(lambda v: v, spawn_pool)
     with pytest.raises(ExecutorError, match="module level"):
         f(np.arange(4, dtype=np.float32))
 
@@ -274,14 +259,7 @@ def test_worker_killed_mid_map_is_an_error_not_a_hang():
     ex = concurrent.futures.ProcessPoolExecutor(
         2, mp_context=multiprocessing.get_context("spawn")
     )
-    f = jax.vmap(
-        lambda x: threadmap(
-            worker_kernels.dies_at_three,
-            jax.ShapeDtypeStruct((), jnp.float32),
-            x,
-            executor=ex,
-        )
-    )
+    f = mapped(worker_kernels.dies_at_three, ex)
     with pytest.raises(ExecutorError, match="A worker process ended") as info:
         f(np.arange(8, dtype=np.float32))
     # It names a chunk that was lost (a broken pool fails every chunk in flight),
@@ -305,27 +283,13 @@ def test_a_worker_that_cannot_load_the_kernel_says_why(spawn_pool):
     # pool lives on.
     import parent_only_kernels
 
-    f = jax.vmap(
-        lambda x: threadmap(
-            parent_only_kernels.double,
-            jax.ShapeDtypeStruct((), jnp.float32),
-            x,
-            executor=spawn_pool,
-        )
-    )
+    f = mapped(parent_only_kernels.double, spawn_pool)
     with pytest.raises(ExecutorError, match="could not load the kernel") as info:
         f(np.arange(4, dtype=np.float32))
     message = str(info.value)
     assert "ModuleNotFoundError: No module named 'a_module_the_workers_lack'" in message
     assert "parent_only_kernels.py" in message  # the worker's traceback
-    good = jax.vmap(
-        lambda x: threadmap(
-            worker_kernels.double,
-            jax.ShapeDtypeStruct((), jnp.float32),
-            x,
-            executor=spawn_pool,
-        )
-    )
+    good = mapped(worker_kernels.double, spawn_pool)
     np.testing.assert_array_equal(
         good(np.arange(4, dtype=np.float32)), 2 * np.arange(4)
     )
@@ -403,9 +367,7 @@ def test_unknown_size_executor_runs_slow_elements_at_once():
 
     # Not a module-level kernel: an opaque executor is treated as one that pickles,
     # but threads do not really pickle, so a closure is fine here.
-    f = jax.vmap(
-        lambda x: threadmap(slow, jax.ShapeDtypeStruct((), jnp.float32), x, executor=ex)
-    )
+    f = mapped(slow, ex)
     x = np.arange(64, dtype=np.float32)
     np.testing.assert_array_equal(f(x), x)
     ex.shutdown()
@@ -513,15 +475,69 @@ def test_fast_elements_ship_in_a_few_tasks(counting_pool):
     # from the first wave, one element per worker, which is pessimistic): 4096
     # elements of microseconds go out in about 10 tasks, not in a tail of ever
     # smaller tasks that each cost a round trip (29 tasks before the floor).
-    f = jax.vmap(
-        lambda x: threadmap(
-            worker_kernels.raises_at_five,
-            jax.ShapeDtypeStruct((), jnp.float32),
-            x,
-            executor=counting_pool,
-        )
-    )
+    f = mapped(worker_kernels.raises_at_five, counting_pool)
     x = (np.arange(4096) % 5).astype(np.float32)
     tasks = counting_pool.tasks
     np.testing.assert_array_equal(f(x), x)
     assert counting_pool.tasks - tasks <= 16, counting_pool.tasks - tasks
+
+
+# --- Dask workers that die in the middle of a map ------------------------------
+
+
+@pytest.fixture(scope="module")
+def fragile_client():
+    """A Dask cluster of 2 worker processes that retries a task once: a task
+    whose worker dies twice fails (``KilledWorker``)."""
+    distributed = pytest.importorskip("distributed")
+    if not LOOPBACK:
+        pytest.skip(f"a Dask cluster {NO_LOOPBACK}")
+    import dask
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+        cluster = distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=50,
+        )
+    client = distributed.Client(cluster)
+    try:
+        yield client
+    finally:
+        client.close()
+        # Dask's close can race with the worker restarts of these tests (a
+        # KeyError for a worker it is removing): the cluster is closed anyway.
+        with contextlib.suppress(KeyError):
+            cluster.close()
+
+
+@pytest.mark.timeout(240)
+def test_dask_map_completes_when_a_worker_dies_once(fragile_client, tmp_path):
+    kernel = functools.partial(
+        worker_kernels.dies_once_at_three, marker=str(tmp_path / "died")
+    )
+    f = mapped(kernel, fragile_client.get_executor())
+    x = np.arange(8, dtype=np.float32)
+    np.testing.assert_array_equal(f(x), x)
+    assert (tmp_path / "died").exists()  # a worker did die, and Dask ran it again
+
+
+@pytest.mark.timeout(240)
+def test_dask_worker_that_always_dies_is_an_error_naming_the_chunk(fragile_client):
+    ex = fragile_client.get_executor()
+    with pytest.raises(ExecutorError) as info:
+        mapped(worker_kernels.dies_at_three, ex)(np.arange(8, dtype=np.float32))
+    message = str(info.value)
+    assert "KilledWorker" in message and "'dies_at_three'" in message
+    start, stop = map(int, re.search(r"elements \[(\d+), (\d+)\)", message).groups())
+    # A chunk that was on the workers as they died: Dask counts every task
+    # running on a dead worker, so it may give up on a neighbour of element 3.
+    assert 0 <= start < stop <= 8
+    assert "tcp://127.0.0.1:" in message  # the last worker that died running it
+    # The cluster replaces its dead workers: the next map runs (on the first
+    # worker back; a restart takes seconds on a busy machine).
+    fragile_client.wait_for_workers(1, timeout=120)
+    x = np.arange(5, dtype=np.float32)
+    np.testing.assert_array_equal(mapped(worker_kernels.raises_at_five, ex)(x), x)

@@ -42,7 +42,7 @@ def public_docstrings() -> dict[str, str]:
     for name in jax_threadmap.__all__:
         obj = getattr(jax_threadmap, name)
         if inspect.getmodule(obj) is None or not obj.__doc__:
-            continue  # threadmap_p, a Primitive instance: docs/api.md
+            continue  # threadmap_p, a Primitive instance: docs/api-threadmap.md
         found[name] = obj.__doc__
         for attr, member in vars(obj).items() if inspect.isclass(obj) else ():
             member = getattr(member, "__func__", member)  # classmethods
@@ -115,7 +115,7 @@ def _skip(reason: str) -> None:
 def readme_docs_command() -> tuple[dict[str, str], list[str]]:
     """The environment and arguments of README's ``mkdocs build --strict``."""
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r"`((?:\w+=\S+ )*)mkdocs build --strict`", readme)
+    command = re.search(r"`((?:\w+=\S+ )*)\.venv/bin/mkdocs build --strict`", readme)
     assert command, "README: no `mkdocs build --strict` command"
     env = {k: v for k, v in os.environ.items() if k != "NO_MKDOCS_2_WARNING"}
     env.update(kv.split("=", 1) for kv in command[1].split())
@@ -161,32 +161,64 @@ def chromium() -> str:
     return path
 
 
-def test_api_page_renders_examples_as_code_and_no_roles(site):
-    page = (site / "api" / "index.html").read_text()
+def api_pages(site: pathlib.Path) -> dict[str, str]:
+    """The API reference's pages (``api``, ``api-threadmap``, ...): name -> HTML."""
+    found = {p.parent.name: p.read_text() for p in site.glob("api*/index.html")}
+    assert {"api", "api-threadmap", "api-errors"} <= set(found), sorted(found)
+    return found
+
+
+def test_api_pages_render_examples_as_code_and_no_roles(site):
+    pages = api_pages(site)
     text = _Text()
-    text.feed(page)
+    for page in pages.values():
+        text.feed(page)
     code, prose = "".join(text.code), "".join(text.prose)
     roles = sorted(set(_ROLE.findall(prose)))
-    assert not roles, f"literal Sphinx roles on the API page: {roles}"
+    assert not roles, f"literal Sphinx roles on the API pages: {roles}"
     examples = doc_examples()
     assert len(examples) > 40, "the docstring examples were not found"
     for name, line in examples:
         assert line in code, f"{name}: example line not in a code block: {line!r}"
         assert line not in prose, f"{name}: example line shown as prose: {line!r}"
     # Highlighted as Python sessions: every example line has its prompt.
-    assert page.count('class="gp">&gt;&gt;&gt; </span>') >= len(examples)
-    assert "<blockquote>" not in page, "a doctest rendered as a block quote"
+    prompts = sum(p.count('class="gp">&gt;&gt;&gt; </span>') for p in pages.values())
+    assert prompts >= len(examples)
+    assert not any("<blockquote>" in p for p in pages.values()), "a block quote"
     assert "[jax_threadmap." not in prose, "an unresolved cross-reference"
 
 
+def test_api_reference_documents_every_public_object_once(site):
+    # One page per group of what a user does; each object on exactly one of them,
+    # and the overview links to each.
+    pages = api_pages(site)
+    where = {}
+    for name, page in pages.items():
+        for obj in _ROOT_HEADING.findall(page):
+            assert obj not in where, f"{obj} on both {where[obj]} and {name}"
+            where[obj] = name
+    public = [n for n in jax_threadmap.__all__ if n != "threadmap_p"]
+    assert sorted(where) == sorted(public)
+    for obj, name in where.items():
+        assert f'href="../{name}/#jax_threadmap.{obj}"' in pages["api"], obj
+
+
+_ROOT_HEADING = re.compile(r'<h2 id="jax_threadmap\.(\w+)" class="doc doc-heading')
 _HEADING = re.compile(r'<h[23] id="jax_threadmap\.([\w.]+)" class="doc doc-heading')
 
 
+_ANY_HEADING = re.compile(r"<h[1-3] id=")
+
+
 def api_sections(page: str) -> dict[str, str]:
-    """The API page's HTML per documented object, from its heading to the next."""
+    """An API page's HTML per documented object, from its heading to the next."""
     found = list(_HEADING.finditer(page))
-    ends = [m.start() for m in found[1:]] + [page.index('id="threadmap_p"')]
-    return {m[1]: page[m.start() : end] for m, end in zip(found, ends, strict=True)}
+    sections = {}
+    for m in found:
+        following = _ANY_HEADING.search(page, m.end())
+        end = following.start() if following else page.index("</article>")
+        sections[m[1]] = page[m.start() : end]
+    return sections
 
 
 def test_api_page_shows_one_readable_signature_per_object(site):
@@ -194,8 +226,8 @@ def test_api_page_shows_one_readable_signature_per_object(site):
     # (two of them Any -> Any) before any prose, a private `_Arrays` return type,
     # `executor: Executor = None`, `defvjp(vjp: F, *unexpected: object) -> F`, and
     # Returns as tables splitting one sentence over two rows typed Any.
-    page = (site / "api" / "index.html").read_text()
-    sections = api_sections(page)
+    pages = api_pages(site)
+    sections = {k: v for page in pages.values() for k, v in api_sections(page).items()}
     assert {"threadmap", "kernel", "async_call", "KernelFunction.defvjp"} <= set(
         sections
     )
@@ -204,7 +236,8 @@ def test_api_page_shows_one_readable_signature_per_object(site):
         assert section.count('class="doc-signature') <= 1, f"{name}: signatures"
         assert "<table" not in section, f"{name}: a section rendered as a table"
     text = _Text()
-    text.feed(page)
+    for page in pages.values():
+        text.feed(page)
     shown = "".join(text.code) + "".join(text.prose)
     private = sorted(set(re.findall(r"(?<![\w.])_[A-Za-z]\w*", shown)))
     assert not private, f"private names on the API page: {private}"
@@ -236,24 +269,52 @@ def test_the_readme_docs_command_prints_no_theme_banner(built):
 
 
 def test_site_in_headless_chromium(site, chromium):
-    problems = browser_check.check_site(site, chromium=chromium)
+    heights = {}
+    problems = browser_check.check_site(site, chromium=chromium, heights=heights)
     assert not problems, "\n".join(problems)
+    # Every page of the built site, at both widths (the API reference's and the
+    # async arrays' pages among them).
+    pages = browser_check.site_pages(site)
+    assert sorted(heights) == pages and len(pages) >= 25, pages
+    assert {"api/", "api-threadmap/", "async/", "async-dispatch/"} <= set(pages)
+    assert all(sorted(h) == [390, 1280] for h in heights.values())
+
+
+def write_site(root: pathlib.Path, pages: dict[str, str]) -> None:
+    """A site of ``pages`` (path -> HTML) under ``root``, each an ``index.html``."""
+    for path, text in pages.items():
+        (root / path).mkdir(parents=True, exist_ok=True)
+        (root / path / "index.html").write_text(text)
+
+
+_FINE = "<html><body><p>fine</p></body></html>"
 
 
 def test_browser_check_finds_a_broken_image_and_a_console_error(chromium, tmp_path):
-    good = "<html><body><p>fine</p></body></html>"
     bad = (
         '<html><body><img src="missing.png">'
         '<script>console.error("broken script")</script></body></html>'
     )
-    pages = [good, bad] + [good] * (len(browser_check.PAGES) - 2)
-    for path, text in zip(browser_check.PAGES, pages, strict=True):
-        (tmp_path / path).mkdir(parents=True, exist_ok=True)
-        (tmp_path / path / "index.html").write_text(text)
-    problems = browser_check.check_site(tmp_path, chromium=chromium, search=False)
-    assert any("broken image" in p and "missing.png" in p for p in problems)
-    assert any("console error: broken script" in p for p in problems)
-    assert all("/api/" in p for p in problems), problems
+    write_site(tmp_path, {"": _FINE, "bad/": bad, "deep/er/": _FINE})
+    heights = {}
+    problems = browser_check.check_site(
+        tmp_path, chromium=chromium, search=False, heights=heights
+    )
+    for width in (1280, 390):
+        assert any(
+            "/bad/: broken image" in p and "missing.png" in p and f"({width} px)" in p
+            for p in problems
+        ), problems
+        assert any(
+            "/bad/: console error: broken script" in p and f"({width} px)" in p
+            for p in problems
+        ), problems
+    assert all("/bad/" in p for p in problems), problems
+    # Every page of the site, found from its files, at both widths.
+    assert sorted(heights) == ["", "bad/", "deep/er/"]
+    assert all(
+        sorted(h) == [390, 1280] and min(h.values()) > 0 for h in heights.values()
+    )
 
 
 def test_browser_check_finds_cut_code_and_broken_table_words(chromium, tmp_path):
@@ -269,10 +330,7 @@ def test_browser_check_finds_cut_code_and_broken_table_words(chromium, tmp_path)
         "jax.block_until_ready(tree)</td><td>front-loaded</td></tr></table>"
         "</body></html>"
     )
-    for path in [*browser_check.PAGES, "cut/"]:
-        (tmp_path / path).mkdir(parents=True, exist_ok=True)
-        page = cut if path == "cut/" else "<html><body><p>fine</p></body></html>"
-        (tmp_path / path / "index.html").write_text(page)
+    write_site(tmp_path, {"": _FINE, "api/": _FINE, "cut/": cut})
     problems = browser_check.check_site(tmp_path, chromium=chromium, search=False)
     for width in (1280, 390):
         assert any(
@@ -288,3 +346,89 @@ def test_browser_check_finds_cut_code_and_broken_table_words(chromium, tmp_path)
         ), problems
     assert all("/cut/" in p for p in problems), problems
     assert not any("front" in p or "loaded" in p for p in problems), problems
+
+
+def test_browser_check_finds_overflow_and_inline_code_broken_in_a_word(
+    chromium, tmp_path
+):
+    # As on the site before docs/hooks/inline_code.py: inline code broken anywhere
+    # (`--size` as `-` / `-size`), a 3-column table wider than the phone's text
+    # column, and something wider than the screen.
+    style = "<style>.tok { white-space: nowrap }</style>"
+    broken = (
+        f"<html><head>{style}</head><body>"
+        '<p style="width: 40px"><code style="word-break: break-all">--size</code></p>'
+        "</body></html>"
+    )
+    # Breaks where the hook allows them: between words and after a "." of a long
+    # word; a 5-column table that scrolls in its own box on a phone.
+    scrolled = "".join(f"<td>{'x' * 40}</td>" for _ in range(5))
+    allowed = (
+        f"<html><head>{style}</head><body>"
+        '<p style="width: 120px"><code><span class="tok">aa</span> '
+        '<span class="tok">bb</span> <span class="tok">jax.<wbr>experimental.'
+        '<wbr>transfer</span></code></p><div class="md-typeset__scrollwrap" '
+        f'style="width: 300px; overflow: auto"><table><tr>{scrolled}</tr></table>'
+        "</div></body></html>"
+    )
+    wide = (
+        "<html><body>"
+        '<div class="md-typeset__scrollwrap" style="width: 300px; overflow: auto">'
+        "<table><tr><td>a</td><td>b</td><td>" + "y" * 80 + "</td></tr></table>"
+        # As the theme lays a table out: it scrolls inside itself, its box fits.
+        '</div><div style="width: 300px"><table style="display: inline-block; '
+        'max-width: 100%; overflow: auto"><tr><td>a</td><td>' + "z" * 80 + "</td>"
+        '</tr></table></div><div style="width: 1500px">wide</div></body></html>'
+    )
+    write_site(
+        tmp_path, {"": _FINE, "broken/": broken, "allowed/": allowed, "wide/": wide}
+    )
+    problems = browser_check.check_site(tmp_path, chromium=chromium, search=False)
+    for width in (1280, 390):
+        assert any(
+            "/broken/: inline code broken inside a word: --size" in p
+            and f"({width} px)" in p
+            for p in problems
+        ), problems
+        for columns in (3, 2):
+            assert any(
+                "/wide/: table" in p
+                and f"({columns} columns)" in p
+                and f"({width} px)" in p
+                for p in problems
+            ), problems
+        assert any(
+            "/wide/: the page scrolls sideways by" in p and f"({width} px)" in p
+            for p in problems
+        ), problems
+    # The 5 columns may scroll on a phone, not on a desktop.
+    assert (
+        [p for p in problems if "/allowed/" in p]
+        == [p for p in problems if "/allowed/: table" in p and "(1280 px)" in p]
+        != []
+    ), problems
+
+
+def test_inline_code_hook_keeps_words_whole_but_not_code_blocks():
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    import inline_code
+
+    html = (
+        "<p><code>--size x</code> <pre><code>a b</code></pre><code>"
+        '<a href="#">jax.Array</a>.at[i].set(jax.experimental.transfer.x)</code>'
+        "</p><table><tr><td><code>np.linalg.eigvalsh</code></td></tr></table>"
+    )
+    # A break leaves 3 characters or more on each side: none before ".at", none
+    # before "x)".
+    assert inline_code.words_kept_whole(html) == (
+        '<p><code><span class="tok">--size</span> <span class="tok">x</span></code>'
+        ' <pre><code>a b</code></pre><code><a href="#"><span class="tok">jax.Array'
+        '</span></a><span class="tok">.at[i].<wbr>set(<wbr>jax.<wbr>experimental.'
+        "<wbr>transfer.x)</span></code></p><table><tr><td><code>"
+        '<span class="tok">np.<wbr>linalg.<wbr>eigvalsh</span></code></td></tr></table>'
+    )
+
+
+def test_site_keeps_inline_code_words_whole(site):
+    page = (site / "getting-started" / "index.html").read_text()
+    assert '<span class="tok">--size</span>' in page

@@ -1,8 +1,12 @@
-"""``Task``, the one owner of a background call's state (``_arrays/task.py``).
+"""A background call (``_arrays/task.py``) and the owners of its states: of the
+call's (``Call``, its base), of its parts' (``Parts``) and of what dispatch
+lends it (``Lending``).
 
-Every move of a call (and of a sharded load's part) goes through one method that
-refuses a move not in the table, as ``concurrent.futures.Future`` refuses one;
-the tables in the docstring are the moves the code allows; a subclass changes
+Every move of a call, of a sharded load's part and of a loan goes through one
+method of its owner that refuses a move not in its table, as
+``concurrent.futures.Future`` refuses one; the table in each owner's docstring
+is the moves the code allows; a hypothesis state machine drives each of the
+smaller two through random events against a model; a subclass changes
 what a call does through override points (here: the few lines of a call whose
 ``fn`` returns arrays placed already, published at once); and the host copy that
 gate programs read is made only when a gate exists.
@@ -14,26 +18,29 @@ import concurrent.futures
 import re
 import threading
 
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import examples
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jax_threadmap import async_array_from_callback, async_call, deferred_call
 from jax_threadmap._arrays import async_array as _async_array
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import task as _task
-from jax_threadmap._arrays.task import (
+from jax_threadmap._arrays.call import (
     CALL_MOVES,
     FINISHED,
     FINISHING,
-    PART_MOVES,
     PENDING,
-    PLACED,
-    RUNNING,
-    STOPPED,
-    Task,
+    CallState,
 )
+from jax_threadmap._arrays.lending import LENDING_MOVES, Lending, LendingState
+from jax_threadmap._arrays.parts import PART_MOVES, Part, Parts, PartState
+from jax_threadmap._arrays.task import Task
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,13 +48,12 @@ SDS = jax.ShapeDtypeStruct
 F32 = SDS((3,), np.float32)
 WAIT = 30.0
 ASYNC = _async_dispatch.async_dispatch_status() == "async"
-CALL_STATES = (PENDING, RUNNING, FINISHING, FINISHED)
-PART_STATES = (PENDING, RUNNING, PLACED, STOPPED)
+CALL_STATES = tuple(CallState)
 
 
-def _tables() -> list[list[tuple[list[str], str]]]:
-    """The docstring's tables: each row's states (first column) and next state."""
-    doc = Task.__doc__ or ""
+def _table(owner: type) -> list[tuple[list[str], str]]:
+    """The docstring's table: each row's states (first column) and next state."""
+    doc = owner.__doc__ or ""
     tables, rows, rules = [], [], 0
     for line in doc.splitlines():
         stripped = line.strip()
@@ -62,23 +68,26 @@ def _tables() -> list[list[tuple[list[str], str]]]:
             state = line[starts[0] : starts[1]].strip()
             nxt = line[starts[2] : starts[3]].strip()
             rows.append(([s.strip() for s in state.split(",")], nxt))
-    return tables
+    assert len(tables) == 1, owner
+    return tables[0]
 
 
-def test_the_docstring_tables_are_the_moves_the_code_allows():
-    calls, parts = _tables()
-    for table, moves, states in (
-        (calls, CALL_MOVES, CALL_STATES),
-        (parts, PART_MOVES, PART_STATES),
-    ):
-        shown = set()
-        for froms, nxt in table:
-            if nxt == "same":
-                continue
-            for state in froms:
-                assert state in states, (state, nxt)
-                shown.add((state, nxt))
-        assert shown == moves
+@pytest.mark.parametrize(
+    "owner, moves, states",
+    [
+        (CallState, CALL_MOVES, CallState),
+        (Parts, PART_MOVES, PartState),
+        (Lending, LENDING_MOVES, LendingState),
+    ],
+)
+def test_the_docstring_tables_are_the_moves_the_code_allows(owner, moves, states):
+    shown = set()
+    for froms, nxt in _table(owner):
+        if nxt == "same":
+            continue
+        for state in froms:
+            shown.add((states(state), states(nxt)))  # ValueError: not a state
+    assert shown == moves
 
 
 def _call_in(state: str, monkeypatch) -> tuple[Task, threading.Event]:
@@ -148,13 +157,27 @@ def test_an_illegal_move_of_a_part_is_refused():
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     x = async_array_from_callback((3,), sharding, lambda i: np.zeros(3)[i], np.float32)
     x.result(timeout=WAIT)
-    task = x._task
-    (part,) = task.parts
-    assert part.state == PLACED
-    for to in PART_STATES:
-        with task._lock, pytest.raises(concurrent.futures.InvalidStateError):
-            task._move(to, part)
-        assert part.state == PLACED
+    parts = x._task._parts
+    (part,) = parts.all
+    assert part.state == PartState.PLACED
+    for to in PartState:
+        with parts._lock, pytest.raises(concurrent.futures.InvalidStateError):
+            parts._move(part, to)
+        assert part.state == PartState.PLACED
+
+
+def test_an_illegal_move_of_a_loan_is_refused():
+    x = async_call(lambda: np.ones(3, np.float32), F32)
+    x.result(timeout=WAIT)
+    lending = x._task._lending
+    assert lending.state == LendingState.CLOSED  # never lent a slot
+    for to in (LendingState.OPEN, LendingState.CLOSED):
+        with (
+            lending._lock,
+            pytest.raises(concurrent.futures.InvalidStateError, match="from closed"),
+        ):
+            lending._move(to)
+        assert lending.state == LendingState.CLOSED
 
 
 class PlacedCall(Task):
@@ -253,3 +276,212 @@ def test_a_host_copy_is_made_for_the_gates_of_a_dispatch(host_copies):
     go.set()
     np.testing.assert_array_equal(np.asarray(y), [2, 4, 6])
     assert host_copies
+
+
+# -- the smaller owners, driven through random events against a model --
+
+
+class _Call:
+    """What a part or a loan names in its messages."""
+
+    name, api = "`load`", "async_array_from_callback"
+
+
+class PartsModel(RuleBasedStateMachine):
+    """A call's parts: claimed, landed, failed and stopped in any order; each
+    answer and each state is the model's, and a move not in the table is
+    refused and changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: Parts | None = None
+        self.model: list[PartState] = []
+
+    @precondition(lambda self: self.parts is None)
+    @rule(n=st.integers(1, 4))
+    def make(self, n):
+        self.parts = Parts([Part(_Call(), [i], f"part {i}") for i in range(n)])
+        self.model = [PartState.PENDING] * n
+
+    def _part(self, i):
+        assert self.parts is not None
+        return self.parts.all[i % len(self.model)], i % len(self.model)
+
+    @precondition(lambda self: self.parts is not None)
+    @rule(i=st.integers(0, 3))
+    def claim(self, i):
+        part, i = self._part(i)
+        worker = object()
+        claimed = self.parts.claim(part, worker, None)
+        assert claimed == (self.model[i] == PartState.PENDING)
+        if claimed:
+            self.model[i] = PartState.RUNNING
+            assert part.worker is worker
+            assert self.parts.adopt(part, None)
+
+    @precondition(lambda self: self.parts is not None)
+    @rule(i=st.integers(0, 3))
+    def land(self, i):
+        part, i = self._part(i)
+        last = self.parts.land(part)
+        if self.model[i] != PartState.RUNNING:
+            assert last is None
+            return
+        self.model[i] = PartState.PLACED
+        assert last == all(s == PartState.PLACED for s in self.model)
+
+    @precondition(lambda self: self.parts is not None)
+    @rule(i=st.integers(0, 3))
+    def fail(self, i):
+        part, i = self._part(i)
+        self.parts.fail(part)
+        if self.model[i] == PartState.RUNNING:
+            self.model[i] = PartState.STOPPED
+        assert part.worker is None and part.source is None
+
+    @precondition(lambda self: self.parts is not None)
+    @rule()
+    def stop(self):
+        handles = self.parts.stop()
+        live = [PartState.PENDING, PartState.RUNNING]
+        stopped = [i for i, s in enumerate(self.model) if s in live]
+        assert [self.parts.all.index(p) for p, _, _ in handles] == stopped
+        for i in stopped:
+            self.model[i] = PartState.STOPPED
+
+    @precondition(lambda self: self.parts is not None)
+    @rule(i=st.integers(0, 3), to=st.sampled_from(list(PartState)))
+    def any_move(self, i, to):
+        part, i = self._part(i)
+        if (self.model[i], to) in PART_MOVES:
+            return
+        with self.parts._lock, pytest.raises(concurrent.futures.InvalidStateError):
+            self.parts._move(part, to)
+
+    @invariant()
+    def states_are_the_models(self):
+        if self.parts is not None:
+            assert [p.state for p in self.parts.all] == self.model
+            not_placed = [p.what for p in self.parts.not_placed()]
+            assert not_placed == [
+                f"part {i}" for i, s in enumerate(self.model) if s != PartState.PLACED
+            ]
+
+
+PartsModel.TestCase.settings = settings(
+    max_examples=examples(100), stateful_step_count=20, deadline=None
+)
+test_parts_model = PartsModel.TestCase
+
+
+class _Gate:
+    def __init__(self, device) -> None:
+        self.array = ("gate", device)
+        self.opened: list[int] = []
+
+    def open(self, slot: int) -> None:
+        self.opened.append(slot)
+
+
+class _Lender:
+    def __init__(self) -> None:
+        self.lent: list[int] = []
+        self.given_back: list[int] = []
+        self.gates: list[_Gate] = []
+
+    def lend_slot(self, task) -> int:
+        self.lent.append(len(self.lent) + 7)
+        return self.lent[-1]
+
+    def give_back_slot(self, slot: int) -> None:
+        self.given_back.append(slot)
+
+    def pull(self, device) -> _Gate:
+        self.gates.append(_Gate(device))
+        return self.gates[-1]
+
+
+class LendingModel(RuleBasedStateMachine):
+    """A call's loan: gate programs added and run, parts landing, the call's
+    end, in any order: one slot at most, lent at the first program and given
+    back once, by the later of the end and the last program; every gate
+    opened once, with the slot; a move not in the table refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lending = Lending()
+        self.lender = _Lender()
+        self.state = LendingState.OPEN
+        self.programs = 0
+        self.early: set[int] = set()
+
+    @rule(device=st.integers(0, 2))
+    def add_program(self, device):
+        got = self.lending.add_program(_Call(), device, self.lender)
+        if self.state != LendingState.OPEN:
+            assert got is None
+        elif device in self.early:
+            assert got == (False, ("placed", device))
+        else:
+            assert got == (True, ("gate", device))
+            self.programs += 1
+            assert len(self.lender.lent) == 1
+
+    @precondition(lambda self: self.programs > 0)
+    @rule()
+    def program_ran(self):
+        self.programs -= 1
+        self.lending.program_ran()
+        self._given_back_if_due()
+
+    @precondition(lambda self: self.state == LendingState.OPEN)
+    @rule(devices=st.sets(st.integers(0, 2), min_size=1))
+    def land(self, devices):
+        devices = sorted(devices - self.early)
+        if not devices:
+            return
+        placed = [("placed", d) for d in devices]
+        released = self.lending.land(devices, placed)
+        for device, gate in released.items():
+            assert device in devices and gate.opened == []
+        self.lending.open(released)
+        self.early.update(devices)
+
+    @precondition(lambda self: self.state == LendingState.OPEN)
+    @rule()
+    def close(self):
+        gates = self.lending.close()
+        self.state = LendingState.CLOSED
+        self.early.clear()
+        self.lending.open(gates, lambda: ["host"])
+        assert gates == {}  # dropped as opened
+        self._given_back_if_due()
+
+    def _given_back_if_due(self):
+        if self.state == LendingState.CLOSED and not self.programs:
+            if self.lender.lent:
+                self.state = LendingState.GIVEN_BACK
+
+    @rule(to=st.sampled_from(list(LendingState)))
+    def any_move(self, to):
+        if (self.state, to) in LENDING_MOVES:
+            return
+        with self.lending._lock, pytest.raises(concurrent.futures.InvalidStateError):
+            self.lending._move(to)
+
+    @invariant()
+    def the_loan_is_the_models(self):
+        assert self.lending.state == self.state
+        assert len(self.lender.lent) <= 1
+        given_back = self.state == LendingState.GIVEN_BACK
+        assert self.lender.given_back == (self.lender.lent if given_back else [])
+        for gate in self.lender.gates:  # opened once each, with the slot
+            assert gate.opened in ([], self.lender.lent)
+        if self.state != LendingState.OPEN:
+            assert all(gate.opened for gate in self.lender.gates)
+
+
+LendingModel.TestCase.settings = settings(
+    max_examples=examples(100), stateful_step_count=25, deadline=None
+)
+test_lending_model = LendingModel.TestCase

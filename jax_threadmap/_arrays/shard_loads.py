@@ -25,6 +25,8 @@ data_callback)``, returning an ``AsyncArray`` at once:
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import logging
 import operator
@@ -37,9 +39,11 @@ import numpy as np
 from .._jax import traces as _traces
 from .._support import event_loop as _event_loop
 from .._support.validate import callable_name, check_callable, check_timeout
+from . import async_pool as _async_pool
 from . import outcomes as _outcomes
 from .async_array import AsyncArray, make_arrays
 from .leaves import LeafSpec, is_extended, leaf_specs, shape_of
+from .parts import Part, Parts, PartState
 from .shards import (
     auto_layout_name,
     check_shard,
@@ -51,7 +55,7 @@ from .shards import (
     place_shard,
     slice_shape,
 )
-from .task import RUNNING, Part, Task
+from .task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -80,13 +84,15 @@ class ShardedLoad(Task):
     """The fetches of one array's shards, and their shared outcome.
 
     A ``Task`` of parts (:class:`Shard`), one per distinct index: the task owns
-    every state (the load's and its parts'); this class says what a part
-    fetches (:meth:`_work`), how its shard is checked and placed
-    (:meth:`_part_returned`), and how the array is assembled when the last
-    one lands (:meth:`_all_parts_landed`).
+    the load's state, its :class:`.parts.Parts` the parts' states (each move
+    asked under the task's lock, through the task's override points); this
+    class starts and runs every part, says what a part fetches (:meth:`_work`),
+    how its shard is checked and placed (:meth:`_part_returned`), and how the
+    array is assembled when the last one lands (:meth:`_all_parts_landed`).
     """
 
-    __slots__ = tuple("shape sharding _fetch _order _layout _first".split())
+    __slots__ = tuple("shape sharding _fetch _order _layout _first _parts".split())
+    gates_by_device = True  # one leaf, laid out as its parts (serves)
 
     def __init__(
         self,
@@ -117,7 +123,7 @@ class ShardedLoad(Task):
         for device, index in indices.items():
             assert index is not None  # typed Optional; None only off this process
             by_key.setdefault(index_key(index), (index, []))[1].append(device)
-        self._set_parts(
+        self._parts = Parts(
             [Shard(self, index, key, devs) for key, (index, devs) in by_key.items()]
         )
         # A Format's layout (its type and layout), for each shard's placement.
@@ -125,27 +131,113 @@ class ShardedLoad(Task):
         # (key, value) of the shard fetched at the call (dtype=None, or traced).
         self._first = first
 
+    @property
+    def parts(self) -> tuple[Part, ...]:  # type: ignore[override]
+        """The load's parts, one per distinct index."""
+        return self._parts.all
+
+    def parts_not_placed(self) -> list[Part]:
+        """The parts whose data has not landed (for a timeout's message)."""
+        return self._parts.not_placed()
+
     # -- start --
 
     def _start(self) -> None:
-        """Starts every part; the one fetched at the call lands first."""
+        """Starts every part not started yet (the one fetched at the call lands
+        first; a load without parts settles at once): a coroutine fetch as a
+        coroutine on the event loop, any other on the pool."""
         first, self._first = self._first, None
         if first is not None:
             for part in self.parts:
                 if isinstance(part, Shard) and part.key == first[0]:
                     if self._claim(None, None, part):  # fetched at the call
                         self._part_returned(part, first[1])
-        super()._start()
+        if not self.parts and self._claim(None):
+            gates = self._settle()
+            if gates is not None:
+                self._all_parts_landed({}, gates)
+        for part in self.parts:
+            if part.state != PartState.PENDING:  # a hint: _claim decides
+                continue
+            if self.coroutine:
+                _event_loop.event_loop().submit(self._on_loop(part), self.name)
+            else:
+                _async_pool.pool().submit(part)
+
+    def run(self, worker: Any = None) -> None:
+        """Starts every part, and runs here those not started yet (a waiting
+        thread helps)."""
+        del worker
+        self.submit()
+        if not self.coroutine:
+            for part in self.parts:
+                self.run_part(part, None)
 
     def _work(self, part: Part | None) -> Any:
         assert isinstance(part, Shard)
         return self._fetch(part.index)
 
+    # -- the parts' moves, asked by the task --
+
+    def _claim_part(
+        self, part: Part, worker: Any, source: asyncio.Task | None
+    ) -> bool:  # the task's lock held
+        return self._parts.claim(part, worker, source)
+
+    def _left_runner(self, part: Part | None) -> None:
+        if part is None:
+            super()._left_runner(part)
+        else:
+            self._parts.left_runner(part)
+
+    def _adopt(self, source: asyncio.Task | None, part: Part | None) -> bool:
+        if part is None:
+            return super()._adopt(source, part)
+        return self._parts.adopt(part, source)
+
+    def _raised(self, part: Part | None, error: BaseException) -> None:
+        if part is None:
+            super()._raised(part, error)
+        else:
+            self._part_failed(part, error)
+
+    def _returned(self, part: Part | None, out: Any) -> None:
+        if part is None:
+            super()._returned(part, out)
+            return
+        try:
+            self._part_returned(part, out)
+        except BaseException as e:  # whatever a landing raises ends the part
+            self._part_failed(part, e)
+
+    def _part_failed(
+        self, part: Part, error: BaseException, ours: bool = False
+    ) -> None:
+        """``part`` failed with ``error``: the load fails, naming the part
+        (``ours``: the error is this package's, naming the load)."""
+        self._parts.fail(part)  # its own thread or coroutine is not stopped
+        gates = self._settle()
+        if gates is None:
+            logger.debug("%s: %s failed after the call ended", self, part.what)
+            return
+        self._conclude(
+            error, gates, raised_by_fn=not ours, names_call=ours, part=part.what
+        )
+
+    def _stop_parts(self) -> None:
+        """Parts not placed never start, or leave the pool's bound, or are cancelled."""
+        for part, worker, source in self._parts.stop():
+            if worker is not None:
+                _async_pool.pool().abandon(worker, part)
+            if source is not None:
+                _event_loop.event_loop().cancel(source)
+
     # -- a shard lands, in the thread that fetched it --
 
+    @_async_pool.landing
     def _part_returned(self, part: Part, out: Any) -> None:
         assert isinstance(part, Shard)
-        if part.state != RUNNING:  # the load ended meanwhile: not even placed
+        if part.state != PartState.RUNNING:  # the load ended meanwhile: not even placed
             return
         if isinstance(out, jax.core.Tracer):
             self._part_failed(part, _outcomes.traced_error(self.name), ours=True)
@@ -163,7 +255,9 @@ class ShardedLoad(Task):
             self._part_failed(part, e, ours=True)
             return
         del out, shard  # the callback's buffer is not kept
-        self._land_part(part, placed)
+        landed = self._land(part, placed, functools.partial(self._parts.land, part))
+        if landed is not None:  # the last part: the array is assembled
+            self._all_parts_landed(*landed)
 
     def _bad_shard(
         self, part: Shard, problem: ValueError, expected: tuple, out: Any
@@ -183,7 +277,7 @@ class ShardedLoad(Task):
 
     def _all_parts_landed(self, placed: dict[Any, jax.Array], gates: dict) -> None:
         # The shards' arrays are freed before the result is set (see
-        # Task._land_part): the dict is the caller's too, so it is emptied.
+        # Task._land): the dict is the caller's too, so it is emptied.
         try:
             out = jax.make_array_from_single_device_arrays(
                 self.shape, self.sharding, [placed[d] for d in self._order]

@@ -329,9 +329,12 @@ def threadmap(
     _validate.check_callback_kwargs(kwargs, "threadmap")
     executor = check_executor(executor)
     chunking = _validate.check_vectorized(vectorized)
-    _async_kernels.check_async_kernel(
-        kernel, executor=executor, vectorized=chunking[0], api="threadmap"
-    )
+    if max_in_flight is not None or _validate.is_coroutine_function(kernel):
+        # (A plain kernel's call never visits the async kernels' module.)
+        _async_kernels.check_async_kernel(
+            kernel, executor=executor, vectorized=chunking[0], api="threadmap"
+        )
+        max_in_flight = _async_kernels.check_max_in_flight(max_in_flight)
     return _bind(
         kernel,
         result_shape_dtypes,
@@ -340,7 +343,7 @@ def threadmap(
         executor=executor,
         progress=_validate.check_progress(progress),
         vectorized=chunking,
-        max_in_flight=_async_kernels.check_max_in_flight(max_in_flight),
+        max_in_flight=max_in_flight,
     )
 
 

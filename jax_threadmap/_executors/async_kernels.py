@@ -53,8 +53,15 @@ from .._host.kernel_scope import KernelScope
 from .._host.maps import ElementCaller, HostMap
 from .._support import environment as _environment
 from .._support import validate as _validate
-from .._support.errors import PASS_THROUGH, ExecutorError, KernelError, describe
-from .._support.event_loop import event_loop, is_coroutine_function
+from .._support.errors import (
+    PASS_THROUGH,
+    ExecutorError,
+    KernelError,
+    describe,
+    kernel_traceback,
+)
+from .._support.event_loop import event_loop
+from .._support.validate import is_coroutine_function
 from .progress import Progress, progress_enabled, wait
 
 #: Elements of one map in flight at once when neither ``max_in_flight=`` nor
@@ -220,6 +227,22 @@ def _check_step(start: float, holds: LoopHolds, flat: int) -> None:
 
 
 # --- one map on the loop --------------------------------------------------------------
+
+
+#: Why a coroutine that a kernel did not await is an error, and the fix.
+_AWAIT = (
+    "calling an async def function returns a coroutine, which runs only when "
+    "awaited: write `{good}`, not `{bad}`."
+)
+
+
+def _coroutines(result: Any) -> list[Any]:
+    """The coroutines among ``result`` or the values of a tuple, list or dict
+    result: what a kernel returns when it forgot an ``await``."""
+    values = result.values() if type(result) is dict else result
+    if type(result) not in (dict, tuple, list):
+        values = (result,)
+    return [v for v in values if asyncio.iscoroutine(v)]
 
 
 def _unravel(i: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -388,7 +411,13 @@ class AsyncMap:
                     # Ctrl-C and exit reach the caller as themselves, as from a
                     # plain loop (and never leave the loop's thread).
                     passed = isinstance(e, PASS_THROUGH)
-                    self._failed(e if passed else self.caller.kernel_raised(e, i))
+                    self._failed(e if passed else self._raised(e, i))
+                return
+            if unawaited := _coroutines(result):  # closed: no warning at exit
+                for coro in unawaited:
+                    coro.close()
+                if not self._stopped:
+                    self._failed(self._returned_coroutines(unawaited, i))
                 return
             if self._stopped:
                 return  # the map failed meanwhile: store nothing
@@ -399,6 +428,26 @@ class AsyncMap:
                 # and with them out of the loop's thread.)
                 self._failed(self._store_error(e, i))
                 return
+
+    def _raised(self, error: BaseException, i: int) -> KernelError:
+        """The error for element ``i``'s kernel that raised ``error``; for a
+        coroutine used as a value (Python says only "'coroutine' object is not
+        subscriptable"), it says so and what to write."""
+        text = describe(error)  # never raises, unlike a broken __str__
+        if isinstance(error, (TypeError, AttributeError)) and "'coroutine'" in text:
+            what = f"used a coroutine without awaiting it ({text}): "
+            where = kernel_traceback(error)
+            fix = _AWAIT.format(good="await f(...)", bad="f(...)")
+            return self.caller.error(i, what + fix + where, error)
+        return self.caller.kernel_raised(error, i)
+
+    def _returned_coroutines(self, coros: list[Any], i: int) -> KernelError:
+        """The error for element ``i``'s kernel that returned coroutines it did
+        not await."""
+        name = getattr(coros[0], "__qualname__", "f")
+        what = f"returned a coroutine of {name!r} without awaiting it: "
+        fix = _AWAIT.format(good=f"return await {name}(...)", bad=f"return {name}(...)")
+        return self.caller.error(i, what + fix)
 
     def _store_error(self, error: BaseException, i: int) -> BaseException:
         """What the map raises when checking or storing element ``i``'s result

@@ -1,10 +1,16 @@
 """Environment variables are arguments too: each is parsed here, with one set of
 rules, and a value that is not understood is an error naming the variable, the
 value and what to set instead.
+
+A map reads several of them at every call: each value is parsed once, when it
+changes (the parsers are cached on the raw string, so a test or a program that
+sets a variable sees it at the next call); a bad value is never cached, so
+every call fails on it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 from .validate import MAX_THREADS
@@ -21,7 +27,12 @@ def env_positive_int(name: str, what: str, maximum: int | None = None) -> int | 
         what: What the number is, for the message when the value is not one.
         maximum: The largest value accepted, if any.
     """
-    value = os.environ.get(name, "").strip()
+    return _positive_int(name, os.environ.get(name, ""), what, maximum)
+
+
+@functools.lru_cache(maxsize=64)
+def _positive_int(name: str, raw: str, what: str, maximum: int | None) -> int | None:
+    value = raw.strip()
     if not value:
         return None
     try:
@@ -31,15 +42,13 @@ def env_positive_int(name: str, what: str, maximum: int | None = None) -> int | 
     if n < 1:
         raise ValueError(
             f"The environment variable {name} must be a positive integer ({what}). "
-            f"Got {name}={os.environ[name]!r}. Set it to e.g. 8, or unset it to use "
-            "the default."
+            f"Got {name}={raw!r}. Set it to e.g. 8, or unset it to use the default."
         )
     if maximum is not None and n > maximum:
         raise ValueError(
             f"The environment variable {name} must be at most {maximum} ({what}). "
-            f"Got {name}={os.environ[name]!r}. Set it to the number of kernels that "
-            "should run at once (e.g. 32 for network reads), or unset it to use the "
-            "default."
+            f"Got {name}={raw!r}. Set it to the number of kernels that should run "
+            "at once (e.g. 32 for network reads), or unset it to use the default."
         )
     return n
 
@@ -58,7 +67,12 @@ def async_dispatch_mode() -> str:
     """``JAX_THREADMAP_ASYNC_DISPATCH``: ``"auto"`` (default: the mechanism each
     platform was measured with), ``"off"`` (dispatch waits for the data), or
     ``"deferred"`` (deferred dispatch on every platform, the CPU included)."""
-    value = os.environ.get(ENV_ASYNC_DISPATCH, "1").strip().lower()
+    return _dispatch_mode(os.environ.get(ENV_ASYNC_DISPATCH, "1"))
+
+
+@functools.lru_cache(maxsize=16)
+def _dispatch_mode(raw: str) -> str:
+    value = raw.strip().lower()
     if value in ("1", "true", "yes", "on", "", "auto"):
         return "auto"
     if value in ("0", "false", "no", "off"):
@@ -73,11 +87,6 @@ def async_dispatch_mode() -> str:
     )
 
 
-def async_dispatch_enabled() -> bool:
-    """Whether ``JAX_THREADMAP_ASYNC_DISPATCH`` allows async dispatch (default on)."""
-    return async_dispatch_mode() != "off"
-
-
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -89,12 +98,17 @@ def env_flag(name: str, what: str) -> bool:
         name: The variable.
         what: What the flag turns on, for the message when the value is not one.
     """
-    value = os.environ.get(name, "").strip().lower()
+    return _flag(name, os.environ.get(name, ""), what)
+
+
+@functools.lru_cache(maxsize=64)
+def _flag(name: str, raw: str, what: str) -> bool:
+    value = raw.strip().lower()
     if not value or value in _FALSE:
         return False
     if value in _TRUE:
         return True
     raise ValueError(
         f"The environment variable {name} turns on {what}; it must be one of "
-        f"{', '.join(_TRUE + _FALSE)}. Got {name}={os.environ[name]!r}."
+        f"{', '.join(_TRUE + _FALSE)}. Got {name}={raw!r}."
     )

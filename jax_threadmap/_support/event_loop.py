@@ -42,6 +42,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from . import fork as _fork
+from .validate import is_coroutine_function as is_coroutine_function
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -62,17 +63,6 @@ FORGET_MIN = 256
 
 #: What the loop runs: a function that makes the coroutine, and its task's name.
 Work = tuple[Callable[[], Coroutine[Any, Any, None]], str]
-
-
-def is_coroutine_function(fn: Any) -> bool:
-    """Whether calling ``fn`` makes a coroutine: ``async def``, partials, callables.
-
-    ``inspect.iscoroutinefunction`` unwraps ``functools.partial`` but misses an
-    object whose ``__call__`` is ``async def`` (Python 3.10 to 3.13).
-    """
-    if inspect.iscoroutinefunction(fn):
-        return True
-    return callable(fn) and inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def call(fn: Any, args: Any, kwargs: Any) -> Any:

@@ -11,6 +11,7 @@ dtype in :mod:`.result_casts`.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 import operator
@@ -46,6 +47,17 @@ CALLBACK_KWARGS = {
         "call threadmap inside jax.shard_map. Drop the keyword."
     ),
 }
+
+
+def is_coroutine_function(fn: Any) -> bool:
+    """Whether calling ``fn`` makes a coroutine: ``async def``, partials, callables.
+
+    ``inspect.iscoroutinefunction`` unwraps ``functools.partial`` but misses an
+    object whose ``__call__`` is ``async def`` (Python 3.10 to 3.13).
+    """
+    if inspect.iscoroutinefunction(fn):
+        return True
+    return callable(fn) and inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def check_callback_kwargs(kwargs: dict[str, Any], api: str) -> None:

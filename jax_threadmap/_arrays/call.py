@@ -1,0 +1,394 @@
+"""A background call's state machine: :class:`Call`, the base of every ``Task``.
+
+:class:`Call` is the one owner of a call's state (:class:`CallState`): each
+change is one of its methods, under its lock, through :meth:`Call._move`, which
+refuses a move not in :data:`CALL_MOVES` (the table in :class:`CallState`'s
+docstring); no other class reads or writes its fields, its subclass
+:class:`.task.Task` included, which says what the call runs and how its
+outcome lands. With the state it owns the threads and coroutine it claimed
+(given up on when the call is), whether its timeout's clock runs, and what the
+dispatch mechanism lent it (:class:`.lending.Lending`, closed when the call
+ends: then its gates open), and asks a call of parts' :class:`.parts.Parts` to
+move under its lock (:meth:`Call._claim_part`, :meth:`Call._land`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from . import async_pool as _async_pool
+from . import outcomes as _outcomes
+from .lending import Gate, Lender, Lending
+from .parts import Part
+
+logger = logging.getLogger("jax_threadmap._async")
+
+
+class CallState(enum.Enum):
+    """A call's states: not started (a ``deferred_call`` not yet submitted),
+    running, finishing (its outcome is being set: values placed, or the error
+    kept; no gate is added any more) and finished (landed or failed). Each move
+    is a method of :class:`Call`, the owner, through :meth:`Call._move`:
+
+    ==================  ==========================  =========  =====================
+    state               event (method)              next       taken (+), given
+                                                               back (-)
+    ==================  ==========================  =========  =====================
+    pending             submit                      same       + queue entry or loop
+                                                               task, + deadline,
+                                                               + live entry
+    pending             claim (_claim)              running    + pool slot (its
+                                                               thread); a call not
+                                                               submitted in this
+                                                               process (a waiter
+                                                               runs a deferred
+                                                               call): + live entry,
+                                                               + deadline
+    pending, running    add_program (a dispatch)    same       + gate program,
+                                                               + slot (the first)
+    running             fn returns (_accept)        finishing  gates open: data
+    running             fn raises (_fail)           finishing  gates open: error
+    pending, running    give_up (timeout, cancel)   finishing  - pool slot (abandon),
+                                                               - loop task (cancel);
+                                                               gates open: error
+    pending, running    abandon (at exit)           finishing  gates open: error
+    finishing           _publish, _conclude (_end)  finished   - live entry
+    finishing,finished  its thread leaves run       same       - pool slot (once
+                                                               placed and published;
+                                                               at give_up if given
+                                                               up on)
+    any                 program_ran                 same       - gate program
+    finishing,finished  no gate program left        same       - slot, - host data
+    finishing,finished  fn returns or raises late   same       nothing (dropped)
+    ==================  ==========================  =========  =====================
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    FINISHED = "finished"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PENDING, RUNNING, FINISHING, FINISHED = CallState
+
+#: The moves of a call's state (:meth:`Call._move`); any other is a bug, refused
+#: with ``InvalidStateError`` as ``concurrent.futures.Future`` refuses one.
+CALL_MOVES = frozenset(
+    {
+        (PENDING, RUNNING),  # claimed
+        (PENDING, FINISHING),  # given up on, or abandoned, before it started
+        (RUNNING, FINISHING),  # returned, raised, given up on, abandoned
+        (FINISHING, FINISHED),  # published, or its error set
+    }
+)
+
+
+class Call:
+    """The state of one background call, and what it holds in each state.
+
+    Timed out, cancelled and abandoned calls are failed calls whose error says
+    so; a call given up on drops what ``fn`` returns later. In a forked child,
+    a call that ran at the fork fails at its first use (:meth:`_ran_elsewhere`).
+    The moves are :class:`CallState`'s table; :meth:`_start` (what
+    :meth:`submit` queues) and :meth:`_claim_part` are a subclass's.
+    """
+
+    __slots__ = tuple(
+        "_lock _state _submitted _clock _pid _worker _source _lending _donated "
+        "name api runnable timeout".split()
+    )
+    #: Whether its gate programs copy its data by device (a call of parts).
+    gates_by_device = False
+    #: Holds the list of placed leaves, or the exception of the call (a
+    #: subclass's).
+    future: concurrent.futures.Future
+
+    def __init__(
+        self, name: str, api: str, runnable: bool, timeout: float | None
+    ) -> None:
+        self._lock = threading.Lock()
+        self._state = PENDING
+        self._submitted = False
+        self._clock = False  # whether the timeout's clock runs
+        self._pid = os.getpid()
+        self.name = name
+        self.api = api
+        # False for a wrapped Future: there is nothing to run, only to wait for.
+        self.runnable = runnable
+        # Seconds from the call (or first use) before it is given up on.
+        self.timeout = timeout
+        # The pool thread running fn, while it runs (it leaves the bound if the
+        # call is given up on); its asyncio task while it runs on the event
+        # loop (cancelled if the call is given up on).
+        self._worker: _async_pool.Worker | None = None
+        self._source: asyncio.Task | None = None
+        # Async dispatch: the slot, gates and gate data lent to the call.
+        self._lending = Lending()
+        # The leaves donated to a jitted call (donate_argnums): later uses fail.
+        self._donated: frozenset[int] = frozenset()
+
+    @property
+    def returned(self) -> bool:
+        """Whether ``fn`` returned and its values are being placed."""
+        return self._state == FINISHING
+
+    @property
+    def deferred(self) -> bool:
+        """Whether nothing has asked for the call yet (a ``deferred_call``)."""
+        return self._state == PENDING and self.runnable and not self._submitted
+
+    @property
+    def host(self) -> Any:
+        """What the gate programs copy (``None`` before the call returns)."""
+        return self._lending.host
+
+    def _move(self, to: CallState) -> None:  # lock held
+        """The one change of the call's state: refuses a move that is not in
+        :data:`CALL_MOVES`."""
+        if (self._state, to) not in CALL_MOVES:
+            raise concurrent.futures.InvalidStateError(
+                f"{self}: the call cannot move from {self._state} to {to}"
+            )
+        self._state = to
+
+    # -- what the dispatch mechanism asks --
+
+    def gate_data(self, leaf: int, where: tuple, device: Any) -> Any:
+        """What the gate program of ``device`` copies; ``None``: the call failed."""
+        return self._lending.gate_data(leaf, where, device, self.gates_by_device)
+
+    def failure_text(self) -> str:
+        """The error the programs dispatched on the call's arrays raise (once the
+        call failed): its gate programs, or the deferred programs behind it."""
+        return self._lending.error_text or f"{self.name} ({self.api}) failed"
+
+    def add_program(self, device: Any, lender: Lender) -> tuple[bool, jax.Array] | None:
+        """Counts a gate program on ``device`` that will read this call.
+
+        Returns ``(True, gate)``: the program's input, opened at the call's end
+        (or when the part of a call of parts for ``device`` lands); ``(False,
+        shard)``: that part is placed already (no program is counted); ``None``:
+        the call is ending (its value is waited for instead).
+        """
+        return self._lending.add_program(self, device, lender)
+
+    def program_ran(self) -> None:
+        """A gate program counted by :meth:`add_program` ran (or never will)."""
+        self._lending.program_ran()
+
+    # -- start --
+
+    def _start_clock(self) -> None:
+        with self._lock:
+            if self._clock or self.timeout is None:
+                return
+            self._clock = True
+        _async_pool.deadlines().add(self, self.timeout)
+
+    def submit(self) -> None:
+        """Queues the call on the pool or loop (once); its timeout counts from now."""
+        with self._lock:
+            if not self.runnable or self._submitted or self._state != PENDING:
+                return
+            self._submitted = True
+        with _async_pool.live_lock:
+            _async_pool.live.add(self)
+        self._start_clock()
+        self._start()
+
+    def _start(self) -> None:
+        """Queues the call's work, at :meth:`submit` (once): a subclass's."""
+        raise NotImplementedError
+
+    def run(self, worker: _async_pool.Worker | None = None) -> None:
+        """Runs the call here, unless it has started (or ended): a subclass's."""
+        raise NotImplementedError
+
+    def time_out(self) -> None:
+        """Gives up on the call, whose timeout has passed: a subclass's."""
+        raise NotImplementedError
+
+    def _claim(
+        self,
+        worker: _async_pool.Worker | None,
+        source: asyncio.Task | None = None,
+        part: Part | None = None,
+    ) -> bool:
+        """Claims the call (pending -> running) for this thread or coroutine, or
+        one of its parts (the call too, with the first); ``False``: already
+        claimed, or ended."""
+        pid = os.getpid()
+        with self._lock:
+            if part is None and self._state != PENDING:
+                return False
+            if part is not None:
+                if self._state not in (PENDING, RUNNING):
+                    return False
+                if self._state == RUNNING and self._pid != pid:
+                    return False  # running in the parent of this fork: never ends here
+                if not self._claim_part(part, worker, source):
+                    return False
+            # submit() did the two below, unless in the parent of this fork.
+            known = self._submitted and self._pid == pid
+            if self._state == PENDING:
+                self._move(RUNNING)
+            if part is None:
+                self._worker, self._source = worker, source
+            self._pid = pid
+        if not known:
+            with _async_pool.live_lock:
+                _async_pool.live.add(self)
+            self._start_clock()
+        return True
+
+    def _claim_part(
+        self, part: Part, worker: Any, source: asyncio.Task | None
+    ) -> bool:  # the call's lock held
+        """Claims ``part`` of the pending or running call (override point of a
+        call of parts); ``False``: claimed or stopped already."""
+        del part, worker, source
+        return False
+
+    def _left_runner(self, part: Part | None) -> None:
+        """``fn`` returned or raised: its thread or coroutine is no longer ours
+        (override point for a ``part``)."""
+        del part
+        with self._lock:
+            self._worker = self._source = None
+
+    def _adopt(self, source: asyncio.Task | None, part: Part | None) -> bool:
+        """The coroutine that awaits what the call's thread returned (override
+        point for a ``part``)."""
+        del part
+        with self._lock:
+            if self._state != RUNNING:
+                return False
+            self._source = source
+            return True
+
+    def _on_loop_now(self) -> bool:
+        """Whether an asyncio task runs the call (cancelled if given up on)."""
+        return self._source is not None
+
+    def _ran_elsewhere(self) -> bool:
+        """Whether the call started in the parent of this forked child (then
+        it never ends here)."""
+        return self._state != PENDING and self._pid != os.getpid()
+
+    # -- the end --
+
+    def _close(self) -> dict[Any, Gate]:  # lock held
+        """Ends the time in which gates are added (-> finishing); takes them."""
+        self._move(FINISHING)
+        return self._lending.close()
+
+    def _settle(self) -> dict[Any, Gate] | None:
+        """:meth:`_close` for a running call; ``None`` if it was given up on."""
+        with self._lock:
+            return None if self._state != RUNNING else self._close()
+
+    def _take_runners(self) -> tuple[dict[Any, Gate], Any, Any] | None:
+        """Ends a pending or running call (-> finishing): its gates, thread and
+        coroutine, to give up on; ``None``: it had ended."""
+        with self._lock:
+            if self._state not in (PENDING, RUNNING):
+                return None
+            gates = self._close()
+            worker, source = self._worker, self._source
+            self._worker = self._source = None
+        return gates, worker, source
+
+    def abandon(self) -> None:
+        """At exit: fails the gates of a call that is still running."""
+        taken = self._take_runners()
+        if taken is not None and taken[0]:
+            text = _outcomes.exit_text(self.name, self.api, self.runnable)
+            self._failed(text, taken[0])
+
+    def _open(self, gates: dict[Any, Gate], host: Callable[[], Any]) -> None:
+        """Opens the ended call's ``gates``; ``host()``: what their programs
+        copy, made only if there are gates."""
+        self._lending.open(gates, host)
+
+    def _end(self) -> None:
+        with self._lock:
+            self._move(FINISHED)
+        with _async_pool.live_lock:
+            _async_pool.live.discard(self)
+        self._lending.give_back()
+
+    def _failed(self, text: str, gates: dict[Any, Gate]) -> None:
+        """The call failed: the programs that depend on it are told ``text``;
+        ``gates``: those taken at its end and not opened yet (their programs
+        did not get the data), opened now."""
+        self._lending.set_error_text(text)
+        if not gates:
+            return
+        logger.warning(
+            "jax_threadmap: the jitted programs dispatched with the arrays of "
+            "%s (%s) raise this error when their results are used: %s",
+            self.name,
+            self.api,
+            text,
+        )
+        try:
+            self._lending.open(gates)
+        except Exception:  # the call's own uses must still get the error
+            logger.exception("jax_threadmap: could not open the gates")
+
+    def _land(
+        self, part: Part, placed: list[jax.Array], landed: Callable[[], bool | None]
+    ) -> tuple[dict[Any, jax.Array], dict[Any, Gate]] | None:
+        """``part``'s data, placed on its devices (one array each): if the call
+        runs and ``landed()`` (the part's move, under the call's lock) says it
+        landed, opens those devices' gates; the last part's landing settles the
+        call and returns every part's placed data (by device) and the gates
+        left. ``None``: not the last, or dropped (the call ended meanwhile).
+
+        Takes ``placed``: the list is emptied, so that no caller's frame holds
+        the arrays (see below).
+        """
+        with self._lock:
+            last = None if self._state != RUNNING else landed()
+            if last is None:
+                placed.clear()
+                return None  # the call ended meanwhile: dropped
+            released = self._lending.land(part.devices, placed)
+            placed.clear()
+            early = self._lending.take_early() if last else {}
+            rest = self._close() if last else {}
+        # Arrays are freed before the result is set, never after: a daemon
+        # thread still in JAX's C++ when the interpreter exits aborts it.
+        if released:
+            self._lending.open(released)
+        del released
+        return (early, rest) if last else None
+
+    # -- uses --
+
+    def donation_of(self, leaf: int) -> Callable[[], None]:
+        """What to call when ``leaf`` is donated to a jitted call."""
+        return functools.partial(self._mark_donated, leaf)
+
+    def _mark_donated(self, leaf: int) -> None:
+        with self._lock:
+            self._donated = self._donated | {leaf}
+
+    def _is_donated(self, leaf: int) -> bool:
+        return leaf in self._donated
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.api})"

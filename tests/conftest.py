@@ -91,3 +91,58 @@ def dask_client():
         distributed.Client(cluster) as client,
     ):
         yield client
+
+
+# --- the suite in parts (one device run may last 10 minutes: docs/accelerators.md) ---
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--part",
+        default=None,
+        metavar="K/N",
+        help="run the K-th of N parts of the selected tests: whole files, in "
+        "collection order, about as many tests in each (the suite on an "
+        "accelerator, one device run per part; tests/tpu_suite.sh)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "children: the test's work runs in child processes on the CPU, or reads "
+        "files: nothing of it uses this process's accelerator (on a TPU host it "
+        "runs in a CPU process beside the TPU one, tests/tpu_suite.sh)",
+    )
+
+
+def _part_of_file(first: int, size: int, total: int, parts: int) -> int:
+    """The part (0-based) of a file whose tests are ``first ..
+    first + size - 1`` of ``total``: the one its middle test falls in."""
+    return min(parts - 1, (2 * first + size) * parts // (2 * total))
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("part")
+    if spec is None or not items:
+        return
+    try:
+        k, n = (int(s) for s in spec.split("/"))
+        if not 1 <= k <= n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(
+            f"--part takes K/N with 1 <= K <= N (the K-th of N parts), got {spec!r}"
+        ) from None
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    keep, drop, first = [], [], 0
+    for tests in files.values():
+        part = _part_of_file(first, len(tests), len(items), n)
+        (keep if part == k - 1 else drop).extend(tests)
+        first += len(tests)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep

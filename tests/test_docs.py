@@ -80,6 +80,9 @@ from helpers import (  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
+# Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).
+pytestmark = pytest.mark.children
+
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 import page_script as pages  # noqa: E402  (the site's hook reads the pages too)
 

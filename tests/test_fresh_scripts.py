@@ -11,6 +11,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+# Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).
+pytestmark = pytest.mark.children
+
 SCRIPTS = {
     # Output, a warning, an atexit hook and a non-daemon thread that outlives the
     # script's last line (interpreter shutdown joins it before the hook runs).

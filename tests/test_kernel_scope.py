@@ -35,12 +35,19 @@ def cpu_held(monkeypatch):
     a map, as an accelerator's are, and the CPU the host to move JAX calls to."""
     if _program_runs.dispatch_streams_unavailable() is not None:
         pytest.skip(_program_runs.dispatch_streams_unavailable())
+    host = jax.devices("cpu")[0]
     monkeypatch.setattr(_kernel_scope, "_holds", lambda device: True)
-    monkeypatch.setattr(_kernel_scope, "_host_device", lambda: jax.devices("cpu")[0])
+    monkeypatch.setattr(_kernel_scope, "_host_device", lambda: host)
     # The maps' programs on the CPU too (on an accelerator they would run there,
-    # and the kernels' programs, on the CPU, would not be on a held device).
-    with jax.default_device(jax.devices("cpu")[0]):
+    # and the kernels' programs, on the CPU, would not be on a held device), in
+    # every thread: the tests call the maps from another (returns_within), and
+    # `with jax.default_device(...)` sets only this thread's default.
+    before = jax.config.jax_default_device
+    jax.config.update("jax_default_device", host)
+    try:
         yield
+    finally:
+        jax.config.update("jax_default_device", before)
 
 
 def mapped(kernel, shape=(2,)):

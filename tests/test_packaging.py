@@ -15,6 +15,9 @@ from helpers import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+# Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).
+pytestmark = pytest.mark.children
+
 
 def test_license_file_is_the_apache_2_text():
     text = (ROOT / "LICENSE").read_text()

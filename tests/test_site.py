@@ -30,6 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import browser_check  # noqa: E402
 
+# Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).
+pytestmark = pytest.mark.children
+
 _ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|exc|data|obj|ref):`")
 
 

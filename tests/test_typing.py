@@ -8,6 +8,9 @@ import pytest
 
 HERE = pathlib.Path(__file__).parent
 
+# Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).
+pytestmark = pytest.mark.children
+
 
 def test_a_user_script_type_checks_strictly_with_precise_results():
     # Was: threadmap, kernel calls, async_call, deferred_call and from_future

@@ -12,6 +12,9 @@
 - The calls in flight (:data:`live`) and the report at exit
   (:func:`abandon_at_exit`): calls still running, and threads still in calls
   given up on, are named in one warning; the calls are abandoned.
+- Landings (:func:`landing`): what a thread of ours runs in JAX for a call (its
+  values placed, a deferred program dispatched); exit waits for those in
+  flight and lets none start.
 
 ``async def`` calls run on the event loop of :mod:`.._support.event_loop` instead of the
 pool. Everything here only calls the methods of :class:`Call` and
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import heapq
 import itertools
 import logging
@@ -30,7 +34,8 @@ import threading
 import time
 import warnings
 import weakref
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import jax
 
@@ -400,18 +405,87 @@ live: set[LiveCall] = set()
 EXIT_PLACE_S = 5.0
 
 
+class _Landings:
+    """The landings in flight (see :func:`landing`); exit closes the door.
+
+    Before Python 3.14 a daemon thread that wants the GIL back once the
+    interpreter finalizes is ended with ``pthread_exit``, which unwinds every
+    frame it is in: inside XLA's C++, that aborts the process ("terminate
+    called without an active exception", "FATAL: exception not rethrown").
+    So exit lets no landing start and waits for those in flight: no thread of
+    ours is then in JAX when finalization starts.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0  # threads in a landing
+        self._closed = False
+        self._depth = threading.local()  # this thread's nested landings
+
+    def enter(self) -> bool:
+        """Enters a landing; ``False``: exit has closed them (nothing entered)."""
+        depth = getattr(self._depth, "n", 0)
+        if depth == 0:
+            with self._cond:
+                if self._closed:
+                    return False
+                self._inside += 1
+        self._depth.n = depth + 1
+        return True
+
+    def leave(self) -> None:
+        self._depth.n -= 1
+        if self._depth.n == 0:
+            with self._cond:
+                self._inside -= 1
+                self._cond.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Lets no landing start; waits at most ``timeout`` s for those in
+        flight; returns whether none is left."""
+        with self._cond:
+            self._closed = True
+            return self._cond.wait_for(lambda: self._inside == 0, timeout)
+
+
+_landings = _Landings()
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def landing(method: _F) -> _F:
+    """Makes ``method`` a landing: code that a thread of ours runs in JAX for a
+    call (placing its values, dispatching a deferred program). Once exit has
+    begun, it is skipped (returns ``None``; the call is abandoned at exit)."""
+
+    @functools.wraps(method)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        landings = _landings
+        if not landings.enter():
+            return None
+        try:
+            return method(*args, **kwargs)
+        finally:
+            landings.leave()
+
+    return guarded  # type: ignore[return-value]
+
+
 def abandon_at_exit() -> None:
     """Warns about the calls still running at exit, and abandons them.
 
     A call whose function returned may still be copying its values to the
     device after its dependents got them (async dispatch): exit waits for it
-    (at most :data:`EXIT_PLACE_S`) rather than report it.
+    (at most :data:`EXIT_PLACE_S` in all) rather than report it. Then no
+    landing starts, and those in flight are waited for (:class:`_Landings`).
     """
+    deadline = time.monotonic() + EXIT_PLACE_S
     with live_lock:
         calls = list(live)
     returned = [c.future for c in calls if c.returned]
     concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
-    unfinished = [c for c in calls if not c.future.done()]
+    _landings.close(max(0.0, deadline - time.monotonic()))
+    with live_lock:  # those whose landing was refused are still running
+        unfinished = [c for c in live if not c.future.done()]
     # Not status(): its bound asks JAX for the device count, which would start
     # a backend in a process that never used one (on a TPU host: open the chip).
     abandoned = _pool.abandoned()
@@ -452,7 +526,8 @@ def _after_fork_in_child() -> None:
     # The parent's threads, and the calls they ran or queued, do not exist here,
     # and a lock one of them held at the fork stays held: start afresh. A call
     # that had not started runs in the thread that first needs it (Task.wait).
-    global _pool, _deadlines, live_lock
+    global _pool, _deadlines, live_lock, _landings
     _pool = _Pool()
     _deadlines = _Deadlines()
     live_lock = threading.Lock()
+    _landings = _Landings()

@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .async_pool import worker_state
+from .async_pool import landing, worker_state
 from .leaves import LeafSpec, is_extended
 from .task import Task
 
@@ -433,6 +433,7 @@ class ProgramRun(Task):
         """A chain passes the failed argument's error on, not its own wrapper."""
         return self._cause or super().failure_text()
 
+    @landing  # exit waits for a dispatch in flight, and starts none
     def run(self, worker: Any = None) -> None:
         """Dispatches the program here once its inputs landed (a thread that
         waits for a result helps each input first, as for any call)."""

@@ -234,6 +234,7 @@ class ShardedLoad(Task):
 
     # -- a shard lands, in the thread that fetched it --
 
+    @_async_pool.landing
     def _part_returned(self, part: Part, out: Any) -> None:
         assert isinstance(part, Shard)
         if part.state != PartState.RUNNING:  # the load ended meanwhile: not even placed

@@ -267,6 +267,7 @@ class Task(Call):
         self._conclude(error, gates, raised_by_fn=False, names_call=True)
         return True
 
+    @_async_pool.landing
     def _finish(self, out: Any) -> None:
         """Lands what ``fn`` returned, in the thread it returned to."""
         accepted = self._accept(out)
@@ -504,6 +505,7 @@ async def run_on_loop(
     _returned.append((task, out))
 
 
+@_async_pool.landing
 def _land_all() -> None:
     """Lands the ``async def`` calls whose fn returned in the last turn of
     the event loop (on its thread): all are checked and placed before any

@@ -67,6 +67,10 @@ HOUSEKEEPING = {
 #: only); ``format``/``layout`` are absent (JAX's dispatch reads them from every
 #: jit argument that has them, so they could not wait for a value).
 BY_DESIGN = {"__repr__", "__str__", "sharding", *_array_surface.NO_LAYOUT}
+#: The buffer protocol (Python 3.12+) is absent: NumPy's np.asarray tries it first
+#: and swallows its errors, a Ctrl-C included (array_surface.WAITING_METHODS).
+NO_BUFFER_PROTOCOL = {"__buffer__", "__release_buffer__"}
+BY_DESIGN |= NO_BUFFER_PROTOCOL
 #: Whether the value is there now: checked on its own (False while pending).
 BY_DESIGN |= {"is_ready"}
 #: Destructive: checked on their own, last.
@@ -227,9 +231,10 @@ def test_every_name_of_jax_array_is_on_async_array():
     missing = [
         n
         for n in NAMES
-        if n not in HOUSEKEEPING | set(_array_surface.NO_LAYOUT)
+        if n not in HOUSEKEEPING | set(_array_surface.NO_LAYOUT) | NO_BUFFER_PROTOCOL
         and not hasattr(AsyncArray, n)
     ]
+    assert not any(hasattr(AsyncArray, n) for n in NO_BUFFER_PROTOCOL)
     assert not missing, f"AsyncArray lacks {missing} of jax.Array"
     # The tables that make them are JAX's own on every supported JAX.
     assert _array_surface.surface_unavailable() is None

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within, run_script
+from helpers import returns_within, run_script, wait_until
 from jax.experimental import io_callback
 
 import jax_threadmap as jtm
@@ -326,6 +326,47 @@ def test_more_waiting_programs_than_the_cap_fall_back_to_blocking():
     gate = Gate(np.zeros(2, np.float32))
     returns_while_gated(f, async_call(gate, SDS((2,), np.float32)))
     gate.release.set()
+
+
+def test_a_call_that_fails_just_before_its_gate_program_runs_gives_its_counts_back(
+    monkeypatch,
+):
+    # The call fails between the claim of its gate and the gate program's
+    # dispatch: the program then runs inline, in the dispatching thread, and
+    # the dispatch raises its callback's error. The program's counts are given
+    # back once (given back twice, the cap let a ninth program through).
+    fresh = _async_dispatch.Dispatch()  # counts of its own
+    fresh.kind = _async_dispatch.mechanism.kind  # as async_array's bind_arrays does
+    monkeypatch.setattr(_async_dispatch, "mechanism", fresh)
+    gates = fresh.gates
+    go = threading.Event()
+
+    def load():
+        assert go.wait(WAIT)
+        raise LoadError("the download failed")
+
+    x = async_call(load, SDS((2,), np.float32))
+    make = type(gates)._program
+
+    def program(self, *args):
+        run = make(self, *args)
+
+        def after_the_call_failed(*inputs):
+            go.set()
+            wait_until(x.done, "the call failing")  # its gates are open
+            return run(*inputs)
+
+        return after_the_call_failed
+
+    monkeypatch.setattr(type(gates), "_program", program)
+    f = jax.jit(lambda v: v + 1)
+    try:
+        np.asarray(f(x))
+    except Exception as e:  # at the call (inline) or at the use
+        assert "the download failed" in str(e)
+    else:
+        raise AssertionError("the failed load reached no dependent")
+    wait_until(lambda: gates.counts() == ({}, 0), "the counts given back, once")
 
 
 # --- ordered effects -------------------------------------------------------------

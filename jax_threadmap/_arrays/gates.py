@@ -120,6 +120,14 @@ class _Gate(NamedTuple):
         self.server.await_pull(self.pull_id, [value])
 
 
+class _Ticket(NamedTuple):
+    """What a dispatched gate program owes: a waiting program on ``device``,
+    and a program of each of ``tasks`` (the calls whose gates it reads)."""
+
+    device: Any
+    tasks: tuple[Task, ...]
+
+
 class AsyncCallFailed(RuntimeError):
     """Raised in a gate program for a call that failed or never returned.
 
@@ -180,6 +188,8 @@ class Gates:
         self._broken: str | None = None
         self._programs: dict[Any, Any] = {}
         self._waiting: dict[Any, int] = {}
+        self._tickets: dict[int, _Ticket] = {}
+        self._ticket_ids = itertools.count(1)
         self._slots: dict[int, Task] = {}
         self._slot_ids = itertools.count(1)
         self._failed_devices: set[Any] = set()
@@ -335,15 +345,17 @@ class Gates:
             jax.ShapeDtypeStruct(s.shape, s.dtype) for t in tasks for s in by_task[t]
         )
         program = self._program(device, spec, avals)
-        self._take_waiting(device)
-        try:
-            *outs, _ = program(*gates)
-        except BaseException:
-            self._give_waiting(device)
-            raise
-        # From here the program's callback settles the counts, whatever happens.
+        # The program's counts are the ticket's from here: given back once, by
+        # its callback or, if the dispatch raised before the callback took the
+        # ticket, here (a program that ran inline may raise its callback's error).
+        ticket = self._take_ticket(device, tasks)
         for t in tasks:
             owed.remove((t, device))
+        try:
+            *outs, _ = program(np.int32(ticket), *gates)
+        except BaseException:
+            self._give_back(self._pop_ticket(ticket))
+            raise
         return outs
 
     # -- what a call is lent (a background.Lender), under the call's lock --
@@ -369,16 +381,29 @@ class Gates:
         )
         return _Gate(conn.pull(pull_id, [gate_aval])[0], pull_id, server, device)
 
-    # -- the count of waiting gate programs per device: taken when one is
-    # dispatched, given back when its callback runs (or its dispatch failed) --
+    # -- the count of waiting gate programs per device, and the programs each
+    # one owes its calls: taken when one is dispatched, given back once --
 
-    def _take_waiting(self, device: Any) -> None:
+    def _take_ticket(self, device: Any, tasks: list[Task]) -> int:
         with self._lock:
+            ticket = next(self._ticket_ids) % 2**31  # an int32 program input
+            self._tickets[ticket] = _Ticket(device, tuple(tasks))
             self._waiting[device] = self._waiting.get(device, 0) + 1
+        return ticket
 
-    def _give_waiting(self, device: Any) -> None:
+    def _pop_ticket(self, ticket: int) -> _Ticket | None:
+        """The ticket's counts, for the first to ask (then ``None``)."""
         with self._lock:
-            self._waiting[device] -= 1
+            return self._tickets.pop(ticket, None)
+
+    def _give_back(self, ticket: _Ticket | None) -> None:
+        """The one place a gate program's counts are given back."""
+        if ticket is None:
+            return
+        with self._lock:
+            self._waiting[ticket.device] -= 1
+        for task in ticket.tasks:
+            task.program_ran()
 
     def _server(self, client: Any) -> tuple[Any, Any]:
         with self._lock:
@@ -421,13 +446,13 @@ class Gates:
                     self._gate_callback, device, spec, frozenset(data)
                 )
 
-                def run(*gates: jax.Array) -> Any:
+                def run(ticket: jax.Array, *gates: jax.Array) -> Any:
                     # The last output, 4 bytes, is never 0-size: XLA runs the
                     # callback even when every other output is (it skips a
                     # computation of 0-size outputs only), so the counts it
                     # gives back and the error it raises never go missing.
                     *filled, ran = jax.pure_callback(
-                        callback, [*(avals[k] for k in data), _RAN], *gates
+                        callback, [*(avals[k] for k in data), _RAN], ticket, *gates
                     )
                     outs = [jnp.zeros(a.shape, a.dtype) for a in avals]
                     for k, value in zip(data, filled, strict=True):
@@ -443,15 +468,18 @@ class Gates:
     # -- when the gates arrive, in an XLA thread --
 
     def _gate_callback(
-        self, device: Any, spec: tuple, data: frozenset[int], *slots: Any
+        self, device: Any, spec: tuple, data: frozenset[int], ticket: Any, *gates: Any
     ) -> list:
         """Copies the shards (those at ``data`` in the flat order of ``spec``:
-        the others hold none) of the calls whose gates carry ``slots``."""
-        tasks = [self._slots[int(slot)] for slot in slots]
+        the others hold none) of the calls of ``ticket`` (whose ``gates`` are
+        open), and gives back the program's counts."""
+        held = self._pop_ticket(int(ticket))
+        if held is None:  # its dispatch raised: nothing reads these outputs
+            raise AsyncCallFailed("the dispatch of this gate program failed")
         try:
             outs = []
             k = 0
-            for task, leaves in zip(tasks, spec, strict=True):
+            for task, leaves in zip(held.tasks, spec, strict=True):
                 for leaf, index in leaves:
                     value = task.gate_data(leaf, index, device)
                     if value is None:  # opened with the call's error
@@ -462,9 +490,7 @@ class Gates:
                     k += 1
             return [*outs, np.int32(0)]
         finally:
-            self._give_waiting(device)
-            for task in tasks:
-                task.program_ran()
+            self._give_back(held)
 
     def clean_up_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
         """Lets failed gate programs finish; leaves JAX no failed exit token."""

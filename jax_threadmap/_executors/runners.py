@@ -10,6 +10,7 @@ import atexit
 import concurrent.futures
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -20,12 +21,10 @@ from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError
 from . import scheduling as policy
 from . import shared_threads as _shared_threads
-from . import thread_executors as _thread_executors
-from .jobs import Job, this_thread
-from .progress import Progress, progress_enabled
-from .refusals import interpreter_exiting, said
+from .jobs import Job, interpreter_exiting, this_thread
+from .progress import Progress, progress_enabled, wait
 from .scheduling import InOrder
-from .shipping import ShippedWork, Shipper, broken_hint
+from .shipping import ShippedWork, Shipper, broken_hint, refused, said
 
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
 #: any of these in ``InOrder`` for one element per claim in index order.
@@ -70,6 +69,22 @@ class MapWork(ShippedWork, Protocol):
         ...
 
 
+#: Per thread executor, the lock held while a map queues its first pullers: two
+#: maps started at once would split its workers, and elements that wait for each
+#: other could wait for good. Executors without weak references share _fallback.
+_states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
+_fallback = threading.Lock()
+
+
+def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
+    with _states_lock:
+        try:
+            return _states.setdefault(executor, threading.Lock())
+        except TypeError:  # an executor that takes no weak references
+            return _fallback
+
+
 # --- one runner per kind of executor --------------------------------------------------
 
 
@@ -107,12 +122,61 @@ class _UserExecutor:
 
 
 class ThreadExecutor(_UserExecutor):
-    """A user's ``ThreadPoolExecutor``."""
+    """A user's ``ThreadPoolExecutor``: one puller task (``job.drain``) per
+    thread the map may use; a nested map's waiting thread drains it too."""
 
     on_threads = True
 
     def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
-        _thread_executors.run_on_executor(self.executor, job, progress)
+        executor = self.executor
+        lock = threading.Lock()  # guards ``left`` and ``futures``
+        left = [0]  # pullers submitted and not yet done
+        futures: list[concurrent.futures.Future[None]] = []
+
+        def on_done(f: concurrent.futures.Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if f.cancelled():
+                if last:  # no puller will ever claim the rest
+                    job.fail(
+                        ExecutorError(f"The executor {executor!r} cancelled the map.")
+                    )
+            elif f.exception() is not None:
+                job.fail(f.exception())  # type: ignore[arg-type]
+
+        def hand() -> None:
+            """Submits pullers up to the job's limit; a refusal fails the map when
+            no puller runs it."""
+            while job.add_hand():
+                with lock:
+                    left[0] += 1
+                try:
+                    future = executor.submit(job.drain)  # a puller
+                except RuntimeError as e:
+                    job.drop_hand()
+                    with lock:
+                        left[0] -= 1
+                        alone = not futures
+                    if alone:
+                        job.fail(refused(executor, e))
+                    return
+                with lock:
+                    futures.append(future)
+                future.add_done_callback(on_done)
+
+        job.grow = hand
+        try:
+            with _queueing(executor):
+                hand()
+            if this_thread.job is not None:
+                job.drain()
+            wait(job, job.done.wait, progress)
+        finally:
+            with lock:
+                started = list(futures)
+            for f in started:  # pullers that never started: nothing left to claim
+                f.cancel()
 
 
 class PicklingExecutor(_UserExecutor):
@@ -300,3 +364,12 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+
+
+@_fork.in_child
+def _start_afresh() -> None:
+    """Any lock of the user executors may have been held at the fork."""
+    global _states, _states_lock, _fallback
+    _states = weakref.WeakKeyDictionary()
+    _states_lock = threading.Lock()
+    _fallback = threading.Lock()

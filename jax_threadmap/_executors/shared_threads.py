@@ -2,7 +2,7 @@
 daemon threads, and their pools (:class:`ThreadPool`, a bound on the kernels that
 run at once); docs/executors.md says what they promise. A thread that starts a
 map from inside a kernel (a nested map) works on its chunks while it waits. (A
-user's ``ThreadPoolExecutor`` is :mod:`.thread_executors`; the async pool of
+user's ``ThreadPoolExecutor`` is ``runners.ThreadExecutor``; the async pool of
 ``async_call`` is ``_arrays/async_pool.py``.)
 """
 
@@ -17,9 +17,8 @@ from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError
 from . import scheduling as policy
-from .jobs import Job, this_thread
+from .jobs import Job, at_shutdown, this_thread
 from .progress import Progress, wait
-from .refusals import at_shutdown
 from .scheduling import IDLE_TIMEOUT
 
 

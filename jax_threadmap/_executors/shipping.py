@@ -1,8 +1,8 @@
 """Shipping a map to an executor that pickles work (process pools, Dask): the
 tasks in flight and their results (:class:`Shipper`), and what a broken or
-refusing executor means (:func:`broken_hint`). What each task carries and runs
-in the worker is ``_host/packing.py``; the operands sent once per map,
-``_host/shared_operands.py``.
+refusing executor means (:func:`broken_hint`, :func:`refused`). What each task
+carries and runs in the worker is ``_host/packing.py``; the operands sent once
+per map, ``_host/shared_operands.py``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from .._host.packing import KernelNotLoaded
 from .._host.shared_operands import Sharing, share
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
-from .jobs import Job
+from .jobs import Job, at_shutdown
 from .progress import Progress, wait
-from .refusals import refused, said
 
 
 class ShippedWork(Protocol):
@@ -126,6 +125,38 @@ class Shipper:
                 for fut in self.pending:
                     fut.cancel()
             self.sharing.close()
+
+
+def said(e: BaseException) -> str:
+    """``Type: message`` of an exception, without its final period."""
+    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
+
+
+def refused(executor: Any, e: BaseException) -> ExecutorError:
+    """The error of a map whose executor refused its work."""
+    if at_shutdown(e):
+        return ExecutorError(
+            "The interpreter is exiting: this threadmap was stopped before it "
+            f"finished, because the executor {executor!r} refuses new work once "
+            "the main thread has ended (concurrent.futures stops its executors at "
+            "exit). Wait for maps on such executors before the end of the main "
+            "thread.",
+            cause=e,
+        )
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        return ExecutorError(
+            f"The executor {executor!r} passed as executor= is broken: "
+            f"{said(e)}. A worker of it ended "
+            "earlier (the error of the map that ran then said how); pass a new "
+            "executor.",
+            cause=e,
+        )
+    return ExecutorError(
+        f"The executor {executor!r} passed as executor= refused new work: "
+        f"{said(e)}. Pass an executor that is "
+        "running, or executor=None for the shared pool.",
+        cause=e,
+    )
 
 
 def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._host.inner_threads import BLAS_LIMIT
-from .._host.kernel_scope import KernelScope
+from .._host.maps import HostMap
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError
@@ -24,7 +24,7 @@ from . import shared_threads as _shared_threads
 from .jobs import Job, interpreter_exiting, this_thread
 from .progress import Progress, progress_enabled, wait
 from .scheduling import InOrder
-from .shipping import ShippedWork, Shipper, broken_hint, refused, said
+from .shipping import Shipper, broken_hint, refused, said
 
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
 #: any of these in ``InOrder`` for one element per claim in index order.
@@ -45,28 +45,6 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
         return None if client is None else max(1, sum(client.nthreads().values()))
     except Exception:  # noqa: BLE001 - an executor that cannot say: unknown
         return None
-
-
-class MapWork(ShippedWork, Protocol):
-    """What the executor layer needs of a map (``_host.maps.HostMap``): what
-    shipping needs (:class:`.shipping.ShippedWork`), and this."""
-
-    sums: bool  # outputs summed on the host: chunk bounds must not depend on timing
-    scope: KernelScope | None  # entered around each chunk run here (kernel_scope.py)
-
-    @property
-    def element_bytes(self) -> int: ...  # one element's operands and results
-
-    def split(self, max_elements: int) -> int:
-        """Cuts a vectorized map into chunks of at most ``max_elements``; returns
-        how many (the work units)."""
-        ...
-
-    @property
-    def run_chunk(self) -> Callable[[int, int, Any], None]:
-        """What runs units ``[start, stop)`` of the map in this thread, as
-        ``run_chunk(start, stop, job)`` (read once per map)."""
-        ...
 
 
 #: Per thread executor, the lock held while a map queues its first pullers: two
@@ -94,7 +72,7 @@ class Runner(Protocol):
     workers: int  # kernels it runs at once (a guess where the executor does not say)
     on_threads: bool  # its workers are threads of this process
 
-    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+    def run(self, job: Job, work: HostMap, progress: Progress | None) -> None:
         """Runs ``job`` (the chunks of ``work``) to completion or first failure."""
         ...
 
@@ -108,7 +86,7 @@ class SharedThreads:
         self.pool = _shared_threads.get_pool(executor)
         self.workers = self.pool.max_workers
 
-    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+    def run(self, job: Job, work: HostMap, progress: Progress | None) -> None:
         self.pool.run(job, progress)
 
 
@@ -127,7 +105,7 @@ class ThreadExecutor(_UserExecutor):
 
     on_threads = True
 
-    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+    def run(self, job: Job, work: HostMap, progress: Progress | None) -> None:
         executor = self.executor
         lock = threading.Lock()  # guards ``left`` and ``futures``
         left = [0]  # pullers submitted and not yet done
@@ -184,7 +162,7 @@ class PicklingExecutor(_UserExecutor):
 
     on_threads = False
 
-    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+    def run(self, job: Job, work: HostMap, progress: Progress | None) -> None:
         Shipper(self.executor, work, job, self.known).run(progress)
 
 
@@ -211,7 +189,7 @@ _flights: dict[Job, threading.Thread] = {}
 
 
 def new_job(
-    work: MapWork,
+    work: HostMap,
     executor: Executor,
     max_chunk: int | None = None,
     parent: Job | None = None,
@@ -249,7 +227,7 @@ def new_job(
 
 def run_map(
     executor: Executor | InOrder,
-    work: MapWork,
+    work: HostMap,
     *,
     progress: bool | None,
     max_chunk: int | None = None,

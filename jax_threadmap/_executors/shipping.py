@@ -11,33 +11,15 @@ import concurrent.futures
 import os
 import pickle
 import sys
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
+from .._host.maps import HostMap
 from .._host.packing import KernelNotLoaded
 from .._host.shared_operands import Sharing, share
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
 from .jobs import Job, at_shutdown
 from .progress import Progress, wait
-
-
-class ShippedWork(Protocol):
-    """What shipping needs of a map (``_host.maps.HostMap``)."""
-
-    name: str  # for messages
-    n: int  # work units
-    vectorized: bool  # units are pieces of a vectorized map
-
-    def shared(self) -> list[Any]:
-        """Operands shipped once per map to an executor that pickles work."""
-        ...
-
-    def pack(self, start: int, stop: int) -> Callable[..., Any]:
-        """A picklable task running ``[start, stop)`` in another process."""
-        ...
-
-    def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
 
 
 class Shipper:
@@ -48,7 +30,7 @@ class Shipper:
     def __init__(
         self,
         executor: concurrent.futures.Executor,
-        work: ShippedWork,
+        work: HostMap,
         job: Job,
         workers: int | None,
     ):
@@ -170,7 +152,7 @@ def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
 
 
 def _chunk_failed(
-    executor: Any, work: ShippedWork, start: int, stop: int, e: BaseException
+    executor: Any, work: HostMap, start: int, stop: int, e: BaseException
 ) -> ExecutorError:
     """The error of a chunk that the executor could not run."""
     unit = "pieces" if work.vectorized else "elements"

@@ -247,7 +247,7 @@ class HostMap:
     ``HostMap(caller, spec, operands)`` makes the map its caller needs: an
     :class:`ElementMap` (one kernel call per element) or a :class:`ChunkMap`
     (one call per rectangular piece, ``vectorized``); both share these views,
-    outputs and partial sums, and implement the executor layer's ``MapWork``:
+    outputs and partial sums, and are what the executor layer runs:
     ``run_chunk`` runs work units in this process, ``pack``/``store_packed``
     ship them to executors that pickle work. When some outputs are summed over
     batch levels, ``sums`` is true: every

@@ -16,7 +16,6 @@ from .._support import environment as _environment
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError
-from . import scheduling as policy
 from .jobs import Job, at_shutdown, this_thread
 from .progress import Progress, wait
 from .scheduling import IDLE_TIMEOUT
@@ -142,14 +141,13 @@ class _Threads:
         """Whether threads about to look for work (neither idle nor running a
         kernel) will take the map from the queue (:meth:`_hand_next`), so that
         no new thread starts for it: when no thread is idle (the caller asks
-        only then) and at least :func:`.scheduling.spare_threads` of them are
-        returning. ``counted`` keeps their count for the rest of one
-        :meth:`hand`."""
+        only then) and at least one per CPU of them are returning. ``counted``
+        keeps their count for the rest of one :meth:`hand`."""
         if self.idle:
             return False
         if not counted:
             counted.append(self._returning())
-        return counted[0] >= policy.spare_threads()
+        return counted[0] >= available_cpus()
 
     def _give_thread(self, pool: ThreadPool, job: Job) -> bool:  # lock held
         """Gives ``job`` (its place taken) the thread that went idle last, else

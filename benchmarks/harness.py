@@ -55,7 +55,7 @@ from jax_threadmap._demo.demo import (  # noqa: F401 - re-exported for the bench
     threadmap_runner,
     time_runs,
 )
-from jax_threadmap._executors.scheduling import available_cpus as num_cpus
+from jax_threadmap._support.cpus import available_cpus as num_cpus
 
 # --- kernels ------------------------------------------------------------------------
 

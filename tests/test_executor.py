@@ -375,7 +375,7 @@ def test_interrupt_while_waiting_stops_work_not_started():
     pool = _shared_threads.ThreadPool(2)
     job = _jobs.Job(1000, fn)
     with pytest.raises(KeyboardInterrupt):
-        pool.run(job, Interrupting(1000, "k"))
+        pool.run(job, progress=Interrupting(1000, "k"))
     job.done.wait(5)
     assert job.failed and job.done.is_set()
     assert len(ran) < 50

@@ -77,19 +77,6 @@ class Runner(Protocol):
         ...
 
 
-class SharedThreads:
-    """``executor=None`` or ``executor=N``."""
-
-    on_threads = True
-
-    def __init__(self, executor: int | None):
-        self.pool = _shared_threads.get_pool(executor)
-        self.workers = self.pool.max_workers
-
-    def run(self, job: Job, work: HostMap, progress: Progress | None) -> None:
-        self.pool.run(job, progress)
-
-
 class _UserExecutor:
     """A ``concurrent.futures.Executor`` passed as ``executor=``."""
 
@@ -172,7 +159,7 @@ def _is_shared(executor: Any) -> bool:
 
 #: The kinds of executor, first match first: a test and a runner class.
 RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], Runner]], ...] = (
-    (_is_shared, SharedThreads),
+    (_is_shared, _shared_threads.get_pool),
     (lambda e: isinstance(e, concurrent.futures.ThreadPoolExecutor), ThreadExecutor),
     (lambda executor: True, PicklingExecutor),
 )

@@ -29,19 +29,25 @@ def default_num_threads() -> int:
 
 
 class ThreadPool:
-    """At most ``max_workers`` kernels of its maps run at once, on the shared
-    threads (a nested map's waiting thread, lent to it, is the one exception)."""
+    """At most ``workers`` kernels of its maps run at once, on the shared
+    threads (a nested map's waiting thread, lent to it, is the one exception):
+    the runner of ``executor=None`` and ``executor=N`` (``runners.RUNNERS``)."""
 
-    def __init__(self, max_workers: int):  # (at least 1: checked where it is set)
-        self.max_workers = max_workers
+    on_threads = True
+
+    def __init__(self, workers: int):  # (at least 1: checked where it is set)
+        self.workers = workers
         self.active = 0  # threads that hold a place (under the threads' lock)
         self.peak = 0  # the most places held at once
 
     def __repr__(self) -> str:
-        return f"ThreadPool(max_workers={self.max_workers})"
+        return f"ThreadPool(max_workers={self.workers})"
 
-    def run(self, job: Job, progress: Progress | None = None) -> None:
-        """Runs ``job`` to completion or first failure."""
+    def run(
+        self, job: Job, work: object = None, progress: Progress | None = None
+    ) -> None:
+        """Runs ``job`` to completion or first failure (``work``: the map, which
+        the shared threads do not need: they run ``job``'s chunks)."""
         if job.n == 0:
             return
         threads = _threads
@@ -244,7 +250,7 @@ class _Threads:
                 if job.add_hand():
                     worker.pool, worker.job = entry
                     return
-            elif p.active < p.max_workers:
+            elif p.active < p.workers:
                 others.append(entry)
         pool.active -= 1
         for other in others:
@@ -269,7 +275,7 @@ def _room(pool: ThreadPool, job: Job) -> int:  # threads' lock held
     places, and what the job has fewer than its units and than its limit (a
     limited map starts on one thread per CPU). The job's fields are read
     without its lock: :meth:`.jobs.Job.add_hand` decides."""
-    return min(pool.max_workers - pool.active, min(job.n, job.limit) - job.hands)
+    return min(pool.workers - pool.active, min(job.n, job.limit) - job.hands)
 
 
 def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock held

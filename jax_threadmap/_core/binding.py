@@ -181,13 +181,11 @@ def threadmap(
             of ``JAX_THREADMAP_NUM_THREADS`` threads (default: one per CPU). An
             ``int`` N (at most 4096): a shared pool of N threads. A
             [`concurrent.futures.Executor`](https://docs.python.org/3/library/concurrent.futures.html#executor-objects):
-            used as given. A pool's size is a hard bound on the kernels of all its maps
-            running at once, with one exception: a kernel that waits for a nested map
-            runs that map's elements on its own thread meanwhile (lending its thread,
-            and its place in its own pool), so a nested map on another pool or executor
-            can run one kernel more than its bound per kernel waiting for it; on the
-            same pool the bound is exact. The pools' threads are shared by every size,
-            started on demand, and exit after 2 s idle. Any of these in
+            used as given. A pool's size is a hard bound on the kernels of all its
+            maps running at once (but for a kernel waiting for a nested map, which
+            runs that map's elements meanwhile); its threads are shared by every
+            size, started on demand, and exit after 2 s idle (see
+            [executors and threads](executors.md)). Any of these in
             [`InOrder`][jax_threadmap.InOrder]: the elements run one per claim in
             index order on every thread at once, as `ThreadPoolExecutor.map` does,
             for elements that wait for each other.

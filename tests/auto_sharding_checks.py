@@ -244,10 +244,10 @@ def uneven():
 
 
 def unchanged_paths():
-    # Explicit meshes keep their shard_map (where this JAX allows it).
+    # Explicit meshes take the same path: one equation, its result typed with
+    # the batch sharding.
     jaxpr = str(jax.make_jaxpr(rows(sin_a))(explicit(X), A))
-    since, until = jax_threadmap._jax.explicit_sharding.PER_SHARD_REFUSED
-    assert ("shard_map" in jaxpr) != (since <= _hooks.JAX_VERSION < until), jaxpr
+    assert "shard_map" not in jaxpr and "f32[64@b,16]" in jaxpr, jaxpr
     out = jax.jit(rows(sin_a))(explicit(X), A)
     check("explicit mesh", out, rows(ref)(X, A), [("sin_a", (8,))] * 8)
     # shard_map: one map per shard, as before.

@@ -22,18 +22,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_threadmap  # noqa: E402
 from jax_threadmap import threadmap
 from jax_threadmap._host import maps as _host  # noqa: E402
-from jax_threadmap._jax import explicit_sharding as _explicit_sharding
-from jax_threadmap._jax import hooks as _compat
 
 assert jax.device_count() == 4, jax.devices()
-# The releases whose vmap refuses a shard_map over its own mesh axes: explicit
-# mesh axes are gathered there as automatic ones (docs/sharding.md).
-PER_SHARD_REFUSED = (
-    _explicit_sharding.PER_SHARD_REFUSED[0]
-    <= _compat.JAX_VERSION
-    < _explicit_sharding.PER_SHARD_REFUSED[1]
-)
-
 # Every host call of a flat map records its batch shape and kernel name.
 host_calls = []
 _lock = threading.Lock()
@@ -362,9 +352,9 @@ def main():
             [("sort_rows", (2,))] * 4,
         )
 
-        if axis_type == AxisType.Explicit and not PER_SHARD_REFUSED:
+        if axis_type == AxisType.Explicit:
             per_shard_jit(mesh, xs)
-        else:  # also explicit axes on jax 0.8.1 to 0.9.0.1 (docs/sharding.md)
+        else:
             auto_per_shard_jit(xs, tag)
 
         # Derivatives inside shard_map: per-shard JVP/VJP equations.

@@ -226,8 +226,7 @@ def main():
     )
 
     # Sharded jit on an explicit mesh ("sharding in types"): mapped per shard
-    # too (in a shard_map; on jax 0.8.1 to 0.9.0.1, which refuse that, by the
-    # partitioner as above).
+    # too, by the partitioner as above.
     explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     erows = global_rows(explicit)
     del calls[:]

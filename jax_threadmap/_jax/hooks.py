@@ -277,7 +277,7 @@ def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, .
 #: JAX's FFI targets of host callbacks, by platform (what emit_python_callback
 #: emits on every supported JAX: ``xla_ffi_python_{cpu,gpu}_callback`` with an
 #: ``index`` attribute into the program's host callbacks). TPU callbacks are
-#: send/recv pairs instead; there per-shard maps on automatic axes fall back.
+#: send/recv pairs instead; there per-shard maps under jit fall back.
 PYTHON_CALLBACK_TARGETS: dict[str, str] = {
     "cpu": "xla_ffi_python_cpu_callback",
     "cuda": "xla_ffi_python_gpu_callback",
@@ -509,15 +509,16 @@ HOOKS: tuple[Hook, ...] = (
     # that callback's index (PYTHON_CALLBACK_TARGETS below).
     Hook(
         "custom_partitioning",
-        "lowers a batched equation under automatic shardings to a call that "
+        "lowers a batched equation under jit on a mesh to a call that "
         "XLA's partitioner (GSPMD or Shardy) splits along its batch axes",
         (AUTO_PER_SHARD,),
         _everywhere("jax.experimental.custom_partitioning:custom_partitioning"),
         _public("jax.experimental.custom_partitioning:custom_partitioning")
         + ". Tried instead: jax.pure_callback (its sharding= is fixed when "
         "traced, and under automatic axes the sharding is only known to the "
-        "partitioner), and a shard_map chosen at lowering (it would impose a "
-        "sharding, not take the one XLA chose)",
+        "partitioner), a shard_map chosen at lowering (it would impose a "
+        "sharding, not take the one XLA chose), and a shard_map bound by the "
+        "batching rule (explicit axes only; refused by jax 0.8.1 to 0.9.0.1)",
     ),
     Hook(
         "ffi_lowering",
@@ -542,7 +543,7 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "ShardingContext",
-        "tells a lowering under jit with automatic shardings on several devices "
+        "tells a lowering under jit on a mesh of several devices "
         "(the axis context custom_partitioning partitions) and its mesh",
         (AUTO_PER_SHARD,),
         _everywhere("jax.interpreters.mlir:ShardingContext", adapt=_automatic_mesh_of),

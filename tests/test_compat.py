@@ -287,7 +287,7 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
             use()
         return
     if hook.features == (_compat.AUTO_PER_SHARD,):  # optional: one device maps
-        # (with one INFO line; tests/auto_sharding_checks.py runs that on 8 devices)
+        # (with one INFO line; tests/sharding_checks.py runs that on 8 devices)
         reason = _compat.missing_for(_compat.AUTO_PER_SHARD)
         assert reason is not None and reason.startswith(f"{hook.name} is missing")
         for use in FEATURE_USES.values():

@@ -85,13 +85,13 @@ def kernels(m: int, vectorized: bool = False) -> Callable:
     def fwd(p, *, A, W, U, b):
         return factor(p, A, W, U, b)  # (x, dx/dp)
 
-    def jvp(dx_dp, tp, *, A, W, U, b):
+    def jvp(dx_dp, tp, *, A, W, U, b):  # per element: tp (3 directions, 3)
         return (dx_dp @ tp[..., None])[..., 0]
 
     def bwd(dx_dp, ct, *, A, W, U, b):
         return ((ct[..., None, :] @ dx_dp)[..., 0, :],)
 
-    solve.defjvp(fwd, jvp, residuals=jac)
+    solve.defjvp(fwd, jvp, residuals=jac, directions=not vectorized)
     solve.defvjp(fwd, bwd, residuals=jac)
     return lambda p, A, W, U, b: solve(p, A=A, W=W, U=U, b=b)
 

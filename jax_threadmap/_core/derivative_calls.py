@@ -42,10 +42,12 @@ class DerivativeCall:
         self.fn = node.function
         self.vectorized = param.vectorized
         ops = iter(range(sum(param.present)))
+        # A tangent gets the folded directions as its leading axes.
+        lead = [()] * node.num_base + [param.directions] * len(node.in_avals)
         sources: list[Source] = [
-            next(ops) if here else (None if i in node.unused else aval)
-            for i, (here, aval) in enumerate(
-                zip(param.present, node.in_avals, strict=True)
+            next(ops) if here else (None if i in node.unused else (d + s, t))
+            for i, (here, (s, t), d) in enumerate(
+                zip(param.present, node.in_avals, lead, strict=False)
             )
         ]
         positional = [sources[i] for i in node.positional]

@@ -209,6 +209,8 @@ class ResidualRule:
         res_avals: Per residual leaf, its ``(shape, dtype)`` for one element.
         jvp: ``jvp(res, *tangents, **kwargs) -> tangent``, or ``None`` (then
             forward mode runs the kernel's JVP kernel, if any, on the primals).
+        directions: Whether ``jvp`` takes the tangent directions of a ``vmap``
+            over the tangents alone as leading axes (see :class:`DerivativeParam`).
     """
 
     fwd: Fn
@@ -216,6 +218,7 @@ class ResidualRule:
     res_tree: Any
     res_avals: tuple[Aval, ...]
     jvp: Fn | None = None
+    directions: bool = False
 
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
@@ -451,11 +454,27 @@ class DerivativeParam:
         node: The derived node (``node.base`` is not ``None``).
         present: Per leaf of the node, whether it is an operand.
         keep: Per output leaf of the node, whether it is a result.
+        directions: The sizes of the ``vmap`` levels folded into the new leaves
+            and the results of a ``lin`` equation whose ``jvp`` takes them
+            (``defjvp(..., directions=True)``): their leading core axes, the
+            last folded first. Its rules unfold them (``autodiff.py``).
     """
 
     node: Node
     present: tuple[bool, ...]
     keep: tuple[bool, ...]
+    directions: tuple[int, ...] = ()
+
+    @property
+    def folds(self) -> bool:
+        """Whether a ``vmap`` level at which only the new leaves are batched is
+        handed to the kernel as their leading axis (``directions=True``)."""
+        base = self.node.base
+        return (
+            self.node.residual_jvp
+            and base is not None
+            and base.residual_rule.directions
+        )
 
     @property
     def name(self) -> str:

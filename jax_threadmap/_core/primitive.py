@@ -39,6 +39,7 @@ from .._jax import avals as _avals
 from .._jax import primitive_rules as _rules
 from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
+from . import directions as _directions
 from . import per_shard as _per_shard
 from .params import HostCall
 
@@ -157,6 +158,10 @@ def _threadmap_batching_rule(
         norm_dims.append(d)
         size = x.shape[d]
     assert size is not None  # the rule only runs with at least one batched operand
+    bind = functools.partial(_per_shard.bind, threadmap_p.bind)
+    folded = _directions.fold(bind, args, norm_dims, size, spec=spec, **params)
+    if folded is not None:  # tangent directions, for a jvp that takes them
+        return folded
     # Where the batch axes are sharded over explicit mesh axes, the equation is
     # bound inside a shard_map: one flat map per shard (docs/sharding.md).
     outs = _per_shard.bind(

@@ -1,0 +1,168 @@
+"""Tangent directions as leading axes: ``defjvp(fwd, jvp, residuals=...,
+directions=True)``.
+
+A ``vmap`` level at which a ``lin`` equation's tangents are batched and its
+residuals are not (the directions of ``jax.jacfwd``, a ``vmap`` of ``jax.jvp``)
+does not become a batch level: the batching rule folds it into the tangents as
+their leading core axis, and into the results, so the host calls ``jvp`` once
+per element for every direction (:func:`fold`). The equation's own rules undo
+that: its JVP and transpose are those of the unfolded equation under ``vmap``
+(:func:`unfolded_jvp`, :func:`unfolded_transpose`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .._host.batch_spec import Axes, BatchSpec
+from .._jax import avals as _avals
+from .._jax import primitive_rules as _rules
+from .params import DerivativeParam
+
+
+def _first_core(ndim: int, axes: Axes) -> int:
+    """The first axis of an operand that no batch level carries."""
+    return min(set(range(ndim)) - set(axes), default=ndim)
+
+
+def fold(
+    bind: Callable[..., Sequence[Any]],
+    args: Sequence[Any],
+    dims: Sequence[int | None],
+    size: int,
+    *,
+    kernel: Any,
+    spec: BatchSpec,
+    result_avals: tuple[Any, ...],
+    **params: Any,
+) -> tuple[Sequence[Any], list[int]] | None:
+    """The batching rule of a ``lin`` equation whose ``jvp`` takes the
+    directions, at a level where only the tangents are batched; else ``None``."""
+    if not isinstance(kernel, DerivativeParam) or not kernel.folds:
+        return None
+    num_base = sum(kernel.present[: kernel.node.num_base])
+    if any(d is not None for d in dims[:num_base]):
+        return None
+    ops, in_axes = list(args[:num_base]), list(spec.in_axes[:num_base])
+    linear = zip(args[num_base:], dims[num_base:], spec.in_axes[num_base:], strict=True)
+    for x, d, axes in linear:
+        c = _first_core(x.ndim - (d is not None), axes)
+        if d is None:  # the same tangent for every direction
+            x = jax.lax.broadcast_in_dim(
+                x,
+                (*x.shape[:c], size, *x.shape[c:]),
+                (*range(c), *range(c + 1, x.ndim + 1)),
+            )
+        else:  # the level's axis goes just before the core
+            rest = [a for a in range(x.ndim) if a != d]
+            perm = (*rest[:c], d, *rest[c:])
+            if perm != tuple(range(x.ndim)):
+                x = jax.lax.transpose(x, perm)
+        ops.append(x)
+        in_axes.append(tuple(None if a is None else a + (a >= c) for a in axes))
+    outs = bind(
+        *ops,
+        kernel=dataclasses.replace(kernel, directions=(size, *kernel.directions)),
+        spec=BatchSpec(spec.shape, tuple(in_axes), spec.out_sum),
+        result_avals=tuple(
+            _avals.ShapedArray((size, *a.shape), a.dtype) for a in result_avals
+        ),
+        **params,
+    )
+    return outs, [len(spec.out_batch_shape(k)) for k in range(len(outs))]
+
+
+def _unfold(
+    eqn: dict[str, Any], operands: Sequence[Any]
+) -> tuple[dict[str, Any], list[int | None], list[int]]:
+    """The equation with its last folded level unfolded (one element of it),
+    the axis of that level in each operand, and in each result."""
+    kernel, spec = eqn["kernel"], eqn["spec"]
+    num_base = sum(kernel.present[: kernel.node.num_base])
+    in_axes: list[int | None] = [None] * num_base + [
+        _first_core(_avals.typeof(x).ndim, axes)
+        for x, axes in zip(operands[num_base:], spec.in_axes[num_base:], strict=True)
+    ]
+    inner_axes = [
+        axes if c is None else tuple(None if a is None else a - (a > c) for a in axes)
+        for axes, c in zip(spec.in_axes, in_axes, strict=True)
+    ]
+    inner = {
+        **eqn,
+        "kernel": dataclasses.replace(kernel, directions=kernel.directions[1:]),
+        "spec": BatchSpec(spec.shape, tuple(inner_axes), spec.out_sum),
+        "result_avals": tuple(
+            _avals.ShapedArray(a.shape[1:], a.dtype) for a in eqn["result_avals"]
+        ),
+    }
+    out_axes = [len(spec.out_batch_shape(k)) for k in range(len(eqn["result_avals"]))]
+    return inner, in_axes, out_axes
+
+
+def unfolded_jvp(
+    bind: Callable[..., Sequence[Any]],
+    primals: Sequence[Any],
+    tangents: Sequence[Any],
+    eqn: dict[str, Any],
+) -> tuple[Sequence[Any], Sequence[Any]]:
+    """The JVP of a folded equation: ``vmap`` over its last folded level of the
+    JVP of the unfolded one (zero tangents instantiated)."""
+    inner, in_axes, out_axes = _unfold(eqn, primals)
+    n = len(primals)
+
+    def one(*ops: Any) -> tuple[Any, Any]:
+        return jax.jvp(lambda *p: bind(*p, **inner), ops[:n], ops[n:])
+
+    tangents = [_rules.instantiate_zeros(t) for t in tangents]
+    return jax.vmap(one, in_axes=(*in_axes, *in_axes), out_axes=(out_axes, out_axes))(
+        *primals, *tangents
+    )
+
+
+def unfolded_transpose(
+    bind: Callable[..., Sequence[Any]],
+    cts: Sequence[Any],
+    args: Sequence[Any],
+    eqn: dict[str, Any],
+) -> list[Any]:
+    """The transpose of a folded equation: ``vmap`` over its last folded level
+    of the transpose of the unfolded one (every undefined operand gets an
+    array)."""
+    inner, in_axes, out_axes = _unfold(eqn, args)
+    undefined = [_rules.is_undefined_primal(x) for x in args]
+    avals = [
+        jax.ShapeDtypeStruct(
+            tuple(s for d, s in enumerate(x.aval.shape) if d != ax), x.aval.dtype
+        )
+        for x, ax, u in zip(args, in_axes, undefined, strict=True)
+        if u
+    ]
+    spec = eqn["spec"]
+    cts = [
+        jax.numpy.zeros(spec.out_batch_shape(k) + a.shape, a.dtype)
+        if ct is None or type(ct) is _rules.Zero
+        else ct
+        for k, (ct, a) in enumerate(zip(cts, eqn["result_avals"], strict=True))
+    ]
+
+    def one(cts: list[Any], defined: list[Any]) -> Any:
+        def f(*linear: Any) -> Any:
+            it, known = iter(linear), iter(defined)
+            return bind(*(next(it) if u else next(known) for u in undefined), **inner)
+
+        return jax.linear_transpose(f, *avals)(list(cts))
+
+    defined = [x for x, u in zip(args, undefined, strict=True) if not u]
+    defined_axes = [ax for ax, u in zip(in_axes, undefined, strict=True) if not u]
+    results = iter(
+        jax.vmap(
+            one,
+            in_axes=(out_axes, defined_axes),
+            out_axes=[ax for ax, u in zip(in_axes, undefined, strict=True) if u],
+        )(cts, defined)
+    )
+    return [next(results) if u else None for u in undefined]

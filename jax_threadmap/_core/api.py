@@ -144,6 +144,7 @@ def _rule_param(
         hashable(rule.fn),
         _rule_param(rule.primal_jvp, inner),
         _reverse_param(rule.reverse_rule, inner),
+        rule._vectorized,
     )
 
 

@@ -171,11 +171,14 @@ class RuleKernel:
         fn: The derivative kernel.
         jvp: Its own JVP kernel (a function or a ``RuleKernel``), or ``None``.
         vjp: Its own VJP kernel, a :class:`ResidualRule`, or ``None``.
+        chunking: Its own ``(vectorized, max_chunk)``: a kernel made with
+            ``vectorized=`` takes chunks even where the primal kernel does not.
     """
 
     fn: Fn
     jvp: Fn | None = None
     vjp: Fn | ResidualRule | None = None
+    chunking: tuple[bool, int | None] = (False, None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _unwrap(self.fn)(*args, **kwargs)
@@ -482,11 +485,17 @@ class DerivativeParam:
 
     @property
     def vectorized(self) -> bool:
-        return self.node.kernel.vectorized
+        return self._chunking[0] or self.node.kernel.vectorized
 
     @property
     def max_chunk(self) -> int | None:
-        return self.node.kernel.max_chunk
+        return self._chunking[1] or self.node.kernel.max_chunk
+
+    @property
+    def _chunking(self) -> tuple[bool, int | None]:
+        """The derivative kernel's own ``vectorized=`` (a ``jax_threadmap.kernel``)."""
+        rule = self.node.rule_object
+        return rule.chunking if isinstance(rule, RuleKernel) else (False, None)
 
     @property
     def asynchronous(self) -> bool:

@@ -68,6 +68,21 @@ class DerivativeCall:
             for sources in (positional, self.keywords)
         ]
         self.flat_result = _result_flattener(node)
+        if param.directions:
+            self.flat_result = _with_directions(
+                self.flat_result, node, param.directions
+            )
+        # Per element, every argument an operand and a leaf: indexed, no unflatten.
+        kw = self.kwargs_tree.unflatten(range(len(self.keywords)))
+        at = [[i for i, _ in plan] for plan in self.plans]
+        self.direct = None
+        if (
+            self.flat_args
+            and not (self.vectorized or self.asynchronous)
+            and min(at[0] + at[1], default=0) >= 0
+            and all(type(v) is int for v in kw.values())
+        ):
+            self.direct = at[0], {k: at[1][j] for k, j in kw.items()}
 
     def __reduce__(self) -> tuple[Any, ...]:
         return DerivativeCall, (self.param,)
@@ -93,6 +108,13 @@ class DerivativeCall:
         ]
 
     def __call__(self, *operands: np.ndarray) -> Any:
+        if self.direct is not None:
+            args_at, kwargs_at = self.direct
+            result = self.fn(
+                *[operands[i] for i in args_at],
+                **{k: operands[i] for k, i in kwargs_at.items()},
+            )
+            return self._kept(self.flat_result(result, ()))
         if self.vectorized:
             args = self._leaves(self.plans[0], operands)
         else:  # the common case, inline
@@ -149,6 +171,30 @@ def _result_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
             ) from None
 
     return tangents
+
+
+def _with_directions(
+    flat: Callable[[Any, tuple[int, ...]], list[Any]], node: Any, lead: tuple[int, ...]
+) -> Callable[[Any, tuple[int, ...]], list[Any]]:
+    """``flat``, each tangent checked to have the directions' leading axes."""
+    shapes = [shape for shape, _ in node.out_avals]
+
+    def checked(result: Any, chunk: tuple[int, ...]) -> list[Any]:
+        out = flat(result, chunk)
+        for k, (value, shape) in enumerate(zip(out, shapes, strict=True)):
+            if value is not None and np.shape(value) != chunk + lead + shape:
+                raise TypeError(
+                    "the JVP kernel of defjvp(fwd, jvp, residuals=..., "
+                    f"directions=True) returned the tangent of output {k} with shape "
+                    f"{np.shape(value)}, expected {chunk + lead + shape}: its tangents "
+                    f"came with {len(lead)} leading axes of directions {lead}, which "
+                    "the tangent it returns must have too. Compute it for every "
+                    "direction (res @ t[..., None] broadcasts over them), or drop "
+                    "directions=True for one direction per call."
+                )
+        return out
+
+    return checked
 
 
 def _jvp_kind(node: Any) -> str:

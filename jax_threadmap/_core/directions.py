@@ -24,6 +24,11 @@ from .._jax import primitive_rules as _rules
 from .params import DerivativeParam
 
 
+def _shape(x: Any) -> tuple[int, ...]:
+    """The shape of an operand, or of an undefined one (a transpose's)."""
+    return (x.aval if _rules.is_undefined_primal(x) else _avals.typeof(x)).shape
+
+
 def _first_core(ndim: int, axes: Axes) -> int:
     """The first axis of an operand that no batch level carries."""
     return min(set(range(ndim)) - set(axes), default=ndim)
@@ -84,7 +89,7 @@ def _unfold(
     kernel, spec = eqn["kernel"], eqn["spec"]
     num_base = sum(kernel.present[: kernel.node.num_base])
     in_axes: list[int | None] = [None] * num_base + [
-        _first_core(_avals.typeof(x).ndim, axes)
+        _first_core(len(_shape(x)), axes)
         for x, axes in zip(operands[num_base:], spec.in_axes[num_base:], strict=True)
     ]
     inner_axes = [
@@ -136,7 +141,7 @@ def unfolded_transpose(
     undefined = [_rules.is_undefined_primal(x) for x in args]
     avals = [
         jax.ShapeDtypeStruct(
-            tuple(s for d, s in enumerate(x.aval.shape) if d != ax), x.aval.dtype
+            tuple(s for d, s in enumerate(_shape(x)) if d != ax), x.aval.dtype
         )
         for x, ax, u in zip(args, in_axes, undefined, strict=True)
         if u
@@ -162,7 +167,7 @@ def unfolded_transpose(
         jax.vmap(
             one,
             in_axes=(out_axes, defined_axes),
-            out_axes=[ax for ax, u in zip(in_axes, undefined, strict=True) if u],
+            out_axes=tuple(ax for ax, u in zip(in_axes, undefined, strict=True) if u),
         )(cts, defined)
     )
     return [next(results) if u else None for u in undefined]

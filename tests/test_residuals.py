@@ -684,6 +684,46 @@ def test_vectorized_fwd_and_bwd_take_chunks():
     assert_close(got, 2 * jnp.cos(x))
 
 
+@pytest.mark.parametrize("directions", [False, True])
+def test_vectorized_rule_kernels_of_a_per_element_kernel_take_chunks(directions):
+    """fwd per element; jvp and bwd jax_threadmap.kernel(..., vectorized=3):
+    chunks of at most 3 elements (the directions' axis after the chunk's)."""
+    seen = {"fwd": set(), "jvp": set(), "bwd": set()}
+
+    @jax_threadmap.kernel(S((2,), F64))
+    def k(x):
+        return 2 * np.sin(x)
+
+    def k_fwd(x):
+        seen["fwd"].add(x.shape)
+        return 2 * np.sin(x), 2 * np.cos(x)
+
+    chunks = jax_threadmap.kernel(S((2,), F64), vectorized=3)
+
+    @chunks
+    def k_jvp(d, tx):
+        seen["jvp"].add(tx.shape)
+        return d.reshape(d.shape[:1] + (1,) * (tx.ndim - d.ndim) + d.shape[1:]) * tx
+
+    @chunks
+    def k_bwd(d, ct):
+        seen["bwd"].add(ct.shape)
+        return (d * ct,)
+
+    k.defjvp(k_fwd, k_jvp, residuals=S((2,), F64), directions=directions)
+    k.defvjp(k_fwd, k_bwd, residuals=S((2,), F64))
+    f, ref = jax.vmap(jax.vmap(k)), lambda x: 2 * jnp.sin(x)
+    x, tangents = values((4, 5, 2), 1), values((3, 4, 5, 2), 2)
+    for make in (
+        lambda f: jax.vmap(lambda t: jax.jvp(f, (x,), (t,))[1])(tangents),
+        lambda f: jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(x),
+    ):
+        assert_close(jax.jit(lambda: make(f))(), make(ref))
+    assert seen["fwd"] == {(2,)}
+    assert {s[0] for s in seen["jvp"] | seen["bwd"]} <= {1, 2, 3}
+    assert {s[1:] for s in seen["jvp"]} == ({(3, 2)} if directions else {(2,)})
+
+
 def test_async_def_fwd_and_bwd_with_keyword_arguments():
     @jax_threadmap.kernel(S((), F64))
     async def k(x, *, w):

@@ -72,17 +72,6 @@ class DerivativeCall:
             self.flat_result = _with_directions(
                 self.flat_result, node, param.directions
             )
-        # Per element, every argument an operand and a leaf: indexed, no unflatten.
-        kw = self.kwargs_tree.unflatten(range(len(self.keywords)))
-        at = [[i for i, _ in plan] for plan in self.plans]
-        self.direct = None
-        if (
-            self.flat_args
-            and not (self.vectorized or self.asynchronous)
-            and min(at[0] + at[1], default=0) >= 0
-            and all(type(v) is int for v in kw.values())
-        ):
-            self.direct = at[0], {k: at[1][j] for k, j in kw.items()}
 
     def __reduce__(self) -> tuple[Any, ...]:
         return DerivativeCall, (self.param,)
@@ -108,13 +97,6 @@ class DerivativeCall:
         ]
 
     def __call__(self, *operands: np.ndarray) -> Any:
-        if self.direct is not None:
-            args_at, kwargs_at = self.direct
-            result = self.fn(
-                *[operands[i] for i in args_at],
-                **{k: operands[i] for k, i in kwargs_at.items()},
-            )
-            return self._kept(self.flat_result(result, ()))
         if self.vectorized:
             args = self._leaves(self.plans[0], operands)
         else:  # the common case, inline

@@ -1,13 +1,8 @@
-"""Tangent directions as leading axes: ``defjvp(fwd, jvp, residuals=...,
-directions=True)``.
-
-A ``vmap`` level at which a ``lin`` equation's tangents are batched and its
-residuals are not (the directions of ``jax.jacfwd``, a ``vmap`` of ``jax.jvp``)
-does not become a batch level: the batching rule folds it into the tangents as
-their leading core axis, and into the results, so the host calls ``jvp`` once
-per element for every direction (:func:`fold`). The equation's own rules undo
-that: its JVP and transpose are those of the unfolded equation under ``vmap``
-(:func:`unfolded_jvp`, :func:`unfolded_transpose`).
+"""``defjvp(fwd, jvp, residuals=..., directions=True)``: a ``vmap`` level at
+which a ``lin`` equation's tangents are batched and its residuals are not (the
+directions of ``jax.jacfwd``) is folded into the tangents and results as their
+leading core axis (:func:`fold`), so ``jvp`` runs once per element. The JVP and
+transpose of a folded equation are those of the unfolded one under ``vmap``.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._host.batch_spec import Axes, BatchSpec
 from .._jax import avals as _avals
@@ -45,8 +41,7 @@ def fold(
     result_avals: tuple[Any, ...],
     **params: Any,
 ) -> tuple[Sequence[Any], list[int]] | None:
-    """The batching rule of a ``lin`` equation whose ``jvp`` takes the
-    directions, at a level where only the tangents are batched; else ``None``."""
+    """The batching rule of a folding equation, or ``None``."""
     if not isinstance(kernel, DerivativeParam) or not kernel.folds:
         return None
     num_base = sum(kernel.present[: kernel.node.num_base])
@@ -55,18 +50,12 @@ def fold(
     ops, in_axes = list(args[:num_base]), list(spec.in_axes[:num_base])
     linear = zip(args[num_base:], dims[num_base:], spec.in_axes[num_base:], strict=True)
     for x, d, axes in linear:
-        c = _first_core(x.ndim - (d is not None), axes)
+        c = _first_core(x.ndim - (d is not None), axes)  # the level goes there
         if d is None:  # the same tangent for every direction
-            x = jax.lax.broadcast_in_dim(
-                x,
-                (*x.shape[:c], size, *x.shape[c:]),
-                (*range(c), *range(c + 1, x.ndim + 1)),
-            )
-        else:  # the level's axis goes just before the core
-            rest = [a for a in range(x.ndim) if a != d]
-            perm = (*rest[:c], d, *rest[c:])
-            if perm != tuple(range(x.ndim)):
-                x = jax.lax.transpose(x, perm)
+            shape = (*x.shape[:c], size, *x.shape[c:])
+            x = jnp.broadcast_to(jnp.expand_dims(x, c), shape)
+        else:
+            x = jnp.moveaxis(x, d, c)
         ops.append(x)
         in_axes.append(tuple(None if a is None else a + (a >= c) for a in axes))
     outs = bind(
@@ -114,8 +103,7 @@ def unfolded_jvp(
     tangents: Sequence[Any],
     eqn: dict[str, Any],
 ) -> tuple[Sequence[Any], Sequence[Any]]:
-    """The JVP of a folded equation: ``vmap`` over its last folded level of the
-    JVP of the unfolded one (zero tangents instantiated)."""
+    """``vmap`` over the last folded level of the unfolded equation's JVP."""
     inner, in_axes, out_axes = _unfold(eqn, primals)
     n = len(primals)
 
@@ -134,9 +122,7 @@ def unfolded_transpose(
     args: Sequence[Any],
     eqn: dict[str, Any],
 ) -> list[Any]:
-    """The transpose of a folded equation: ``vmap`` over its last folded level
-    of the transpose of the unfolded one (every undefined operand gets an
-    array)."""
+    """``vmap`` over the last folded level of the unfolded equation's transpose."""
     inner, in_axes, out_axes = _unfold(eqn, args)
     undefined = [_rules.is_undefined_primal(x) for x in args]
     avals = [
@@ -148,7 +134,7 @@ def unfolded_transpose(
     ]
     spec = eqn["spec"]
     cts = [
-        jax.numpy.zeros(spec.out_batch_shape(k) + a.shape, a.dtype)
+        jnp.zeros(spec.out_batch_shape(k) + a.shape, a.dtype)
         if ct is None or type(ct) is _rules.Zero
         else ct
         for k, (ct, a) in enumerate(zip(cts, eqn["result_avals"], strict=True))

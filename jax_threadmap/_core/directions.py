@@ -125,35 +125,39 @@ def unfolded_transpose(
     """``vmap`` over the last folded level of the unfolded equation's transpose."""
     inner, in_axes, out_axes = _unfold(eqn, args)
     undefined = [_rules.is_undefined_primal(x) for x in args]
-    avals = [
-        jax.ShapeDtypeStruct(
-            tuple(s for d, s in enumerate(_shape(x)) if d != ax), x.aval.dtype
-        )
-        for x, ax, u in zip(args, in_axes, undefined, strict=True)
-        if u
-    ]
-    spec = eqn["spec"]
+    spec, avals = eqn["spec"], eqn["result_avals"]
     cts = [
-        jnp.zeros(spec.out_batch_shape(k) + a.shape, a.dtype)
-        if ct is None or type(ct) is _rules.Zero
-        else ct
-        for k, (ct, a) in enumerate(zip(cts, eqn["result_avals"], strict=True))
+        _instantiated(ct, spec.out_batch_shape(k) + a.shape, a.dtype)
+        for k, (ct, a) in enumerate(zip(cts, avals, strict=True))
     ]
+    known = [
+        (x, ax) for x, ax, u in zip(args, in_axes, undefined, strict=True) if not u
+    ]
+    unknown = [(x, ax) for x, ax, u in zip(args, in_axes, undefined, strict=True) if u]
 
     def one(cts: list[Any], defined: list[Any]) -> Any:
         def f(*linear: Any) -> Any:
             it, known = iter(linear), iter(defined)
             return bind(*(next(it) if u else next(known) for u in undefined), **inner)
 
-        return jax.linear_transpose(f, *avals)(list(cts))
+        sliced = [_without_axis(x.aval, ax) for x, ax in unknown]
+        return jax.linear_transpose(f, *sliced)(list(cts))
 
-    defined = [x for x, u in zip(args, undefined, strict=True) if not u]
-    defined_axes = [ax for ax, u in zip(in_axes, undefined, strict=True) if not u]
     results = iter(
         jax.vmap(
             one,
-            in_axes=(out_axes, defined_axes),
-            out_axes=tuple(ax for ax, u in zip(in_axes, undefined, strict=True) if u),
-        )(cts, defined)
+            in_axes=(out_axes, [ax for _, ax in known]),
+            out_axes=tuple(ax for _, ax in unknown),
+        )(cts, [x for x, _ in known])
     )
     return [next(results) if u else None for u in undefined]
+
+
+def _instantiated(ct: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    return jnp.zeros(shape, dtype) if ct is None or type(ct) is _rules.Zero else ct
+
+
+def _without_axis(aval: Any, axis: int | None) -> jax.ShapeDtypeStruct:
+    assert axis is not None  # an undefined operand is a tangent: it has the level
+    shape = aval.shape
+    return jax.ShapeDtypeStruct((*shape[:axis], *shape[axis + 1 :]), aval.dtype)

@@ -174,7 +174,10 @@ def jvp_rule(
         # have tangents, its JVP is the equation itself, no new kernel needed.
         return _linear_jvp(bind, primals, tangents, num_base, eqn)
     if isinstance(kernel, DerivativeParam) and kernel.directions:
-        return _directions.unfolded_jvp(bind, primals, tangents, eqn)
+        kernel, spec, result_avals = _directions.unfold(
+            kernel, spec, result_avals, primals
+        )
+        eqn = dict(kernel=kernel, result_avals=result_avals, spec=spec, **params)
     _check_has_rules(kernel, node)
     leaf_tangents = _per_leaf(present, tangents)
     _check_kwargs_not_differentiated(
@@ -377,8 +380,7 @@ def transpose_rule(
     if any(map(_rules.is_undefined_primal, base_ops)):
         raise TypeError(_not_linear_message(node))
     if kernel.directions:
-        eqn = dict(kernel=kernel, result_avals=result_avals, spec=spec, **params)
-        return _directions.unfolded_transpose(bind, cts, args, eqn)
+        kernel, spec, _ = _directions.unfold(kernel, spec, result_avals, args)
     undefined = [_rules.is_undefined_primal(t) for t in linear_ops]
     out: list[Any] = [
         Zero(t.aval) if u else None for t, u in zip(linear_ops, undefined, strict=True)

@@ -18,7 +18,7 @@ the same table.
 The feature code built on the table lives beside it, one module per concern:
 :mod:`.primitive_rules` (the primitive class and its rule registrations),
 :mod:`.avals` (abstract values and the varying-axes logic), :mod:`.traces`
-(reading the current trace), :mod:`.explicit_sharding` (per-shard maps under
+(reading the current trace), :mod:`.auto_sharding` (per-shard maps under
 ``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
 :mod:`.placement` (fast device placement) and :mod:`.program_runs` (the wrapper
 of program runs, and the transfer server of async dispatch). They reach JAX's internals
@@ -64,15 +64,12 @@ DISPATCH_STREAMS = "dispatch streams"
 #: batched placement (what ``make_array_from_callback`` uses), about 5x faster
 #: than ``jax.device_put``; where a hook is missing, by ``jax.device_put``.
 FAST_PLACEMENT = "fast placement"
-#: Optional: under ``jit``, batch axes sharded over explicit mesh axes are mapped
-#: per shard (:mod:`.._core.per_shard`). Where a hook is missing, such equations are
-#: mapped on one device as in automatic mode (:func:`per_shard_unavailable`).
-PER_SHARD_JIT = "per-shard jit"
-#: Optional: under ``jit`` on automatic mesh axes (GSPMD or Shardy), a map whose
-#: batch axes are sharded is lowered through ``custom_partitioning`` and mapped
-#: per shard (:mod:`.._core.auto_shard`). Where a hook is missing, it is mapped
-#: on one device, with one INFO log line (:func:`.auto_sharding.unavailable`).
-AUTO_PER_SHARD = "per-shard jit on automatic axes"
+#: Optional: under ``jit`` on several devices (explicit or automatic mesh axes,
+#: GSPMD or Shardy), a map whose batch axes are sharded is lowered through
+#: ``custom_partitioning`` and mapped per shard (:mod:`.._core.auto_shard`).
+#: Where a hook is missing, it is mapped on one device, with one INFO log line
+#: (:func:`.auto_sharding.unavailable`).
+AUTO_PER_SHARD = "per-shard jit"
 #: Optional: the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own under
 #: ``jit`` (deferred); where a hook is missing, each waits for the value and
 #: delegates to the ``jax.Array`` (:func:`.._arrays.array_surface.surface_unavailable`).
@@ -277,29 +274,10 @@ def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, .
     return (Form(OLDEST_JAX, None, where, note, adapt),)
 
 
-def _mesh_axes_of_enclosing_vmaps(trace_ctx: Any) -> Any:
-    def vmapped_mesh_axes() -> frozenset[str]:
-        # The current trace and its parents: each vmap (a BatchTrace) over an
-        # axis sharded over explicit mesh axes records them in its axis data
-        # (one name before jax 0.8, a tuple from then on).
-        names: set[str] = set()
-        trace = trace_ctx.trace
-        while trace is not None:
-            axes = getattr(
-                getattr(trace, "axis_data", None), "explicit_mesh_axis", None
-            )
-            if axes is not None:
-                names.update((axes,) if isinstance(axes, str) else axes)
-            trace = getattr(trace, "parent_trace", None)
-        return frozenset(names)
-
-    return vmapped_mesh_axes
-
-
 #: JAX's FFI targets of host callbacks, by platform (what emit_python_callback
 #: emits on every supported JAX: ``xla_ffi_python_{cpu,gpu}_callback`` with an
 #: ``index`` attribute into the program's host callbacks). TPU callbacks are
-#: send/recv pairs instead; there per-shard maps on automatic axes fall back.
+#: send/recv pairs instead; there per-shard maps under jit fall back.
 PYTHON_CALLBACK_TARGETS: dict[str, str] = {
     "cpu": "xla_ffi_python_cpu_callback",
     "cuda": "xla_ffi_python_gpu_callback",
@@ -520,40 +498,7 @@ HOOKS: tuple[Hook, ...] = (
         "the same private ManualAxisType; jax.lax.pvary/pcast make values vary, "
         "not avals, and an abstract eval has no values",
     ),
-    # Per-shard maps under jit (issue 20): an operand is moved to the layout that
-    # the automatic shard_map around the equation expects (jax >= 0.10 refuses an
-    # operand whose sharding differs from the shard_map's in_specs).
-    Hook(
-        "reshard",
-        "moves an explicitly sharded operand to the layout of the per-shard map "
-        "(batch axes on their mesh axes, the other axes whole)",
-        (PER_SHARD_JIT,),
-        (
-            Form((0, 7, 0), None, ("jax.sharding:reshard",)),
-            Form(
-                OLDEST_JAX,
-                (0, 7, 0),
-                ("jax.experimental.shard:reshard",),
-                "in jax.experimental.shard (moved to jax.sharding in jax 0.7.0)",
-            ),
-        ),
-        "public (jax.sharding.reshard; jax.experimental.shard before 0.7); in "
-        "the table for its move",
-    ),
-    # Per-shard maps under nested vmaps (issue 27): a level's batching rule
-    # must not split its elements over a mesh axis that an enclosing vmap maps
-    # over (the enclosing vmap's own rule then plans every level at once).
-    Hook(
-        "trace_ctx",
-        "the mesh axes that the vmaps enclosing a batching rule map over, read "
-        "from the current trace and its parents",
-        (PER_SHARD_JIT,),
-        _everywhere("jax._src.core:trace_ctx", adapt=_mesh_axes_of_enclosing_vmaps),
-        "tried: jax.core.trace_ctx, public on 0.6.2, deprecated (a warning) on "
-        "0.10.2 and gone on 0.12.0.1. jax.sharding.get_abstract_mesh() gives the "
-        "mesh and its axis types, not which axes an enclosing vmap maps over",
-    ),
-    # --- per-shard maps on automatic mesh axes (issue 52, h5-sharding) -------------
+    # --- per-shard maps under jit (issue 52, h5-sharding) --------------------------
     # XLA's partitioner decides the sharding after the equation is lowered, so
     # the lowering emits a custom_partitioning call whose partition function
     # (run by XLA during compilation) lowers one host callback per device. Its
@@ -564,15 +509,16 @@ HOOKS: tuple[Hook, ...] = (
     # that callback's index (PYTHON_CALLBACK_TARGETS below).
     Hook(
         "custom_partitioning",
-        "lowers a batched equation under automatic shardings to a call that "
+        "lowers a batched equation under jit on a mesh to a call that "
         "XLA's partitioner (GSPMD or Shardy) splits along its batch axes",
         (AUTO_PER_SHARD,),
         _everywhere("jax.experimental.custom_partitioning:custom_partitioning"),
         _public("jax.experimental.custom_partitioning:custom_partitioning")
         + ". Tried instead: jax.pure_callback (its sharding= is fixed when "
         "traced, and under automatic axes the sharding is only known to the "
-        "partitioner), and a shard_map chosen at lowering (it would impose a "
-        "sharding, not take the one XLA chose)",
+        "partitioner), a shard_map chosen at lowering (it would impose a "
+        "sharding, not take the one XLA chose), and a shard_map bound by the "
+        "batching rule (explicit axes only; refused by jax 0.8.1 to 0.9.0.1)",
     ),
     Hook(
         "ffi_lowering",
@@ -597,7 +543,7 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "ShardingContext",
-        "tells a lowering under jit with automatic shardings on several devices "
+        "tells a lowering under jit on a mesh of several devices "
         "(the axis context custom_partitioning partitions) and its mesh",
         (AUTO_PER_SHARD,),
         _everywhere("jax.interpreters.mlir:ShardingContext", adapt=_automatic_mesh_of),

@@ -34,7 +34,8 @@ def residual_kernel(name="sin", *, second=False, jvp=False, calls=None):
     ``second``: ``fwd`` and ``bwd`` are kernels with rules of their own (for
     the second order); ``jvp``: ``f`` also has a JVP kernel, with rules; or
     ``jvp="residuals"``: ``defjvp(fwd, jvp, ...)`` over the same residuals
-    (a kernel with rules, when ``second``).
+    (a kernel with rules, when ``second``); ``jvp="directions"``: the same
+    with ``directions=True`` (its tangents may have leading direction axes).
     """
     (g, g1, g2), _ = FUNCTIONS[name]
 
@@ -88,12 +89,12 @@ def residual_kernel(name="sin", *, second=False, jvp=False, calls=None):
             c_x, c_a = c
             return (c_x * ct, c_a * ct), c_x * d + c_a * v
 
-    if jvp == "residuals":
+    if jvp in ("residuals", "directions"):
 
         def f_jvp_res(res, tx, ta):
             record("f_jvp_res")
             d, v = res
-            return d * tx + v * ta
+            return d * tx + v * np.asarray(ta)[..., None]
 
         if second:
             f_jvp_res = jax_threadmap.kernel(S((3,), F64))(f_jvp_res)
@@ -110,7 +111,7 @@ def residual_kernel(name="sin", *, second=False, jvp=False, calls=None):
                 d, v = res
                 return (ct * tx, ct * ta), ct * d, np.sum(ct * v)
 
-        f.defjvp(fwd, f_jvp_res, residuals=RESIDUALS)
+        f.defjvp(fwd, f_jvp_res, residuals=RESIDUALS, directions=jvp == "directions")
     elif jvp:
 
         @jax_threadmap.kernel(S((3,), F64))

@@ -42,8 +42,10 @@ class Counter:
         return np.exp(x)
 
 
-def ours(d, counter, vectorized=False):
-    """The kernel, with rules that run ``exp`` in ``fwd`` only (at any order)."""
+def ours(d, counter, vectorized=False, jvps=None):
+    """The kernel, with rules that run ``exp`` in ``fwd`` only (at any order);
+    with a ``jvps`` counter, its ``jvp`` takes the directions (and counts its
+    elements)."""
     vec, res = S((d,), F64), (S((d,), F64), S((), F64))
 
     def kernel(result):
@@ -83,8 +85,18 @@ def ours(d, counter, vectorized=False):
             np.sum(dct * e + ct * de, axis=-1),
         )
 
+    def jvp_directions(res, tx, ta):
+        e, a = res
+        jvps.exp(e, d)  # counts the elements
+        chunk, lead = e.shape[:-1], (1,) * (tx.ndim - e.ndim)  # directions' axes
+        a = np.reshape(a, chunk + lead + (1,))
+        return e.reshape(chunk + lead + (d,)) * (a * tx + np.asarray(ta)[..., None])
+
     fwd.defjvp(fwd_fwd, fwd_jvp, residuals=res)
-    f.defjvp(fwd, jvp, residuals=res)
+    if jvps is None:
+        f.defjvp(fwd, jvp, residuals=res)
+    else:
+        f.defjvp(fwd, jvp_directions, residuals=res, directions=True)
     f.defvjp(fwd, bwd, residuals=res)
     return f
 
@@ -217,6 +229,22 @@ def test_expensive_calls_per_element_at_most_jax_recipe(transform, d, vectorized
     mine, theirs = counts(transform, d, vectorized)
     assert mine <= theirs, (transform, mine, theirs)
     assert mine == 1  # fwd once per element, whatever the transform
+
+
+@pytest.mark.parametrize("vectorized", [False, True], ids=["per-element", "vectorized"])
+@pytest.mark.parametrize("d", [3, 16])
+def test_directions_reach_jvp_in_one_call_per_element(d, vectorized):
+    """``defjvp(..., directions=True)``: jacfwd's ``d`` directions reach
+    ``jvp`` as a leading axis, one call per element (each element in one
+    chunk, vectorized); ``fwd`` runs once per element too."""
+    counter, jvps = Counter(), Counter()
+    run, args = per_element_run("jacfwd", ours(d, counter, vectorized, jvps), d)
+    jax.block_until_ready(run(*args))
+    counter.count = jvps.count = 0
+    got = jax.block_until_ready(run(*args))
+    reference = per_element_run("jacfwd", lambda x, a: jnp.exp(x) * a, d)[0]
+    assert_close(got, reference(*args))
+    assert (counter.count, jvps.count) == (OUTER * INNER, OUTER * INNER)
 
 
 if __name__ == "__main__":  # the table of docs/derivatives.md

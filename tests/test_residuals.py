@@ -7,6 +7,7 @@ are awaited: reverse mode runs ``fwd`` once per element and never the kernel.
 """
 
 import asyncio
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +46,35 @@ FIRST_ORDER = {
     "jvp": lambda f: lambda x, a: jax.jvp(f, (x, a), (jnp.cos(x), jnp.sin(a))),
     "jacfwd": lambda f: jax.jacfwd(f, (0, 1)),
     "linearize": lambda f: lambda x, a: jax.linearize(f, x, a)[1](jnp.cos(x), a),
+    # Directions of the tangents alone (folded for directions=True), with a
+    # tangent the same for all; then transposed (grad in the tangents).
+    "vmap(jvp)": lambda f: (
+        lambda x, a: jax.vmap(lambda t: jax.jvp(f, (x, a), (t * jnp.cos(x), a))[1])(
+            jnp.arange(1.0, 4.0)
+        )
+    ),
+    "vmap(linearize)": lambda f: (
+        lambda x, a: jax.vmap(jax.linearize(f, x, a)[1])(
+            jnp.stack([jnp.cos(x), x]), jnp.stack([a, 2 * a])
+        )
+    ),
+    "grad(vmap(jvp))": lambda f: (
+        lambda x, a: jax.grad(
+            lambda T: jnp.sum(
+                jnp.sin(
+                    jax.vmap(lambda t: jax.jvp(f, (x, a), (t, jnp.ones_like(a)))[1])(T)
+                )
+            )
+        )(jnp.stack([jnp.cos(x), jnp.sin(x)]))
+    ),
 }
-#: Per function: fwd/bwd alone (reverse mode), and with defjvp(fwd, jvp, ...).
+#: Per function: fwd/bwd alone (reverse mode), and with defjvp(fwd, jvp, ...),
+#: with or without directions=True.
+FORMS = {"fwd-bwd": False, "fwd-jvp": "residuals", "directions": "directions"}
 KERNELS = {
-    (name, form): make_kernel(name, jvp="residuals" if form == "fwd-jvp" else False)
+    (name, form): make_kernel(name, jvp=jvp)
     for name in FUNCTIONS
-    for form in ("fwd-bwd", "fwd-jvp")
+    for form, jvp in FORMS.items()
 }
 
 
@@ -63,15 +87,15 @@ KERNELS = {
     st.sampled_from(sorted(FUNCTIONS)),
     st.sampled_from(sorted(FIRST_ORDER)),
     st.booleans(),
-    st.booleans(),
+    st.sampled_from(sorted(FORMS)),
     st.integers(0, 2**16),
 )
-def test_random_nestings_match_jax_numpy(nesting, name, transform, jit, fwd_bwd, seed):
+def test_random_nestings_match_jax_numpy(nesting, name, transform, jit, form, seed):
     levels, sizes = nesting
     x, a = operands(levels, sizes, seed)
     make = FIRST_ORDER[transform]
-    forward = transform in ("jvp", "jacfwd", "linearize")
-    form = "fwd-bwd" if fwd_bwd and not forward else "fwd-jvp"
+    if form == "fwd-bwd" and transform not in ("grad", "vjp", "jacrev"):
+        form = "fwd-jvp"
     got_fn = make(nest(KERNELS[name, form], levels))
     if jit:
         got_fn = jax.jit(got_fn)
@@ -277,11 +301,9 @@ SECOND_ORDER = {
 #: Per function and JVP form (a JVP kernel on the primals, or over fwd's
 #: residuals), the kernel with rules for the second order.
 SECOND = {
-    (name, form): make_kernel(
-        name, second=True, jvp="residuals" if form == "fwd-jvp" else True
-    )
+    (name, form): make_kernel(name, second=True, jvp=FORMS.get(form, True))
     for name in FUNCTIONS
-    for form in ("jvp", "fwd-jvp")
+    for form in ("jvp", "fwd-jvp", "directions")
 }
 
 
@@ -301,7 +323,7 @@ SECOND_ORDER_CASES = [(t, True) for t in SECOND_ORDER] + [
 ]
 
 
-@pytest.mark.parametrize("form", ["jvp", "fwd-jvp"])
+@pytest.mark.parametrize("form", ["jvp", "fwd-jvp", "directions"])
 @pytest.mark.parametrize(
     "transform, jit",
     SECOND_ORDER_CASES,
@@ -325,7 +347,7 @@ def test_second_order_transforms_match_jax_numpy(transform, jit, form):
     nestings(max_depth=2),
     st.sampled_from(sorted(FUNCTIONS)),
     st.sampled_from(["hessian", "jvp(grad)", "grad(grad)", "jacfwd(jacfwd)"]),
-    st.sampled_from(["jvp", "fwd-jvp"]),
+    st.sampled_from(["jvp", "fwd-jvp", "directions"]),
     st.booleans(),
     st.integers(0, 2**16),
 )
@@ -526,9 +548,11 @@ def forward_kernel(kind):
             return (c * tx)[:2]
         if kind == "dtype":
             return c * tx + 1j
+        if kind == "directions":  # one direction: the first
+            return c * tx.reshape(-1, 3)[0]
         return c * tx
 
-    k.defjvp(fwd, jvp, residuals=S((3,), F64))
+    k.defjvp(fwd, jvp, residuals=S((3,), F64), directions=kind == "directions")
     return k
 
 
@@ -552,15 +576,29 @@ def forward_kernel(kind):
             r"'forward_kernel.<locals>.jvp' at batch index \([\d, ]+\).*returned dtype "
             r"complex128 for output 0, expected float64.*Cast the result",
         ),
+        (
+            "directions",
+            r"'forward_kernel.<locals>.jvp' at batch index \([\d, ]+\).*the JVP kernel "
+            r"of defjvp\(fwd, jvp, residuals=\.\.\., directions=True\) returned the "
+            r"tangent of output 0 with shape \(3,\), expected \(3, 3\): its tangents "
+            r"came with 1 leading axes of directions \(3,\).*Compute it for every "
+            r"direction .*or drop directions=True",
+        ),
     ],
 )
 def test_forward_residuals_and_tangents_not_as_declared_are_named(kind, fragment):
-    f = jax.vmap(forward_kernel(kind))
+    k = jax.vmap(forward_kernel(kind))
     x = values((4, 3), 0)
+    if kind == "directions":  # three directions (jacfwd's would be 12)
+        f = jax.vmap(lambda t: jax.jvp(k, (x,), (t,))[1])
+    else:
+        f = jax.jacfwd(k)
     with pytest.raises(KernelError, match=fragment):
-        jax.jvp(f, (x,), (x,))
+        f(jnp.stack([x, 2 * x, 3 * x]) if kind == "directions" else x)
     with pytest.raises(Exception, match=fragment):  # under jit, in JAX's error
-        jax.block_until_ready(jax.jit(jax.jacfwd(f))(x))
+        jax.block_until_ready(
+            jax.jit(f)(jnp.stack([x, x, x]) if kind == "directions" else x)
+        )
 
 
 def test_defjvp_with_residuals_shares_fwd_with_defvjp():
@@ -582,6 +620,8 @@ def test_defjvp_with_residuals_shares_fwd_with_defvjp():
     assert msg.startswith("defjvp(fwd, jvp) needs residuals=")
     assert "jvp(residuals, x_dot, a_dot, **kwargs) -> tangent_out" in msg
     assert "not jax.custom_jvp's defjvps" in msg
+    with pytest.raises(TypeError, match=r"^defjvp: directions=True goes with defjvp\("):
+        f.defjvp(jvp, directions=True)
     assert (f.fwd, f.jvp, f.bwd) == (fwd, jvp, bwd)  # refused calls change nothing
 
 
@@ -643,6 +683,46 @@ def test_vectorized_fwd_and_bwd_take_chunks():
     x = values((5,), 1)
     got = jax.jit(jax.grad(lambda x: jax.vmap(k, (0, None))(x, 2.0).sum()))(x)
     assert_close(got, 2 * jnp.cos(x))
+
+
+@pytest.mark.parametrize("directions", [False, True])
+def test_vectorized_rule_kernels_of_a_per_element_kernel_take_chunks(directions):
+    """fwd per element; jvp and bwd jax_threadmap.kernel(..., vectorized=3):
+    chunks of at most 3 elements (the directions' axis after the chunk's)."""
+    seen = {"fwd": set(), "jvp": set(), "bwd": set()}
+
+    @jax_threadmap.kernel(S((2,), F64))
+    def k(x):
+        return 2 * np.sin(x)
+
+    def k_fwd(x):
+        seen["fwd"].add(x.shape)
+        return 2 * np.sin(x), 2 * np.cos(x)
+
+    chunks = jax_threadmap.kernel(S((2,), F64), vectorized=3)
+
+    @chunks
+    def k_jvp(d, tx):
+        seen["jvp"].add(tx.shape)
+        return d.reshape(d.shape[:1] + (1,) * (tx.ndim - d.ndim) + d.shape[1:]) * tx
+
+    @chunks
+    def k_bwd(d, ct):
+        seen["bwd"].add(ct.shape)
+        return (d * ct,)
+
+    k.defjvp(k_fwd, k_jvp, residuals=S((2,), F64), directions=directions)
+    k.defvjp(k_fwd, k_bwd, residuals=S((2,), F64))
+    f, ref = jax.vmap(jax.vmap(k)), lambda x: 2 * jnp.sin(x)
+    x, tangents = values((4, 5, 2), 1), values((3, 4, 5, 2), 2)
+    for make in (
+        lambda f: jax.vmap(lambda t: jax.jvp(f, (x,), (t,))[1])(tangents),
+        lambda f: jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(x),
+    ):
+        assert_close(jax.jit(functools.partial(make, f))(), make(ref))
+    assert seen["fwd"] == {(2,)}
+    assert {s[0] for s in seen["jvp"] | seen["bwd"]} <= {1, 2, 3}
+    assert {s[1:] for s in seen["jvp"]} == ({(3, 2)} if directions else {(2,)})
 
 
 def test_async_def_fwd_and_bwd_with_keyword_arguments():

@@ -40,6 +40,7 @@ class FwdBwd(NamedTuple):
     bwd: Callable[..., Any] | None
     residuals: Any
     jvp: Callable[..., Any] | None = None
+    directions: bool = False
 
 
 def _rule_param(
@@ -63,6 +64,7 @@ def _rule_param(
         hashable(rule.fn),
         _rule_param(rule.primal_jvp, inner),
         _reverse_param(rule.reverse_rule, inner),
+        rule._vectorized,
     )
 
 
@@ -88,6 +90,7 @@ def _reverse_param(
         tree,
         res_avals,
         _rule_param(rule.jvp, outer),
+        rule.directions,
     )
 
 
@@ -149,6 +152,7 @@ class KernelFunction(Generic[R]):
         self.bwd: Callable[..., Any] | None = None
         self.residuals: Any = None
         self._jvp_on_residuals = False  # defjvp(fwd, jvp, residuals=...)
+        self._directions = False  # defjvp(..., directions=True)
         self._executor = executor
         self._progress = progress
         self._vectorized = _validate.check_vectorized(
@@ -200,7 +204,7 @@ class KernelFunction(Generic[R]):
         their residuals (and ``defjvp``'s ``jvp`` over them), or ``None``."""
         if self.fwd is not None:
             jvp = self.jvp if self._jvp_on_residuals else None
-            return FwdBwd(self.fwd, self.bwd, self.residuals, jvp)
+            return FwdBwd(self.fwd, self.bwd, self.residuals, jvp, self._directions)
         return self.vjp
 
     @property
@@ -219,6 +223,7 @@ class KernelFunction(Generic[R]):
         /,
         *,
         residuals: Any,
+        directions: bool = False,
     ) -> None: ...
 
     def defjvp(
@@ -228,6 +233,7 @@ class KernelFunction(Generic[R]):
         /,
         *,
         residuals: Any = None,
+        directions: bool = False,
     ) -> Any:
         """Attaches the forward-mode rule: for ``jax.jvp``, ``jacfwd``, ``linearize``.
 
@@ -261,6 +267,11 @@ class KernelFunction(Generic[R]):
             jvp: The JVP kernel over the residuals, after ``fwd``.
             residuals: With ``fwd`` and ``jvp``: one element's residuals, as for
                 ``defvjp``.
+            directions: With ``fwd`` and ``jvp``: ``jvp`` takes every tangent
+                direction of an element at once (of ``jax.jacfwd``, ``vmap`` of
+                ``jax.jvp``): its tangents get leading axes, one per such
+                ``vmap``, and it returns the output's tangent with the same
+                leading axes (``res @ t[..., None]`` does). One call per element.
 
         Returns:
             ``jvp`` itself, so ``defjvp`` can be used as a decorator; ``None``
@@ -301,6 +312,12 @@ class KernelFunction(Generic[R]):
                    [0., 1.]], dtype=float32)
         """
         if jvp is None and residuals is None:
+            if directions:
+                raise TypeError(
+                    "defjvp: directions=True goes with defjvp(fwd, jvp, residuals="
+                    "...), whose jvp takes the residuals; a single JVP kernel takes "
+                    "one direction per call. Pass fwd and residuals=, or drop it."
+                )
             self.jvp = _check_rule(jvp_or_fwd, "defjvp", self.fn)
             self._check_async(jvp_or_fwd, "JVP kernel")
             self._jvp_on_residuals = False
@@ -308,6 +325,7 @@ class KernelFunction(Generic[R]):
                 self.fwd = self.residuals = None
             return jvp_or_fwd
         fwd, jvp = _fwd_rule(jvp_or_fwd, jvp, residuals, self.fn, "defjvp")
+        self._directions = bool(directions)
         if self.bwd is not None:
             _check_shared_fwd(self, fwd, residuals, "defjvp")
         self._check_async(fwd, "fwd kernel")

@@ -16,6 +16,7 @@ The rules receive ``bind`` (``threadmap_p.bind``) from the rule table in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ from .._host.batch_spec import Axes, BatchSpec
 from .._jax import avals as _avals
 from .._jax import hooks as _hooks
 from .._jax import primitive_rules as _rules
+from . import directions as _directions
 from .params import (
     DerivativeParam,
     KernelParam,
@@ -171,6 +173,11 @@ def jvp_rule(
         # A derivative equation is linear in its new leaves: where only those
         # have tangents, its JVP is the equation itself, no new kernel needed.
         return _linear_jvp(bind, primals, tangents, num_base, eqn)
+    if isinstance(kernel, DerivativeParam) and kernel.directions:
+        kernel, spec, result_avals = _directions.unfold(
+            kernel, spec, result_avals, primals
+        )
+        eqn = dict(kernel=kernel, result_avals=result_avals, spec=spec, **params)
     _check_has_rules(kernel, node)
     leaf_tangents = _per_leaf(present, tangents)
     _check_kwargs_not_differentiated(
@@ -336,7 +343,7 @@ def _linear_jvp(
         *linear,
         **{
             **eqn,
-            "kernel": DerivativeParam(kernel.node, present, kernel.keep),
+            "kernel": dataclasses.replace(kernel, present=present),
             "spec": BatchSpec(
                 spec.shape, spec.in_axes[:num_base] + tuple(linear_axes), spec.out_sum
             ),
@@ -365,7 +372,6 @@ def transpose_rule(
     equation is the same whatever the executor.
     """
     _hooks.require(_hooks.DERIVATIVES, "Differentiating a threadmap kernel")
-    del result_avals
     if isinstance(kernel, KernelParam):  # only derivative equations are linear
         raise TypeError(no_derivative_rule_message(kernel))
     node, present = kernel.node, kernel.present
@@ -373,6 +379,8 @@ def transpose_rule(
     base_ops, linear_ops = args[:num_base], args[num_base:]
     if any(map(_rules.is_undefined_primal, base_ops)):
         raise TypeError(_not_linear_message(node))
+    if kernel.directions:
+        kernel, spec, _ = _directions.unfold(kernel, spec, result_avals, args)
     undefined = [_rules.is_undefined_primal(t) for t in linear_ops]
     out: list[Any] = [
         Zero(t.aval) if u else None for t, u in zip(linear_ops, undefined, strict=True)

@@ -42,10 +42,12 @@ class DerivativeCall:
         self.fn = node.function
         self.vectorized = param.vectorized
         ops = iter(range(sum(param.present)))
+        # A tangent gets the folded directions as its leading axes.
+        lead = [()] * node.num_base + [param.directions] * len(node.in_avals)
         sources: list[Source] = [
-            next(ops) if here else (None if i in node.unused else aval)
-            for i, (here, aval) in enumerate(
-                zip(param.present, node.in_avals, strict=True)
+            next(ops) if here else (None if i in node.unused else (d + s, t))
+            for i, (here, (s, t), d) in enumerate(
+                zip(param.present, node.in_avals, lead, strict=False)
             )
         ]
         positional = [sources[i] for i in node.positional]
@@ -66,6 +68,10 @@ class DerivativeCall:
             for sources in (positional, self.keywords)
         ]
         self.flat_result = _result_flattener(node)
+        if param.directions:
+            self.flat_result = _with_directions(
+                self.flat_result, node, param.directions
+            )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return DerivativeCall, (self.param,)
@@ -147,6 +153,30 @@ def _result_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
             ) from None
 
     return tangents
+
+
+def _with_directions(
+    flat: Callable[[Any, tuple[int, ...]], list[Any]], node: Any, lead: tuple[int, ...]
+) -> Callable[[Any, tuple[int, ...]], list[Any]]:
+    """``flat``, each tangent checked to have the directions' leading axes."""
+    shapes = [shape for shape, _ in node.out_avals]
+
+    def checked(result: Any, chunk: tuple[int, ...]) -> list[Any]:
+        out = flat(result, chunk)
+        for k, (value, shape) in enumerate(zip(out, shapes, strict=True)):
+            if value is not None and np.shape(value) != chunk + lead + shape:
+                raise TypeError(
+                    "the JVP kernel of defjvp(fwd, jvp, residuals=..., "
+                    f"directions=True) returned the tangent of output {k} with shape "
+                    f"{np.shape(value)}, expected {chunk + lead + shape}: its tangents "
+                    f"came with {len(lead)} leading axes of directions {lead}, which "
+                    "the tangent it returns must have too. Compute it for every "
+                    "direction (res @ t[..., None] broadcasts over them), or drop "
+                    "directions=True for one direction per call."
+                )
+        return out
+
+    return checked
 
 
 def _jvp_kind(node: Any) -> str:

@@ -171,11 +171,14 @@ class RuleKernel:
         fn: The derivative kernel.
         jvp: Its own JVP kernel (a function or a ``RuleKernel``), or ``None``.
         vjp: Its own VJP kernel, a :class:`ResidualRule`, or ``None``.
+        chunking: Its own ``(vectorized, max_chunk)``: a kernel made with
+            ``vectorized=`` takes chunks even where the primal kernel does not.
     """
 
     fn: Fn
     jvp: Fn | None = None
     vjp: Fn | ResidualRule | None = None
+    chunking: tuple[bool, int | None] = (False, None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _unwrap(self.fn)(*args, **kwargs)
@@ -209,6 +212,8 @@ class ResidualRule:
         res_avals: Per residual leaf, its ``(shape, dtype)`` for one element.
         jvp: ``jvp(res, *tangents, **kwargs) -> tangent``, or ``None`` (then
             forward mode runs the kernel's JVP kernel, if any, on the primals).
+        directions: Whether ``jvp`` takes the tangent directions of a ``vmap``
+            over the tangents alone as leading axes (see :class:`DerivativeParam`).
     """
 
     fwd: Fn
@@ -216,6 +221,7 @@ class ResidualRule:
     res_tree: Any
     res_avals: tuple[Aval, ...]
     jvp: Fn | None = None
+    directions: bool = False
 
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
@@ -451,11 +457,27 @@ class DerivativeParam:
         node: The derived node (``node.base`` is not ``None``).
         present: Per leaf of the node, whether it is an operand.
         keep: Per output leaf of the node, whether it is a result.
+        directions: The sizes of the ``vmap`` levels folded into the new leaves
+            and the results of a ``lin`` equation whose ``jvp`` takes them
+            (``defjvp(..., directions=True)``): their leading core axes, the
+            last folded first. Its rules unfold them (``autodiff.py``).
     """
 
     node: Node
     present: tuple[bool, ...]
     keep: tuple[bool, ...]
+    directions: tuple[int, ...] = ()
+
+    @property
+    def folds(self) -> bool:
+        """Whether a ``vmap`` level at which only the new leaves are batched is
+        handed to the kernel as their leading axis (``directions=True``)."""
+        base = self.node.base
+        return (
+            self.node.residual_jvp
+            and base is not None
+            and base.residual_rule.directions
+        )
 
     @property
     def name(self) -> str:
@@ -463,11 +485,17 @@ class DerivativeParam:
 
     @property
     def vectorized(self) -> bool:
-        return self.node.kernel.vectorized
+        return self._chunking[0] or self.node.kernel.vectorized
 
     @property
     def max_chunk(self) -> int | None:
-        return self.node.kernel.max_chunk
+        return self._chunking[1] or self.node.kernel.max_chunk
+
+    @property
+    def _chunking(self) -> tuple[bool, int | None]:
+        """The derivative kernel's own ``vectorized=`` (a ``jax_threadmap.kernel``)."""
+        rule = self.node.rule_object
+        return rule.chunking if isinstance(rule, RuleKernel) else (False, None)
 
     @property
     def asynchronous(self) -> bool:

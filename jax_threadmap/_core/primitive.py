@@ -39,6 +39,7 @@ from .._jax import avals as _avals
 from .._jax import primitive_rules as _rules
 from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
+from . import directions as _directions
 from .params import HostCall
 
 threadmap_p = _rules.Primitive("threadmap")
@@ -174,6 +175,11 @@ def _threadmap_batching_rule(
         norm_dims.append(d)
         size = x.shape[d]
     assert size is not None  # the rule only runs with at least one batched operand
+    folded = _directions.fold(
+        threadmap_p.bind, args, norm_dims, size, spec=spec, **params
+    )
+    if folded is not None:  # tangent directions, for a jvp that takes them
+        return folded
     outs = threadmap_p.bind(*args, spec=spec.grow(size, norm_dims), **params)
     return outs, [0] * len(outs)
 

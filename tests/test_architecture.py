@@ -237,7 +237,6 @@ def test_no_module_reads_frames_or_sets_profilers():
 def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
     from jax_threadmap._arrays.async_array import AsyncArray
     from jax_threadmap._arrays.call import Call
-    from jax_threadmap._arrays.lending import Lending
     from jax_threadmap._arrays.parts import Parts
     from jax_threadmap._arrays.task import Task
 
@@ -254,7 +253,6 @@ def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
         "Call": owned("_arrays.call", Call),
         "Task": owned("_arrays.task", Task),
         "Parts": owned("_arrays.parts", Parts),
-        "Lending": owned("_arrays.lending", Lending),
         "AsyncArray": owned("_arrays.async_array", AsyncArray),
     }
 
@@ -302,13 +300,13 @@ def test_the_owner_checker_sees_fields_touched_from_outside(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
         "class Load(Task):\n    def f(self):\n        self._state = 'running'\n\n"
-        "def plan(x):\n    return x._task, x._index, x.task._gates\n\n"
+        "def plan(x):\n    return x._task, x._index, x.task._placed\n\n"
         "class Other:\n    def g(self):\n        return self._lock\n"
     )
     found = owner_violations(bad, "_arrays.bad")
     assert [f.split(" ", 1)[1] for f in found] == [
         "self._state (Call)",
-        "x.task._gates (Lending)",
+        "x.task._placed (Parts)",
         "x._task (AsyncArray)",
         "x._index (AsyncArray)",
     ], found

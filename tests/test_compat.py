@@ -17,7 +17,6 @@ from helpers import run_script
 
 import jax_threadmap
 from jax_threadmap._arrays import array_surface as _array_surface
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import explicit_sharding as _explicit_sharding
 from jax_threadmap._jax import hooks as _compat
@@ -67,7 +66,6 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.DERIVATIVES,
         _compat.ASYNC_ARRAYS,
         _compat.ASYNC_DISPATCH,
-        _compat.DISPATCH_STREAMS,
         _compat.SHARD_MAP,
         _compat.PER_SHARD_JIT,
         _compat.AUTO_PER_SHARD,
@@ -102,12 +100,17 @@ def test_the_private_locations_are_few():
     # JAX: get_cur_mesh_sharding (NamedSharding(get_abstract_mesh(), P())),
     # get_default_device (jax.config.jax_default_device, jax.local_devices) and
     # get_/set_execution_stream_id (jaxlib.xla_client.execution_stream_id).
+    # Removed with the gate programs (deferred dispatch everywhere): the
+    # transfer server's three, callback_logger and execution_stream_id.
     names = {h.name for h in HOOKS}
     assert not names & {
         "get_cur_mesh_sharding",
         "get_default_device",
         "get_execution_stream_id",
         "set_execution_stream_id",
+        "start_transfer_server",
+        "callback_logger",
+        "execution_stream_id",
     }
     private = sorted(
         h.name for h in HOOKS if any(_private(w) for f in h.forms for w in f.where)
@@ -124,7 +127,6 @@ def test_the_private_locations_are_few():
             "shard_args",
             "trace_state_clean",
             "batched_device_put",
-            "callback_logger",
             "ExecuteReplicated",
             "array_methods",
             "array_operators",
@@ -287,18 +289,11 @@ def _hidden(hook):
     )
 
 
-#: Whether the default backend's dispatch on pending data is deferred (an
-#: accelerator), which needs the program-run hooks only, not the transfer server.
-DEFERS = _async_dispatch.mechanism.defers_on(jax.default_backend())
 #: Optional features: without one of their hooks nothing fails, and
 #: async_dispatch_status() starts with this.
 OPTIONAL_STATUS = {
-    # The gates' transfer server: without it, dispatch is deferred.
-    (_compat.ASYNC_DISPATCH,): "async, deferred",
-    # Gates: later programs of the thread wait; deferred dispatch cannot run.
-    (_compat.DISPATCH_STREAMS,): (
-        "blocking: unavailable" if DEFERS else "async, in thread order ("
-    ),
+    # No wrapped program runs: dispatch on pending data waits for the data.
+    (_compat.ASYNC_DISPATCH,): "blocking: unavailable",
 }
 
 
@@ -308,8 +303,7 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
     if hook.features in OPTIONAL_STATUS:  # optional: the status says why
         status = jax_threadmap.async_dispatch_status()
         assert status.startswith(OPTIONAL_STATUS[hook.features]), status
-        if not status.startswith("async, deferred"):  # it says what is missing
-            assert f"{hook.name} is missing" in status and "_moved" in status
+        assert f"{hook.name} is missing" in status and "_moved" in status
         for use in FEATURE_USES.values():
             use()
         return

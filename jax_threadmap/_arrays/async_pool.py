@@ -474,15 +474,19 @@ def abandon_at_exit() -> None:
     """Warns about the calls still running at exit, and abandons them.
 
     A call whose function returned may still be copying its values to the
-    device after its dependents got them (async dispatch): exit waits for it
-    (at most :data:`EXIT_PLACE_S` in all) rather than report it. Then no
-    landing starts, and those in flight are waited for (:class:`_Landings`).
+    device, and a deferred program whose data landed is being dispatched: exit
+    waits for them, and for those their landing starts (at most
+    :data:`EXIT_PLACE_S` in all), rather than report them. Then no landing
+    starts, and those in flight are waited for (:class:`_Landings`).
     """
     deadline = time.monotonic() + EXIT_PLACE_S
-    with live_lock:
-        calls = list(live)
-    returned = [c.future for c in calls if c.returned]
-    concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
+    while True:  # a call that lands may start another (a deferred program)
+        with live_lock:
+            returned = [c.future for c in live if c.returned and not c.future.done()]
+        left = deadline - time.monotonic()
+        if not returned or left <= 0:
+            break
+        concurrent.futures.wait(returned, timeout=left)
     _landings.close(max(0.0, deadline - time.monotonic()))
     with live_lock:  # those whose landing was refused are still running
         unfinished = [c for c in live if not c.future.done()]

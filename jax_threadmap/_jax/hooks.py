@@ -21,7 +21,7 @@ The feature code built on the table lives beside it, one module per concern:
 (reading the current trace), :mod:`.explicit_sharding` (per-shard maps under
 ``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
 :mod:`.placement` (fast device placement) and :mod:`.program_runs` (the wrapper
-of program runs, and the transfer server of async dispatch). They reach JAX's internals
+of program runs). They reach JAX's internals
 only through :func:`get`, :func:`or_missing` and :data:`RESOLVED`.
 
 Rules for this module: every internal is an entry of :data:`HOOKS`; the public
@@ -53,13 +53,10 @@ DERIVATIVES = "derivatives"
 ASYNC_ARRAYS = "async arrays"
 #: threadmap inside jax.shard_map (and under pmap where JAX runs it as shard_map).
 SHARD_MAP = "shard_map"
-#: Optional: where one of its hooks is missing, async arrays dispatch blocking
-#: (:func:`async_dispatch_unavailable` says why) instead of raising.
+#: Optional: where its hook is missing, a jitted call on pending data waits for
+#: the data (blocking dispatch; ``async_dispatch_status()`` says why) instead of
+#: returning at once with deferred results.
 ASYNC_DISPATCH = "async dispatch"
-#: Optional: where one of its hooks is missing, the programs that wait for
-#: pending data stay in their thread's execution stream, so that later programs
-#: of the thread wait for them (:func:`dispatch_streams_unavailable` says why).
-DISPATCH_STREAMS = "dispatch streams"
 #: Optional: a result of a background call is put on its one device by JAX's own
 #: batched placement (what ``make_array_from_callback`` uses), about 5x faster
 #: than ``jax.device_put``; where a hook is missing, by ``jax.device_put``.
@@ -753,77 +750,20 @@ HOOKS: tuple[Hook, ...] = (
             ("array_properties", "jax.Array's properties (T, mT, real, at...)"),
         )
     ),
-    # Async dispatch (issue 13). A jitted call with a pending `AsyncArray` returns
-    # at once when the argument handler can hand JAX a `jax.Array` whose buffer is
-    # filled later. No public API makes one. `jax.experimental.transfer` (the same
-    # module and signatures in 0.6.2 ... 0.12; experimental, so it may move) can:
-    # `TransferConnection.pull` returns arrays whose buffers arrive when the
-    # server's `await_pull` offers them. `_arrays/async_dispatch.py` pulls only a
-    # 4-byte gate through it (the data goes through a `pure_callback` program that
-    # waits on the gate), so the loopback socket carries no data.
-    *(
-        Hook(
-            name,
-            why,
-            (ASYNC_DISPATCH,),
-            _everywhere(f"jax.experimental.transfer:{name}"),
-            _public(f"jax.experimental.transfer:{name}"),
-        )
-        for name, why in (
-            (
-                "start_transfer_server",
-                "starts the loopback transfer server whose pulls are the gates",
-            ),
-            (
-                "TransferServer",
-                "its await_pull offers a gate's value, its connect() opens the "
-                "connection",
-            ),
-            (
-                "TransferConnection",
-                "its pull() returns a gate array whose buffer arrives later",
-            ),
-        )
-    ),
-    Hook(
-        "callback_logger",
-        "pure_callback logs every exception of its callback there; the gate "
-        "programs re-raise a failed call's error on purpose, and those records are "
-        "filtered out of it (else each failed call is also logged as an error)",
-        (ASYNC_DISPATCH,),
-        _everywhere("jax._src.callback:logger"),
-        "tried: a filter on the public 'jax' logger, which logging does not apply "
-        "to records that propagate from its children; only the logger's name is "
-        "read (the module's name where it moved), nothing is called",
-    ),
-    # XLA orders the programs of one execution stream (by default, one per
-    # dispatching thread). jaxlib lets a thread pick the stream of what it
-    # dispatches (jaxlib.xla_client.execution_stream_id, a context manager that
-    # sets it and puts it back; the same in 0.6.2 ... 0.12).
-    # `_arrays/async_dispatch.py` puts a dispatch on pending data on a stream of its
-    # own, and puts the thread back when JAX's call that runs the compiled program
-    # (ExecuteReplicated.__call__, which it wraps: `ProgramRuns.install`) returns.
-    Hook(
-        "execution_stream_id",
-        "puts what the thread dispatches next on a stream of its own (entered), "
-        "and the thread back on its usual stream (exited), so that the thread's "
-        "later programs do not wait behind those that wait for pending data",
-        (DISPATCH_STREAMS,),
-        _everywhere("jaxlib.xla_client:execution_stream_id"),
-        _public("jaxlib.xla_client:execution_stream_id")
-        + ". Replaces jaxlib._jax's get_ and set_execution_stream_id (two "
-        "private hooks until this release)",
-    ),
+    # Async dispatch (issues 13, 48). A jitted call with pending `AsyncArray`
+    # arguments returns at once: JAX's call that runs the compiled program
+    # (ExecuteReplicated.__call__, which `ProgramRuns.install` wraps) is where the
+    # program and its arguments are known and nothing has run yet, so the run is
+    # deferred there (`_arrays/deferred_dispatch.py`) until the data lands.
     Hook(
         "ExecuteReplicated",
-        "its __call__ runs a compiled program from Python, after the argument "
-        "handlers; wrapped, so that a dispatch on pending data puts the thread "
-        "back on its usual stream when it returns (its ordered_effects name the "
-        "programs whose dispatch JAX orders), that a program on pending data is "
-        "deferred on accelerators (read: _local_devices, mut, name, "
-        "out_handler.out_avals and .out_shardings), and that a kernel's program "
-        "on a device whose program waits for it is refused",
-        (DISPATCH_STREAMS,),
+        "its __call__ runs a compiled program from Python (the argument "
+        "handlers, then XLA's execute); wrapped, so that a program on pending "
+        "data is deferred until the data lands (read: _local_devices, mut, "
+        "name, ordered_effects, out_handler.out_avals and .out_shardings), "
+        "and that a kernel's program on a device whose program waits for it "
+        "is refused",
+        (ASYNC_DISPATCH,),
         _everywhere("jax._src.interpreters.pxla:ExecuteReplicated"),
         "none: jax.stages.Compiled.__call__ runs only ahead-of-time compiled "
         "programs, and jax.jit's calls reach this class without a public hook; "

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import async_pool as _async_pool
-from .parts import Part
+from .parts import Part, checked_move
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -143,11 +143,7 @@ class Call:
     def _move(self, to: CallState) -> None:  # lock held
         """The one change of the call's state: refuses a move that is not in
         :data:`CALL_MOVES`."""
-        if (self._state, to) not in CALL_MOVES:
-            raise concurrent.futures.InvalidStateError(
-                f"{self}: the call cannot move from {self._state} to {to}"
-            )
-        self._state = to
+        self._state = checked_move(self._state, to, CALL_MOVES, self, "the call")
 
     def failure_text(self) -> str:
         """The error the programs deferred on the call's arrays raise (once the

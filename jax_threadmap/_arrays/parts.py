@@ -29,6 +29,18 @@ class Owner(Protocol):
         """Runs ``part`` here, unless it has started (or ended)."""
 
 
+def checked_move(state: Any, to: Any, moves: frozenset, owner: Any, what: str) -> Any:
+    """``to``, if ``(state, to)`` is one of ``moves``; else raises
+    ``InvalidStateError`` (as ``concurrent.futures.Future`` refuses an illegal
+    move), naming ``owner`` and ``what`` moved. The one refusal of the async
+    wing's state machines (a call's, :mod:`.call`; a part's, :class:`Parts`)."""
+    if (state, to) not in moves:
+        raise concurrent.futures.InvalidStateError(
+            f"{owner}: {what} cannot move from {state} to {to}"
+        )
+    return to
+
+
 class PartState(enum.Enum):
     """A part's states: not started, fetching, its data placed, or stopped
     (it failed, or the call ended first)."""
@@ -127,11 +139,7 @@ class Parts:
     def _move(self, part: Part, to: PartState) -> None:  # lock held
         """The one change of a part's state: refuses a move not in
         :data:`PART_MOVES`."""
-        if (part.state, to) not in PART_MOVES:
-            raise concurrent.futures.InvalidStateError(
-                f"{part.task}: {part.what} cannot move from {part.state} to {to}"
-            )
-        part.state = to
+        part.state = checked_move(part.state, to, PART_MOVES, part.task, part.what)
 
     def claim(
         self, part: Part, worker: Worker | None, source: asyncio.Task | None

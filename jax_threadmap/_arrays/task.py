@@ -9,9 +9,9 @@ a call's fields, and a subclass (a sharded load, :mod:`.shard_loads`; a
 deferred program run, :mod:`.deferred_dispatch`) changes what the call does
 through override points only. A plain ``fn`` runs on the async pool
 (:mod:`.async_pool`), an ``async def`` one on the event loop
-(:mod:`.._support.event_loop`): :func:`run_here`, :func:`run_on_loop`; a thread
-that needs a value whose call has not started runs it itself
-(:meth:`Task.wait`), so a full pool cannot deadlock.
+(:mod:`.._support.event_loop`): :meth:`Task._run_here`,
+:meth:`Task._run_on_loop`; a thread that needs a value whose call has not
+started runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ class Task(Call):
     """One call of ``fn`` (or one wrapped Future) and its shared outcome.
 
     Its state is :class:`.call.Call`'s, moved only by that class's methods.
-    Claimed, the call (or a part) runs in a thread (:func:`run_here`) or on the
-    event loop (:func:`run_on_loop`); an ``async def`` call lands with the
-    others whose ``fn`` returned in the same turn of the loop (:func:`_land_all`).
+    Claimed, the call (or a part) runs in a thread (:meth:`_run_here`) or on the
+    event loop (:meth:`_run_on_loop`); an ``async def`` call lands with the
+    others whose ``fn`` returned in the same turn of the loop (:meth:`_land_burst`).
 
     A call of :class:`.parts.Part` s (a sharded load, :mod:`.shard_loads`)
     runs each part on its own, and is running from its first part's claim; its
@@ -178,7 +178,7 @@ class Task(Call):
         if self.coroutine:
             self.submit()
         elif self.runnable:
-            run_here(self, None, worker)
+            self._run_here(None, worker)
 
     def _work(self, part: Part | None) -> Any:
         """Calls what computes the call (or ``part``); returns what it returned.
@@ -191,11 +191,11 @@ class Task(Call):
 
     def run_part(self, part: Part, worker: _async_pool.Worker | None) -> None:
         """Runs ``part`` of the call here, unless it has started (or ended)."""
-        run_here(self, part, worker)
+        self._run_here(part, worker)
 
     def _on_loop(self, part: Part | None = None) -> Callable[[], Any]:
         """What runs the call (or ``part``) on the event loop, once claimed."""
-        return functools.partial(run_on_loop, self, part)
+        return functools.partial(self._run_on_loop, part)
 
     def _raised(self, part: Part | None, error: BaseException) -> None:
         """``fn`` raised ``error`` (override point for a ``part``)."""
@@ -314,9 +314,11 @@ class Task(Call):
 
     def _publish(self, leaves: list[jax.Array]) -> None:
         """The placed leaves become the call's value (finishing -> finished)."""
-        self._end()
-        self.future.set_result(leaves)
-        self._value = leaves  # after: value() never answers before done()
+        try:
+            self._end()
+        finally:  # set even if the end failed: no use waits for good
+            self.future.set_result(leaves)
+            self._value = leaves  # after: value() never answers before done()
 
     def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
         """Fails a running call with ``error`` (unless it was given up on);
@@ -397,105 +399,103 @@ class Task(Call):
             self._kept.reraise()
         return self.future.result()
 
+    # -- how a claimed call, or a part of one, runs --
+    #
+    # _run_here runs it in the thread that calls it (a thread of the async pool,
+    # or one that waits for its value); _run_on_loop on the package's event
+    # loop: an ``async def`` fn, or the awaitable a plain fn returned. Each first
+    # claims it (_claim: False when it started elsewhere or ended), then calls
+    # what computes it (_work) and hands the call what came back (_returned,
+    # _raised).
+    #
+    # An ``async def`` call whose fn returned is landed (checked and placed) one
+    # turn of the event loop later, together with every other call whose fn
+    # returned in that turn (_land_burst), and published once all of them are
+    # placed and their copies done: a thread waiting for them wakes once per
+    # burst, not once each. Until then it is running.
 
-# --- how a claimed call, or a part of one, runs -------------------------------------
-#
-# run_here runs it in the thread that calls it (a thread of the async pool, or one
-# that waits for its value); run_on_loop on the package's event loop: an
-# ``async def`` fn, or the awaitable a plain fn returned. Each first claims it
-# (Call._claim: False when it started elsewhere or ended), then calls what computes
-# it (Task._work) and hands the call what came back (_returned, _raised).
-#
-# An ``async def`` call whose fn returned is landed (checked and placed) one turn
-# of the event loop later, together with every other call whose fn returned in
-# that turn (_land_all), and published once all of them are placed and
-# their copies done: a thread waiting for them wakes once per burst, not once each.
-# Until then it is running.
+    def _run_here(self, part: Part | None, worker: _async_pool.Worker | None) -> None:
+        """Runs the call (or ``part``) here, in a thread, once claimed."""
+        if not self._claim(worker, None, part):
+            return
+        try:
+            out = self._work(part)
+        except BaseException as e:  # routed to every use, like a Future does
+            self._left_runner(part)
+            self._raised(part, e)
+            return
+        self._left_runner(part)
+        if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
+            awaited = functools.partial(self._run_on_loop, part, out)
+            _event_loop.event_loop().submit(awaited, self.name)
+            return
+        self._returned(part, out)
+
+    async def _run_on_loop(
+        self, part: Part | None = None, awaitable: Any = None
+    ) -> None:
+        """Runs the call (or ``part``) on the event loop: its coroutine, or
+        ``awaitable`` (what its thread returned).
+
+        Claimed here, on the loop, before ``fn`` is called: asyncio would run a
+        task cancelled before its first step up to its first ``await``.
+        """
+        source = asyncio.current_task()
+        if awaitable is not None and not self._adopt(source, part):
+            _event_loop.close_awaitable(awaitable)  # given up on on its way here
+            return
+        if awaitable is None and not self._claim(None, source, part):
+            return
+        try:
+            out = self._work(part) if awaitable is None else awaitable
+            while inspect.isawaitable(out):
+                out = await out
+        except BaseException as e:  # our cancel included: then dropped by _fail
+            self._left_runner(part)
+            self._raised(part, e)
+            return
+        self._left_runner(part)
+        if part is not None:
+            self._returned(part, out)
+            return
+        # Landed with the other calls whose fn returns in this turn of the
+        # loop, one turn later (:meth:`_land_burst`).
+        if not _burst:
+            asyncio.get_running_loop().call_soon(Task._land_burst)
+        _burst.append((self, out))
+
+    @staticmethod
+    @_async_pool.landing
+    def _land_burst() -> None:
+        """Lands the ``async def`` calls whose fn returned in the last turn of
+        the event loop (on its thread): all are checked and placed before any
+        is published, so that a thread waiting for them wakes once per burst,
+        not once per load (each wake-up would cost the loop's thread the GIL
+        at every placement), and the per-load steps run back to back."""
+        batch = _burst.copy()
+        _burst.clear()
+        # Every check first, then every placement: each runs back to back
+        # (measured: placements so run at several times the speed).
+        checked = [(task, task._accept(out)) for task, out in batch]
+        del batch
+        landed = [(task, task._place(c)) for task, c in checked if c is not None]
+        placed = [(task, leaves) for task, leaves in landed if leaves is not None]
+        del checked, landed
+        try:  # one wait for every copy (they run meanwhile)
+            jax.block_until_ready([leaves for _, leaves in placed])
+        except BaseException:  # each call's own copies then say which failed
+            placed = [(task, lv) for task, lv in placed if task._ready(lv)]
+        for task, leaves in placed:
+            try:  # one call's end never keeps the rest of the burst running
+                task._publish(leaves)
+            except BaseException:  # noqa: BLE001 - logged; the value is set
+                logger.exception("landing %s of %s", task.api, task)
 
 
 #: The ``async def`` calls whose fn returned in this turn of the event loop,
-#: with what it returned, until :func:`_land_all` lands them; touched on
+#: with what it returned, until :meth:`Task._land_burst` lands them; touched on
 #: the loop's thread only.
-_returned: list[tuple[Task, Any]] = []
-
-
-def run_here(task: Task, part: Part | None, worker: _async_pool.Worker | None) -> None:
-    """Runs the call (or ``part``) here, in a thread, once claimed."""
-    if not task._claim(worker, None, part):
-        return
-    try:
-        out = task._work(part)
-    except BaseException as e:  # routed to every use, like a Future does
-        task._left_runner(part)
-        task._raised(part, e)
-        return
-    task._left_runner(part)
-    if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
-        awaited = functools.partial(run_on_loop, task, part, out)
-        _event_loop.event_loop().submit(awaited, task.name)
-        return
-    task._returned(part, out)
-
-
-async def run_on_loop(
-    task: Task, part: Part | None = None, awaitable: Any = None
-) -> None:
-    """Runs the call (or ``part``) on the event loop: its coroutine, or
-    ``awaitable`` (what its thread returned).
-
-    Claimed here, on the loop, before ``fn`` is called: asyncio would run a
-    task cancelled before its first step up to its first ``await``.
-    """
-    source = asyncio.current_task()
-    if awaitable is not None and not task._adopt(source, part):
-        _event_loop.close_awaitable(awaitable)  # given up on while on its way here
-        return
-    if awaitable is None and not task._claim(None, source, part):
-        return
-    try:
-        out = task._work(part) if awaitable is None else awaitable
-        while inspect.isawaitable(out):
-            out = await out
-    except BaseException as e:  # our cancel included: then dropped by _fail
-        task._left_runner(part)
-        task._raised(part, e)
-        return
-    task._left_runner(part)
-    if part is not None:
-        task._returned(part, out)
-        return
-    # Landed with the other calls whose fn returns in this turn of the
-    # loop, one turn later (:func:`_land_all`).
-    if not _returned:
-        asyncio.get_running_loop().call_soon(_land_all)
-    _returned.append((task, out))
-
-
-@_async_pool.landing
-def _land_all() -> None:
-    """Lands the ``async def`` calls whose fn returned in the last turn of
-    the event loop (on its thread): all are checked and placed before any
-    is published, so that a thread waiting for them wakes once per burst,
-    not once per load (each wake-up would cost the loop's thread the GIL
-    at every placement), and the per-load steps run back to back."""
-    batch = _returned.copy()
-    _returned.clear()
-    # Every check first, then every placement: each runs back to back
-    # (measured: placements so run at several times the speed).
-    checked = [(task, task._accept(out)) for task, out in batch]
-    del batch
-    landed = [(task, task._place(c)) for task, c in checked if c is not None]
-    placed = [(task, leaves) for task, leaves in landed if leaves is not None]
-    del checked, landed
-    try:  # one wait for every copy (they run meanwhile)
-        jax.block_until_ready([leaves for _, leaves in placed])
-    except BaseException:  # each call's own copies then say which failed
-        placed = [(task, leaves) for task, leaves in placed if task._ready(leaves)]
-    for task, leaves in placed:
-        try:  # one call's end never keeps the rest of the burst running
-            task._publish(leaves)
-        except BaseException:  # noqa: BLE001 - logged; the value is set
-            logger.exception("landing %s of %s", task.api, task)
+_burst: list[tuple[Task, Any]] = []
 
 
 @_fork.in_child
@@ -503,4 +503,4 @@ def _after_fork_in_child() -> None:
     # Returned in the parent's loop, whose thread does not exist here: those
     # calls fail at their first use in the child (Task.wait). A landing left
     # here would keep the child's loop from ever scheduling one.
-    _returned.clear()
+    _burst.clear()

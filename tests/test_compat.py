@@ -390,12 +390,16 @@ import jax
 root = sys.argv[1]
 sys.path.insert(0, root)
 # Where each hook lives in this JAX, read from the table without importing the
-# package (its import must work without them).
-path = pathlib.Path(root, "jax_threadmap", "_jax", "hooks.py")
-spec = importlib.util.spec_from_file_location("compat_table", path)
-table = importlib.util.module_from_spec(spec)
-sys.modules["compat_table"] = table
-spec.loader.exec_module(table)
+# package (its import must work without them): the table and its forms, under
+# stand-ins for the package and its _jax folder, dropped afterwards.
+import types
+for name, folder in (("jax_threadmap", ()), ("jax_threadmap._jax", ("_jax",))):
+    stand_in = types.ModuleType(name)
+    stand_in.__path__ = [str(pathlib.Path(root, "jax_threadmap", *folder))]
+    sys.modules[name] = stand_in
+table = importlib.import_module("jax_threadmap._jax.hooks")
+for name in [n for n in sys.modules if n.split(".")[0] == "jax_threadmap"]:
+    del sys.modules[name]
 for hook in table.HOOKS:
     for location in table.form_for(hook).where:
         module_name, attr = location.split(":")

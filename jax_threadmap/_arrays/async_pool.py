@@ -493,15 +493,7 @@ def abandon_at_exit() -> None:
     global _exiting
     _exiting = True
     deadline = time.monotonic() + EXIT_PLACE_S
-    while True:  # a call that lands may start another (a deferred program)
-        with live_lock:
-            returned = [c for c in live if c.returned and not c.future.done()]
-        left = deadline - time.monotonic()
-        if not returned or left <= 0:
-            break
-        for call in returned:  # no-op for those running elsewhere
-            call.run()  # a deferred program whose data landed: dispatched here
-        concurrent.futures.wait([c.future for c in returned], timeout=left)
+    _finish_landed(deadline)
     _landings.close(max(0.0, deadline - time.monotonic()))
     with live_lock:  # those whose landing was refused are still running
         unfinished = [c for c in live if not c.future.done()]
@@ -533,6 +525,21 @@ def abandon_at_exit() -> None:
     )
     for call in unfinished:
         call.abandon()
+
+
+def _finish_landed(deadline: float) -> None:
+    """Until ``deadline``: waits for the calls that returned (placing their
+    values) and dispatches here the deferred programs whose data landed; a call
+    that lands may start another (a deferred program on it)."""
+    while True:
+        with live_lock:
+            returned = [c for c in live if c.returned and not c.future.done()]
+        left = deadline - time.monotonic()
+        if not returned or left <= 0:
+            return
+        for call in returned:  # no-op for those running elsewhere
+            call.run()
+        concurrent.futures.wait([c.future for c in returned], timeout=left)
 
 
 def _names(names: list[str]) -> str:

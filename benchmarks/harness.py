@@ -33,6 +33,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ from jax_threadmap._demo.demo import (  # noqa: F401 - re-exported for the bench
     threadmap_runner,
     time_runs,
 )
-from jax_threadmap._executors.scheduling import available_cpus as num_cpus
+from jax_threadmap._support.cpus import available_cpus as num_cpus
 
 # --- kernels ------------------------------------------------------------------------
 
@@ -266,6 +267,26 @@ def _memory_child(method: str, batch_shape: Sequence[int]) -> dict[str, Any]:
         "added_bytes": peak - before,
         "budget_bytes": in_bytes + 2 * out_bytes,
     }
+
+
+def alternate(
+    runs: dict[Any, Callable[[], object]], reps: int
+) -> dict[Any, tuple[float, float]]:
+    """Each run's best wall time and best CPU time (the process's, every
+    thread) over ``reps`` reps, after one call each to compile and warm up;
+    runs alternated rep by rep, each rep starting one run later (s)."""
+    for run in runs.values():
+        run()
+    wall = dict.fromkeys(runs, float("inf"))
+    cpu = dict.fromkeys(runs, float("inf"))
+    keys = list(runs)
+    for r in range(reps):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            runs[key]()
+            wall[key] = min(wall[key], time.perf_counter() - start)
+            cpu[key] = min(cpu[key], time.process_time() - start_cpu)
+    return {key: (wall[key], cpu[key]) for key in keys}
 
 
 def in_subprocess(call: str, timeout: float = 300) -> dict[str, Any]:

@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import harness
 import jax
 import numpy as np
 import pytest
@@ -174,17 +175,8 @@ def compare(name: str, reps: int = REPS) -> dict[str, float]:
 
 
 def alternate(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Each run's best over ``reps`` reps, runs alternated rep by rep (s)."""
-    for run in runs.values():
-        run()  # compile, warm up
-    best = dict.fromkeys(runs, float("inf"))
-    keys = list(runs)
-    for r in range(reps):
-        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            start = time.perf_counter()
-            runs[key]()
-            best[key] = min(best[key], time.perf_counter() - start)
-    return best
+    """Each run's best wall time over ``reps`` reps, runs alternated (s)."""
+    return {key: wall for key, (wall, _) in harness.alternate(runs, reps).items()}
 
 
 def report(results: dict[str, dict[str, float]]) -> str:

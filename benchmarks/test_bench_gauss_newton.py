@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from collections.abc import Callable
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,24 +177,6 @@ def runs(n: int, m: int) -> dict[str, Callable[[], jax.Array]]:
     return out
 
 
-def alternate(n: int, m: int, reps: int = REPS) -> dict[str, tuple[float, float]]:
-    """Each side's best wall time and best CPU time (the process's, every
-    thread) over ``reps`` reps, sides alternated rep by rep (s)."""
-    thunks = runs(n, m)
-    for run in thunks.values():
-        run()  # compile, warm up
-    wall = dict.fromkeys(thunks, float("inf"))
-    cpu = dict.fromkeys(thunks, float("inf"))
-    keys = list(thunks)
-    for r in range(reps):
-        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            start, start_cpu = time.perf_counter(), time.process_time()
-            thunks[key]()
-            wall[key] = min(wall[key], time.perf_counter() - start)
-            cpu[key] = min(cpu[key], time.process_time() - start_cpu)
-    return {key: (wall[key], cpu[key]) for key in keys}
-
-
 def report(times: dict[tuple[int, int], dict[str, tuple[float, float]]]) -> str:
     lines = [
         f"float64, best of {REPS} reps, sides alternated, load average "
@@ -245,4 +227,4 @@ def test_gauss_newton_step(benchmark, side, size):
 
 
 if __name__ == "__main__":
-    print(report({size: alternate(*size) for size in SIZES}))
+    print(report({size: harness.alternate(runs(*size), REPS) for size in SIZES}))

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,26 +221,6 @@ def factorizations_per_element(n: int = N) -> dict[tuple[str, str], float]:
     return result
 
 
-def alternate(
-    reps: int = REPS, n: int = N
-) -> dict[tuple[str, str], tuple[float, float]]:
-    """Each side's best wall time and best CPU time (the process's, all
-    threads) over ``reps`` reps, sides alternated rep by rep (s)."""
-    thunks = {side: run for side, (run, _) in runs(n).items()}
-    for run in thunks.values():
-        run()  # compile, warm up
-    wall = dict.fromkeys(thunks, float("inf"))
-    cpu = dict.fromkeys(thunks, float("inf"))
-    keys = list(thunks)
-    for r in range(reps):
-        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            start, start_cpu = time.perf_counter(), time.process_time()
-            thunks[key]()
-            wall[key] = min(wall[key], time.perf_counter() - start)
-            cpu[key] = min(cpu[key], time.process_time() - start_cpu)
-    return {key: (wall[key], cpu[key]) for key in keys}
-
-
 def report(counts: dict, times: dict) -> str:
     lines = [
         f"{N} elements, {CG_ITERS} CG iterations, float32, {available_cpus()} CPUs, "
@@ -303,6 +283,6 @@ def test_newton_step(benchmark, side):
 
 if __name__ == "__main__":
     counts = factorizations_per_element()
-    times = alternate()
+    times = harness.alternate({side: run for side, (run, _) in runs(N).items()}, REPS)
     print(report(counts, times))
     print(f"load average {os.getloadavg()}")

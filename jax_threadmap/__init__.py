@@ -13,7 +13,7 @@ from ._arrays.async_pool import async_pool_status as async_pool_status
 from ._arrays.shard_loads import async_array_from_callback as async_array_from_callback
 from ._core.api import KernelFunction as KernelFunction
 from ._core.api import kernel as kernel
-from ._core.api import threadmap as threadmap
+from ._core.binding import threadmap as threadmap
 from ._core.primitive import threadmap_p as threadmap_p
 from ._executors.scheduling import InOrder as InOrder
 from ._host.inner_threads import limit_inner_threads as limit_inner_threads

@@ -101,9 +101,10 @@ def pytest_addoption(parser):
         "--part",
         default=None,
         metavar="K/N",
-        help="run the K-th of N parts of the selected tests: whole files, in "
-        "collection order, about as many tests in each (the suite on an "
-        "accelerator, one device run per part; tests/tpu_suite.sh)",
+        help="run the K-th of N parts of the selected tests: each file's tests "
+        "dealt to the parts in turn, so that a slow file is spread over all of "
+        "them (the suite on an accelerator, one device run per part; "
+        "tests/tpu_suite.sh)",
     )
 
 
@@ -116,10 +117,11 @@ def pytest_configure(config):
     )
 
 
-def _part_of_file(first: int, size: int, total: int, parts: int) -> int:
-    """The part (0-based) of a file whose tests are ``first ..
-    first + size - 1`` of ``total``: the one its middle test falls in."""
-    return min(parts - 1, (2 * first + size) * parts // (2 * total))
+def part_of_test(index: int, parts: int) -> int:
+    """The part (0-based) of the ``index``-th selected test: the tests are dealt
+    to the parts in turn, in collection order, so every part holds its share
+    (within one) of each file's tests, slow or quick, and of the whole."""
+    return index % parts
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
@@ -135,14 +137,9 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             f"--part takes K/N with 1 <= K <= N (the K-th of N parts), got {spec!r}"
         ) from None
-    files: dict[str, list] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    keep, drop, first = [], [], 0
-    for tests in files.values():
-        part = _part_of_file(first, len(tests), len(items), n)
-        (keep if part == k - 1 else drop).extend(tests)
-        first += len(tests)
+    keep, drop = [], []
+    for index, item in enumerate(items):
+        (keep if part_of_test(index, n) == k - 1 else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = keep

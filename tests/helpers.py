@@ -19,6 +19,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 #: How many examples each hypothesis test draws: "quick" (the default: a quarter of
@@ -479,6 +480,48 @@ def fake_clocks(monkeypatch, speed: str) -> None:
 
     for name in ("perf_counter", "thread_time", "process_time", "monotonic"):
         monkeypatch.setattr(time, name, clock)
+
+
+#: Every case with the clock faked very slow and very fast (:func:`fake_clocks`).
+CLOCKS = pytest.mark.parametrize("clock", ["slow", "fast"])
+
+
+@contextlib.contextmanager
+def clocked_executor(monkeypatch, kind, n, clock: str, cpus: int | None = None):
+    """:func:`executor_of` ``(kind, n)`` with the clocks faked ``clock``
+    (:func:`fake_clocks`) and, unless ``None``, ``cpus`` CPUs as the executor
+    layer sees them."""
+    from jax_threadmap._executors import runners
+
+    if cpus is not None:
+        monkeypatch.setattr(runners, "available_cpus", lambda: cpus)
+    fake_clocks(monkeypatch, clock)
+    with executor_of(kind, n) as ex:
+        yield ex
+
+
+def nested_pids(kernel, executor, **options) -> set[int]:
+    """Runs ``kernel(x, y, scale=s)`` (``worker_kernels.scaled_with_pid`` or its
+    vectorized twin; ``options`` go to ``threadmap``) under ``jit`` of two
+    ``vmap`` levels on ``executor``: x batched at both levels, y at the inner
+    one only, s unbatched. Checks the values against ``(x + y) * s``; returns
+    the ids of the processes that ran the elements."""
+    from jax_threadmap import threadmap
+
+    out = {
+        "value": jax.ShapeDtypeStruct((3,), jnp.float32),
+        "pid": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+
+    def f(x, y, s):
+        return threadmap(kernel, out, x, y, scale=s, executor=executor, **options)
+
+    g = jax.jit(jax.vmap(jax.vmap(f, (0, 0, None)), (0, None, None)))
+    x = np.arange(5 * 4 * 3, dtype=np.float32).reshape(5, 4, 3)
+    y = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) * 10
+    res = g(x, y, np.float32(2))
+    np.testing.assert_allclose(res["value"], (x + y[None]) * 2)
+    return set(np.asarray(res["pid"]).ravel().tolist())
 
 
 #: First in a child script that a test sends Ctrl-C: a child started from a process

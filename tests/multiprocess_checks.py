@@ -192,58 +192,35 @@ def main():
     main_thread = threading.get_ident()
 
     # shard_map: each device's 2 rows are mapped by the process holding it.
+    # Sharded jit without shard_map, on a classic mesh (automatic axes) and on
+    # an explicit one ("sharding in types"): the map is partitioned by XLA
+    # (custom_partitioning), so each process maps its own devices' 4 rows on
+    # its own threads, and the result keeps the rows' sharding (docs/sharding.md).
+    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     f = jax.jit(
         jax.shard_map(per_row, mesh=MESH, in_specs=(P("d"), P()), out_specs=P("d"))
     )
-    del calls[:]
-    out = f(rows, A)
-    check("shard_map values", np.array_equal(gathered(out["v"]), expected))
-    check("shard_map ran here", local_pids(out["pid"]) == {os.getpid()})
-    check(
-        "shard_map on this process's threads",
-        len(calls) == 4 and main_thread not in calls,
-        calls,
+    sides = (
+        ("shard_map", f, rows),
+        ("sharded jit", jax.jit(per_row), rows),
+        ("explicit jit", jax.jit(per_row), global_rows(explicit)),
     )
-
-    # Sharded jit without shard_map on a classic mesh (automatic axes): the
-    # map is partitioned by XLA (custom_partitioning), so each process maps its
-    # own devices' 4 rows on its own threads, and the result keeps the rows'
-    # sharding (docs/sharding.md).
-    g = jax.jit(per_row)
-    del calls[:]
-    out = g(rows, A)
-    check("sharded jit values", np.array_equal(gathered(out["v"]), expected))
-    check("sharded jit ran here", local_pids(out["pid"]) == {os.getpid()})
-    check(
-        "sharded jit on this process's threads",
-        len(calls) == 4 and main_thread not in calls,
-        calls,
-    )
-    check(
-        "sharded jit keeps the sharding",
-        out["v"].sharding.is_equivalent_to(rows.sharding, 2),
-        out["v"].sharding,
-    )
-
-    # Sharded jit on an explicit mesh ("sharding in types"): mapped per shard
-    # too (in a shard_map; on jax 0.8.1 to 0.9.0.1, which refuse that, by the
-    # partitioner as above).
-    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
-    erows = global_rows(explicit)
-    del calls[:]
-    out = jax.jit(per_row)(erows, A)
-    check("explicit jit values", np.array_equal(gathered(out["v"]), expected))
-    check("explicit jit ran here", local_pids(out["pid"]) == {os.getpid()})
-    check(
-        "explicit jit on this process's threads",
-        len(calls) == 4 and main_thread not in calls,
-        calls,
-    )
-    check(
-        "explicit jit keeps the sharding",
-        out["v"].sharding.is_equivalent_to(erows.sharding, 2),
-        out["v"].sharding,
-    )
+    for tag, g, x in sides:
+        del calls[:]
+        out = g(x, A)
+        check(f"{tag} values", np.array_equal(gathered(out["v"]), expected))
+        check(f"{tag} ran here", local_pids(out["pid"]) == {os.getpid()})
+        check(
+            f"{tag} on this process's threads",
+            len(calls) == 4 and main_thread not in calls,
+            calls,
+        )
+        if tag != "shard_map":
+            check(
+                f"{tag} keeps the sharding",
+                out["v"].sharding.is_equivalent_to(x.sharding, 2),
+                out["v"].sharding,
+            )
 
     # A derivative inside shard_map: the cotangent of `a` is summed over shards.
     def loss(a, rows):

@@ -174,15 +174,21 @@ def nested_failure(x, depth=0):
     return x
 
 
+def raised_on_four(kernel, jit, **options):
+    """The exception that ``kernel``, mapped over four float32 elements
+    (``options`` go to ``threadmap``), raises under ``jit`` or eagerly."""
+    f = jax.vmap(lambda x: threadmap(kernel, F32, x, **options))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(f(jnp.arange(4.0)))
+    return info.value
+
+
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_kernel_traceback_is_in_the_message(jit):
     # Under jit, JAX passes only the message through its runtime error: the
     # kernel's own lines must be in it (bounded to the innermost frames).
-    f = jax.vmap(lambda x: threadmap(nested_failure, F32, x))
-    f = jax.jit(f) if jit else f
-    with pytest.raises(Exception) as info:
-        jax.block_until_ready(f(jnp.arange(4.0)))
-    msg = str(info.value)
+    msg = str(raised_on_four(nested_failure, jit))
     tail = msg[msg.index("KernelError: ") if jit else 0 :]
     lines = tail.splitlines()
     assert lines[0].endswith("raised ValueError: element 2 is too deep")
@@ -216,16 +222,13 @@ def aborts_at_2(x):
 def test_base_exception_of_a_kernel_is_a_kernel_error(executor, jit):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         ex = pool if executor == "thread_executor" else executor
-        f = jax.vmap(lambda x: threadmap(aborts_at_2, F32, x, executor=ex))
-        f = jax.jit(f) if jit else f
-        with pytest.raises(Exception) as info:
-            jax.block_until_ready(f(jnp.arange(4.0)))
-    msg = str(info.value)
+        error = raised_on_four(aborts_at_2, jit, executor=ex)
+    msg = str(error)
     assert "threadmap kernel 'aborts_at_2' at batch index (2,)" in msg
     assert "raised Abort: stop here" in msg and "ExecutorError" not in msg
     if not jit:
-        assert isinstance(info.value, KernelError) and info.value.index == (2,)
-        assert isinstance(cause_of(info.value), Abort)
+        assert isinstance(error, KernelError) and error.index == (2,)
+        assert isinstance(cause_of(error), Abort)
 
 
 @pytest.mark.parametrize("vectorized", [False, True], ids=["element", "vectorized"])
@@ -238,17 +241,14 @@ def test_kernel_exception_whose_message_fails_is_a_kernel_error(jit, vectorized)
             return np.array([worker_kernels.unprintable_at_two(v) for v in x])
         return worker_kernels.unprintable_at_two(x)
 
-    f = jax.vmap(lambda x: threadmap(kernel, F32, x, vectorized=vectorized))
-    f = jax.jit(f) if jit else f
-    with pytest.raises(Exception) as info:
-        jax.block_until_ready(f(jnp.arange(4.0)))
-    msg = str(info.value)
+    error = raised_on_four(kernel, jit, vectorized=vectorized)
+    msg = str(error)
     assert "raised Unprintable: <exception str() failed>" in msg
     assert ("batch indices (" if vectorized else "batch index (2,)") in msg
     assert "str broke" not in msg
     if not jit:
-        assert isinstance(info.value, KernelError)
-        assert isinstance(cause_of(info.value), worker_kernels.Unprintable)
+        assert isinstance(error, KernelError)
+        assert isinstance(cause_of(error), worker_kernels.Unprintable)
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
@@ -405,24 +405,31 @@ def test_bad_input_raises_before_anything_runs(call, exc, fragment):
     assert fragment in str(info.value)
 
 
+def refused_before_running(result_shape_dtypes, jit, error):
+    """The message of the ``error`` that a kernel mapped over three elements
+    with ``result_shape_dtypes`` (under ``jit`` or not) raises at the call,
+    checked to have run no element."""
+    ran = []
+
+    def kernel(x):
+        ran.append(x)
+        return x
+
+    f = jax.vmap(lambda x: threadmap(kernel, result_shape_dtypes, x))
+    f = jax.jit(f) if jit else f
+    with pytest.raises(error) as info:
+        f(jnp.arange(3.0))
+    assert ran == []
+    return str(info.value)
+
+
 @pytest.mark.parametrize("empty", [None, (), {}, [], {"a": ()}], ids=repr)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_result_shape_dtypes_without_leaves_fails_at_the_call(empty, jit):
     # Never a kernel that runs eagerly but silently not under jit (dead code).
-    calls = []
-
-    def k(x):
-        calls.append(x)
-        return empty
-
-    f = jax.vmap(lambda x: threadmap(k, empty, x))
-    f = jax.jit(f) if jit else f
-    with pytest.raises(ValueError) as info:
-        f(jnp.arange(3.0))
-    msg = str(info.value)
+    msg = refused_before_running(empty, jit, ValueError)
     assert msg.startswith("threadmap: result_shape_dtypes has no array leaves")
     assert "dead code" in msg and "jax.ShapeDtypeStruct((), jnp.bool_)" in msg
-    assert calls == []
 
 
 @pytest.mark.parametrize("empty", [None, ()], ids=repr)
@@ -545,21 +552,10 @@ class Declared:
 def test_result_dtype_that_jax_cannot_hold_is_refused_at_the_call(dtype, jit):
     # Was, eagerly: the kernel ran, then was blamed ("float32 does not convert to
     # object"); under jit: "No dtype_to_ir_type handler for dtype: object".
-    ran = []
-
-    def kernel(x):
-        ran.append(x)
-        return x
-
     out = jax.ShapeDtypeStruct((), dtype)
-    f = jax.vmap(lambda x: threadmap(kernel, {"r": out}, x))
-    f = jax.jit(f) if jit else f
-    with pytest.raises(TypeError) as info:
-        f(jnp.arange(3.0))
-    msg = str(info.value)
+    msg = refused_before_running({"r": out}, jit, TypeError)
     assert "threadmap: result_shape_dtypes['r'] has dtype" in msg
     assert str(np.dtype(dtype)) in msg and "cannot hold" in msg
-    assert ran == []
     with pytest.raises(TypeError, match="cannot hold"):
         jax_threadmap.async_call(lambda: np.zeros(()), out)
 

@@ -18,11 +18,9 @@ from helpers import run_script
 import jax_threadmap
 from jax_threadmap._arrays import array_surface as _array_surface
 from jax_threadmap._jax import avals as _avals
-from jax_threadmap._jax import explicit_sharding as _explicit_sharding
 from jax_threadmap._jax import hooks as _compat
 from jax_threadmap._jax import placement as _placement
 from jax_threadmap._jax import primitive_rules as _rules
-from jax_threadmap._jax import traces as _traces
 
 PACKAGE = pathlib.Path(_compat.__file__).parent.parent
 ROOT = PACKAGE.parent
@@ -67,7 +65,6 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.ASYNC_ARRAYS,
         _compat.ASYNC_DISPATCH,
         _compat.SHARD_MAP,
-        _compat.PER_SHARD_JIT,
         _compat.AUTO_PER_SHARD,
         _compat.FAST_PLACEMENT,
         _compat.ARRAY_SURFACE,
@@ -120,7 +117,6 @@ def test_the_private_locations_are_few():
             "callback_op_sharding",
             "prim_requires_devices_during_lowering",
             "varying_axes",
-            "trace_ctx",
             "pytype_aval_mappings",
             "canonicalize_value",
             "shard_arg_handlers",
@@ -242,34 +238,6 @@ def _use_shard_map():
     np.testing.assert_allclose(jax.jit(body)(sharded), np.sin(x), rtol=1e-6)
 
 
-def _explicit_jaxpr():
-    """The jaxpr of a threadmap under vmap, on a 1-device explicit mesh."""
-    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
-    x = jax.device_put(
-        np.arange(3, dtype=np.float32),
-        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")),
-    )
-    # np.cos: JAX caches abstract evaluations, and _use_shard_map's (np.sin)
-    # must still reach the hooks.
-    f = jax.vmap(lambda v: jax_threadmap.threadmap(np.cos, SDS((), jnp.float32), v))
-    np.testing.assert_allclose(jax.jit(f)(x), np.cos(np.arange(3.0)), rtol=1e-6)
-    return jax.make_jaxpr(f)(x)
-
-
-def _per_shard_refused():
-    since, until = _explicit_sharding.PER_SHARD_REFUSED
-    return since <= _compat.JAX_VERSION < until
-
-
-def test_explicitly_sharded_batch_axes_are_mapped_in_a_shard_map():
-    if _per_shard_refused():  # docs/sharding.md: mapped on one device there
-        assert "refuses a shard_map" in _explicit_sharding.per_shard_unavailable()
-        assert "shard_map" not in str(_explicit_jaxpr())
-    else:
-        assert _explicit_sharding.per_shard_unavailable() is None
-        assert "shard_map" in str(_explicit_jaxpr())
-
-
 FEATURE_USES = {
     _compat.THREADMAP: _use_threadmap,
     _compat.DERIVATIVES: _use_derivatives,
@@ -313,7 +281,7 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
             use()
         return
     if hook.features == (_compat.AUTO_PER_SHARD,):  # optional: one device maps
-        # (with one INFO line; tests/auto_sharding_checks.py runs that on 8 devices)
+        # (with one INFO line; tests/sharding_checks.py runs that on 8 devices)
         reason = _compat.missing_for(_compat.AUTO_PER_SHARD)
         assert reason is not None and reason.startswith(f"{hook.name} is missing")
         for use in FEATURE_USES.values():
@@ -330,15 +298,6 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         x = jax_threadmap.async_call(np.arange, jax.ShapeDtypeStruct((3,), "int32"), 3)
         y = waiting._new(x._task, 0)  # the same call's array, surface waiting
         assert (y.sum(), (y + 1).tolist(), y.T.tolist()) == (3, [1, 2, 3], [0, 1, 2])
-        for use in FEATURE_USES.values():
-            use()
-        return
-    if hook.features == (_compat.PER_SHARD_JIT,):  # optional: maps on one device
-        reason = _explicit_sharding.per_shard_unavailable()
-        if not _per_shard_refused():
-            assert reason is not None and reason.startswith(f"{hook.name} is missing")
-            assert "_moved" in reason
-        assert "shard_map" not in str(_explicit_jaxpr())
         for use in FEATURE_USES.values():
             use()
         return
@@ -410,7 +369,6 @@ for hook in table.HOOKS:
 import jax_threadmap  # must not fail
 from jax_threadmap._jax import hooks as _compat
 from jax_threadmap._jax import avals as _avals
-from jax_threadmap._jax import explicit_sharding as _explicit_sharding
 from jax_threadmap._jax import placement as _placement
 from jax_threadmap._jax import primitive_rules as _rules
 from jax_threadmap._jax import traces as _traces
@@ -439,17 +397,3 @@ def test_import_never_fails_when_every_hook_is_missing():
     assert lines[1].startswith("jax_threadmap.kernel needs the JAX internal")
     assert lines[2].startswith("jax_threadmap.async_call needs the JAX internal")
     assert all(f"Pin jax<={NEWEST}" in line for line in lines)
-
-
-def test_vmapped_mesh_axes_are_those_of_enclosing_vmaps():
-    # Outside any vmap, and under a vmap over an axis not sharded over explicit
-    # mesh axes: none (tests/sharding_checks.py covers the sharded case).
-    assert _traces.vmapped_mesh_axes() == frozenset()
-    seen = []
-
-    def f(x):
-        seen.append(_traces.vmapped_mesh_axes())
-        return x
-
-    jax.vmap(f)(jnp.ones(3))
-    assert seen == [frozenset()]

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    CLOCKS,
+    clocked_executor,
     executor_of,
-    fake_clocks,
     run_script,
     start_script,
     wait_until,
@@ -374,7 +375,7 @@ def test_interrupt_while_waiting_stops_work_not_started():
     pool = _shared_threads.ThreadPool(2)
     job = _jobs.Job(1000, fn)
     with pytest.raises(KeyboardInterrupt):
-        pool.run(job, Interrupting(1000, "k"))
+        pool.run(job, progress=Interrupting(1000, "k"))
     job.done.wait(5)
     assert job.failed and job.done.is_set()
     assert len(ran) < 50
@@ -682,8 +683,8 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
         import jax, jax.numpy as jnp, numpy as np
         from helpers import wait_until
         from jax_threadmap import threadmap
-        from jax_threadmap._executors import scheduling as _scheduling
         from jax_threadmap._executors import shared_threads as _shared_threads
+        from jax_threadmap._support.cpus import available_cpus
 
         _shared_threads.IDLE_TIMEOUT = 0.2
 
@@ -697,7 +698,7 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
             f(np.zeros(64, np.float32))
         wait_until(lambda: _shared_threads.num_threads() == 0, "idle threads exited")
         # The most threads alive at once, exactly (recorded as each starts).
-        print(_shared_threads._threads.peak, _scheduling.available_cpus())
+        print(_shared_threads._threads.peak, available_cpus())
     """
     proc = run_script(code, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -907,16 +908,14 @@ def test_waiting_elements_get_every_thread(monkeypatch, executor):
         assert rec.max_running == 8
 
 
-@pytest.mark.parametrize("clock", ["slow", "fast"])
+@CLOCKS
 @pytest.mark.parametrize("executor", [8, "user"])
 def test_elements_that_wait_for_each_other_all_start(monkeypatch, clock, executor):
     # A large map on an executor with more threads than CPUs, in index order:
     # its first element waits for its second, which another thread claims
     # (without the mode, the map would start on one thread and both elements
     # could sit in its first chunk).
-    fake_clocks(monkeypatch, clock)
-    monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
-    with executor_of(executor, 8) as ex:
+    with clocked_executor(monkeypatch, executor, 8, clock, 1) as ex:
         pair = threading.Barrier(2, timeout=60)
 
         def meet(v):
@@ -928,7 +927,7 @@ def test_elements_that_wait_for_each_other_all_start(monkeypatch, clock, executo
         np.testing.assert_array_equal(run(meet, x, executor=InOrder(ex)), x + 1)
 
 
-@pytest.mark.parametrize("clock", ["slow", "fast"])
+@CLOCKS
 @pytest.mark.parametrize("executor", [32, "user"])
 def test_maps_at_once_with_elements_that_wait_for_each_other(
     monkeypatch, clock, executor
@@ -938,9 +937,7 @@ def test_maps_at_once_with_elements_that_wait_for_each_other(
     # and a map's tasks are queued together, so the second map queues behind
     # the first. Starting them on one thread per CPU split the places between
     # the maps, and both waited for good.
-    fake_clocks(monkeypatch, clock)
-    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
-    with executor_of(executor, 32) as ex:
+    with clocked_executor(monkeypatch, executor, 32, clock, 2) as ex:
         start = threading.Barrier(2, timeout=60)
         errors = []
 
@@ -1004,7 +1001,7 @@ def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
     assert asked.fixed == 1 and not asked.limited
 
 
-@pytest.mark.parametrize("clock", ["slow", "fast"])
+@CLOCKS
 @pytest.mark.parametrize("executor", [16, "user"])
 def test_small_map_does_not_group_elements_it_would_run_alone(
     monkeypatch, clock, executor
@@ -1013,9 +1010,7 @@ def test_small_map_does_not_group_elements_it_would_run_alone(
     # runs in index order on every thread, each of the 16 elements its own
     # claim, whatever the clock says (chunks of several fast elements measured
     # on fewer threads held barrier elements back).
-    fake_clocks(monkeypatch, clock)
-    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
-    with executor_of(executor, 16) as ex:
+    with clocked_executor(monkeypatch, executor, 16, clock, 2) as ex:
         all_running = threading.Barrier(8, timeout=60)
 
         def k(v):

@@ -19,8 +19,8 @@ from helpers import wait_until
 from jax_threadmap import threadmap
 from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import runners as _maps
+from jax_threadmap._executors import runners as _runners
 from jax_threadmap._executors import shared_threads as _shared_threads
-from jax_threadmap._executors import thread_executors as _thread_executors
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -137,7 +137,7 @@ def test_fork_while_the_layer_is_busy():
     held = threading.Event()
 
     def hold_locks():
-        with _thread_executors._states_lock, _thread_executors._fallback:
+        with _runners._states_lock, _runners._fallback:
             held.set()
             release.wait(60)
 

@@ -18,28 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import worker_kernels
-from helpers import LOOPBACK, NO_LOOPBACK, cause_of, run_script, wait_until
+from helpers import (
+    LOOPBACK,
+    NO_LOOPBACK,
+    cause_of,
+    nested_pids,
+    run_script,
+    wait_until,
+)
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, threadmap
 from jax_threadmap._executors import runners as _maps
 
 pytestmark = pytest.mark.timeout(180)
-
-OUT = {
-    "value": jax.ShapeDtypeStruct((3,), jnp.float32),
-    "pid": jax.ShapeDtypeStruct((), jnp.int32),
-}
-
-
-def nested_call(executor):
-    def f(x, y, s):
-        return threadmap(
-            worker_kernels.scaled_with_pid, OUT, x, y, scale=s, executor=executor
-        )
-
-    # x batched at both levels, y at the inner one only, s unbatched.
-    return jax.jit(jax.vmap(jax.vmap(f, in_axes=(0, 0, None)), in_axes=(0, None, None)))
 
 
 def mapped(kernel, executor):
@@ -48,16 +40,8 @@ def mapped(kernel, executor):
     return jax.vmap(lambda x: threadmap(kernel, f32, x, executor=executor))
 
 
-def check_nested(executor):
-    x = np.arange(5 * 4 * 3, dtype=np.float32).reshape(5, 4, 3)
-    y = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) * 10
-    res = nested_call(executor)(x, y, np.float32(2))
-    np.testing.assert_allclose(res["value"], (x + y[None]) * 2)
-    return set(np.asarray(res["pid"]).ravel().tolist())
-
-
 def test_process_pool_runs_elements_in_workers(spawn_pool):
-    pids = check_nested(spawn_pool)
+    pids = nested_pids(worker_kernels.scaled_with_pid, spawn_pool)
     assert os.getpid() not in pids
     assert pids  # some worker ran them
 
@@ -330,7 +314,7 @@ def test_a_pool_whose_workers_cannot_import_the_main_script_says_so():
 def test_dask_local_cluster_runs_elements_in_worker_processes(dask_client):
     ex = dask_client.get_executor()
     assert _maps.known_workers(ex) == 2
-    pids = check_nested(ex)
+    pids = nested_pids(worker_kernels.scaled_with_pid, ex)
     worker_pids = set(dask_client.run(os.getpid).values())
     assert pids and pids <= worker_pids
     assert os.getpid() not in pids

@@ -10,12 +10,13 @@ import numpy as np
 
 from jax_threadmap import threadmap
 from jax_threadmap._executors import runners as _maps
+from jax_threadmap._executors import shared_threads as _shared_threads
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 def test_each_kind_of_executor_gets_its_runner():
-    assert isinstance(_maps.runner_for(None), _maps.SharedThreads)
+    assert isinstance(_maps.runner_for(None), _shared_threads.ThreadPool)
     assert _maps.runner_for(3).workers == 3
     with concurrent.futures.ThreadPoolExecutor(5) as ex:
         runner = _maps.runner_for(ex)

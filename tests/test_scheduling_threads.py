@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import executor_of, fake_clocks
+from helpers import CLOCKS, clocked_executor, fake_clocks
 
 from jax_threadmap import InOrder, threadmap
 from jax_threadmap._executors import jobs as _jobs
@@ -64,10 +64,6 @@ def groups_map(n, size, ex):
     np.testing.assert_array_equal(flat_map(meet, n, ex), np.arange(n))
 
 
-#: Every case with the clock faked very slow and very fast (helpers.fake_clocks).
-CLOCKS = pytest.mark.parametrize("clock", ["slow", "fast"])
-
-
 @CLOCKS
 @pytest.mark.parametrize("kind", ["shared", "user"])
 @pytest.mark.parametrize("workers, n", [(4, 32), (8, 64)])
@@ -77,9 +73,7 @@ def test_two_large_maps_whose_elements_wait_for_each_other(
     # Each map's elements meet four at a time at a barrier; two such maps at
     # once on one executor. In index order each map takes every thread at
     # once, and the second queues behind the first.
-    monkeypatch.setattr(_maps, "available_cpus", lambda: 2)
-    fake_clocks(monkeypatch, clock)
-    with executor_of(kind, workers) as ex:
+    with clocked_executor(monkeypatch, kind, workers, clock, 2) as ex:
         one = lambda: groups_map(n, 4, InOrder(ex))  # noqa: E731
         errors = in_threads([one, one])
     assert errors == [None, None]
@@ -93,9 +87,7 @@ def test_a_small_map_runs_in_index_order_without_being_asked(
 ):
     # At most IN_ORDER_UP_TO elements per thread: in index order on every
     # thread, with or without InOrder (docs/executors.md).
-    monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
-    fake_clocks(monkeypatch, clock)
-    with executor_of(kind, workers) as ex:
+    with clocked_executor(monkeypatch, kind, workers, clock, cpus) as ex:
         errors = in_threads([lambda: groups_map(n, 2, ex)])
     assert errors == [None]
 
@@ -114,9 +106,7 @@ def test_pairs_that_wait_for_each_other(monkeypatch, clock, kind, n, cpus, worke
     # looks slow (an hour) or free. Before the explicit mode these relied on
     # probing, slow-element votes and a stuck-chunk watch, all read from the
     # clock, and 2-3 runs in 10 waited until the barriers broke under load.
-    monkeypatch.setattr(_maps, "available_cpus", lambda: cpus)
-    fake_clocks(monkeypatch, clock)
-    with executor_of(kind, workers) as ex:
+    with clocked_executor(monkeypatch, kind, workers, clock, cpus) as ex:
         errors = in_threads([lambda: groups_map(n, 2, InOrder(ex))])
     assert errors == [None]
 
@@ -126,8 +116,7 @@ def test_pairs_that_wait_for_each_other(monkeypatch, clock, kind, n, cpus, worke
 def test_groups_as_large_as_the_executor_in_order(monkeypatch, clock, kind):
     # The bound of the mode: groups of as many elements as the executor has
     # threads all meet.
-    fake_clocks(monkeypatch, clock)
-    with executor_of(kind, 4) as ex:
+    with clocked_executor(monkeypatch, kind, 4, clock) as ex:
         errors = in_threads([lambda: groups_map(64, 4, InOrder(ex))])
     assert errors == [None]
 

@@ -1,24 +1,60 @@
-"""threadmap and its derivatives in sharded programs, on 4 CPU devices.
-
-The checks live in ``sharding_checks.py`` and run in one subprocess: the number
-of CPU devices is fixed when JAX starts, and this session keeps one device.
-"""
+"""threadmap and its derivatives in sharded programs, on 8 CPU devices: the
+checks of ``sharding_checks.py``, run in a child process (the number of CPU
+devices is fixed when JAX starts, and this session keeps one) per part and
+partitioner; and the JAX internals that per-shard maps under ``jit`` rely on,
+checked here so that a JAX release that moves them fails loudly."""
 
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import run_script
 
+from jax_threadmap._jax import hooks as _hooks
+
 CHECKS = pathlib.Path(__file__).parent / "sharding_checks.py"
+#: The lines each part prints (the script stops at the first failure).
+CHECK_LINES = {"shard_map": 59, "jit": 55}
 
 
 # Both partitioners: Shardy is the default from jax 0.7, GSPMD before, and their
 # callback shardings differ (one per result for Shardy).
 @pytest.mark.parametrize("shardy", ["1", "0"], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("part", sorted(CHECK_LINES))
 @pytest.mark.timeout(240)
-def test_shard_map_named_sharding_and_pmap_on_4_devices(shardy):
-    ran = run_script(CHECKS, env={"JAX_USE_SHARDY_PARTITIONER": shardy}, timeout=220)
+def test_sharded_programs_on_8_devices(part, shardy):
+    env = {"JAX_USE_SHARDY_PARTITIONER": shardy}
+    ran = run_script(CHECKS, part, env=env, timeout=220)
     assert ran.returncode == 0, ran.report
-    assert "all sharding checks passed" in ran.stdout, ran.report
-    # Every check printed its line (the script stops at the first failure).
-    assert ran.stdout.count("\nok ") + ran.stdout.startswith("ok ") >= 28, ran.report
+    assert f"all sharding checks passed ({part})" in ran.stdout, ran.report
+    lines = ran.stdout.splitlines()
+    assert sum(line.startswith("ok ") for line in lines) == CHECK_LINES[part], lines
+
+
+def test_host_callbacks_are_still_ffi_calls_by_index():
+    """The per-shard call is JAX's own host-callback FFI call, naming the
+    callback by its index in the program (hooks.PYTHON_CALLBACK_TARGETS): what
+    jax.pure_callback lowers to on the CPU."""
+    f = jax.jit(
+        lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct((3,), jnp.float32), x)
+    )
+    # Lowered for the CPU wherever the tests run (a TPU's host callbacks are
+    # send/recv, and the partitioner is not used there).
+    x = jax.device_put(np.zeros(3, np.float32), jax.devices("cpu")[0])
+    text = f.lower(x).as_text()
+    target = _hooks.PYTHON_CALLBACK_TARGETS["cpu"]
+    assert f'"{target}"' in text or f"@{target}(" in text, text
+    assert "index = 0 : ui64" in text, text
+
+
+def test_the_hooks_of_per_shard_maps_under_jit_are_found():
+    names = {h.name for h in _hooks.HOOKS if _hooks.AUTO_PER_SHARD in h.features}
+    assert names == {
+        "custom_partitioning",
+        "ffi_lowering",
+        "ModuleContext",
+        "ShardingContext",
+    }
+    assert _hooks.missing_for(_hooks.AUTO_PER_SHARD) is None

@@ -1,22 +1,26 @@
 """The suite in parts (``--part K/N``, tests/conftest.py; tests/tpu_suite.sh): every
-test file falls in exactly one part, the parts follow the collection order, and
-each holds about as many tests as the others."""
+test is in exactly one part, each part holds its share (within one) of every file's
+tests, so a slow file is spread over all parts, and a run of the parts runs what a
+run of the whole suite runs."""
 
 from __future__ import annotations
 
-import itertools
+import collections
+import subprocess
+import sys
+import textwrap
 
-from conftest import _part_of_file
+from conftest import part_of_test
 from hypothesis import given
 from hypothesis import strategies as st
 
 
-def cut(sizes: list[int], parts: int) -> list[int]:
-    """The part of each file, for files of ``sizes`` tests in collection order."""
-    total, first, out = sum(sizes), 0, []
+def deal(sizes: list[int], parts: int) -> list[list[int]]:
+    """The part of each test, file by file, for files of ``sizes`` tests."""
+    out, index = [], 0
     for size in sizes:
-        out.append(_part_of_file(first, size, total, parts))
-        first += size
+        out.append([part_of_test(index + j, parts) for j in range(size)])
+        index += size
     return out
 
 
@@ -24,18 +28,68 @@ def cut(sizes: list[int], parts: int) -> list[int]:
     st.lists(st.integers(1, 200), min_size=1, max_size=60),
     st.integers(1, 8),
 )
-def test_each_file_is_in_one_part_in_order_and_parts_are_balanced(sizes, parts):
-    where = cut(sizes, parts)
-    assert all(0 <= p < parts for p in where)
-    assert where == sorted(where)  # contiguous runs of files, in order
-    total = sum(sizes)
-    for p in range(parts):
-        held = sum(s for s, q in zip(sizes, where, strict=True) if q == p)
-        # A part overshoots its share by at most half a file on each side.
-        assert held <= total / parts + max(sizes), (sizes, parts, where)
+def test_each_test_is_in_one_part_and_every_file_is_spread_evenly(sizes, parts):
+    where = deal(sizes, parts)
+    assert all(0 <= p < parts for file in where for p in file)
+    for size, file in zip(sizes, where, strict=True):
+        held = collections.Counter(file)
+        share = [held.get(p, 0) for p in range(parts)]
+        assert max(share) - min(share) <= 1, (size, parts, share)
+        assert sum(share) == size
+    whole = collections.Counter(p for file in where for p in file)
+    share = [whole.get(p, 0) for p in range(parts)]
+    assert max(share) - min(share) <= 1, (sizes, parts, share)
 
 
-def test_one_part_is_the_whole_suite_and_equal_files_split_evenly():
-    assert cut([5, 7, 1], 1) == [0, 0, 0]
-    counts = [len(list(g)) for _, g in itertools.groupby(cut([10] * 12, 4))]
-    assert counts == [3, 3, 3, 3]
+def test_one_part_is_the_whole_suite():
+    assert deal([5, 7, 1], 1) == [[0] * 5, [0] * 7, [0]]
+
+
+def test_the_parts_of_a_run_are_the_whole_run(tmp_path):
+    # A small suite of two files, run whole and in 3 parts by pytest itself
+    # (with tests/conftest.py's option): the parts run each test once.
+    (tmp_path / "conftest.py").write_text(
+        (__import__("pathlib").Path(__file__).parent / "conftest.py").read_text()
+    )
+    for name, n in (("test_a.py", 7), ("test_b.py", 4)):
+        (tmp_path / name).write_text(
+            textwrap.dedent(
+                f"""
+                import pytest
+                @pytest.mark.parametrize("i", range({n}))
+                def test_it(i):
+                    pass
+                """
+            )
+        )
+
+    def ran(*args: str) -> list[str]:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:xdist",
+                "-p",
+                "no:randomly",
+                "-p",
+                "no:cacheprovider",
+                "--collect-only",
+                *args,
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [line for line in proc.stdout.splitlines() if "::" in line]
+
+    whole = ran()
+    parts = [ran("--part", f"{k}/3") for k in (1, 2, 3)]
+    assert len(whole) == 11
+    assert sorted(t for part in parts for t in part) == sorted(whole)
+    assert [len(part) for part in parts] == [4, 4, 3]
+    assert all(any("test_b.py" in t for t in part) for part in parts)

@@ -16,6 +16,7 @@ from helpers import (
     count_eqns,
     examples,
     make_inputs,
+    nested_pids,
     nestings,
 )
 from hypothesis import HealthCheck, given, settings
@@ -320,40 +321,11 @@ def test_vectorized_derivative_kernels_under_nested_vmap(jit):
 # --- executors that pickle work ---------------------------------------------------
 
 
-def nested_chunks(executor):
-    out = {
-        "value": jax.ShapeDtypeStruct((3,), jnp.float32),
-        "pid": jax.ShapeDtypeStruct((), jnp.int32),
-    }
-
-    def f(x, y, s):
-        return threadmap(
-            worker_kernels.scaled_chunk_with_pid,
-            out,
-            x,
-            y,
-            scale=s,
-            executor=executor,
-            vectorized=7,
-        )
-
-    # x batched at both levels, y at the inner one only, s unbatched.
-    return jax.jit(jax.vmap(jax.vmap(f, (0, 0, None)), (0, None, None)))
-
-
-def check_nested_chunks(executor):
-    x = np.arange(5 * 4 * 3, dtype=np.float32).reshape(5, 4, 3)
-    y = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) * 10
-    res = nested_chunks(executor)(x, y, np.float32(2))
-    np.testing.assert_allclose(res["value"], (x + y[None]) * 2)
-    return set(np.asarray(res["pid"]).ravel().tolist())
-
-
 @pytest.mark.timeout(180)
 def test_process_pool_runs_chunks_in_workers(spawn_pool):
     import os
 
-    pids = check_nested_chunks(spawn_pool)
+    pids = nested_pids(worker_kernels.scaled_chunk_with_pid, spawn_pool, vectorized=7)
     assert pids and os.getpid() not in pids
 
 
@@ -361,5 +333,9 @@ def test_process_pool_runs_chunks_in_workers(spawn_pool):
 def test_dask_cluster_runs_chunks_in_workers(dask_client):
     import os
 
-    pids = check_nested_chunks(dask_client.get_executor())
+    pids = nested_pids(
+        worker_kernels.scaled_chunk_with_pid,
+        dask_client.get_executor(),
+        vectorized=7,
+    )
     assert pids and pids <= set(dask_client.run(os.getpid).values())

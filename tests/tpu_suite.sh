@@ -2,19 +2,19 @@
 # The test suite on a TPU host, in parts of under 8 minutes each (one device run
 # may last 10): docs/accelerators.md, "Running the tests on an accelerator".
 #
-#   bash tests/tpu_suite.sh K [N]      # part K of N (N = 4 unless given), K = 1 .. N
+#   bash tests/tpu_suite.sh K [N]      # part K of N (N = 6 unless given), K = 1 .. N
 #
 # Part K runs, at the same time:
 #   - in one pytest process on the TPU (one process at a time may hold it), the
 #     K-th of N parts of the tests not marked `children`;
 #   - in a CPU-only pytest process beside it, the K-th of N parts of the tests
 #     marked `children` (their work runs in child processes on the CPU anyway).
-# A part is whole test files, cut by tests/conftest.py (--part K/N) from what is
-# collected, about as many tests in each: renamed or new files need no list here.
+# tests/conftest.py (--part K/N) deals each file's tests to the parts in turn, so a
+# slow file is spread over all of them: renamed or new files need no list here.
 # Logs: $OUT (the folder a device run sends back) or /tmp.
 set -u
 K=${1:?usage: bash tests/tpu_suite.sh K [N]}
-N=${2:-4}
+N=${2:-6}
 LOGS=${OUT:-/tmp}
 SITE=/tmp/tpu-suite-site
 # What the TPU image lacks of the package's dependencies and the test extra, from

@@ -1,10 +1,11 @@
-"""The public API: ``threadmap``, and ``kernel`` for kernels with derivatives."""
+"""The ``kernel`` decorator: :class:`KernelFunction`, the derivative kernels
+attached to it, and the params they become at each call (``threadmap`` itself
+is ``binding.py``; the checks of ``defjvp``/``defvjp``, ``rule_checks.py``)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
@@ -12,103 +13,22 @@ import jax
 import numpy as np
 
 from .._executors import async_kernels as _async_kernels
-from .._executors.runners import Executor
 from .._executors.scheduling import InOrder
-from .._host.batch_spec import BatchSpec
 from .._jax import hooks as _hooks
-from .._support import environment as _environment
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
-from .params import KernelParam, ResidualRule, RuleKernel, hashable
-from .primitive import threadmap_p
+from .binding import bind as _bind
+from .binding import check_executor
+from .params import ResidualRule, RuleKernel, hashable
+from .rule_checks import DerivativeKernel
+from .rule_checks import check_rule as _check_rule
+from .rule_checks import check_shared_fwd as _check_shared_fwd
+from .rule_checks import fwd_rule as _fwd_rule
+from .rule_checks import one_fwd_message as _one_fwd_message
 
-#: A JVP or VJP kernel: ``defjvp``/``defvjp`` return the function they are given.
-DerivativeKernel = TypeVar("DerivativeKernel", bound=Callable[..., Any])
 #: What a kernel call returns, for type checkers: ``jax.Array`` for one
 #: ``jax.ShapeDtypeStruct``, a tuple of them for a tuple, else ``Any`` (a pytree).
 R = TypeVar("R")
-
-
-def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    """``executor`` as ``threadmap`` uses it; ``None`` checks
-    ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails the call."""
-    if isinstance(executor, InOrder):
-        if isinstance(executor.executor, InOrder):
-            raise TypeError(
-                f"{api}: InOrder takes the executor itself, not another InOrder. "
-                f"Got executor={executor!r}. Pass InOrder(8), for example."
-            )
-        return InOrder(check_executor(executor.executor, api))
-    if executor is None:
-        _environment.env_num_threads()
-        return None
-    if isinstance(executor, concurrent.futures.Executor):
-        return executor
-    if isinstance(executor, (bool, np.bool_)) or not isinstance(
-        executor, (int, np.integer)
-    ):
-        raise TypeError(
-            f"{api}: executor must be None (the shared pool), a positive int (a pool "
-            "of that many threads), a concurrent.futures.Executor, or one of these "
-            "in jax_threadmap.InOrder (elements in index order). "
-            f"Got executor={executor!r} of type {type(executor).__name__}."
-        )
-    if executor < 1:
-        raise ValueError(
-            f"{api}: executor=N must be a positive number of threads. "
-            f"Got executor={executor!r}. Pass e.g. executor=8, or None for the "
-            "shared pool."
-        )
-    if executor > _validate.MAX_THREADS:
-        raise ValueError(
-            f"{api}: executor=N must be at most {_validate.MAX_THREADS} threads. Got "
-            f"executor={int(executor)}. Pass the number of kernels that should run at "
-            "once (e.g. 32 for network reads), not the number of elements; for more "
-            "concurrency than that, pass your own concurrent.futures.Executor."
-        )
-    return int(executor)
-
-
-def _bind(
-    fn: Callable[..., Any],
-    result_shape_dtypes: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    executor: Executor,
-    progress: bool | None,
-    vectorized: tuple[bool, int | None],
-    max_in_flight: int | None = None,
-    jvp: Callable[..., Any] | None = None,
-    vjp: Callable[..., Any] | FwdBwd | None = None,
-    wrapped: bool = False,
-) -> Any:
-    """Binds one ``threadmap`` equation; every argument is checked already.
-
-    ``wrapped``: called by a ``KernelFunction`` (for the message when it lacks a
-    derivative kernel).
-    """
-    _hooks.require(_hooks.THREADMAP, "jax_threadmap.threadmap")
-    avals, out_tree = _validate.result_avals(result_shape_dtypes)
-    leaves, in_tree = _validate.check_operands(args, kwargs)
-    outs = threadmap_p.bind(
-        *leaves,
-        kernel=KernelParam(
-            hashable(fn),
-            in_tree,
-            out_tree,
-            _rule_param(jvp, ()),
-            _reverse_param(vjp, ()),
-            *vectorized,
-            wrapped=wrapped,
-            max_in_flight=max_in_flight,
-        ),
-        result_avals=avals,
-        spec=BatchSpec.unbatched(len(leaves)),
-        executor=executor,
-        progress=progress,
-    )
-    return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
 class FwdBwd(NamedTuple):
@@ -168,191 +88,6 @@ def _reverse_param(
         tree,
         res_avals,
         _rule_param(rule.jvp, outer),
-    )
-
-
-@overload
-def threadmap(
-    kernel: Callable[..., Any],
-    result_shape_dtypes: jax.ShapeDtypeStruct,
-    /,
-    *args: Any,
-    executor: int | concurrent.futures.Executor | InOrder | None = None,
-    progress: bool | None = None,
-    vectorized: bool | int = False,
-    max_in_flight: int | None = None,
-    **kwargs: Any,
-) -> jax.Array: ...
-
-
-@overload
-def threadmap(
-    kernel: Callable[..., Any],
-    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
-    /,
-    *args: Any,
-    executor: int | concurrent.futures.Executor | InOrder | None = None,
-    progress: bool | None = None,
-    vectorized: bool | int = False,
-    max_in_flight: int | None = None,
-    **kwargs: Any,
-) -> tuple[jax.Array, ...]: ...
-
-
-@overload
-def threadmap(
-    kernel: Callable[..., Any],
-    result_shape_dtypes: Any,
-    /,
-    *args: Any,
-    executor: int | concurrent.futures.Executor | InOrder | None = None,
-    progress: bool | None = None,
-    vectorized: bool | int = False,
-    max_in_flight: int | None = None,
-    **kwargs: Any,
-) -> Any: ...
-
-
-def threadmap(
-    kernel: Callable[..., Any],
-    result_shape_dtypes: Any,
-    /,
-    *args: Any,
-    executor: int | concurrent.futures.Executor | InOrder | None = None,
-    progress: bool | None = None,
-    vectorized: bool | int = False,
-    max_in_flight: int | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Calls a host kernel per element, as one threaded map under any ``vmap``.
-
-    Call it like
-    [`jax.pure_callback`](https://docs.jax.dev/en/latest/_autosummary/jax.pure_callback.html):
-    inside the function you ``vmap``, with the *unbatched* arguments. ``kernel``
-    receives NumPy arrays of exactly the unbatched shapes (0-d arrays for scalars,
-    read-only views, no copies per element) plus ``kwargs``, and returns one element's
-    result. However many ``vmap`` levels wrap the call, it stays one ``threadmap``
-    equation; the host runs one flat map over all elements on a thread pool, and
-    arguments that are not batched are never tiled.
-
-    Args:
-        kernel: A function of NumPy arrays returning a pytree of arrays (or
-            numbers) that matches ``result_shape_dtypes``. Pass the same function
-            object on every call so that jit caches hit.
-        result_shape_dtypes: A pytree of objects with ``.shape`` and ``.dtype``
-            (e.g.
-            [`jax.ShapeDtypeStruct`](https://docs.jax.dev/en/latest/_autosummary/jax.ShapeDtypeStruct.html))
-            describing one element's result.
-        *args: Pytrees of arrays, passed positionally to ``kernel``.
-        executor: Where the elements run. ``None``: the shared process-wide pool
-            of ``JAX_THREADMAP_NUM_THREADS`` threads (default: one per CPU). An
-            ``int`` N (at most 4096): a shared pool of N threads. A
-            [`concurrent.futures.Executor`](https://docs.python.org/3/library/concurrent.futures.html#executor-objects):
-            used as given. A pool's size is a hard bound on the kernels of all its maps
-            running at once, with one exception: a kernel that waits for a nested map
-            runs that map's elements on its own thread meanwhile (lending its thread,
-            and its place in its own pool), so a nested map on another pool or executor
-            can run one kernel more than its bound per kernel waiting for it; on the
-            same pool the bound is exact. The pools' threads are shared by every size,
-            started on demand, and exit after 2 s idle. Any of these in
-            [`InOrder`][jax_threadmap.InOrder]: the elements run one per claim in
-            index order on every thread at once, as `ThreadPoolExecutor.map` does,
-            for elements that wait for each other.
-        progress: Show a progress bar (tqdm when installed, else lines on
-            stderr) for maps that run longer than about a second. ``None``: on
-            when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.
-            Costs nothing when off.
-        vectorized: ``False``: ``kernel`` takes one element. ``True``: it takes a
-            chunk of ``k`` elements: every operand (batched or not; unbatched
-            ones as read-only views that repeat one element with stride 0)
-            with one leading axis of length ``k``, and it returns every result
-            with that leading axis. One call per chunk, chunks in parallel on the
-            executor, any ``vmap`` nesting folded into one flat map; chunks are
-            long enough that the per-call cost vanishes (a few per worker, at
-            most about 16 MB of operands and results). An ``int`` N: vectorized,
-            with at most N elements per chunk (for kernels that need memory per
-            element).
-        max_in_flight: For an ``async def`` kernel, the most elements awaited at
-            once. ``None``: the environment variable
-            ``JAX_THREADMAP_MAX_IN_FLIGHT``, else 2048. An ``async def`` kernel
-            runs each element as a coroutine on jax_threadmap's one event loop
-            (the loop of ``async def`` loaders), not a thread each; it takes
-            ``executor=None`` and ``vectorized=False`` only (see
-            [async def kernels](async-kernels.md)). Plain
-            kernels ignore it.
-        **kwargs: Pytrees of arrays, passed by keyword to ``kernel``. The names
-            ``executor``, ``progress``, ``vectorized`` and ``max_in_flight`` are
-            reserved by ``threadmap`` and cannot reach the kernel (``kernel`` and
-            ``result_shape_dtypes`` are positional-only, so those names do reach
-            it); ``sharding`` and
-            ``vmap_method``, keywords of ``jax.pure_callback``, are refused.
-
-    Returns:
-        A pytree of arrays with the structure of ``result_shape_dtypes``; under
-        ``vmap``, each leaf gains the batch axes.
-
-    Raises:
-        TypeError: ``kernel``, ``result_shape_dtypes``, ``executor``,
-            ``max_in_flight`` or an argument is not what is expected (raised at
-            call time, before anything runs); an ``async def`` kernel with an
-            executor or ``vectorized``.
-        ValueError: ``result_shape_dtypes`` has no leaves (``None``, ``()``,
-            ``{}``): under ``jit`` the kernel would never run. A kernel run for
-            its side effects returns a small status per element instead.
-        KernelError: At run time, when the kernel raises or returns a value of
-            the wrong shape, dtype kind or structure, or a value that the
-            declared dtype cannot hold (an integer out of range, a finite float
-            that would overflow; results are never wrapped or narrowed to inf);
-            the message names the batch index (for a vectorized kernel, the
-            chunk's range of batch indices). Under ``jit`` it arrives wrapped in
-            JAX's runtime error.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, numpy as np
-        >>> from jax_threadmap import threadmap
-        >>> def kernel(x, y):  # one element: x has shape (3,), y is 0-d
-        ...     return np.sort(x) * y
-        >>> def f(x, y):
-        ...     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        ...     return threadmap(kernel, out, x, y)
-        >>> x = jnp.arange(24.0).reshape(2, 4, 3)[..., ::-1]
-        >>> y = jnp.arange(4.0)
-        >>> jax.jit(jax.vmap(jax.vmap(f), in_axes=(0, None)))(x, y).shape
-        (2, 4, 3)
-
-        A vectorized kernel gets a chunk of elements at once:
-
-        >>> def add(x, y):  # x: (k,), y: (k,) repeating one value
-        ...     return x + y
-        >>> g = jax.vmap(lambda x, y: threadmap(add, jax.ShapeDtypeStruct((),
-        ...     x.dtype), x, y, vectorized=True), in_axes=(0, None))
-        >>> g(jnp.arange(4.0), 10.0)
-        Array([10., 11., 12., 13.], dtype=float32)
-    """
-    _validate.check_callable(
-        kernel,
-        "threadmap",
-        "kernel",
-        "Pass the kernel first, then result_shape_dtypes, then the arguments.",
-    )
-    _validate.check_callback_kwargs(kwargs, "threadmap")
-    executor = check_executor(executor)
-    chunking = _validate.check_vectorized(vectorized)
-    if max_in_flight is not None or _validate.is_coroutine_function(kernel):
-        # (A plain kernel's call never visits the async kernels' module.)
-        _async_kernels.check_async_kernel(
-            kernel, executor=executor, vectorized=chunking[0], api="threadmap"
-        )
-        max_in_flight = _async_kernels.check_max_in_flight(max_in_flight)
-    return _bind(
-        kernel,
-        result_shape_dtypes,
-        args,
-        kwargs,
-        executor=executor,
-        progress=_validate.check_progress(progress),
-        vectorized=chunking,
-        max_in_flight=max_in_flight,
     )
 
 
@@ -453,8 +188,8 @@ class KernelFunction(Generic[R]):
             progress=self._progress,
             vectorized=self._vectorized,
             max_in_flight=self._max_in_flight,
-            jvp=self.primal_jvp,
-            vjp=self.reverse_rule,
+            jvp=_rule_param(self.primal_jvp, ()),
+            vjp=_reverse_param(self.reverse_rule, ()),
             wrapped=True,
         )
         return result
@@ -723,133 +458,6 @@ class KernelFunction(Generic[R]):
             f"<jax_threadmap kernel {_validate.callable_name(self.fn)}"
             f"{' with ' + ' and '.join(rules) if rules else ''}>"
         )
-
-
-def _check_rule(
-    rule: DerivativeKernel, method: str, fn: Callable[..., Any]
-) -> DerivativeKernel:
-    """Checks a derivative kernel, and refuses a ``custom_jvp`` rule with the
-    signature expected instead."""
-    expected = _expected_rule(method, fn)
-    if not callable(rule):
-        raise TypeError(
-            f"{method} expects a callable derivative kernel, {expected}. Got "
-            f"{rule!r} of type {type(rule).__name__}."
-        )
-    if method == "defjvp" and _positional_names(rule)[:2] == ["primals", "tangents"]:
-        raise TypeError(
-            f"{method}: {_validate.callable_name(rule)} looks like a jax.custom_jvp "
-            "rule, jvp(primals, tangents) -> (primal_out, tangent_out). A "
-            f"jax_threadmap JVP kernel is {expected}: one element's primals and "
-            "tangents as separate arguments, returning only the tangent."
-        )
-    return rule
-
-
-def _positional_names(f: Callable[..., Any]) -> list[str]:
-    """The names of ``f``'s positional parameters; empty when it cannot tell."""
-    try:
-        params = inspect.signature(f).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in params if p.kind in kinds]
-
-
-def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
-    """The signature of ``fn``'s derivative kernel, for messages; ``"fwd/bwd"``:
-    of both kernels of ``defvjp(fwd, bwd, residuals=...)``."""
-    primals = _positional_names(fn) or ["*primals"]
-    if method == "defjvp":
-        tangents = ["*tangents" if p.startswith("*") else f"{p}_dot" for p in primals]
-        return f"jvp({', '.join(primals + tangents)}, **kwargs) -> tangent_out"
-    cts = ", ".join(f"ct_{p.lstrip('*')}" for p in primals)
-    cts = f"({cts},)" if len(primals) == 1 else f"({cts})"
-    if method.startswith("fwd/"):
-        fwd = f"fwd({', '.join(primals)}, **kwargs) -> (out, residuals) and "
-        if method == "fwd/jvp":
-            tangents = [
-                "*tangents" if p.startswith("*") else f"{p}_dot" for p in primals
-            ]
-            return (
-                fwd + f"jvp(residuals, {', '.join(tangents)}, **kwargs) -> tangent_out"
-            )
-        return fwd + f"bwd(residuals, ct_out, **kwargs) -> {cts}"
-    return f"vjp({', '.join(primals)}, ct_out, **kwargs) -> {cts}"
-
-
-def _fwd_rule(
-    fwd: Any, rule: Any, residuals: Any, fn: Callable[..., Any], method: str
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``fwd`` and ``defvjp``'s ``bwd`` or ``defjvp``'s ``jvp``, checked with
-    their ``residuals``."""
-    one = _expected_rule(method, fn)
-    role = "bwd" if method == "defvjp" else "jvp"
-    two = _expected_rule(f"fwd/{role}", fn)
-    if rule is None:
-        raise TypeError(
-            f"{method}: residuals= goes with a forward and a {role} kernel, "
-            f"{method}(fwd, {role}, residuals=...), where {two}. A single kernel, "
-            f"{one}, gets the primals and keeps no residuals. Got one kernel and "
-            f"residuals={residuals!r}."
-        )
-    if residuals is None:
-        custom_jvp = (
-            " (it is not jax.custom_jvp's defjvps(*tangent_fns))"
-            if method == "defjvp"
-            else ""
-        )
-        raise TypeError(
-            f"{method}(fwd, {role}) needs residuals=: one element's residuals "
-            "(what fwd returns beside the output), a pytree of "
-            "jax.ShapeDtypeStruct, e.g. residuals=(jax.ShapeDtypeStruct((3, 3), "
-            f"jnp.float32),), or () for none; {two}. Or pass one kernel, {one}, "
-            f"which gets the primals{custom_jvp}."
-        )
-    for path, leaf in jax.tree_util.tree_flatten_with_path(residuals)[0]:
-        where = "residuals" + jax.tree_util.keystr(path)
-        _validate.shape_dtype_of(leaf, where, f"{method}(fwd, {role}, residuals=...)")
-    for name, given in (("fwd", fwd), (role, rule)):
-        if not callable(given):
-            raise TypeError(
-                f"{method} expects callable fwd and {role} kernels, {two}. Got "
-                f"{name}={given!r} of type {type(given).__name__}."
-            )
-    return fwd, rule
-
-
-def _check_shared_fwd(
-    kernel: KernelFunction[Any], fwd: Any, residuals: Any, method: str
-) -> None:
-    """``defjvp(fwd, jvp, ...)`` and ``defvjp(fwd, bwd, ...)`` share one ``fwd``:
-    a second one with another ``fwd`` or other residuals is refused."""
-    same_res = _residual_layout(residuals) == _residual_layout(kernel.residuals)
-    if fwd is kernel.fwd and same_res:
-        return
-    other = "defvjp(fwd, bwd" if method == "defjvp" else "defjvp(fwd, jvp"
-    raise TypeError(
-        f"{method}: {_validate.callable_name(kernel.fn)} already has "
-        f"{other}, residuals=...) with fwd={_validate.callable_name(kernel.fwd)} "
-        f"and residuals={kernel.residuals!r}; both rules run on the residuals of "
-        f"one fwd, so they must share it. Got fwd={_validate.callable_name(fwd)} "
-        f"and residuals={residuals!r}. Pass the same fwd and residuals to both."
-    )
-
-
-def _residual_layout(residuals: Any) -> tuple[Any, list[tuple[Any, Any]]]:
-    leaves, tree = jax.tree_util.tree_flatten(residuals)
-    return tree, [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
-
-
-def _one_fwd_message(fn: Callable[..., Any]) -> str:
-    name = _validate.callable_name(fn)
-    return (
-        f"defvjp: {name} has defjvp(fwd, jvp, residuals=...), whose jvp is "
-        "transposed by a bwd over the same residuals, not by a VJP kernel on the "
-        f"primals. Attach {_expected_rule('fwd/bwd', fn)} with defvjp(fwd, bwd, "
-        "residuals=...), the same fwd and residuals; or first attach a JVP kernel "
-        "that takes the primals (defjvp(jvp))."
-    )
 
 
 @overload

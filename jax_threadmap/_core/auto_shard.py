@@ -1,19 +1,20 @@
-"""Per-shard maps under ``jit`` on automatic mesh axes (GSPMD or Shardy).
+"""Per-shard maps under ``jit`` on a mesh of several devices (GSPMD or Shardy).
 
-With a mesh whose axes are automatic (``jax.sharding.Mesh``, ``AxisType.Auto``)
-the sharding of an operand is decided by XLA's partitioner after the equation
-is lowered. :func:`lower` lowers a batched equation as a ``custom_partitioning``
-call: when XLA partitions it, :meth:`_Plan.partition` reads the shardings that
-XLA chose (:meth:`_Plan.levels`) and asks for each batched operand with its
-batch axes on those mesh axes and its other axes whole (an operand sharded
-along an element's own axes is gathered along those only), and for unbatched
-operands whole. Each device then calls the host once, on its own block (one
-flat map), and the results keep the batch sharding. Blocks are the same size
-on every device; where a level does not divide evenly, XLA pads the last
-blocks, and the host maps only a block's real elements (it is told the
-block's position) and fills the rest with zeros, which XLA drops. Levels that
-an output sums away (reverse-mode cotangents) are summed over their mesh axes
-with ``psum``.
+With explicit mesh axes (``AxisType.Explicit``) the operands' types carry their
+sharding, and the results are typed with the batch sharding of the operands
+(:func:`explicit_result_shardings`); with automatic ones (``jax.sharding.Mesh``)
+XLA's partitioner decides it after the equation is lowered. Either way,
+:func:`lower` lowers a batched equation as a ``custom_partitioning`` call: when
+XLA partitions it, :meth:`_Plan.partition` reads the shardings that XLA chose
+(:meth:`_Plan.levels`) and asks for each batched operand with its batch axes on
+those mesh axes and its other axes whole (an operand sharded along an element's
+own axes is gathered along those only), and for unbatched operands whole. Each
+device then calls the host once, on its own block (one flat map), and the
+results keep the batch sharding. Blocks are the same size on every device;
+where a level does not divide evenly, XLA pads the last blocks, and the host
+maps only a block's real elements (it is told the block's position) and fills
+the rest with zeros, which XLA drops. Levels that an output sums away
+(reverse-mode cotangents) are summed over their mesh axes with ``psum``.
 
 Where this JAX or platform cannot (:func:`.._jax.auto_sharding.unavailable`),
 the equation is lowered as before: one device maps every element.
@@ -53,13 +54,15 @@ def lower(
     ``spec.shape``.
     """
     spec: BatchSpec = params["spec"]
-    if not spec.shape or _auto.automatic_mesh(ctx) is None:
+    mesh = _auto.automatic_mesh(ctx)
+    if not spec.shape or mesh is None:
         return None
     reason = _auto.unavailable(ctx)
     if reason is not None:
         _auto.log_fallback(reason)
         return None
     plan = _Plan(spec, ctx.avals_in, params["result_avals"])
+    plan.explicit = _explicit_axes(mesh)  # (the partitioner's mesh has none)
     host = _ShardHost(spec, params["result_avals"], make_host)
     plan.index = _auto.register_host_callback(ctx, host)
     return _auto.lower_partitioned(
@@ -80,6 +83,7 @@ class _Plan:
         self.ndims = [len(a.shape) for a in avals_in]
         self.results = tuple(results)  # one element's result avals
         self.index = -1  # of the host callback, in the program
+        self.explicit: set[str] = set()  # the mesh's explicit axes
 
     def rule(self) -> str:
         """The Shardy rule: each level one factor, every other axis its own."""
@@ -115,10 +119,10 @@ class _Plan:
         out (that operand is gathered along them). When no level is sharded,
         the mesh's other axes (of size > 1) go on the first level whose block
         they divide, else on the largest level, in blocks padded at the end.
-        Else, proposed to XLA (``chosen`` is ``None``), they go on the first
-        level whose block they divide (a local slice of the data); otherwise,
-        and where none does, the devices along such an axis map the same
-        elements.
+        Else, proposed to XLA (``chosen`` is ``None``) or explicit, they go on
+        the first level whose block they divide (a local slice of the data;
+        the results are gathered back over them); otherwise, and where none
+        does, the devices along such an axis map the same elements.
         """
         levels: list[MeshAxes] = [()] * len(self.spec.shape)
         taken = self._core_axes(arg_shapes)
@@ -133,10 +137,15 @@ class _Plan:
                 continue
             blocks = self._blocks(sizes, levels)
             fits = [lv for lv, b in enumerate(blocks) if b % sizes[name] == 0]
-            if anywhere or (fits and chosen is None):
+            if anywhere or (fits and self._may_split(name, chosen)):
                 lv = fits[0] if fits else int(np.argmax(blocks))
                 levels[lv] = (*levels[lv], name)
         return levels
+
+    def _may_split(self, name: str, chosen: Sequence[Any] | None) -> bool:
+        """Whether a level may take the mesh axis ``name``, which no level is
+        sharded over: proposed to XLA, or explicit (see :meth:`levels`)."""
+        return chosen is None or name in self.explicit
 
     def _core_axes(self, arg_shapes: Sequence[Any]) -> set[str]:
         """The mesh axes that shard an element's own axes of a batched operand."""
@@ -290,6 +299,36 @@ class _ShardHost:
                 full[tuple(slice(0, real[lv]) for lv in kept)] = outs[k]
             padded.append(full)
         return tuple(padded)
+
+
+def explicit_result_shardings(
+    avals: Sequence[Any], spec: BatchSpec, results: Sequence[Any]
+) -> list[Any] | None:
+    """The results' shardings where a batch level of the operands is sharded
+    over explicit mesh axes (sharding in types): each kept level on the mesh
+    axes of the first batched operand sharded there, the element's own axes
+    whole. ``None`` where no level is (the results' default type)."""
+    levels: list[MeshAxes] = [()] * len(spec.shape)
+    mesh: Any = None
+    taken: set[str] = set()
+    for aval, axes in zip(avals, spec.in_axes, strict=True):
+        sharding: Any = getattr(aval, "sharding", None)
+        entries = _spec_entries(sharding)
+        for lv, d in enumerate(axes):
+            names = _names(entries[d]) if d is not None and d < len(entries) else ()
+            free = _explicit_axes(sharding.mesh) - taken if names else set()
+            if names and not levels[lv] and set(names) <= free:
+                levels[lv], mesh = names, sharding.mesh
+                taken.update(names)
+    if mesh is None:
+        return None
+    return _Plan(spec, avals, results)._result_shardings(mesh, levels)
+
+
+def _explicit_axes(mesh: Any) -> set[str]:
+    types = getattr(mesh, "axis_types", None) or ()
+    explicit = jax.sharding.AxisType.Explicit
+    return {n for n, t in zip(mesh.axis_names, types, strict=False) if t == explicit}
 
 
 def _slice(axes: Sequence[int | None], d: int, real: tuple[int, ...]) -> slice:

@@ -39,7 +39,6 @@ from .._jax import avals as _avals
 from .._jax import primitive_rules as _rules
 from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
-from . import per_shard as _per_shard
 from .params import HostCall
 
 threadmap_p = _rules.Primitive("threadmap")
@@ -106,18 +105,36 @@ def _threadmap_abstract_eval(
         )
     # Inside shard_map, results vary over every mesh axis an operand varies over.
     varying = frozenset().union(*map(_avals.varying_axes, avals))
+    shapes = [
+        spec.out_batch_shape(k) + tuple(a.shape) for k, a in enumerate(result_avals)
+    ]
+    # On explicit mesh axes, results keep the operands' batch sharding.
+    shardings = _auto_shard.explicit_result_shardings(avals, spec, result_avals)
+    if shardings is not None:
+        return [
+            _avals.ShapedArray(shape, a.dtype, sharding=sharding)
+            for shape, a, sharding in zip(shapes, result_avals, shardings, strict=True)
+        ]
     return [
-        _avals.shaped_array(spec.out_batch_shape(k) + tuple(a.shape), a.dtype, varying)
-        for k, a in enumerate(result_avals)
+        _avals.shaped_array(shape, a.dtype, varying)
+        for shape, a in zip(shapes, result_avals, strict=True)
     ]
 
 
 def _threadmap_impl(*args: Any, **params: Any) -> list[jax.Array]:
+    if params["spec"].shape and any(map(_on_several_devices, args)):
+        # Sharded operands: one host call per device on its own block, as
+        # under jit (docs/sharding.md).
+        return list(jax.jit(functools.partial(threadmap_p.bind, **params))(*args))
     # Eager: the host function runs here, on NumPy copies of the operands, so a
     # failing kernel raises its own error (type, batch index, cause).
     outs = host_function(**params)(*map(_host_operand, args))
     device = _committed_device(args)
     return [jax.device_put(o, device) for o in outs]
+
+
+def _on_several_devices(a: Any) -> bool:
+    return isinstance(a, jax.Array) and len(a.sharding.device_set) > 1
 
 
 def _host_operand(a: Any) -> np.ndarray:
@@ -157,11 +174,7 @@ def _threadmap_batching_rule(
         norm_dims.append(d)
         size = x.shape[d]
     assert size is not None  # the rule only runs with at least one batched operand
-    # Where the batch axes are sharded over explicit mesh axes, the equation is
-    # bound inside a shard_map: one flat map per shard (docs/sharding.md).
-    outs = _per_shard.bind(
-        threadmap_p.bind, *args, spec=spec.grow(size, norm_dims), **params
-    )
+    outs = threadmap_p.bind(*args, spec=spec.grow(size, norm_dims), **params)
     return outs, [0] * len(outs)
 
 
@@ -228,9 +241,9 @@ def _lower_per_shard(
     data_in: list[int],
     data_out: list[int],
 ) -> Sequence[Any] | None:
-    """Under jit on automatic mesh axes: one host call per device, each on its
-    own block (docs/sharding.md); ``None`` elsewhere, and where an operand or
-    a result holds no data."""
+    """Under jit on several devices: one host call per device, each on its own
+    block (docs/sharding.md); ``None`` elsewhere, and where an operand or a
+    result holds no data."""
     if len(data_in) < len(ctx.avals_in) or len(data_out) < len(ctx.avals_out):
         return None
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.api import threadmap
+from .._core.binding import threadmap
 from .._support.cpus import available_cpus
 
 # --- kernels and inputs ---------------------------------------------------------------

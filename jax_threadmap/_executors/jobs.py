@@ -280,3 +280,14 @@ def _stopped_by_parent() -> ExecutorError:
     return ExecutorError(
         "This map was stopped because the map whose kernel started it failed."
     )
+
+
+#: Set when the interpreter starts to exit (by ``runners``' exit hooks),
+#: for messages.
+interpreter_exiting = threading.Event()
+
+
+def at_shutdown(e: BaseException) -> bool:
+    """Whether ``e``, raised by starting a thread or submitting work, came from an
+    interpreter that is exiting (CPython's words: "... at interpreter shutdown")."""
+    return interpreter_exiting.is_set() or "interpreter shutdown" in str(e)

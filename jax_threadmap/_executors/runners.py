@@ -10,22 +10,21 @@ import atexit
 import concurrent.futures
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._host.inner_threads import BLAS_LIMIT
-from .._host.kernel_scope import KernelScope
+from .._host.maps import HostMap
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError
 from . import scheduling as policy
 from . import shared_threads as _shared_threads
-from . import thread_executors as _thread_executors
-from .jobs import Job, this_thread
-from .progress import Progress, progress_enabled
-from .refusals import interpreter_exiting, said
+from .jobs import Job, interpreter_exiting, this_thread
+from .progress import Progress, progress_enabled, wait
 from .scheduling import InOrder
-from .shipping import ShippedWork, Shipper, broken_hint
+from .shipping import Shipper, broken_hint, refused, said
 
 #: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
 #: any of these in ``InOrder`` for one element per claim in index order.
@@ -48,26 +47,20 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
         return None
 
 
-class MapWork(ShippedWork, Protocol):
-    """What the executor layer needs of a map (``_host.maps.HostMap``): what
-    shipping needs (:class:`.shipping.ShippedWork`), and this."""
+#: Per thread executor, the lock held while a map queues its first pullers: two
+#: maps started at once would split its workers, and elements that wait for each
+#: other could wait for good. Executors without weak references share _fallback.
+_states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
+_fallback = threading.Lock()
 
-    sums: bool  # outputs summed on the host: chunk bounds must not depend on timing
-    scope: KernelScope | None  # entered around each chunk run here (kernel_scope.py)
 
-    @property
-    def element_bytes(self) -> int: ...  # one element's operands and results
-
-    def split(self, max_elements: int) -> int:
-        """Cuts a vectorized map into chunks of at most ``max_elements``; returns
-        how many (the work units)."""
-        ...
-
-    @property
-    def run_chunk(self) -> Callable[[int, int, Any], None]:
-        """What runs units ``[start, stop)`` of the map in this thread, as
-        ``run_chunk(start, stop, job)`` (read once per map)."""
-        ...
+def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
+    with _states_lock:
+        try:
+            return _states.setdefault(executor, threading.Lock())
+        except TypeError:  # an executor that takes no weak references
+            return _fallback
 
 
 # --- one runner per kind of executor --------------------------------------------------
@@ -79,22 +72,9 @@ class Runner(Protocol):
     workers: int  # kernels it runs at once (a guess where the executor does not say)
     on_threads: bool  # its workers are threads of this process
 
-    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+    def run(self, job: Job, work: HostMap, progress: Progress | None) -> None:
         """Runs ``job`` (the chunks of ``work``) to completion or first failure."""
         ...
-
-
-class SharedThreads:
-    """``executor=None`` or ``executor=N``."""
-
-    on_threads = True
-
-    def __init__(self, executor: int | None):
-        self.pool = _shared_threads.get_pool(executor)
-        self.workers = self.pool.max_workers
-
-    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
-        self.pool.run(job, progress)
 
 
 class _UserExecutor:
@@ -107,12 +87,61 @@ class _UserExecutor:
 
 
 class ThreadExecutor(_UserExecutor):
-    """A user's ``ThreadPoolExecutor``."""
+    """A user's ``ThreadPoolExecutor``: one puller task (``job.drain``) per
+    thread the map may use; a nested map's waiting thread drains it too."""
 
     on_threads = True
 
-    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
-        _thread_executors.run_on_executor(self.executor, job, progress)
+    def run(self, job: Job, work: HostMap, progress: Progress | None) -> None:
+        executor = self.executor
+        lock = threading.Lock()  # guards ``left`` and ``futures``
+        left = [0]  # pullers submitted and not yet done
+        futures: list[concurrent.futures.Future[None]] = []
+
+        def on_done(f: concurrent.futures.Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if f.cancelled():
+                if last:  # no puller will ever claim the rest
+                    job.fail(
+                        ExecutorError(f"The executor {executor!r} cancelled the map.")
+                    )
+            elif f.exception() is not None:
+                job.fail(f.exception())  # type: ignore[arg-type]
+
+        def hand() -> None:
+            """Submits pullers up to the job's limit; a refusal fails the map when
+            no puller runs it."""
+            while job.add_hand():
+                with lock:
+                    left[0] += 1
+                try:
+                    future = executor.submit(job.drain)  # a puller
+                except RuntimeError as e:
+                    job.drop_hand()
+                    with lock:
+                        left[0] -= 1
+                        alone = not futures
+                    if alone:
+                        job.fail(refused(executor, e))
+                    return
+                with lock:
+                    futures.append(future)
+                future.add_done_callback(on_done)
+
+        job.grow = hand
+        try:
+            with _queueing(executor):
+                hand()
+            if this_thread.job is not None:
+                job.drain()
+            wait(job, job.done.wait, progress)
+        finally:
+            with lock:
+                started = list(futures)
+            for f in started:  # pullers that never started: nothing left to claim
+                f.cancel()
 
 
 class PicklingExecutor(_UserExecutor):
@@ -120,7 +149,7 @@ class PicklingExecutor(_UserExecutor):
 
     on_threads = False
 
-    def run(self, job: Job, work: MapWork, progress: Progress | None) -> None:
+    def run(self, job: Job, work: HostMap, progress: Progress | None) -> None:
         Shipper(self.executor, work, job, self.known).run(progress)
 
 
@@ -130,7 +159,7 @@ def _is_shared(executor: Any) -> bool:
 
 #: The kinds of executor, first match first: a test and a runner class.
 RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], Runner]], ...] = (
-    (_is_shared, SharedThreads),
+    (_is_shared, _shared_threads.get_pool),
     (lambda e: isinstance(e, concurrent.futures.ThreadPoolExecutor), ThreadExecutor),
     (lambda executor: True, PicklingExecutor),
 )
@@ -147,7 +176,7 @@ _flights: dict[Job, threading.Thread] = {}
 
 
 def new_job(
-    work: MapWork,
+    work: HostMap,
     executor: Executor,
     max_chunk: int | None = None,
     parent: Job | None = None,
@@ -185,7 +214,7 @@ def new_job(
 
 def run_map(
     executor: Executor | InOrder,
-    work: MapWork,
+    work: HostMap,
     *,
     progress: bool | None,
     max_chunk: int | None = None,
@@ -300,3 +329,12 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+
+
+@_fork.in_child
+def _start_afresh() -> None:
+    """Any lock of the user executors may have been held at the fork."""
+    global _states, _states_lock, _fallback
+    _states = weakref.WeakKeyDictionary()
+    _states_lock = threading.Lock()
+    _fallback = threading.Lock()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .._support.cpus import available_cpus
-
 #: Seconds of kernel work per task that amortise the cost of a task of an
 #: executor that pickles work (about 1 ms for a process pool or Dask).
 TASK_SECONDS_REMOTE = 0.05
@@ -61,12 +59,6 @@ VECTOR_CHUNK_BYTES = 16 * 2**20
 REMOTE_IN_FLIGHT_PER_WORKER = 2
 #: Weight of the older estimate of an element's seconds (pickling executors).
 SMOOTHING = 0.5
-
-
-def spare_threads() -> int:
-    """Shared threads that may be neither idle nor running a kernel before a map
-    waits for them to take it rather than start new ones: one per CPU."""
-    return available_cpus()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 daemon threads, and their pools (:class:`ThreadPool`, a bound on the kernels that
 run at once); docs/executors.md says what they promise. A thread that starts a
 map from inside a kernel (a nested map) works on its chunks while it waits. (A
-user's ``ThreadPoolExecutor`` is :mod:`.thread_executors`; the async pool of
+user's ``ThreadPoolExecutor`` is ``runners.ThreadExecutor``; the async pool of
 ``async_call`` is ``_arrays/async_pool.py``.)
 """
 
@@ -16,10 +16,8 @@ from .._support import environment as _environment
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError
-from . import scheduling as policy
-from .jobs import Job, this_thread
+from .jobs import Job, at_shutdown, this_thread
 from .progress import Progress, wait
-from .refusals import at_shutdown
 from .scheduling import IDLE_TIMEOUT
 
 
@@ -31,19 +29,25 @@ def default_num_threads() -> int:
 
 
 class ThreadPool:
-    """At most ``max_workers`` kernels of its maps run at once, on the shared
-    threads (a nested map's waiting thread, lent to it, is the one exception)."""
+    """At most ``workers`` kernels of its maps run at once, on the shared
+    threads (a nested map's waiting thread, lent to it, is the one exception):
+    the runner of ``executor=None`` and ``executor=N`` (``runners.RUNNERS``)."""
 
-    def __init__(self, max_workers: int):  # (at least 1: checked where it is set)
-        self.max_workers = max_workers
+    on_threads = True
+
+    def __init__(self, workers: int):  # (at least 1: checked where it is set)
+        self.workers = workers
         self.active = 0  # threads that hold a place (under the threads' lock)
         self.peak = 0  # the most places held at once
 
     def __repr__(self) -> str:
-        return f"ThreadPool(max_workers={self.max_workers})"
+        return f"ThreadPool(max_workers={self.workers})"
 
-    def run(self, job: Job, progress: Progress | None = None) -> None:
-        """Runs ``job`` to completion or first failure."""
+    def run(
+        self, job: Job, work: object = None, progress: Progress | None = None
+    ) -> None:
+        """Runs ``job`` to completion or first failure (``work``: the map, which
+        the shared threads do not need: they run ``job``'s chunks)."""
         if job.n == 0:
             return
         threads = _threads
@@ -143,14 +147,13 @@ class _Threads:
         """Whether threads about to look for work (neither idle nor running a
         kernel) will take the map from the queue (:meth:`_hand_next`), so that
         no new thread starts for it: when no thread is idle (the caller asks
-        only then) and at least :func:`.scheduling.spare_threads` of them are
-        returning. ``counted`` keeps their count for the rest of one
-        :meth:`hand`."""
+        only then) and at least one per CPU of them are returning. ``counted``
+        keeps their count for the rest of one :meth:`hand`."""
         if self.idle:
             return False
         if not counted:
             counted.append(self._returning())
-        return counted[0] >= policy.spare_threads()
+        return counted[0] >= available_cpus()
 
     def _give_thread(self, pool: ThreadPool, job: Job) -> bool:  # lock held
         """Gives ``job`` (its place taken) the thread that went idle last, else
@@ -247,7 +250,7 @@ class _Threads:
                 if job.add_hand():
                     worker.pool, worker.job = entry
                     return
-            elif p.active < p.max_workers:
+            elif p.active < p.workers:
                 others.append(entry)
         pool.active -= 1
         for other in others:
@@ -272,7 +275,7 @@ def _room(pool: ThreadPool, job: Job) -> int:  # threads' lock held
     places, and what the job has fewer than its units and than its limit (a
     limited map starts on one thread per CPU). The job's fields are read
     without its lock: :meth:`.jobs.Job.add_hand` decides."""
-    return min(pool.max_workers - pool.active, min(job.n, job.limit) - job.hands)
+    return min(pool.workers - pool.active, min(job.n, job.limit) - job.hands)
 
 
 def _take_place(pool: ThreadPool, job: Job) -> bool:  # shared threads' lock held

@@ -1,50 +1,25 @@
 """Shipping a map to an executor that pickles work (process pools, Dask): the
-tasks in flight and their results (:class:`Shipper`), the operands sent once
-per map (:func:`share`: Dask's scatter, or files that a process pool's workers
-map, :class:`MappedFile`), and what a broken or refusing executor means
-(:func:`broken_hint`). What each task carries and runs in the worker is
-``_host/packing.py``.
+tasks in flight and their results (:class:`Shipper`), and what a broken or
+refusing executor means (:func:`broken_hint`, :func:`refused`). What each task
+carries and runs in the worker is ``_host/packing.py``; the operands sent once
+per map, ``_host/shared_operands.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import mmap
 import os
 import pickle
 import sys
-import tempfile
-import threading
-import uuid
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
-
+from .._host.maps import HostMap
 from .._host.packing import KernelNotLoaded
+from .._host.shared_operands import Sharing, share
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
-from .jobs import Job
+from .jobs import Job, at_shutdown
 from .progress import Progress, wait
-from .refusals import refused, said
-
-
-class ShippedWork(Protocol):
-    """What shipping needs of a map (``_host.maps.HostMap``)."""
-
-    name: str  # for messages
-    n: int  # work units
-    vectorized: bool  # units are pieces of a vectorized map
-
-    def shared(self) -> list[Any]:
-        """Operands shipped once per map to an executor that pickles work."""
-        ...
-
-    def pack(self, start: int, stop: int) -> Callable[..., Any]:
-        """A picklable task running ``[start, stop)`` in another process."""
-        ...
-
-    def store_packed(self, start: int, stop: int, outs: Any) -> None: ...
 
 
 class Shipper:
@@ -55,7 +30,7 @@ class Shipper:
     def __init__(
         self,
         executor: concurrent.futures.Executor,
-        work: ShippedWork,
+        work: HostMap,
         job: Job,
         workers: int | None,
     ):
@@ -134,6 +109,38 @@ class Shipper:
             self.sharing.close()
 
 
+def said(e: BaseException) -> str:
+    """``Type: message`` of an exception, without its final period."""
+    return f"{type(e).__name__}: {str(e).rstrip().rstrip('.')}"
+
+
+def refused(executor: Any, e: BaseException) -> ExecutorError:
+    """The error of a map whose executor refused its work."""
+    if at_shutdown(e):
+        return ExecutorError(
+            "The interpreter is exiting: this threadmap was stopped before it "
+            f"finished, because the executor {executor!r} refuses new work once "
+            "the main thread has ended (concurrent.futures stops its executors at "
+            "exit). Wait for maps on such executors before the end of the main "
+            "thread.",
+            cause=e,
+        )
+    if isinstance(e, concurrent.futures.BrokenExecutor):
+        return ExecutorError(
+            f"The executor {executor!r} passed as executor= is broken: "
+            f"{said(e)}. A worker of it ended "
+            "earlier (the error of the map that ran then said how); pass a new "
+            "executor.",
+            cause=e,
+        )
+    return ExecutorError(
+        f"The executor {executor!r} passed as executor= refused new work: "
+        f"{said(e)}. Pass an executor that is "
+        "running, or executor=None for the shared pool.",
+        cause=e,
+    )
+
+
 def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
     return ExecutorError(
         f"threadmap kernel {name!r} could not be sent to the executor "
@@ -145,7 +152,7 @@ def _cannot_ship(executor: Any, name: str, e: BaseException) -> ExecutorError:
 
 
 def _chunk_failed(
-    executor: Any, work: ShippedWork, start: int, stop: int, e: BaseException
+    executor: Any, work: HostMap, start: int, stop: int, e: BaseException
 ) -> ExecutorError:
     """The error of a chunk that the executor could not run."""
     unit = "pieces" if work.vectorized else "elements"
@@ -199,109 +206,3 @@ def broken_hint(executor: Any) -> str:
         "pass a new executor to the next call (a Dask cluster replaces its dead "
         "workers)."
     )
-
-
-# --- operands shipped once per map -----------------------------------------------
-
-
-class Sharing:
-    """How one map's shared operands reach an executor's workers.
-
-    Every task of the map is submitted as ``executor.submit(task, *args)``;
-    :meth:`close` ends the sharing once the map is over.
-
-    Args:
-        args: What each task receives for the shared operands: the arrays
-            themselves (pickled with each task), Dask futures of data scattered
-            to every worker, or :class:`MappedFile` handles.
-        close: Releases what the sharing holds (scattered data, files).
-    """
-
-    def __init__(self, args: list[Any], close: Callable[[], None] | None = None):
-        self.args = args
-        self._close = close
-
-    def close(self) -> None:
-        if self._close is not None:
-            self._close()
-            self._close = None
-
-
-def share(executor: concurrent.futures.Executor, arrays: list[np.ndarray]) -> Sharing:
-    """Ships ``arrays`` to ``executor``'s workers once for a map.
-
-    - A Dask ``ClientExecutor``: ``client.scatter(..., broadcast=True)``, one
-      copy per worker; each task names the scattered data.
-    - A process pool (workers on this host): one file per array in the
-      temporary folder, which each worker maps read-only on first use (no copy
-      through the pool's pipes), removed after the map.
-    - Any other executor: the arrays travel with each task, as a last resort.
-    """
-    if not arrays:
-        return Sharing([])
-    client = getattr(executor, "_client", None)  # distributed.ClientExecutor
-    if client is not None and hasattr(client, "scatter"):
-        futures = client.scatter(list(arrays), broadcast=True, hash=False)
-        return Sharing(list(futures), lambda: client.cancel(futures))
-    if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
-        try:
-            return _in_files(arrays)
-        except OSError:  # no room in the temporary folder: with each task
-            pass
-    return Sharing(list(arrays))
-
-
-def _in_files(arrays: list[np.ndarray]) -> Sharing:
-    paths: list[str] = []
-    handles = []
-    try:
-        for a in arrays:
-            # A name used once: a worker's mapping of a finished map's file
-            # must never be taken for a new one.
-            fd, path = tempfile.mkstemp(prefix=f"jax_threadmap-{uuid.uuid4().hex}-")
-            paths.append(path)
-            with os.fdopen(fd, "wb") as f:
-                f.write(np.ascontiguousarray(a).data)
-            handles.append(MappedFile(path, a.shape, a.dtype))
-    except BaseException:
-        _remove(paths)
-        raise
-    return Sharing(handles, lambda: _remove(paths))
-
-
-def _remove(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.remove(path)
-        except OSError:  # gone already; or still mapped, on Windows
-            pass
-
-
-#: In a worker process: the files of shared operands it has mapped, by path.
-_mapped: dict[str, np.ndarray] = {}
-_mapped_lock = threading.Lock()
-
-
-class MappedFile:
-    """A shared operand in a file that workers on this host map read-only.
-
-    A worker maps each file once, on the first task of the map that reads it,
-    and keeps the mapping until a task of a later map finds the file removed.
-    """
-
-    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype):
-        self.path = path
-        self.shape = shape
-        self.dtype = dtype
-
-    def open(self) -> np.ndarray:
-        with _mapped_lock:
-            array = _mapped.get(self.path)
-            if array is None:
-                for gone in [p for p in _mapped if not os.path.exists(p)]:
-                    del _mapped[gone]  # maps that are over
-                with open(self.path, "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                array = np.frombuffer(m, self.dtype).reshape(self.shape)
-                _mapped[self.path] = array
-            return array

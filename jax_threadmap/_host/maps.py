@@ -28,6 +28,7 @@ import numpy as np
 from .._support.errors import KernelError, describe, kernel_traceback
 from .._support.result_casts import ResultCastError, check_result_cast
 from . import packing as _packing
+from . import shared_operands as _shared_operands
 from . import summing as _summing
 from .batch_spec import Axes, BatchSpec
 from .kernel_scope import KernelScope
@@ -246,7 +247,7 @@ class HostMap:
     ``HostMap(caller, spec, operands)`` makes the map its caller needs: an
     :class:`ElementMap` (one kernel call per element) or a :class:`ChunkMap`
     (one call per rectangular piece, ``vectorized``); both share these views,
-    outputs and partial sums, and implement the executor layer's ``MapWork``:
+    outputs and partial sums, and are what the executor layer runs:
     ``run_chunk`` runs work units in this process, ``pack``/``store_packed``
     ship them to executors that pickle work. When some outputs are summed over
     batch levels, ``sums`` is true: every
@@ -338,7 +339,7 @@ class HostMap:
         """The large operands that every element reads whole, which an executor
         that pickles work receives once per map (see ``_executors/shipping.py``);
         the tasks that :meth:`pack` makes from now on refer to them."""
-        self._shared, arrays = _packing.shared_operands(self.in_v, self.shape)
+        self._shared, arrays = _shared_operands.shared_operands(self.in_v, self.shape)
         return arrays
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:

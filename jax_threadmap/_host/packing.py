@@ -14,9 +14,9 @@ a worker that cannot load it (its module does not import there) returns why as
 the task's error (:class:`KernelNotLoaded`), and the pool lives on.
 
 An operand that every element reads whole (unbatched) and that is large
-(:data:`SHARE_BYTES`, :func:`shared_operands`) is not packed in each task: the
-shipper sends it once per map, and the tasks hold a :class:`Shared` marker in
-its place, resolved in the worker from what the task is called with.
+(``shared_operands.py``) is not packed in each task: the shipper sends it once
+per map, and the tasks hold a ``Shared`` marker in its place, resolved in the
+worker from what the task is called with.
 """
 
 from __future__ import annotations
@@ -26,15 +26,12 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
 from . import summing as _summing
-
-#: Bytes from which an operand read whole by every element is shipped once per
-#: map (see :func:`shared_operands`) rather than in every task.
-SHARE_BYTES = 64 * 1024
+from .shared_operands import Shared, resolve
 
 
 class KernelNotLoaded(RuntimeError):
@@ -170,7 +167,7 @@ class RemoteChunk(_Task):
         views = []
         for d, g in zip(self.data, self.gathers, strict=True):
             if isinstance(d, Shared):
-                d = _resolve(shared[d.i])
+                d = resolve(shared[d.i])
             if g is None:  # one element, read with stride 0
                 v = np.lib.stride_tricks.as_strided(
                     d, (n, *d.shape), (0, *d.strides), writeable=False
@@ -214,7 +211,7 @@ def pack(
 
     ``sum_rows``: per output, ``None`` or (for a summed output) the row of the
     output that each element adds into. ``shared``: operand -> index of the
-    map's shared operand that stands for it (see :func:`shared_operands`).
+    map's shared operand that stands for it (see ``shared_operands.py``).
     """
     shared = shared or {}
     flat = np.arange(start, stop)
@@ -287,7 +284,7 @@ class RemotePieces(_Task):
             length and its operand chunks. A chunk that repeats one element
             (stride 0: an unbatched operand) ships as that element only.
         shared: Operand -> index of the map's shared operand that stands for
-            it (see :func:`shared_operands`); the task is then called with the
+            it (see ``shared_operands.py``); the task is then called with the
             map's shared operands.
     """
 
@@ -331,7 +328,7 @@ def _compact(x: np.ndarray) -> tuple[bool, Any]:
 def _expand(packed: tuple[bool, Any], k: int, shared: Sequence[Any]) -> np.ndarray:
     repeated, data = packed
     if isinstance(data, Shared):
-        data = _resolve(shared[data.i])
+        data = resolve(shared[data.i])
     if repeated:
         return np.lib.stride_tricks.as_strided(
             data, (k, *data.shape), (0, *data.strides), writeable=False
@@ -347,51 +344,3 @@ def pack_pieces(
 ) -> RemotePieces:
     """Packs pieces ``(first, k, operand chunks)`` of a vectorized map."""
     return RemotePieces(caller, pieces, shared)
-
-
-# --- operands shipped once per map -----------------------------------------------
-
-
-class Shared:
-    """Stands in a packed task for the map's shared operand ``i``."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int):
-        self.i = i
-
-
-def shared_operands(
-    in_v: Sequence[np.ndarray], shape: tuple[int, ...]
-) -> tuple[dict[int, int], list[np.ndarray]]:
-    """The operands that every element reads whole and that are large.
-
-    Returns ``(index, arrays)``: operand -> position in ``arrays``, and the one
-    element of each such operand (views ``in_v`` with batch shape ``shape``).
-    """
-    nb = len(shape)
-    index: dict[int, int] = {}
-    arrays: list[np.ndarray] = []
-    for i, v in enumerate(in_v):
-        if any(v.strides[d] != 0 and shape[d] > 1 for d in range(nb)):
-            continue  # batched: each task ships the elements it reads
-        element = v[(0,) * nb + (Ellipsis,)]
-        if element.nbytes >= SHARE_BYTES:
-            index[i] = len(arrays)
-            arrays.append(element)
-    return index, arrays
-
-
-@runtime_checkable
-class SharedHandle(Protocol):
-    """What a task may receive for a shared operand, besides the array itself:
-    a handle that maps it (``_executors/shipping.py``'s ``MappedFile``)."""
-
-    def open(self) -> np.ndarray: ...
-
-
-def _resolve(x: Any) -> np.ndarray:
-    """A shared operand as a task receives it (see :class:`SharedHandle`), as an
-    array: the array pickled with the task, or data scattered to a Dask worker
-    (which Dask hands the task as it is), or the array a handle opens."""
-    return x.open() if isinstance(x, SharedHandle) else np.asarray(x)

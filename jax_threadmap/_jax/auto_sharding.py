@@ -1,5 +1,5 @@
-"""Per-shard maps under ``jit`` on automatic mesh axes: the JAX side (on the
-hooks of :mod:`.hooks`).
+"""Per-shard maps under ``jit`` on several devices: the JAX side (on the hooks
+of :mod:`.hooks`).
 
 :func:`lower_partitioned` lowers a function through ``custom_partitioning``;
 :func:`shard_callback_lowering` lowers the per-device host call inside its
@@ -30,8 +30,8 @@ _logged: set[str] = set()
 
 
 def automatic_mesh(ctx: Any) -> Any:
-    """The mesh of a lowering under ``jit`` with automatic shardings on several
-    devices (not inside ``shard_map``), or ``None``. Where a hook is missing,
+    """The mesh of a lowering under ``jit`` on several devices (explicit or
+    automatic axes; not inside ``shard_map``), or ``None``. Where a hook is missing,
     ``True`` for such a lowering (:func:`unavailable` says which hook)."""
     axis_context = ctx.module_context.axis_context
     if missing_for(AUTO_PER_SHARD) is not None:
@@ -42,7 +42,7 @@ def automatic_mesh(ctx: Any) -> Any:
 
 
 def unavailable(ctx: Any) -> str | None:
-    """Why this lowering cannot map per shard on automatic axes (a missing hook,
+    """Why this lowering cannot map per shard (a missing hook,
     or a platform whose host callbacks are not FFI calls), or ``None``."""
     missing = missing_for(AUTO_PER_SHARD)
     if missing is not None:
@@ -58,8 +58,7 @@ def log_fallback(reason: str) -> None:
     if reason not in _logged:
         _logged.add(reason)
         logger.info(
-            "threadmap under jit on automatic mesh axes maps every element on "
-            "one device here: %s",
+            "threadmap under jit on a mesh maps every element on one device here: %s",
             reason,
         )
 

@@ -45,15 +45,12 @@ ASYNC_DISPATCH = "async dispatch"
 #: batched placement (what ``make_array_from_callback`` uses), about 5x faster
 #: than ``jax.device_put``; where a hook is missing, by ``jax.device_put``.
 FAST_PLACEMENT = "fast placement"
-#: Optional: under ``jit``, batch axes sharded over explicit mesh axes are mapped
-#: per shard (:mod:`.._core.per_shard`). Where a hook is missing, such equations are
-#: mapped on one device as in automatic mode (:func:`per_shard_unavailable`).
-PER_SHARD_JIT = "per-shard jit"
-#: Optional: under ``jit`` on automatic mesh axes (GSPMD or Shardy), a map whose
-#: batch axes are sharded is lowered through ``custom_partitioning`` and mapped
-#: per shard (:mod:`.._core.auto_shard`). Where a hook is missing, it is mapped
-#: on one device, with one INFO log line (:func:`.auto_sharding.unavailable`).
-AUTO_PER_SHARD = "per-shard jit on automatic axes"
+#: Optional: under ``jit`` on several devices (explicit or automatic mesh axes,
+#: GSPMD or Shardy), a map whose batch axes are sharded is lowered through
+#: ``custom_partitioning`` and mapped per shard (:mod:`.._core.auto_shard`).
+#: Where a hook is missing, it is mapped on one device, with one INFO log line
+#: (:func:`.auto_sharding.unavailable`).
+AUTO_PER_SHARD = "per-shard jit"
 #: Optional: the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own under
 #: ``jit`` (deferred); where a hook is missing, each waits for the value and
 #: delegates to the ``jax.Array`` (:func:`.._arrays.array_surface.surface_unavailable`).
@@ -200,29 +197,10 @@ def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, .
     return (Form(OLDEST_JAX, None, where, note, adapt),)
 
 
-def _mesh_axes_of_enclosing_vmaps(trace_ctx: Any) -> Any:
-    def vmapped_mesh_axes() -> frozenset[str]:
-        # The current trace and its parents: each vmap (a BatchTrace) over an
-        # axis sharded over explicit mesh axes records them in its axis data
-        # (one name before jax 0.8, a tuple from then on).
-        names: set[str] = set()
-        trace = trace_ctx.trace
-        while trace is not None:
-            axes = getattr(
-                getattr(trace, "axis_data", None), "explicit_mesh_axis", None
-            )
-            if axes is not None:
-                names.update((axes,) if isinstance(axes, str) else axes)
-            trace = getattr(trace, "parent_trace", None)
-        return frozenset(names)
-
-    return vmapped_mesh_axes
-
-
 #: JAX's FFI targets of host callbacks, by platform (what emit_python_callback
 #: emits on every supported JAX: ``xla_ffi_python_{cpu,gpu}_callback`` with an
 #: ``index`` attribute into the program's host callbacks). TPU callbacks are
-#: send/recv pairs instead; there per-shard maps on automatic axes fall back.
+#: send/recv pairs instead; there per-shard maps under jit fall back.
 PYTHON_CALLBACK_TARGETS: dict[str, str] = {
     "cpu": "xla_ffi_python_cpu_callback",
     "cuda": "xla_ffi_python_gpu_callback",

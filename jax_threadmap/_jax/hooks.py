@@ -19,7 +19,7 @@ reads the same table.
 The feature code built on the table lives beside it, one module per concern:
 :mod:`.primitive_rules` (the primitive class and its rule registrations),
 :mod:`.avals` (abstract values and the varying-axes logic), :mod:`.traces`
-(reading the current trace), :mod:`.explicit_sharding` (per-shard maps under
+(reading the current trace), :mod:`.auto_sharding` (per-shard maps under
 ``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
 :mod:`.placement` (fast device placement) and :mod:`.program_runs` (the wrapper
 of program runs). They reach JAX's internals only through :func:`get`,
@@ -47,7 +47,6 @@ from .hook_forms import (
     JAX_VERSION,
     NEWEST_TESTED_JAX,
     OLDEST_JAX,
-    PER_SHARD_JIT,
     PYTHON_CALLBACK_TARGETS,
     SHARD_MAP,
     THREADMAP,
@@ -59,7 +58,6 @@ from .hook_forms import (
     _emit_python_callback_without_returns_token,
     _everywhere,
     _host_callback_registrar,
-    _mesh_axes_of_enclosing_vmaps,
     _public,
     _register_identity_in,
     _register_lowering_without_cacheable,
@@ -81,7 +79,6 @@ __all__ = [
     "JAX_VERSION",
     "NEWEST_TESTED_JAX",
     "OLDEST_JAX",
-    "PER_SHARD_JIT",
     "PYTHON_CALLBACK_TARGETS",
     "SHARD_MAP",
     "THREADMAP",
@@ -335,40 +332,7 @@ HOOKS: tuple[Hook, ...] = (
         "the same private ManualAxisType; jax.lax.pvary/pcast make values vary, "
         "not avals, and an abstract eval has no values",
     ),
-    # Per-shard maps under jit (issue 20): an operand is moved to the layout that
-    # the automatic shard_map around the equation expects (jax >= 0.10 refuses an
-    # operand whose sharding differs from the shard_map's in_specs).
-    Hook(
-        "reshard",
-        "moves an explicitly sharded operand to the layout of the per-shard map "
-        "(batch axes on their mesh axes, the other axes whole)",
-        (PER_SHARD_JIT,),
-        (
-            Form((0, 7, 0), None, ("jax.sharding:reshard",)),
-            Form(
-                OLDEST_JAX,
-                (0, 7, 0),
-                ("jax.experimental.shard:reshard",),
-                "in jax.experimental.shard (moved to jax.sharding in jax 0.7.0)",
-            ),
-        ),
-        "public (jax.sharding.reshard; jax.experimental.shard before 0.7); in "
-        "the table for its move",
-    ),
-    # Per-shard maps under nested vmaps (issue 27): a level's batching rule
-    # must not split its elements over a mesh axis that an enclosing vmap maps
-    # over (the enclosing vmap's own rule then plans every level at once).
-    Hook(
-        "trace_ctx",
-        "the mesh axes that the vmaps enclosing a batching rule map over, read "
-        "from the current trace and its parents",
-        (PER_SHARD_JIT,),
-        _everywhere("jax._src.core:trace_ctx", adapt=_mesh_axes_of_enclosing_vmaps),
-        "tried: jax.core.trace_ctx, public on 0.6.2, deprecated (a warning) on "
-        "0.10.2 and gone on 0.12.0.1. jax.sharding.get_abstract_mesh() gives the "
-        "mesh and its axis types, not which axes an enclosing vmap maps over",
-    ),
-    # --- per-shard maps on automatic mesh axes (issue 52, h5-sharding) -------------
+    # --- per-shard maps under jit (issue 52, h5-sharding) --------------------------
     # XLA's partitioner decides the sharding after the equation is lowered, so
     # the lowering emits a custom_partitioning call whose partition function
     # (run by XLA during compilation) lowers one host callback per device. Its
@@ -379,15 +343,16 @@ HOOKS: tuple[Hook, ...] = (
     # that callback's index (PYTHON_CALLBACK_TARGETS below).
     Hook(
         "custom_partitioning",
-        "lowers a batched equation under automatic shardings to a call that "
+        "lowers a batched equation under jit on a mesh to a call that "
         "XLA's partitioner (GSPMD or Shardy) splits along its batch axes",
         (AUTO_PER_SHARD,),
         _everywhere("jax.experimental.custom_partitioning:custom_partitioning"),
         _public("jax.experimental.custom_partitioning:custom_partitioning")
         + ". Tried instead: jax.pure_callback (its sharding= is fixed when "
         "traced, and under automatic axes the sharding is only known to the "
-        "partitioner), and a shard_map chosen at lowering (it would impose a "
-        "sharding, not take the one XLA chose)",
+        "partitioner), a shard_map chosen at lowering (it would impose a "
+        "sharding, not take the one XLA chose), and a shard_map bound by the "
+        "batching rule (explicit axes only; refused by jax 0.8.1 to 0.9.0.1)",
     ),
     Hook(
         "ffi_lowering",
@@ -412,7 +377,7 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "ShardingContext",
-        "tells a lowering under jit with automatic shardings on several devices "
+        "tells a lowering under jit on a mesh of several devices "
         "(the axis context custom_partitioning partitions) and its mesh",
         (AUTO_PER_SHARD,),
         _everywhere("jax.interpreters.mlir:ShardingContext", adapt=_automatic_mesh_of),

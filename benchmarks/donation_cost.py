@@ -1,7 +1,7 @@
 """What keeping a deferred program's ready arguments safe costs (issue 48 item 1).
 
-A deferred program (``JAX_THREADMAP_ASYNC_DISPATCH=deferred``; an accelerator's
-default) is held back until its pending data lands; meanwhile the caller may donate
+A deferred program (async dispatch's one mechanism, on every platform) is held
+back until its pending data lands; meanwhile the caller may donate
 or delete its ready ``jax.Array`` arguments. The ways to keep them, for a 1 GiB
 parameter set, each measured here on this machine's default device:
 
@@ -19,7 +19,7 @@ parameter set, each measured here on this machine's default device:
 
 Usage::
 
-    JAX_THREADMAP_ASYNC_DISPATCH=deferred python benchmarks/donation_cost.py [GiB]
+    python benchmarks/donation_cost.py [GiB]
 """
 
 from __future__ import annotations

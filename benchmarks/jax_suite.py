@@ -1,10 +1,9 @@
 """JAX's own tests of ``jit`` and of ``jax.Array`` methods, with pending inputs.
 
-Runs a selection of JAX's test suite three times (issue 48 item 4): as written
-("plain"), and with every array input a pending ``AsyncArray`` in gate mode (the
-CPU's default) and in deferred mode (``JAX_THREADMAP_ASYNC_DISPATCH=deferred``);
-then prints each run's pass count and every test whose outcome differs from the
-plain run, with the first line of its error.
+Runs a selection of JAX's test suite twice (issue 48 item 4): as written
+("plain"), and with every array input a pending ``AsyncArray`` ("pending": deferred
+dispatch, the one mechanism); then prints each run's pass count and every test
+whose outcome differs from the plain run, with the first line of its error.
 
 JAX's tests are not part of this repository: the runner takes a folder holding
 them, or extracts them from a JAX git checkout at a tag that matches the
@@ -44,7 +43,7 @@ SELECTION = (
 )
 #: Of APITest, the tests of device_put, block_until_ready and arrays.
 KEYWORDS = "JitTest or JaxArrayTest or device_put or block_until_ready or array"
-MODES = ("plain", "gate", "deferred")
+MODES = ("plain", "pending")
 
 
 def extract(jax_git: str, ref: str, into: pathlib.Path) -> None:
@@ -74,8 +73,6 @@ def run(tests: pathlib.Path, mode: str, timeout: float) -> dict[str, tuple[str, 
     env["JAX_SUITE_LOG"] = str(log)
     if mode != "plain":
         env["JAX_SUITE_PENDING"] = "1"
-    if mode == "deferred":
-        env["JAX_THREADMAP_ASYNC_DISPATCH"] = "deferred"
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     argv += ["-p", "no:xdist", "-p", "no:randomly", "-p", "jax_suite_plugin"]
     argv += ["-k", KEYWORDS, "-o", "addopts=", "--rootdir", str(tests)]

@@ -29,8 +29,8 @@ i); params = step(params, batch)``, each load BATCH_LOAD_S (a sleep), then the f
 parameters used; with async dispatch the loop queues steps while batches load (on the
 pool, several at once); with blocking dispatch each step waits for its batch.
 
-Program runs: ``_program_runs.wrap_program_runs`` wraps JAX's
-``ExecuteReplicated.__call__`` (to put the thread back on its execution stream).
+Program runs: ``_program_runs.RUNS`` wraps JAX's ``ExecuteReplicated.__call__``
+(to defer the runs on pending data).
 A jitted program with a host callback (always run from Python) and an ordinary
 jitted call (JAX's C++ fast path, which never reaches the wrapper:
 tests/test_compat_arrays.py) are timed with the wrapper and without.
@@ -194,11 +194,9 @@ def unrelated_work(where: str) -> float:
     """Seconds until ``g(jnp.ones(3))`` is done while ``y = f(x)`` waits for ``x``.
 
     ``where`` is ``"same thread"`` (the thread that dispatched ``f(x)``) or
-    ``"other thread"``. The target is < 0.1 s in both. XLA's CPU client runs
-    the programs of one execution stream in order: without a stream of their
-    own for programs on pending data (``async_dispatch_status()`` is not
-    ``"async"``), on the same thread it is about ``UNRELATED_LOAD_S`` (see
-    docs/async.md, "Ordering").
+    ``"other thread"``. The target is < 0.1 s in both: ``f``'s program is
+    deferred (not in XLA's queue) until ``x`` lands (docs/async-dispatch.md,
+    "Ordering").
     """
     release = threading.Event()
     x = jtm.async_call(lambda: (release.wait(UNRELATED_LOAD_S), DATA)[1], SPEC)

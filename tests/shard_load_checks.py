@@ -34,10 +34,9 @@ WAIT = 30.0
 SHAPE = (8, 16)
 DATA = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
 ROW = jax.ShapeDtypeStruct((16,), jnp.float32)
-ASYNC = _async_dispatch.async_dispatch_status() == "async"  # gate programs
-#: Deferred dispatch (accelerators, or JAX_THREADMAP_ASYNC_DISPATCH=deferred): a
-#: program on pending data returns AsyncArrays, run once every shard landed.
-DEFERRED = _async_dispatch.async_dispatch_status().startswith("async, deferred")
+#: Async dispatch: a program on pending data returns AsyncArrays at once, and is
+#: dispatched once every shard has landed.
+ASYNC = _async_dispatch.async_dispatch_status() == "async"
 AXIS_TYPES = {
     "auto": jax.sharding.AxisType.Auto,
     "explicit": jax.sharding.AxisType.Explicit,
@@ -233,12 +232,11 @@ def dispatch_before_the_data():
             )
             returned, y = returns_while_pending(f, x)
             label = f"{kind} mesh, {name}"
-            if ASYNC or DEFERRED:
+            if ASYNC:
                 check(f"{label}: returns before the data", returned)
-                pending = not (y.done() if DEFERRED else y.is_ready())
-                check(f"{label}: result pending", pending)
+                check(f"{label}: result pending", not y.done())
             shards.offer()
-            if not (ASYNC or DEFERRED):
+            if not ASYNC:
                 y = f(x)
             expected = f(jax.device_put(DATA, sharding))
             check(
@@ -247,41 +245,31 @@ def dispatch_before_the_data():
             )
 
 
-def each_device_waits_for_its_own_shard():
+def a_program_waits_for_every_shard():
     if not ASYNC:
         return
     sharding = NamedSharding(mesh((8,), ("x",), "auto"), P("x"))
-    shards = Shards(1)
-    x = jtm.async_array_from_callback(SHAPE, sharding, shards.callback(), np.float32)
-    y = jax.jit(lambda a: a * 2 + 1)(x)
-    # y: an AsyncArray (its argument is one), of the gated jax.Array: its shards.
-    outs = sorted(y.result().addressable_shards, key=lambda s: s.index[0].start)
-    shards.offer(0)
-    check("elementwise: device 0's part runs on its shard", wait_ready([outs[0].data]))
-    check(
-        "elementwise: the other devices still wait",
-        not any(s.data.is_ready() for s in outs[1:]),
-    )
-    shards.offer(3)
-    check("elementwise: shard 3 too", wait_ready([outs[3].data]))
-    later = jax.jit(lambda a: a - 1)(x)  # device 0's placed shard, no gate
-    shards.offer()
-    check("elementwise: values", np.array_equal(np.asarray(y), DATA * 2 + 1))
-    check("later dispatch: values", np.array_equal(np.asarray(later), DATA - 1))
-    # A reduction communicates: it waits for every shard.
-    shards = Shards(1)
-    x = jtm.async_array_from_callback(SHAPE, sharding, shards.callback(), np.float32)
-    total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(sharding.mesh, P()))
-    z = total(x)
-    shards.offer(0)
-    check("reduction: waits while a shard is missing", not z.is_ready())
-    shards.offer()
-    check("reduction: value", float(z) == float(DATA.sum()))
+    for name, f in (
+        ("elementwise", jax.jit(lambda a: a * 2 + 1)),
+        ("reduction", jax.jit(lambda a: a.sum() + 0 * a)),
+    ):
+        shards = Shards(1)
+        x = jtm.async_array_from_callback(
+            SHAPE, sharding, shards.callback(), np.float32
+        )
+        y = f(x)
+        shards.offer(0)
+        shards.offer(3)
+        check(f"{name}: waits while a shard is missing", not y.done())
+        later = jax.jit(lambda a: a - 1)(x)
+        shards.offer()
+        check(f"{name}: value", np.array_equal(np.asarray(y), np.asarray(f(DATA))))
+        check(f"{name}: later dispatch", np.array_equal(np.asarray(later), DATA - 1))
 
 
 def shards_landing_while_dispatching():
-    # Was: a shard that landed between a dispatch's claim of its gate and the gate
-    # program's dispatch took the gate away: "async dispatch failed" (KeyError).
+    # Was (gate programs): a shard that landed between a dispatch's claim of its
+    # gate and the gate program's dispatch took the gate away (KeyError).
     sharding = NamedSharding(mesh((8,), ("x",), "auto"), P("x"))
     f = jax.jit(lambda a: a * 2)
 
@@ -549,7 +537,7 @@ if __name__ == "__main__":
     a_failing_thread_stops_the_rest()
     same_as_make_array_from_callback()
     dispatch_before_the_data()
-    each_device_waits_for_its_own_shard()
+    a_program_waits_for_every_shard()
     shards_landing_while_dispatching()
     another_layout_waits_for_the_array()
     a_failing_shard()

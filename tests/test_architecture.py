@@ -129,6 +129,8 @@ def test_the_checker_sees_imports_across_subpackages(tmp_path):
 #: The one module that finds JAX's internals: the hook table. The feature code
 #: built on it (the other modules of ``_jax``) asks it for them by name.
 HOOK_TABLE = "_jax.hooks"
+#: The table's forms: how a hook is described, found and adapted.
+HOOK_FORMS = "_jax.hook_forms"
 #: Where JAX keeps what it promises nothing about.
 PRIVATE_JAX = re.compile(r"^(jax\._src|jaxlib\._)")
 
@@ -168,9 +170,16 @@ def test_jax_internals_are_reached_only_through_the_hook_table():
 def test_the_hook_table_holds_no_feature_code_and_imports_no_package_module():
     # tests/test_compat.py loads the table alone, to hide every hook before the
     # package is imported; the feature code lives in the other _jax modules.
+    # (Its forms, versions and adapters live in _jax/hook_forms.py, which
+    # imports no package module either.)
     path = modules()[HOOK_TABLE]
-    assert package_imports(path, HOOK_TABLE) == set()
-    others = {m for m in modules() if m.startswith("_jax.") and m != HOOK_TABLE}
+    assert package_imports(path, HOOK_TABLE) <= {HOOK_FORMS}
+    assert package_imports(modules()[HOOK_FORMS], HOOK_FORMS) == set()
+    others = {
+        m
+        for m in modules()
+        if m.startswith("_jax.") and m not in (HOOK_TABLE, HOOK_FORMS)
+    }
     assert others - {"_jax.__init__"}, "the feature code lives beside the table"
     for name in others:
         imported = package_imports(modules()[name], name)
@@ -237,7 +246,6 @@ def test_no_module_reads_frames_or_sets_profilers():
 def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
     from jax_threadmap._arrays.async_array import AsyncArray
     from jax_threadmap._arrays.call import Call
-    from jax_threadmap._arrays.lending import Lending
     from jax_threadmap._arrays.parts import Parts
     from jax_threadmap._arrays.task import Task
 
@@ -254,7 +262,6 @@ def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
         "Call": owned("_arrays.call", Call),
         "Task": owned("_arrays.task", Task),
         "Parts": owned("_arrays.parts", Parts),
-        "Lending": owned("_arrays.lending", Lending),
         "AsyncArray": owned("_arrays.async_array", AsyncArray),
     }
 
@@ -302,13 +309,13 @@ def test_the_owner_checker_sees_fields_touched_from_outside(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
         "class Load(Task):\n    def f(self):\n        self._state = 'running'\n\n"
-        "def plan(x):\n    return x._task, x._index, x.task._gates\n\n"
+        "def plan(x):\n    return x._task, x._index, x.task._placed\n\n"
         "class Other:\n    def g(self):\n        return self._lock\n"
     )
     found = owner_violations(bad, "_arrays.bad")
     assert [f.split(" ", 1)[1] for f in found] == [
         "self._state (Call)",
-        "x.task._gates (Lending)",
+        "x.task._placed (Parts)",
         "x._task (AsyncArray)",
         "x._index (AsyncArray)",
     ], found

@@ -2,8 +2,7 @@
 
 Every public name and dunder of ``jax.Array`` (and of the class of JAX's arrays)
 exists on an AsyncArray and gives what it gives on the landed ``jax.Array``, for
-a pending and for a landed array, in gate mode (the CPU's default) and deferred
-mode (``JAX_THREADMAP_ASYNC_DISPATCH=deferred``). The names that need no value
+a pending and for a landed array. The names that need no value
 (``y.T``, ``y.sum()``, ``y.at[i].set(v)``...) return while the load is still held;
 those that read the buffer wait in Python, never in C++ holding the GIL (a child
 process checks each with a bounded wait). A hypothesis test compares the
@@ -26,7 +25,6 @@ from hypothesis import strategies as st
 
 from jax_threadmap import AsyncArray, async_call, deferred_call
 from jax_threadmap._arrays import array_surface as _array_surface
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -207,13 +205,6 @@ def _compare(name: str, got, want, where: str) -> None:
         _same(gvalue, wvalue, where)
 
 
-@pytest.fixture(params=["gate", "deferred"])
-def mode(request, monkeypatch):
-    if request.param == "deferred":
-        monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "deferred")
-    return request.param
-
-
 class Held:
     """A pending array whose load returns ``value`` only when released."""
 
@@ -241,7 +232,7 @@ def test_every_name_of_jax_array_is_on_async_array():
 
 
 @pytest.mark.parametrize("state", ["pending", "landed"])
-def test_every_name_gives_what_the_landed_jax_array_gives(mode, state):
+def test_every_name_gives_what_the_landed_jax_array_gives(state):
     failures = []
     for name in NAMES:
         if name in HOUSEKEEPING | BY_DESIGN | DESTRUCTIVE:
@@ -266,7 +257,7 @@ def test_every_name_gives_what_the_landed_jax_array_gives(mode, state):
     assert not failures, "\n".join(failures)
 
 
-def test_by_design_differences_are_those_documented(mode):
+def test_by_design_differences_are_those_documented():
     held = Held(F)
     x = held.array
     assert "AsyncArray(shape=(2, 3)" in repr(x) and "pending" in repr(x)
@@ -278,7 +269,7 @@ def test_by_design_differences_are_those_documented(mode):
     assert str(x.block_until_ready() + 0) == str(landed)
 
 
-def test_delete_waits_and_deletes_the_value(mode):
+def test_delete_waits_and_deletes_the_value():
     held = Held(F)
     x = held.array
     threading.Timer(0.05, held.release.set).start()
@@ -287,7 +278,7 @@ def test_delete_waits_and_deletes_the_value(mode):
     assert x.is_deleted() and x.result().is_deleted()
 
 
-def test_iteration_and_updates_defer_and_match_numpy(mode):
+def test_iteration_and_updates_defer_and_match_numpy():
     rows = _array_surface.DEFERRED_ROWS
     want = np.arange(2 * rows + 4, dtype=np.float32).reshape(rows + 2, 2)
     few, many = Held(want[:rows]), Held(want)
@@ -385,27 +376,17 @@ for subject, name in [(s, n) for s in ("array", "result") for n in uses]:
         return np.arange(3, dtype=np.float32)
     x = jtm.async_call(load, jax.ShapeDtypeStruct((3,), np.float32))
     y = x if subject == "array" else jax.jit(lambda a: a + 1)(x)
-    if subject == "result" and not isinstance(y, jtm.AsyncArray):
-        print("plain jax.Array result")
-        break
+    assert isinstance(y, jtm.AsyncArray), type(y)
     threading.Timer(0.2, release.set).start()  # the load ends while the use waits
     use(y)
     print("ok", subject, name, flush=True)
 """
 
 
-@pytest.mark.parametrize("mode", ["gate", "deferred"])
-def test_buffer_reads_wait_without_holding_the_gil(mode):
+def test_buffer_reads_wait_without_holding_the_gil():
     # Each use starts while the load is held and the load ends while it waits:
     # a wait in C++ holding the GIL would hang the child (the bound fails it).
-    env = {_async_dispatch.ENV_ASYNC_DISPATCH: "deferred"} if mode == "deferred" else {}
-    ran = run_script(_BUFFER_USES, env=env, timeout=240)
+    ran = run_script(_BUFFER_USES, timeout=240)
     assert ran.returncode == 0, ran.report
     assert ran.stdout.count("ok array ") == 16, ran.report
-    if "plain jax.Array result" in ran.stdout:
-        # Where jit's results on pending data are plain jax.Arrays (gate mode
-        # before issue 48.3), a result is JAX's own array, whose
-        # unsafe_buffer_pointer waits in C++ holding the GIL (docs/async.md).
-        assert mode == "gate", ran.report
-    else:
-        assert ran.stdout.count("ok result ") == 16, ran.report
+    assert ran.stdout.count("ok result ") == 16, ran.report

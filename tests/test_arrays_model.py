@@ -5,14 +5,14 @@ return, fail, hang until landed, return 0-size arrays or a pytree; sharded loads
 ``async def`` loaders; ``deferred_call`` s), with no, tiny or huge timeouts,
 cancels, ``result()``, jitted dispatches on pending arrays, and data landing.
 After every step it checks that the pool never runs more calls than its bound
-nor abandons more threads than its cap, and that the gate programs waiting per
-device are never more than the model's dispatches allow; a dispatch under the
-bound on pending data returns before its data (then ``async_dispatch_status()``,
-which says ``'async'``, told the truth). When a call is looked at, its value
-equals the synchronous one (NumPy), or its error is the one it must be, and
-every dependent carries that same value or error. At the end, with every load
-landed, every count is back where it started, and a deferred call cancelled
-before its first use never started.
+nor abandons more threads than its cap, and that the programs deferred on
+pending data are never more than the model's dispatches allow; a dispatch on
+pending data returns before its data (then ``async_dispatch_status()``, which
+says ``'async'``, told the truth). When a call is looked at, its value equals
+the synchronous one (NumPy), or its error is the one it must be, and every
+dependent carries that same value or error. At the end, with every load landed,
+no program of the model is still deferred, and a deferred call cancelled before
+its first use never started.
 
 Loads fail in every way the hostile pass of issue 43 found (``FAULTS``): the
 loader raises, returns another library's array whose shape is an int or whose
@@ -43,7 +43,7 @@ import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
-from helpers import examples, returns_within
+from helpers import examples, returns_within, wait_until
 from hypothesis import settings
 from hypothesis.stateful import (
     Bundle,
@@ -271,7 +271,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.all: list[Call] = []
-        self.waiting, self.slots = _async_dispatch.mechanism.counts()
+        self.deferred_before = _deferred_runs()
         self.abandoned = len(async_pool_status().abandoned)
         self.outstanding = 0  # dispatches on pending data not yet looked at
         self.n = 0
@@ -348,17 +348,12 @@ class AsyncArraysModel(RuleBasedStateMachine):
 
     @rule(call=calls)
     def dispatch(self, call: Call) -> None:
-        # The bound is checked here, not as a precondition: the count depends on
-        # which calls were still pending (timing), and hypothesis needs the rules
-        # it may draw to depend on its draws alone.
-        if self.outstanding >= _async_dispatch.MAX_WAITING_PROGRAMS:
-            return  # a dispatch beyond the bound would wait for its data
         if not ASYNC and not self._ends(call):
             return  # blocking dispatch: it would wait for the landing step
         pending = not call.x.done()
         call.used = True
         try:
-            # Under the bound, a dispatch on pending data returns before it.
+            # A dispatch on pending data returns before it.
             y = returns_within(
                 _jitted, call.x, limit=WAIT, what="return before its data"
             )
@@ -367,7 +362,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
         except (Exception, Odd) as e:  # the call had ended with an error: raised here
             self._seen(call, _error_kind(e, call))
             return
-        # Counted if it may have made a gate program (an over-count is safe).
+        # Counted if it may have been deferred (an over-count is safe).
         counted = pending and ASYNC
         self.outstanding += counted
         call.dependents.append((y, counted))
@@ -433,10 +428,9 @@ class AsyncArraysModel(RuleBasedStateMachine):
         assert len(status.abandoned) <= status.abandoned_cap, status
 
     @invariant()
-    def waiting_programs_within_the_model(self) -> None:
-        waiting, _ = _async_dispatch.mechanism.counts()
-        for device, n in waiting.items():
-            assert n <= self.waiting.get(device, 0) + self.outstanding, (waiting, self)
+    def deferred_programs_within_the_model(self) -> None:
+        deferred = _deferred_runs()
+        assert len(deferred - self.deferred_before) <= self.outstanding, deferred
         assert _async_dispatch.async_dispatch_status() == STATUS
 
     def teardown(self) -> None:
@@ -449,11 +443,12 @@ class AsyncArraysModel(RuleBasedStateMachine):
             for call in self.all:
                 if call.never_starts:  # cancelled before its first use
                     assert not call.started.is_set(), call
-            # Every count back where it started, once the gate programs ran.
-            waiting, slots = _async_dispatch.mechanism.counts()
-            for device, n in waiting.items():
-                assert n <= self.waiting.get(device, 0), waiting
-            assert slots <= self.slots, slots
+            # No program of the model is still deferred (each leaves the
+            # readers in its done-callback, just after its waiters wake).
+            wait_until(
+                lambda: not (_deferred_runs() - self.deferred_before),
+                "the model's deferred programs to leave the readers",
+            )
         finally:
             self.all.clear()
 
@@ -500,7 +495,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
     def _check_dependent(self, call: Call, y: Any) -> None:
         try:
             got = np.asarray(returns_within(np.asarray, y, limit=WAIT))
-        except Exception as e:  # the call's error, as the gate program raised it
+        except Exception as e:  # the call's error, as the deferred program raised it
             assert call.outcome != "value", (e, call)
             assert call.outcome in str(e) or _text(call) in str(e), (e, call)
         else:
@@ -508,8 +503,14 @@ class AsyncArraysModel(RuleBasedStateMachine):
             np.testing.assert_array_equal(got, dependent(call.expected))
 
 
+def _deferred_runs() -> set[Any]:
+    """The deferred programs that are still pending (they read their sources)."""
+    runs = list(_async_dispatch.mechanism.readers.by_source.values())
+    return {id(run) for group in runs for run in list(group)}
+
+
 def _text(call: Call) -> str:
-    """What the gate programs' error says of the call's error."""
+    """What the deferred programs' error says of the call's error."""
     return {
         "ValueError": "model failure",
         "TimeoutError": "timeout=",

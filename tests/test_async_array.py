@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cause_of, returns_within, run_script
+from helpers import cause_of, returns_within, run_script, wait_until
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call, deferred_call
@@ -708,13 +708,14 @@ def test_deferred_runs_only_when_first_needed_and_once(dispatch, monkeypatch):
     assert "deferred" in repr(params["w"]) and not params["w"].done()
     assert calls == []
     out = f(params, x)  # executing the program needs the values
+    if async_dispatch:  # the dispatch queued it on the pool and returned
+        wait_until(lambda: calls, "the pool to run the deferred call")
+        assert calls[0][1].startswith("jax_threadmap-async"), calls
+    else:  # the dispatch waited, running it in the caller
+        assert [t for t, _ in calls] == [threading.current_thread()]
     np.testing.assert_allclose(
         out, _model(jax.tree.map(jnp.asarray, _weights(seed=5)), x), rtol=1e-6
     )
-    if async_dispatch:  # the dispatch queued it on the pool and returned
-        assert len(calls) == 1 and calls[0][1].startswith("jax_threadmap-async")
-    else:  # the dispatch waited, running it in the caller
-        assert [t for t, _ in calls] == [threading.current_thread()]
     np.testing.assert_array_equal(np.asarray(params["b"]), _weights(seed=5)["b"])
     assert len(calls) == 1
 

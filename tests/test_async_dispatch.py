@@ -3,7 +3,8 @@
 Each test holds the background call on a gate (an Event it releases itself), so
 "returned before the data" is checked without timing: the dispatch runs in a
 helper thread, which must finish while the gate is still closed. Values are
-compared with the same program run on the data.
+compared with the same program run on the data. (Deferred dispatch's own
+contract, chains and failures: tests/test_deferred_dispatch.py.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import returns_within, run_script, wait_until
+from helpers import returns_within, run_script
 from jax.experimental import io_callback
 
 import jax_threadmap as jtm
@@ -106,12 +107,11 @@ def test_dispatch_returns_before_the_data_and_the_value_is_right():
     y = returns_while_gated(f, params, x)
     z = returns_while_gated(g, y)  # JAX orders the dependents
     # The kind of a result follows its arguments' (AsyncArray in, AsyncArray
-    # out), never the timing; here each wraps a gated jax.Array, still empty.
+    # out), never the timing; here each is a deferred program, not run yet.
     assert isinstance(y, AsyncArray) and isinstance(z, AsyncArray)
-    assert isinstance(y.result(), jax.Array) and isinstance(z.result(), jax.Array)
     assert not gate.release.is_set() and not params["w"].done()
     assert not y.is_ready() and not z.is_ready()
-    assert not y.result().is_ready() and not z.result().is_ready()
+    assert not y.done() and not z.done()
     gate.release.set()
     expected = _reference(_model, ref, x)
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-6)
@@ -277,7 +277,7 @@ def test_four_devices_in_a_subprocess():
     assert "all device checks passed" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
-# --- many pending arrays, and the cap --------------------------------------------
+# --- many pending arrays --------------------------------------------
 
 
 def test_200_pending_arrays_in_one_call():
@@ -293,80 +293,12 @@ def test_200_pending_arrays_in_one_call():
     y = returns_while_gated(f, arrays)
     assert not y.is_ready()
     release.set()
-    # About a second; no call may wait for the shared gate program one by one
-    # (that took a minute): a hang bound, not a timing.
+    # About a second; the program waits for its 200 inputs once each: a hang
+    # bound, not a timing.
     np.testing.assert_array_equal(
         returns_within(np.asarray, y, limit=WAIT),
         2 * np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, 1),
     )
-
-
-def test_more_waiting_programs_than_the_cap_fall_back_to_blocking():
-    cap = _async_dispatch.MAX_WAITING_PROGRAMS
-    release = threading.Event()
-
-    def load(i):
-        assert release.wait(WAIT)
-        return np.full((2,), i, np.float32)
-
-    f = jax.jit(lambda v: v + 1)
-    arrays = [async_call(load, SDS((2,), np.float32), i) for i in range(cap + 1)]
-    ys = [returns_while_gated(f, a) for a in arrays[:cap]]
-    # The next dispatch waits for its data (as without async dispatch).
-    blocked = threading.Thread(target=lambda: ys.append(f(arrays[cap])), daemon=True)
-    blocked.start()
-    blocked.join(0.5)
-    assert blocked.is_alive()
-    release.set()
-    blocked.join(WAIT)
-    assert not blocked.is_alive()
-    for i, y in enumerate(ys):
-        np.testing.assert_array_equal(np.asarray(y), [i + 1, i + 1])
-    # The slots are free again once the data arrived.
-    gate = Gate(np.zeros(2, np.float32))
-    returns_while_gated(f, async_call(gate, SDS((2,), np.float32)))
-    gate.release.set()
-
-
-def test_a_call_that_fails_just_before_its_gate_program_runs_gives_its_counts_back(
-    monkeypatch,
-):
-    # The call fails between the claim of its gate and the gate program's
-    # dispatch: the program then runs inline, in the dispatching thread, and
-    # the dispatch raises its callback's error. The program's counts are given
-    # back once (given back twice, the cap let a ninth program through).
-    fresh = _async_dispatch.Dispatch()  # counts of its own
-    fresh.kind = _async_dispatch.mechanism.kind  # as async_array's bind_arrays does
-    monkeypatch.setattr(_async_dispatch, "mechanism", fresh)
-    gates = fresh.gates
-    go = threading.Event()
-
-    def load():
-        assert go.wait(WAIT)
-        raise LoadError("the download failed")
-
-    x = async_call(load, SDS((2,), np.float32))
-    make = type(gates)._program
-
-    def program(self, *args):
-        run = make(self, *args)
-
-        def after_the_call_failed(*inputs):
-            go.set()
-            wait_until(x.done, "the call failing")  # its gates are open
-            return run(*inputs)
-
-        return after_the_call_failed
-
-    monkeypatch.setattr(type(gates), "_program", program)
-    f = jax.jit(lambda v: v + 1)
-    try:
-        np.asarray(f(x))
-    except Exception as e:  # at the call (inline) or at the use
-        assert "the download failed" in str(e)
-    else:
-        raise AssertionError("the failed load reached no dependent")
-    wait_until(lambda: gates.counts() == ({}, 0), "the counts given back, once")
 
 
 # --- ordered effects -------------------------------------------------------------
@@ -530,54 +462,6 @@ def test_switch_off_gives_blocking_dispatch(monkeypatch):
         _async_dispatch.async_dispatch_mode()
 
 
-def test_a_server_that_does_not_start_gives_deferred_dispatch(monkeypatch, caplog):
-    # A machine that refuses loopback sockets (a lent TPU host): no gate
-    # programs, but dispatch on pending data still returns at once (deferred).
-    def refuse(*args, **kwargs):
-        raise OSError("no loopback here")
-
-    fresh = _async_dispatch.Dispatch()
-    fresh.kind = _async_dispatch.mechanism.kind  # as async_array's bind_arrays does
-    monkeypatch.setattr(_async_dispatch, "mechanism", fresh)
-    monkeypatch.setattr(_async_dispatch._program_runs, "start_transfer_server", refuse)
-    gate = Gate(np.arange(3, dtype=np.float32))
-    a = async_call(gate, SDS((3,), np.float32))
-    with caplog.at_level(logging.INFO, logger="jax_threadmap"):
-        y = returns_while_gated(jax.jit(lambda v: v * 3), a)
-    assert isinstance(y, AsyncArray) and not y.done()
-    gate.release.set()
-    np.testing.assert_array_equal(np.asarray(y), [0.0, 3.0, 6.0])
-    status = _async_dispatch.async_dispatch_status()
-    assert status.startswith("async, deferred"), status
-    said = [r for r in caplog.records if "no loopback here" in r.getMessage()]
-    assert said and all(r.levelno == logging.INFO for r in said)
-
-
-def test_without_the_transfer_module_import_works_and_dispatch_is_deferred():
-    script = textwrap.dedent(
-        """
-        import sys, threading
-        sys.modules["jax.experimental.transfer"] = None  # as on a JAX without it
-        import jax, numpy as np
-        import jax_threadmap as jtm
-        status = jtm.async_dispatch_status()
-        assert status.startswith("async, deferred"), status
-        go = threading.Event()
-        def load():
-            go.wait(30)
-            return np.ones(2, np.float32)
-        x = jtm.async_call(load, jax.ShapeDtypeStruct((2,), np.float32))
-        y = jax.jit(lambda v: v + 1)(x)  # returns at once
-        assert not y.done() and not x.done()
-        go.set()
-        assert np.asarray(y).tolist() == [2.0, 2.0]
-        print("fallback ok")
-        """
-    )
-    proc = run_script(script)
-    assert "fallback ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
-
-
 # --- exit ----------------------------------------------------------------------------
 
 _EXIT_SCRIPT = """
@@ -642,8 +526,8 @@ def test_a_failed_call_with_dispatched_dependents_exits_cleanly():
 
 
 def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values():
-    # Its dependent gets the data first (a gate program); the call copies it to
-    # the device for result() after that, here slowly: exit waits for that copy
+    # The call copies its data to the device, here slowly, while the script
+    # ends: exit waits for that copy (and then dispatches its dependent)
     # instead of warning that the call has not returned.
     script = textwrap.dedent(
         """
@@ -653,7 +537,9 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
         from jax_threadmap._arrays import task as _task
 
         place = _task.place
+        placing = threading.Event()
         def slow_place(task, flat):
+            placing.set()
             time.sleep(1.0)
             return place(task, flat)
         _task.place = slow_place
@@ -665,27 +551,11 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
         x = jtm.async_call(slow, jax.ShapeDtypeStruct((4,), np.int32))
         y = jax.jit(lambda v: v * v)(x)
         go.set()
-        print(y, x.done(), flush=True)
+        assert placing.wait(30)
+        print(y.done(), x.done(), flush=True)
         """
     )
     proc = run_script(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if jtm.async_dispatch_status() == "async":
-        assert proc.stdout == "[0 1 4 9] False\n"  # the copy was still running
+    assert proc.stdout == "False False\n"  # exit came while the copy ran
     assert proc.stderr == "", proc.stderr[-3000:]
-
-
-def test_gate_programs_hand_no_0_size_data_to_their_callback():
-    # An accelerator's runtime aborts on a host callback with 0-size data: the
-    # gate program makes a 0-size shard itself, and its callback returns the
-    # shards that hold data (and the 4-byte run marker) only.
-    device = jax.devices()[0]
-    avals = (SDS((0, 3), np.float32), SDS((2,), np.float32), SDS((0,), np.int32))
-    spec = (((0, ()), (1, ()), (2, ())),)
-    program = _async_dispatch.mechanism.gates._program(device, spec, avals)
-    hlo = program.lower(SDS((), np.int32)).as_text()
-    calls = [line for line in hlo.splitlines() if "custom_call" in line]
-    assert len(calls) == 1, hlo
-    results = calls[0].rsplit("->", 1)[1]
-    assert "tensor<2xf32>" in results and "tensor<i32>" in results, results
-    assert "tensor<0" not in results and "x0" not in results, results

@@ -1,14 +1,14 @@
-"""A loader that runs JAX while programs on its results fill the device.
+"""A loader that runs JAX while many programs on its results wait for it.
 
-XLA's CPU client admits 32 programs per device at a time, and a program that waits
-for pending data holds its slot. jax_threadmap itself holds at most two per gate
-program (``MAX_WAITING_PROGRAMS`` per device); plain programs on results of a
-pending load (``h(y)`` after ``y = f(x)``) hold the rest. With every slot held,
-a loader that itself runs JAX on that device waits for a slot that only its own
-result frees: the call's ``timeout`` ends that (docs/async.md, "A loader that runs
-JAX"). Each scenario runs in a subprocess, since the failure mode is a hang; the
-loader starts its JAX call only once every program is dispatched (an event, no
-thresholds), so the slots are full when it does.
+XLA's CPU client admits 32 programs per device at a time. With gate programs
+(before deferred dispatch became the one mechanism), a program that waited for
+pending data held its slot, and with 30 programs on a pending load's results
+(``h(y)`` after ``y = f(x)``) a loader that itself ran JAX on that device waited
+for a slot that only its own result freed: only the call's ``timeout`` ended it.
+Deferred programs hold no slot while their data is pending, so the loader's JAX
+call runs and every program gets its value. Each scenario runs in a subprocess,
+since the failure mode is a hang; the loader starts its JAX call only once every
+program is dispatched (an event, no thresholds).
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(240)
 
-ASYNC = _async_dispatch.async_dispatch_status().startswith("async")
-#: The slots these scenarios fill are those of the gate programs (the CPU's
-#: mechanism); deferred dispatch holds none while data is pending.
-GATES = _async_dispatch.async_dispatch_status() == "async"
+ASYNC = _async_dispatch.async_dispatch_status() == "async"
 
 PRELUDE = """
 import sys, threading, time
@@ -48,6 +45,13 @@ def outcome(thunk):
 """
 
 LOADERS = {
+    # A download: no JAX.
+    "numpy": """
+def load():
+    go.wait(60)
+    returned.set()
+    return np.ones(4, np.float32)
+""",
     # jax.numpy functions written in Python: JAX frames on the loader's stack.
     "jnp_in_python": """
 def load():
@@ -69,10 +73,10 @@ def load():
 
 SCENARIO = """
 x = jtm.async_call(load, SDS((4,), np.float32), timeout=TIMEOUT)
-y = f(x)  # a gate program and f: two slots
-outs = [h(y, i) for i in range(min(N, 30))]  # each holds a slot until y is there
-go.set()  # the loader now runs JAX: with N >= 30, every slot is held
-outs += [h(y, i) for i in range(30, N)]  # these wait inside XLA for a slot
+y = f(x)  # deferred until x lands
+outs = [h(y, i) for i in range(min(N, 30))]  # (gate programs: a slot each)
+go.set()  # the loader now runs JAX (gate programs: with N >= 30, no slot left)
+outs += [h(y, i) for i in range(30, N)]  # (gate programs: waited for a slot)
 print("x", outcome(x.result), flush=True)
 print("last", outcome(lambda: outs[-1]), flush=True)
 print("first", outcome(lambda: outs[0]), flush=True)
@@ -92,46 +96,15 @@ def scenario(body: str) -> dict[str, str]:
     return lines
 
 
-@pytest.mark.skipif(not GATES, reason="the gate programs' slots (deferred: none)")
-@pytest.mark.parametrize("n", [30, 40])
+@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
 @pytest.mark.parametrize("loader", sorted(LOADERS))
-def test_the_timeout_ends_a_loader_that_runs_jax_behind_a_full_device(loader, n):
-    # 30: every slot is held when the loader's JAX call starts; 40: then the
-    # dispatching thread also waits inside XLA for a slot, until the timeout.
-    out = scenario(LOADERS[loader] + f"N = {n}\nTIMEOUT = 3.0\n" + SCENARIO)
-    assert out["x"] == "error TimeoutError timeout=True", out
-    assert out["last"] == "error JaxRuntimeError timeout=True", out
-    assert out["first"] == "error JaxRuntimeError timeout=True", out
-    # The slots were freed: the loader's own JAX call went on (what it returned
-    # was dropped), and the next call gets its value.
+def test_a_loader_behind_40_programs_on_its_results_gets_its_values(loader):
+    # Was (gate programs): with a loader that ran JAX, every program and the
+    # load failed with the call's timeout (the device's slots were all held).
+    out = scenario(LOADERS[loader] + "N = 40\nTIMEOUT = 60.0\n" + SCENARIO)
+    assert out["x"] == "value [1.0, 1.0, 1.0, 1.0]", out
+    assert out["last"] == "value [41.0, 41.0, 41.0, 41.0]", out
+    assert out["first"] == "value [2.0, 2.0, 2.0, 2.0]", out
     assert out["returned"] == "True", out
     assert out["next"] == "value [6.0, 6.0, 6.0, 6.0]", out
     assert "FATAL" not in out["stderr"], out["stderr"][-3000:]
-
-
-NUMPY_LOADER = """
-def load():
-    go.wait(60)  # a download: no JAX
-    returned.set()
-    return np.ones(4, np.float32)
-"""
-
-
-@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
-@pytest.mark.parametrize("n", [30, 40])
-def test_a_loader_without_jax_behind_a_full_device_gets_its_values(n):
-    # Nothing fails a call that has no timeout, however full the device.
-    out = scenario(NUMPY_LOADER + f"N = {n}\nTIMEOUT = None\n" + SCENARIO)
-    assert out["x"] == "value [1.0, 1.0, 1.0, 1.0]", out
-    assert out["last"] == f"value [{n + 1.0}, {n + 1.0}, {n + 1.0}, {n + 1.0}]", out
-    assert out["first"] == "value [2.0, 2.0, 2.0, 2.0]", out
-
-
-@pytest.mark.skipif(not ASYNC, reason="async dispatch is off here")
-@pytest.mark.parametrize("loader", sorted(LOADERS))
-def test_fewer_programs_behind_a_loader_that_runs_jax_get_their_values(loader):
-    out = scenario(LOADERS[loader] + "N = 20\nTIMEOUT = 60.0\n" + SCENARIO)
-    assert out["x"] == "value [1.0, 1.0, 1.0, 1.0]", out
-    assert out["last"] == "value [21.0, 21.0, 21.0, 21.0]", out
-    assert out["first"] == "value [2.0, 2.0, 2.0, 2.0]", out
-    assert out["next"] == "value [6.0, 6.0, 6.0, 6.0]", out

@@ -17,7 +17,6 @@ from helpers import run_script
 
 import jax_threadmap
 from jax_threadmap._arrays import array_surface as _array_surface
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import hooks as _compat
 from jax_threadmap._jax import placement as _placement
@@ -65,7 +64,6 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.DERIVATIVES,
         _compat.ASYNC_ARRAYS,
         _compat.ASYNC_DISPATCH,
-        _compat.DISPATCH_STREAMS,
         _compat.SHARD_MAP,
         _compat.AUTO_PER_SHARD,
         _compat.FAST_PLACEMENT,
@@ -99,12 +97,17 @@ def test_the_private_locations_are_few():
     # JAX: get_cur_mesh_sharding (NamedSharding(get_abstract_mesh(), P())),
     # get_default_device (jax.config.jax_default_device, jax.local_devices) and
     # get_/set_execution_stream_id (jaxlib.xla_client.execution_stream_id).
+    # Removed with the gate programs (deferred dispatch everywhere): the
+    # transfer server's three, callback_logger and execution_stream_id.
     names = {h.name for h in HOOKS}
     assert not names & {
         "get_cur_mesh_sharding",
         "get_default_device",
         "get_execution_stream_id",
         "set_execution_stream_id",
+        "start_transfer_server",
+        "callback_logger",
+        "execution_stream_id",
     }
     private = sorted(
         h.name for h in HOOKS if any(_private(w) for f in h.forms for w in f.where)
@@ -120,7 +123,6 @@ def test_the_private_locations_are_few():
             "shard_args",
             "trace_state_clean",
             "batched_device_put",
-            "callback_logger",
             "ExecuteReplicated",
             "array_methods",
             "array_operators",
@@ -255,18 +257,11 @@ def _hidden(hook):
     )
 
 
-#: Whether the default backend's dispatch on pending data is deferred (an
-#: accelerator), which needs the program-run hooks only, not the transfer server.
-DEFERS = _async_dispatch.mechanism.defers_on(jax.default_backend())
 #: Optional features: without one of their hooks nothing fails, and
 #: async_dispatch_status() starts with this.
 OPTIONAL_STATUS = {
-    # The gates' transfer server: without it, dispatch is deferred.
-    (_compat.ASYNC_DISPATCH,): "async, deferred",
-    # Gates: later programs of the thread wait; deferred dispatch cannot run.
-    (_compat.DISPATCH_STREAMS,): (
-        "blocking: unavailable" if DEFERS else "async, in thread order ("
-    ),
+    # No wrapped program runs: dispatch on pending data waits for the data.
+    (_compat.ASYNC_DISPATCH,): "blocking: unavailable",
 }
 
 
@@ -276,8 +271,7 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
     if hook.features in OPTIONAL_STATUS:  # optional: the status says why
         status = jax_threadmap.async_dispatch_status()
         assert status.startswith(OPTIONAL_STATUS[hook.features]), status
-        if not status.startswith("async, deferred"):  # it says what is missing
-            assert f"{hook.name} is missing" in status and "_moved" in status
+        assert f"{hook.name} is missing" in status and "_moved" in status
         for use in FEATURE_USES.values():
             use()
         return
@@ -355,12 +349,16 @@ import jax
 root = sys.argv[1]
 sys.path.insert(0, root)
 # Where each hook lives in this JAX, read from the table without importing the
-# package (its import must work without them).
-path = pathlib.Path(root, "jax_threadmap", "_jax", "hooks.py")
-spec = importlib.util.spec_from_file_location("compat_table", path)
-table = importlib.util.module_from_spec(spec)
-sys.modules["compat_table"] = table
-spec.loader.exec_module(table)
+# package (its import must work without them): the table and its forms, under
+# stand-ins for the package and its _jax folder, dropped afterwards.
+import types
+for name, folder in (("jax_threadmap", ()), ("jax_threadmap._jax", ("_jax",))):
+    stand_in = types.ModuleType(name)
+    stand_in.__path__ = [str(pathlib.Path(root, "jax_threadmap", *folder))]
+    sys.modules[name] = stand_in
+table = importlib.import_module("jax_threadmap._jax.hooks")
+for name in [n for n in sys.modules if n.split(".")[0] == "jax_threadmap"]:
+    del sys.modules[name]
 for hook in table.HOOKS:
     for location in table.form_for(hook).where:
         module_name, attr = location.split(":")

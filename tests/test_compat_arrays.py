@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LOOPBACK, NO_LOOPBACK
 
 from jax_threadmap._jax import array_types as _array_types
 from jax_threadmap._jax import avals as _avals
@@ -57,8 +56,7 @@ class _Probe:
 _requests: list[int] = []
 
 
-def _arrays_of(xs, shardings):
-    assert len(shardings) == len(xs)
+def _arrays_of(xs):
     _requests.append(len(xs))
     return [jnp.asarray(x.value) for x in xs]
 
@@ -165,89 +163,33 @@ def test_async_dispatch_hook_is_still_where_we_expect_it(hook):
         "jitted calls with pending AsyncArrays fall back to blocking dispatch. "
         "Update the 'async dispatch' entries of HOOKS in jax_threadmap/_jax/hooks.py."
     )
-    assert _program_runs.async_dispatch_unavailable() is None
+    assert _program_runs.runs_unavailable() is None
 
 
-def _pulled_gate(uuid: int):
-    """A scalar int32 array on the first device, pulled from a transfer server of
-    this process and not yet offered (``server.await_pull(uuid, ...)`` offers it):
-    the gate of _async_dispatch.Dispatch. Returns the device, the server, the gate and
-    the connection it was pulled over (the test keeps it, as _async_dispatch does)."""
-    if not LOOPBACK:
-        pytest.skip(f"the gates' transfer server {NO_LOOPBACK}")
-    dev = jax.devices("cpu")[0]  # the gates' platform
-    server = _program_runs.start_transfer_server(
-        dev.client, "127.0.0.1:0", ["127.0.0.1:0"]
-    )
-    conn = server.connect(server.address())
-    aval = jax.ShapeDtypeStruct(
-        (), np.int32, sharding=jax.sharding.SingleDeviceSharding(dev)
-    )
-    return dev, server, conn.pull(uuid, [aval])[0], conn
-
-
-def test_a_pulled_gate_holds_a_callback_program_until_offered():
-    # The gate mechanism of _async_dispatch.Dispatch, reduced to its parts: a program
-    # whose input is a pulled, not yet offered array is dispatched without
-    # running; once offered, its host callback runs and the value arrives.
-    import threading
-
-    dev, server, gate, _conn = _pulled_gate(12345)
-    ran, offered = threading.Event(), threading.Event()
-    seen = []  # per run of the callback: whether the gate had been offered
-    data = np.arange(5, dtype=np.float32)
-
-    def fill(g):
-        seen.append(offered.is_set())
-        ran.set()
-        return data * int(g)
-
-    program = jax.jit(
-        lambda g: jax.pure_callback(fill, jax.ShapeDtypeStruct((5,), np.float32), g)
-    )
-    done = threading.Event()
-    box = {}
-    worker = threading.Thread(
-        target=lambda: (box.update(y=program(gate) + 1), done.set()), daemon=True
-    )
-    worker.start()
-    assert done.wait(30), (
-        f"dispatching on a pulled array blocked. {UPDATE}"
-        " (async dispatch would block here)"
-    )
-    # A program that ignored its gate would run now: give it the chance (an
-    # event, bounded), then offer. What is asserted is the order the callback
-    # saw, not what happened within a time.
-    ran.wait(1)
-    offered.set()
-    server.await_pull(12345, [jax.device_put(np.int32(3), dev)])
-    np.testing.assert_array_equal(np.asarray(box["y"]), data * 3 + 1)
-    assert seen == [True], f"the program ran before its gate was offered. {UPDATE}"
-
-
-# --- dispatch streams (the "dispatch streams" section of _compat) -------------------
+# --- the wrapped program runs (the "async dispatch" section of _compat) -----------
 
 
 def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
-    # _async_dispatch puts the thread back on its usual stream when the wrapped
-    # ExecuteReplicated.__call__ returns: the handler must run inside it, for
-    # every way a jitted program runs from Python, and ordinary calls on the C++
-    # fast path must never reach the wrapper (it costs them nothing).
-    if _program_runs.dispatch_streams_unavailable() is not None:
-        pytest.skip(_program_runs.dispatch_streams_unavailable())
+    # Deferred dispatch sees a run in the wrapped ExecuteReplicated.__call__
+    # before its argument handlers wait for the data, and a blocking run notes
+    # the arrays the handlers hand it (donation): the handler must run inside
+    # the wrapped run, for every way a jitted program runs from Python, and
+    # ordinary calls on the C++ fast path must never reach the wrapper (it
+    # costs them nothing).
+    if _program_runs.runs_unavailable() is not None:
+        pytest.skip(_program_runs.runs_unavailable())
     from jax.experimental import io_callback
 
     from jax_threadmap._arrays import async_dispatch as _async_dispatch
-    from jax_threadmap._arrays import dispatch_streams as _dispatch_streams
 
     _async_dispatch.mechanism.prepare()  # wraps the runs, as the first async_call does
-    runs, inside = [], []
+    runs, inside, depth = [], [], [0]
     wrapper = _compat.get("ExecuteReplicated").__call__
     assert hasattr(wrapper, "__jax_threadmap_original__")
     assert _program_runs.RUNS.around is _async_dispatch.around
 
-    def handler(xs, shardings):
-        inside.append(_dispatch_streams._thread.depth)
+    def handler(xs):
+        inside.append(depth[0])
         return [jnp.asarray(x.value) for x in xs]
 
     class Other(_Probe):
@@ -258,7 +200,11 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
 
     def counting(run, program, args, effects):
         runs.append(list(effects))
-        return real_around(run, program, args, effects)
+        depth[0] += 1
+        try:
+            return real_around(run, program, args, effects)
+        finally:
+            depth[0] -= 1
 
     try:
         _program_runs.RUNS.install(counting)
@@ -289,58 +235,14 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         _program_runs.RUNS.install(real_around)
 
 
-def test_jax_still_orders_the_dispatch_of_programs_with_ordered_effects():
-    # Why a program with ordered effects waits for its pending data at dispatch
-    # (docs/async.md): JAX dispatches the thread's next program with that effect
-    # only once this one has run. If JAX stops doing that, those programs could be
-    # dispatched on pending data like the others.
-    import threading
-
-    from jax.experimental import io_callback
-
-    dev, server, gate, _conn = _pulled_gate(777)
-    first_ran = threading.Event()  # the first program's callback (gate value 1)
-
-    def effect(a):
-        if int(a) == 1:
-            first_ran.set()
-
-    h = jax.jit(lambda v: (io_callback(effect, None, v, ordered=True), v + 1)[1])
-    h(jnp.int32(0)).block_until_ready()
-    box = {}
-    second_dispatched = threading.Event()
-
-    def dispatch_both():  # JAX's tokens of ordered effects are per thread
-        box["first"] = h(gate)  # waits for the gate, inside XLA
-        box["second"] = h(jnp.int32(5))
-        box["first ran before"] = first_ran.is_set()
-        second_dispatched.set()
-
-    thread = threading.Thread(target=dispatch_both, daemon=True)
-    thread.start()
-    # If JAX did not order the dispatch, the second call would return now,
-    # before the gate is offered: give it the chance (an event, bounded), then
-    # offer. What is asserted is what the thread saw when the call returned.
-    second_dispatched.wait(1)
-    server.await_pull(777, [jax.device_put(np.int32(1), dev)])
-    thread.join(30)
-    assert not thread.is_alive()
-    assert int(box["first"]) == 2 and int(box["second"]) == 6
-    assert box["first ran before"], (
-        "JAX dispatched a program with an ordered effect before the thread's "
-        "previous one ran; _async_dispatch could let such programs dispatch on pending "
-        "data now."
-    )
-
-
 def test_a_compiled_program_still_tells_what_deferred_dispatch_reads():
     # Deferred dispatch (_arrays/deferred_dispatch.py) reads, of JAX's
     # ExecuteReplicated: its devices, its jax.Ref mutations, its outputs' avals and
     # shardings, and its name. If JAX moves one, deferred dispatch must be updated.
     from jax_threadmap._arrays import deferred_dispatch as _deferred_dispatch
 
-    if _program_runs.dispatch_streams_unavailable() is not None:
-        pytest.skip(_program_runs.dispatch_streams_unavailable())
+    if _program_runs.runs_unavailable() is not None:
+        pytest.skip(_program_runs.runs_unavailable())
     seen = []
     real = _program_runs.RUNS.around
 

@@ -1,10 +1,8 @@
 """Deferred dispatch: a jitted call on pending data returns at once, its program
 runs on the device once the data lands, and nothing else waits for it.
 
-The mechanism of accelerators (jax_threadmap/_arrays/deferred_dispatch.py), where a host
-callback would hold the device's queue. Here it runs on whatever the default
-backend is: on the CPU it is switched on with ``JAX_THREADMAP_ASYNC_DISPATCH=
-deferred`` (the fixture), on an accelerator it is the default. Each test holds
+The one mechanism of async dispatch on every platform
+(jax_threadmap/_arrays/deferred_dispatch.py). Each test holds
 the background call on an Event it releases itself, so "returned before the data"
 is checked without timing: the dispatch runs in a helper thread, which must finish
 while the gate is still closed. Values are compared with NumPy on the host.
@@ -34,9 +32,6 @@ from jax.experimental import io_callback
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call, deferred_call, threadmap
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
-
-pytestmark = pytest.mark.timeout(120)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
@@ -44,14 +39,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 F32 = SDS((3,), np.float32)
 
 
-@pytest.fixture(autouse=True)
-def deferred(monkeypatch):
-    """Deferred dispatch on this platform (the default on an accelerator)."""
-    if jax.default_backend() == "cpu":
-        monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "deferred")
-    status = jtm.async_dispatch_status()
-    if not status.startswith("async, deferred"):
-        pytest.skip(f"deferred dispatch is off here: {status}")
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(
+        jtm.async_dispatch_status() != "async",
+        reason=f"async dispatch is off here: {jtm.async_dispatch_status()}",
+    ),
+]
 
 
 class Gate:
@@ -80,10 +74,6 @@ def gated(value=None, error=None, shape=F32, **kwargs):
 def while_gated(fn, *args):
     """``fn(*args)`` in a thread; fails unless it returns while the data is missing."""
     return returns_within(fn, *args, limit=WAIT, what="return while the data missed")
-
-
-def test_the_status_says_deferred():
-    assert jtm.async_dispatch_status().startswith("async, deferred")
 
 
 def test_a_call_returns_arrays_at_once_and_their_values_follow():
@@ -355,8 +345,7 @@ class DeferredPrograms(RuleBasedStateMachine):
                 np.testing.assert_array_equal(np.asarray(array), value)
 
 
-def test_deferred_programs_model(deferred):
-    del deferred
+def test_deferred_programs_model():
     run = DeferredPrograms.TestCase
     run.settings = settings(
         max_examples=examples(40),
@@ -392,7 +381,7 @@ def test_exit_while_deferred_programs_are_dispatched_is_clean():
     # finalized ("FATAL: exception not rethrown", SIGABRT). Exit waits for the
     # programs whose data landed, as for a call placing its values.
     for _ in range(2):
-        proc = run_script(EXIT_SCRIPT, env={"JAX_THREADMAP_ASYNC_DISPATCH": "deferred"})
+        proc = run_script(EXIT_SCRIPT)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout == "last [31.0, 31.0, 31.0, 31.0]\n", proc.stdout
         assert "FATAL" not in proc.stderr, proc.stderr

@@ -1,4 +1,4 @@
-"""What dispatch on AsyncArrays promises, in both mechanisms (issue 48 items 1, 3, 4).
+"""What dispatch on AsyncArrays promises (issue 48 items 1, 3, 4).
 
 - **Inputs as they were at the call.** A program called on pending data reads its
   ready arguments as they were at the call, whatever later calls do to them: a
@@ -8,11 +8,10 @@
   keep the promise itself (``_arrays/deferred_dispatch.py``, ``Readers``).
 - **Types never depend on timing.** A call with an ``AsyncArray`` argument returns
   ``AsyncArray`` s for its array outputs, whether the load ended before the call or
-  after, in every mode; a call without one returns what JAX returns; tokens stay
+  after, blocking or not; a call without one returns what JAX returns; tokens stay
   tokens.
 
-Each case is compared with the same program on ready data. Gate mode is the CPU's
-default; deferred mode is forced on the CPU with ``JAX_THREADMAP_ASYNC_DISPATCH``.
+Each case is compared with the same program on ready data.
 """
 
 from __future__ import annotations
@@ -31,23 +30,17 @@ import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(
+        jtm.async_dispatch_status() != "async",
+        reason=f"async dispatch is off here: {jtm.async_dispatch_status()}",
+    ),
+]
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
 F4 = SDS((4,), np.float32)
-
-
-@pytest.fixture(params=["gate", "deferred"])
-def mode(request, monkeypatch):
-    """The CPU's gate programs, or deferred dispatch (an accelerator's)."""
-    if request.param == "deferred" and jax.default_backend() == "cpu":
-        monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "deferred")
-    status = jtm.async_dispatch_status()
-    want = "async, deferred" if request.param == "deferred" else "async"
-    if status.split(" (")[0] != want:
-        pytest.skip(f"{request.param} dispatch is not this platform's: {status}")
-    return request.param
 
 
 class Gate:
@@ -89,7 +82,7 @@ def loss(b, p):
     return b * p + 1
 
 
-def test_a_later_donation_leaves_the_result_of_an_earlier_call_right(mode):
+def test_a_later_donation_leaves_the_result_of_an_earlier_call_right():
     expected = np.asarray(jax.jit(loss)(BATCH, PARAMS))
     update = warmed(jax.jit(lambda p: p - 7, donate_argnums=0), PARAMS)
     gate, batch = gated(BATCH)
@@ -101,7 +94,7 @@ def test_a_later_donation_leaves_the_result_of_an_earlier_call_right(mode):
     np.testing.assert_array_equal(np.asarray(new), PARAMS - 7)
 
 
-def test_a_later_delete_leaves_the_result_of_an_earlier_call_right(mode):
+def test_a_later_delete_leaves_the_result_of_an_earlier_call_right():
     expected = np.asarray(jax.jit(loss)(BATCH, PARAMS))
     gate, batch = gated(BATCH)
     params = jnp.asarray(PARAMS)
@@ -113,7 +106,7 @@ def test_a_later_delete_leaves_the_result_of_an_earlier_call_right(mode):
         np.asarray(params)  # the caller's array is gone, as in JAX
 
 
-def test_a_chain_where_a_later_program_donates_an_earlier_ones_ready_input(mode):
+def test_a_chain_where_a_later_program_donates_an_earlier_ones_ready_input():
     # first reads w and waits for x; second donates w and waits for z, which
     # lands first: the second runs first, and the first still reads w as it was.
     first = jax.jit(lambda x, w: x * w)
@@ -127,17 +120,16 @@ def test_a_chain_where_a_later_program_donates_an_earlier_ones_ready_input(mode)
     a = while_gated(first, x, w)
     b = while_gated(second, w, z)
     gate_z.release.set()
-    if mode == "deferred":  # (with gates, JAX's runtime runs it after first)
-        np.testing.assert_array_equal(np.asarray(b), want_second)
+    np.testing.assert_array_equal(np.asarray(b), want_second)  # before first
     gate_x.release.set()
     np.testing.assert_array_equal(np.asarray(b), want_second)
     np.testing.assert_array_equal(np.asarray(a), want_first)
 
 
-def test_a_chain_where_a_later_program_donates_an_earlier_ones_pending_input(mode):
+def test_a_chain_where_a_later_program_donates_an_earlier_ones_pending_input():
     # y is pending (a program on x). first reads y and waits for z too; second
     # donates y. When x lands, second runs at once: first, called before it,
-    # still reads y as it was (a copy at the conflict, deferred mode).
+    # still reads y as it was (a copy at the conflict).
     double = jax.jit(lambda v: v * 2)
     first = jax.jit(lambda y, z: y - z)
     second = jax.jit(lambda y: y * 100, donate_argnums=0)
@@ -149,8 +141,7 @@ def test_a_chain_where_a_later_program_donates_an_earlier_ones_pending_input(mod
     a = while_gated(first, y, z)
     b = while_gated(second, y)
     gate_x.release.set()
-    if mode == "deferred":  # (with gates, JAX's runtime runs it after first)
-        np.testing.assert_array_equal(np.asarray(b), want_second)
+    np.testing.assert_array_equal(np.asarray(b), want_second)  # before first
     gate_z.release.set()
     np.testing.assert_array_equal(np.asarray(b), want_second)
     np.testing.assert_array_equal(np.asarray(a), want_first)
@@ -172,7 +163,7 @@ def _kinds(tree):
 
 
 @pytest.mark.parametrize("lands", ["before", "after"])
-def test_the_kind_of_a_result_depends_on_the_arguments_only(mode, lands):
+def test_the_kind_of_a_result_depends_on_the_arguments_only(lands):
     f = jax.jit(lambda p, c: {"y": p["w"] * c, "n": jnp.sum(p["w"]), "c": c + 1})
     gate, w = gated(BATCH)
     if lands == "before":
@@ -202,16 +193,13 @@ def test_blocking_dispatch_returns_async_arrays_too(monkeypatch):
     np.testing.assert_array_equal(np.asarray(y), BATCH * 3)
 
 
-def test_tokens_stay_tokens_and_arrays_become_async_arrays(mode):
+def test_tokens_stay_tokens_and_arrays_become_async_arrays():
     f = jax.jit(lambda a, t: (a * 2, t))
     want, want_token = f(BATCH, jax.lax.create_token())
     gate, x = gated(BATCH)
     box = {}
     call = threading.Thread(target=lambda: box.update(out=f(x, jax.lax.create_token())))
-    call.start()
-    if mode == "gate":  # returns at once (deferred: waits for the data at the call)
-        call.join(WAIT)
-        assert not call.is_alive()
+    call.start()  # waits for the data at the call (a token output: not deferred)
     gate.release.set()
     call.join(WAIT)
     y, token = box["out"]
@@ -227,9 +215,7 @@ def test_tokens_stay_tokens_and_arrays_become_async_arrays(mode):
 # --- many readers of one array --------------------------------------------------------
 
 
-def test_pending_programs_on_one_ready_array_share_one_copy(mode):
-    if mode != "deferred":
-        pytest.skip("gate programs are enqueued: JAX's runtime keeps their inputs")
+def test_pending_programs_on_one_ready_array_share_one_copy():
     readers = _async_dispatch.mechanism.readers
     gates, outs = [], []
     params = jnp.asarray(PARAMS)
@@ -256,7 +242,7 @@ def test_pending_programs_on_one_ready_array_share_one_copy(mode):
     donate_after=st.integers(-1, 3),
     order=st.permutations(range(4)),
 )
-def test_readers_and_a_donation_in_any_landing_order(mode, n, donate_after, order):
+def test_readers_and_a_donation_in_any_landing_order(n, donate_after, order):
     # n programs read w (each with a pending batch); after the donate_after-th,
     # w is donated (jit's C++ fast path) and the rest read the new w. The
     # batches land in any order; each result is the same program on ready data.
@@ -280,7 +266,7 @@ def test_readers_and_a_donation_in_any_landing_order(mode, n, donate_after, orde
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
 
 
-def test_deleting_a_landed_async_array_leaves_an_earlier_pending_reader_right(mode):
+def test_deleting_a_landed_async_array_leaves_an_earlier_pending_reader_right():
     # y reads the landed AsyncArray p and waits for the batch; p.delete() before the
     # batch lands must leave y as it was at the call.
     expected = np.asarray(jax.jit(loss)(BATCH, PARAMS))

@@ -36,7 +36,7 @@ def test_a_bad_value_fails_every_call_until_it_changes(monkeypatch):
 
 
 def test_the_dispatch_mode_follows_the_variable(monkeypatch):
-    for value, mode in (("0", "off"), ("deferred", "deferred"), ("auto", "auto")):
+    for value, mode in (("0", "off"), ("1", "async"), ("deferred", "async")):
         monkeypatch.setenv(env.ENV_ASYNC_DISPATCH, value)
         assert env.async_dispatch_mode() == mode
     monkeypatch.setenv(env.ENV_ASYNC_DISPATCH, "sometimes")

@@ -19,7 +19,7 @@ import pytest
 from helpers import run_script
 
 #: Loaders that return while exit reports them; with ``JITTED``, a jitted program
-#: waits on each (in deferred mode, to be dispatched when it lands).
+#: waits on each (deferred, to be dispatched when it lands).
 RACE = """
 import threading, time, warnings
 import jax, numpy as np
@@ -62,15 +62,12 @@ def assert_clean(proc) -> None:
     assert "terminate called" not in err and "FATAL" not in err, err[-3000:]
 
 
-@pytest.mark.parametrize(
-    "mode, jitted", [("auto", False), ("deferred", True)], ids=["plain", "deferred"]
-)
-def test_loaders_that_return_during_exit_never_abort_it(mode, jitted):
+@pytest.mark.parametrize("jitted", [False, True], ids=["plain", "deferred"])
+def test_loaders_that_return_during_exit_never_abort_it(jitted):
     # Fresh processes: forked from a zygote (tests/fresh_scripts.py), the same
     # script aborted 1 run in 3 before the fix.
-    env = {"JAX_THREADMAP_ASYNC_DISPATCH": mode}
     for _ in range(RUNS):
-        proc = run_script(f"JITTED = {jitted}\n" + RACE, env=env)
+        proc = run_script(f"JITTED = {jitted}\n" + RACE)
         assert_clean(proc)
         assert "exiting" in proc.stdout, proc.stdout
         # Reported and abandoned, not placed: they returned once exit had begun.

@@ -3,8 +3,7 @@
 A compact guard of what ``benchmarks/jax_suite.py`` runs at length (JAX's own tests
 with every input a pending AsyncArray): pytrees, static and keyword arguments,
 ``device_put``, ``block_until_ready``, effects, errors, and ``jax.Array`` methods
-of the results; each in gate mode (the CPU's default) and deferred mode, each
-compared with the same call on the landed ``jax.Array``.
+of the results; each compared with the same call on the landed ``jax.Array``.
 """
 
 from __future__ import annotations
@@ -19,18 +18,10 @@ import pytest
 from helpers import PATIENCE, returns_within
 
 from jax_threadmap import async_call
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(120)
 
 SDS = jax.ShapeDtypeStruct
-
-
-@pytest.fixture(params=["gate", "deferred"])
-def mode(request, monkeypatch):
-    if request.param == "deferred":
-        monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "deferred")
-    return request.param
 
 
 @pytest.fixture
@@ -64,7 +55,7 @@ A = np.arange(6, dtype=np.float32).reshape(2, 3)
 B = np.array([1.0, -1.0, 2.0], np.float32)
 
 
-def test_pytrees_in_and_out(mode, held):
+def test_pytrees_in_and_out(held):
     f = jax.jit(lambda t: {"s": t["a"] + t["b"][0], "p": (t["a"] * 2, t["b"][1])})
     tree = {"a": held(A), "b": [held(B), held(np.int32(3))]}
     out = returns_within(f, tree, limit=PATIENCE)  # returns while held
@@ -72,7 +63,7 @@ def test_pytrees_in_and_out(mode, held):
     _check(out, f({"a": A, "b": [B, np.int32(3)]}))
 
 
-def test_static_and_keyword_arguments(mode, held):
+def test_static_and_keyword_arguments(held):
     @functools.partial(jax.jit, static_argnums=1, static_argnames="axis")
     def f(x, power, *, axis, scale):
         return (x**power).sum(axis=axis) * scale
@@ -83,7 +74,7 @@ def test_static_and_keyword_arguments(mode, held):
     _check(out, f(A, 2, axis=1, scale=np.float32(0.5)))
 
 
-def test_device_put_and_block_until_ready(mode, held):
+def test_device_put_and_block_until_ready(held):
     x = held(A)
     device = jax.devices()[0]
     threading.Timer(0.05, held.release).start()
@@ -94,7 +85,7 @@ def test_device_put_and_block_until_ready(mode, held):
     assert y.devices() == {device}
 
 
-def test_methods_of_results_and_of_inputs(mode, held):
+def test_methods_of_results_and_of_inputs(held):
     x = held(A)
     y = jax.jit(lambda a: a * 3)(x)
     outs = returns_within(
@@ -122,7 +113,7 @@ def test_methods_of_results_and_of_inputs(mode, held):
     assert y.tolist() == (A * 3).tolist() and x.item(4) == 4.0
 
 
-def test_effects_run_once_with_the_landed_value(mode, held):
+def test_effects_run_once_with_the_landed_value(held):
     seen = []
 
     def record(v):
@@ -142,7 +133,7 @@ def test_effects_run_once_with_the_landed_value(mode, held):
     np.testing.assert_array_equal(seen[0], B)
 
 
-def test_errors_at_the_call_are_those_of_jax(mode, held):
+def test_errors_at_the_call_are_those_of_jax(held):
     f = jax.jit(lambda a, b: a @ b)
     x = held(A)
     with pytest.raises(TypeError) as pending_error:
@@ -155,7 +146,7 @@ def test_errors_at_the_call_are_those_of_jax(mode, held):
     held.release()
 
 
-def test_a_failed_load_fails_the_results_not_the_call(mode):
+def test_a_failed_load_fails_the_results_not_the_call():
     release = threading.Event()
 
     def load():
@@ -171,10 +162,9 @@ def test_a_failed_load_fails_the_results_not_the_call(mode):
         x.tolist()
 
 
-def test_a_donated_input_is_deleted(mode, held):
+def test_a_donated_input_is_deleted(held):
     x = held(A)
-    # Released by a timer: on JAX < 0.10 gate mode's dispatch of a donation
-    # waits for the load (issue 48 item 1, dispatch).
+    # Released by a timer, while the donating program may wait for its data.
     threading.Timer(0.1, held.release).start()
     y = jax.jit(lambda a: a * 2, donate_argnums=0)(x)
     _check(y, A * 2)

@@ -33,8 +33,8 @@ HANG = 120.0
 def cpu_held(monkeypatch):
     """Makes this machine's CPU devices count as held by the programs that call
     a map, as an accelerator's are, and the CPU the host to move JAX calls to."""
-    if _program_runs.dispatch_streams_unavailable() is not None:
-        pytest.skip(_program_runs.dispatch_streams_unavailable())
+    if _program_runs.runs_unavailable() is not None:
+        pytest.skip(_program_runs.runs_unavailable())
     host = jax.devices("cpu")[0]
     monkeypatch.setattr(_kernel_scope, "_holds", lambda device: True)
     monkeypatch.setattr(_kernel_scope, "_host_device", lambda: host)

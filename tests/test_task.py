@@ -1,15 +1,13 @@
 """A background call (``_arrays/task.py``) and the owners of its states: of the
-call's (``Call``, its base), of its parts' (``Parts``) and of what dispatch
-lends it (``Lending``).
+call's (``Call``, its base) and of its parts' (``Parts``).
 
-Every move of a call, of a sharded load's part and of a loan goes through one
-method of its owner that refuses a move not in its table, as
-``concurrent.futures.Future`` refuses one; the table in each owner's docstring
-is the moves the code allows; a hypothesis state machine drives each of the
-smaller two through random events against a model; a subclass changes
-what a call does through override points (here: the few lines of a call whose
-``fn`` returns arrays placed already, published at once); and the host copy that
-gate programs read is made only when a gate exists.
+Every move of a call and of a sharded load's part goes through one method of its
+owner that refuses a move not in its table, as ``concurrent.futures.Future``
+refuses one; the table in each owner's docstring is the moves the code allows; a
+hypothesis state machine drives the parts through random events against a
+model; and a subclass changes what a call does through override points (here:
+the few lines of a call whose ``fn`` returns arrays placed already, published at
+once).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from jax_threadmap import async_array_from_callback, async_call, deferred_call
 from jax_threadmap._arrays import async_array as _async_array
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import task as _task
 from jax_threadmap._arrays.call import (
     CALL_MOVES,
@@ -38,7 +35,6 @@ from jax_threadmap._arrays.call import (
     PENDING,
     CallState,
 )
-from jax_threadmap._arrays.lending import LENDING_MOVES, Lending, LendingState
 from jax_threadmap._arrays.parts import PART_MOVES, Part, Parts, PartState
 from jax_threadmap._arrays.task import Task
 
@@ -47,7 +43,6 @@ pytestmark = pytest.mark.timeout(120)
 SDS = jax.ShapeDtypeStruct
 F32 = SDS((3,), np.float32)
 WAIT = 30.0
-ASYNC = _async_dispatch.async_dispatch_status() == "async"
 CALL_STATES = tuple(CallState)
 
 
@@ -77,7 +72,6 @@ def _table(owner: type) -> list[tuple[list[str], str]]:
     [
         (CallState, CALL_MOVES, CallState),
         (Parts, PART_MOVES, PartState),
-        (Lending, LENDING_MOVES, LendingState),
     ],
 )
 def test_the_docstring_tables_are_the_moves_the_code_allows(owner, moves, states):
@@ -166,20 +160,6 @@ def test_an_illegal_move_of_a_part_is_refused():
         assert part.state == PartState.PLACED
 
 
-def test_an_illegal_move_of_a_loan_is_refused():
-    x = async_call(lambda: np.ones(3, np.float32), F32)
-    x.result(timeout=WAIT)
-    lending = x._task._lending
-    assert lending.state == LendingState.CLOSED  # never lent a slot
-    for to in (LendingState.OPEN, LendingState.CLOSED):
-        with (
-            lending._lock,
-            pytest.raises(concurrent.futures.InvalidStateError, match="from closed"),
-        ):
-            lending._move(to)
-        assert lending.state == LendingState.CLOSED
-
-
 class PlacedCall(Task):
     """A call whose fn dispatches a program and returns its output arrays,
     placed already: published at once (no check, no copy, no wait), or failed
@@ -202,21 +182,7 @@ def _placed_call(fn, shapes):
     return out
 
 
-@pytest.fixture
-def host_copies(monkeypatch):
-    """Counts the host copies made for gate programs (``host_view``)."""
-    copies = []
-    real = _task.host_view
-
-    def counting(leaf):
-        copies.append(type(leaf))
-        return real(leaf)
-
-    monkeypatch.setattr(_task, "host_view", counting)
-    return copies
-
-
-def test_a_subclass_that_publishes_placed_arrays_at_once(monkeypatch, host_copies):
+def test_a_subclass_that_publishes_placed_arrays_at_once(monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("a placed result is neither checked, copied nor waited")
 
@@ -232,7 +198,6 @@ def test_a_subclass_that_publishes_placed_arrays_at_once(monkeypatch, host_copie
     x, y = _placed_call(fn, (F32, SDS((2,), np.int32)))
     assert x.result(timeout=WAIT) is made["out"][0]
     assert y.result(timeout=WAIT) is made["out"][1]
-    assert host_copies == []  # no gate: never copied back to the host
 
     failed = ValueError("an input of the program failed")
     z = _placed_call(lambda: failed, F32)
@@ -241,8 +206,7 @@ def test_a_subclass_that_publishes_placed_arrays_at_once(monkeypatch, host_copie
     assert info.value is failed
 
 
-@pytest.mark.skipif(not ASYNC, reason="gate programs need async dispatch")
-def test_a_placed_subclass_feeds_the_gate_programs_of_a_dispatch(host_copies):
+def test_a_placed_subclass_feeds_a_program_deferred_on_it():
     go = threading.Event()
 
     def fn():
@@ -250,52 +214,31 @@ def test_a_placed_subclass_feeds_the_gate_programs_of_a_dispatch(host_copies):
         return jnp.arange(3.0)
 
     x = _placed_call(fn, F32)
-    y = jax.jit(lambda a: a * 2)(x)  # a gate program waits for x
+    y = jax.jit(lambda a: a * 2)(x)  # deferred until x lands
+    assert not y.done()  # x has not landed
     go.set()
     np.testing.assert_array_equal(np.asarray(y), np.arange(3.0) * 2)
-    assert host_copies  # read by the gate program
 
 
-def test_no_host_copy_is_made_for_a_call_nothing_was_dispatched_on(host_copies):
-    device = jnp.arange(3.0) + 1  # a jax.Array leaf: a host copy is a transfer
-    x = async_call(lambda: device, F32)
-    np.testing.assert_array_equal(np.asarray(x.result(timeout=WAIT)), [1, 2, 3])
-    assert host_copies == []
-
-
-@pytest.mark.skipif(not ASYNC, reason="gate programs need async dispatch")
-def test_a_host_copy_is_made_for_the_gates_of_a_dispatch(host_copies):
-    go = threading.Event()
-
-    def fn():
-        go.wait(WAIT)
-        return jnp.arange(3.0) + 1
-
-    x = async_call(fn, F32)
-    y = jax.jit(lambda a: a * 2)(x)
-    go.set()
-    np.testing.assert_array_equal(np.asarray(y), [2, 4, 6])
-    assert host_copies
-
-
-# -- the smaller owners, driven through random events against a model --
+# -- the parts, driven through random events against a model --
 
 
 class _Call:
-    """What a part or a loan names in its messages."""
+    """What a part names in its messages."""
 
     name, api = "`load`", "async_array_from_callback"
 
 
 class PartsModel(RuleBasedStateMachine):
     """A call's parts: claimed, landed, failed and stopped in any order; each
-    answer and each state is the model's, and a move not in the table is
-    refused and changes nothing."""
+    answer, each state and the placed data are the model's, and a move not in
+    the table is refused and changes nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.parts: Parts | None = None
         self.model: list[PartState] = []
+        self.placed: dict[int, str] = {}  # by device, until taken
 
     @precondition(lambda self: self.parts is None)
     @rule(n=st.integers(1, 4))
@@ -323,11 +266,14 @@ class PartsModel(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3))
     def land(self, i):
         part, i = self._part(i)
-        last = self.parts.land(part)
+        placed = [f"data {i}"]
+        last = self.parts.land(part, placed)
+        assert placed == []  # taken: no caller's frame holds the arrays
         if self.model[i] != PartState.RUNNING:
             assert last is None
             return
         self.model[i] = PartState.PLACED
+        self.placed[i] = f"data {i}"
         assert last == all(s == PartState.PLACED for s in self.model)
 
     @precondition(lambda self: self.parts is not None)
@@ -348,6 +294,13 @@ class PartsModel(RuleBasedStateMachine):
         assert [self.parts.all.index(p) for p, _, _ in handles] == stopped
         for i in stopped:
             self.model[i] = PartState.STOPPED
+        self.placed = {}  # dropped with the call
+
+    @precondition(lambda self: self.parts is not None)
+    @rule()
+    def take_placed(self):
+        assert self.parts.take_placed() == self.placed
+        self.placed = {}
 
     @precondition(lambda self: self.parts is not None)
     @rule(i=st.integers(0, 3), to=st.sampled_from(list(PartState)))
@@ -372,116 +325,3 @@ PartsModel.TestCase.settings = settings(
     max_examples=examples(100), stateful_step_count=20, deadline=None
 )
 test_parts_model = PartsModel.TestCase
-
-
-class _Gate:
-    def __init__(self, device) -> None:
-        self.array = ("gate", device)
-        self.opened: list[int] = []
-
-    def open(self, slot: int) -> None:
-        self.opened.append(slot)
-
-
-class _Lender:
-    def __init__(self) -> None:
-        self.lent: list[int] = []
-        self.given_back: list[int] = []
-        self.gates: list[_Gate] = []
-
-    def lend_slot(self, task) -> int:
-        self.lent.append(len(self.lent) + 7)
-        return self.lent[-1]
-
-    def give_back_slot(self, slot: int) -> None:
-        self.given_back.append(slot)
-
-    def pull(self, device) -> _Gate:
-        self.gates.append(_Gate(device))
-        return self.gates[-1]
-
-
-class LendingModel(RuleBasedStateMachine):
-    """A call's loan: gate programs added and run, parts landing, the call's
-    end, in any order: one slot at most, lent at the first program and given
-    back once, by the later of the end and the last program; every gate
-    opened once, with the slot; a move not in the table refused."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lending = Lending()
-        self.lender = _Lender()
-        self.state = LendingState.OPEN
-        self.programs = 0
-        self.early: set[int] = set()
-
-    @rule(device=st.integers(0, 2))
-    def add_program(self, device):
-        got = self.lending.add_program(_Call(), device, self.lender)
-        if self.state != LendingState.OPEN:
-            assert got is None
-        elif device in self.early:
-            assert got == (False, ("placed", device))
-        else:
-            assert got == (True, ("gate", device))
-            self.programs += 1
-            assert len(self.lender.lent) == 1
-
-    @precondition(lambda self: self.programs > 0)
-    @rule()
-    def program_ran(self):
-        self.programs -= 1
-        self.lending.program_ran()
-        self._given_back_if_due()
-
-    @precondition(lambda self: self.state == LendingState.OPEN)
-    @rule(devices=st.sets(st.integers(0, 2), min_size=1))
-    def land(self, devices):
-        devices = sorted(devices - self.early)
-        if not devices:
-            return
-        placed = [("placed", d) for d in devices]
-        released = self.lending.land(devices, placed)
-        for device, gate in released.items():
-            assert device in devices and gate.opened == []
-        self.lending.open(released)
-        self.early.update(devices)
-
-    @precondition(lambda self: self.state == LendingState.OPEN)
-    @rule()
-    def close(self):
-        gates = self.lending.close()
-        self.state = LendingState.CLOSED
-        self.early.clear()
-        self.lending.open(gates, lambda: ["host"])
-        assert gates == {}  # dropped as opened
-        self._given_back_if_due()
-
-    def _given_back_if_due(self):
-        if self.state == LendingState.CLOSED and not self.programs:
-            if self.lender.lent:
-                self.state = LendingState.GIVEN_BACK
-
-    @rule(to=st.sampled_from(list(LendingState)))
-    def any_move(self, to):
-        if (self.state, to) in LENDING_MOVES:
-            return
-        with self.lending._lock, pytest.raises(concurrent.futures.InvalidStateError):
-            self.lending._move(to)
-
-    @invariant()
-    def the_loan_is_the_models(self):
-        assert self.lending.state == self.state
-        assert len(self.lender.lent) <= 1
-        given_back = self.state == LendingState.GIVEN_BACK
-        assert self.lender.given_back == (self.lender.lent if given_back else [])
-        for gate in self.lender.gates:  # opened once each, with the slot
-            assert gate.opened in ([], self.lender.lent)
-        if self.state != LendingState.OPEN:
-            assert all(gate.opened for gate in self.lender.gates)
-
-
-LendingModel.TestCase.settings = settings(
-    max_examples=examples(100), stateful_step_count=25, deadline=None
-)
-test_lending_model = LendingModel.TestCase

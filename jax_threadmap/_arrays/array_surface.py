@@ -14,8 +14,8 @@ What reads the buffer (``tolist``, ``__array__``, ``__dlpack__``, the buffer
 protocol, ``unsafe_buffer_pointer``, ``addressable_shards``, ``__bool__``,
 ``__reduce__``...) waits in Python first (:func:`landed`: the call's value, then
 ``block_until_ready``, which releases the GIL) and then delegates to the
-``jax.Array``: a wait in C++ that holds the GIL could never let a gate's host
-callback fill the buffer it waits for.
+``jax.Array``: a wait in C++ that holds the GIL could never let the thread
+that dispatches the deferred program filling it run.
 
 Where this JAX lacks a table (a release that moved it), every table name of
 ``jax.Array`` waits and delegates instead (:func:`surface_unavailable` says why).
@@ -256,7 +256,8 @@ def _update(x: Any, index: Any, op: str, *args: Any, **kwargs: Any) -> Any:
 
 
 #: The most rows that ``iter`` hands out deferred, from one program (its compile
-#: grows with the rows, and each pending dispatch holds a gate): beyond, it waits.
+#: grows with the rows, and each pending row is a deferred program): beyond, it
+#: waits.
 DEFERRED_ROWS = 32
 
 

@@ -33,7 +33,6 @@ from .task import Task
 def _at_exit() -> None:
     _async_pool.abandon_at_exit()
     _event_loop.close_at_exit()
-    _async_dispatch.mechanism.clean_up_at_exit()
 
 
 # Registered after `import jax`, so it runs before JAX's own exit handlers.
@@ -387,10 +386,11 @@ def make_arrays(task: Task) -> Any:
     return jax.tree_util.tree_unflatten(task.treedef, arrays)
 
 
-def _arrays_of(xs: list[AsyncArray], shardings: list[Any]) -> list[jax.Array]:
-    # Called by jit only when a compiled program runs, after compilation.
+def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
+    # Called by jit only when a compiled program runs, after compilation (a run
+    # that was not deferred, or a deferred one whose data has landed).
     pending = [_async_dispatch.Pending(x._task, x._index, x) for x in xs]
-    return _async_dispatch.mechanism.arrays_for(pending, shardings)
+    return _async_dispatch.mechanism.arrays_for(pending)
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)

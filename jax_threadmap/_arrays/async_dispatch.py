@@ -1,15 +1,15 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
-The one file to swap to change the mechanism: :mod:`.async_array` uses only
-:data:`mechanism`, :class:`Pending`, :func:`bind_arrays`,
-:func:`async_dispatch_status` and :class:`AsyncCallFailed`; of a call, only
-``Task``'s public methods are used. One class per job: :class:`Dispatch` sends
-each run on ``AsyncArray`` s where it belongs (deferred by
-:mod:`.deferred_dispatch`, gated by :class:`.gates.Gates`, or blocking) and
-makes its array outputs ``AsyncArray`` s whatever the timing (:class:`Results`).
-A program with ordered effects waits for its pending data at dispatch: JAX
-dispatches a thread's program with an ordered effect only once its previous one
-has run, and (before jax 0.12) fails every later one after one failed.
+One mechanism on every platform: deferred dispatch (:mod:`.deferred_dispatch`).
+:mod:`.async_array` uses only :data:`mechanism`, :class:`Pending`,
+:func:`bind_arrays` and :func:`async_dispatch_status`; of a call, only
+``Task``'s public methods are used. :class:`Dispatch` sends each run on
+``AsyncArray`` s where it belongs (deferred until its data lands, or run at
+once where it must wait for the data: blocking) and makes its array outputs
+``AsyncArray`` s whatever the timing (:class:`Results`). A program with ordered
+effects waits for its pending data at dispatch: JAX dispatches a thread's
+program with an ordered effect only once its previous one has run, and (before
+jax 0.12) fails every later one after one failed.
 """
 
 from __future__ import annotations
@@ -26,13 +26,21 @@ from .._jax import program_runs as _program_runs
 from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
 from . import deferred_dispatch as _deferred_dispatch
-from . import dispatch_streams as _dispatch_streams
-from .gates import EXIT_DRAIN_S, GATE_PLATFORMS, Gates
-from .gates import MAX_WAITING_PROGRAMS as MAX_WAITING_PROGRAMS
-from .gates import AsyncCallFailed as AsyncCallFailed
-from .gates import Pending as Pending
 from .leaves import LeafSpec
-from .task import Task, worker_state
+from .task import Task
+
+
+class Pending(NamedTuple):
+    """An ``AsyncArray`` handed to a dispatch: its call, the leaf of the call's
+    result it is, and the array (its shape, dtype, and value once there).
+
+    Made by :mod:`.async_array` (the array's owner), so that dispatch reaches
+    the call and leaf by these fields, never by the array's private ones.
+    """
+
+    task: Task
+    leaf: int
+    array: Any
 
 
 class ArrayKind(NamedTuple):
@@ -45,25 +53,31 @@ class ArrayKind(NamedTuple):
     arrays_of: Callable[[Task], Any]
 
 
+class _Handed(threading.local):
+    #: The arrays handed to this thread's innermost run for ``AsyncArray`` s,
+    #: each with what to call if the run donates it (``None``: in no run).
+    arrays: list[tuple[Any, Callable[[], None]]] | None = None
+
+
+_handed = _Handed()
+
+
 class Dispatch:
     """Async dispatch: what a program run with ``AsyncArray`` arguments does.
 
-    It reads the switch (once per change), installs the hooks when the first
-    ``AsyncArray`` is made, and sends a run where it belongs: deferred
-    (:mod:`.deferred_dispatch`) where that is the mechanism, else run with gate
-    programs (:class:`Gates`) or blocking; either way its array outputs are
-    ``AsyncArray`` s (:meth:`around`).
+    It reads the switch (once per change), installs the hook on program runs
+    when the first ``AsyncArray`` is made, and defers a run on pending data
+    (:mod:`.deferred_dispatch`) or runs it blocking; either way its array
+    outputs are ``AsyncArray`` s (:meth:`around`).
     """
 
     def __init__(self) -> None:
-        self.gates = Gates()
         self.readers = _deferred_dispatch.Readers()
         self.kind: ArrayKind | None = None
         #: The switch's text and mode, as last read (:meth:`mode`).
         self._env: tuple[str | None, str] = (None, "")
         self._lock = threading.Lock()
-        # Whether prepare() ran, and whether program runs are wrapped (then a
-        # dispatch on pending data gets a stream of its own).
+        # Whether prepare() ran, and whether program runs are wrapped.
         self._prepared = False
         self._wrapped = False
 
@@ -74,51 +88,19 @@ class Dispatch:
             self._env = (raw, async_dispatch_mode())
         return self._env[1]
 
-    def counts(self) -> tuple[dict[Any, int], int]:
-        """The gate programs waiting per device, and the calls lent a slot."""
-        return self.gates.counts()
-
-    def clean_up_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
-        """Lets failed gate programs finish; leaves JAX no failed exit token."""
-        self.gates.clean_up_at_exit(timeout)
-
     def status(self) -> str | None:
-        """Why dispatch on the default backend is blocking, or ``None``."""
+        """Why dispatch on pending data is blocking, or ``None``."""
         if self.mode() == "off":
             return f"disabled by {ENV_ASYNC_DISPATCH}=0"
-        device = jax.devices()[0]
-        if not self.defers_on(device.platform):
-            self.gates.start(device)  # the first dispatch would: a refusal says so
-        if self.defers_on(device.platform):
-            reason = self.in_thread_order()
-        else:
-            reason = self.gates.unavailable()
-        return (
-            None
-            if reason is None
-            else f"unavailable in jax {jax.__version__}: {reason}"
-        )
-
-    def defers_on(self, platform: str) -> bool:
-        """Whether programs on ``platform`` are deferred: on accelerators, where
-        asked for, and where the gates cannot run (no transfer server: its
-        hooks are missing, or the machine refuses its loopback socket)."""
-        return (
-            self.mode() == "deferred"
-            or platform not in GATE_PLATFORMS
-            or self.gates.unavailable() is not None
-        )
-
-    def in_thread_order(self) -> str | None:
-        """Why dispatches on pending data keep their thread's stream (and
-        cannot be deferred), or ``None``."""
-        reason = _program_runs.dispatch_streams_unavailable()
+        reason = _program_runs.runs_unavailable()
         if reason is None and self._prepared and not self._wrapped:
             reason = "the runs of compiled programs could not be wrapped"
-        return reason
+        if reason is None:
+            return None
+        return f"unavailable in jax {jax.__version__}: {reason}"
 
     def prepare(self) -> None:
-        """Installs the hooks on program runs (once; at the first async call).
+        """Installs the hook on program runs (once; at the first async call).
 
         No ``AsyncArray`` exists before that, so no dispatch on pending data can
         happen earlier, and a process that never makes one runs JAX untouched.
@@ -134,46 +116,34 @@ class Dispatch:
 
     def around(self, run: Any, program: Any, args: tuple, effects: Any) -> Any:
         """A run with ``AsyncArray`` arguments returns ``AsyncArray`` s: deferred
-        where that is the mechanism, else run (:func:`.dispatch_streams.around`)
-        and its array outputs wrapped; any other run is JAX's."""
+        until its data lands, or run now (blocking) and its array outputs
+        wrapped; any other run is JAX's."""
         kind = self.kind
         if kind is None or not any(type(a) is kind.type for a in args):
-            return _dispatch_streams.around(run, program, args, effects)
+            return run(program, *args)
         reads = [kind.pending_of(a) if type(a) is kind.type else None for a in args]
         if not effects and self._defers(program, reads):
             return _deferred_dispatch.defer(
-                functools.partial(self._run_deferred, run, program, effects),
+                functools.partial(_run_noting_donations, run, program),
                 program,
                 args,
                 reads,
                 kind.arrays_of,
                 self.readers,
             )
-        return self._results(_dispatch_streams.around(run, program, args, effects))
-
-    def _run_deferred(
-        self, run: Any, program: Any, effects: Any, args: list[Any]
-    ) -> list[Any]:
-        return _dispatch_streams.around(run, program, tuple(args), effects)
+        return self._results(_run_noting_donations(run, program, args))
 
     def _defers(self, program: Any, reads: list[Pending | None]) -> bool:
         if all(r is None or r.task.future.done() for r in reads):
             return False
-        mode = self.mode()
-        if mode == "off" or self.in_thread_order():
+        if self.status() is not None:
             return False
         if _deferred_dispatch.processes() > 1:
             # Every process must dispatch its programs in the same order (their
             # collectives meet): deferring one would reorder them.
             return False
-        devices = program._local_devices
-        if not devices:
+        if not program._local_devices:
             return False
-        if mode == "auto" and all(d.platform in GATE_PLATFORMS for d in devices):
-            if devices[0].client not in self.gates.servers:
-                self.gates.start(devices[0])  # if it cannot start, defer instead
-            if self.gates.unavailable() is None:
-                return False  # gate programs
         return _deferred_dispatch.deferrable(program)
 
     def _results(self, outs: list[Any]) -> list[Any]:
@@ -190,30 +160,18 @@ class Dispatch:
             outs[k] = array
         return outs
 
-    # -- at dispatch, in the thread that calls the jitted function --
+    # -- at dispatch, in the thread that runs the program --
 
-    def arrays_for(self, xs: list[Pending], shardings: list[Any]) -> list[Any]:
-        """One jax.Array per x: the value if there, else a pending one.
-
-        Where async dispatch is off or its bound is reached, waits for the data
-        of ``xs`` (blocking dispatch): never for another call.
-        """
-        out: list[Any] = [None] * len(xs)
-        todo = []
-        for i, x in enumerate(xs):
-            # Blocking for a sharded load asked for in another layout.
-            if x.task.future.done() or not x.task.serves(shardings[i], x.shape):
-                out[i] = self._landed(x)
-            else:
-                todo.append(i)
-        if todo and self._may_dispatch():
-            own_stream = self._wrapped and not self.in_thread_order()
-            self.gates.fill(xs, shardings, todo, out, own_stream)
-        for i in todo:
-            if out[i] is None:  # blocking dispatch: its own data
-                out[i] = self._landed(xs[i])
-        for x, array in zip(xs, out, strict=True):  # later uses fail if donated
-            _dispatch_streams.note_handed(array, x.task.donation_of(x.leaf))
+    def arrays_for(self, xs: list[Pending]) -> list[jax.Array]:
+        """One jax.Array per x, its value: waits for it (a run that reaches the
+        argument handlers was not deferred, or its data has landed)."""
+        out = [self._landed(x) for x in xs]
+        handed = _handed.arrays
+        if handed is not None:  # later uses fail if the run donates them
+            handed.extend(
+                (array, x.task.donation_of(x.leaf))
+                for x, array in zip(xs, out, strict=True)
+            )
         return out
 
     def _landed(self, x: Pending) -> jax.Array:
@@ -230,22 +188,19 @@ class Dispatch:
         if self.readers.by_source:
             self.readers.settle(task)
 
-    def _may_dispatch(self) -> bool:
-        if _dispatch_streams.ordered_effects():
-            # JAX dispatches a program with an ordered effect only once the
-            # previous one with that effect has run, and a failed one fails
-            # every later one (before jax 0.12): wait for the data here, in
-            # Python, and a failed call raises at this dispatch instead.
-            return False
-        if getattr(worker_state, "in_pool", False):
-            # A call run by the pool that needs another call's value runs that
-            # call itself (see Task.wait) rather than queue behind busy workers.
-            return False
-        return self.mode() == "auto" and self.gates.unavailable() is None
 
-    def after_fork(self) -> None:
-        # Servers, gates and programs in flight belong to the parent.
-        self.gates.after_fork()
+def _run_noting_donations(run: Any, program: Any, args: Any) -> Any:
+    """Runs ``program`` on ``args``; tells the ``AsyncArray`` s whose arrays it
+    donated (``donate_argnums``: XLA deletes them at the run), so that their
+    later uses fail, as for a donated ``jax.Array``."""
+    outer, _handed.arrays = _handed.arrays, []
+    try:
+        return run(program, *args)
+    finally:
+        handed, _handed.arrays = _handed.arrays, outer
+        for array, donated in handed:
+            if array.is_deleted():
+                donated()
 
 
 class Results(Task):
@@ -299,47 +254,30 @@ def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
 
 
 def async_dispatch_status() -> str:
-    """Says whether jitted calls with pending ``AsyncArray`` s return at once, and how.
+    """Says whether jitted calls with pending ``AsyncArray`` s return at once.
 
-    With ``"async"`` (the CPU), ``y = f(x)`` with ``x`` pending returns at once
-    with ``AsyncArray`` results, and other work (of the same thread too) that
-    does not use ``y`` does not wait for ``x`` (docs/async.md, "Ordering").
-    Where the JAX hooks for that are missing, it is ``"async, in thread order
-    (...)"``: calls still return at once, but every later program of the same
-    thread runs once ``x`` has arrived. With ``"async, deferred (...)"`` (an
-    accelerator; or a CPU without the gates' loopback transfer server, or
-    ``JAX_THREADMAP_ASYNC_DISPATCH=deferred``), ``y = f(x)`` returns at once
-    with ``AsyncArray`` results, and ``f`` 's program is dispatched from the host
-    when ``x`` lands (docs/accelerators.md).
+    With ``"async"`` (every platform, by default), ``y = f(x)`` with ``x``
+    pending returns at once with ``AsyncArray`` results, and ``f`` 's program
+    is dispatched from the host when ``x`` lands; other work that does not use
+    ``y`` runs meanwhile (docs/async-dispatch.md). With ``"blocking: <reason>"``
+    the call waits for ``x`` first (``JAX_THREADMAP_ASYNC_DISPATCH=0``, or a
+    JAX without the hook that defers program runs).
 
     Returns:
-        ``"async"``, ``"async, in thread order (<reason>)"``, ``"async, deferred
-        (...)"``, or ``"blocking: <reason>"`` (the reason names the switch or
+        ``"async"``, or ``"blocking: <reason>"`` (the reason names the switch or
         the missing JAX feature).
 
     Examples:
         >>> import jax_threadmap as jtm
-        >>> jtm.async_dispatch_status().startswith("async")  # CPU, TPU: jax 0.6.2+
-        True
+        >>> jtm.async_dispatch_status()  # CPU, GPU, TPU: jax 0.6.2+
+        'async'
     """
     reason = mechanism.status()
-    if reason is not None:
-        return f"blocking: {reason}"
-    if mechanism.defers_on(jax.default_backend()):
-        return (
-            "async, deferred (a jitted call on pending data returns AsyncArrays at "
-            "once; its program is dispatched from the host when the data lands)"
-        )
-    in_order = mechanism.in_thread_order()
-    if in_order is not None:
-        return (
-            "async, in thread order (later programs of the thread that dispatched "
-            f"on pending data wait for that data: {in_order})"
-        )
-    return "async"
+    return "async" if reason is None else f"blocking: {reason}"
 
 
 @_fork.in_child
 def _after_fork_in_child() -> None:
-    # Servers, gates and programs in flight belong to the parent.
-    mechanism.after_fork()
+    # The forking thread (the child's only one) is in no run of a program here.
+    global _handed
+    _handed = _Handed()

@@ -104,10 +104,14 @@ class LiveCall(Protocol):
 
     @property
     def returned(self) -> bool:
-        """Whether its function returned (its values are being placed)."""
+        """Whether its function returned (its values are being placed), or its
+        data landed (a deferred program, being dispatched)."""
+
+    def run(self) -> None:
+        """Runs the call here, unless it has started (or ended)."""
 
     def abandon(self) -> None:
-        """At exit: fails what waits for the call (its dispatched programs)."""
+        """At exit: ends the call (what its function returns later is dropped)."""
 
 
 #: ``in_pool``: whether this thread is one of the pool's (while it runs a call).
@@ -207,8 +211,12 @@ class _Pool:
         self._grow()
 
     def _grow(self) -> None:  # lock held
-        """Starts a thread if calls wait that the idle threads will not take."""
+        """Starts a thread if calls wait that the idle threads will not take
+        (not once exit has begun: Python 3.12+ refuses new threads then, and
+        exit runs what must still run itself, :func:`abandon_at_exit`)."""
         if len(self._queue) <= self._idle or self._counted >= self._bound:
+            return
+        if _exiting:
             return
         worker = Worker()
         thread = threading.Thread(
@@ -401,6 +409,9 @@ def deadlines() -> _Deadlines:
 live_lock = threading.Lock()
 live: set[LiveCall] = set()
 
+#: Whether exit has begun (:func:`abandon_at_exit`): the pool starts no thread.
+_exiting = False
+
 #: How long exit waits for calls whose function returned to place their values.
 EXIT_PLACE_S = 5.0
 
@@ -474,15 +485,15 @@ def abandon_at_exit() -> None:
     """Warns about the calls still running at exit, and abandons them.
 
     A call whose function returned may still be copying its values to the
-    device after its dependents got them (async dispatch): exit waits for it
-    (at most :data:`EXIT_PLACE_S` in all) rather than report it. Then no
-    landing starts, and those in flight are waited for (:class:`_Landings`).
+    device, and a deferred program whose data landed is being dispatched: exit
+    waits for them, and for those their landing starts (at most
+    :data:`EXIT_PLACE_S` in all), rather than report them. Then no landing
+    starts, and those in flight are waited for (:class:`_Landings`).
     """
+    global _exiting
+    _exiting = True
     deadline = time.monotonic() + EXIT_PLACE_S
-    with live_lock:
-        calls = list(live)
-    returned = [c.future for c in calls if c.returned]
-    concurrent.futures.wait(returned, timeout=EXIT_PLACE_S)
+    _finish_landed(deadline)
     _landings.close(max(0.0, deadline - time.monotonic()))
     with live_lock:  # those whose landing was refused are still running
         unfinished = [c for c in live if not c.future.done()]
@@ -514,6 +525,21 @@ def abandon_at_exit() -> None:
     )
     for call in unfinished:
         call.abandon()
+
+
+def _finish_landed(deadline: float) -> None:
+    """Until ``deadline``: waits for the calls that returned (placing their
+    values) and dispatches here the deferred programs whose data landed; a call
+    that lands may start another (a deferred program on it)."""
+    while True:
+        with live_lock:
+            returned = [c for c in live if c.returned and not c.future.done()]
+        left = deadline - time.monotonic()
+        if not returned or left <= 0:
+            return
+        for call in returned:  # no-op for those running elsewhere
+            call.run()
+        concurrent.futures.wait([c.future for c in returned], timeout=left)
 
 
 def _names(names: list[str]) -> str:

@@ -6,10 +6,10 @@ refuses a move not in :data:`CALL_MOVES` (the table in :class:`CallState`'s
 docstring); no other class reads or writes its fields, its subclass
 :class:`.task.Task` included, which says what the call runs and how its
 outcome lands. With the state it owns the threads and coroutine it claimed
-(given up on when the call is), whether its timeout's clock runs, and what the
-dispatch mechanism lent it (:class:`.lending.Lending`, closed when the call
-ends: then its gates open), and asks a call of parts' :class:`.parts.Parts` to
-move under its lock (:meth:`Call._claim_part`, :meth:`Call._land`).
+(given up on when the call is), whether its timeout's clock runs, and the
+error text that the programs deferred on its arrays raise if it fails, and asks
+a call of parts' :class:`.parts.Parts` to move under its lock
+(:meth:`Call._claim_part`, :meth:`Call._land`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from . import async_pool as _async_pool
-from . import outcomes as _outcomes
-from .lending import Gate, Lender, Lending
-from .parts import Part
+from .parts import Part, checked_move
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -37,7 +33,7 @@ logger = logging.getLogger("jax_threadmap._async")
 class CallState(enum.Enum):
     """A call's states: not started (a ``deferred_call`` not yet submitted),
     running, finishing (its outcome is being set: values placed, or the error
-    kept; no gate is added any more) and finished (landed or failed). Each move
+    kept) and finished (landed or failed). Each move
     is a method of :class:`Call`, the owner, through :meth:`Call._move`:
 
     ==================  ==========================  =========  =====================
@@ -54,21 +50,17 @@ class CallState(enum.Enum):
                                                                runs a deferred
                                                                call): + live entry,
                                                                + deadline
-    pending, running    add_program (a dispatch)    same       + gate program,
-                                                               + slot (the first)
-    running             fn returns (_accept)        finishing  gates open: data
-    running             fn raises (_fail)           finishing  gates open: error
+    running             fn returns (_accept)        finishing  nothing
+    running             fn raises (_fail)           finishing  + error text
     pending, running    give_up (timeout, cancel)   finishing  - pool slot (abandon),
                                                                - loop task (cancel);
-                                                               gates open: error
-    pending, running    abandon (at exit)           finishing  gates open: error
+                                                               + error text
+    pending, running    abandon (at exit)           finishing  nothing
     finishing           _publish, _conclude (_end)  finished   - live entry
     finishing,finished  its thread leaves run       same       - pool slot (once
                                                                placed and published;
                                                                at give_up if given
                                                                up on)
-    any                 program_ran                 same       - gate program
-    finishing,finished  no gate program left        same       - slot, - host data
     finishing,finished  fn returns or raises late   same       nothing (dropped)
     ==================  ==========================  =========  =====================
     """
@@ -107,11 +99,9 @@ class Call:
     """
 
     __slots__ = tuple(
-        "_lock _state _submitted _clock _pid _worker _source _lending _donated "
+        "_lock _state _submitted _clock _pid _worker _source _error_text _donated "
         "name api runnable timeout".split()
     )
-    #: Whether its gate programs copy its data by device (a call of parts).
-    gates_by_device = False
     #: Holds the list of placed leaves, or the exception of the call (a
     #: subclass's).
     future: concurrent.futures.Future
@@ -135,8 +125,8 @@ class Call:
         # loop (cancelled if the call is given up on).
         self._worker: _async_pool.Worker | None = None
         self._source: asyncio.Task | None = None
-        # Async dispatch: the slot, gates and gate data lent to the call.
-        self._lending = Lending()
+        # What the programs deferred on its arrays raise, once it failed.
+        self._error_text: str | None = None
         # The leaves donated to a jitted call (donate_argnums): later uses fail.
         self._donated: frozenset[int] = frozenset()
 
@@ -150,44 +140,15 @@ class Call:
         """Whether nothing has asked for the call yet (a ``deferred_call``)."""
         return self._state == PENDING and self.runnable and not self._submitted
 
-    @property
-    def host(self) -> Any:
-        """What the gate programs copy (``None`` before the call returns)."""
-        return self._lending.host
-
     def _move(self, to: CallState) -> None:  # lock held
         """The one change of the call's state: refuses a move that is not in
         :data:`CALL_MOVES`."""
-        if (self._state, to) not in CALL_MOVES:
-            raise concurrent.futures.InvalidStateError(
-                f"{self}: the call cannot move from {self._state} to {to}"
-            )
-        self._state = to
-
-    # -- what the dispatch mechanism asks --
-
-    def gate_data(self, leaf: int, where: tuple, device: Any) -> Any:
-        """What the gate program of ``device`` copies; ``None``: the call failed."""
-        return self._lending.gate_data(leaf, where, device, self.gates_by_device)
+        self._state = checked_move(self._state, to, CALL_MOVES, self, "the call")
 
     def failure_text(self) -> str:
-        """The error the programs dispatched on the call's arrays raise (once the
-        call failed): its gate programs, or the deferred programs behind it."""
-        return self._lending.error_text or f"{self.name} ({self.api}) failed"
-
-    def add_program(self, device: Any, lender: Lender) -> tuple[bool, jax.Array] | None:
-        """Counts a gate program on ``device`` that will read this call.
-
-        Returns ``(True, gate)``: the program's input, opened at the call's end
-        (or when the part of a call of parts for ``device`` lands); ``(False,
-        shard)``: that part is placed already (no program is counted); ``None``:
-        the call is ending (its value is waited for instead).
-        """
-        return self._lending.add_program(self, device, lender)
-
-    def program_ran(self) -> None:
-        """A gate program counted by :meth:`add_program` ran (or never will)."""
-        self._lending.program_ran()
+        """The error the programs deferred on the call's arrays raise (once the
+        call failed)."""
+        return self._error_text or f"{self.name} ({self.api}) failed"
 
     # -- start --
 
@@ -290,92 +251,48 @@ class Call:
 
     # -- the end --
 
-    def _close(self) -> dict[Any, Gate]:  # lock held
-        """Ends the time in which gates are added (-> finishing); takes them."""
-        self._move(FINISHING)
-        return self._lending.close()
-
-    def _settle(self) -> dict[Any, Gate] | None:
-        """:meth:`_close` for a running call; ``None`` if it was given up on."""
+    def _settle(self) -> bool:
+        """Ends a running call's run (-> finishing); ``False``: it was given up on."""
         with self._lock:
-            return None if self._state != RUNNING else self._close()
+            if self._state != RUNNING:
+                return False
+            self._move(FINISHING)
+            return True
 
-    def _take_runners(self) -> tuple[dict[Any, Gate], Any, Any] | None:
-        """Ends a pending or running call (-> finishing): its gates, thread and
+    def _take_runners(self) -> tuple[Any, Any] | None:
+        """Ends a pending or running call (-> finishing): its thread and
         coroutine, to give up on; ``None``: it had ended."""
         with self._lock:
             if self._state not in (PENDING, RUNNING):
                 return None
-            gates = self._close()
+            self._move(FINISHING)
             worker, source = self._worker, self._source
             self._worker = self._source = None
-        return gates, worker, source
+        return worker, source
 
     def abandon(self) -> None:
-        """At exit: fails the gates of a call that is still running."""
-        taken = self._take_runners()
-        if taken is not None and taken[0]:
-            text = _outcomes.exit_text(self.name, self.api, self.runnable)
-            self._failed(text, taken[0])
+        """At exit: ends a call that is still running (what it returns later
+        is dropped)."""
+        self._take_runners()
 
-    def _open(self, gates: dict[Any, Gate], host: Callable[[], Any]) -> None:
-        """Opens the ended call's ``gates``; ``host()``: what their programs
-        copy, made only if there are gates."""
-        self._lending.open(gates, host)
-
-    def _end(self) -> None:
+    def _end(self, error_text: str | None = None) -> None:
+        """The finishing call's outcome is set (-> finished); ``error_text``:
+        what the programs deferred on its arrays raise, if it failed."""
         with self._lock:
             self._move(FINISHED)
+            self._error_text = error_text
         with _async_pool.live_lock:
             _async_pool.live.discard(self)
-        self._lending.give_back()
 
-    def _failed(self, text: str, gates: dict[Any, Gate]) -> None:
-        """The call failed: the programs that depend on it are told ``text``;
-        ``gates``: those taken at its end and not opened yet (their programs
-        did not get the data), opened now."""
-        self._lending.set_error_text(text)
-        if not gates:
-            return
-        logger.warning(
-            "jax_threadmap: the jitted programs dispatched with the arrays of "
-            "%s (%s) raise this error when their results are used: %s",
-            self.name,
-            self.api,
-            text,
-        )
-        try:
-            self._lending.open(gates)
-        except Exception:  # the call's own uses must still get the error
-            logger.exception("jax_threadmap: could not open the gates")
-
-    def _land(
-        self, part: Part, placed: list[jax.Array], landed: Callable[[], bool | None]
-    ) -> tuple[dict[Any, jax.Array], dict[Any, Gate]] | None:
-        """``part``'s data, placed on its devices (one array each): if the call
-        runs and ``landed()`` (the part's move, under the call's lock) says it
-        landed, opens those devices' gates; the last part's landing settles the
-        call and returns every part's placed data (by device) and the gates
-        left. ``None``: not the last, or dropped (the call ended meanwhile).
-
-        Takes ``placed``: the list is emptied, so that no caller's frame holds
-        the arrays (see below).
-        """
+    def _land(self, part: Part, landed: Callable[[], bool | None]) -> bool | None:
+        """``part``'s data is placed: if the call runs, ``landed()`` (the part's
+        move, under the call's lock) says whether it was the last, which
+        settles the call (-> finishing). ``None``: the call ended meanwhile."""
         with self._lock:
             last = None if self._state != RUNNING else landed()
-            if last is None:
-                placed.clear()
-                return None  # the call ended meanwhile: dropped
-            released = self._lending.land(part.devices, placed)
-            placed.clear()
-            early = self._lending.take_early() if last else {}
-            rest = self._close() if last else {}
-        # Arrays are freed before the result is set, never after: a daemon
-        # thread still in JAX's C++ when the interpreter exits aborts it.
-        if released:
-            self._lending.open(released)
-        del released
-        return (early, rest) if last else None
+            if last:
+                self._move(FINISHING)
+            return last
 
     # -- uses --
 

@@ -1,9 +1,9 @@
 """Deferred dispatch: a program on pending data is dispatched when the data lands.
 
-On an accelerator a host callback holds the device's queue while it runs (a TPU
-runs its programs in order), so the gate programs of :mod:`.async_dispatch`, which wait
-in a host callback, would make every later program wait for the load. There, a
-jitted call whose arguments include pending ``AsyncArray`` s is not run at once:
+The one mechanism of async dispatch, on every platform. A program waiting in the
+device's queue for data would hold the queue (a TPU runs its programs in order),
+so nothing of ours ever waits there: a jitted call whose arguments include
+pending ``AsyncArray`` s is not run at once:
 
 - the call returns at once (once compiled), and its results are ``AsyncArray`` s
   of the program's output shapes, dtypes and shardings, whose call is a
@@ -15,7 +15,7 @@ jitted call whose arguments include pending ``AsyncArray`` s is not run at once:
 - programs that do not use the pending data run meanwhile, at once;
 - when an argument's call fails, times out or is cancelled, the program never
   runs, and every use of its results raises ``JaxRuntimeError`` with that call's
-  error (``AsyncCallFailed: ...``), as the gate programs' dependents do;
+  error (``AsyncCallFailed: ...``);
 - a program on the results of a ``ProgramRun`` is deferred in turn (a chain);
 - the program reads its arguments as they were at the call, whatever later
   calls do to them (a donation, ``delete()``, a write to a NumPy array), as JAX's
@@ -190,7 +190,7 @@ class Readers:
 
 
 def defer(
-    dispatch: Callable[[list[Any]], list[jax.Array]],
+    dispatch: Callable[[tuple[Any, ...]], list[jax.Array]],
     program: Any,
     args: tuple[Any, ...],
     reads: list[Any],
@@ -304,7 +304,7 @@ class ProgramRun(Task):
 
     def __init__(
         self,
-        dispatch: Callable[[list[Any]], list[jax.Array]],
+        dispatch: Callable[[tuple[Any, ...]], list[jax.Array]],
         readers: Readers,
         args: list[Any],
         reads: list[Any],
@@ -344,7 +344,7 @@ class ProgramRun(Task):
         try:
             for h in held:  # it may donate them: the earlier readers first
                 self._readers.settle(h)
-            return self._dispatch(args)
+            return self._dispatch(tuple(args))
         finally:
             _dispatching.run = outer
             for h in held:
@@ -440,6 +440,9 @@ class ProgramRun(Task):
         for task in self._inputs:
             if not task.future.done():
                 task.run()  # runs a call that has not started; no-op otherwise
+                error = task.future.exception() if task.future.done() else None
+                if isinstance(error, KeyboardInterrupt):
+                    raise error  # Ctrl-C reached the call this thread ran
         for task in self._inputs:
             try:
                 task.future.exception()  # waits for it to land or fail

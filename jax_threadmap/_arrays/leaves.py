@@ -354,11 +354,6 @@ def dtype_text(dtype: Any) -> str:
             return f"<a {type(dtype).__name__}>"
 
 
-def host_view(leaf: Any) -> np.ndarray:
-    """The host array that gate programs copy a frozen leaf from."""
-    return leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
-
-
 def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
     """Puts the frozen leaves on their devices (the copies may still run: wait
     with ``jax.block_until_ready`` before saying the data is there)."""

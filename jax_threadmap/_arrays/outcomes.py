@@ -1,7 +1,7 @@
 """What a background call's end and the waits for it say, and the wait itself.
 
 The errors of a call given up on (timeout, ``cancel()``), the note on a
-loader's own error and the text its gate programs raise; and the waits.
+loader's own error and the text the programs deferred on it raise; and the waits.
 
 Every wait of the async layer for a call's value is :func:`wait_polling`: a wait
 in slices of :data:`POLL_S`, so that Ctrl-C (``KeyboardInterrupt``) reaches the
@@ -123,7 +123,7 @@ def _by(api: str) -> str:
     return f"jax_threadmap.{api}" if api.isidentifier() else f"jax_threadmap's {api}"
 
 
-def gate_text(
+def failure_text(
     error: BaseException,
     name: str,
     api: str,
@@ -132,22 +132,14 @@ def gate_text(
     names_call: bool,
     part: str,
 ) -> str:
-    """What the gate programs of a failed call raise (``names_call``: ``error``
-    names the call already)."""
+    """What the programs deferred on a failed call's arrays raise
+    (``names_call``: ``error`` names the call already)."""
     text = describe_error(error)
     if names_call:
         return text
     where = f"for {part} " if part else ""
     verb = _verb(runnable)
     return f"{name}, which {_by(api)} {verb}, failed {where}with {text}"
-
-
-def exit_text(name: str, api: str, runnable: bool) -> str:
-    """What the gate programs of a call abandoned at exit raise."""
-    return (
-        f"{name}, which {_by(api)} {_verb(runnable)}, had not returned "
-        "when the interpreter exited"
-    )
 
 
 def donated_error(what: str) -> RuntimeError:

@@ -29,6 +29,18 @@ class Owner(Protocol):
         """Runs ``part`` here, unless it has started (or ended)."""
 
 
+def checked_move(state: Any, to: Any, moves: frozenset, owner: Any, what: str) -> Any:
+    """``to``, if ``(state, to)`` is one of ``moves``; else raises
+    ``InvalidStateError`` (as ``concurrent.futures.Future`` refuses an illegal
+    move), naming ``owner`` and ``what`` moved. The one refusal of the async
+    wing's state machines (a call's, :mod:`.call`; a part's, :class:`Parts`)."""
+    if (state, to) not in moves:
+        raise concurrent.futures.InvalidStateError(
+            f"{owner}: {what} cannot move from {state} to {to}"
+        )
+    return to
+
+
 class PartState(enum.Enum):
     """A part's states: not started, fetching, its data placed, or stopped
     (it failed, or the call ended first)."""
@@ -94,25 +106,28 @@ class Parts:
     ==================  ==========================  =========  =====================
     pending             claim                       running    + pool slot or loop
                                                                task
-    running             land                        placed     its devices' gates
-                                                               open: its data; the
-                                                               last: the call is
-                                                               settled
+    running             land                        placed     + its placed data;
+                                                               the last: the call
+                                                               is settled
     running             fail                        stopped    the call fails
     pending, running    stop (the call ends)        stopped    - pool slot (abandon),
-                                                               - loop task (cancel)
+                                                               - loop task (cancel),
+                                                               - placed data
     ==================  ==========================  =========  =====================
 
     The call asks for each move under its own lock; :meth:`stop` returns the
     threads and coroutines of the parts it stopped, for the call to give up on.
+    The parts' placed data waits here, by device, until the last one lands
+    (:meth:`take_placed`).
     """
 
-    __slots__ = ("_lock", "_parts", "_left")
+    __slots__ = ("_lock", "_parts", "_left", "_placed")
 
     def __init__(self, parts: list[Part]) -> None:
         self._lock = threading.Lock()
         self._parts = tuple(parts)
         self._left = len(self._parts)  # parts still to land
+        self._placed: dict[Any, Any] = {}  # by device, until the last lands
 
     def __iter__(self) -> Any:
         return iter(self._parts)
@@ -124,11 +139,7 @@ class Parts:
     def _move(self, part: Part, to: PartState) -> None:  # lock held
         """The one change of a part's state: refuses a move not in
         :data:`PART_MOVES`."""
-        if (part.state, to) not in PART_MOVES:
-            raise concurrent.futures.InvalidStateError(
-                f"{part.task}: {part.what} cannot move from {part.state} to {to}"
-            )
-        part.state = to
+        part.state = checked_move(part.state, to, PART_MOVES, part.task, part.what)
 
     def claim(
         self, part: Part, worker: Worker | None, source: asyncio.Task | None
@@ -157,12 +168,16 @@ class Parts:
             part.source = source
             return True
 
-    def land(self, part: Part) -> bool | None:
-        """``part``'s data is placed; returns whether it was the last to land
+    def land(self, part: Part, placed: list[Any]) -> bool | None:
+        """``part``'s data is placed on its devices (``placed``, one array
+        each: taken, the list emptied); returns whether it was the last to land
         (``None``: the part was stopped meanwhile, its data is dropped)."""
         with self._lock:
+            arrays = placed.copy()
+            placed.clear()
             if part.state != PartState.RUNNING:
                 return None
+            self._placed.update(zip(part.devices, arrays, strict=True))
             self._move(part, PartState.PLACED)
             self._left -= 1
             return self._left == 0
@@ -186,7 +201,14 @@ class Parts:
             handles = [(p, p.worker, p.source) for p in stopping]
             for p in stopping:
                 self._move(p, PartState.STOPPED)
+            self._placed = {}
             return handles
+
+    def take_placed(self) -> dict[Any, Any]:
+        """Every part's placed data, by device (once the last has landed)."""
+        with self._lock:
+            placed, self._placed = self._placed, {}
+            return placed
 
     def not_placed(self) -> list[Part]:
         """The parts whose data has not landed (for a timeout's message)."""

@@ -13,10 +13,9 @@ data_callback)``, returning an ``AsyncArray`` at once:
 - **As each lands**, in the thread that fetched it (a pool thread, or the
   loop's): the shard is checked (the shape of its index's slice, ``threadmap``'s
   dtype rule) and copied to its devices (the one copy; the callback's buffer is
-  dropped at once), and the gate programs of those devices are released, so a
-  jitted program's part on a device starts once that device's shard is there.
-  The array is assembled (``jax.make_array_from_single_device_arrays``) when the
-  last part is placed: the same array ``make_array_from_callback`` gives.
+  dropped at once). The array is assembled
+  (``jax.make_array_from_single_device_arrays``) when the last part is placed:
+  the same array ``make_array_from_callback`` gives.
 - **The first failure**, the timeout or ``cancel()`` ends the load: every use
   raises that error (the callback's own, with a note naming the shard); parts
   not started never run, threads still fetching leave the pool's bound (what
@@ -92,7 +91,6 @@ class ShardedLoad(Task):
     """
 
     __slots__ = tuple("shape sharding _fetch _order _layout _first _parts".split())
-    gates_by_device = True  # one leaf, laid out as its parts (serves)
 
     def __init__(
         self,
@@ -152,10 +150,8 @@ class ShardedLoad(Task):
                 if isinstance(part, Shard) and part.key == first[0]:
                     if self._claim(None, None, part):  # fetched at the call
                         self._part_returned(part, first[1])
-        if not self.parts and self._claim(None):
-            gates = self._settle()
-            if gates is not None:
-                self._all_parts_landed({}, gates)
+        if not self.parts and self._claim(None) and self._settle():
+            self._all_parts_landed()
         for part in self.parts:
             if part.state != PartState.PENDING:  # a hint: _claim decides
                 continue
@@ -216,13 +212,10 @@ class ShardedLoad(Task):
         """``part`` failed with ``error``: the load fails, naming the part
         (``ours``: the error is this package's, naming the load)."""
         self._parts.fail(part)  # its own thread or coroutine is not stopped
-        gates = self._settle()
-        if gates is None:
+        if not self._settle():
             logger.debug("%s: %s failed after the call ended", self, part.what)
             return
-        self._conclude(
-            error, gates, raised_by_fn=not ours, names_call=ours, part=part.what
-        )
+        self._conclude(error, raised_by_fn=not ours, names_call=ours, part=part.what)
 
     def _stop_parts(self) -> None:
         """Parts not placed never start, or leave the pool's bound, or are cancelled."""
@@ -255,9 +248,11 @@ class ShardedLoad(Task):
             self._part_failed(part, e, ours=True)
             return
         del out, shard  # the callback's buffer is not kept
-        landed = self._land(part, placed, functools.partial(self._parts.land, part))
-        if landed is not None:  # the last part: the array is assembled
-            self._all_parts_landed(*landed)
+        # Arrays are freed before the result is set, never after (a daemon
+        # thread still in JAX's C++ when the interpreter exits aborts it): the
+        # list is emptied, so that no frame here holds them.
+        if self._land(part, functools.partial(self._parts.land, part, placed)):
+            self._all_parts_landed()  # the last part: the array is assembled
 
     def _bad_shard(
         self, part: Shard, problem: ValueError, expected: tuple, out: Any
@@ -275,16 +270,15 @@ class ShardedLoad(Task):
             "shard of the array (e.g. data[index]), or fix shape or dtype."
         )
 
-    def _all_parts_landed(self, placed: dict[Any, jax.Array], gates: dict) -> None:
-        # The shards' arrays are freed before the result is set (see
-        # Task._land): the dict is the caller's too, so it is emptied.
+    def _all_parts_landed(self) -> None:
+        placed = self._parts.take_placed()
         try:
             out = jax.make_array_from_single_device_arrays(
                 self.shape, self.sharding, [placed[d] for d in self._order]
             )
         except BaseException as e:
-            placed.clear()
-            self._conclude(e, gates, raised_by_fn=False)
+            placed.clear()  # freed before the error is set
+            self._conclude(e, raised_by_fn=False)
             return
         placed.clear()
         self._publish([out])
@@ -308,22 +302,6 @@ class ShardedLoad(Task):
                     "they return is dropped)."
                 )
             )
-        )
-
-    # -- what the dispatch mechanism asks --
-
-    def serves(self, sharding: Any, shape: tuple[int, ...]) -> bool:
-        """Whether ``sharding`` puts on each device exactly that device's part
-        (and gate programs can copy it: no layout, no PRNG keys)."""
-        if self._layout is not None or is_extended(self.specs[0].aval.dtype):
-            return False
-        try:
-            theirs = sharding.addressable_devices_indices_map(shape)
-        except Exception:
-            return False
-        mine = {d: p.key for p in self.parts if isinstance(p, Shard) for d in p.devices}
-        return len(theirs) == len(mine) and all(
-            mine.get(d) == index_key(index) for d, index in theirs.items()
         )
 
 

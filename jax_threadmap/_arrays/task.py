@@ -9,12 +9,9 @@ a call's fields, and a subclass (a sharded load, :mod:`.shard_loads`; a
 deferred program run, :mod:`.deferred_dispatch`) changes what the call does
 through override points only. A plain ``fn`` runs on the async pool
 (:mod:`.async_pool`), an ``async def`` one on the event loop
-(:mod:`.._support.event_loop`): :func:`run_here`, :func:`run_on_loop`; a thread
-that needs a value whose call has not started runs it itself
-(:meth:`Task.wait`), so a full pool cannot deadlock. The dispatch mechanism
-lends a call a slot and gates (:class:`.lending.Lender`,
-:meth:`.call.Call.add_program`) and reports its programs' ends
-(:meth:`.call.Call.program_ran`).
+(:mod:`.._support.event_loop`): :meth:`Task._run_here`,
+:meth:`Task._run_on_loop`; a thread that needs a value whose call has not
+started runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock.
 """
 
 from __future__ import annotations
@@ -43,10 +40,8 @@ from .leaves import (
     check_future,
     check_result,
     describe_error,
-    host_view,
     place,
 )
-from .lending import Gate
 from .parts import Part
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -58,25 +53,22 @@ class Task(Call):
     """One call of ``fn`` (or one wrapped Future) and its shared outcome.
 
     Its state is :class:`.call.Call`'s, moved only by that class's methods.
-    Claimed, the call (or a part) runs in a thread (:func:`run_here`) or on the
-    event loop (:func:`run_on_loop`); an ``async def`` call lands with the
-    others whose ``fn`` returned in the same turn of the loop (:func:`_land_all`).
+    Claimed, the call (or a part) runs in a thread (:meth:`_run_here`) or on the
+    event loop (:meth:`_run_on_loop`); an ``async def`` call lands with the
+    others whose ``fn`` returned in the same turn of the loop (:meth:`_land_burst`).
 
     A call of :class:`.parts.Part` s (a sharded load, :mod:`.shard_loads`)
     runs each part on its own, and is running from its first part's claim; its
     :class:`.parts.Parts` own the parts' states, asked under the call's lock
     (:meth:`_claim_part`, :meth:`_land`): a part moves only while the call
-    runs. What a dispatch is lent (slot, gates, the data they copy) is the
-    call's :class:`.lending.Lending`, closed when the call ends; a dispatch
-    after a part has landed gets its placed data for those devices, not a
-    gate.
+    runs.
 
     Subclasses change what a call does, never its fields, through these
     override points: :meth:`_start` (what ``submit`` queues), :meth:`_work`
     (what runs for the call or a part), :meth:`_accept` (what ``fn`` returned,
     landed: by default checked, then placed by :meth:`_place` and published
     once its copies are done; a call whose ``fn`` returns placed arrays
-    publishes them at once with :meth:`_publish_placed`), :meth:`serves` and
+    publishes them at once with :meth:`_publish_placed`) and
     :meth:`time_out`, and for a call of parts those it takes a ``part``
     argument in (:meth:`_claim_part`, :meth:`_left_runner`, :meth:`_adopt`,
     :meth:`_raised`, :meth:`_returned`) and :meth:`_stop_parts`. They end a
@@ -165,16 +157,6 @@ class Task(Call):
             return "done" if error is None else f"failed: {describe_error(error)}"
         return "deferred" if self.deferred else "pending"
 
-    # -- what the dispatch mechanism asks --
-
-    def serves(self, sharding: Any, shape: tuple[int, ...]) -> bool:
-        """Whether gate programs can hand this call's data laid out by ``sharding``.
-
-        Override point: a call of parts serves only its own layout.
-        """
-        del sharding, shape
-        return True
-
     # -- start --
 
     def _start(self) -> None:
@@ -196,7 +178,7 @@ class Task(Call):
         if self.coroutine:
             self.submit()
         elif self.runnable:
-            run_here(self, None, worker)
+            self._run_here(None, worker)
 
     def _work(self, part: Part | None) -> Any:
         """Calls what computes the call (or ``part``); returns what it returned.
@@ -209,11 +191,11 @@ class Task(Call):
 
     def run_part(self, part: Part, worker: _async_pool.Worker | None) -> None:
         """Runs ``part`` of the call here, unless it has started (or ended)."""
-        run_here(self, part, worker)
+        self._run_here(part, worker)
 
     def _on_loop(self, part: Part | None = None) -> Callable[[], Any]:
         """What runs the call (or ``part``) on the event loop, once claimed."""
-        return functools.partial(run_on_loop, self, part)
+        return functools.partial(self._run_on_loop, part)
 
     def _raised(self, part: Part | None, error: BaseException) -> None:
         """``fn`` raised ``error`` (override point for a ``part``)."""
@@ -259,12 +241,12 @@ class Task(Call):
         taken = self._take_runners()
         if taken is None:
             return False
-        gates, worker, source = taken
+        worker, source = taken
         if worker is not None:
             _async_pool.pool().abandon(worker, self)
         if source is not None:
             _event_loop.event_loop().cancel(source)
-        self._conclude(error, gates, raised_by_fn=False, names_call=True)
+        self._conclude(error, raised_by_fn=False, names_call=True)
         return True
 
     @_async_pool.landing
@@ -273,15 +255,15 @@ class Task(Call):
         accepted = self._accept(out)
         if accepted is None:
             return
-        leaves = self._place(*accepted)
+        leaves = self._place(accepted)
         if leaves is not None and self._ready(leaves):
             self._publish(leaves)
 
-    def _accept(self, out: Any) -> tuple[list[Any], dict[Any, Gate]] | None:
+    def _accept(self, out: Any) -> list[Any] | None:
         """Lands what ``fn`` returned, or starts to. Override point.
 
         By default: checks it and settles the call (running -> finishing);
-        returns its frozen leaves and the gates to open, for :meth:`_place`,
+        returns its frozen leaves, for :meth:`_place`,
         then :meth:`_ready` and :meth:`_publish` (for a burst of ``async def``
         calls, each step for every call of the burst in turn). ``None``:
         nothing more to do: the call failed or was given up on, or was landed
@@ -295,23 +277,18 @@ class Task(Call):
         except BaseException as e:
             self._fail(e, raised_by_fn=False)
             return None
-        gates = self._settle()
-        if gates is None:
+        if not self._settle():
             logger.debug("%s of %s returned after it was given up on", self.api, self)
             return None
-        return frozen, gates
+        return frozen
 
-    def _place(
-        self, frozen: list[Any], gates: dict[Any, Gate]
-    ) -> list[jax.Array] | None:
-        """Opens the settled call's gates and places its leaves (``None``: that
-        failed, and the call with it)."""
+    def _place(self, frozen: list[Any]) -> list[jax.Array] | None:
+        """Places the settled call's leaves (``None``: that failed, and the
+        call with it)."""
         try:
-            # The gate programs copy from these host arrays (made only if any).
-            self._open(gates, lambda: [host_view(leaf) for leaf in frozen])
             return place(self, frozen)
         except BaseException as e:
-            self._conclude(e, gates, raised_by_fn=False)  # _open emptied gates
+            self._conclude(e, raised_by_fn=False)
             return None
 
     def _ready(self, leaves: list[jax.Array]) -> bool:
@@ -321,22 +298,16 @@ class Task(Call):
         try:
             jax.block_until_ready(leaves)
         except BaseException as e:
-            self._conclude(e, {}, raised_by_fn=False)
+            self._conclude(e, raised_by_fn=False)
             return False
         return True
 
     def _publish_placed(self, leaves: list[jax.Array]) -> bool:
         """Settles a running call and publishes ``leaves``, placed already, at
-        once (gate programs copy from them; nothing is checked, copied or
-        waited for). ``False``: the call had been given up on."""
-        gates = self._settle()
-        if gates is None:
+        once (nothing is checked, copied or waited for). ``False``: the call
+        had been given up on."""
+        if not self._settle():
             logger.debug("%s of %s returned after it was given up on", self.api, self)
-            return False
-        try:
-            self._open(gates, lambda: [host_view(leaf) for leaf in leaves])
-        except BaseException as e:
-            self._conclude(e, gates, raised_by_fn=False)
             return False
         self._publish(leaves)
         return True
@@ -345,32 +316,30 @@ class Task(Call):
         """The placed leaves become the call's value (finishing -> finished)."""
         try:
             self._end()
-        finally:  # set even if giving back the slot failed: no use waits for good
+        finally:  # set even if the end failed: no use waits for good
             self.future.set_result(leaves)
             self._value = leaves  # after: value() never answers before done()
 
     def _fail(self, error: BaseException, *, raised_by_fn: bool) -> None:
         """Fails a running call with ``error`` (unless it was given up on);
         ``raised_by_fn``: ``error`` is the loader's own (it gets a note)."""
-        gates = self._settle()
-        if gates is None:
+        if not self._settle():
             logger.debug("%s of %s failed after it was given up on", self.api, self)
             return
-        self._conclude(error, gates, raised_by_fn=raised_by_fn)
+        self._conclude(error, raised_by_fn=raised_by_fn)
 
     def _conclude(
         self,
         error: BaseException,
-        gates: dict[Any, Gate],
         *,
         raised_by_fn: bool,
         names_call: bool = False,
         part: str = "",
     ) -> None:
-        """Sets the error of the finishing call: every use raises it, every gate
-        program too.
+        """Sets the error of the finishing call: every use raises it, and every
+        program deferred on its arrays.
 
-        ``gates``: those taken at the end and not opened yet. ``names_call``:
+        ``names_call``:
         the error is one of this module's, whose message already names the
         call (a timeout, a cancel); it is then not named twice. ``part``: the
         part of the call that failed (a shard), for the messages.
@@ -380,11 +349,10 @@ class Task(Call):
             n = len(self.specs)
             _outcomes.note_on(error, self.name, self.api, self.runnable, n, part)
         self._kept = KeptError(error)
-        text = _outcomes.gate_text(
+        text = _outcomes.failure_text(
             error, self.name, self.api, self.runnable, names_call=names_call, part=part
         )
-        self._failed(text, gates)
-        self._end()
+        self._end(text)
         self.future.set_exception(error)
 
     # -- a call of parts --
@@ -431,105 +399,103 @@ class Task(Call):
             self._kept.reraise()
         return self.future.result()
 
+    # -- how a claimed call, or a part of one, runs --
+    #
+    # _run_here runs it in the thread that calls it (a thread of the async pool,
+    # or one that waits for its value); _run_on_loop on the package's event
+    # loop: an ``async def`` fn, or the awaitable a plain fn returned. Each first
+    # claims it (_claim: False when it started elsewhere or ended), then calls
+    # what computes it (_work) and hands the call what came back (_returned,
+    # _raised).
+    #
+    # An ``async def`` call whose fn returned is landed (checked and placed) one
+    # turn of the event loop later, together with every other call whose fn
+    # returned in that turn (_land_burst), and published once all of them are
+    # placed and their copies done: a thread waiting for them wakes once per
+    # burst, not once each. Until then it is running.
 
-# --- how a claimed call, or a part of one, runs -------------------------------------
-#
-# run_here runs it in the thread that calls it (a thread of the async pool, or one
-# that waits for its value); run_on_loop on the package's event loop: an
-# ``async def`` fn, or the awaitable a plain fn returned. Each first claims it
-# (Call._claim: False when it started elsewhere or ended), then calls what computes
-# it (Task._work) and hands the call what came back (_returned, _raised).
-#
-# An ``async def`` call whose fn returned is landed (checked, placed, its gates
-# opened) one turn of the event loop later, together with every other call whose fn
-# returned in that turn (_land_all), and published once all of them are placed and
-# their copies done: a thread waiting for them wakes once per burst, not once each.
-# Until then it is running.
+    def _run_here(self, part: Part | None, worker: _async_pool.Worker | None) -> None:
+        """Runs the call (or ``part``) here, in a thread, once claimed."""
+        if not self._claim(worker, None, part):
+            return
+        try:
+            out = self._work(part)
+        except BaseException as e:  # routed to every use, like a Future does
+            self._left_runner(part)
+            self._raised(part, e)
+            return
+        self._left_runner(part)
+        if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
+            awaited = functools.partial(self._run_on_loop, part, out)
+            _event_loop.event_loop().submit(awaited, self.name)
+            return
+        self._returned(part, out)
+
+    async def _run_on_loop(
+        self, part: Part | None = None, awaitable: Any = None
+    ) -> None:
+        """Runs the call (or ``part``) on the event loop: its coroutine, or
+        ``awaitable`` (what its thread returned).
+
+        Claimed here, on the loop, before ``fn`` is called: asyncio would run a
+        task cancelled before its first step up to its first ``await``.
+        """
+        source = asyncio.current_task()
+        if awaitable is not None and not self._adopt(source, part):
+            _event_loop.close_awaitable(awaitable)  # given up on on its way here
+            return
+        if awaitable is None and not self._claim(None, source, part):
+            return
+        try:
+            out = self._work(part) if awaitable is None else awaitable
+            while inspect.isawaitable(out):
+                out = await out
+        except BaseException as e:  # our cancel included: then dropped by _fail
+            self._left_runner(part)
+            self._raised(part, e)
+            return
+        self._left_runner(part)
+        if part is not None:
+            self._returned(part, out)
+            return
+        # Landed with the other calls whose fn returns in this turn of the
+        # loop, one turn later (:meth:`_land_burst`).
+        if not _burst:
+            asyncio.get_running_loop().call_soon(Task._land_burst)
+        _burst.append((self, out))
+
+    @staticmethod
+    @_async_pool.landing
+    def _land_burst() -> None:
+        """Lands the ``async def`` calls whose fn returned in the last turn of
+        the event loop (on its thread): all are checked and placed before any
+        is published, so that a thread waiting for them wakes once per burst,
+        not once per load (each wake-up would cost the loop's thread the GIL
+        at every placement), and the per-load steps run back to back."""
+        batch = _burst.copy()
+        _burst.clear()
+        # Every check first, then every placement: each runs back to back
+        # (measured: placements so run at several times the speed).
+        checked = [(task, task._accept(out)) for task, out in batch]
+        del batch
+        landed = [(task, task._place(c)) for task, c in checked if c is not None]
+        placed = [(task, leaves) for task, leaves in landed if leaves is not None]
+        del checked, landed
+        try:  # one wait for every copy (they run meanwhile)
+            jax.block_until_ready([leaves for _, leaves in placed])
+        except BaseException:  # each call's own copies then say which failed
+            placed = [(task, lv) for task, lv in placed if task._ready(lv)]
+        for task, leaves in placed:
+            try:  # one call's end never keeps the rest of the burst running
+                task._publish(leaves)
+            except BaseException:  # noqa: BLE001 - logged; the value is set
+                logger.exception("landing %s of %s", task.api, task)
 
 
 #: The ``async def`` calls whose fn returned in this turn of the event loop,
-#: with what it returned, until :func:`_land_all` lands them; touched on
+#: with what it returned, until :meth:`Task._land_burst` lands them; touched on
 #: the loop's thread only.
-_returned: list[tuple[Task, Any]] = []
-
-
-def run_here(task: Task, part: Part | None, worker: _async_pool.Worker | None) -> None:
-    """Runs the call (or ``part``) here, in a thread, once claimed."""
-    if not task._claim(worker, None, part):
-        return
-    try:
-        out = task._work(part)
-    except BaseException as e:  # routed to every use, like a Future does
-        task._left_runner(part)
-        task._raised(part, e)
-        return
-    task._left_runner(part)
-    if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
-        awaited = functools.partial(run_on_loop, task, part, out)
-        _event_loop.event_loop().submit(awaited, task.name)
-        return
-    task._returned(part, out)
-
-
-async def run_on_loop(
-    task: Task, part: Part | None = None, awaitable: Any = None
-) -> None:
-    """Runs the call (or ``part``) on the event loop: its coroutine, or
-    ``awaitable`` (what its thread returned).
-
-    Claimed here, on the loop, before ``fn`` is called: asyncio would run a
-    task cancelled before its first step up to its first ``await``.
-    """
-    source = asyncio.current_task()
-    if awaitable is not None and not task._adopt(source, part):
-        _event_loop.close_awaitable(awaitable)  # given up on while on its way here
-        return
-    if awaitable is None and not task._claim(None, source, part):
-        return
-    try:
-        out = task._work(part) if awaitable is None else awaitable
-        while inspect.isawaitable(out):
-            out = await out
-    except BaseException as e:  # our cancel included: then dropped by _fail
-        task._left_runner(part)
-        task._raised(part, e)
-        return
-    task._left_runner(part)
-    if part is not None:
-        task._returned(part, out)
-        return
-    # Landed with the other calls whose fn returns in this turn of the
-    # loop, one turn later (:func:`_land_all`).
-    if not _returned:
-        asyncio.get_running_loop().call_soon(_land_all)
-    _returned.append((task, out))
-
-
-@_async_pool.landing
-def _land_all() -> None:
-    """Lands the ``async def`` calls whose fn returned in the last turn of
-    the event loop (on its thread): all are checked and placed before any
-    is published, so that a thread waiting for them wakes once per burst,
-    not once per load (each wake-up would cost the loop's thread the GIL
-    at every placement), and the per-load steps run back to back."""
-    batch = _returned.copy()
-    _returned.clear()
-    # Every check first, then every placement: each runs back to back
-    # (measured: placements so run at several times the speed).
-    checked = [(task, task._accept(out)) for task, out in batch]
-    del batch
-    landed = [(task, task._place(*c)) for task, c in checked if c is not None]
-    placed = [(task, leaves) for task, leaves in landed if leaves is not None]
-    del checked, landed
-    try:  # one wait for every copy (they run meanwhile)
-        jax.block_until_ready([leaves for _, leaves in placed])
-    except BaseException:  # each call's own copies then say which failed
-        placed = [(task, leaves) for task, leaves in placed if task._ready(leaves)]
-    for task, leaves in placed:
-        try:  # one call's end never keeps the rest of the burst running
-            task._publish(leaves)
-        except BaseException:  # noqa: BLE001 - logged; the value is set
-            logger.exception("landing %s of %s", task.api, task)
+_burst: list[tuple[Task, Any]] = []
 
 
 @_fork.in_child
@@ -537,4 +503,4 @@ def _after_fork_in_child() -> None:
     # Returned in the parent's loop, whose thread does not exist here: those
     # calls fail at their first use in the child (Task.wait). A landing left
     # here would keep the child's loop from ever scheduling one.
-    _returned.clear()
+    _burst.clear()

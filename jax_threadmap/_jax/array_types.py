@@ -13,14 +13,14 @@ from .hooks import RESOLVED, Missing
 def register_array_like(
     cls: type,
     aval_of: Callable[[Any], Any],
-    arrays_of: Callable[[list[Any], list[Any]], list[Any]],
+    arrays_of: Callable[[list[Any]], list[Any]],
 ) -> None:
     """Lets instances of ``cls`` be passed to ``jit`` before their data exists.
 
     ``aval_of(x)`` returns the abstract value (used to trace and compile);
-    ``arrays_of(xs, shardings)`` returns one ``jax.Array`` per ``x`` and is called
-    only when a compiled program runs with them; ``shardings`` are the shardings
-    the program expects for them (so that arrays made there need no resharding).
+    ``arrays_of(xs)`` returns one ``jax.Array`` per ``x`` and is called only when
+    a compiled program runs with them (JAX's ``shard_args`` then puts each in
+    the layout the program expects, as for a ``jax.Array``).
     Registers nothing where a hook is missing (``require(ASYNC_ARRAYS, ...)`` then
     fails before such an array is made).
     """
@@ -34,7 +34,7 @@ def register_array_like(
     register_canonicalize_value(cls)
 
     def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
-        arrays = arrays_of(list(xs), list(shardings))
+        arrays = arrays_of(list(xs))
         return RESOLVED["shard_args"](shardings, layouts, copy_semantics, arrays)
 
     shard_arg_handlers[cls] = handler

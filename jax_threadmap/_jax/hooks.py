@@ -9,11 +9,12 @@ only one in the package that finds them.
 feature fails without it, which public API was tried in its place and why it
 does not serve (:attr:`Hook.public`), and where it lives in each range of JAX
 versions (a :class:`Form`, gated on ``jax.__version_info__``, with a note beside
-each fallback). The imports below are driven by the table and guarded: a hook
-that this JAX does not have never fails ``import jax_threadmap``; the first use
-of a feature that needs it raises :class:`UnsupportedJaxError`, naming the hook,
-the JAX version and what to do (:func:`require`). ``tests/test_compat.py`` reads
-the same table.
+each fallback; both described in :mod:`.hook_forms`, with the adapters that
+need no hook of their own). The imports are driven by the table and guarded: a
+hook that this JAX does not have never fails ``import jax_threadmap``; the first
+use of a feature that needs it raises :class:`UnsupportedJaxError`, naming the
+hook, the JAX version and what to do (:func:`require`). ``tests/test_compat.py``
+reads the same table.
 
 The feature code built on the table lives beside it, one module per concern:
 :mod:`.primitive_rules` (the primitive class and its rule registrations),
@@ -21,12 +22,12 @@ The feature code built on the table lives beside it, one module per concern:
 (reading the current trace), :mod:`.auto_sharding` (per-shard maps under
 ``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
 :mod:`.placement` (fast device placement) and :mod:`.program_runs` (the wrapper
-of program runs, and the transfer server of async dispatch). They reach JAX's internals
-only through :func:`get`, :func:`or_missing` and :data:`RESOLVED`.
+of program runs). They reach JAX's internals only through :func:`get`,
+:func:`or_missing` and :data:`RESOLVED`.
 
 Rules for this module: every internal is an entry of :data:`HOOKS`; the public
 location first, the private one as the fallback; the entry says why; and
-nothing else (no feature code).
+nothing else (no feature code); no package module but :mod:`.hook_forms`.
 """
 
 from __future__ import annotations
@@ -36,159 +37,68 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-import jax
+from .hook_forms import (
+    ARRAY_SURFACE,
+    ASYNC_ARRAYS,
+    ASYNC_DISPATCH,
+    AUTO_PER_SHARD,
+    DERIVATIVES,
+    FAST_PLACEMENT,
+    JAX_VERSION,
+    NEWEST_TESTED_JAX,
+    OLDEST_JAX,
+    PYTHON_CALLBACK_TARGETS,
+    SHARD_MAP,
+    THREADMAP,
+    Form,
+    Hook,
+    Missing,
+    UnsupportedJaxError,
+    _automatic_mesh_of,
+    _emit_python_callback_without_returns_token,
+    _everywhere,
+    _host_callback_registrar,
+    _public,
+    _register_identity_in,
+    _register_lowering_without_cacheable,
+    _register_with_none,
+    _typeof_checking_sharding_rank,
+    form_for,
+    resolve,
+    version_text,
+)
 
-#: The JAX version this process runs, e.g. ``(0, 10, 2)``; every gate reads it.
-JAX_VERSION: tuple[int, ...] = tuple(jax.__version_info__)
-#: The oldest JAX supported: the first whose ``shard_map`` tracks varying axes
-#: (``vma``), which reverse mode inside ``shard_map`` needs. pyproject.toml
-#: declares ``jax>=`` this; CI tests it.
-OLDEST_JAX: tuple[int, ...] = (0, 6, 2)
-#: The newest JAX that CI tests (.ci/run pins it); errors suggest pinning it.
-NEWEST_TESTED_JAX: tuple[int, ...] = (0, 12, 0, 1)
+#: The table's names, and the forms, versions and features it re-exports.
+__all__ = [
+    "ARRAY_SURFACE",
+    "ASYNC_ARRAYS",
+    "ASYNC_DISPATCH",
+    "AUTO_PER_SHARD",
+    "DERIVATIVES",
+    "FAST_PLACEMENT",
+    "JAX_VERSION",
+    "NEWEST_TESTED_JAX",
+    "OLDEST_JAX",
+    "PYTHON_CALLBACK_TARGETS",
+    "SHARD_MAP",
+    "THREADMAP",
+    "Form",
+    "Hook",
+    "Missing",
+    "UnsupportedJaxError",
+    "form_for",
+    "resolve",
+    "version_text",
+    "HOOKS",
+    "RESOLVED",
+    "get",
+    "require",
+    "missing_hooks",
+    "or_missing",
+    "missing_for",
+]
 
-#: The features a hook can be needed by; :func:`require` checks one at its entry.
-THREADMAP = "threadmap"
-DERIVATIVES = "derivatives"
-ASYNC_ARRAYS = "async arrays"
-#: threadmap inside jax.shard_map (and under pmap where JAX runs it as shard_map).
-SHARD_MAP = "shard_map"
-#: Optional: where one of its hooks is missing, async arrays dispatch blocking
-#: (:func:`async_dispatch_unavailable` says why) instead of raising.
-ASYNC_DISPATCH = "async dispatch"
-#: Optional: where one of its hooks is missing, the programs that wait for
-#: pending data stay in their thread's execution stream, so that later programs
-#: of the thread wait for them (:func:`dispatch_streams_unavailable` says why).
-DISPATCH_STREAMS = "dispatch streams"
-#: Optional: a result of a background call is put on its one device by JAX's own
-#: batched placement (what ``make_array_from_callback`` uses), about 5x faster
-#: than ``jax.device_put``; where a hook is missing, by ``jax.device_put``.
-FAST_PLACEMENT = "fast placement"
-#: Optional: under ``jit`` on several devices (explicit or automatic mesh axes,
-#: GSPMD or Shardy), a map whose batch axes are sharded is lowered through
-#: ``custom_partitioning`` and mapped per shard (:mod:`.._core.auto_shard`).
-#: Where a hook is missing, it is mapped on one device, with one INFO log line
-#: (:func:`.auto_sharding.unavailable`).
-AUTO_PER_SHARD = "per-shard jit"
-#: Optional: the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own under
-#: ``jit`` (deferred); where a hook is missing, each waits for the value and
-#: delegates to the ``jax.Array`` (:func:`.._arrays.array_surface.surface_unavailable`).
-ARRAY_SURFACE = "jax.Array surface"
-
-
-def version_text(version: tuple[int, ...]) -> str:
-    """``(0, 10, 2)`` as ``"0.10.2"``."""
-    return ".".join(map(str, version))
-
-
-class UnsupportedJaxError(RuntimeError):
-    """This JAX lacks an internal hook that a jax_threadmap feature needs.
-
-    Raised by the first use of that feature only (importing the package never
-    fails on a missing hook, and the other features keep working); the message
-    names the hook, the installed JAX and what to do: install a JAX release from
-    the supported range, or a jax_threadmap that knows the new one.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, numpy as np
-        >>> from jax_threadmap import UnsupportedJaxError, threadmap
-        >>> try:
-        ...     y = threadmap(np.sin, jax.ShapeDtypeStruct((), jnp.float32), 0.0)
-        ... except UnsupportedJaxError as e:  # a JAX release that moved a hook
-        ...     print(e)
-        ... else:
-        ...     print(y)
-        0.0
-        >>> issubclass(UnsupportedJaxError, RuntimeError)
-        True
-    """
-
-
-@dataclasses.dataclass(frozen=True)
-class Form:
-    """Where a hook lives in the JAX releases ``since <= version < until``.
-
-    Attributes:
-        since: The first JAX version with this form.
-        until: The first JAX version without it; ``None``: still current (also
-            tried on JAX releases newer than the newest tested).
-        where: ``"module:attribute"`` locations, tried in order (public first).
-        note: What differs from the other forms, and why this one is used there.
-        adapt: Turns the object found into what the package calls (a uniform
-            signature across forms); ``None``: used as found.
-    """
-
-    since: tuple[int, ...]
-    until: tuple[int, ...] | None
-    where: tuple[str, ...]
-    note: str = ""
-    adapt: Callable[[Any], Any] | None = None
-
-    def covers(self, version: tuple[int, ...]) -> bool:
-        return self.since <= version and (self.until is None or version < self.until)
-
-
-@dataclasses.dataclass(frozen=True)
-class Hook:
-    """A JAX internal the package relies on.
-
-    Attributes:
-        name: The key in :data:`HOOKS` and in messages.
-        why: Why the package needs it.
-        features: The features that fail without it.
-        forms: Where it lives, one :class:`Form` per range of JAX versions.
-        public: The public API tried in its place, on every supported JAX
-            (0.6.2, 0.10.2 and 0.12.0.1 were run), and why it does not serve;
-            or, for a hook found at a public location on all of them, which
-            one (the private fallback then removed) and why it stays guarded.
-    """
-
-    name: str
-    why: str
-    features: tuple[str, ...]
-    forms: tuple[Form, ...]
-    public: str
-
-
-# --- adapters: one calling convention per hook, whatever the version -------------
-
-
-def _register_lowering_without_cacheable(register: Callable[..., Any]) -> Any:
-    def register_lowering(
-        prim: Any, rule: Callable[..., Any], *, cacheable: bool = True, **kwargs: Any
-    ) -> Any:
-        # JAX 0.6 has no per-equation lowering cache: every equation is lowered
-        # inline, which is what cacheable=False asks for.
-        del cacheable
-        return register(prim, rule, **kwargs)
-
-    return register_lowering
-
-
-def _emit_python_callback_without_returns_token(emit: Callable[..., Any]) -> Any:
-    def emit_python_callback(
-        *args: Any, returns_token: bool = True, **kwargs: Any
-    ) -> Any:
-        # Before 0.8.2 the flag did not exist, and callbacks behaved as with
-        # returns_token=False (True adds a dummy result to TPU callbacks that
-        # have none).
-        del returns_token
-        return emit(*args, **kwargs)
-
-    return emit_python_callback
-
-
-def _typeof_checking_sharding_rank(typeof: Callable[[Any], Any]) -> Any:
-    def checked_typeof(x: Any) -> Any:
-        # Before 0.8.2 a ShapeDtypeStruct accepts a sharding of another rank than
-        # its shape, and typeof does not check it either; the sharding's own check
-        # is the one later releases run in ShapeDtypeStruct.
-        check = getattr(getattr(x, "sharding", None), "check_compatible_aval", None)
-        if isinstance(x, jax.ShapeDtypeStruct) and check is not None:
-            check(tuple(x.shape))
-        return typeof(x)
-
-    return checked_typeof
+# --- adapters that need the table (a hook of their own, or a private module) ----
 
 
 def _one_sharding_per_result(op_sharding_of: Callable[..., Any]) -> Any:
@@ -213,26 +123,6 @@ def _one_sharding_per_result(op_sharding_of: Callable[..., Any]) -> Any:
         return op_sharding
 
     return callback_op_sharding
-
-
-def _register_identity_in(table: dict[Any, Any]) -> Callable[[type], None]:
-    def register(cls: type) -> None:
-        # These tables call the handler: the identity keeps the value as it is.
-        table[cls] = _identity
-
-    return register
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-def _register_with_none(register: Callable[[type, Any], None]) -> Any:
-    def register_canonicalize_value(cls: type) -> None:
-        # `None` is JAX's own way to say "keep the value as it is" here.
-        register(cls, None)
-
-    return register_canonicalize_value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,63 +159,7 @@ def _varying_by_vma(shaped_array: Any) -> _VaryingAxes:
     return _VaryingAxes(lambda aval: frozenset(aval.vma), make)
 
 
-def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, ...]:
-    """One form for every supported JAX (no version gate needed so far)."""
-    return (Form(OLDEST_JAX, None, where, note, adapt),)
-
-
-#: JAX's FFI targets of host callbacks, by platform (what emit_python_callback
-#: emits on every supported JAX: ``xla_ffi_python_{cpu,gpu}_callback`` with an
-#: ``index`` attribute into the program's host callbacks). TPU callbacks are
-#: send/recv pairs instead; there per-shard maps under jit fall back.
-PYTHON_CALLBACK_TARGETS: dict[str, str] = {
-    "cpu": "xla_ffi_python_cpu_callback",
-    "cuda": "xla_ffi_python_gpu_callback",
-    "rocm": "xla_ffi_python_gpu_callback",
-}
-
-
-def _host_callback_registrar(module_context_class: Any) -> Any:
-    if not hasattr(module_context_class, "add_host_callback"):
-        raise AttributeError("ModuleContext has no add_host_callback")
-
-    def register_host_callback(module_context: Any, callback: Any) -> int:
-        # The callback's index in the program's host callbacks, which the FFI
-        # call names (emit_python_callback computes it the same way).
-        module_context.add_host_callback(callback)
-        return len(module_context.host_callbacks) - 1
-
-    return register_host_callback
-
-
-def _automatic_mesh_of(sharding_context: type) -> Any:
-    def automatic_mesh(axis_context: Any) -> Any:
-        # jit with shardings on several devices, not inside shard_map: the
-        # mesh custom_partitioning reads (None without one, or on one device).
-        if not isinstance(axis_context, sharding_context):
-            return None
-        devices = getattr(axis_context, "device_assignment", None) or ()
-        mesh = getattr(axis_context, "abstract_mesh", None)
-        if len(devices) < 2 or mesh is None or getattr(mesh, "empty", True):
-            return None
-        return mesh
-
-    return automatic_mesh
-
-
 # --- the table -----------------------------------------------------------------------
-
-#: What the ``public`` field says of a hook whose every location is public.
-_PUBLIC_MODULE = (
-    "found at this public location on every supported JAX, so the jax._src "
-    "fallback is removed; kept in the table because {module} is public but "
-    "comes with no compatibility promise, so its import stays guarded"
-)
-
-
-def _public(where: str) -> str:
-    return _PUBLIC_MODULE.format(module=where.split(":")[0])
-
 
 HOOKS: tuple[Hook, ...] = (
     # The primitive and its rules.
@@ -699,77 +533,20 @@ HOOKS: tuple[Hook, ...] = (
             ("array_properties", "jax.Array's properties (T, mT, real, at...)"),
         )
     ),
-    # Async dispatch (issue 13). A jitted call with a pending `AsyncArray` returns
-    # at once when the argument handler can hand JAX a `jax.Array` whose buffer is
-    # filled later. No public API makes one. `jax.experimental.transfer` (the same
-    # module and signatures in 0.6.2 ... 0.12; experimental, so it may move) can:
-    # `TransferConnection.pull` returns arrays whose buffers arrive when the
-    # server's `await_pull` offers them. `_arrays/async_dispatch.py` pulls only a
-    # 4-byte gate through it (the data goes through a `pure_callback` program that
-    # waits on the gate), so the loopback socket carries no data.
-    *(
-        Hook(
-            name,
-            why,
-            (ASYNC_DISPATCH,),
-            _everywhere(f"jax.experimental.transfer:{name}"),
-            _public(f"jax.experimental.transfer:{name}"),
-        )
-        for name, why in (
-            (
-                "start_transfer_server",
-                "starts the loopback transfer server whose pulls are the gates",
-            ),
-            (
-                "TransferServer",
-                "its await_pull offers a gate's value, its connect() opens the "
-                "connection",
-            ),
-            (
-                "TransferConnection",
-                "its pull() returns a gate array whose buffer arrives later",
-            ),
-        )
-    ),
-    Hook(
-        "callback_logger",
-        "pure_callback logs every exception of its callback there; the gate "
-        "programs re-raise a failed call's error on purpose, and those records are "
-        "filtered out of it (else each failed call is also logged as an error)",
-        (ASYNC_DISPATCH,),
-        _everywhere("jax._src.callback:logger"),
-        "tried: a filter on the public 'jax' logger, which logging does not apply "
-        "to records that propagate from its children; only the logger's name is "
-        "read (the module's name where it moved), nothing is called",
-    ),
-    # XLA orders the programs of one execution stream (by default, one per
-    # dispatching thread). jaxlib lets a thread pick the stream of what it
-    # dispatches (jaxlib.xla_client.execution_stream_id, a context manager that
-    # sets it and puts it back; the same in 0.6.2 ... 0.12).
-    # `_arrays/async_dispatch.py` puts a dispatch on pending data on a stream of its
-    # own, and puts the thread back when JAX's call that runs the compiled program
-    # (ExecuteReplicated.__call__, which it wraps: `ProgramRuns.install`) returns.
-    Hook(
-        "execution_stream_id",
-        "puts what the thread dispatches next on a stream of its own (entered), "
-        "and the thread back on its usual stream (exited), so that the thread's "
-        "later programs do not wait behind those that wait for pending data",
-        (DISPATCH_STREAMS,),
-        _everywhere("jaxlib.xla_client:execution_stream_id"),
-        _public("jaxlib.xla_client:execution_stream_id")
-        + ". Replaces jaxlib._jax's get_ and set_execution_stream_id (two "
-        "private hooks until this release)",
-    ),
+    # Async dispatch (issues 13, 48). A jitted call with pending `AsyncArray`
+    # arguments returns at once: JAX's call that runs the compiled program
+    # (ExecuteReplicated.__call__, which `ProgramRuns.install` wraps) is where the
+    # program and its arguments are known and nothing has run yet, so the run is
+    # deferred there (`_arrays/deferred_dispatch.py`) until the data lands.
     Hook(
         "ExecuteReplicated",
-        "its __call__ runs a compiled program from Python, after the argument "
-        "handlers; wrapped, so that a dispatch on pending data puts the thread "
-        "back on its usual stream when it returns (its ordered_effects name the "
-        "programs whose dispatch JAX orders), that a program on pending data is "
-        "deferred on accelerators (read: _local_devices, mut, name, "
-        "out_handler.out_avals and .out_shardings), and that a kernel's program "
-        "on a device whose program waits for it is refused",
-        (DISPATCH_STREAMS,),
+        "its __call__ runs a compiled program from Python (the argument "
+        "handlers, then XLA's execute); wrapped, so that a program on pending "
+        "data is deferred until the data lands (read: _local_devices, mut, "
+        "name, ordered_effects, out_handler.out_avals and .out_shardings), "
+        "and that a kernel's program on a device whose program waits for it "
+        "is refused",
+        (ASYNC_DISPATCH,),
         _everywhere("jax._src.interpreters.pxla:ExecuteReplicated"),
         "none: jax.stages.Compiled.__call__ runs only ahead-of-time compiled "
         "programs, and jax.jit's calls reach this class without a public hook; "
@@ -779,62 +556,6 @@ HOOKS: tuple[Hook, ...] = (
 
 
 # --- resolution: guarded imports, driven by the table ---------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Missing:
-    """What a hook resolves to when this JAX does not have it."""
-
-    hook: Hook
-    reason: str
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        del args, kwargs
-        raise UnsupportedJaxError(self.message("jax_threadmap"))
-
-    def message(self, api: str) -> str:
-        if JAX_VERSION < OLDEST_JAX:
-            oldest = version_text(OLDEST_JAX)
-            advice = (
-                f"jax_threadmap supports jax>={oldest}: upgrade with pip "
-                f"install -U 'jax>={oldest}' 'jaxlib>={oldest}'."
-            )
-        else:
-            newest = version_text(NEWEST_TESTED_JAX)
-            advice = (
-                f"Pin jax<={newest} (pip install 'jax<={newest}' "
-                f"'jaxlib<={newest}'), the newest JAX this jax_threadmap was "
-                "tested with, or upgrade jax_threadmap."
-            )
-        return (
-            f"{api} needs the JAX internal {self.hook.name!r} ({self.hook.why}), "
-            f"which JAX {jax.__version__} does not provide: {self.reason}. {advice}"
-        )
-
-
-def form_for(hook: Hook, version: tuple[int, ...] = JAX_VERSION) -> Form | None:
-    """The form of ``hook`` for JAX ``version`` (``None``: older than any)."""
-    for form in hook.forms:
-        if form.covers(version):
-            return form
-    return None
-
-
-def resolve(hook: Hook, version: tuple[int, ...] = JAX_VERSION) -> Any:
-    """The object the package uses for ``hook``, or a :class:`Missing`."""
-    form = form_for(hook, version)
-    if form is None:
-        first = min(f.since for f in hook.forms)
-        return Missing(hook, f"it is known from JAX {version_text(first)} on")
-    tried = []
-    for where in form.where:
-        module_name, attr = where.split(":")
-        try:
-            found = getattr(importlib.import_module(module_name), attr)
-            return form.adapt(found) if form.adapt is not None else found
-        except (ImportError, AttributeError) as e:
-            tried.append(f"{module_name}.{attr} ({type(e).__name__}: {e})")
-    return Missing(hook, "looked for " + "; ".join(tried))
 
 
 #: Hook name -> the object the package uses, or a :class:`Missing`.

@@ -1,9 +1,7 @@
-"""Program runs: the transfer server whose pulls are the async layer's gates,
-the name of the logger to filter, and :data:`RUNS`, the one hooks object that
-wraps every run of a compiled program from Python (on the hooks of
-:mod:`.hooks`), through which the async layer sees its dispatches and kernels
-are kept off the devices whose programs wait for them
-(:meth:`ProgramRuns.refusing`).
+"""Program runs: :data:`RUNS`, the one hooks object that wraps every run of a
+compiled program from Python (on the hooks of :mod:`.hooks`), through which the
+async layer defers the runs on pending data and kernels are kept off the
+devices whose programs wait for them (:meth:`ProgramRuns.refusing`).
 """
 
 from __future__ import annotations
@@ -13,22 +11,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .hooks import ASYNC_DISPATCH, DISPATCH_STREAMS, get, missing_for, or_missing
+from .hooks import ASYNC_DISPATCH, get, missing_for
 
-start_transfer_server: Callable[..., Any] | None = or_missing(
-    "start_transfer_server", None
-)
-# The callback logger's name (its module's), for `_arrays/async_dispatch.py` to filter.
-CALLBACK_LOGGER_NAME: str = getattr(
-    or_missing("callback_logger", None), "name", "jax._src.callback"
-)
-
-
-#: ``dispatch_streams_unavailable()``: why dispatches on pending data cannot get
-#: a stream of their own, or ``None``. (The table's own lookup, called directly:
-#: no function of this module between the caller and the table.)
-dispatch_streams_unavailable: Callable[[], str | None] = functools.partial(
-    missing_for, DISPATCH_STREAMS
+#: ``runs_unavailable()``: why the runs of compiled programs cannot be wrapped
+#: (then dispatch on pending data blocks), or ``None``. (The table's own lookup,
+#: called directly: no function of this module between the caller and the table.)
+runs_unavailable: Callable[[], str | None] = functools.partial(
+    missing_for, ASYNC_DISPATCH
 )
 
 
@@ -76,8 +65,8 @@ class ProgramRuns:
 
     def install(self, around: Callable[..., Any] | None = None) -> bool:
         """Wraps the runs (once); sets :attr:`around` if given. Returns whether
-        the hook is there (:func:`dispatch_streams_unavailable` says why not)."""
-        if dispatch_streams_unavailable() is not None:
+        the hook is there (:func:`runs_unavailable` says why not)."""
+        if runs_unavailable() is not None:
             return False
         if around is not None:
             self.around = around
@@ -143,10 +132,3 @@ class _Refusing:
 
 #: The hooks object (one per process: JAX's class is wrapped once).
 RUNS = ProgramRuns()
-
-
-#: ``async_dispatch_unavailable()``: why this JAX cannot dispatch on pending
-#: arrays (no transfer server for the gates), or ``None`` if it can.
-async_dispatch_unavailable: Callable[[], str | None] = functools.partial(
-    missing_for, ASYNC_DISPATCH
-)

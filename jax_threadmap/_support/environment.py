@@ -64,26 +64,25 @@ ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
 
 
 def async_dispatch_mode() -> str:
-    """``JAX_THREADMAP_ASYNC_DISPATCH``: ``"auto"`` (default: the mechanism each
-    platform was measured with), ``"off"`` (dispatch waits for the data), or
-    ``"deferred"`` (deferred dispatch on every platform, the CPU included)."""
+    """``JAX_THREADMAP_ASYNC_DISPATCH``: ``"async"`` (default; also ``1`` and
+    ``deferred``: a jitted call on pending data returns at once, its program
+    dispatched when the data lands) or ``"off"`` (``0``: the call waits for the
+    data)."""
     return _dispatch_mode(os.environ.get(ENV_ASYNC_DISPATCH, "1"))
 
 
 @functools.lru_cache(maxsize=16)
 def _dispatch_mode(raw: str) -> str:
     value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on", "", "auto"):
-        return "auto"
+    if value in ("1", "true", "yes", "on", "", "auto", "deferred"):
+        return "async"
     if value in ("0", "false", "no", "off"):
         return "off"
-    if value == "deferred":
-        return "deferred"
     raise ValueError(
         f"{ENV_ASYNC_DISPATCH}={value!r} is not understood. Set it to 1 (jitted "
-        "calls with pending AsyncArrays return at once, the default), 0 (they "
-        "wait for the data, as in earlier releases) or deferred (their programs "
-        "are dispatched from the host once the data lands, as on accelerators)."
+        "calls with pending AsyncArrays return at once and their programs are "
+        "dispatched when the data lands, the default; deferred means the same) "
+        "or 0 (they wait for the data, as in earlier releases)."
     )
 
 

@@ -146,8 +146,8 @@ def test_loads_returning_in_one_turn_each_get_their_own_outcome():
 def test_a_call_whose_end_fails_keeps_neither_itself_nor_its_burst_waiting(
     monkeypatch, caplog
 ):
-    # Landed together (one turn of the loop), one call's end raises (here:
-    # giving back its slot): it still gets its value, and so does the rest.
+    # Landed together (one turn of the loop), one call's end raises (here, the
+    # end itself): it still gets its value, and so does the rest.
     from jax_threadmap._arrays import task as _task
 
     release = asyncio.Event()

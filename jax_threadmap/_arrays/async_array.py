@@ -297,9 +297,14 @@ class AsyncArray:
         return f"AsyncArray(shape={self.shape}, dtype={self.dtype})"
 
     def __repr__(self) -> str:
+        status = self._task.status()
+        if self._task.donated(self._index) or (
+            status == "done" and _surface.landed(self).is_deleted()
+        ):
+            status = "deleted"  # where jax.Array's repr raises: a repr never does
         return (
             f"AsyncArray(shape={self.shape}, dtype={self.dtype}, "
-            f"{self._task.status()}, from {self._task.name})"
+            f"{status}, from {self._task.name})"
         )
 
     def __str__(self) -> str:

@@ -212,6 +212,28 @@ def test_no_function_above_complexity_15():
     assert over == [], "split these functions: " + "; ".join(over)
 
 
+#: Sizes a reader can hold (issue 50): lines of a module, and of a class.
+MAX_MODULE_LINES = 650
+MAX_CLASS_LINES = 450
+
+
+def test_no_module_or_class_too_long_to_hold():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long.append(f"{path.name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name}: {size} lines")
+    assert long == [], (
+        f"split these by job (modules <= {MAX_MODULE_LINES} lines, classes <= "
+        f"{MAX_CLASS_LINES}): " + "; ".join(long)
+    )
+
+
 def test_one_fork_hook_for_the_package():
     # Every module's after-fork reset goes through _fork.in_child, so the order in
     # which a forked child starts afresh is read in one place.

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import deferred_dispatch as _deferred_dispatch
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -278,3 +279,30 @@ def test_deleting_a_landed_async_array_leaves_an_earlier_pending_reader_right():
     gate.release.set()
     np.testing.assert_array_equal(np.asarray(y), expected)
     assert params.is_deleted()
+
+
+def test_a_held_back_program_keeps_an_alias_on_the_cpu_and_a_copy_elsewhere():
+    # The CPU keeps a ready argument by an alias of its buffer (no copy without a
+    # conflict); a later donation then copies (XLA's CPU client honours the
+    # alias) and delete() frees nothing the alias reads. Accelerators, and
+    # arrays over several devices, get a copy.
+    params = jax.device_put(PARAMS)
+    kept = _deferred_dispatch._kept(params)
+    on_cpu = next(iter(params.devices())).platform == "cpu"
+    same = kept.unsafe_buffer_pointer() == params.unsafe_buffer_pointer()
+    assert same == on_cpu
+    assert kept.sharding == params.sharding and kept.dtype == params.dtype
+    new = jax.jit(lambda p: p - 7, donate_argnums=0)(params)
+    np.testing.assert_array_equal(np.asarray(new), PARAMS - 7)
+    np.testing.assert_array_equal(np.asarray(kept), PARAMS)
+    other = jnp.asarray(PARAMS)
+    kept_other = _deferred_dispatch._kept(other)
+    other.delete()
+    np.testing.assert_array_equal(np.asarray(kept_other), PARAMS)
+    if jax.device_count() > 1:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+        spec = jax.sharding.PartitionSpec("d")
+        spread = jax.device_put(PARAMS, jax.sharding.NamedSharding(mesh, spec))
+        copy = _deferred_dispatch._kept(spread)
+        assert copy.sharding == spread.sharding
+        np.testing.assert_array_equal(np.asarray(copy), PARAMS)

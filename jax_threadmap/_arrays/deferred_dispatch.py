@@ -19,9 +19,10 @@ pending ``AsyncArray`` s is not run at once:
 - a program on the results of a ``ProgramRun`` is deferred in turn (a chain);
 - the program reads its arguments as they were at the call, whatever later
   calls do to them (a donation, ``delete()``, a write to a NumPy array), as JAX's
-  runtime promises for the programs it has enqueued: NumPy arrays and
-  ``jax.Array`` s are copied at the call (:meth:`Readers.freeze`: jit's C++ fast
-  path donates without passing any hook, so no later point could copy), and an
+  runtime promises for the programs it has enqueued: NumPy arrays are copied
+  and ``jax.Array`` s kept at the call (:meth:`Readers.freeze`, :func:`_kept`:
+  an alias on the CPU, a copy elsewhere; jit's C++ fast path donates without
+  passing any hook, so no later point could copy), and an
   ``AsyncArray`` is let go of (:class:`Readers`) before a later program is handed
   it.
 
@@ -101,6 +102,23 @@ class Held:
         self.original, self.copy = original, copy
 
 
+def _kept(a: jax.Array) -> jax.Array:
+    """What a deferred program reads for the ready array ``a``: on one CPU
+    device, an alias of its buffer (DLPack: XLA's CPU client then copies at a
+    later donation instead of donating, and ``a.delete()`` leaves the alias:
+    no copy unless a conflict comes); elsewhere, a copy (dispatched, not
+    waited for)."""
+    if len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu":
+        try:
+            alias = jax.dlpack.from_dlpack(a)
+        except Exception:  # noqa: BLE001 - a dtype or layout DLPack refuses: copy
+            alias = None
+        if alias is not None and alias.sharding == a.sharding:
+            if alias.dtype == a.dtype and alias.shape == a.shape:
+                return alias
+    return jax.device_put(a, may_alias=False)
+
+
 class _Dispatching(threading.local):
     #: The program run this thread dispatches (see :meth:`Readers.settle`).
     run: ProgramRun | None = None
@@ -116,10 +134,10 @@ class Readers:
     calls do to them (JAX's runtime promises that for the programs it has
     enqueued; a deferred one is not enqueued yet):
 
-    - a ready ``jax.Array`` is copied at the call (:meth:`freeze`; dispatched,
-      not waited for), once for all the pending programs that read it: jit's
-      C++ fast path donates without passing any hook, so no later point could
-      copy at the conflict;
+    - a ready ``jax.Array`` is kept at the call (:meth:`freeze`, :func:`_kept`:
+      an alias on the CPU, else a copy dispatched and not waited for), once for
+      all the pending programs that read it: jit's C++ fast path donates
+      without passing any hook, so no later point could copy at the conflict;
     - before a call's array, or such a copy, is handed to a program
       (:meth:`settle`), which may donate it, the pending programs called
       earlier that read it are let go of it (:meth:`ProgramRun.let_go`):
@@ -150,7 +168,7 @@ class Readers:
                 with self._lock:
                     h = self._held.get(id(a))
                 if h is None or h.original is not a or h.copy.is_deleted():
-                    h = Held(a, jax.device_put(a, may_alias=False))
+                    h = Held(a, _kept(a))
                     with self._lock:
                         self._held[id(a)] = h
                 a = h.copy

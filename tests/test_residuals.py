@@ -792,3 +792,17 @@ def test_derivative_params_of_repeated_traces_are_equal_and_cached():
     jitted(x, a)
     jitted(x + 1, a)
     assert jitted._cache_size() == 1
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_directions_fold_a_python_scalar_tangent(jit):
+    """A tangent given as a Python number (a literal in the jaxpr, the same
+    for every direction) is repeated over the folded directions."""
+    f = make_kernel(jvp="directions")
+    x, T = values((3,), 0), values((4, 3), 1)
+
+    def directions(f):
+        return lambda x, T: jax.vmap(lambda t: jax.jvp(f, (x, 2.0), (t, 0.5))[1])(T)
+
+    got = (jax.jit if jit else lambda h: h)(directions(f))(x, T)
+    assert_close(got, directions(reference())(x, T))

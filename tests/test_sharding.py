@@ -16,7 +16,7 @@ from jax_threadmap._jax import hooks as _hooks
 
 CHECKS = pathlib.Path(__file__).parent / "sharding_checks.py"
 #: The lines each part prints (the script stops at the first failure).
-CHECK_LINES = {"shard_map": 59, "jit": 55}
+CHECK_LINES = {"shard_map": 59, "jit": 59}
 
 
 # Both partitioners: Shardy is the default from jax 0.7, GSPMD before, and their

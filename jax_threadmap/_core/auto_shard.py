@@ -22,6 +22,7 @@ the equation is lowered as before: one device maps every element.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -226,13 +227,16 @@ class _Plan:
         index = self.index
 
         def per_device(*blocks: Any) -> list[Any]:
-            where = jax.numpy.stack(
-                [jax.lax.axis_index(lv) if lv else 0 for lv in levels]
-            ).astype(np.int32)
-            outs = shard_callback_p.bind(
-                where, *blocks, index=index, result_avals=block_avals
-            )
-            return [self._sum(k, o, levels) for k, o in enumerate(outs)]
+            # Traced on the partitioner's mesh, not on a jax.set_mesh context's
+            # explicit one (whose typed values XLA cannot lower here).
+            with _on_mesh(mesh):
+                where = jax.numpy.stack(
+                    [jax.lax.axis_index(lv) if lv else 0 for lv in levels]
+                ).astype(np.int32)
+                outs = shard_callback_p.bind(
+                    where, *blocks, index=index, result_avals=block_avals
+                )
+                return [self._sum(k, o, levels) for k, o in enumerate(outs)]
 
         return (
             mesh,
@@ -329,6 +333,13 @@ def _explicit_axes(mesh: Any) -> set[str]:
     types = getattr(mesh, "axis_types", None) or ()
     explicit = jax.sharding.AxisType.Explicit
     return {n for n, t in zip(mesh.axis_names, types, strict=False) if t == explicit}
+
+
+def _on_mesh(mesh: Any) -> Any:
+    """``mesh``'s abstract mesh as the context's (jax 0.6 has neither
+    ``jax.sharding.use_abstract_mesh`` nor a ``jax.set_mesh`` to override)."""
+    use = getattr(jax.sharding, "use_abstract_mesh", None)
+    return contextlib.nullcontext() if use is None else use(mesh.abstract_mesh)
 
 
 def _slice(axes: Sequence[int | None], d: int, real: tuple[int, ...]) -> slice:

@@ -50,6 +50,7 @@ def fold(
     ops, in_axes = list(args[:num_base]), list(spec.in_axes[:num_base])
     linear = zip(args[num_base:], dims[num_base:], spec.in_axes[num_base:], strict=True)
     for x, d, axes in linear:
+        x = jnp.asarray(x)  # a Python number (a literal) has no shape
         c = _first_core(x.ndim - (d is not None), axes)  # the level goes there
         if d is None:  # the same tangent for every direction
             shape = (*x.shape[:c], size, *x.shape[c:])

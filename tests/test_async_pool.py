@@ -200,7 +200,7 @@ def test_threads_of_calls_given_up_on_are_capped():
 # --- 4. Ctrl-C reaches our waits -----------------------------------------------------
 
 _INTERRUPT_SCRIPT = """
-    import os, signal, threading, time, traceback
+    import os, signal, sys, threading, time, traceback
     import jax, numpy as np
     import jax_threadmap as jtm
 
@@ -222,7 +222,7 @@ _INTERRUPT_SCRIPT = """
         time.sleep(pause)
         os.kill(os.getpid(), signal.SIGINT)
 
-    for how in ("result", "asarray", "blocking dispatch"):
+    for how in sys.argv[1:]:
         pause = 0.05
         while True:
             started.clear()
@@ -236,6 +236,8 @@ _INTERRUPT_SCRIPT = """
                     x.result()
                 elif how == "asarray":
                     np.asarray(x)
+                elif how == "deferred result":
+                    np.asarray(add_one(x))  # a deferred program on x's data
                 else:
                     add_one(x)
             except KeyboardInterrupt as e:
@@ -255,9 +257,20 @@ def test_ctrl_c_reaches_every_wait_of_ours():
     # The blocking dispatch: async dispatch off, so the jitted call waits, in
     # Python, for its data.
     env = {"JAX_THREADMAP_ASYNC_DISPATCH": "0", "JAX_THREADMAP_ASYNC_THREADS": "16"}
-    ran = run_script(_INTERRUPT_SCRIPT, env=env, timeout=150)
-    for how in ("result", "asarray", "blocking dispatch"):
+    hows = ("result", "asarray", "blocking dispatch")
+    ran = run_script(_INTERRUPT_SCRIPT, *hows, env=env, timeout=150)
+    for how in hows:
         assert f"interrupted {how}" in ran.stdout, ran.report
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to itself: POSIX")
+@pytest.mark.skipif(not ASYNC, reason=f"async dispatch status: {STATUS}")
+def test_ctrl_c_reaches_a_wait_for_a_deferred_result_whose_load_runs():
+    # np.asarray(y), y = f(x) deferred, x's load running on a pool thread: the
+    # wait for x inside y's wait is in slices too (it once waited on x's future
+    # at once, and dropped the KeyboardInterrupt it raised).
+    ran = run_script(_INTERRUPT_SCRIPT, "deferred result", timeout=90)
+    assert "interrupted deferred result" in ran.stdout, ran.report
 
 
 # --- 5. donation ---------------------------------------------------------------------

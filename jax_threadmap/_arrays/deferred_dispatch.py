@@ -51,6 +51,7 @@ import numpy as np
 
 from .async_pool import landing, worker_state
 from .leaves import LeafSpec, is_extended
+from .outcomes import wait_polling
 from .task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -443,11 +444,8 @@ class ProgramRun(Task):
                 error = task.future.exception() if task.future.done() else None
                 if isinstance(error, KeyboardInterrupt):
                     raise error  # Ctrl-C reached the call this thread ran
-        for task in self._inputs:
-            try:
-                task.future.exception()  # waits for it to land or fail
-            except BaseException:  # noqa: BLE001 - cancelled: its callback fails us
-                pass
+        for task in self._inputs:  # in slices: Ctrl-C reaches the wait
+            wait_polling(task.future, None)  # landed, failed or cancelled
         with self._inputs_lock:
             landed = self._waiting == 0
         if landed and self._cause is None:

@@ -434,10 +434,10 @@ class ProgramRun(Task):
         """A chain passes the failed argument's error on, not its own wrapper."""
         return self._cause or super().failure_text()
 
-    @landing  # exit waits for a dispatch in flight, and starts none
     def run(self, worker: Any = None) -> None:
         """Dispatches the program here once its inputs landed (a thread that
-        waits for a result helps each input first, as for any call)."""
+        waits for a result helps each input first, as for any call; that wait
+        is no landing: exit does not wait for a load)."""
         for task in self._inputs:
             if not task.future.done():
                 task.run()  # runs a call that has not started; no-op otherwise
@@ -449,7 +449,11 @@ class ProgramRun(Task):
         with self._inputs_lock:
             landed = self._waiting == 0
         if landed and self._cause is None:
-            super().run(worker)  # no-op if the pool dispatched it already
+            self._dispatch_landed(worker)
+
+    @landing  # exit waits for a dispatch in flight, and starts none
+    def _dispatch_landed(self, worker: Any) -> None:
+        super().run(worker)  # no-op if the pool dispatched it already
 
     def _accept(self, out: Any) -> None:
         """The program's outputs are placed already: published at once."""

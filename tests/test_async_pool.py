@@ -125,6 +125,48 @@ def test_a_huge_timeout_leaves_later_timeouts_working(api, huge):
     np.testing.assert_array_equal(np.asarray(big), [0.0, 0.0])
 
 
+_QUEUED_TIMEOUT_SCRIPT = """
+    import threading
+    import jax, numpy as np
+    import jax_threadmap as jtm
+
+    sds = jax.ShapeDtypeStruct((2,), np.float32)
+    busy, release, ran_in = threading.Event(), threading.Event(), []
+
+    def hold():
+        busy.set()
+        release.wait(60)
+        return np.zeros(2, np.float32)
+
+    def load():
+        ran_in.append(threading.current_thread().name)
+        release.wait(30)
+        return np.ones(2, np.float32)
+
+    b = jtm.async_call(hold, sds)  # the pool's one thread
+    assert busy.wait(60)
+    x = jtm.async_call(load, sds, timeout=0.5)  # queued behind it
+    y = jax.jit(lambda a: a * 2)(x)
+    try:
+        np.asarray(y)
+    except jax.errors.JaxRuntimeError as e:
+        print("raised", "TimeoutError" in str(e))
+    release.set()
+    b.result()
+    print("ran in the waiter", threading.current_thread().name in ran_in)
+"""
+
+
+def test_a_waiter_of_a_deferred_result_keeps_its_loads_timeout():
+    # np.asarray(y), y = f(x), x queued behind a busy pool with a timeout: the
+    # waiter does not run x's load in place (its timeout could not hold there),
+    # as x.result() does not; y raises x's TimeoutError once it has passed.
+    env = {"JAX_THREADMAP_ASYNC_THREADS": "1"}
+    ran = run_script(_QUEUED_TIMEOUT_SCRIPT, env=env, timeout=120)
+    assert "raised True" in ran.stdout, ran.report
+    assert "ran in the waiter False" in ran.stdout, ran.report
+
+
 # --- 3. the threads of calls given up on are capped -----------------------------------
 
 _CAP_SCRIPT = """

@@ -438,8 +438,11 @@ class ProgramRun(Task):
         """Dispatches the program here once its inputs landed (a thread that
         waits for a result helps each input first, as for any call; that wait
         is no landing: exit does not wait for a load)."""
+        in_pool = getattr(worker_state, "in_pool", False)
         for task in self._inputs:
-            if not task.future.done():
+            # Not a call with a timeout (but in a pool thread), as Task.wait:
+            # its timeout must hold for this waiter.
+            if not task.future.done() and (task.timeout is None or in_pool):
                 task.run()  # runs a call that has not started; no-op otherwise
                 error = task.future.exception() if task.future.done() else None
                 if isinstance(error, KeyboardInterrupt):

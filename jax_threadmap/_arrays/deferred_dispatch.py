@@ -38,6 +38,7 @@ are abandoned with their loads.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -267,6 +268,35 @@ def _first_report(task: Task) -> bool:
         return True
 
 
+class _Failing(threading.local):
+    #: The programs this thread is failing (:func:`_fail_along`), or ``None``.
+    queue: collections.deque[tuple[ProgramRun, Task]] | None = None
+
+
+_failing = _Failing()
+
+
+def _fail_along(run: ProgramRun, task: Task) -> None:
+    """``run._fail_for(task)``; a failure along a chain fails the next program
+    from the done-callback of the last, so those are queued here rather than
+    nested: a chain of any length fails (nesting overflowed the stack at a
+    few hundred programs, and the rest never ended)."""
+    queue = _failing.queue
+    if queue is not None:
+        queue.append((run, task))
+        return
+    _failing.queue = queue = collections.deque([(run, task)])
+    try:
+        while queue:
+            failed, cause = queue.popleft()
+            try:
+                failed._fail_for(cause)
+            except Exception:  # one program's failure must not stop the rest
+                logger.exception("jax_threadmap: could not fail %s", failed)
+    finally:
+        _failing.queue = None
+
+
 class ProgramRun(Task):
     """The deferred run of one compiled program (see the module docstring).
 
@@ -393,7 +423,7 @@ class ProgramRun(Task):
 
     def _input_done(self, task: Task, future: Any) -> None:
         if future.exception() is not None:
-            self._fail_for(task)  # at once; a later failure changes nothing
+            _fail_along(self, task)  # at once; a later failure changes nothing
         with self._inputs_lock:
             self._waiting -= 1
             last = self._waiting == 0

@@ -212,6 +212,20 @@ def test_a_failed_load_fails_every_program_of_a_long_chain():
     np.testing.assert_array_equal(np.asarray(ok), np.full(3, 600, np.float32))
 
 
+def test_a_wait_for_the_end_of_a_long_chain_helps_it_without_nesting():
+    # np.asarray(y) on the last of 2000 pending programs: the waiter helps the
+    # chain from its first program on, not nested (it overflowed the stack).
+    gate, x = gated(np.zeros(3, np.float32))
+    f = jax.jit(lambda a: a + 1)
+    y = x
+    for _ in range(2000):
+        y = f(y)
+    # Released while the main thread waits (a release before the wait makes
+    # the test pass whatever the code; never the reverse).
+    threading.Timer(1.0, gate.release.set).start()
+    np.testing.assert_array_equal(np.asarray(y), np.full(3, 2000, np.float32))
+
+
 def _cause(array):
     try:
         array.result()

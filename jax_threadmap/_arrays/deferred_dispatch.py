@@ -467,11 +467,38 @@ class ProgramRun(Task):
     def run(self, worker: Any = None) -> None:
         """Dispatches the program here once its inputs landed (a thread that
         waits for a result helps each input first, as for any call; that wait
-        is no landing: exit does not wait for a load)."""
+        is no landing: exit does not wait for a load). The pending programs
+        of a chain are helped in turn, the first first, not nested."""
+        for run in self._chain():
+            run._run_one(worker if run is self else None)
+
+    def _chain(self) -> list[ProgramRun]:
+        """This program and the pending programs it reads, each after those
+        it reads (a walk with a stack of its own: chains of any length)."""
+        order: list[ProgramRun] = []
+        seen: set[ProgramRun] = set()
+        stack: list[tuple[ProgramRun, bool]] = [(self, False)]
+        while stack:
+            run, expanded = stack.pop()
+            if expanded:
+                order.append(run)
+            elif run not in seen:
+                seen.add(run)
+                stack.append((run, True))
+                stack.extend(
+                    (t, False)
+                    for t in run._inputs
+                    if isinstance(t, ProgramRun) and not t.future.done()
+                )
+        return order
+
+    def _run_one(self, worker: Any) -> None:
         in_pool = getattr(worker_state, "in_pool", False)
         for task in self._inputs:
             # Not a call with a timeout (but in a pool thread), as Task.wait:
-            # its timeout must hold for this waiter.
+            # its timeout must hold for this waiter. A program: helped first.
+            if isinstance(task, ProgramRun):
+                continue
             if not task.future.done() and (task.timeout is None or in_pool):
                 task.run()  # runs a call that has not started; no-op otherwise
                 error = task.future.exception() if task.future.done() else None

@@ -125,6 +125,48 @@ def test_a_huge_timeout_leaves_later_timeouts_working(api, huge):
     np.testing.assert_array_equal(np.asarray(big), [0.0, 0.0])
 
 
+_QUEUED_TIMEOUT_SCRIPT = """
+    import threading
+    import jax, numpy as np
+    import jax_threadmap as jtm
+
+    sds = jax.ShapeDtypeStruct((2,), np.float32)
+    busy, release, ran_in = threading.Event(), threading.Event(), []
+
+    def hold():
+        busy.set()
+        release.wait(60)
+        return np.zeros(2, np.float32)
+
+    def load():
+        ran_in.append(threading.current_thread().name)
+        release.wait(30)
+        return np.ones(2, np.float32)
+
+    b = jtm.async_call(hold, sds)  # the pool's one thread
+    assert busy.wait(60)
+    x = jtm.async_call(load, sds, timeout=0.5)  # queued behind it
+    y = jax.jit(lambda a: a * 2)(x)
+    try:
+        np.asarray(y)
+    except jax.errors.JaxRuntimeError as e:
+        print("raised", "TimeoutError" in str(e))
+    release.set()
+    b.result()
+    print("ran in the waiter", threading.current_thread().name in ran_in)
+"""
+
+
+def test_a_waiter_of_a_deferred_result_keeps_its_loads_timeout():
+    # np.asarray(y), y = f(x), x queued behind a busy pool with a timeout: the
+    # waiter does not run x's load in place (its timeout could not hold there),
+    # as x.result() does not; y raises x's TimeoutError once it has passed.
+    env = {"JAX_THREADMAP_ASYNC_THREADS": "1"}
+    ran = run_script(_QUEUED_TIMEOUT_SCRIPT, env=env, timeout=120)
+    assert "raised True" in ran.stdout, ran.report
+    assert "ran in the waiter False" in ran.stdout, ran.report
+
+
 # --- 3. the threads of calls given up on are capped -----------------------------------
 
 _CAP_SCRIPT = """
@@ -200,7 +242,7 @@ def test_threads_of_calls_given_up_on_are_capped():
 # --- 4. Ctrl-C reaches our waits -----------------------------------------------------
 
 _INTERRUPT_SCRIPT = """
-    import os, signal, threading, time, traceback
+    import os, signal, sys, threading, time, traceback
     import jax, numpy as np
     import jax_threadmap as jtm
 
@@ -222,7 +264,7 @@ _INTERRUPT_SCRIPT = """
         time.sleep(pause)
         os.kill(os.getpid(), signal.SIGINT)
 
-    for how in ("result", "asarray", "blocking dispatch"):
+    for how in sys.argv[1:]:
         pause = 0.05
         while True:
             started.clear()
@@ -236,6 +278,8 @@ _INTERRUPT_SCRIPT = """
                     x.result()
                 elif how == "asarray":
                     np.asarray(x)
+                elif how == "deferred result":
+                    np.asarray(add_one(x))  # a deferred program on x's data
                 else:
                     add_one(x)
             except KeyboardInterrupt as e:
@@ -255,9 +299,20 @@ def test_ctrl_c_reaches_every_wait_of_ours():
     # The blocking dispatch: async dispatch off, so the jitted call waits, in
     # Python, for its data.
     env = {"JAX_THREADMAP_ASYNC_DISPATCH": "0", "JAX_THREADMAP_ASYNC_THREADS": "16"}
-    ran = run_script(_INTERRUPT_SCRIPT, env=env, timeout=150)
-    for how in ("result", "asarray", "blocking dispatch"):
+    hows = ("result", "asarray", "blocking dispatch")
+    ran = run_script(_INTERRUPT_SCRIPT, *hows, env=env, timeout=150)
+    for how in hows:
         assert f"interrupted {how}" in ran.stdout, ran.report
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to itself: POSIX")
+@pytest.mark.skipif(not ASYNC, reason=f"async dispatch status: {STATUS}")
+def test_ctrl_c_reaches_a_wait_for_a_deferred_result_whose_load_runs():
+    # np.asarray(y), y = f(x) deferred, x's load running on a pool thread: the
+    # wait for x inside y's wait is in slices too (it once waited on x's future
+    # at once, and dropped the KeyboardInterrupt it raised).
+    ran = run_script(_INTERRUPT_SCRIPT, "deferred result", timeout=90)
+    assert "interrupted deferred result" in ran.stdout, ran.report
 
 
 # --- 5. donation ---------------------------------------------------------------------

@@ -193,6 +193,39 @@ def test_a_failed_load_fails_every_dependent_with_its_error(how, caplog):
         assert isinstance(cause, OSError), repr(cause)
 
 
+def test_a_failed_load_fails_every_program_of_a_long_chain():
+    # Each program of the chain fails from the done-callback of the one before:
+    # 600 of them once overflowed the stack there, and the rest never ended.
+    gate, x = gated(error=OSError("no route to the weights"))
+    f = jax.jit(lambda a: a + 1)
+    chain = [x]
+    for _ in range(600):
+        chain.append(f(chain[-1]))
+    gate.release.set()
+    for y in (chain[-1], chain[1], chain[300]):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="no route") as info:
+            y.result(timeout=WAIT)
+        assert "AsyncCallFailed" in str(info.value), str(info.value)
+    ok = jnp.zeros(3, np.float32)
+    for _ in range(600):  # and a chain on ready data computes
+        ok = f(ok)
+    np.testing.assert_array_equal(np.asarray(ok), np.full(3, 600, np.float32))
+
+
+def test_a_wait_for_the_end_of_a_long_chain_helps_it_without_nesting():
+    # np.asarray(y) on the last of 2000 pending programs: the waiter helps the
+    # chain from its first program on, not nested (it overflowed the stack).
+    gate, x = gated(np.zeros(3, np.float32))
+    f = jax.jit(lambda a: a + 1)
+    y = x
+    for _ in range(2000):
+        y = f(y)
+    # Released while the main thread waits (a release before the wait makes
+    # the test pass whatever the code; never the reverse).
+    threading.Timer(1.0, gate.release.set).start()
+    np.testing.assert_array_equal(np.asarray(y), np.full(3, 2000, np.float32))
+
+
 def _cause(array):
     try:
         array.result()

@@ -77,3 +77,42 @@ def test_loaders_that_return_during_exit_never_abort_it(jitted):
 def test_a_script_that_exits_at_once_ends_cleanly():
     for _ in range(RUNS):
         assert_clean(run_script(AT_ONCE, forked=True))
+
+
+#: A thread waits for a deferred result whose load hangs; the process exits.
+#: Exit's wait for landings is made an hour long: it waits for placements and
+#: dispatches in flight, never for a load.
+WAITER = """
+import threading, time
+import jax, numpy as np
+import jax_threadmap as jtm
+from jax_threadmap._arrays import async_pool
+
+async_pool.EXIT_PLACE_S = 3600.0
+started, entered = threading.Event(), threading.Event()
+
+def hang():
+    started.set()
+    threading.Event().wait()
+    return np.zeros(4, np.float32)
+
+x = jtm.async_call(hang, jax.ShapeDtypeStruct((4,), np.float32))
+y = jax.jit(lambda a: a * 2)(x)
+assert started.wait(60)  # on a pool thread: the waiter below waits, never runs it
+
+def waiter():
+    entered.set()
+    np.asarray(y)
+
+threading.Thread(target=waiter, daemon=True).start()
+assert entered.wait(60)
+time.sleep(0.2)  # likely inside its wait now; the exit is right either way
+print("exiting", flush=True)
+"""
+
+
+def test_a_thread_waiting_for_a_deferred_result_does_not_hold_exit():
+    proc = run_script(WAITER, timeout=60)
+    assert_clean(proc)
+    assert "exiting" in proc.stdout, proc.stdout
+    assert "background call(s) have not returned" in proc.stderr, proc.stderr

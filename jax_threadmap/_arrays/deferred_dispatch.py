@@ -39,6 +39,7 @@ are abandoned with their loads.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -52,6 +53,7 @@ import numpy as np
 
 from .async_pool import landing, worker_state
 from .leaves import LeafSpec, is_extended
+from .outcomes import wait_polling
 from .task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -284,6 +286,35 @@ def _first_report(task: Task) -> bool:
         return True
 
 
+class _Failing(threading.local):
+    #: The programs this thread is failing (:func:`_fail_along`), or ``None``.
+    queue: collections.deque[tuple[ProgramRun, Task]] | None = None
+
+
+_failing = _Failing()
+
+
+def _fail_along(run: ProgramRun, task: Task) -> None:
+    """``run._fail_for(task)``; a failure along a chain fails the next program
+    from the done-callback of the last, so those are queued here rather than
+    nested: a chain of any length fails (nesting overflowed the stack at a
+    few hundred programs, and the rest never ended)."""
+    queue = _failing.queue
+    if queue is not None:
+        queue.append((run, task))
+        return
+    _failing.queue = queue = collections.deque([(run, task)])
+    try:
+        while queue:
+            failed, cause = queue.popleft()
+            try:
+                failed._fail_for(cause)
+            except Exception:  # one program's failure must not stop the rest
+                logger.exception("jax_threadmap: could not fail %s", failed)
+    finally:
+        _failing.queue = None
+
+
 class ProgramRun(Task):
     """The deferred run of one compiled program (see the module docstring).
 
@@ -410,7 +441,7 @@ class ProgramRun(Task):
 
     def _input_done(self, task: Task, future: Any) -> None:
         if future.exception() is not None:
-            self._fail_for(task)  # at once; a later failure changes nothing
+            _fail_along(self, task)  # at once; a later failure changes nothing
         with self._inputs_lock:
             self._waiting -= 1
             last = self._waiting == 0
@@ -451,25 +482,56 @@ class ProgramRun(Task):
         """A chain passes the failed argument's error on, not its own wrapper."""
         return self._cause or super().failure_text()
 
-    @landing  # exit waits for a dispatch in flight, and starts none
     def run(self, worker: Any = None) -> None:
         """Dispatches the program here once its inputs landed (a thread that
-        waits for a result helps each input first, as for any call)."""
+        waits for a result helps each input first, as for any call; that wait
+        is no landing: exit does not wait for a load). The pending programs
+        of a chain are helped in turn, the first first, not nested."""
+        for run in self._chain():
+            run._run_one(worker if run is self else None)
+
+    def _chain(self) -> list[ProgramRun]:
+        """This program and the pending programs it reads, each after those
+        it reads (a walk with a stack of its own: chains of any length)."""
+        order: list[ProgramRun] = []
+        seen: set[ProgramRun] = set()
+        stack: list[tuple[ProgramRun, bool]] = [(self, False)]
+        while stack:
+            run, expanded = stack.pop()
+            if expanded:
+                order.append(run)
+            elif run not in seen:
+                seen.add(run)
+                stack.append((run, True))
+                stack.extend(
+                    (t, False)
+                    for t in run._inputs
+                    if isinstance(t, ProgramRun) and not t.future.done()
+                )
+        return order
+
+    def _run_one(self, worker: Any) -> None:
+        in_pool = getattr(worker_state, "in_pool", False)
         for task in self._inputs:
-            if not task.future.done():
+            # Not a call with a timeout (but in a pool thread), as Task.wait:
+            # its timeout must hold for this waiter. A program: helped first.
+            if isinstance(task, ProgramRun):
+                continue
+            if not task.future.done() and (task.timeout is None or in_pool):
                 task.run()  # runs a call that has not started; no-op otherwise
                 error = task.future.exception() if task.future.done() else None
                 if isinstance(error, KeyboardInterrupt):
                     raise error  # Ctrl-C reached the call this thread ran
-        for task in self._inputs:
-            try:
-                task.future.exception()  # waits for it to land or fail
-            except BaseException:  # noqa: BLE001 - cancelled: its callback fails us
-                pass
+        for task in self._inputs:  # in slices: Ctrl-C reaches the wait
+            wait_polling(task.future, None)  # landed, failed or cancelled
         with self._inputs_lock:
             landed = self._waiting == 0
         if landed and self._cause is None:
-            super().run(worker)  # no-op if the pool dispatched it already
+            self._dispatch_landed(worker)
+
+    @landing  # exit waits for a dispatch in flight, and starts none
+    def _dispatch_landed(self, worker: Any) -> None:
+        super().run(worker)  # no-op if the pool dispatched it already
 
     def _accept(self, out: Any) -> None:
         """The program's outputs are placed already: published at once."""

@@ -130,7 +130,7 @@ def built(tmp_path_factory) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
     """The site, built once with README's command; and that command's run."""
     for module in ("mkdocs", "mkdocstrings", "material"):
         if importlib.util.find_spec(module) is None:
-            _skip(f"{module} is not installed (pip install '.[docs]')")
+            _skip(f"{module} is not installed (.venv/bin/pip install -q '.[docs]')")
     site_dir = tmp_path_factory.mktemp("site")
     env, command = readme_docs_command()
     proc = subprocess.run(
@@ -154,10 +154,10 @@ def site(built) -> pathlib.Path:
 def chromium() -> str:
     """The Chromium executable for playwright; skips where there is none."""
     if importlib.util.find_spec("playwright") is None:
-        _skip("playwright is not installed (pip install '.[browser]')")
+        _skip("playwright is not installed (.venv/bin/pip install -q '.[browser]')")
     path = shutil.which("chromium") or browser_check.CHROMIUM
     if not pathlib.Path(path).exists():
-        _skip("no Chromium (apt-get install chromium)")
+        _skip(f"no Chromium at {path} (apt-get install chromium; README.md)")
     return path
 
 

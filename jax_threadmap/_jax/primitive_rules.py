@@ -95,6 +95,13 @@ def lowering_devices(ctx: Any) -> frozenset[Any]:
     return frozenset(found)
 
 
+def lowering_place(ctx: Any) -> tuple[Any, Any]:
+    """The module and the block that the lowering ``ctx`` emits into: an
+    operation there dominates the later ones of the block."""
+    ir = RESOLVED["mlir_ir"]
+    return ctx.module_context.module, ir.InsertionPoint.current.block
+
+
 def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:
     register = or_missing("register_lowering", None)
     if register is not None:

@@ -13,6 +13,7 @@ compared with ``jax.numpy``, and counts no more expensive calls per element than
 the better recipe (docs/derivatives.md has the table).
 """
 
+import gc
 import threading
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
+from jax_threadmap._core import primitive as _primitive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
 
@@ -275,6 +277,11 @@ def test_identical_equations_in_one_block_run_once():
     got = jax.block_until_ready(run(x, y))
     assert calls.count == 3 * 4  # f(x), f(y), and f(x) in the branch
     assert_close(got, (3 * jnp.exp(x), jnp.exp(y), jnp.exp(x)))
+    # What the lowering kept to find them goes with the program's module.
+    del run
+    jax.clear_caches()
+    gc.collect()
+    assert not _primitive._LOWERED
 
 
 if __name__ == "__main__":  # the table of docs/derivatives.md

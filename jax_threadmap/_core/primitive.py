@@ -199,8 +199,11 @@ def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     # operands and params: jax.jacfwd's fwd and jax.grad's in one step) reuses
     # its results: threadmap is a pure function to JAX, as pure_callback is, and
     # XLA never merges two host callbacks.
-    module, block = _rules.lowering_place(ctx)
-    key = (block, args, tuple(sorted(params.items())))
+    place = _rules.lowering_place(ctx)
+    if place is None:
+        return _lower(ctx, *args, **params)
+    module, block = place
+    key = (block, args, tuple(sorted(params.items())))  # (never the module)
     try:
         hash(key)
     except TypeError:  # a param that does not hash: lowered on its own

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -184,7 +186,36 @@ def _threadmap_batching_rule(
     return outs, [0] * len(outs)
 
 
+#: Per module being lowered, the results of its equations by (block, operands,
+#: params).
+_LOWERED: weakref.WeakKeyDictionary[Any, dict[Any, Sequence[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOWERED_LOCK = threading.Lock()
+
+
 def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
+    # An equation identical to one lowered before it in the same block (the same
+    # operands and params: jax.jacfwd's fwd and jax.grad's in one step) reuses
+    # its results: threadmap is a pure function to JAX, as pure_callback is, and
+    # XLA never merges two host callbacks.
+    place = _rules.lowering_place(ctx)
+    if place is None:
+        return _lower(ctx, *args, **params)
+    module, block = place
+    key = (block, args, tuple(sorted(params.items())))  # (never the module)
+    try:
+        hash(key)
+    except TypeError:  # a param that does not hash: lowered on its own
+        return _lower(ctx, *args, **params)
+    with _LOWERED_LOCK:
+        lowered = _LOWERED.setdefault(module, {})
+    if key not in lowered:  # (one module is lowered by one thread)
+        lowered[key] = _lower(ctx, *args, **params)
+    return list(lowered[key])
+
+
+def _lower(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     avals_in, avals_out = ctx.avals_in, ctx.avals_out
     # A host callback never sees an operand or result that holds no data: an
     # accelerator's runtime aborts the process on one (libtpu checks its byte

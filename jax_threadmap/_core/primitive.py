@@ -31,12 +31,14 @@ import numpy as np
 
 from .._executors.async_kernels import run_async_map
 from .._executors.runners import Executor, run_map
+from .._executors.scheduling import InOrder
 from .._host.batch_spec import BatchSpec
 from .._host.kernel_scope import kernel_scope
 from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
 from .._jax import avals as _avals
 from .._jax import primitive_rules as _rules
+from .._support.environment import env_num_threads
 from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
 from . import directions as _directions
@@ -186,6 +188,14 @@ def _threadmap_batching_rule(
 
 def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     avals_in, avals_out = ctx.avals_in, ctx.avals_out
+    executor = params["executor"]
+    if isinstance(executor, InOrder):
+        executor = executor.executor
+    if executor is None:
+        # The shared pool's size is read once per map, where it runs (a changed
+        # value is followed); a bad value also fails here, as the jitted call
+        # is made, rather than inside its program's host callback.
+        env_num_threads()
     # A host callback never sees an operand or result that holds no data: an
     # accelerator's runtime aborts the process on one (libtpu checks its byte
     # offset), and no element of an empty batch needs a kernel call. Such

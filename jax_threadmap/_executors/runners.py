@@ -260,12 +260,6 @@ def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
     )
 
 
-@_fork.in_child
-def _forget_flights() -> None:
-    # A forked child runs none of the parent's maps.
-    _flights.clear()
-
-
 def _run_for_jax(job: Job) -> bool:
     """Whether XLA runs the program that waits for ``job`` on a thread of its
     own (a dummy thread to Python): JAX waits for it at exit, so it runs on."""
@@ -333,8 +327,10 @@ atexit.register(_at_exit)
 
 @_fork.in_child
 def _start_afresh() -> None:
-    """Any lock of the user executors may have been held at the fork."""
+    """A forked child runs none of the parent's maps, and any lock of the user
+    executors may have been held at the fork."""
     global _states, _states_lock, _fallback
+    _flights.clear()
     _states = weakref.WeakKeyDictionary()
     _states_lock = threading.Lock()
     _fallback = threading.Lock()

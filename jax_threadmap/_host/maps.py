@@ -358,24 +358,17 @@ class ElementMap(HostMap):
     """A host map that calls the kernel once per element (generated loops)."""
 
     caller: ElementCaller
-
-    def __init__(
-        self,
-        caller: ElementCaller | ChunkCaller,
-        spec: BatchSpec,
-        operands: Sequence[Any],
-        scope: KernelScope | None = None,
-    ):
-        super().__init__(caller, spec, operands, scope)
-        self._loop: ChunkFn | None = None
-        if not self.sums:
-            self._loop = self.caller.loop(self.in_v, self.out_v, self.shape)
+    _loop: ChunkFn | None = None
 
     @property
     def run_chunk(self) -> ChunkFn:
         """The generated loop itself (nothing between it and the job), or, for
         a map summed on the host, :meth:`_run_summed`."""
-        return self._run_summed if self._loop is None else self._loop
+        if self.sums:
+            return self._run_summed
+        if self._loop is None:  # made once, when the map is started
+            self._loop = self.caller.loop(self.in_v, self.out_v, self.shape)
+        return self._loop
 
     def _run_summed(self, start: int, stop: int, job: Any) -> None:
         """Runs elements ``[start, stop)`` into partial sums of their own."""
@@ -429,16 +422,8 @@ class ChunkMap(HostMap):
 
     caller: ChunkCaller
     vectorized = True
-
-    def __init__(
-        self,
-        caller: ElementCaller | ChunkCaller,
-        spec: BatchSpec,
-        operands: Sequence[Any],
-        scope: KernelScope | None = None,
-    ):
-        super().__init__(caller, spec, operands, scope)
-        self.plan: PiecePlan | None = None
+    #: The map's pieces, once :meth:`split` has cut it.
+    plan: PiecePlan | None = None
 
     @property
     def run_chunk(self) -> ChunkFn:

@@ -14,13 +14,12 @@ import jax
 import numpy as np
 
 from .._executors import async_kernels as _async_kernels
-from .._executors.scheduling import InOrder
 from .._jax import hooks as _hooks
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
 from .binding import bind as _bind
 from .binding import check_executor
-from .params import ResidualRule, RuleKernel, hashable
+from .params import InOrder, ResidualRule, RuleKernel, hashable
 from .rule_checks import DerivativeKernel
 from .rule_checks import check_rule as _check_rule
 from .rule_checks import check_shared_fwd as _check_shared_fwd

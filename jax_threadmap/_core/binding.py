@@ -12,15 +12,14 @@ import numpy as np
 
 from .._executors import async_kernels as _async_kernels
 from .._executors.runners import Executor
-from .._executors.scheduling import InOrder
 from .._host.batch_spec import BatchSpec
 from .._jax import hooks as _hooks
 from .._support import validate as _validate
-from .params import KernelParam, ResidualRule, hashable
+from .params import InOrder, KernelParam, ResidualRule, hashable
 from .primitive import threadmap_p
 
 
-def check_executor(executor: Any, api: str = "threadmap") -> Executor:
+def check_executor(executor: Any, api: str = "threadmap") -> Executor | InOrder:
     """``executor`` as ``threadmap`` uses it. (``JAX_THREADMAP_NUM_THREADS``, the
     size of ``None``'s pool, is read where the map runs, and checked where a
     jitted call's program is built: ``primitive.py``.)"""
@@ -64,7 +63,7 @@ def bind(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    executor: Executor,
+    executor: Executor | InOrder,
     progress: bool | None,
     vectorized: tuple[bool, int | None],
     max_in_flight: int | None = None,

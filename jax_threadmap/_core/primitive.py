@@ -31,7 +31,6 @@ import numpy as np
 
 from .._executors.async_kernels import run_async_map
 from .._executors.runners import Executor, run_map
-from .._executors.scheduling import InOrder
 from .._host.batch_spec import BatchSpec
 from .._host.kernel_scope import kernel_scope
 from .._host.maps import ElementCaller, HostMap
@@ -42,7 +41,7 @@ from .._support.environment import env_num_threads
 from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
 from . import directions as _directions
-from .params import HostCall
+from .params import HostCall, InOrder
 
 threadmap_p = _rules.Primitive("threadmap")
 threadmap_p.multiple_results = True
@@ -53,7 +52,7 @@ def host_function(
     kernel: HostCall,
     result_avals: tuple[Any, ...],
     spec: BatchSpec,
-    executor: Executor,
+    executor: Executor | InOrder,
     progress: bool | None,
     devices: frozenset[Any] = frozenset(),
 ) -> Callable[..., tuple[np.ndarray, ...]]:
@@ -66,6 +65,8 @@ def host_function(
     # What the param says, read here once (it is frozen), not at every call.
     name, max_chunk, max_in_flight = kernel.name, kernel.max_chunk, kernel.max_in_flight
     asynchronous = kernel.asynchronous
+    in_order = isinstance(executor, InOrder)
+    runs_on = executor.executor if isinstance(executor, InOrder) else executor
     out_core = [(a.shape, a.dtype) for a in result_avals]
     caller: ElementCaller | ChunkCaller
     if kernel.vectorized:
@@ -86,7 +87,13 @@ def host_function(
         if asynchronous:  # coroutines on the event loop (_async_kernels)
             run_async_map(flat_map, max_in_flight=max_in_flight, progress=progress)
         else:
-            run_map(executor, flat_map, progress=progress, max_chunk=max_chunk)
+            run_map(
+                runs_on,
+                flat_map,
+                progress=progress,
+                max_chunk=max_chunk,
+                in_order=in_order,
+            )
         return flat_map.finish()
 
     return run
@@ -97,7 +104,7 @@ def _threadmap_abstract_eval(
     kernel: HostCall,
     result_avals: tuple[Any, ...],
     spec: BatchSpec,
-    executor: Executor,
+    executor: Executor | InOrder,
     progress: bool | None,
 ) -> list[Any]:
     del kernel, executor, progress

@@ -26,7 +26,6 @@ import jax
 import numpy as np
 
 from .._support.errors import KernelError, describe, kernel_traceback
-from .._support.result_casts import ResultCastError, check_result_cast
 from . import packing as _packing
 from . import shared_operands as _shared_operands
 from . import summing as _summing
@@ -177,32 +176,13 @@ class ElementCaller(KernelCaller):
     ) -> None:
         """Checks one output leaf of one element and writes it at ``out[i]``."""
         shape, dtype = self.out_core[k]
-        if type(value) is not np.ndarray:
-            try:
-                value = np.asarray(value)
-            except Exception as e:
-                raise self.error(
-                    flat,
-                    f"returned a value of type {type(value).__name__} for output "
-                    f"{k}, which is not convertible to an array of shape {shape} "
-                    f"and dtype {dtype}.",
-                    cause=e,
-                ) from e
-        if value.shape != shape:
-            raise self.error(
-                flat,
-                f"returned shape {value.shape} for output {k}, expected {shape} "
-                f"(dtype {dtype}). Return one element's result, without batch axes.",
-            )
-        if value.dtype != dtype:
-            try:
-                check_result_cast(value, dtype)
-            except ResultCastError as e:
-                raise self.error(
-                    flat,
-                    f"returned {e.got} for output {k}, expected {dtype} (shape "
-                    f"{shape}); {e.reason}. {e.fix}",
-                ) from None
+        value = self.as_declared(
+            value,
+            k,
+            shape,
+            lambda what, cause=None: self.error(flat, what, cause),
+            f" (dtype {dtype}). Return one element's result, without batch axes.",
+        )
         if k in self.accumulate:
             out[i] += value
         else:

@@ -137,6 +137,44 @@ class KernelCaller:
             f"structure {self.out_tree}."
         )
 
+    def as_declared(
+        self,
+        value: Any,
+        j: int,
+        expected: tuple[int, ...],
+        fail: Callable[..., KernelError],
+        hint: str,
+    ) -> np.ndarray:
+        """Output ``j``'s ``value`` as an array of shape ``expected`` whose
+        values its declared dtype holds: the one check of an element's and a
+        chunk's results. ``fail(what, cause)`` makes the error (naming the
+        element or the chunk); ``hint`` ends the message of a wrong shape."""
+        dtype = self.out_core[j][1]
+        if type(value) is not np.ndarray:
+            try:
+                value = np.asarray(value)
+            except Exception as e:
+                raise fail(
+                    f"returned a value of type {type(value).__name__} for output "
+                    f"{j}, which is not convertible to an array of shape "
+                    f"{expected} and dtype {dtype}.",
+                    e,
+                ) from e
+        if value.shape != expected:
+            raise fail(
+                f"returned shape {value.shape} for output {j}, expected {expected}"
+                + hint
+            )
+        if value.dtype != dtype:
+            try:
+                check_result_cast(value, dtype)
+            except ResultCastError as e:
+                raise fail(
+                    f"returned {e.got} for output {j}, expected {dtype} (shape "
+                    f"{expected}); {e.reason}. {e.fix}"
+                ) from None
+        return value
+
 
 class ChunkCaller(KernelCaller):
     """Calls a vectorized kernel on one chunk and checks its results (see
@@ -192,35 +230,15 @@ class ChunkCaller(KernelCaller):
         if type(value) is np.ndarray and value.dtype == dtype:  # the usual case
             if value.shape == (k, *shape):
                 return value
-        try:
-            value = np.asarray(value)
-        except Exception as e:
-            raise self.error(
-                first,
-                k,
-                f"returned a value of type {type(value).__name__} for output {j}, "
-                f"which is not convertible to an array of shape {(k, *shape)}.",
-                e,
-            ) from e
-        if value.shape != (k, *shape):
-            raise self.error(
-                first,
-                k,
-                f"returned shape {value.shape} for output {j}, expected {(k, *shape)}"
-                f": the chunk's length {k}, then one element's shape {shape}. A "
-                "vectorized kernel returns every result with the leading axis of "
-                "its operands.",
-            )
-        try:
-            check_result_cast(value, dtype)
-        except ResultCastError as e:
-            raise self.error(
-                first,
-                k,
-                f"returned {e.got} for output {j}, expected {dtype}; {e.reason}. "
-                f"{e.fix}",
-            ) from None
-        return value
+        return self.as_declared(
+            value,
+            j,
+            (k, *shape),
+            lambda what, cause=None: self.error(first, k, what, cause),
+            f": the chunk's length {k}, then one element's shape {shape}. A "
+            "vectorized kernel returns every result with the leading axis of its "
+            "operands.",
+        )
 
 
 def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -89,39 +89,13 @@ class ElementCaller(KernelCaller):
 
     Also builds the loops that do this for a chunk of elements. Picklable (it
     holds the function, its tree structures and output declarations only), so
-    that process and Dask workers run the very same loops.
-
-    Args:
-        fn: What runs per element: the user's kernel, or a derivative adapter.
-        name: The kernel's name, for messages.
-        in_tree: Treedef of ``(args, kwargs)`` as ``fn`` takes them.
-        out_tree: Treedef of ``fn``'s result.
-        out_core: ``(shape, dtype)`` of each output leaf for one element.
-        batch_shape: The (unmerged) batch shape, for batch indices in messages.
-        accumulate: Outputs whose elements are added into their view (summed
-            outputs) rather than written.
+    that process and Dask workers run the very same loops. Its arguments:
+    :class:`.vectorized.KernelCaller`'s (``fn``: what runs per element, the
+    user's kernel or a derivative adapter).
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        name: str,
-        in_tree: Any,
-        out_tree: Any,
-        out_core: Sequence[tuple[tuple[int, ...], Any]],
-        batch_shape: tuple[int, ...],
-        accumulate: Sequence[int] = (),
-    ):
-        super().__init__(fn, name, in_tree, out_tree, out_core, batch_shape)
-        self.accumulate = frozenset(accumulate)
-        args, kwargs = self.arg_indices
-        flat = all(isinstance(a, int) for a in args) and all(
-            isinstance(v, int) for v in kwargs.values()
-        )
-        # When every argument is one leaf the kernel is called without unflattening.
-        self.num_args: int | None = len(args) if flat else None
-        self.kw_names: tuple[str, ...] = tuple(kwargs) if flat else ()
-        self.loop_sources: tuple[int, str | None, tuple[str, str] | None] | None = None
+    #: The call and unpacking sources of the last loop built (``loops.py``).
+    loop_sources: tuple[int, str | None, tuple[str, str] | None] | None = None
 
     # -- messages ----------------------------------------------------------------
 
@@ -151,13 +125,7 @@ class ElementCaller(KernelCaller):
     # -- one element, general path -----------------------------------------------
 
     def call(self, leaves: list[Any]) -> Any:
-        if self.num_args is not None:
-            if self.kw_names:
-                kw = dict(zip(self.kw_names, leaves[self.num_args :], strict=True))
-                return self.fn(*leaves[: self.num_args], **kw)
-            return self.fn(*leaves)
-        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
-        return self.fn(*args, **kwargs)
+        return self.apply(leaves)
 
     def result_leaves(self, result: Any, flat: int | None) -> list[Any]:
         if self.single_leaf and isinstance(result, _LEAF_TYPES):

@@ -453,7 +453,7 @@ def test_readme_has_exactly_the_two_commands_that_ci_runs():
     first = [b for b in blocks(ROOT / "README.md") if b["lang"] == "bash"][:2]
     assert [b["code"] for b in first] == [b["code"] for b in shell]
     demo, tests = (b["code"] for b in shell)
-    assert demo.endswith("-m jax_threadmap")
+    assert demo.endswith("-m examples.demo")
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests.split("&& ")[-1] in ci
 
@@ -531,7 +531,7 @@ _TOOL = re.compile(
 NEEDS = [
     (re.compile(r"\bpytest\b"), {"test"}),
     (re.compile(r"benchmarks/test_bench_|pytest benchmarks"), {"bench"}),
-    (re.compile(r"\bexamples[./]|gridding"), {"examples"}),
+    (re.compile(r"\bexamples[./](?!demo\b)|gridding"), {"examples"}),
     (re.compile(r"--plot"), {"plot", "examples"}),
     (re.compile(r"\bmkdocs\b"), {"docs"}),
     (re.compile(r"\bdask\b"), {"dask", "test"}),

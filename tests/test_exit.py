@@ -79,17 +79,19 @@ def test_a_script_that_exits_at_once_ends_cleanly():
         assert_clean(run_script(AT_ONCE, forked=True))
 
 
-#: A thread waits for a deferred result whose load hangs; the process exits.
+#: A thread waits for a deferred result whose load hangs; the process exits once
+#: that thread is inside its wait (tests/wait_hooks.py says so from inside it).
 #: Exit's wait for landings is made an hour long: it waits for placements and
 #: dispatches in flight, never for a load.
 WAITER = """
-import threading, time
+import threading
 import jax, numpy as np
 import jax_threadmap as jtm
 from jax_threadmap._arrays import async_pool
+from wait_hooks import calling_on_wait
 
 async_pool.EXIT_PLACE_S = 3600.0
-started, entered = threading.Event(), threading.Event()
+started, waiting = threading.Event(), threading.Event()
 
 def hang():
     started.set()
@@ -101,12 +103,11 @@ y = jax.jit(lambda a: a * 2)(x)
 assert started.wait(60)  # on a pool thread: the waiter below waits, never runs it
 
 def waiter():
-    entered.set()
     np.asarray(y)
 
-threading.Thread(target=waiter, daemon=True).start()
-assert entered.wait(60)
-time.sleep(0.2)  # likely inside its wait now; the exit is right either way
+with calling_on_wait(waiting.set):
+    threading.Thread(target=waiter, daemon=True).start()
+    assert waiting.wait(60)  # the waiter is inside its wait for the load
 print("exiting", flush=True)
 """
 

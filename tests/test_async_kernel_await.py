@@ -125,3 +125,47 @@ def test_a_type_error_whose_str_fails_is_still_the_element_s_error():
         run(raises_broken_str)
     assert "raised BrokenStr: <exception str() failed>" in str(info.value)
     np.testing.assert_array_equal(run(good), X + 1)
+
+
+# A plain def kernel that returns an async def function's coroutine (a lambda
+# around one, say): its result is checked like any other, and the check says
+# what it is, whatever shape was declared.
+
+
+def plain_returns_at_3(x):
+    return fetch(x) if x == 3 else np.float32(x + 1)
+
+
+@pytest.mark.parametrize("shape", [(), (2,)], ids=["scalar", "vector"])
+def test_a_plain_kernel_that_returns_a_coroutine(shape):
+    out = jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def kernel(x):
+        value = plain_returns_at_3(x)
+        return value if asyncio.iscoroutine(value) else np.full(shape, value)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KernelError) as info:
+            jax.vmap(lambda x: threadmap(kernel, out, x))(X)
+        gc.collect()
+    assert info.value.index == (3,)
+    assert (
+        f"kernel' at batch index (3,) (batch shape (4,)) returned a coroutine of "
+        f"'fetch' for output 0, expected float32 (shape {shape}); a coroutine is "
+        "what calling an async def function returns, and it runs only when "
+        "awaited. Make the function async def and write `await fetch(...)`"
+        in str(info.value)
+    ), str(info.value)
+    # Closed by the check: no "never awaited" warning later, at exit.
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    np.testing.assert_array_equal(run(good), X + 1)  # the next call works
+
+
+def test_a_plain_kernel_s_coroutine_under_jit_is_named_in_jax_s_error():
+    f = jax.jit(jax.vmap(lambda x: threadmap(plain_returns_at_3, F32, x)))
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        jax.block_until_ready(f(X))
+    assert "'plain_returns_at_3' at batch index (3,)" in str(info.value)
+    assert "returned a coroutine of 'fetch' for output 0" in str(info.value)
+    np.testing.assert_array_equal(f(X[:3]), X[:3] + 1)

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from .._support.errors import KernelError, describe, kernel_traceback
-from .._support.result_casts import ResultCastError, check_result_cast
+from .._support.result_casts import ResultCastError, check_result_cast, unawaited
 from . import packing as _packing
 from . import shared_operands as _shared_operands
 from . import summing as _summing
@@ -189,6 +189,12 @@ class ElementCaller(KernelCaller):
                     cause=e,
                 ) from e
         if value.shape != shape:
+            if value.dtype.hasobject and (co := unawaited(value)) is not None:
+                raise self.error(
+                    flat,
+                    f"returned {co.got} for output {k}, expected {dtype} (shape "
+                    f"{shape}); {co.reason}. {co.fix}",
+                )
             raise self.error(
                 flat,
                 f"returned shape {value.shape} for output {k}, expected {shape} "

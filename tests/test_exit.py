@@ -16,7 +16,7 @@ a little), which aborted every run before the fix.
 from __future__ import annotations
 
 import pytest
-from helpers import run_script
+from helpers import run_script, run_scripts_at_once
 
 #: Loaders that return while exit reports them; with ``JITTED``, a jitted program
 #: waits on each (deferred, to be dispatched when it lands).
@@ -66,8 +66,7 @@ def assert_clean(proc) -> None:
 def test_loaders_that_return_during_exit_never_abort_it(jitted):
     # Fresh processes: forked from a zygote (tests/fresh_scripts.py), the same
     # script aborted 1 run in 3 before the fix.
-    for _ in range(RUNS):
-        proc = run_script(f"JITTED = {jitted}\n" + RACE)
+    for proc in run_scripts_at_once([f"JITTED = {jitted}\n" + RACE] * RUNS):
         assert_clean(proc)
         assert "exiting" in proc.stdout, proc.stdout
         # Reported and abandoned, not placed: they returned once exit had begun.

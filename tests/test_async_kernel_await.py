@@ -1,4 +1,4 @@
-"""A forgotten ``await`` in an ``async def`` kernel: the error says so.
+"""A forgotten ``await`` in a kernel (``async def`` or plain): the error says so.
 
 Without it, Python says only "'coroutine' object is not subscriptable" (the
 "never awaited" warning comes at exit). The map's ``KernelError`` names the
@@ -80,10 +80,10 @@ def test_a_kernel_that_returns_an_unawaited_coroutine():
     assert info.value.index == (1,)
     assert (
         "'returns_at_1' at batch index (1,) (batch shape (4,)) returned a coroutine "
-        "of 'fetch' without awaiting it: calling an async def function returns a "
-        "coroutine, which runs only when awaited: write `return await fetch(...)`, "
-        "not `return fetch(...)`." in str(info.value)
-    )
+        "of 'fetch' for output 0, expected float32 (shape ()); a coroutine is what "
+        "calling an async def function returns, and it runs only when awaited. "
+        "Await it: write `await fetch(...)` in an async def function" in str(info.value)
+    ), str(info.value)
     # The coroutine was closed: no "never awaited" warning later, at exit.
     assert not [w for w in caught if "never awaited" in str(w.message)]
     np.testing.assert_array_equal(run(good), X + 1)
@@ -95,7 +95,9 @@ def test_a_coroutine_in_a_returned_tuple_is_named_too():
     async def pair(x):
         return (await fetch(x))[0], fetch(x)
 
-    with pytest.raises(KernelError, match="returned a coroutine of 'fetch'"):
+    with pytest.raises(
+        KernelError, match="returned a coroutine of 'fetch' for output 1"
+    ):
         jax.vmap(lambda x: threadmap(pair, out, x))(X)
 
 
@@ -154,7 +156,7 @@ def test_a_plain_kernel_that_returns_a_coroutine(shape):
         f"kernel' at batch index (3,) (batch shape (4,)) returned a coroutine of "
         f"'fetch' for output 0, expected float32 (shape {shape}); a coroutine is "
         "what calling an async def function returns, and it runs only when "
-        "awaited. Make the function async def and write `await fetch(...)`"
+        "awaited. Await it: write `await fetch(...)` in an async def function"
         in str(info.value)
     ), str(info.value)
     # Closed by the check: no "never awaited" warning later, at exit.

@@ -199,7 +199,7 @@ def unawaited(value: np.ndarray) -> ResultCastError | None:
         f"a coroutine of {name!r}",
         "a coroutine is what calling an async def function returns, and it runs "
         "only when awaited",
-        f"Make the function async def and write `await {name}(...)` (threadmap "
+        f"Await it: write `await {name}(...)` in an async def function (threadmap "
         "runs an async def kernel's elements on its event loop).",
     )
 

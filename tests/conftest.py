@@ -63,11 +63,12 @@ def x64():
         jax.config.update("jax_enable_x64", prev)
 
 
-# Executors that pickle work, one per test module that uses them (each costs
-# seconds to start).
+# Executors that pickle work (each costs seconds to start): a process pool shared
+# by the test modules that use it (its workers import JAX once per test process,
+# not once per module; every test leaves it usable), a Dask cluster per module.
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def spawn_pool():
     with concurrent.futures.ProcessPoolExecutor(
         2, mp_context=multiprocessing.get_context("spawn")

@@ -414,6 +414,26 @@ def run_script(
     return Ran(done.args, done.returncode, done.stdout, done.stderr)
 
 
+def run_scripts_at_once(scripts: list[str], timeout: float = 120) -> list[Ran]:
+    """Runs each of ``scripts`` (source) as :func:`run_script` runs it, in a
+    fresh interpreter, all at once: a test that repeats a run to make a race
+    likely waits for one run, not for each. A hang fails at ``timeout``
+    (``subprocess.TimeoutExpired``), and every child is ended then."""
+    procs = [start_script(script) for script in scripts]
+    deadline = time.monotonic() + timeout
+    ran = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=deadline - time.monotonic())
+            ran.append(Ran(p.args, p.returncode, out, err))
+        return ran
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def start_script(
     script: str | pathlib.Path,
     *args: object,

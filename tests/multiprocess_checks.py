@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from wait_hooks import calling_on_wait  # noqa: E402
 
 import jax_threadmap  # noqa: E402
 from jax_threadmap import KernelError, threadmap  # noqa: E402
@@ -113,11 +114,14 @@ def async_array_from_callback_checks(f, expected):
 
     sharding = NamedSharding(MESH, P("d"))
     x = jax_threadmap.async_array_from_callback(ROWS.shape, sharding, fetch, np.float32)
-    out = f(x, A)  # shard_map over the pending array: its data arrives after
-    arrived.set()
+    # shard_map over the pending array. A multi-process run dispatches its
+    # programs in one order (docs/async-dispatch.md), so the call waits for the
+    # data: it arrives once this thread is inside that wait.
+    with calling_on_wait(arrived.set):
+        out = f(x, A)
     check(
-        "async_array_from_callback + shard_map",
-        np.array_equal(gathered(out["v"]), expected),
+        "async_array_from_callback + shard_map, on data that arrived in the call",
+        np.array_equal(gathered(out["v"]), expected) and arrived.is_set(),
     )
     mine = sorted(
         index_text(i)

@@ -1,4 +1,4 @@
-"""A forgotten ``await`` in an ``async def`` kernel: the error says so.
+"""A forgotten ``await`` in a kernel (``async def`` or plain): the error says so.
 
 Without it, Python says only "'coroutine' object is not subscriptable" (the
 "never awaited" warning comes at exit). The map's ``KernelError`` names the
@@ -80,10 +80,10 @@ def test_a_kernel_that_returns_an_unawaited_coroutine():
     assert info.value.index == (1,)
     assert (
         "'returns_at_1' at batch index (1,) (batch shape (4,)) returned a coroutine "
-        "of 'fetch' without awaiting it: calling an async def function returns a "
-        "coroutine, which runs only when awaited: write `return await fetch(...)`, "
-        "not `return fetch(...)`." in str(info.value)
-    )
+        "of 'fetch' for output 0, expected float32 (shape ()); a coroutine is what "
+        "calling an async def function returns, and it runs only when awaited. "
+        "Await it: write `await fetch(...)` in an async def function" in str(info.value)
+    ), str(info.value)
     # The coroutine was closed: no "never awaited" warning later, at exit.
     assert not [w for w in caught if "never awaited" in str(w.message)]
     np.testing.assert_array_equal(run(good), X + 1)
@@ -95,7 +95,9 @@ def test_a_coroutine_in_a_returned_tuple_is_named_too():
     async def pair(x):
         return (await fetch(x))[0], fetch(x)
 
-    with pytest.raises(KernelError, match="returned a coroutine of 'fetch'"):
+    with pytest.raises(
+        KernelError, match="returned a coroutine of 'fetch' for output 1"
+    ):
         jax.vmap(lambda x: threadmap(pair, out, x))(X)
 
 
@@ -125,3 +127,47 @@ def test_a_type_error_whose_str_fails_is_still_the_element_s_error():
         run(raises_broken_str)
     assert "raised BrokenStr: <exception str() failed>" in str(info.value)
     np.testing.assert_array_equal(run(good), X + 1)
+
+
+# A plain def kernel that returns an async def function's coroutine (a lambda
+# around one, say): its result is checked like any other, and the check says
+# what it is, whatever shape was declared.
+
+
+def plain_returns_at_3(x):
+    return fetch(x) if x == 3 else np.float32(x + 1)
+
+
+@pytest.mark.parametrize("shape", [(), (2,)], ids=["scalar", "vector"])
+def test_a_plain_kernel_that_returns_a_coroutine(shape):
+    out = jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def kernel(x):
+        value = plain_returns_at_3(x)
+        return value if asyncio.iscoroutine(value) else np.full(shape, value)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KernelError) as info:
+            jax.vmap(lambda x: threadmap(kernel, out, x))(X)
+        gc.collect()
+    assert info.value.index == (3,)
+    assert (
+        f"kernel' at batch index (3,) (batch shape (4,)) returned a coroutine of "
+        f"'fetch' for output 0, expected float32 (shape {shape}); a coroutine is "
+        "what calling an async def function returns, and it runs only when "
+        "awaited. Await it: write `await fetch(...)` in an async def function"
+        in str(info.value)
+    ), str(info.value)
+    # Closed by the check: no "never awaited" warning later, at exit.
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    np.testing.assert_array_equal(run(good), X + 1)  # the next call works
+
+
+def test_a_plain_kernel_s_coroutine_under_jit_is_named_in_jax_s_error():
+    f = jax.jit(jax.vmap(lambda x: threadmap(plain_returns_at_3, F32, x)))
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        jax.block_until_ready(f(X))
+    assert "'plain_returns_at_3' at batch index (3,)" in str(info.value)
+    assert "returned a coroutine of 'fetch' for output 0" in str(info.value)
+    np.testing.assert_array_equal(f(X[:3]), X[:3] + 1)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import F32_RTOL, examples, returns_within, run_script
+from helpers import F32_RTOL, examples, returns_within, run_script, wait_until
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -29,6 +29,7 @@ from hypothesis.stateful import (
     rule,
 )
 from jax.experimental import io_callback
+from wait_hooks import calling_on_wait
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call, deferred_call, threadmap
@@ -220,10 +221,12 @@ def test_a_wait_for_the_end_of_a_long_chain_helps_it_without_nesting():
     y = x
     for _ in range(2000):
         y = f(y)
-    # Released while the main thread waits (a release before the wait makes
-    # the test pass whatever the code; never the reverse).
-    threading.Timer(1.0, gate.release.set).start()
-    np.testing.assert_array_equal(np.asarray(y), np.full(3, 2000, np.float32))
+    # Released once the main thread is inside its wait (a release before the
+    # wait makes the test pass whatever the code): the load runs on the pool,
+    # and the main thread's wait for it is the first step of its help.
+    wait_until(lambda: gate.calls == 1, "the load to start on the pool")
+    with calling_on_wait(gate.release.set):
+        np.testing.assert_array_equal(np.asarray(y), np.full(3, 2000, np.float32))
 
 
 def _cause(array):

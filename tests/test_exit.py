@@ -16,7 +16,7 @@ a little), which aborted every run before the fix.
 from __future__ import annotations
 
 import pytest
-from helpers import run_script
+from helpers import run_script, run_scripts_at_once
 
 #: Loaders that return while exit reports them; with ``JITTED``, a jitted program
 #: waits on each (deferred, to be dispatched when it lands).
@@ -66,8 +66,7 @@ def assert_clean(proc) -> None:
 def test_loaders_that_return_during_exit_never_abort_it(jitted):
     # Fresh processes: forked from a zygote (tests/fresh_scripts.py), the same
     # script aborted 1 run in 3 before the fix.
-    for _ in range(RUNS):
-        proc = run_script(f"JITTED = {jitted}\n" + RACE)
+    for proc in run_scripts_at_once([f"JITTED = {jitted}\n" + RACE] * RUNS):
         assert_clean(proc)
         assert "exiting" in proc.stdout, proc.stdout
         # Reported and abandoned, not placed: they returned once exit had begun.
@@ -79,17 +78,19 @@ def test_a_script_that_exits_at_once_ends_cleanly():
         assert_clean(run_script(AT_ONCE, forked=True))
 
 
-#: A thread waits for a deferred result whose load hangs; the process exits.
+#: A thread waits for a deferred result whose load hangs; the process exits once
+#: that thread is inside its wait (tests/wait_hooks.py says so from inside it).
 #: Exit's wait for landings is made an hour long: it waits for placements and
 #: dispatches in flight, never for a load.
 WAITER = """
-import threading, time
+import threading
 import jax, numpy as np
 import jax_threadmap as jtm
 from jax_threadmap._arrays import async_pool
+from wait_hooks import calling_on_wait
 
 async_pool.EXIT_PLACE_S = 3600.0
-started, entered = threading.Event(), threading.Event()
+started, waiting = threading.Event(), threading.Event()
 
 def hang():
     started.set()
@@ -101,12 +102,11 @@ y = jax.jit(lambda a: a * 2)(x)
 assert started.wait(60)  # on a pool thread: the waiter below waits, never runs it
 
 def waiter():
-    entered.set()
     np.asarray(y)
 
-threading.Thread(target=waiter, daemon=True).start()
-assert entered.wait(60)
-time.sleep(0.2)  # likely inside its wait now; the exit is right either way
+with calling_on_wait(waiting.set):
+    threading.Thread(target=waiter, daemon=True).start()
+    assert waiting.wait(60)  # the waiter is inside its wait for the load
 print("exiting", flush=True)
 """
 

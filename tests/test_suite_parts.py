@@ -6,6 +6,7 @@ run of the whole suite runs."""
 from __future__ import annotations
 
 import collections
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -46,10 +47,11 @@ def test_one_part_is_the_whole_suite():
 
 
 def test_the_parts_of_a_run_are_the_whole_run(tmp_path):
-    # A small suite of two files, run whole and in 3 parts by pytest itself
-    # (with tests/conftest.py's option): the parts run each test once.
+    # A small suite of two files, collected whole and in 3 parts by pytest
+    # itself (with tests/conftest.py's option): the parts hold each test once.
+    # One child process runs the four collections (each child imports JAX).
     (tmp_path / "conftest.py").write_text(
-        (__import__("pathlib").Path(__file__).parent / "conftest.py").read_text()
+        (pathlib.Path(__file__).parent / "conftest.py").read_text()
     )
     for name, n in (("test_a.py", 7), ("test_b.py", 4)):
         (tmp_path / name).write_text(
@@ -62,33 +64,33 @@ def test_the_parts_of_a_run_are_the_whole_run(tmp_path):
                 """
             )
         )
-
-    def ran(*args: str) -> list[str]:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:xdist",
-                "-p",
-                "no:randomly",
-                "-p",
-                "no:cacheprovider",
-                "--collect-only",
-                *args,
-            ],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return [line for line in proc.stdout.splitlines() if "::" in line]
-
-    whole = ran()
-    parts = [ran("--part", f"{k}/3") for k in (1, 2, 3)]
+    runs = [[], *(["--part", f"{k}/3"] for k in (1, 2, 3))]
+    driver = textwrap.dedent(
+        f"""
+        import sys
+        import pytest
+        for args in {runs!r}:
+            sys.modules.pop("conftest", None)  # each run imports its own
+            print("=== run", args, flush=True)
+            code = pytest.main(
+                ["-q", "-p", "no:xdist", "-p", "no:randomly",
+                 "-p", "no:cacheprovider", "--collect-only", *args]
+            )
+            print("=== exit", int(code), flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", driver],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    chunks = proc.stdout.split("=== run")[1:]
+    assert len(chunks) == 4, proc.stdout + proc.stderr
+    assert all("=== exit 0" in c for c in chunks), proc.stdout + proc.stderr
+    whole, *parts = ([line for line in c.splitlines() if "::" in line] for c in chunks)
     assert len(whole) == 11
     assert sorted(t for part in parts for t in part) == sorted(whole)
     assert [len(part) for part in parts] == [4, 4, 3]

@@ -236,15 +236,6 @@ _AWAIT = (
 )
 
 
-def _coroutines(result: Any) -> list[Any]:
-    """The coroutines among ``result`` or the values of a tuple, list or dict
-    result: what a kernel returns when it forgot an ``await``."""
-    values = result.values() if type(result) is dict else result
-    if type(result) not in (dict, tuple, list):
-        values = (result,)
-    return [v for v in values if asyncio.iscoroutine(v)]
-
-
 def _unravel(i: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The index of flat element ``i`` of ``shape`` (merged batch dims are mostly
     one: then no NumPy call)."""
@@ -413,12 +404,6 @@ class AsyncMap:
                     passed = isinstance(e, PASS_THROUGH)
                     self._failed(e if passed else self._raised(e, i))
                 return
-            if unawaited := _coroutines(result):  # closed: no warning at exit
-                for coro in unawaited:
-                    coro.close()
-                if not self._stopped:
-                    self._failed(self._returned_coroutines(unawaited, i))
-                return
             if self._stopped:
                 return  # the map failed meanwhile: store nothing
             try:
@@ -440,14 +425,6 @@ class AsyncMap:
             fix = _AWAIT.format(good="await f(...)", bad="f(...)")
             return self.caller.error(i, what + fix + where, error)
         return self.caller.kernel_raised(error, i)
-
-    def _returned_coroutines(self, coros: list[Any], i: int) -> KernelError:
-        """The error for element ``i``'s kernel that returned coroutines it did
-        not await."""
-        name = getattr(coros[0], "__qualname__", "f")
-        what = f"returned a coroutine of {name!r} without awaiting it: "
-        fix = _AWAIT.format(good=f"return await {name}(...)", bad=f"return {name}(...)")
-        return self.caller.error(i, what + fix)
 
     def _store_error(self, error: BaseException, i: int) -> BaseException:
         """What the map raises when checking or storing element ``i``'s result

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from .._support.errors import PASS_THROUGH, KernelError, describe, kernel_traceback
-from .._support.result_casts import ResultCastError, check_result_cast
+from .._support.result_casts import ResultCastError, check_result_cast, unawaited
 
 
 class PiecePlan:
@@ -180,6 +180,11 @@ class KernelCaller:
                     e,
                 ) from e
         if value.shape != expected:
+            if value.dtype.hasobject and (co := unawaited(value)) is not None:
+                raise fail(
+                    f"returned {co.got} for output {j}, expected {dtype} (shape "
+                    f"{expected}); {co.reason}. {co.fix}"
+                )
             raise fail(
                 f"returned shape {value.shape} for output {j}, expected {expected}"
                 + hint

@@ -9,6 +9,7 @@ callbacks do the same. Here a value that does not survive the cast is an error
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 from typing import Any
@@ -184,7 +185,28 @@ def _check_finite(largest: float, value: np.ndarray, dtype: np.dtype) -> None:
     raise _does_not_fit(bad, value.dtype, where, dtype, why)
 
 
+def unawaited(value: np.ndarray) -> ResultCastError | None:
+    """For an object array holding coroutines (a plain function returned an
+    ``async def`` function's result without awaiting it), the error that says
+    so; the coroutines are closed (no "never awaited" warning at exit)."""
+    coros = [v for v in value.flat if asyncio.iscoroutine(v)]
+    for coro in coros:
+        coro.close()
+    if not coros:
+        return None
+    name = getattr(coros[0], "__qualname__", "f")
+    return ResultCastError(
+        f"a coroutine of {name!r}",
+        "a coroutine is what calling an async def function returns, and it runs "
+        "only when awaited",
+        f"Await it: write `await {name}(...)` in an async def function (threadmap "
+        "runs an async def kernel's elements on its event loop).",
+    )
+
+
 def _check_python_int(value: np.ndarray, dtype: np.dtype) -> None:
+    if (coroutine := unawaited(value)) is not None:
+        raise coroutine
     v = value[()] if value.ndim == 0 else None
     if type(v) is not int:
         raise _changes_kind(value.dtype, dtype)

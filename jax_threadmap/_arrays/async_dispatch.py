@@ -213,16 +213,11 @@ class Results(Task):
             {},
             name="a jitted call on AsyncArrays",
             api="jit",
-            treedef=_treedef(len(leaves)),
+            treedef=_deferred_dispatch.treedef_of(len(leaves)),
             specs=specs,
         )
         self._claim(None)
         self._publish_placed(leaves)
-
-
-@functools.cache
-def _treedef(n: int) -> Any:
-    return jax.tree_util.tree_structure(list(range(n)))
 
 
 mechanism = Dispatch()

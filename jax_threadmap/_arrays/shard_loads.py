@@ -62,7 +62,7 @@ class Shard(Task):
     """One distinct index of the array: its fetch, a call of its own, whose
     value is the shard placed on each of the devices that hold it."""
 
-    __slots__ = ("index", "key", "devices", "what", "_load")
+    __slots__ = ("index", "devices", "what", "_load")
 
     def __init__(
         self, load: ShardedLoad, fn: Any, args: tuple, index: tuple, devices: list
@@ -77,7 +77,6 @@ class Shard(Task):
             specs=load.specs,
         )
         self.index = index
-        self.key = index_key(index)
         self.devices = devices
         self._load = load
         #: Names the shard in errors: "the shard at index [0:2] (devices 0, 1)

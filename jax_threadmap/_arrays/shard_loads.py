@@ -63,6 +63,7 @@ class Shard(Task):
     value is the shard placed on each of the devices that hold it."""
 
     __slots__ = ("index", "devices", "what", "_load")
+    bursts = False  # placed as it arrives: its buffer is dropped at once
 
     def __init__(
         self, load: ShardedLoad, fn: Any, args: tuple, index: tuple, devices: list

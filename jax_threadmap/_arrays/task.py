@@ -72,6 +72,10 @@ class Task(Call):
     #: Names the part of a larger call that this one computes, in errors (a
     #: sharded load's shard: "the shard at index [0:2] ..."); "": none.
     what = ""
+    #: Whether an ``async def`` call lands with the others of its turn of the
+    #: event loop (:meth:`_land_burst`), or at once (a shard: its buffer is
+    #: dropped as soon as it is placed, not held until the burst is placed).
+    bursts = True
 
     # Named in one string: a thousand calls in flight, each without a __dict__.
     __slots__ = tuple(
@@ -421,6 +425,9 @@ class Task(Call):
             self._fail(e, raised_by_fn=True)
             return
         self._left_runner()
+        if not self.bursts:
+            self._finish(out)
+            return
         # Landed with the other calls whose fn returns in this turn of the
         # loop, one turn later (:meth:`_land_burst`).
         if not _burst:

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_threadmap._demo import demo as _demo
+from examples import demo as _demo
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 Cases = dict[str, Callable[[], object]]

@@ -2,7 +2,7 @@
 
 Every timed call of ``benchmarks/`` is built here. The ``sleep`` and ``sort``
 cases, their inputs, the ``threadmap`` and ``sequential`` runners and the timing
-helpers are the demo's (:mod:`jax_threadmap._demo.demo`), so that the demo and the
+helpers are the demo's (``examples/demo.py``), so that the demo and the
 benchmarks report the same numbers. Each runner returns a thunk that runs a whole
 batch once and blocks until the result is ready; compilation happens when the
 runner is built.
@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -42,8 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_threadmap import threadmap
-from jax_threadmap._demo.demo import CASES as DEMO_CASES
-from jax_threadmap._demo.demo import (  # noqa: F401 - re-exported for the benchmarks
+from jax_threadmap._support.cpus import available_cpus as num_cpus
+
+# examples/ lives beside the package, not in it.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from examples.demo import CASES as DEMO_CASES  # noqa: E402
+from examples.demo import (  # noqa: E402, F401 - re-exported for the benchmarks
     NESTED_SHAPE,
     Case,
     Inputs,
@@ -56,7 +62,6 @@ from jax_threadmap._demo.demo import (  # noqa: F401 - re-exported for the bench
     threadmap_runner,
     time_runs,
 )
-from jax_threadmap._support.cpus import available_cpus as num_cpus
 
 # --- kernels ------------------------------------------------------------------------
 

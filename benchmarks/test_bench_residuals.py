@@ -23,10 +23,10 @@ part runs). Per side: factorizations per element per step (counted, after the
 step is awaited), and the best wall time and CPU time (the process's, every
 thread) of ``REPS`` reps, sides alternated rep by rep, as ratios to ``rules``.
 
-Run:
-    python benchmarks/test_bench_residuals.py    # the table (docs/derivatives.md)
-    N=4096 REPS=9 python benchmarks/test_bench_residuals.py
-    pytest benchmarks/test_bench_residuals.py --benchmark-only
+Run (after the README's set-up and ``.venv/bin/pip install -q ".[bench]"``):
+    .venv/bin/python benchmarks/test_bench_residuals.py  # docs/derivatives.md's table
+    N=4096 REPS=9 .venv/bin/python benchmarks/test_bench_residuals.py
+    .venv/bin/python -m pytest benchmarks/test_bench_residuals.py --benchmark-only
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from ._arrays.shard_loads import async_array_from_callback as async_array_from_c
 from ._core.api import KernelFunction as KernelFunction
 from ._core.api import kernel as kernel
 from ._core.binding import threadmap as threadmap
+from ._core.params import InOrder as InOrder
 from ._core.primitive import threadmap_p as threadmap_p
-from ._executors.scheduling import InOrder as InOrder
 from ._host.inner_threads import limit_inner_threads as limit_inner_threads
 from ._jax.hooks import UnsupportedJaxError as UnsupportedJaxError
 from ._support.errors import ExecutorError as ExecutorError

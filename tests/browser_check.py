@@ -1,9 +1,12 @@
 """Opens the built docs site in headless Chromium, as a reader would.
 
 Serves the site on 127.0.0.1 (a port the OS picks) and opens every page of it
-(each ``index.html`` of the built site), at a desktop's width (1280 px) and a
-phone's (390 px). A page fails on a console error (a script error, a resource
-that did not load), a broken image, a formula that MathJax did not typeset, and
+(each ``index.html`` of the built site) in one tab of one browser: each page is
+loaded at a desktop's width (1280 px), checked, narrowed to a phone's (390 px) and
+checked again, every check of a width in one call into the page (about 20 s for
+30 pages, where a fresh tab per page and width took 60 s). A page fails on a
+console error (a script error, a resource that did not load), a broken image, a
+formula that MathJax did not typeset, and
 on its layout: the page scrolls sideways; a code line cut at the edge of its
 block (wider than the block, so that its end is hidden); a table wider than the
 text column (at 390 px a table of 5 columns or more may scroll sideways in its
@@ -15,10 +18,10 @@ search for "vmap" (typed into the search box of mkdocs-material) must find
 something. Nothing is fetched from outside 127.0.0.1: a request elsewhere is
 blocked and counts as a failure, so the site must work offline.
 
-    python tests/browser_check.py                # builds the site first (mkdocs)
-    python tests/browser_check.py --site site    # a site built already
-    python tests/browser_check.py --heights      # and each page's height in px
-    python tests/browser_check.py --screenshot api.png
+    .venv/bin/python tests/browser_check.py             # builds the site first (mkdocs)
+    .venv/bin/python tests/browser_check.py --site site # a site built already
+    .venv/bin/python tests/browser_check.py --heights   # and each page's height in px
+    .venv/bin/python tests/browser_check.py --screenshot api.png
 
 Needs ``playwright`` (the ``browser`` extra) and a Chromium executable: Debian's
 and Ubuntu's ``chromium`` package (``apt-get install chromium``, which installs
@@ -208,44 +211,6 @@ _LAYOUT = """(wideColumns) => {
 }"""
 
 
-def check_layout(page) -> list[str]:
-    """The layout problems of the page open in ``page``."""
-    return page.evaluate(_LAYOUT, WIDE_TABLE_COLUMNS)
-
-
-def site_pages(site_dir: pathlib.Path) -> list[str]:
-    """The paths of the site's pages (``""``, ``"api/"``, ...)."""
-    found = (p.parent.relative_to(site_dir) for p in site_dir.rglob("index.html"))
-    return sorted("" if p == pathlib.Path() else f"{p.as_posix()}/" for p in found)
-
-
-def check_page(page, url: str, problems: list[str]) -> int:
-    """Opens ``url``; adds its problems to ``problems``; returns its height in px.
-
-    Its console errors, broken images, formulas and layout.
-    """
-    errors: list[str] = []
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
-    page.on(
-        "requestfailed",
-        lambda r: errors.append(f"request failed: {r.url} ({r.failure})"),
-    )
-    mathjax: list[str] = []
-    page.on("request", lambda r: mathjax.append(r.url) if "tex-svg" in r.url else None)
-    response = page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
-    if response is None or not response.ok:
-        problems.append(f"{url}: HTTP {response.status if response else 'none'}")
-    for src in page.evaluate(_BROKEN_IMAGES):
-        problems.append(f"{url}: broken image {src}")
-    problems.extend(f"{url}: {p}" for p in check_maths(page))
-    if mathjax and not page.evaluate("document.querySelector('.arithmatex') !== null"):
-        problems.append(f"{url}: loads MathJax (2 MB) but has no formula")
-    problems.extend(f"{url}: {p}" for p in check_layout(page))
-    problems.extend(f"{url}: console error: {e}" for e in errors)
-    return page.evaluate("document.documentElement.scrollHeight")
-
-
 #: Per formula of the page (pymdownx.arithmatex's elements): its TeX, whether
 #: MathJax typeset it (an SVG of some size), and whether MathJax reported an error.
 _FORMULAS = """() => Array.from(document.querySelectorAll('.arithmatex')).map((el) => {
@@ -269,32 +234,105 @@ _LEFT_AS_TEX = """() => {
 }"""
 
 
-def check_maths(page) -> list[str]:
-    """Problems with the page's formulas: each must be typeset, without an error."""
-    problems = [f"maths left as TeX: {t!r}" for t in page.evaluate(_LEFT_AS_TEX)]
-    if not page.evaluate("document.querySelector('.arithmatex') !== null"):
-        return problems
-    try:  # MathJax loads asynchronously, then typesets the page
-        page.wait_for_function(
-            "() => window.MathJax && MathJax.startup && MathJax.startup.promise"
-            " && document.querySelectorAll('.arithmatex mjx-container').length"
-            " === document.querySelectorAll('.arithmatex').length",
-            timeout=TIMEOUT_MS,
-        )
-    except Exception as e:  # playwright's TimeoutError
-        return problems + [f"MathJax did not typeset the formulas ({e})"]
-    page.evaluate("MathJax.startup.promise")
-    for tex, shown, error in page.evaluate(_FORMULAS):
+#: Every check of the page as it is shown now, in one call (one round trip per page
+#: and width). On a page with formulas it first waits, up to its second argument in
+#: ms, for MathJax (loaded asynchronously) to typeset them all.
+_CHECKS = f"""async ([wideColumns, timeoutMs]) => {{
+    const count = document.querySelectorAll('.arithmatex').length;
+    const typeset = () => Boolean(window.MathJax && MathJax.startup
+        && MathJax.startup.promise
+        && document.querySelectorAll('.arithmatex mjx-container').length === count);
+    const deadline = Date.now() + timeoutMs;
+    while (count && !typeset() && Date.now() < deadline) {{
+        await new Promise((resolve) => setTimeout(resolve, 20));
+    }}
+    if (count && typeset()) await MathJax.startup.promise;
+    return {{
+        layout: ({_LAYOUT})(wideColumns),
+        images: ({_BROKEN_IMAGES})(),
+        tex: ({_LEFT_AS_TEX})(),
+        untypeset: count > 0 && !typeset(),
+        formulas: ({_FORMULAS})(),
+        mathjax: document.querySelector('script[src*="tex-svg"]') !== null,
+        height: document.documentElement.scrollHeight,
+    }};
+}}"""
+
+
+def site_pages(site_dir: pathlib.Path) -> list[str]:
+    """The paths of the site's pages (``""``, ``"api/"``, ...)."""
+    found = (p.parent.relative_to(site_dir) for p in site_dir.rglob("index.html"))
+    return sorted("" if p == pathlib.Path() else f"{p.as_posix()}/" for p in found)
+
+
+def check_shown(page) -> tuple[list[str], int]:
+    """The problems of the page open in ``page``, at its width now; its height in px.
+
+    Its broken images, formulas (each typeset, without an error) and layout.
+    """
+    found = page.evaluate(_CHECKS, [WIDE_TABLE_COLUMNS, TIMEOUT_MS])
+    problems = [f"broken image {src}" for src in found["images"]]
+    problems += [f"maths left as TeX: {t!r}" for t in found["tex"]]
+    if found["untypeset"]:
+        problems.append(f"MathJax did not typeset the formulas in {TIMEOUT_MS} ms")
+    for tex, shown, error in found["formulas"]:
         if error or not shown:
             problems.append(
                 f"formula {'with an error' if error else 'not shown'}: {tex}"
             )
-    return problems
+    if found["mathjax"] and not found["formulas"]:
+        problems.append("loads MathJax (2 MB) but has no formula")
+    return problems + found["layout"], found["height"]
 
 
-def check_search(page, url: str, problems: list[str]) -> int:
-    """Searches ``SEARCH_TERM`` with the site's search box; returns the hits."""
-    page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
+class _Tab:
+    """One browser tab that opens the site's pages in turn.
+
+    Keeps the console errors, uncaught exceptions and failed requests of the page
+    open now (``errors``, emptied by ``open``).
+    """
+
+    def __init__(self, context) -> None:
+        self.page = context.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", self._console)
+        self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
+        self.page.on("requestfailed", self._failed)
+        self.page.on("response", self._response)
+
+    def _console(self, message) -> None:
+        # Chromium logs a resource's error status late, at times once the next page
+        # is open: _response names it instead, in order, before the page's load.
+        if message.type == "error" and not message.text.startswith(
+            "Failed to load resource"
+        ):
+            self.errors.append(message.text)
+
+    def _response(self, response) -> None:
+        if response.status >= 400:
+            self.errors.append(f"HTTP {response.status}: {response.url}")
+
+    def _failed(self, request) -> None:
+        # The previous page's requests still loading (its search index) are
+        # aborted when the tab opens the next one: no failure of either page.
+        if request.failure != "net::ERR_ABORTED":
+            self.errors.append(f"request failed: {request.url} ({request.failure})")
+
+    def open(self, url: str, viewport: dict[str, int]) -> list[str]:
+        """Opens ``url`` at the width of ``viewport``; a problem if it did not load."""
+        self.page.set_viewport_size(viewport)
+        self.errors.clear()
+        response = self.page.goto(url, wait_until="load", timeout=TIMEOUT_MS)
+        if response is None or not response.ok:
+            return [f"HTTP {response.status if response else 'none'}"]
+        return []
+
+
+def check_search(page, problems: list[str]) -> int:
+    """Searches ``SEARCH_TERM`` with the search box of the page open in ``page``.
+
+    Returns the hits.
+    """
     # The search worker loads the index first ("Initializing search").
     page.wait_for_function(
         "() => !document.querySelector('.md-search-result__meta')"
@@ -331,8 +369,10 @@ def check_site(
 ) -> list[str]:
     """Every problem found on the pages of ``site_dir``; empty when all is well.
 
-    Every page is opened at both widths; ``heights``, if given, gets each page's
-    height in px per width (``{"api/": {1280: 1600, 390: 844}}``).
+    One browser, one tab: each page is loaded once, at a desktop's width, checked,
+    narrowed to a phone's width and checked again (one call into the page per page
+    and width; a load costs more than every check together). ``heights``, if given,
+    gets each page's height in px per width (``{"api/": {1280: 1600, 390: 844}}``).
     """
     from playwright.sync_api import sync_playwright
 
@@ -340,37 +380,41 @@ def check_site(
     with serve(site_dir) as base, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:
-            for viewport in (WIDE, NARROW):
-                context = browser.new_context(viewport=viewport)
-                context.route("**/*", lambda route: _block_outside(route, base))
-                for path in site_pages(site_dir):
-                    page = context.new_page()
-                    before = len(problems)
-                    height = check_page(page, base + path, problems)
-                    problems[before:] = [
-                        f"{p} ({viewport['width']} px)" for p in problems[before:]
-                    ]
+            context = browser.new_context(viewport=WIDE)
+            context.route("**/*", lambda route: _block_outside(route, base))
+            tab = _Tab(context)
+            for path in site_pages(site_dir):
+                url = base + path
+                problems += [f"{url}: {p}" for p in tab.open(url, WIDE)]
+                for viewport in (WIDE, NARROW):
+                    tab.page.set_viewport_size(viewport)
+                    found, height = check_shown(tab.page)
+                    width = viewport["width"]
+                    problems += [f"{url}: {p} ({width} px)" for p in found]
                     if heights is not None:
-                        heights.setdefault(path, {})[viewport["width"]] = height
+                        heights.setdefault(path, {})[width] = height
                     if path == SCREENSHOT_PAGE and viewport is WIDE and screenshot:
-                        # From the first docstring example on, where a reader looks.
-                        examples = page.locator(
-                            ".doc-section-title", has_text="Examples"
-                        )
-                        examples.first.evaluate(
-                            "e => { e.scrollIntoView(); window.scrollBy(0, -80); }"
-                        )
-                        page.screenshot(path=str(screenshot))
-                    page.close()
-                if search and viewport is WIDE:
-                    hits = check_search(context.new_page(), base, problems)
-                    print(
-                        f"browser_check: search for {SEARCH_TERM!r}: {hits} result(s)"
-                    )
-                context.close()
+                        take_screenshot(tab.page, screenshot)
+                problems += [
+                    f"{url}: console error: {e} (at {WIDE['width']} px, then "
+                    f"{NARROW['width']} px)"
+                    for e in tab.errors
+                ]
+            if search:
+                problems += [f"{base}: {p}" for p in tab.open(base, WIDE)]
+                hits = check_search(tab.page, problems)
+                print(f"browser_check: search for {SEARCH_TERM!r}: {hits} result(s)")
+            context.close()
         finally:
             browser.close()
     return problems
+
+
+def take_screenshot(page, path: pathlib.Path) -> None:
+    """A PNG of ``page`` from its first docstring example on, where a reader looks."""
+    examples = page.locator(".doc-section-title", has_text="Examples")
+    examples.first.evaluate("e => { e.scrollIntoView(); window.scrollBy(0, -80); }")
+    page.screenshot(path=str(path))
 
 
 def main(argv: list[str] | None = None) -> int:

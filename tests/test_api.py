@@ -624,3 +624,49 @@ def test_kernel_sees_the_dtypes_that_jit_gives_eagerly_too(name, wide, request):
     (dtype, _), *_ = got["jit"]
     expected = jax.dtypes.canonicalize_dtype(np.asarray(operand).dtype)
     assert dtype == expected, (dtype, expected)
+
+
+def test_a_kernels_rules_are_built_once_per_change(monkeypatch, x64):
+    # Issue 50: the residuals are checked when a rule changes (or x64 does),
+    # not at every call; a change of a derivative kernel's own rules, made
+    # after the first call, is seen at the next.
+    from jax_threadmap._core import api
+
+    checked = []
+    real = api._validate.result_avals
+
+    def counting(decl, *args, **kw):
+        checked.append(kw.get("name", "result_shape_dtypes"))
+        return real(decl, *args, **kw)
+
+    monkeypatch.setattr(api._validate, "result_avals", counting)
+    S = jax.ShapeDtypeStruct
+    f = jax_threadmap.kernel(S((), jnp.float64))(np.sin)
+    f.defvjp(
+        lambda x: (np.sin(x), np.cos(x)),
+        lambda c, ct: (c * ct,),
+        residuals=S((), jnp.float64),
+    )
+    grad = jax.grad(lambda x: jax.vmap(f)(x).sum())
+    x = np.linspace(0.0, 1.0, 4)
+    for _ in range(3):
+        np.testing.assert_allclose(grad(x), np.cos(x))
+        np.testing.assert_allclose(jax.vmap(f)(x), np.sin(x))
+    assert checked.count("residuals") == 1, checked
+    jax.config.update("jax_enable_x64", False)  # the x64 fixture restores it
+    with pytest.raises(ValueError, match=r"residuals asks for dtype float64"):
+        f(np.float32(1.0))
+    with pytest.raises(ValueError, match=r"residuals asks for dtype float64"):
+        f(np.float32(1.0))  # a refused rule is never kept
+    jax.config.update("jax_enable_x64", True)
+    # A derivative kernel whose own rule is attached after the first call.
+    g = jax_threadmap.kernel(S((), jnp.float64))(np.sin)
+    cos = jax_threadmap.kernel((S((), jnp.float64),))(lambda x, ct: (np.cos(x) * ct,))
+    g.defvjp(cos)
+    first = jax.grad(lambda x: jax.vmap(g)(x).sum())
+    np.testing.assert_allclose(first(x), np.cos(x))
+    with pytest.raises(Exception, match="no VJP|no derivative|defvjp|defjvp"):
+        jax.grad(lambda x: first(x).sum())(x)
+    cos.defvjp(lambda x, ct, c: (-np.sin(x) * ct * c[0], np.cos(x) * c[0]))
+    second = jax.grad(lambda x: first(x).sum())
+    np.testing.assert_allclose(second(x), -np.sin(x))

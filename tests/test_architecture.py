@@ -26,7 +26,6 @@ ALLOWED = {
     "_executors": {"_support", "_host"},
     "_core": {"_support", "_jax", "_host", "_executors"},
     "_arrays": {"_support", "_jax"},
-    "_demo": {"_support", "_core"},
 }
 WINGS = {"maps": {"_core", "_host", "_executors"}, "async arrays": {"_arrays"}}
 
@@ -70,7 +69,7 @@ def _subpackage(module: str) -> str:
 
 def test_every_module_is_in_a_subpackage():
     top = {m for m in modules() if "." not in m}
-    assert top == {"__init__", "__main__"}, sorted(top)
+    assert top == {"__init__"}, sorted(top)
     subpackages = {_subpackage(m) for m in modules()} - top
     assert subpackages == set(ALLOWED)
 
@@ -80,7 +79,7 @@ def test_subpackages_import_only_those_below_them():
     for name, path in modules().items():
         sub = _subpackage(name)
         if sub not in ALLOWED:
-            continue  # __init__ and __main__ import the public names
+            continue  # __init__ imports the public names
         for imported in package_imports(path, name):
             other = _subpackage(imported)
             if other != sub and other not in ALLOWED[sub]:
@@ -112,7 +111,7 @@ def test_no_import_cycle_between_modules():
         done.add(node)
 
     for name in sorted(graph):
-        if name not in ("__init__", "__main__"):
+        if name != "__init__":
             visit(name, [])
 
 

@@ -1,19 +1,25 @@
-"""``python -m jax_threadmap``: the jaxpr, the table, the plot and the options."""
+"""``python -m examples.demo``: the jaxpr, the table, the plot and the options."""
 
+import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
-from jax_threadmap._demo import demo as _demo
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # examples/ lives beside the package, not in it
+    sys.path.insert(0, str(ROOT))
+
+from examples import demo as _demo  # noqa: E402
 
 QUICK = ["--size", "4", "--threads", "1,2"]
 
 
 def run_demo(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "jax_threadmap", *args],
+        [sys.executable, "-m", "examples.demo", *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,6 +13,7 @@ compared with ``jax.numpy``, and counts no more expensive calls per element than
 the better recipe (docs/derivatives.md has the table).
 """
 
+import gc
 import threading
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap
+from jax_threadmap._core import primitive as _primitive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
 
@@ -178,6 +180,10 @@ TRANSFORMS = {
     "jvp of grad": lambda f: (
         lambda x, a: jax.jvp(jax.grad(loss(f), (0, 1)), (x, a), (jnp.cos(x), 0.5 * a))
     ),
+    # A Gauss-Newton step's derivatives: both run fwd on the same operands.
+    "jacfwd and grad": lambda f: (
+        lambda x, a: (jax.jacfwd(f)(x, a), jax.grad(loss(f), (0, 1))(x, a))
+    ),
 }
 #: The transforms a custom_vjp recipe supports (reverse mode, first order).
 REVERSE = ("grad", "vjp, 5 applications")
@@ -245,6 +251,37 @@ def test_directions_reach_jvp_in_one_call_per_element(d, vectorized):
     reference = per_element_run("jacfwd", lambda x, a: jnp.exp(x) * a, d)[0]
     assert_close(got, reference(*args))
     assert (counter.count, jvps.count) == (OUTER * INNER, OUTER * INNER)
+
+
+def test_identical_equations_in_one_block_run_once():
+    """Under jit, an equation with the same kernel, params and operands as one
+    before it in the same block reuses its results (one map); other operands,
+    or another block (a cond branch), run their own."""
+    calls = Counter()
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def f(x):
+        return calls.exp(x, 3)
+
+    def program(x, y):
+        fs = jax.vmap(f)
+        twice = fs(x) + 2 * fs(x)  # one map
+        other = fs(y)  # another
+        branch = jax.lax.cond(x[0, 0] > -2, lambda: fs(x), lambda: x)
+        return twice, other, branch
+
+    x, y = jnp.linspace(-1, 1, 12).reshape(4, 3), jnp.ones((4, 3))
+    run = jax.jit(program)
+    got = jax.block_until_ready(run(x, y))  # compiles, runs once
+    calls.count = 0
+    got = jax.block_until_ready(run(x, y))
+    assert calls.count == 3 * 4  # f(x), f(y), and f(x) in the branch
+    assert_close(got, (3 * jnp.exp(x), jnp.exp(y), jnp.exp(x)))
+    # What the lowering kept to find them goes with the program's module.
+    del run
+    jax.clear_caches()
+    gc.collect()
+    assert not _primitive._LOWERED
 
 
 if __name__ == "__main__":  # the table of docs/derivatives.md

@@ -50,7 +50,10 @@ runs as written after the README's set-up (``python3 -m venv .venv && .venv/bin/
 install -q .``, from the repository's root), so its ``python``, ``pip``,
 ``pytest`` and ``mkdocs`` are those of ``.venv/bin/``, and it installs the
 extras that what it runs needs (``.venv/bin/pip install -q ".[examples]"``);
-inline code that is a command uses ``.venv/bin/`` too. The docstring examples
+inline code that is a command uses ``.venv/bin/`` too. A Python block that
+imports what ``pip install .`` does not install (``scipy``, ``aiohttp``, the
+``examples`` folder's ducc0) has, above it on its page, the command that does
+(``test_doc_block_says_how_to_install_what_it_imports``). The docstring examples
 that the API reference shows run as doctests below.
 """
 
@@ -450,7 +453,7 @@ def test_readme_has_exactly_the_two_commands_that_ci_runs():
     first = [b for b in blocks(ROOT / "README.md") if b["lang"] == "bash"][:2]
     assert [b["code"] for b in first] == [b["code"] for b in shell]
     demo, tests = (b["code"] for b in shell)
-    assert demo.endswith("-m jax_threadmap")
+    assert demo.endswith("-m examples.demo")
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests.split("&& ")[-1] in ci
 
@@ -528,7 +531,7 @@ _TOOL = re.compile(
 NEEDS = [
     (re.compile(r"\bpytest\b"), {"test"}),
     (re.compile(r"benchmarks/test_bench_|pytest benchmarks"), {"bench"}),
-    (re.compile(r"\bexamples[./]|gridding"), {"examples"}),
+    (re.compile(r"\bexamples[./](?!demo\b)|gridding"), {"examples"}),
     (re.compile(r"--plot"), {"plot", "examples"}),
     (re.compile(r"\bmkdocs\b"), {"docs"}),
     (re.compile(r"\bdask\b"), {"dask", "test"}),
@@ -581,7 +584,9 @@ def shell_block_problems(
     return problems
 
 
-SHELL_BLOCKS = [(p, b) for p in FILES for b in blocks(p) if b["lang"] in SHELL]
+#: Pages with commands: the docs, and how to run the benchmarks.
+COMMAND_FILES = [*FILES, ROOT / "benchmarks" / "README.md"]
+SHELL_BLOCKS = [(p, b) for p in COMMAND_FILES for b in blocks(p) if b["lang"] in SHELL]
 
 
 @pytest.mark.parametrize(
@@ -604,7 +609,7 @@ _INLINE_COMMAND = re.compile(
 
 def test_inline_commands_use_the_readme_venv():
     found = []
-    for path in FILES:
+    for path in COMMAND_FILES:
         text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
         for command in _INLINE_COMMAND.findall(text):
             if any(
@@ -645,3 +650,94 @@ def test_shell_block_check_finds_what_a_block_needs():
     assert any("needs the extra test" in p for p in problems), problems
     assert shell_block_problems("pip install ducc0", extras)
     assert not shell_block_problems('.venv/bin/pip install -q "jax[tpu]"', extras)
+
+
+#: A command that installs into the README's ``.venv``: its arguments.
+_INSTALL = re.compile(r"\.venv/bin/pip install ([^\n`&;|]*)")
+#: Modules that come with a distribution of another name: ``examples`` is this
+#: repository's folder of examples, which needs ducc0 (the ``examples`` extra).
+_DISTRIBUTION = {"distributed": "dask", "examples": "ducc0"}
+
+
+def _requirement(spec: str) -> str:
+    """The distribution that a requirement names: ``dask[distributed]>=1`` -> dask."""
+    return re.match(r"[\w.-]+", spec)[0].lower()
+
+
+def extra_requirements() -> dict[str, set[str]]:
+    """Each extra of pyproject.toml -> the distributions it installs."""
+    text = (ROOT / "pyproject.toml").read_text()
+    table = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    lists = re.finditer(r"^([\w-]+) = \[(.*?)\]\s*$", table, re.M | re.S)
+    return {
+        m[1]: {_requirement(s) for s in re.findall(r'"([^"]+)"', m[2])} for m in lists
+    }
+
+
+def base_modules() -> set[str]:
+    """What a block may import after ``pip install .``: the package and its deps."""
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = re.search(r"^dependencies = \[(.*?)\]\s*$", text, re.M | re.S)[1]
+    return {"jax_threadmap"} | {_requirement(s) for s in re.findall(r'"([^"]+)"', deps)}
+
+
+def installs_before(text: str, line: int) -> set[str]:
+    """The distributions that the page's install commands above ``line`` install."""
+    extras = extra_requirements()
+    found: set[str] = set()
+    for args in _INSTALL.findall("\n".join(text.splitlines()[: line - 1])):
+        for arg in args.replace('"', " ").replace("'", " ").split():
+            if m := re.fullmatch(r"\.\[([\w,-]+)\]", arg):
+                found |= set().union(*(extras.get(e, set()) for e in m[1].split(",")))
+            elif re.match(r"[A-Za-z]", arg):  # not an option, not "."
+                found.add(_requirement(arg))
+    return found
+
+
+def unstated_imports(text: str, block: dict) -> list[str]:
+    """The modules ``block`` imports that neither come with ``pip install .`` nor
+    are installed by a command the page shows above it."""
+    imported = re.findall(r"^\s*(?:import|from)\s+(\w+)", block["code"], re.M)
+    stated = base_modules() | installs_before(text, block["line"])
+    return sorted(
+        {
+            m
+            for m in imported
+            if m not in sys.stdlib_module_names
+            and _DISTRIBUTION.get(m, m) not in stated
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "path,block",
+    PY_BLOCKS,
+    ids=[f"{p.relative_to(ROOT)}:{b['line']}" for p, b in PY_BLOCKS],
+)
+def test_doc_block_says_how_to_install_what_it_imports(path, block):
+    # Was: docs/threaded-kernels.md imported scipy and docs/async-kernels.md
+    # aiohttp, which `pip install .` does not install, and said nothing of either.
+    unstated = unstated_imports(path.read_text(), block)
+    assert not unstated, (
+        f"{path.relative_to(ROOT)}:{block['line']} imports {unstated}, which the "
+        "README's set-up does not install: say how above it on the page "
+        '(.venv/bin/pip install -q ".[EXTRA]" or the package)'
+    )
+
+
+def test_install_check_finds_what_a_page_does_not_install():
+    block = {"line": 3, "code": "import scipy.fft\nimport numpy\nimport os"}
+    assert unstated_imports("# P\n\n```python", block) == ["scipy"]
+    page = "Needs SciPy (`.venv/bin/pip install -q scipy`).\n\n```python"
+    assert unstated_imports(page, block) == []
+    page = 'Needs (`.venv/bin/pip install -q ".[bench]"`).\n\n```python'
+    assert unstated_imports(page, block) == []
+    # An install below the block does not count; nor does another extra.
+    assert unstated_imports("# P\n\n```python\n.venv/bin/pip install scipy", block)
+    assert unstated_imports('`.venv/bin/pip install -q ".[docs]"`\n\n```', block)
+    dask = {"line": 3, "code": "from distributed import Client\nimport examples"}
+    page = '`.venv/bin/pip install -q ".[dask,examples]"`\n\n```python'
+    assert unstated_imports(page, dask) == []
+    assert unstated_imports('`.venv/bin/pip install -q ".[dask]"`\n\n', dask) == [
+        "examples"
+    ]

@@ -19,6 +19,11 @@ def test_a_changed_value_is_read_at_the_next_call(monkeypatch):
     assert env.env_flag(NAME, "a test") is True
     monkeypatch.setenv(NAME, "off")
     assert env.env_flag(NAME, "a test") is False
+    assert env.env_flag(NAME, "a test", default=True) is False
+    for unset in ("", "  "):  # empty counts as unset
+        monkeypatch.setenv(NAME, unset)
+        assert env.env_flag(NAME, "a test", default=True) is True
+        assert env.env_flag(NAME, "a test") is False
 
 
 def test_a_bad_value_fails_every_call_until_it_changes(monkeypatch):

@@ -447,6 +447,34 @@ def test_absurd_pool_size_is_refused_at_call_time(make):
     make(4096)  # the ceiling itself is fine (and starts one thread for one element)
 
 
+def test_the_pool_size_is_read_once_per_map(monkeypatch):
+    # Issue 50: once where the map runs (a changed value is followed), and once
+    # more where a jitted call's program is built (to refuse a bad value there).
+    from jax_threadmap._support import environment as env
+
+    read = []
+    real = env.env_positive_int
+
+    def counting(name, *args, **kw):
+        read.append(name)
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(env, "env_positive_int", counting)
+    reads = env.ENV_NUM_THREADS
+    f = jax.vmap(lambda v: threadmap(np.negative, F32, v))
+    x = np.arange(3, dtype=np.float32)
+    for _ in range(2):
+        np.testing.assert_array_equal(f(x), -x)
+    assert read.count(reads) == 2, read
+    g = jax.jit(f)
+    for _ in range(3):
+        np.testing.assert_array_equal(g(x), -x)
+    assert read.count(reads) == 2 + 1 + 3, read
+    monkeypatch.setenv(reads, "lots")
+    with pytest.raises(Exception, match="JAX_THREADMAP_NUM_THREADS='lots'"):
+        g(x).block_until_ready()  # a compiled program reads it too
+
+
 def test_absurd_pool_size_in_environment_is_refused_at_call_time(monkeypatch):
     monkeypatch.setenv("JAX_THREADMAP_NUM_THREADS", str(10**9))
     f = jax.jit(jax.vmap(lambda v: threadmap(np.negative, F32, v)))

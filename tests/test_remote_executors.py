@@ -155,6 +155,36 @@ def test_remote_chunks_ship_only_their_slices():
     )
 
 
+def test_a_shared_operand_beside_batch_levels_that_do_not_merge():
+    # Was: a large unbatched operand, shipped once per map, was packed a second
+    # time into each task when the batch levels could not be merged (x batched
+    # as x.T): the task got one operand too many and failed with "multiple
+    # indices are not supported for 0d arrays".
+    from jax_threadmap._host.batch_spec import BatchSpec
+    from jax_threadmap._host.maps import ElementCaller, HostMap
+    from jax_threadmap._host.shared_operands import SHARE_BYTES
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    table = np.arange(SHARE_BYTES // 2, dtype=np.float32)  # shared: 2x the bound
+    caller = ElementCaller(
+        lambda a, t: a + t[-1],
+        "add_last",
+        jax.tree_util.tree_structure(((0, 0), {})),
+        jax.tree_util.tree_structure(0),
+        [((), np.float32)],
+        (4, 3),
+    )
+    spec = BatchSpec((4, 3), ((1, 0), (None, None)))
+    host_map = HostMap(caller, spec, [x, table])
+    assert len(host_map.shape) == 2  # the levels do not merge
+    shared = host_map.shared()
+    assert len(shared) == 1
+    for start, stop in ((0, 5), (5, 12)):
+        outs, _ = host_map.pack(start, stop)(*shared)
+        host_map.store_packed(start, stop, outs)
+    np.testing.assert_array_equal(host_map.outs[0], x.T + table[-1])
+
+
 def test_grad_in_worker_processes_sums_cotangents_like_the_threads(spawn_pool):
     # w is unbatched under two vmaps: its cotangent is summed on the host, from
     # chunks run in other processes, with the same equation as for threads.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
@@ -13,13 +14,12 @@ import jax
 import numpy as np
 
 from .._executors import async_kernels as _async_kernels
-from .._executors.scheduling import InOrder
 from .._jax import hooks as _hooks
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
 from .binding import bind as _bind
 from .binding import check_executor
-from .params import ResidualRule, RuleKernel, hashable
+from .params import InOrder, ResidualRule, RuleKernel, hashable
 from .rule_checks import DerivativeKernel
 from .rule_checks import check_rule as _check_rule
 from .rule_checks import check_shared_fwd as _check_shared_fwd
@@ -29,6 +29,19 @@ from .rule_checks import one_fwd_message as _one_fwd_message
 #: What a kernel call returns, for type checkers: ``jax.Array`` for one
 #: ``jax.ShapeDtypeStruct``, a tuple of them for a tuple, else ``Any`` (a pytree).
 R = TypeVar("R")
+
+#: Counts the changes of any kernel's rules (``defjvp``, ``defvjp``): the params
+#: a kernel built for its calls hold its derivative kernels' rules too, so any
+#: change makes every kernel build its params again
+#: (:meth:`KernelFunction._rule_params`).
+_rule_changes = itertools.count()
+_rules_version = next(_rule_changes)
+
+
+def _rules_changed() -> None:
+    """Counts a change of a kernel's rules, once it is made."""
+    global _rules_version
+    _rules_version = next(_rule_changes)
 
 
 class FwdBwd(NamedTuple):
@@ -159,6 +172,8 @@ class KernelFunction(Generic[R]):
             vectorized, "jax_threadmap.kernel"
         )
         self._max_in_flight = max_in_flight
+        #: ``(version, x64)`` -> the params of the rules (:meth:`_rule_params`).
+        self._rules: tuple[tuple[int, bool], tuple[Any, Any]] | None = None
         self._check_async(fn, "kernel")
 
     def _check_async(self, fn: Callable[..., Any], what: str) -> None:
@@ -183,6 +198,7 @@ class KernelFunction(Generic[R]):
                     f"Got {name}={kwargs[name]!r}."
                 )
         _validate.check_callback_kwargs(kwargs, _validate.callable_name(self.fn))
+        jvp, vjp = self._rule_params()
         result: R = _bind(
             self.fn,
             self.result_shape_dtypes,
@@ -192,11 +208,26 @@ class KernelFunction(Generic[R]):
             progress=self._progress,
             vectorized=self._vectorized,
             max_in_flight=self._max_in_flight,
-            jvp=_rule_param(self.primal_jvp, ()),
-            vjp=_reverse_param(self.reverse_rule, ()),
+            jvp=jvp,
+            vjp=vjp,
             wrapped=True,
         )
         return result
+
+    def _rule_params(self) -> tuple[Any, Any]:
+        """The JVP and VJP params of a call, built (the residuals checked) once
+        per change of any kernel's rules and per ``jax_enable_x64``, against
+        which the residuals' dtypes are checked; not at every call."""
+        x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+        key = (_rules_version, x64)
+        built = self._rules
+        if built is None or built[0] != key:
+            rules = (
+                _rule_param(self.primal_jvp, ()),
+                _reverse_param(self.reverse_rule, ()),
+            )
+            self._rules = built = (key, rules)
+        return built[1]
 
     @property
     def reverse_rule(self) -> Callable[..., Any] | FwdBwd | None:
@@ -323,15 +354,17 @@ class KernelFunction(Generic[R]):
             self._jvp_on_residuals = False
             if self.bwd is None:
                 self.fwd = self.residuals = None
+            _rules_changed()
             return jvp_or_fwd
         fwd, jvp = _fwd_rule(jvp_or_fwd, jvp, residuals, self.fn, "defjvp")
-        self._directions = bool(directions)
         if self.bwd is not None:
             _check_shared_fwd(self, fwd, residuals, "defjvp")
         self._check_async(fwd, "fwd kernel")
         self._check_async(jvp, "JVP kernel")
         self.fwd, self.jvp, self.residuals = fwd, jvp, residuals
         self._jvp_on_residuals = True
+        self._directions = bool(directions)
+        _rules_changed()
         return None
 
     @overload
@@ -455,6 +488,7 @@ class KernelFunction(Generic[R]):
             self.vjp = _check_rule(vjp, "defvjp", self.fn)
             self._check_async(vjp, "VJP kernel")
             self.fwd = self.bwd = self.residuals = None
+            _rules_changed()
             return vjp
         fwd, bwd = _fwd_rule(vjp_or_fwd, bwd, residuals, self.fn, "defvjp")
         if self._jvp_on_residuals:
@@ -463,6 +497,7 @@ class KernelFunction(Generic[R]):
         self._check_async(bwd, "bwd kernel")
         self.fwd, self.bwd, self.residuals = fwd, bwd, residuals
         self.vjp = None
+        _rules_changed()
         return None
 
     def __repr__(self) -> str:

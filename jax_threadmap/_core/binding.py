@@ -12,18 +12,17 @@ import numpy as np
 
 from .._executors import async_kernels as _async_kernels
 from .._executors.runners import Executor
-from .._executors.scheduling import InOrder
 from .._host.batch_spec import BatchSpec
 from .._jax import hooks as _hooks
-from .._support import environment as _environment
 from .._support import validate as _validate
-from .params import KernelParam, ResidualRule, hashable
+from .params import InOrder, KernelParam, ResidualRule, hashable
 from .primitive import threadmap_p
 
 
-def check_executor(executor: Any, api: str = "threadmap") -> Executor:
-    """``executor`` as ``threadmap`` uses it; ``None`` checks
-    ``JAX_THREADMAP_NUM_THREADS``, so that a bad value fails the call."""
+def check_executor(executor: Any, api: str = "threadmap") -> Executor | InOrder:
+    """``executor`` as ``threadmap`` uses it. (``JAX_THREADMAP_NUM_THREADS``, the
+    size of ``None``'s pool, is read where the map runs, and checked where a
+    jitted call's program is built: ``primitive.py``.)"""
     if isinstance(executor, InOrder):
         if isinstance(executor.executor, InOrder):
             raise TypeError(
@@ -31,10 +30,7 @@ def check_executor(executor: Any, api: str = "threadmap") -> Executor:
                 f"Got executor={executor!r}. Pass InOrder(8), for example."
             )
         return InOrder(check_executor(executor.executor, api))
-    if executor is None:
-        _environment.env_num_threads()
-        return None
-    if isinstance(executor, concurrent.futures.Executor):
+    if executor is None or isinstance(executor, concurrent.futures.Executor):
         return executor
     if isinstance(executor, (bool, np.bool_)) or not isinstance(
         executor, (int, np.integer)
@@ -67,7 +63,7 @@ def bind(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    executor: Executor,
+    executor: Executor | InOrder,
     progress: bool | None,
     vectorized: tuple[bool, int | None],
     max_in_flight: int | None = None,

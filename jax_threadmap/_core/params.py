@@ -15,7 +15,8 @@ together with its tree structures, so params of repeated calls compare equal
   (the others are zeros built on the host) and which of its outputs it returns.
 
 Each provides ``name`` (shown in jaxprs and messages) and :meth:`host_call`: the
-function the host runs per element, with the trees it takes and returns.
+function the host runs per element, with the trees it takes and returns. The
+``executor`` param is the one passed to ``threadmap``, or an :class:`InOrder` of it.
 """
 
 from __future__ import annotations
@@ -82,6 +83,41 @@ def hashable(fn: Fn) -> Fn:
 
 def _unwrap(fn: Fn) -> Fn:
     return fn.fn if isinstance(fn, ByIdentity) else fn
+
+
+@dataclasses.dataclass(frozen=True)
+class InOrder:
+    """``executor=InOrder(executor)``: the map runs its elements one per claim,
+    in index order, on every thread of ``executor`` at once, as
+    ``ThreadPoolExecutor.map`` does. No decision reads a clock.
+
+    For maps whose elements wait for each other (at a barrier, for replies that
+    come once every request is out): such a map finishes whenever each group of
+    elements that wait for each other has no more elements than ``executor``
+    has threads. Without it, a large map takes chunks of several elements sized
+    from timings, and a thread may wait at one element of a group for another
+    queued behind it in its own chunk, for good (docs/executors.md).
+
+    Args:
+        executor: Where the elements run, as for [`threadmap`][jax_threadmap.threadmap]:
+            ``None`` (the shared pool), an int (a shared pool of that many
+            threads) or a ``concurrent.futures.Executor``.
+
+    Examples:
+        >>> import threading
+        >>> import jax, jax.numpy as jnp
+        >>> from jax_threadmap import InOrder, threadmap
+        >>> pairs = [threading.Barrier(2, timeout=60) for _ in range(32)]
+        >>> def meet(i):  # elements 2k and 2k + 1 wait for each other
+        ...     pairs[int(i) // 2].wait()
+        ...     return i
+        >>> f = jax.vmap(lambda i: threadmap(
+        ...     meet, jax.ShapeDtypeStruct((), jnp.int32), i, executor=InOrder(4)))
+        >>> int(f(jnp.arange(64, dtype=jnp.int32)).sum())
+        2016
+    """
+
+    executor: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

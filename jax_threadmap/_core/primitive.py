@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,10 +39,11 @@ from .._host.maps import ElementCaller, HostMap
 from .._host.vectorized import ChunkCaller
 from .._jax import avals as _avals
 from .._jax import primitive_rules as _rules
+from .._support.environment import env_num_threads
 from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
 from . import directions as _directions
-from .params import HostCall
+from .params import HostCall, InOrder
 
 threadmap_p = _rules.Primitive("threadmap")
 threadmap_p.multiple_results = True
@@ -51,7 +54,7 @@ def host_function(
     kernel: HostCall,
     result_avals: tuple[Any, ...],
     spec: BatchSpec,
-    executor: Executor,
+    executor: Executor | InOrder,
     progress: bool | None,
     devices: frozenset[Any] = frozenset(),
 ) -> Callable[..., tuple[np.ndarray, ...]]:
@@ -64,6 +67,8 @@ def host_function(
     # What the param says, read here once (it is frozen), not at every call.
     name, max_chunk, max_in_flight = kernel.name, kernel.max_chunk, kernel.max_in_flight
     asynchronous = kernel.asynchronous
+    in_order = isinstance(executor, InOrder)
+    runs_on = executor.executor if isinstance(executor, InOrder) else executor
     out_core = [(a.shape, a.dtype) for a in result_avals]
     caller: ElementCaller | ChunkCaller
     if kernel.vectorized:
@@ -84,7 +89,13 @@ def host_function(
         if asynchronous:  # coroutines on the event loop (_async_kernels)
             run_async_map(flat_map, max_in_flight=max_in_flight, progress=progress)
         else:
-            run_map(executor, flat_map, progress=progress, max_chunk=max_chunk)
+            run_map(
+                runs_on,
+                flat_map,
+                progress=progress,
+                max_chunk=max_chunk,
+                in_order=in_order,
+            )
         return flat_map.finish()
 
     return run
@@ -95,7 +106,7 @@ def _threadmap_abstract_eval(
     kernel: HostCall,
     result_avals: tuple[Any, ...],
     spec: BatchSpec,
-    executor: Executor,
+    executor: Executor | InOrder,
     progress: bool | None,
 ) -> list[Any]:
     del kernel, executor, progress
@@ -184,8 +195,45 @@ def _threadmap_batching_rule(
     return outs, [0] * len(outs)
 
 
+#: Per module being lowered, the results of its equations by (block, operands,
+#: params).
+_LOWERED: weakref.WeakKeyDictionary[Any, dict[Any, Sequence[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOWERED_LOCK = threading.Lock()
+
+
 def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
+    # An equation identical to one lowered before it in the same block (the same
+    # operands and params: jax.jacfwd's fwd and jax.grad's in one step) reuses
+    # its results: threadmap is a pure function to JAX, as pure_callback is, and
+    # XLA never merges two host callbacks.
+    place = _rules.lowering_place(ctx)
+    if place is None:
+        return _lower(ctx, *args, **params)
+    module, block = place
+    key = (block, args, tuple(sorted(params.items())))  # (never the module)
+    try:
+        hash(key)
+    except TypeError:  # a param that does not hash: lowered on its own
+        return _lower(ctx, *args, **params)
+    with _LOWERED_LOCK:
+        lowered = _LOWERED.setdefault(module, {})
+    if key not in lowered:  # (one module is lowered by one thread)
+        lowered[key] = _lower(ctx, *args, **params)
+    return list(lowered[key])
+
+
+def _lower(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     avals_in, avals_out = ctx.avals_in, ctx.avals_out
+    executor = params["executor"]
+    if isinstance(executor, InOrder):
+        executor = executor.executor
+    if executor is None:
+        # The shared pool's size is read once per map, where it runs (a changed
+        # value is followed); a bad value also fails here, as the jitted call
+        # is made, rather than inside its program's host callback.
+        env_num_threads()
     # A host callback never sees an operand or result that holds no data: an
     # accelerator's runtime aborts the process on one (libtpu checks its byte
     # offset), and no element of an empty batch needs a kernel call. Such

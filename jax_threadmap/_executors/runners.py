@@ -23,12 +23,11 @@ from . import scheduling as policy
 from . import shared_threads as _shared_threads
 from .jobs import Job, interpreter_exiting, this_thread
 from .progress import Progress, progress_enabled, wait
-from .scheduling import InOrder
 from .shipping import Shipper, broken_hint, refused, said
 
-#: What ``executor=`` accepts: the shared pool, a pool of N threads, or an executor;
-#: any of these in ``InOrder`` for one element per claim in index order.
-Executor = int | concurrent.futures.Executor | InOrder | None
+#: Where a map runs: the shared pool, a pool of N threads, or an executor (as
+#: ``executor=`` takes them, out of their ``InOrder``: ``run_map``'s ``in_order``).
+Executor = int | concurrent.futures.Executor | None
 
 
 def known_workers(executor: concurrent.futures.Executor) -> int | None:
@@ -184,7 +183,7 @@ def new_job(
     in_order: bool = False,
 ) -> Job:
     """The job of ``work`` on ``executor`` (or its ``runner``), with its chunking
-    policy; ``in_order``: asked for (:class:`.scheduling.InOrder`)."""
+    policy; ``in_order``: asked for (``executor=InOrder(...)``)."""
     runner = runner_for(executor) if runner is None else runner
     workers, on_threads, units = runner.workers, runner.on_threads, work.n
     if work.vectorized and units:
@@ -213,18 +212,18 @@ def new_job(
 
 
 def run_map(
-    executor: Executor | InOrder,
+    executor: Executor,
     work: HostMap,
     *,
     progress: bool | None,
     max_chunk: int | None = None,
+    in_order: bool = False,
 ) -> None:
     """Runs every element of ``work`` on ``executor``; raises the map's error.
-    ``max_chunk`` bounds the chunks of a vectorized map."""
+    ``max_chunk`` bounds the chunks of a vectorized map; ``in_order``: one
+    element per claim in index order (``executor=InOrder(...)``)."""
     if work.n == 0:
         return
-    in_order = isinstance(executor, InOrder)
-    executor = executor.executor if isinstance(executor, InOrder) else executor
     runner = runner_for(executor)
     job = new_job(work, executor, max_chunk, this_thread.job, runner, in_order)
     bar = None
@@ -258,12 +257,6 @@ def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
     return ExecutorError(
         f"threadmap kernel {name!r}: the executor failed with {said(e)}.", cause=e
     )
-
-
-@_fork.in_child
-def _forget_flights() -> None:
-    # A forked child runs none of the parent's maps.
-    _flights.clear()
 
 
 def _run_for_jax(job: Job) -> bool:
@@ -333,8 +326,10 @@ atexit.register(_at_exit)
 
 @_fork.in_child
 def _start_afresh() -> None:
-    """Any lock of the user executors may have been held at the fork."""
+    """A forked child runs none of the parent's maps, and any lock of the user
+    executors may have been held at the fork."""
     global _states, _states_lock, _fallback
+    _flights.clear()
     _states = weakref.WeakKeyDictionary()
     _states_lock = threading.Lock()
     _fallback = threading.Lock()

@@ -9,7 +9,6 @@ runs, never which elements run or whether it finishes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 #: Seconds of kernel work per task that amortise the cost of a task of an
 #: executor that pickles work (about 1 ms for a process pool or Dask).
@@ -59,41 +58,6 @@ VECTOR_CHUNK_BYTES = 16 * 2**20
 REMOTE_IN_FLIGHT_PER_WORKER = 2
 #: Weight of the older estimate of an element's seconds (pickling executors).
 SMOOTHING = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class InOrder:
-    """``executor=InOrder(executor)``: the map runs its elements one per claim,
-    in index order, on every thread of ``executor`` at once, as
-    ``ThreadPoolExecutor.map`` does. No decision reads a clock.
-
-    For maps whose elements wait for each other (at a barrier, for replies that
-    come once every request is out): such a map finishes whenever each group of
-    elements that wait for each other has no more elements than ``executor``
-    has threads. Without it, a large map takes chunks of several elements sized
-    from timings, and a thread may wait at one element of a group for another
-    queued behind it in its own chunk, for good (docs/executors.md).
-
-    Args:
-        executor: Where the elements run, as for [`threadmap`][jax_threadmap.threadmap]:
-            ``None`` (the shared pool), an int (a shared pool of that many
-            threads) or a ``concurrent.futures.Executor``.
-
-    Examples:
-        >>> import threading
-        >>> import jax, jax.numpy as jnp
-        >>> from jax_threadmap import InOrder, threadmap
-        >>> pairs = [threading.Barrier(2, timeout=60) for _ in range(32)]
-        >>> def meet(i):  # elements 2k and 2k + 1 wait for each other
-        ...     pairs[int(i) // 2].wait()
-        ...     return i
-        >>> f = jax.vmap(lambda i: threadmap(
-        ...     meet, jax.ShapeDtypeStruct((), jnp.int32), i, executor=InOrder(4)))
-        >>> int(f(jnp.arange(64, dtype=jnp.int32)).sum())
-        2016
-    """
-
-    executor: Any = None
 
 
 @dataclasses.dataclass

@@ -149,8 +149,6 @@ class _Threads:
         no new thread starts for it: when no thread is idle (the caller asks
         only then) and at least one per CPU of them are returning. ``counted``
         keeps their count for the rest of one :meth:`hand`."""
-        if self.idle:
-            return False
         if not counted:
             counted.append(self._returning())
         return counted[0] >= available_cpus()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 import threading
 import time
@@ -125,12 +124,11 @@ KNOWN_KERNELS = 1024
 
 def auto_limit_enabled() -> bool:
     """Whether ``JAX_THREADMAP_LIMIT_BLAS`` allows the automatic limit (default on)."""
-    if not os.environ.get(ENV_LIMIT_BLAS, "").strip():
-        return True
     return _environment.env_flag(
         ENV_LIMIT_BLAS,
         "one BLAS thread per call while a map runs kernels on several threads (the "
         "default; 0 leaves BLAS its own thread count)",
+        default=True,
     )
 
 

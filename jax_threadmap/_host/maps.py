@@ -26,7 +26,6 @@ import jax
 import numpy as np
 
 from .._support.errors import KernelError, describe, kernel_traceback
-from .._support.result_casts import ResultCastError, check_result_cast
 from . import packing as _packing
 from . import shared_operands as _shared_operands
 from . import summing as _summing
@@ -90,39 +89,13 @@ class ElementCaller(KernelCaller):
 
     Also builds the loops that do this for a chunk of elements. Picklable (it
     holds the function, its tree structures and output declarations only), so
-    that process and Dask workers run the very same loops.
-
-    Args:
-        fn: What runs per element: the user's kernel, or a derivative adapter.
-        name: The kernel's name, for messages.
-        in_tree: Treedef of ``(args, kwargs)`` as ``fn`` takes them.
-        out_tree: Treedef of ``fn``'s result.
-        out_core: ``(shape, dtype)`` of each output leaf for one element.
-        batch_shape: The (unmerged) batch shape, for batch indices in messages.
-        accumulate: Outputs whose elements are added into their view (summed
-            outputs) rather than written.
+    that process and Dask workers run the very same loops. Its arguments:
+    :class:`.vectorized.KernelCaller`'s (``fn``: what runs per element, the
+    user's kernel or a derivative adapter).
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        name: str,
-        in_tree: Any,
-        out_tree: Any,
-        out_core: Sequence[tuple[tuple[int, ...], Any]],
-        batch_shape: tuple[int, ...],
-        accumulate: Sequence[int] = (),
-    ):
-        super().__init__(fn, name, in_tree, out_tree, out_core, batch_shape)
-        self.accumulate = frozenset(accumulate)
-        args, kwargs = self.arg_indices
-        flat = all(isinstance(a, int) for a in args) and all(
-            isinstance(v, int) for v in kwargs.values()
-        )
-        # When every argument is one leaf the kernel is called without unflattening.
-        self.num_args: int | None = len(args) if flat else None
-        self.kw_names: tuple[str, ...] = tuple(kwargs) if flat else ()
-        self.loop_sources: tuple[int, str | None, tuple[str, str] | None] | None = None
+    #: The call and unpacking sources of the last loop built (``loops.py``).
+    loop_sources: tuple[int, str | None, tuple[str, str] | None] | None = None
 
     # -- messages ----------------------------------------------------------------
 
@@ -152,13 +125,7 @@ class ElementCaller(KernelCaller):
     # -- one element, general path -----------------------------------------------
 
     def call(self, leaves: list[Any]) -> Any:
-        if self.num_args is not None:
-            if self.kw_names:
-                kw = dict(zip(self.kw_names, leaves[self.num_args :], strict=True))
-                return self.fn(*leaves[: self.num_args], **kw)
-            return self.fn(*leaves)
-        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
-        return self.fn(*args, **kwargs)
+        return self.apply(leaves)
 
     def result_leaves(self, result: Any, flat: int | None) -> list[Any]:
         if self.single_leaf and isinstance(result, _LEAF_TYPES):
@@ -177,32 +144,13 @@ class ElementCaller(KernelCaller):
     ) -> None:
         """Checks one output leaf of one element and writes it at ``out[i]``."""
         shape, dtype = self.out_core[k]
-        if type(value) is not np.ndarray:
-            try:
-                value = np.asarray(value)
-            except Exception as e:
-                raise self.error(
-                    flat,
-                    f"returned a value of type {type(value).__name__} for output "
-                    f"{k}, which is not convertible to an array of shape {shape} "
-                    f"and dtype {dtype}.",
-                    cause=e,
-                ) from e
-        if value.shape != shape:
-            raise self.error(
-                flat,
-                f"returned shape {value.shape} for output {k}, expected {shape} "
-                f"(dtype {dtype}). Return one element's result, without batch axes.",
-            )
-        if value.dtype != dtype:
-            try:
-                check_result_cast(value, dtype)
-            except ResultCastError as e:
-                raise self.error(
-                    flat,
-                    f"returned {e.got} for output {k}, expected {dtype} (shape "
-                    f"{shape}); {e.reason}. {e.fix}",
-                ) from None
+        value = self.as_declared(
+            value,
+            k,
+            shape,
+            lambda what, cause=None: self.error(flat, what, cause),
+            f" (dtype {dtype}). Return one element's result, without batch axes.",
+        )
         if k in self.accumulate:
             out[i] += value
         else:
@@ -358,24 +306,17 @@ class ElementMap(HostMap):
     """A host map that calls the kernel once per element (generated loops)."""
 
     caller: ElementCaller
-
-    def __init__(
-        self,
-        caller: ElementCaller | ChunkCaller,
-        spec: BatchSpec,
-        operands: Sequence[Any],
-        scope: KernelScope | None = None,
-    ):
-        super().__init__(caller, spec, operands, scope)
-        self._loop: ChunkFn | None = None
-        if not self.sums:
-            self._loop = self.caller.loop(self.in_v, self.out_v, self.shape)
+    _loop: ChunkFn | None = None
 
     @property
     def run_chunk(self) -> ChunkFn:
         """The generated loop itself (nothing between it and the job), or, for
         a map summed on the host, :meth:`_run_summed`."""
-        return self._run_summed if self._loop is None else self._loop
+        if self.sums:
+            return self._run_summed
+        if self._loop is None:  # made once, when the map is started
+            self._loop = self.caller.loop(self.in_v, self.out_v, self.shape)
+        return self._loop
 
     def _run_summed(self, start: int, stop: int, job: Any) -> None:
         """Runs elements ``[start, stop)`` into partial sums of their own."""
@@ -429,16 +370,8 @@ class ChunkMap(HostMap):
 
     caller: ChunkCaller
     vectorized = True
-
-    def __init__(
-        self,
-        caller: ElementCaller | ChunkCaller,
-        spec: BatchSpec,
-        operands: Sequence[Any],
-        scope: KernelScope | None = None,
-    ):
-        super().__init__(caller, spec, operands, scope)
-        self.plan: PiecePlan | None = None
+    #: The map's pieces, once :meth:`split` has cut it.
+    plan: PiecePlan | None = None
 
     @property
     def run_chunk(self) -> ChunkFn:

@@ -216,8 +216,6 @@ def pack(
     shared = shared or {}
     flat = np.arange(start, stop)
     sums = [_summing.remote_sum_index(rows) for rows in sum_rows]
-    if len(shape) == 1:
-        return RemoteChunk(loops, *_pack_rows(in_v, start, stop, shared), flat, sums)
     nb = len(shape)
     cols = np.unravel_index(flat, shape)
     data: list[Any] = []
@@ -230,37 +228,19 @@ def pack(
         elif not dims:
             data.append(_contiguous(v[(0,) * nb + (Ellipsis,)]))
             gathers.append(None)
-            continue
-        # Each distinct element once: the chunk's elements index into them.
-        sub_shape = tuple(shape[d] for d in dims)
-        key = np.ravel_multi_index(tuple(cols[d] for d in dims), sub_shape)
-        uniq, inverse = np.unique(key, return_inverse=True)
-        index: list[Any] = [0] * nb
-        for d, s in zip(dims, np.unravel_index(uniq, sub_shape), strict=True):
-            index[d] = s
-        data.append(_contiguous(v[tuple(index)]))
-        gathers.append(inverse.reshape(-1))
-    return RemoteChunk(loops, data, gathers, flat, sums)
-
-
-def _pack_rows(
-    in_v: Sequence[np.ndarray], start: int, stop: int, shared: dict[int, int]
-) -> tuple[list[Any], list[np.ndarray | slice | None]]:
-    """``(data, gathers)`` of elements ``[start, stop)`` of 1-D batch views:
-    each batched operand's rows, as they are."""
-    data: list[Any] = []
-    gathers: list[np.ndarray | slice | None] = []
-    for i, v in enumerate(in_v):
-        if i in shared:
-            data.append(Shared(shared[i]))
-            gathers.append(None)
-        elif v.strides[0] == 0:
-            data.append(_contiguous(v[0, ...]))
-            gathers.append(None)
-        else:
+        elif nb == 1:  # the chunk's rows, as they are
             data.append(_contiguous(v[start:stop]))
             gathers.append(slice(None))
-    return data, gathers
+        else:  # each distinct element once: the chunk's elements index into them
+            sub_shape = tuple(shape[d] for d in dims)
+            key = np.ravel_multi_index(tuple(cols[d] for d in dims), sub_shape)
+            uniq, inverse = np.unique(key, return_inverse=True)
+            index: list[Any] = [0] * nb
+            for d, s in zip(dims, np.unravel_index(uniq, sub_shape), strict=True):
+                index[d] = s
+            data.append(_contiguous(v[tuple(index)]))
+            gathers.append(inverse.reshape(-1))
+    return RemoteChunk(loops, data, gathers, flat, sums)
 
 
 class ChunkCall(Protocol):

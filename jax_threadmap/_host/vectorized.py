@@ -106,6 +106,9 @@ class KernelCaller:
         out_tree: Treedef of ``fn``'s result.
         out_core: ``(shape, dtype)`` of each output leaf for one element.
         batch_shape: The (unmerged) batch shape, for batch indices in messages.
+        accumulate: Outputs whose elements are added into their view (summed
+            outputs) rather than written, by an element caller (a vectorized
+            map sums its chunks' results itself).
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class KernelCaller:
         out_tree: Any,
         out_core: Sequence[tuple[tuple[int, ...], Any]],
         batch_shape: tuple[int, ...],
+        accumulate: Sequence[int] = (),
     ):
         self.fn = fn
         self.name = name
@@ -123,12 +127,27 @@ class KernelCaller:
         self.out_tree = out_tree
         self.out_core = [(tuple(s), np.dtype(d)) for s, d in out_core]
         self.batch_shape = tuple(batch_shape)
-        # Fast paths: positional arguments of one leaf each; a result of one leaf.
+        self.accumulate = frozenset(accumulate)
+        # Fast paths: arguments of one leaf each; a result of one leaf.
         leaves = list(range(in_tree.num_leaves))
-        #: ``(args, kwargs)`` as ``fn`` takes them, each leaf its flat index.
-        self.arg_indices = args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
-        self.positional = not kwargs and list(args) == leaves
+        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        flat = all(isinstance(a, int) for a in args) and all(
+            isinstance(v, int) for v in kwargs.values()
+        )
+        # When every argument is one leaf the kernel is called without unflattening.
+        self.num_args: int | None = len(args) if flat else None
+        self.kw_names: tuple[str, ...] = tuple(kwargs) if flat else ()
         self.single_leaf = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
+
+    def apply(self, leaves: list[Any]) -> Any:
+        """``fn`` called on the flat leaves of its arguments."""
+        if self.num_args is not None:
+            if self.kw_names:
+                kw = dict(zip(self.kw_names, leaves[self.num_args :], strict=True))
+                return self.fn(*leaves[: self.num_args], **kw)
+            return self.fn(*leaves)
+        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
+        return self.fn(*args, **kwargs)
 
     def structure_mismatch(self, tree: Any) -> str:
         """The start of the message for a result of structure ``tree``."""
@@ -136,6 +155,44 @@ class KernelCaller:
             f"returned a value of structure {tree}, but result_shape_dtypes has "
             f"structure {self.out_tree}."
         )
+
+    def as_declared(
+        self,
+        value: Any,
+        j: int,
+        expected: tuple[int, ...],
+        fail: Callable[..., KernelError],
+        hint: str,
+    ) -> np.ndarray:
+        """Output ``j``'s ``value`` as an array of shape ``expected`` whose
+        values its declared dtype holds: the one check of an element's and a
+        chunk's results. ``fail(what, cause)`` makes the error (naming the
+        element or the chunk); ``hint`` ends the message of a wrong shape."""
+        dtype = self.out_core[j][1]
+        if type(value) is not np.ndarray:
+            try:
+                value = np.asarray(value)
+            except Exception as e:
+                raise fail(
+                    f"returned a value of type {type(value).__name__} for output "
+                    f"{j}, which is not convertible to an array of shape "
+                    f"{expected} and dtype {dtype}.",
+                    e,
+                ) from e
+        if value.shape != expected:
+            raise fail(
+                f"returned shape {value.shape} for output {j}, expected {expected}"
+                + hint
+            )
+        if value.dtype != dtype:
+            try:
+                check_result_cast(value, dtype)
+            except ResultCastError as e:
+                raise fail(
+                    f"returned {e.got} for output {j}, expected {dtype} (shape "
+                    f"{expected}); {e.reason}. {e.fix}"
+                ) from None
+        return value
 
 
 class ChunkCaller(KernelCaller):
@@ -165,11 +222,7 @@ class ChunkCaller(KernelCaller):
     def call(self, leaves: list[np.ndarray], first: int, k: int) -> list[np.ndarray]:
         """Runs the kernel on one chunk; returns its result leaves, checked."""
         try:
-            if self.positional:  # every argument one leaf: no unflattening
-                result = self.fn(*leaves)
-            else:
-                args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, leaves)
-                result = self.fn(*args, **kwargs)
+            result = self.apply(leaves)
         except PASS_THROUGH:
             raise
         except BaseException as e:
@@ -192,35 +245,15 @@ class ChunkCaller(KernelCaller):
         if type(value) is np.ndarray and value.dtype == dtype:  # the usual case
             if value.shape == (k, *shape):
                 return value
-        try:
-            value = np.asarray(value)
-        except Exception as e:
-            raise self.error(
-                first,
-                k,
-                f"returned a value of type {type(value).__name__} for output {j}, "
-                f"which is not convertible to an array of shape {(k, *shape)}.",
-                e,
-            ) from e
-        if value.shape != (k, *shape):
-            raise self.error(
-                first,
-                k,
-                f"returned shape {value.shape} for output {j}, expected {(k, *shape)}"
-                f": the chunk's length {k}, then one element's shape {shape}. A "
-                "vectorized kernel returns every result with the leading axis of "
-                "its operands.",
-            )
-        try:
-            check_result_cast(value, dtype)
-        except ResultCastError as e:
-            raise self.error(
-                first,
-                k,
-                f"returned {e.got} for output {j}, expected {dtype}; {e.reason}. "
-                f"{e.fix}",
-            ) from None
-        return value
+        return self.as_declared(
+            value,
+            j,
+            (k, *shape),
+            lambda what, cause=None: self.error(first, k, what, cause),
+            f": the chunk's length {k}, then one element's shape {shape}. A "
+            "vectorized kernel returns every result with the leading axis of its "
+            "operands.",
+        )
 
 
 def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

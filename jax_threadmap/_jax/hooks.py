@@ -270,6 +270,16 @@ HOOKS: tuple[Hook, ...] = (
         "jax.numpy function into them inside another rule",
     ),
     Hook(
+        "mlir_ir",
+        "the block a lowering rule emits into (ir.InsertionPoint.current): an "
+        "equation identical to one lowered before it in that block reuses its "
+        "results (XLA never merges two host callbacks)",
+        (THREADMAP,),
+        _everywhere("jax.interpreters.mlir:ir"),
+        _public("jax.interpreters.mlir:ir")
+        + ". The lowering context has no field for its block",
+    ),
+    Hook(
         "callback_op_sharding",
         "the op sharding pure_callback uses: MAXIMAL on one device under automatic "
         "sharding, MANUAL inside shard_map, none otherwise",

@@ -95,6 +95,17 @@ def lowering_devices(ctx: Any) -> frozenset[Any]:
     return frozenset(found)
 
 
+def lowering_place(ctx: Any) -> tuple[Any, Any] | None:
+    """The module and the block that the lowering ``ctx`` emits into: an
+    operation there dominates the later ones of the block. ``None`` where the
+    context has no module (then each equation is lowered on its own, and
+    tests/test_derivative_counts.py says so)."""
+    module = getattr(ctx.module_context, "module", None)
+    if module is None:
+        return None
+    return module, RESOLVED["mlir_ir"].InsertionPoint.current.block
+
+
 def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:
     register = or_missing("register_lowering", None)
     if register is not None:

@@ -90,20 +90,23 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def env_flag(name: str, what: str) -> bool:
-    """The boolean in environment variable ``name``; ``False`` when unset.
+def env_flag(name: str, what: str, default: bool = False) -> bool:
+    """The boolean in environment variable ``name``; ``default`` when unset.
 
     Args:
         name: The variable.
         what: What the flag turns on, for the message when the value is not one.
+        default: The flag when the variable is unset or empty.
     """
-    return _flag(name, os.environ.get(name, ""), what)
+    return _flag(name, os.environ.get(name, ""), what, default)
 
 
 @functools.lru_cache(maxsize=64)
-def _flag(name: str, raw: str, what: str) -> bool:
+def _flag(name: str, raw: str, what: str, default: bool) -> bool:
     value = raw.strip().lower()
-    if not value or value in _FALSE:
+    if not value:
+        return default
+    if value in _FALSE:
         return False
     if value in _TRUE:
         return True

@@ -1,10 +1,12 @@
-"""The built-in demo: a 3-level nested vmap of a GIL-releasing kernel, timed.
+"""The demo (``python -m examples.demo`` from the repository's root): a 3-level
+nested vmap of a GIL-releasing kernel, timed.
 
 It prints the jaxpr (one ``threadmap`` equation for three ``vmap`` levels), then
 times ``jax.pure_callback(vmap_method="sequential")`` and ``threadmap`` at a few
 thread counts and prints the speedups. Its kernels, inputs and runners (below)
 are also the ``sleep`` and ``sort`` cases of ``benchmarks/``, which import them,
-so the demo's numbers are the benchmarks' numbers.
+so the demo's numbers are the benchmarks' numbers. It is not part of the
+installed package: nothing of the library imports it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.binding import threadmap
-from .._support.cpus import available_cpus
+from jax_threadmap import threadmap
+
+
+def available_cpus() -> int:
+    """The number of CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
 
 # --- kernels and inputs ---------------------------------------------------------------
 
@@ -336,7 +346,7 @@ def _thread_list(text: str) -> list[int]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m jax_threadmap",
+        prog="python -m examples.demo",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -530,3 +540,7 @@ def plot(rows: list[Row], path: str, case: Case) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

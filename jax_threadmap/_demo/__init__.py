@@ -1,1 +1,0 @@
-"""The demo run by ``python -m jax_threadmap``: not part of the library."""

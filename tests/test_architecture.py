@@ -267,7 +267,6 @@ def test_no_module_reads_frames_or_sets_profilers():
 def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
     from jax_threadmap._arrays.async_array import AsyncArray
     from jax_threadmap._arrays.call import Call
-    from jax_threadmap._arrays.parts import Parts
     from jax_threadmap._arrays.task import Task
 
     def owned(module: str, cls: type) -> tuple[str, set[str], set[str]]:
@@ -282,7 +281,6 @@ def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
     return {
         "Call": owned("_arrays.call", Call),
         "Task": owned("_arrays.task", Task),
-        "Parts": owned("_arrays.parts", Parts),
         "AsyncArray": owned("_arrays.async_array", AsyncArray),
     }
 
@@ -330,13 +328,13 @@ def test_the_owner_checker_sees_fields_touched_from_outside(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
         "class Load(Task):\n    def f(self):\n        self._state = 'running'\n\n"
-        "def plan(x):\n    return x._task, x._index, x.task._placed\n\n"
+        "def plan(x):\n    return x._task, x._index, x.task._state\n\n"
         "class Other:\n    def g(self):\n        return self._lock\n"
     )
     found = owner_violations(bad, "_arrays.bad")
     assert [f.split(" ", 1)[1] for f in found] == [
         "self._state (Call)",
-        "x.task._placed (Parts)",
+        "x.task._state (Call)",
         "x._task (AsyncArray)",
         "x._index (AsyncArray)",
     ], found

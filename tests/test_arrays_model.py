@@ -63,7 +63,7 @@ from jax_threadmap import (
 )
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import async_pool as _async_pool
-from jax_threadmap._arrays.parts import PartState
+from jax_threadmap._arrays.shard_loads import ShardedLoad
 from jax_threadmap._support import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(600)
@@ -408,17 +408,12 @@ class AsyncArraysModel(RuleBasedStateMachine):
         assert thread is None or thread.is_alive()
 
     @invariant()
-    def a_finished_sharded_load_has_no_part_running(self) -> None:
+    def a_finished_sharded_load_has_no_shard_running(self) -> None:
         for call in self.all:
             task = call.x._task
-            if task.parts and task.future.done():
-                states = [p.state for p in task.parts]
-                assert all(
-                    s in (PartState.PLACED, PartState.STOPPED) for s in states
-                ), (
-                    states,
-                    call,
-                )
+            if isinstance(task, ShardedLoad) and task.future.done():
+                states = [str(s) + ": " + s.status() for s in task.shards]
+                assert all(s.future.done() for s in task.shards), (states, call)
 
     @invariant()
     def pool_within_bound_and_cap(self) -> None:

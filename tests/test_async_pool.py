@@ -143,10 +143,12 @@ _QUEUED_TIMEOUT_SCRIPT = """
         release.wait(30)
         return np.ones(2, np.float32)
 
+    f = jax.jit(lambda a: a * 2)
+    f(np.zeros(2, np.float32))  # compiled now: x's timeout must not pass first
     b = jtm.async_call(hold, sds)  # the pool's one thread
     assert busy.wait(60)
     x = jtm.async_call(load, sds, timeout=0.5)  # queued behind it
-    y = jax.jit(lambda a: a * 2)(x)
+    y = f(x)
     try:
         np.asarray(y)
     except jax.errors.JaxRuntimeError as e:

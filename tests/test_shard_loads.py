@@ -122,7 +122,6 @@ def test_the_async_pool_can_start_every_shard_of_one_array_together():
 )
 def test_indices_are_written_as_numpy_code_writes_them(index, text):
     assert _shards.index_str(index) == text
-    assert _shards.index_of(_shards.index_key(index)) == index
 
 
 EXIT_SCRIPT = """

@@ -1,13 +1,12 @@
-"""A background call (``_arrays/task.py``) and the owners of its states: of the
-call's (``Call``, its base) and of its parts' (``Parts``).
+"""A background call (``_arrays/task.py``) and the owner of its states
+(``Call``, its base).
 
-Every move of a call and of a sharded load's part goes through one method of its
-owner that refuses a move not in its table, as ``concurrent.futures.Future``
-refuses one; the table in each owner's docstring is the moves the code allows; a
-hypothesis state machine drives the parts through random events against a
-model; and a subclass changes what a call does through override points (here:
-the few lines of a call whose ``fn`` returns arrays placed already, published at
-once).
+Every move of a call goes through one method of its owner that refuses a move
+not in its table, as ``concurrent.futures.Future`` refuses one; the table in
+the owner's docstring is the moves the code allows (tests/test_arrays_model.py
+drives calls through random events against a model); and a subclass changes
+what a call does through override points (here: the few lines of a call whose
+``fn`` returns arrays placed already, published at once).
 """
 
 from __future__ import annotations
@@ -16,16 +15,12 @@ import concurrent.futures
 import re
 import threading
 
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import examples
-from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jax_threadmap import async_array_from_callback, async_call, deferred_call
+from jax_threadmap import async_call, deferred_call
 from jax_threadmap._arrays import async_array as _async_array
 from jax_threadmap._arrays import task as _task
 from jax_threadmap._arrays.call import (
@@ -35,7 +30,6 @@ from jax_threadmap._arrays.call import (
     PENDING,
     CallState,
 )
-from jax_threadmap._arrays.parts import PART_MOVES, Part, Parts, PartState
 from jax_threadmap._arrays.task import Task
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,21 +61,14 @@ def _table(owner: type) -> list[tuple[list[str], str]]:
     return tables[0]
 
 
-@pytest.mark.parametrize(
-    "owner, moves, states",
-    [
-        (CallState, CALL_MOVES, CallState),
-        (Parts, PART_MOVES, PartState),
-    ],
-)
-def test_the_docstring_tables_are_the_moves_the_code_allows(owner, moves, states):
+def test_the_docstring_table_is_the_moves_the_code_allows():
     shown = set()
-    for froms, nxt in _table(owner):
+    for froms, nxt in _table(CallState):
         if nxt == "same":
             continue
         for state in froms:
-            shown.add((states(state), states(nxt)))  # ValueError: not a state
-    assert shown == moves
+            shown.add((CallState(state), CallState(nxt)))  # ValueError: not a state
+    assert shown == CALL_MOVES
 
 
 def _call_in(state: str, monkeypatch) -> tuple[Task, threading.Event]:
@@ -147,19 +134,6 @@ def test_a_second_end_of_a_call_is_refused():
     np.testing.assert_array_equal(x.result(), 1.0)
 
 
-def test_an_illegal_move_of_a_part_is_refused():
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    x = async_array_from_callback((3,), sharding, lambda i: np.zeros(3)[i], np.float32)
-    x.result(timeout=WAIT)
-    parts = x._task._parts
-    (part,) = parts.all
-    assert part.state == PartState.PLACED
-    for to in PartState:
-        with parts._lock, pytest.raises(concurrent.futures.InvalidStateError):
-            parts._move(part, to)
-        assert part.state == PartState.PLACED
-
-
 class PlacedCall(Task):
     """A call whose fn dispatches a program and returns its output arrays,
     placed already: published at once (no check, no copy, no wait), or failed
@@ -218,110 +192,3 @@ def test_a_placed_subclass_feeds_a_program_deferred_on_it():
     assert not y.done()  # x has not landed
     go.set()
     np.testing.assert_array_equal(np.asarray(y), np.arange(3.0) * 2)
-
-
-# -- the parts, driven through random events against a model --
-
-
-class _Call:
-    """What a part names in its messages."""
-
-    name, api = "`load`", "async_array_from_callback"
-
-
-class PartsModel(RuleBasedStateMachine):
-    """A call's parts: claimed, landed, failed and stopped in any order; each
-    answer, each state and the placed data are the model's, and a move not in
-    the table is refused and changes nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.parts: Parts | None = None
-        self.model: list[PartState] = []
-        self.placed: dict[int, str] = {}  # by device, until taken
-
-    @precondition(lambda self: self.parts is None)
-    @rule(n=st.integers(1, 4))
-    def make(self, n):
-        self.parts = Parts([Part(_Call(), [i], f"part {i}") for i in range(n)])
-        self.model = [PartState.PENDING] * n
-
-    def _part(self, i):
-        assert self.parts is not None
-        return self.parts.all[i % len(self.model)], i % len(self.model)
-
-    @precondition(lambda self: self.parts is not None)
-    @rule(i=st.integers(0, 3))
-    def claim(self, i):
-        part, i = self._part(i)
-        worker = object()
-        claimed = self.parts.claim(part, worker, None)
-        assert claimed == (self.model[i] == PartState.PENDING)
-        if claimed:
-            self.model[i] = PartState.RUNNING
-            assert part.worker is worker
-            assert self.parts.adopt(part, None)
-
-    @precondition(lambda self: self.parts is not None)
-    @rule(i=st.integers(0, 3))
-    def land(self, i):
-        part, i = self._part(i)
-        placed = [f"data {i}"]
-        last = self.parts.land(part, placed)
-        assert placed == []  # taken: no caller's frame holds the arrays
-        if self.model[i] != PartState.RUNNING:
-            assert last is None
-            return
-        self.model[i] = PartState.PLACED
-        self.placed[i] = f"data {i}"
-        assert last == all(s == PartState.PLACED for s in self.model)
-
-    @precondition(lambda self: self.parts is not None)
-    @rule(i=st.integers(0, 3))
-    def fail(self, i):
-        part, i = self._part(i)
-        self.parts.fail(part)
-        if self.model[i] == PartState.RUNNING:
-            self.model[i] = PartState.STOPPED
-        assert part.worker is None and part.source is None
-
-    @precondition(lambda self: self.parts is not None)
-    @rule()
-    def stop(self):
-        handles = self.parts.stop()
-        live = [PartState.PENDING, PartState.RUNNING]
-        stopped = [i for i, s in enumerate(self.model) if s in live]
-        assert [self.parts.all.index(p) for p, _, _ in handles] == stopped
-        for i in stopped:
-            self.model[i] = PartState.STOPPED
-        self.placed = {}  # dropped with the call
-
-    @precondition(lambda self: self.parts is not None)
-    @rule()
-    def take_placed(self):
-        assert self.parts.take_placed() == self.placed
-        self.placed = {}
-
-    @precondition(lambda self: self.parts is not None)
-    @rule(i=st.integers(0, 3), to=st.sampled_from(list(PartState)))
-    def any_move(self, i, to):
-        part, i = self._part(i)
-        if (self.model[i], to) in PART_MOVES:
-            return
-        with self.parts._lock, pytest.raises(concurrent.futures.InvalidStateError):
-            self.parts._move(part, to)
-
-    @invariant()
-    def states_are_the_models(self):
-        if self.parts is not None:
-            assert [p.state for p in self.parts.all] == self.model
-            not_placed = [p.what for p in self.parts.not_placed()]
-            assert not_placed == [
-                f"part {i}" for i, s in enumerate(self.model) if s != PartState.PLACED
-            ]
-
-
-PartsModel.TestCase.settings = settings(
-    max_examples=examples(100), stateful_step_count=20, deadline=None
-)
-test_parts_model = PartsModel.TestCase

@@ -209,13 +209,6 @@ def _waiting_property(name: str) -> property:
     return property(_named(get, name, "waits for the value (in Python), then reads it"))
 
 
-def _waiting_value(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return fn(landed(self), *args, **kwargs)
-
-    return _named(method, name, "waits for the value (in Python), then delegates")
-
-
 def _named(method: Any, name: str, how: str) -> Any:
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"``jax.Array.{name}``: {how}."
@@ -334,10 +327,8 @@ def _method(
     name: str, fn: Any, is_async: Any, key: str | None = None
 ) -> Callable[..., Any]:
     key = key or name
-    if fn is None:
+    if fn is None or key in _NEEDS_VALUE:  # no table, or needs the value anyway
         return _waiting(name)
     if key in _DIRECT:
         return fn
-    if key in _NEEDS_VALUE:
-        return _waiting_value(name, fn)
     return _deferred(name, fn, is_async)

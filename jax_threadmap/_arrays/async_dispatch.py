@@ -15,7 +15,6 @@ jax 0.12) fails every later one after one failed.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -65,7 +64,7 @@ _handed = _Handed()
 class Dispatch:
     """Async dispatch: what a program run with ``AsyncArray`` arguments does.
 
-    It reads the switch (once per change), installs the hook on program runs
+    It reads the switch, installs the hook on program runs
     when the first ``AsyncArray`` is made, and defers a run on pending data
     (:mod:`.deferred_dispatch`) or runs it blocking; either way its array
     outputs are ``AsyncArray`` s (:meth:`around`).
@@ -74,23 +73,15 @@ class Dispatch:
     def __init__(self) -> None:
         self.readers = _deferred_dispatch.Readers()
         self.kind: ArrayKind | None = None
-        #: The switch's text and mode, as last read (:meth:`mode`).
-        self._env: tuple[str | None, str] = (None, "")
         self._lock = threading.Lock()
         # Whether prepare() ran, and whether program runs are wrapped.
         self._prepared = False
         self._wrapped = False
 
-    def mode(self) -> str:
-        """``JAX_THREADMAP_ASYNC_DISPATCH``'s mode, parsed once per change."""
-        raw = os.environ.get(ENV_ASYNC_DISPATCH, "")
-        if raw != self._env[0]:
-            self._env = (raw, async_dispatch_mode())
-        return self._env[1]
-
     def status(self) -> str | None:
-        """Why dispatch on pending data is blocking, or ``None``."""
-        if self.mode() == "off":
+        """Why dispatch on pending data is blocking, or ``None``. (The switch
+        is parsed once per change of its value, :func:`async_dispatch_mode`.)"""
+        if async_dispatch_mode() == "off":
             return f"disabled by {ENV_ASYNC_DISPATCH}=0"
         reason = _program_runs.runs_unavailable()
         if reason is None and self._prepared and not self._wrapped:
@@ -222,16 +213,11 @@ class Results(Task):
             {},
             name="a jitted call on AsyncArrays",
             api="jit",
-            treedef=_treedef(len(leaves)),
+            treedef=_deferred_dispatch.treedef_of(len(leaves)),
             specs=specs,
         )
         self._claim(None)
         self._publish_placed(leaves)
-
-
-@functools.cache
-def _treedef(n: int) -> Any:
-    return jax.tree_util.tree_structure(list(range(n)))
 
 
 mechanism = Dispatch()

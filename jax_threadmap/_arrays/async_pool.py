@@ -30,6 +30,7 @@ import functools
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 import warnings
@@ -63,8 +64,22 @@ def default_async_threads() -> int:
     shards of one ``async_array_from_callback`` start together on a machine
     with more devices than cores. The pool is separate from the one that runs
     ``threadmap`` kernels, so a kernel that waits on an ``AsyncArray`` never
-    waits on work queued behind itself.
+    waits on work queued behind itself. Worked out once per change of the
+    variable (every call asks: the CPUs and devices are not counted each time).
     """
+    global _bound_read
+    raw = os.environ.get(ENV_ASYNC_THREADS)
+    read = _bound_read
+    if read is None or read[0] != raw:
+        read = _bound_read = (raw, _async_threads())
+    return read[1]
+
+
+#: ``JAX_THREADMAP_ASYNC_THREADS`` as last read, and the bound it gave.
+_bound_read: tuple[str | None, int] | None = None
+
+
+def _async_threads() -> int:
     n = env_positive_int(
         ENV_ASYNC_THREADS,
         "the number of threads that run jax_threadmap.async_call",
@@ -72,16 +87,7 @@ def default_async_threads() -> int:
     )
     if n is not None:
         return n
-    return max(min(32, available_cpus() + 4), _local_devices())
-
-
-_devices: list[int] = []  # jax.local_device_count(), read once
-
-
-def _local_devices() -> int:
-    if not _devices:
-        _devices.append(jax.local_device_count())
-    return _devices[0]
+    return max(min(32, available_cpus() + 4), jax.local_device_count())
 
 
 class Call(Protocol):

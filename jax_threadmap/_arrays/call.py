@@ -7,9 +7,7 @@ docstring); no other class reads or writes its fields, its subclass
 :class:`.task.Task` included, which says what the call runs and how its
 outcome lands. With the state it owns the threads and coroutine it claimed
 (given up on when the call is), whether its timeout's clock runs, and the
-error text that the programs deferred on its arrays raise if it fails, and asks
-a call of parts' :class:`.parts.Parts` to move under its lock
-(:meth:`Call._claim_part`, :meth:`Call._land`).
+error text that the programs deferred on its arrays raise if it fails.
 """
 
 from __future__ import annotations
@@ -25,9 +23,19 @@ from collections.abc import Callable
 from typing import Any
 
 from . import async_pool as _async_pool
-from .parts import Part, checked_move
 
 logger = logging.getLogger("jax_threadmap._async")
+
+
+def checked_move(state: Any, to: Any, moves: frozenset, owner: Any, what: str) -> Any:
+    """``to``, if ``(state, to)`` is one of ``moves``; else raises
+    ``InvalidStateError`` (as ``concurrent.futures.Future`` refuses an illegal
+    move), naming ``owner`` and ``what`` moved."""
+    if (state, to) not in moves:
+        raise concurrent.futures.InvalidStateError(
+            f"{owner}: {what} cannot move from {state} to {to}"
+        )
+    return to
 
 
 class CallState(enum.Enum):
@@ -93,9 +101,9 @@ class Call:
 
     Timed out, cancelled and abandoned calls are failed calls whose error says
     so; a call given up on drops what ``fn`` returns later. In a forked child,
-    a call that ran at the fork fails at its first use (:meth:`_ran_elsewhere`).
+    a call that ran at the fork fails at its first use (:meth:`ran_elsewhere`).
     The moves are :class:`CallState`'s table; :meth:`_start` (what
-    :meth:`submit` queues) and :meth:`_claim_part` are a subclass's.
+    :meth:`submit` queues) is a subclass's.
     """
 
     __slots__ = tuple(
@@ -183,31 +191,18 @@ class Call:
         raise NotImplementedError
 
     def _claim(
-        self,
-        worker: _async_pool.Worker | None,
-        source: asyncio.Task | None = None,
-        part: Part | None = None,
+        self, worker: _async_pool.Worker | None, source: asyncio.Task | None = None
     ) -> bool:
-        """Claims the call (pending -> running) for this thread or coroutine, or
-        one of its parts (the call too, with the first); ``False``: already
-        claimed, or ended."""
+        """Claims the call (pending -> running) for this thread or coroutine;
+        ``False``: already claimed, or ended."""
         pid = os.getpid()
         with self._lock:
-            if part is None and self._state != PENDING:
+            if self._state != PENDING:
                 return False
-            if part is not None:
-                if self._state not in (PENDING, RUNNING):
-                    return False
-                if self._state == RUNNING and self._pid != pid:
-                    return False  # running in the parent of this fork: never ends here
-                if not self._claim_part(part, worker, source):
-                    return False
             # submit() did the two below, unless in the parent of this fork.
             known = self._submitted and self._pid == pid
-            if self._state == PENDING:
-                self._move(RUNNING)
-            if part is None:
-                self._worker, self._source = worker, source
+            self._move(RUNNING)
+            self._worker, self._source = worker, source
             self._pid = pid
         if not known:
             with _async_pool.live_lock:
@@ -215,25 +210,14 @@ class Call:
             self._start_clock()
         return True
 
-    def _claim_part(
-        self, part: Part, worker: Any, source: asyncio.Task | None
-    ) -> bool:  # the call's lock held
-        """Claims ``part`` of the pending or running call (override point of a
-        call of parts); ``False``: claimed or stopped already."""
-        del part, worker, source
-        return False
-
-    def _left_runner(self, part: Part | None) -> None:
-        """``fn`` returned or raised: its thread or coroutine is no longer ours
-        (override point for a ``part``)."""
-        del part
+    def _left_runner(self) -> None:
+        """``fn`` returned or raised: its thread or coroutine is no longer ours."""
         with self._lock:
             self._worker = self._source = None
 
-    def _adopt(self, source: asyncio.Task | None, part: Part | None) -> bool:
-        """The coroutine that awaits what the call's thread returned (override
-        point for a ``part``)."""
-        del part
+    def _adopt(self, source: asyncio.Task | None) -> bool:
+        """The coroutine that awaits what the call's thread returned; ``False``:
+        the call was given up on meanwhile."""
         with self._lock:
             if self._state != RUNNING:
                 return False
@@ -244,7 +228,7 @@ class Call:
         """Whether an asyncio task runs the call (cancelled if given up on)."""
         return self._source is not None
 
-    def _ran_elsewhere(self) -> bool:
+    def ran_elsewhere(self) -> bool:
         """Whether the call started in the parent of this forked child (then
         it never ends here)."""
         return self._state != PENDING and self._pid != os.getpid()
@@ -283,16 +267,6 @@ class Call:
             self._error_text = error_text
         with _async_pool.live_lock:
             _async_pool.live.discard(self)
-
-    def _land(self, part: Part, landed: Callable[[], bool | None]) -> bool | None:
-        """``part``'s data is placed: if the call runs, ``landed()`` (the part's
-        move, under the call's lock) says whether it was the last, which
-        settles the call (-> finishing). ``None``: the call ended meanwhile."""
-        with self._lock:
-            last = None if self._state != RUNNING else landed()
-            if last:
-                self._move(FINISHING)
-            return last
 
     # -- uses --
 

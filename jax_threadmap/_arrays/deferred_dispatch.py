@@ -269,7 +269,9 @@ def _value(read: Any, source: Any) -> Any:
 
 
 @functools.cache
-def _treedef(n: int) -> Any:
+def treedef_of(n: int) -> Any:
+    """The tree of a program's ``n`` outputs (a list), as the calls of its
+    results declare it."""
     return jax.tree_util.tree_structure(list(range(n)))
 
 
@@ -367,7 +369,7 @@ class ProgramRun(Task):
             {},
             name=name,
             api=API,
-            treedef=_treedef(len(specs)),
+            treedef=treedef_of(len(specs)),
             specs=specs,
         )
         self._dispatch = dispatch

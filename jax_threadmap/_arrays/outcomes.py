@@ -124,19 +124,11 @@ def _by(api: str) -> str:
 
 
 def failure_text(
-    error: BaseException,
-    name: str,
-    api: str,
-    runnable: bool,
-    *,
-    names_call: bool,
-    part: str,
+    error: BaseException, name: str, api: str, runnable: bool, *, part: str
 ) -> str:
-    """What the programs deferred on a failed call's arrays raise
-    (``names_call``: ``error`` names the call already)."""
+    """What the programs deferred on a failed call's arrays raise (``part``:
+    the part of a larger call that failed, a shard; "": none)."""
     text = describe_error(error)
-    if names_call:
-        return text
     where = f"for {part} " if part else ""
     verb = _verb(runnable)
     return f"{name}, which {_by(api)} {verb}, failed {where}with {text}"

@@ -3,31 +3,31 @@
 The counterpart of ``jax.make_array_from_callback(shape, sharding,
 data_callback)``, returning an ``AsyncArray`` at once:
 
-- **Parts.** ``sharding.addressable_devices_indices_map(shape)`` grouped by index:
-  one :class:`Part` per distinct index, with the devices that hold it, so a
-  replicated axis is fetched once per process, and each process of a
-  multi-process run fetches only its own devices' shards.
-- **All at once.** :class:`ShardedLoad` (a ``Task``) starts every part together:
-  a plain callback as one call per part on the async pool, an ``async def`` one
-  as one coroutine per part on the package's event loop.
+- **Shards.** ``sharding.addressable_devices_indices_map(shape)`` grouped by
+  index: one :class:`Shard` (a ``Task`` of its own) per distinct index, with the
+  devices that hold it, so a replicated axis is fetched once per process, and
+  each process of a multi-process run fetches only its own devices' shards.
+- **All at once.** :class:`ShardedLoad` (a ``Task`` made of its shards) starts
+  every shard together: a plain callback as one call per shard on the async
+  pool, an ``async def`` one as one coroutine per shard on the package's event
+  loop.
 - **As each lands**, in the thread that fetched it (a pool thread, or the
   loop's): the shard is checked (the shape of its index's slice, ``threadmap``'s
   dtype rule) and copied to its devices (the one copy; the callback's buffer is
   dropped at once). The array is assembled
-  (``jax.make_array_from_single_device_arrays``) when the last part is placed:
+  (``jax.make_array_from_single_device_arrays``) when the last shard is placed:
   the same array ``make_array_from_callback`` gives.
 - **The first failure**, the timeout or ``cancel()`` ends the load: every use
-  raises that error (the callback's own, with a note naming the shard); parts
+  raises that error (the callback's own, with a note naming the shard); shards
   not started never run, threads still fetching leave the pool's bound (what
   they return is dropped), coroutines are cancelled.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import functools
 import inspect
-import logging
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,7 +42,6 @@ from . import async_pool as _async_pool
 from . import outcomes as _outcomes
 from .async_array import AsyncArray, make_arrays
 from .leaves import LeafSpec, is_extended, leaf_specs, shape_of
-from .parts import Part, Parts, PartState
 from .shards import (
     auto_layout_name,
     check_shard,
@@ -56,20 +55,33 @@ from .shards import (
 )
 from .task import Task
 
-logger = logging.getLogger("jax_threadmap._async")
-
 API = "async_array_from_callback"
 
 
-class Shard(Part):
-    """One distinct index of the array: its fetch and the devices that hold it."""
+class Shard(Task):
+    """One distinct index of the array: its fetch, a call of its own, whose
+    value is the shard placed on each of the devices that hold it."""
 
-    __slots__ = ("index", "key")
+    __slots__ = ("index", "devices", "what", "_load")
+    bursts = False  # placed as it arrives: its buffer is dropped at once
 
-    def __init__(self, load: ShardedLoad, index: tuple, key: tuple, devices: list):
-        super().__init__(load, devices, "")
+    def __init__(
+        self, load: ShardedLoad, fn: Any, args: tuple, index: tuple, devices: list
+    ):
+        super().__init__(
+            fn,
+            args,
+            {},
+            name=load.name,
+            api=API,
+            treedef=load.treedef,
+            specs=load.specs,
+        )
         self.index = index
-        self.key = key
+        self.devices = devices
+        self._load = load
+        #: Names the shard in errors: "the shard at index [0:2] (devices 0, 1)
+        #: of the array of shape (4,)".
         self.what = f"the shard at {self.where()} of the array of shape {load.shape}"
 
     def where(self) -> str:
@@ -78,19 +90,51 @@ class Shard(Part):
         plural = "s" if len(self.devices) > 1 else ""
         return f"index {index_str(self.index)} (device{plural} {ids})"
 
+    def _accept(self, out: Any) -> None:
+        """Checks the shard and copies it to its devices (there when this
+        returns), in the thread that fetched it; then publishes it."""
+        try:
+            placed, problem = self._load.placed_shard(self, out)
+        except BaseException as e:  # raised by what the callback returned
+            self._fail(e, raised_by_fn=True)
+            return None
+        del out  # the callback's buffer is not kept
+        if problem is not None:
+            self._fail(problem, raised_by_fn=False)
+        else:
+            self._publish_placed(placed)
+        return None
+
+    def take(self) -> dict[Any, jax.Array]:
+        """The landed shard, by device, taken: the load's array holds it from
+        now on (the list published is emptied, so that nothing else does)."""
+        leaves = self.future.result()
+        placed = dict(zip(self.devices, leaves, strict=True))
+        leaves.clear()
+        return placed
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.api}, {self.what})"
+
+
+def _fetched(value: Any) -> Any:
+    """What the shard fetched at the call returns (its value)."""
+    return value
+
 
 class ShardedLoad(Task):
-    """The fetches of one array's shards, and their shared outcome.
+    """The fetches of one array's shards, and the array they make.
 
-    A ``Task`` of parts (:class:`Shard`), one per distinct index: the task owns
-    the load's state, its :class:`.parts.Parts` the parts' states (each move
-    asked under the task's lock, through the task's override points); this
-    class starts and runs every part, says what a part fetches (:meth:`_work`),
-    how its shard is checked and placed (:meth:`_part_returned`), and how the
-    array is assembled when the last one lands (:meth:`_all_parts_landed`).
+    A call made of other calls: one :class:`Shard` per distinct index, each
+    fetched, checked and placed on its own (the pool's or the event loop's). It
+    starts them all at :meth:`submit`, and ends with the first of them that
+    fails (with that shard's error), or, once the last has landed, with the
+    array assembled from them (:meth:`_shard_done`). When it ends first (the
+    timeout, ``cancel()``), the shards not done are given up on
+    (:meth:`_stop_parts`).
     """
 
-    __slots__ = tuple("shape sharding _fetch _order _layout _first _parts".split())
+    __slots__ = tuple("shape sharding shards _order _layout".split())
 
     def __init__(
         self,
@@ -114,148 +158,103 @@ class ShardedLoad(Task):
         )
         self.shape = shape
         self.sharding = sharding
-        self._fetch = fetch  # called once per part
         indices = sharding.addressable_devices_indices_map(shape)
         self._order = list(indices)
         by_key: dict[tuple, tuple[tuple, list[Any]]] = {}
         for device, index in indices.items():
             assert index is not None  # typed Optional; None only off this process
             by_key.setdefault(index_key(index), (index, []))[1].append(device)
-        self._parts = Parts(
-            [Shard(self, index, key, devs) for key, (index, devs) in by_key.items()]
+        # The shard fetched at the call (dtype=None, or traced) is not fetched again.
+        first_key, first_value = first if first is not None else (None, None)
+        self.shards = tuple(
+            Shard(self, _fetched, (first_value,), index, devices)
+            if key == first_key
+            else Shard(self, fetch, (index,), index, devices)
+            for key, (index, devices) in by_key.items()
         )
         # A Format's layout (its type and layout), for each shard's placement.
         self._layout = layout
-        # (key, value) of the shard fetched at the call (dtype=None, or traced).
-        self._first = first
-
-    @property
-    def parts(self) -> tuple[Part, ...]:  # type: ignore[override]
-        """The load's parts, one per distinct index."""
-        return self._parts.all
-
-    def parts_not_placed(self) -> list[Part]:
-        """The parts whose data has not landed (for a timeout's message)."""
-        return self._parts.not_placed()
-
-    # -- start --
 
     def _start(self) -> None:
-        """Starts every part not started yet (the one fetched at the call lands
-        first; a load without parts settles at once): a coroutine fetch as a
-        coroutine on the event loop, any other on the pool."""
-        first, self._first = self._first, None
-        if first is not None:
-            for part in self.parts:
-                if isinstance(part, Shard) and part.key == first[0]:
-                    if self._claim(None, None, part):  # fetched at the call
-                        self._part_returned(part, first[1])
-        if not self.parts and self._claim(None) and self._settle():
-            self._all_parts_landed()
-        for part in self.parts:
-            if part.state != PartState.PENDING:  # a hint: _claim decides
-                continue
-            if self.coroutine:
-                _event_loop.event_loop().submit(self._on_loop(part), self.name)
-            else:
-                _async_pool.pool().submit(part)
+        """Starts every shard; the load ends with them (:meth:`_shard_done`). A
+        load without shards (none on this process) is assembled at once."""
+        for shard in self.shards:
+            shard.future.add_done_callback(functools.partial(self._shard_done, shard))
+        for shard in self.shards:
+            shard.submit()
+        if not self.shards:
+            self._shard_done(None, None)
 
     def run(self, worker: Any = None) -> None:
-        """Starts every part, and runs here those not started yet (a waiting
+        """Starts every shard, and runs here those not started yet (a waiting
         thread helps)."""
         del worker
         self.submit()
-        if not self.coroutine:
-            for part in self.parts:
-                self.run_part(part, None)
+        for shard in self.shards:
+            shard.run()  # no-op once started; an async def one is submitted
 
-    def _work(self, part: Part | None) -> Any:
-        assert isinstance(part, Shard)
-        return self._fetch(part.index)
+    def _shard_done(self, shard: Shard | None, future: Any) -> None:
+        """A shard landed or failed (in the thread or coroutine that ended it):
+        the first failure fails the load; the last landing assembles it."""
+        error = None if future is None else future.exception()
+        if error is not None:
+            assert shard is not None
+            self.give_up(error, shard.failure_text())
+        elif all(s.future.done() for s in self.shards):
+            if self._claim(None) and self._settle():  # once: the last to land
+                self._assemble()
 
-    # -- the parts' moves, asked by the task --
-
-    def _claim_part(
-        self, part: Part, worker: Any, source: asyncio.Task | None
-    ) -> bool:  # the task's lock held
-        return self._parts.claim(part, worker, source)
-
-    def _left_runner(self, part: Part | None) -> None:
-        if part is None:
-            super()._left_runner(part)
-        else:
-            self._parts.left_runner(part)
-
-    def _adopt(self, source: asyncio.Task | None, part: Part | None) -> bool:
-        if part is None:
-            return super()._adopt(source, part)
-        return self._parts.adopt(part, source)
-
-    def _raised(self, part: Part | None, error: BaseException) -> None:
-        if part is None:
-            super()._raised(part, error)
-        else:
-            self._part_failed(part, error)
-
-    def _returned(self, part: Part | None, out: Any) -> None:
-        if part is None:
-            super()._returned(part, out)
-            return
-        try:
-            self._part_returned(part, out)
-        except BaseException as e:  # whatever a landing raises ends the part
-            self._part_failed(part, e)
-
-    def _part_failed(
-        self, part: Part, error: BaseException, ours: bool = False
-    ) -> None:
-        """``part`` failed with ``error``: the load fails, naming the part
-        (``ours``: the error is this package's, naming the load)."""
-        self._parts.fail(part)  # its own thread or coroutine is not stopped
-        if not self._settle():
-            logger.debug("%s: %s failed after the call ended", self, part.what)
-            return
-        self._conclude(error, raised_by_fn=not ours, names_call=ours, part=part.what)
+    def ran_elsewhere(self) -> bool:
+        """Whether a shard started in the parent of this forked child (then the
+        load never ends here)."""
+        return any(s.ran_elsewhere() for s in self.shards)
 
     def _stop_parts(self) -> None:
-        """Parts not placed never start, or leave the pool's bound, or are cancelled."""
-        for part, worker, source in self._parts.stop():
-            if worker is not None:
-                _async_pool.pool().abandon(worker, part)
-            if source is not None:
-                _event_loop.event_loop().cancel(source)
-
-    # -- a shard lands, in the thread that fetched it --
+        """Shards not started never run; those running are given up on (their
+        threads leave the pool's bound, their coroutines are cancelled)."""
+        for shard in self.shards:
+            shard.give_up(
+                concurrent.futures.CancelledError(f"{shard}: the load ended first")
+            )
 
     @_async_pool.landing
-    def _part_returned(self, part: Part, out: Any) -> None:
-        assert isinstance(part, Shard)
-        if part.state != PartState.RUNNING:  # the load ended meanwhile: not even placed
-            return
-        if isinstance(out, jax.core.Tracer):
-            self._part_failed(part, _outcomes.traced_error(self.name), ours=True)
-            return
-        expected = slice_shape(part.index, self.shape)
+    def _assemble(self) -> None:
+        placed: dict[Any, jax.Array] = {}
+        for shard in self.shards:
+            placed.update(shard.take())
         try:
-            shard = check_shard(out, expected, self.specs[0].aval.dtype)
-        except ValueError as e:
-            error = ValueError(self._bad_shard(part, e, expected, out))
-            self._part_failed(part, error, ours=True)
-            return
-        try:
-            placed = place_shard(shard, out, part.devices, self._layout)
+            out = jax.make_array_from_single_device_arrays(
+                self.shape, self.sharding, [placed[d] for d in self._order]
+            )
         except BaseException as e:
-            self._part_failed(part, e, ours=True)
+            placed.clear()  # freed before the error is set
+            self._conclude(e, raised_by_fn=False)
             return
-        del out, shard  # the callback's buffer is not kept
         # Arrays are freed before the result is set, never after (a daemon
-        # thread still in JAX's C++ when the interpreter exits aborts it): the
-        # list is emptied, so that no frame here holds them.
-        if self._land(part, functools.partial(self._parts.land, part, placed)):
-            self._all_parts_landed()  # the last part: the array is assembled
+        # thread still in JAX's C++ when the interpreter exits aborts it).
+        placed.clear()
+        self._publish([out])
+
+    def placed_shard(
+        self, shard: Shard, out: Any
+    ) -> tuple[list[jax.Array], BaseException | None]:
+        """``out``, what ``shard``'s fetch returned, checked and placed on the
+        shard's devices; or what is wrong with it (naming the shard), or the
+        error of its placement. Raises what reading ``out`` raises."""
+        if isinstance(out, jax.core.Tracer):
+            return [], _outcomes.traced_error(self.name)
+        expected = slice_shape(shard.index, self.shape)
+        try:
+            checked = check_shard(out, expected, self.specs[0].aval.dtype)
+        except ValueError as e:
+            return [], ValueError(self._bad_shard(shard, e, expected, out))
+        try:
+            return place_shard(checked, out, shard.devices, self._layout), None
+        except BaseException as e:  # noqa: BLE001 - the load fails with it
+            return [], e
 
     def _bad_shard(
-        self, part: Shard, problem: ValueError, expected: tuple, out: Any
+        self, shard: Shard, problem: ValueError, expected: tuple, out: Any
     ) -> str:
         got = shape_of(out)
         jax_words = (  # JAX's own words, for code that matches its error
@@ -265,28 +264,13 @@ class ShardedLoad(Task):
             else ""
         )
         return jax_words + (
-            f"The data_callback {self.name}, for the shard at {part.where()} of the "
+            f"The data_callback {self.name}, for the shard at {shard.where()} of the "
             f"array of shape {self.shape}, returned {problem}. Make it return that "
             "shard of the array (e.g. data[index]), or fix shape or dtype."
         )
 
-    def _all_parts_landed(self) -> None:
-        placed = self._parts.take_placed()
-        try:
-            out = jax.make_array_from_single_device_arrays(
-                self.shape, self.sharding, [placed[d] for d in self._order]
-            )
-        except BaseException as e:
-            placed.clear()  # freed before the error is set
-            self._conclude(e, raised_by_fn=False)
-            return
-        placed.clear()
-        self._publish([out])
-
-    # -- timeout --
-
     def time_out(self) -> None:
-        late = [p.where() for p in self.parts_not_placed() if isinstance(p, Shard)]
+        late = [s.where() for s in self.shards if not s.future.done()]
         shown = "; ".join(late[:4]) + (
             f"; and {len(late) - 4} more" if late[4:] else ""
         )
@@ -294,7 +278,7 @@ class ShardedLoad(Task):
             TimeoutError(
                 f"The data_callback {self.name}, which jax_threadmap.{API} ran, did "
                 f"not return within timeout={self.timeout:g} s for {len(late)} of "
-                f"{len(self.parts)} shard(s) ({shown}); the array was given up on ("
+                f"{len(self.shards)} shard(s) ({shown}); the array was given up on ("
                 + (
                     "the coroutines are cancelled)."
                     if self.coroutine

@@ -25,11 +25,6 @@ def index_key(index: tuple) -> tuple:
     )
 
 
-def index_of(key: tuple) -> tuple:
-    """The index of :func:`index_key`'s ``key``."""
-    return tuple(slice(*k) if isinstance(k, tuple) else k for k in key)
-
-
 def index_str(index: tuple) -> str:
     """The index as NumPy code writes it: ``[0:2, :]`` (``[()]`` for a 0-d array)."""
 

@@ -5,9 +5,9 @@ shared by every array of its result: what the call runs, how what it returned
 lands (checked, placed, published), and the uses of its value. Its state is
 its base's, :class:`.call.Call`, the one owner (each move one of its methods,
 under its lock, refused if not in its table); no other module reads or writes
-a call's fields, and a subclass (a sharded load, :mod:`.shard_loads`; a
-deferred program run, :mod:`.deferred_dispatch`) changes what the call does
-through override points only. A plain ``fn`` runs on the async pool
+a call's fields, and a subclass (a sharded load and its shards,
+:mod:`.shard_loads`; a deferred program run, :mod:`.deferred_dispatch`) changes
+what the call does through override points only. A plain ``fn`` runs on the async pool
 (:mod:`.async_pool`), an ``async def`` one on the event loop
 (:mod:`.._support.event_loop`): :meth:`Task._run_here`,
 :meth:`Task._run_on_loop`; a thread that needs a value whose call has not
@@ -42,7 +42,6 @@ from .leaves import (
     describe_error,
     place,
 )
-from .parts import Part
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -53,34 +52,30 @@ class Task(Call):
     """One call of ``fn`` (or one wrapped Future) and its shared outcome.
 
     Its state is :class:`.call.Call`'s, moved only by that class's methods.
-    Claimed, the call (or a part) runs in a thread (:meth:`_run_here`) or on the
+    Claimed, the call runs in a thread (:meth:`_run_here`) or on the
     event loop (:meth:`_run_on_loop`); an ``async def`` call lands with the
     others whose ``fn`` returned in the same turn of the loop (:meth:`_land_burst`).
 
-    A call of :class:`.parts.Part` s (a sharded load, :mod:`.shard_loads`)
-    runs each part on its own, and is running from its first part's claim; its
-    :class:`.parts.Parts` own the parts' states, asked under the call's lock
-    (:meth:`_claim_part`, :meth:`_land`): a part moves only while the call
-    runs.
-
     Subclasses change what a call does, never its fields, through these
-    override points: :meth:`_start` (what ``submit`` queues), :meth:`_work`
-    (what runs for the call or a part), :meth:`_accept` (what ``fn`` returned,
-    landed: by default checked, then placed by :meth:`_place` and published
-    once its copies are done; a call whose ``fn`` returns placed arrays
-    publishes them at once with :meth:`_publish_placed`) and
-    :meth:`time_out`, and for a call of parts those it takes a ``part``
-    argument in (:meth:`_claim_part`, :meth:`_left_runner`, :meth:`_adopt`,
-    :meth:`_raised`, :meth:`_returned`) and :meth:`_stop_parts`. They end a
-    call with :meth:`_fail`, :meth:`_conclude` or :meth:`_publish`, and land
-    a part with :meth:`_land`.
+    override points: :meth:`_start` (what ``submit`` queues), :meth:`_accept`
+    (what ``fn`` returned, landed: by default checked, then placed by
+    :meth:`_place` and published once its copies are done; a call whose ``fn``
+    returns placed arrays publishes them at once with :meth:`_publish_placed`),
+    :meth:`time_out` and :meth:`_stop_parts` (a call made of other calls: a
+    sharded load's shards). They end a call with :meth:`_fail`,
+    :meth:`_conclude` or :meth:`_publish`.
     """
 
     #: Whether its arrays stand for the ``jax.Array`` s of a jitted call (so
     #: ``str()`` prints their values, as a ``jax.Array``'s does).
     stands_for_an_array = False
-    #: The call's parts (none: a call of one piece).
-    parts: tuple[Part, ...] = ()
+    #: Names the part of a larger call that this one computes, in errors (a
+    #: sharded load's shard: "the shard at index [0:2] ..."); "": none.
+    what = ""
+    #: Whether an ``async def`` call lands with the others of its turn of the
+    #: event loop (:meth:`_land_burst`), or at once (a shard: its buffer is
+    #: dropped as soon as it is placed, not held until the burst is placed).
+    bursts = True
 
     # Named in one string: a thousand calls in flight, each without a __dict__.
     __slots__ = tuple(
@@ -165,7 +160,7 @@ class Task(Call):
         A coroutine call runs on the event loop, any other on the pool.
         """
         if self.coroutine:
-            _event_loop.event_loop().submit(self._on_loop(), self.name)
+            _event_loop.event_loop().submit(self._run_on_loop, self.name)
         else:
             _async_pool.pool().submit(self)
 
@@ -178,34 +173,14 @@ class Task(Call):
         if self.coroutine:
             self.submit()
         elif self.runnable:
-            self._run_here(None, worker)
+            self._run_here(worker)
 
-    def _work(self, part: Part | None) -> Any:
-        """Calls what computes the call (or ``part``); returns what it returned.
-        Override point (a call of parts fetches each)."""
-        del part
+    def _work(self) -> Any:
+        """Calls what computes the call; returns what it returned."""
         fn, args, kwargs = self._fn, self._args, self._kwargs
         # The arguments may be large (raw bytes, file handles): do not keep them.
         self._fn = self._args = self._kwargs = None
         return _event_loop.call(fn, args, kwargs)
-
-    def run_part(self, part: Part, worker: _async_pool.Worker | None) -> None:
-        """Runs ``part`` of the call here, unless it has started (or ended)."""
-        self._run_here(part, worker)
-
-    def _on_loop(self, part: Part | None = None) -> Callable[[], Any]:
-        """What runs the call (or ``part``) on the event loop, once claimed."""
-        return functools.partial(self._run_on_loop, part)
-
-    def _raised(self, part: Part | None, error: BaseException) -> None:
-        """``fn`` raised ``error`` (override point for a ``part``)."""
-        del part
-        self._fail(error, raised_by_fn=True)
-
-    def _returned(self, part: Part | None, out: Any) -> None:
-        """``fn`` returned ``out`` (override point for a ``part``)."""
-        del part
-        self._finish(out)
 
     def on_source_done(self, source: concurrent.futures.Future) -> None:
         """Done-callback of a wrapped Future: checks and places its value."""
@@ -222,7 +197,7 @@ class Task(Call):
 
     def time_out(self) -> None:
         """Gives up on the call because its timeout has passed (override point:
-        a call of parts names those still missing)."""
+        a sharded load names the shards still missing)."""
         cancels = self.coroutine or self._on_loop_now()
         assert self.timeout is not None
         self.give_up(_outcomes.timed_out(self.name, self.api, self.timeout, cancels))
@@ -231,8 +206,10 @@ class Task(Call):
         """Gives up on the call (``CancelledError``) unless it has finished."""
         return self.give_up(_outcomes.cancelled(self.name, self.api, self.runnable))
 
-    def give_up(self, error: BaseException) -> bool:
-        """Fails the call with ``error`` (which names it) now, unless it has ended.
+    def give_up(self, error: BaseException, text: str | None = None) -> bool:
+        """Fails the call with ``error`` (which names it) now, unless it has ended;
+        ``text``: what the programs deferred on its arrays raise (by default,
+        ``error`` itself).
 
         The call's thread, if any, keeps running (Python cannot stop it) but
         leaves the pool's bound at once; what it returns or raises later is
@@ -246,7 +223,9 @@ class Task(Call):
             _async_pool.pool().abandon(worker, self)
         if source is not None:
             _event_loop.event_loop().cancel(source)
-        self._conclude(error, raised_by_fn=False, names_call=True)
+        if text is None:
+            text = describe_error(error)
+        self._conclude(error, raised_by_fn=False, text=text)
         return True
 
     @_async_pool.landing
@@ -329,37 +308,31 @@ class Task(Call):
         self._conclude(error, raised_by_fn=raised_by_fn)
 
     def _conclude(
-        self,
-        error: BaseException,
-        *,
-        raised_by_fn: bool,
-        names_call: bool = False,
-        part: str = "",
+        self, error: BaseException, *, raised_by_fn: bool, text: str | None = None
     ) -> None:
         """Sets the error of the finishing call: every use raises it, and every
         program deferred on its arrays.
 
-        ``names_call``:
-        the error is one of this module's, whose message already names the
-        call (a timeout, a cancel); it is then not named twice. ``part``: the
-        part of the call that failed (a shard), for the messages.
+        ``text``: what those programs raise, if not the call's own account of
+        ``error`` (a timeout or cancel names the call already; a sharded load
+        passes on its failed shard's).
         """
-        self._stop_parts()  # first: the placed parts go before uses are told
+        self._stop_parts()  # first: the parts go before uses are told
+        what = self.what
         if raised_by_fn:
             n = len(self.specs)
-            _outcomes.note_on(error, self.name, self.api, self.runnable, n, part)
+            _outcomes.note_on(error, self.name, self.api, self.runnable, n, what)
         self._kept = KeptError(error)
-        text = _outcomes.failure_text(
-            error, self.name, self.api, self.runnable, names_call=names_call, part=part
-        )
+        if text is None:
+            text = _outcomes.failure_text(
+                error, self.name, self.api, self.runnable, part=what
+            )
         self._end(text)
         self.future.set_exception(error)
 
-    # -- a call of parts --
-
     def _stop_parts(self) -> None:
-        """The call ended: its parts not placed never start, or are given up on
-        (override point of a call of parts)."""
+        """The call ended: the calls it is made of that have not ended are
+        given up on (override point: a sharded load's shards)."""
 
     # -- uses --
 
@@ -390,7 +363,7 @@ class Task(Call):
                 self.run()
             else:
                 self.submit()
-            if self._ran_elsewhere():
+            if self.ran_elsewhere():
                 raise _outcomes.forked_error(what)
             if not _outcomes.wait_polling(self.future, timeout):
                 assert timeout is not None
@@ -399,14 +372,13 @@ class Task(Call):
             self._kept.reraise()
         return self.future.result()
 
-    # -- how a claimed call, or a part of one, runs --
+    # -- how a claimed call runs --
     #
     # _run_here runs it in the thread that calls it (a thread of the async pool,
     # or one that waits for its value); _run_on_loop on the package's event
     # loop: an ``async def`` fn, or the awaitable a plain fn returned. Each first
     # claims it (_claim: False when it started elsewhere or ended), then calls
-    # what computes it (_work) and hands the call what came back (_returned,
-    # _raised).
+    # what computes it (_work) and lands what came back (_finish, _fail).
     #
     # An ``async def`` call whose fn returned is landed (checked and placed) one
     # turn of the event loop later, together with every other call whose fn
@@ -414,49 +386,47 @@ class Task(Call):
     # placed and their copies done: a thread waiting for them wakes once per
     # burst, not once each. Until then it is running.
 
-    def _run_here(self, part: Part | None, worker: _async_pool.Worker | None) -> None:
-        """Runs the call (or ``part``) here, in a thread, once claimed."""
-        if not self._claim(worker, None, part):
+    def _run_here(self, worker: _async_pool.Worker | None) -> None:
+        """Runs the call here, in a thread, once claimed."""
+        if not self._claim(worker):
             return
         try:
-            out = self._work(part)
+            out = self._work()
         except BaseException as e:  # routed to every use, like a Future does
-            self._left_runner(part)
-            self._raised(part, e)
+            self._left_runner()
+            self._fail(e, raised_by_fn=True)
             return
-        self._left_runner(part)
+        self._left_runner()
         if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
-            awaited = functools.partial(self._run_on_loop, part, out)
+            awaited = functools.partial(self._run_on_loop, out)
             _event_loop.event_loop().submit(awaited, self.name)
             return
-        self._returned(part, out)
+        self._finish(out)
 
-    async def _run_on_loop(
-        self, part: Part | None = None, awaitable: Any = None
-    ) -> None:
-        """Runs the call (or ``part``) on the event loop: its coroutine, or
-        ``awaitable`` (what its thread returned).
+    async def _run_on_loop(self, awaitable: Any = None) -> None:
+        """Runs the call on the event loop: its coroutine, or ``awaitable``
+        (what its thread returned).
 
         Claimed here, on the loop, before ``fn`` is called: asyncio would run a
         task cancelled before its first step up to its first ``await``.
         """
         source = asyncio.current_task()
-        if awaitable is not None and not self._adopt(source, part):
+        if awaitable is not None and not self._adopt(source):
             _event_loop.close_awaitable(awaitable)  # given up on on its way here
             return
-        if awaitable is None and not self._claim(None, source, part):
+        if awaitable is None and not self._claim(None, source):
             return
         try:
-            out = self._work(part) if awaitable is None else awaitable
+            out = self._work() if awaitable is None else awaitable
             while inspect.isawaitable(out):
                 out = await out
         except BaseException as e:  # our cancel included: then dropped by _fail
-            self._left_runner(part)
-            self._raised(part, e)
+            self._left_runner()
+            self._fail(e, raised_by_fn=True)
             return
-        self._left_runner(part)
-        if part is not None:
-            self._returned(part, out)
+        self._left_runner()
+        if not self.bursts:
+            self._finish(out)
             return
         # Landed with the other calls whose fn returns in this turn of the
         # loop, one turn later (:meth:`_land_burst`).

@@ -284,6 +284,64 @@ def test_identical_equations_in_one_block_run_once():
     assert not _primitive._LOWERED
 
 
+def test_reuse_leaves_checkpoint_recomputing():
+    """``jax.checkpoint``'s recomputation is no identical equation (its operands
+    pass an optimization barrier): under ``jax.value_and_grad``, ``fwd`` runs in
+    the forward pass and again in the backward one; without it, once."""
+    counter = Counter()
+    fs = jax.vmap(ours(3, counter))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(-1, 1, (OUTER, 3)))
+    a = jnp.asarray(rng.uniform(0.5, 1.5, (OUTER,)))
+    want = jax.value_and_grad(loss(lambda x, a: jnp.exp(x) * a[:, None]), (0, 1))(x, a)
+    for per_element, g in ((1, loss(fs)), (2, jax.checkpoint(loss(fs)))):
+        run = jax.jit(jax.value_and_grad(g, (0, 1)))
+        jax.block_until_ready(run(x, a))  # compiles, runs once
+        counter.count = 0
+        got = jax.block_until_ready(run(x, a))
+        assert counter.count == per_element * OUTER
+        assert_close(got, want)
+
+
+def test_programs_lowered_at_once_in_two_threads_share_nothing(monkeypatch):
+    """Two threads lowering their programs at the same time (both inside a
+    lowering before either goes on): each finds its own block, and reuses only
+    its own program's results (one map for its two identical equations)."""
+    both_inside = threading.Barrier(2, timeout=120)
+    waited = set()
+    lower = _primitive._lower
+
+    def paused(ctx, *args, **params):
+        if threading.current_thread() not in waited:
+            waited.add(threading.current_thread())
+            both_inside.wait()
+        return lower(ctx, *args, **params)
+
+    monkeypatch.setattr(_primitive, "_lower", paused)
+    counters, got, errors = [Counter(), Counter()], {}, []
+
+    def run(k, x):
+        def exp(v):
+            return counters[k].exp(v, 3)
+
+        kernel = jax.vmap(lambda e: jax_threadmap.threadmap(exp, S((3,), F64), e))
+        try:
+            got[k] = jax.jit(lambda x: (kernel(x), kernel(x + 1), kernel(x)))(x)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    xs = [jnp.linspace(-1, 1, 12).reshape(4, 3), jnp.ones((4, 3))]
+    threads = [threading.Thread(target=run, args=(k, x)) for k, x in enumerate(xs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k, x in enumerate(xs):
+        assert counters[k].count == 2 * 4  # x and x + 1: two maps of 4
+        assert_close(got[k], (jnp.exp(x), jnp.exp(x + 1), jnp.exp(x)))
+
+
 if __name__ == "__main__":  # the table of docs/derivatives.md
     jax.config.update("jax_enable_x64", True)
     print("| Transform (per element) | ours | JAX's recipe |\n|---|---|---|")

@@ -149,3 +149,61 @@ def test_exit_right_after_a_large_load_is_clean():
     for _ in range(4):
         ran = run_script(EXIT_SCRIPT)
         assert ran.returncode == 0 and "loaded" in ran.stdout, ran.report
+
+
+RACE_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import concurrent.futures, threading
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_threadmap as jtm
+from jax_threadmap._arrays import async_pool, shard_loads
+
+failed, landed = threading.Event(), threading.Event()
+original = shard_loads.ShardedLoad._shard_done
+
+def shard_done(self, shard, future):
+    # Opens the race's window: the failed shard's done-callback waits until the
+    # other shard, which lands meanwhile, has had its own.
+    error = None if future is None else future.exception()
+    if error is not None and not isinstance(error, concurrent.futures.CancelledError):
+        failed.set()
+        assert landed.wait(30)
+        return original(self, shard, future)
+    try:
+        return original(self, shard, future)
+    finally:
+        landed.set()
+
+shard_loads.ShardedLoad._shard_done = shard_done
+
+def fetch(index):
+    if index[0].start == 0:
+        raise OSError("disk error")
+    assert failed.wait(30)  # lands once the other shard has failed
+    return np.ones((2, 3), np.float32)
+
+sharding = NamedSharding(jax.make_mesh((2,), ("x",)), P("x"))
+x = jtm.async_array_from_callback((4, 3), sharding, fetch, np.float32)
+try:
+    x.result(timeout=10)
+except OSError as e:  # (a TimeoutError is one too: named apart)
+    print("raised", type(e).__name__, e, flush=True)
+with async_pool.live_lock:
+    left = list(async_pool.live)
+print("live", len(left), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_landing_as_another_fails_ends_the_load_with_its_error():
+    # Was: the shard landing last saw every shard done and assembled the array
+    # before the failed shard's callback gave up on the load; taking the failed
+    # shard raised in a done-callback, and the load never ended (every use
+    # waited for good).
+    ran = run_script(RACE_SCRIPT, timeout=100)
+    assert ran.returncode == 0, ran.report
+    assert "raised OSError disk error" in ran.stdout, ran.report
+    assert "live 0" in ran.stdout, ran.report
+    assert "exception calling callback" not in ran.stderr, ran.report

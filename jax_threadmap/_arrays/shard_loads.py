@@ -105,6 +105,10 @@ class Shard(Task):
             self._publish_placed(placed)
         return None
 
+    def landed(self) -> bool:
+        """Whether the shard is placed on its devices (done, without an error)."""
+        return self.future.done() and self.future.exception() is None
+
     def take(self) -> dict[Any, jax.Array]:
         """The landed shard, by device, taken: the load's array holds it from
         now on (the list published is emptied, so that nothing else does)."""
@@ -200,7 +204,9 @@ class ShardedLoad(Task):
         if error is not None:
             assert shard is not None
             self.give_up(error, shard.failure_text())
-        elif all(s.future.done() for s in self.shards):
+        # Every shard landed, none failed: a shard failing as the last lands
+        # is done before its own callback gives up on the load.
+        elif all(s.landed() for s in self.shards):
             if self._claim(None) and self._settle():  # once: the last to land
                 self._assemble()
 

@@ -207,3 +207,90 @@ def test_a_shard_landing_as_another_fails_ends_the_load_with_its_error():
     assert "raised OSError disk error" in ran.stdout, ran.report
     assert "live 0" in ran.stdout, ran.report
     assert "exception calling callback" not in ran.stderr, ran.report
+
+
+LANDED_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import asyncio, concurrent.futures, gc, threading, time
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_threadmap as jtm
+from jax_threadmap._arrays import async_pool
+
+sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
+SHARD = (1000, 7)  # a shape no other array here has
+
+def wait(condition, what):
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+def shards_alive():
+    gc.collect()
+    return sum(1 for a in jax.live_arrays() if a.shape == SHARD)
+
+def landed(x, n):
+    return sum(s.future.done() for s in x._task.shards) == n
+
+def quiet():
+    status = jtm.async_pool_status()
+    with async_pool.live_lock:
+        live = len(async_pool.live)
+    return status.running == 0 and not status.abandoned and live == 0
+
+release = threading.Event()
+
+def fetch(index):
+    k = index[0].start // SHARD[0]
+    if k == 3:
+        assert release.wait(30)
+        raise OSError("disk error")
+    return np.full(SHARD, k, np.float32)
+
+async def fetch_async(index):
+    k = index[0].start // SHARD[0]
+    if k == 3:
+        await asyncio.Event().wait()  # cancelled
+    return np.full(SHARD, k, np.float32)
+
+# A shard fails once the three others have landed.
+x = jtm.async_array_from_callback((4000, 7), sharding, fetch, np.float32)
+wait(lambda: landed(x, 3), "3 shards landed")
+release.set()
+try:
+    x.result(timeout=30)
+except OSError:
+    pass
+print("error", shards_alive(), flush=True)
+wait(quiet, "the pool is quiet")
+# Cancelled once three have landed (async def: the fourth's coroutine is cancelled).
+y = jtm.async_array_from_callback((4000, 7), sharding, fetch_async, np.float32)
+wait(lambda: landed(y, 3), "3 shards landed")
+assert y.cancel()
+print("cancel", shards_alive(), flush=True)
+wait(quiet, "the pool is quiet")
+# Timed out (the three others land meanwhile, or are dropped as they land).
+z = jtm.async_array_from_callback(
+    (4000, 7), sharding, fetch_async, np.float32, timeout=2
+)
+try:
+    z.result(timeout=30)
+except TimeoutError:
+    pass
+print("timeout", shards_alive(), flush=True)
+wait(quiet, "the pool is quiet")
+assert x is not None and y is not None and z is not None  # held till here
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_load_lets_go_of_the_shards_that_landed():
+    # Was: the shards placed before the load failed (a shard's error, cancel(),
+    # the timeout) kept their device copies for as long as the failed array
+    # was referenced.
+    ran = run_script(LANDED_SCRIPT, timeout=100)
+    assert ran.returncode == 0, ran.report
+    for how in ("error", "cancel", "timeout"):
+        assert f"\n{how} 0\n" in "\n" + ran.stdout, ran.report

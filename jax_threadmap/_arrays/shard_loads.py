@@ -117,6 +117,12 @@ class Shard(Task):
         leaves.clear()
         return placed
 
+    def drop(self) -> None:
+        """Lets go of the landed shard's data: its load ended without it (a
+        shard failed, the timeout, ``cancel()``)."""
+        if self.landed():
+            self.future.result().clear()
+
     def __str__(self) -> str:
         return f"{self.name} ({self.api}, {self.what})"
 
@@ -138,7 +144,7 @@ class ShardedLoad(Task):
     (:meth:`_stop_parts`).
     """
 
-    __slots__ = tuple("shape sharding shards _order _layout".split())
+    __slots__ = tuple("shape sharding shards _order _layout _stopped".split())
 
     def __init__(
         self,
@@ -178,6 +184,8 @@ class ShardedLoad(Task):
         )
         # A Format's layout (its type and layout), for each shard's placement.
         self._layout = layout
+        # Whether the load ended before its shards: those landing drop their data.
+        self._stopped = False
 
     def _start(self) -> None:
         """Starts every shard; the load ends with them (:meth:`_shard_done`). A
@@ -204,6 +212,9 @@ class ShardedLoad(Task):
         if error is not None:
             assert shard is not None
             self.give_up(error, shard.failure_text())
+        elif self._stopped:  # landed after the load ended: not kept
+            assert shard is not None
+            shard.drop()
         # Every shard landed, none failed: a shard failing as the last lands
         # is done before its own callback gives up on the load.
         elif all(s.landed() for s in self.shards):
@@ -217,11 +228,14 @@ class ShardedLoad(Task):
 
     def _stop_parts(self) -> None:
         """Shards not started never run; those running are given up on (their
-        threads leave the pool's bound, their coroutines are cancelled)."""
+        threads leave the pool's bound, their coroutines are cancelled); those
+        landed let go of their data (as do those landing from now on:
+        :meth:`_shard_done`), which the failed array would otherwise keep."""
+        self._stopped = True  # before the loop: a shard landing now drops its own
         for shard in self.shards:
-            shard.give_up(
-                concurrent.futures.CancelledError(f"{shard}: the load ended first")
-            )
+            error = concurrent.futures.CancelledError(f"{shard}: the load ended first")
+            if not shard.give_up(error):
+                shard.drop()
 
     @_async_pool.landing
     def _assemble(self) -> None:

@@ -4,8 +4,8 @@ The checks on 8 CPU devices live in ``shard_load_checks.py`` and run in one
 subprocess (the number of CPU devices is fixed when JAX starts, and this session
 keeps one): the same array as ``jax.make_array_from_callback`` on meshes (8,),
 (4, 2) and (2, 4) with several specs and both axis types, each distinct index
-fetched once, dispatch before the data (jit, shard_map, threadmap), each device
-waiting for its own shard, errors, timeout, cancel and bad arguments. The
+fetched once, dispatch before the data (jit, shard_map, threadmap), a program
+waiting for every shard, errors, timeout, cancel and bad arguments. The
 multi-process checks are in ``multiprocess_checks.py``.
 """
 

@@ -408,9 +408,9 @@ def async_array_from_callback(
 
     Each shard is checked and copied to its devices as soon as it arrives (the
     callback's buffer is not kept, nor aliased), and a jitted program
-    dispatched with the array meanwhile starts on each device once that
-    device's shard is there (docs/async.md, "Sharded loads"). When the last
-    shard has arrived, the value is the array that
+    dispatched with the array meanwhile returns at once and is dispatched once
+    the last shard has arrived (docs/async-sharded.md, "What waits for what").
+    When the last shard has arrived, the value is the array that
     ``jax.make_array_from_callback(shape, sharding, data_callback)`` returns.
 
     Args:

@@ -105,6 +105,10 @@ class Shard(Task):
             self._publish_placed(placed)
         return None
 
+    def landed(self) -> bool:
+        """Whether the shard is placed on its devices (done, without an error)."""
+        return self.future.done() and self.future.exception() is None
+
     def take(self) -> dict[Any, jax.Array]:
         """The landed shard, by device, taken: the load's array holds it from
         now on (the list published is emptied, so that nothing else does)."""
@@ -112,6 +116,12 @@ class Shard(Task):
         placed = dict(zip(self.devices, leaves, strict=True))
         leaves.clear()
         return placed
+
+    def drop(self) -> None:
+        """Lets go of the landed shard's data: its load ended without it (a
+        shard failed, the timeout, ``cancel()``)."""
+        if self.landed():
+            self.future.result().clear()
 
     def __str__(self) -> str:
         return f"{self.name} ({self.api}, {self.what})"
@@ -134,7 +144,7 @@ class ShardedLoad(Task):
     (:meth:`_stop_parts`).
     """
 
-    __slots__ = tuple("shape sharding shards _order _layout".split())
+    __slots__ = tuple("shape sharding shards _order _layout _stopped".split())
 
     def __init__(
         self,
@@ -174,6 +184,8 @@ class ShardedLoad(Task):
         )
         # A Format's layout (its type and layout), for each shard's placement.
         self._layout = layout
+        # Whether the load ended before its shards: those landing drop their data.
+        self._stopped = False
 
     def _start(self) -> None:
         """Starts every shard; the load ends with them (:meth:`_shard_done`). A
@@ -200,7 +212,12 @@ class ShardedLoad(Task):
         if error is not None:
             assert shard is not None
             self.give_up(error, shard.failure_text())
-        elif all(s.future.done() for s in self.shards):
+        elif self._stopped:  # landed after the load ended: not kept
+            assert shard is not None
+            shard.drop()
+        # Every shard landed, none failed: a shard failing as the last lands
+        # is done before its own callback gives up on the load.
+        elif all(s.landed() for s in self.shards):
             if self._claim(None) and self._settle():  # once: the last to land
                 self._assemble()
 
@@ -211,11 +228,14 @@ class ShardedLoad(Task):
 
     def _stop_parts(self) -> None:
         """Shards not started never run; those running are given up on (their
-        threads leave the pool's bound, their coroutines are cancelled)."""
+        threads leave the pool's bound, their coroutines are cancelled); those
+        landed let go of their data (as do those landing from now on:
+        :meth:`_shard_done`), which the failed array would otherwise keep."""
+        self._stopped = True  # before the loop: a shard landing now drops its own
         for shard in self.shards:
-            shard.give_up(
-                concurrent.futures.CancelledError(f"{shard}: the load ended first")
-            )
+            error = concurrent.futures.CancelledError(f"{shard}: the load ended first")
+            if not shard.give_up(error):
+                shard.drop()
 
     @_async_pool.landing
     def _assemble(self) -> None:
@@ -388,9 +408,9 @@ def async_array_from_callback(
 
     Each shard is checked and copied to its devices as soon as it arrives (the
     callback's buffer is not kept, nor aliased), and a jitted program
-    dispatched with the array meanwhile starts on each device once that
-    device's shard is there (docs/async.md, "Sharded loads"). When the last
-    shard has arrived, the value is the array that
+    dispatched with the array meanwhile returns at once and is dispatched once
+    the last shard has arrived (docs/async-sharded.md, "What waits for what").
+    When the last shard has arrived, the value is the array that
     ``jax.make_array_from_callback(shape, sharding, data_callback)`` returns.
 
     Args:

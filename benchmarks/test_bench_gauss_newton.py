@@ -26,7 +26,7 @@ Each side's best wall time of ``REPS`` reps, sides alternated rep by rep, with
 ratios ``kernels / recipe`` and ``vectorized / batched``.
 
 Run:
-    python benchmarks/test_bench_gauss_newton.py    # the table (docs/derivatives.md)
+    python benchmarks/test_bench_gauss_newton.py    # docs/derivatives-residuals.md
     SIZES=128x4,4096x32 REPS=9 python benchmarks/test_bench_gauss_newton.py
     pytest benchmarks/test_bench_gauss_newton.py --benchmark-only
 """

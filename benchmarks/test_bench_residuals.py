@@ -24,7 +24,7 @@ step is awaited), and the best wall time and CPU time (the process's, every
 thread) of ``REPS`` reps, sides alternated rep by rep, as ratios to ``rules``.
 
 Run (after the README's set-up and ``.venv/bin/pip install -q ".[bench]"``):
-    .venv/bin/python benchmarks/test_bench_residuals.py  # docs/derivatives.md's table
+    .venv/bin/python benchmarks/test_bench_residuals.py  # the docs' table
     N=4096 REPS=9 .venv/bin/python benchmarks/test_bench_residuals.py
     .venv/bin/python -m pytest benchmarks/test_bench_residuals.py --benchmark-only
 """

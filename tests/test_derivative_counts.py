@@ -10,7 +10,7 @@ transform: ``exp`` as a ``jax.custom_jvp`` function around ``jax.pure_callback``
 ``jax.custom_vjp`` whose ``fwd`` keeps it. Each transform runs per element under
 ``jax.jit`` and two nested ``vmap`` s (``a`` not batched at the inner one), is
 compared with ``jax.numpy``, and counts no more expensive calls per element than
-the better recipe (docs/derivatives.md has the table).
+the better recipe (docs/derivatives-residuals.md has the table).
 """
 
 import gc
@@ -342,7 +342,7 @@ def test_programs_lowered_at_once_in_two_threads_share_nothing(monkeypatch):
         assert_close(got[k], (jnp.exp(x), jnp.exp(x + 1), jnp.exp(x)))
 
 
-if __name__ == "__main__":  # the table of docs/derivatives.md
+if __name__ == "__main__":  # the table of docs/derivatives-residuals.md
     jax.config.update("jax_enable_x64", True)
     print("| Transform (per element) | ours | JAX's recipe |\n|---|---|---|")
     for transform, d in CASES:

@@ -202,9 +202,9 @@ def test_grad_of_imaging_loss_under_nested_vmap_matches_direct_sum(x64, do_wgrid
 
 
 def test_hessian_vector_products_match_direct_sum_and_finite_differences(x64):
-    # Second order through the derivative kernels' own kernels (docs/derivatives.md,
-    # "Second order"): forward over reverse, reverse over reverse, and
-    # check_grads at order 2, on the loss under three nested vmaps.
+    # Second order through the derivative kernels' own kernels
+    # (docs/derivatives-second-order.md): forward over reverse, reverse over
+    # reverse, and check_grads at order 2, on the loss under three nested vmaps.
     g = gridder(do_wgridding=True)
     rng = np.random.default_rng(8)
     uvw, freq, wgt, _, _ = problem(8, times=(2,), channels=2)

@@ -28,7 +28,7 @@ with no residuals (``defvjp(fwd, bwd, residuals=())``): being linear, its
 backward pass needs nothing of the forward one, so ``bwd`` gets the cotangent
 alone, never the image, and a Hessian-vector product of a loss whose second
 derivative needs no residual runs two maps instead of three
-(docs/derivatives.md, "Newton steps through a solver").
+(docs/derivatives-second-order.md, "Newton steps through a solver").
 
 The image (or visibilities) is the one differentiable, positional argument;
 ``uvw``, ``freq`` and ``wgt`` reach the kernels as keywords, so ``jax.grad``

@@ -44,10 +44,7 @@ from .hook_forms import (
     AUTO_PER_SHARD,
     DERIVATIVES,
     FAST_PLACEMENT,
-    JAX_VERSION,
-    NEWEST_TESTED_JAX,
     OLDEST_JAX,
-    PYTHON_CALLBACK_TARGETS,
     SHARD_MAP,
     THREADMAP,
     Form,
@@ -63,40 +60,14 @@ from .hook_forms import (
     _register_lowering_without_cacheable,
     _register_with_none,
     _typeof_checking_sharding_rank,
-    form_for,
     resolve,
-    version_text,
 )
 
-#: The table's names, and the forms, versions and features it re-exports.
-__all__ = [
-    "ARRAY_SURFACE",
-    "ASYNC_ARRAYS",
-    "ASYNC_DISPATCH",
-    "AUTO_PER_SHARD",
-    "DERIVATIVES",
-    "FAST_PLACEMENT",
-    "JAX_VERSION",
-    "NEWEST_TESTED_JAX",
-    "OLDEST_JAX",
-    "PYTHON_CALLBACK_TARGETS",
-    "SHARD_MAP",
-    "THREADMAP",
-    "Form",
-    "Hook",
-    "Missing",
-    "UnsupportedJaxError",
-    "form_for",
-    "resolve",
-    "version_text",
-    "HOOKS",
-    "RESOLVED",
-    "get",
-    "require",
-    "missing_hooks",
-    "or_missing",
-    "missing_for",
-]
+# Re-exported for the package's other _jax modules and the tests (mypy, ruff).
+from .hook_forms import JAX_VERSION as JAX_VERSION
+from .hook_forms import NEWEST_TESTED_JAX as NEWEST_TESTED_JAX
+from .hook_forms import PYTHON_CALLBACK_TARGETS as PYTHON_CALLBACK_TARGETS
+from .hook_forms import form_for as form_for
 
 # --- adapters that need the table (a hook of their own, or a private module) ----
 
@@ -596,15 +567,6 @@ _NEEDED_BY: dict[str, list[str]] = {}
 for _hook in HOOKS:
     for _feature in _hook.features:
         _NEEDED_BY.setdefault(_feature, []).append(_hook.name)
-
-
-def missing_hooks() -> list[str]:
-    """The hooks of :data:`HOOKS` that this JAX does not provide, with the reason."""
-    return [
-        f"{name}: {value.reason}"
-        for name, value in RESOLVED.items()
-        if isinstance(value, Missing)
-    ]
 
 
 def or_missing(name: str, fallback: Any) -> Any:

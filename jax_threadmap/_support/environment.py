@@ -64,27 +64,21 @@ ENV_ASYNC_DISPATCH = "JAX_THREADMAP_ASYNC_DISPATCH"
 
 
 def async_dispatch_mode() -> str:
-    """``JAX_THREADMAP_ASYNC_DISPATCH``: ``"async"`` (default; also ``1`` and
-    ``deferred``: a jitted call on pending data returns at once, its program
-    dispatched when the data lands) or ``"off"`` (``0``: the call waits for the
-    data)."""
-    return _dispatch_mode(os.environ.get(ENV_ASYNC_DISPATCH, "1"))
-
-
-@functools.lru_cache(maxsize=16)
-def _dispatch_mode(raw: str) -> str:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on", "", "auto", "deferred"):
-        return "async"
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    raise ValueError(
-        f"{ENV_ASYNC_DISPATCH}={value!r} is not understood. Set it to 1 (jitted "
-        "calls with pending AsyncArrays return at once and their programs are "
-        "dispatched when the data lands, the default; deferred means the same) "
-        "or 0 (they wait for the data, as in earlier releases)."
+    """``JAX_THREADMAP_ASYNC_DISPATCH``: ``"async"`` (default, or a true value:
+    a jitted call on pending data returns at once, its program dispatched when
+    the data lands) or ``"off"`` (a false value: the call waits for the data).
+    ``deferred``, the name of the one async mode, is a true value too."""
+    raw = os.environ.get(ENV_ASYNC_DISPATCH, "")
+    on = raw.strip().lower() == "deferred" or _flag(
+        ENV_ASYNC_DISPATCH, raw, _ASYNC_DISPATCH_WHAT, True
     )
+    return "async" if on else "off"
 
+
+_ASYNC_DISPATCH_WHAT = (
+    "async dispatch (jitted calls with pending AsyncArrays return at once; "
+    "0: they wait for the data; deferred means 1)"
+)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -82,21 +82,17 @@ def kernel_of(handle, seen, *, jit=True):
 
 def test_opened_once_and_reused_across_elements_and_maps():
     res = Resource()
-    handle = jax_threadmap.shared(res.open, name="db")
-    assert repr(handle) == "<jax_threadmap.shared db: closed>" and res.entered == 0
+    handle = jax_threadmap.shared(res.open)
+    name = "<jax_threadmap.shared Resource.open"  # the factory's name
+    assert repr(handle) == f"{name}: closed>" and res.entered == 0
     seen = []
     f = kernel_of(handle, seen)
     np.testing.assert_array_equal(f(jnp.arange(300)), np.arange(300))
     np.testing.assert_array_equal(f(jnp.arange(7)), np.arange(7))
     assert seen == [1] * 307 and res.entered == 1 and res.exited == 0
-    assert handle.is_open and repr(handle) == "<jax_threadmap.shared db: open>"
-    handle.close()
+    assert handle.is_open and repr(handle) == f"{name}: open>"
+    on_loop(handle._close_at_exit())  # what the loop runs at exit
     assert (res.entered, res.exited) == (1, 1) and not handle.is_open
-    handle.close()  # closed: nothing to do
-    np.asarray(f(jnp.arange(3)))  # the next use opens it again (awaited)
-    assert (res.entered, res.exited, seen[-1]) == (2, 1, 2)
-    handle.close()
-    assert res.exited == 2
 
 
 def test_elements_waiting_for_the_opening_share_it():
@@ -113,7 +109,6 @@ def test_elements_waiting_for_the_opening_share_it():
     caller.join(WAIT)
     np.testing.assert_array_equal(out["y"], np.arange(50))
     assert res.entered == 1 and seen == [1] * 50
-    handle.close()
 
 
 async def _make_gate(res):
@@ -127,13 +122,13 @@ async def _open_gate(res):
 def test_an_opening_failure_is_named_and_the_next_map_retries():
     res = Resource()
     res.fail = True
-    handle = jax_threadmap.shared(res.open, name="catalogue")
+    handle = jax_threadmap.shared(res.open)
     seen = []
     f = kernel_of(handle, seen, jit=False)
     with pytest.raises(KernelError) as info:
         f(jnp.arange(20))
     msg = str(info.value)
-    assert "jax_threadmap.shared 'catalogue' could not be opened" in msg
+    assert "jax_threadmap.shared 'Resource.open' could not be opened" in msg
     assert "ConnectionRefusedError: the server is down" in msg
     assert "the next use opens it again" in msg
     cause = cause_of(info.value)
@@ -143,7 +138,6 @@ def test_an_opening_failure_is_named_and_the_next_map_retries():
     res.fail = False
     np.testing.assert_array_equal(f(jnp.arange(20)), np.arange(20))
     assert res.entered == 1 and seen == [1] * 20
-    handle.close()
 
 
 def test_a_failed_map_leaves_the_opening_for_the_next():
@@ -166,27 +160,26 @@ def test_a_failed_map_leaves_the_opening_for_the_next():
     on_loop(_open_gate(res))
     np.testing.assert_array_equal(f(jnp.arange(1, 4)), [1, 1, 1])
     assert res.entered == 1
-    handle.close()
 
 
-@pytest.mark.timeout(60)
-def test_a_use_just_as_a_closing_ends_opens_anew():
-    # The closing task has ended but its done callback has not run yet (it runs
-    # on the loop's next turn): a use then must not wait on it again, forever,
-    # without ever giving the loop that turn.
+def test_closing_at_exit_cancels_an_opening():
+    # At exit, an opening under way is cancelled (its waiters with it), and
+    # nothing is left entered.
     res = Resource()
     handle = jax_threadmap.shared(res.open)
+    on_loop(_make_gate(res))
 
-    async def race():
-        assert (await handle.value()) == {"connection": 1}
-        closing = handle._begin_close()  # its one step is the loop's next
-        await asyncio.sleep(0)  # resumes after that step, before its callbacks
-        assert closing.done()
-        return await handle.value()
+    async def exit_while_opening():
+        waiter = asyncio.ensure_future(handle.value())
+        while not res.waiting.is_set():  # the opening waits at the gate
+            await asyncio.sleep(0)
+        await handle._close_at_exit()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return repr(handle)
 
-    assert on_loop(race()) == {"connection": 2}
-    assert (res.entered, res.exited) == (2, 1)
-    handle.close()
+    assert on_loop(exit_while_opening()).endswith(": closed>")
+    assert (res.entered, res.exited) == (0, 0)
 
 
 def test_async_loaders_share_it_too():
@@ -200,15 +193,13 @@ def test_async_loaders_share_it_too():
     values = [jax_threadmap.async_call(load, s, float(i)) for i in range(5)]
     assert [float(v.result(WAIT)) for v in values] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert res.entered == 1
-    handle.close()
 
 
 def test_misuse_is_a_clear_error():
-    with pytest.raises(TypeError, match=r"Got <aiohttp-like .*Pass the class"):
+    expected = r"factory must be callable. Got <aiohttp-like .*the class or function"
+    with pytest.raises(TypeError, match=expected):
         jax_threadmap.shared(_Instance())
-    with pytest.raises(TypeError, match=r"name must be a str or None. Got name=3"):
-        jax_threadmap.shared(Resource().open, name=3)
-    handle = jax_threadmap.shared(lambda: 42, name="answer")
+    handle = jax_threadmap.shared(lambda: 42)
     with pytest.raises(KernelError) as info:
         kernel_of(handle, [], jit=False)(jnp.arange(2))
     assert "returned 42 of type int, which is not an async context manager" in str(
@@ -217,18 +208,6 @@ def test_misuse_is_a_clear_error():
     assert not handle.is_open
     with pytest.raises(RuntimeError, match=r"awaited outside jax_threadmap's event"):
         asyncio.run(jax_threadmap.shared(Resource().open).value())
-    res = Resource()
-    handle = jax_threadmap.shared(res.open)
-
-    async def close_on_the_loop():
-        await handle.value()
-        with pytest.raises(RuntimeError, match=r"to_thread\(handle.close\)"):
-            handle.close()
-        await asyncio.to_thread(handle.close)  # as the message says
-        return handle.is_open
-
-    assert on_loop(close_on_the_loop()) is False
-    assert (res.entered, res.exited) == (1, 1)
 
 
 class _Instance:
@@ -397,10 +376,10 @@ def test_a_forked_child_opens_its_own():
 
 
 class SharedModel(RuleBasedStateMachine):
-    """Uses, failed openings, closes, and uses cancelled while waiting, in any
-    order: every context manager entered is exited once, the handle is open
-    exactly when one is entered and not exited, and a use returns the value of
-    the opening it waited for."""
+    """Uses, failed openings, closings at exit, and uses cancelled while
+    waiting, in any order: every context manager entered is exited once, the
+    handle is open exactly when one is entered and not exited, and a use
+    returns the value of the opening it waited for."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -419,8 +398,8 @@ class SharedModel(RuleBasedStateMachine):
             assert got == [{"connection": self.res.entered}] * uses
 
     @rule()
-    def close(self):
-        self.handle.close()
+    def close_at_exit(self):
+        on_loop(self.handle._close_at_exit())  # what the loop runs at exit
         self.opened = False
 
     @precondition(lambda self: not self.opened)
@@ -438,7 +417,7 @@ class SharedModel(RuleBasedStateMachine):
         assert open_now == int(self.opened) == int(self.handle.is_open)
 
     def teardown(self):
-        self.handle.close()
+        on_loop(self.handle._close_at_exit())
         assert self.res.entered == self.res.exited
 
 

@@ -18,14 +18,14 @@ nothing when made:
   opens it afresh;
 - at exit the loop exits every open one, after its pending coroutines were
   cancelled and before it closes (:meth:`.event_loop.EventLoop.on_close`), the
-  last opened first; :meth:`Shared.close` closes one earlier;
+  last opened first;
 - in a forked child, a resource that the parent opened is the parent's (it
   lives on the parent's loop): the child neither uses nor closes it, and opens
   its own on first use.
 
-A handle's life (``closed``, ``opening``, ``open``, ``closing``) is changed
-only by its own methods, under its lock; every context manager entered is
-exited once, in :meth:`Shared._exit`, on every path that entered it.
+A handle's life (``closed``, ``opening``, ``open``) is changed only by its own
+methods, under its lock; every context manager entered is exited once, at
+exit, in :meth:`Shared._close_at_exit`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Generic, TypeVar
 from . import fork as _fork
 from .errors import ThreadmapError, describe
 from .event_loop import event_loop
-from .validate import callable_name
+from .validate import callable_name, check_callable
 
 logger = logging.getLogger("jax_threadmap._async")
 
@@ -59,16 +59,16 @@ class Shared(Generic[T]):
 
     Made by [`shared`][jax_threadmap.shared]; see there. Opened on the first
     [`value`][jax_threadmap.Shared.value], kept open across elements and maps,
-    closed at exit (or by [`close`][jax_threadmap.Shared.close]).
+    closed at exit.
 
-    Its life is closed, opening, open, closing, and each change is one of its
-    methods, under its lock:
+    Its life is closed, opening, open, and each change is one of its methods,
+    under its lock:
 
     - closed to opening: the first ``value()`` starts an opening task;
     - opening to open: the context manager was entered;
     - opening to closed: entering failed (its waiters get the error);
-    - open to closing: ``close()``, or the loop closing at exit;
-    - closing to closed: the context manager was exited;
+    - opening or open to closed: the loop closing at exit (an opening is
+      cancelled, what was entered is exited);
     - any to closed: in a forked child (the parent's value left alone).
 
     Attributes:
@@ -90,31 +90,19 @@ class Shared(Generic[T]):
         Array([1., 2.], dtype=float32)
         >>> print(rates_db.is_open)
         True
-        >>> rates_db.close()
-        >>> print(rates_db.is_open)
-        False
     """
 
-    def __init__(
-        self,
-        factory: Callable[[], AbstractAsyncContextManager[T]],
-        *,
-        name: str | None = None,
-    ):
-        if not callable(factory):
-            raise TypeError(
-                "jax_threadmap.shared takes a factory of an async context manager: "
-                "a callable with no arguments, e.g. aiohttp.ClientSession or a "
-                "function decorated with contextlib.asynccontextmanager. Got "
-                f"{factory!r} of type {type(factory).__name__}. Pass the class or "
-                "function itself (functools.partial for its arguments), not an "
-                "instance."
-            )
-        if name is not None and not isinstance(name, str):
-            raise TypeError(
-                f"jax_threadmap.shared: name must be a str or None. Got name={name!r}."
-            )
-        self.name = name if name is not None else callable_name(factory)
+    def __init__(self, factory: Callable[[], AbstractAsyncContextManager[T]]):
+        check_callable(
+            factory,
+            "jax_threadmap.shared",
+            "factory",
+            "Pass a factory of an async context manager, with no arguments: the "
+            "class or function itself (e.g. aiohttp.ClientSession, or a function "
+            "decorated with contextlib.asynccontextmanager; functools.partial for "
+            "its arguments), not an instance.",
+        )
+        self.name = callable_name(factory)
         self._factory = factory
         # Lock rule: _lock guards every field below; they change only in the
         # transition methods (_begin_open ... _forget), on the loop's thread but
@@ -123,7 +111,7 @@ class Shared(Generic[T]):
         self._state = "closed"
         self._value: Any = None
         self._manager: Any = None
-        self._pending: asyncio.Task[None] | None = None  # opening or closing
+        self._pending: asyncio.Task[None] | None = None  # the opening
         _handles.add(self)
 
     def __repr__(self) -> str:
@@ -175,7 +163,6 @@ class Shared(Generic[T]):
             (Array([ 0., 10., 20.], dtype=float32), Array([10., 10.], dtype=float32))
             >>> len(opened)  # once, for five elements of two maps
             1
-            >>> conn.close()
         """
         self._check_loop()
         while True:
@@ -186,40 +173,7 @@ class Shared(Generic[T]):
             if state == "closed":
                 pending = self._begin_open()
             assert pending is not None
-            # The opening (its error raises here), or a closing (then open anew).
-            await self._wait(pending)
-
-    def close(self) -> None:
-        """Closes the resource now, if it is open (or opening); the next use
-        opens it again. Call it from a thread, not from a coroutine on the loop
-        (it waits for the closing, which runs there). Closing is at most once per
-        opening; at exit the package closes every open resource itself.
-
-        Raises:
-            RuntimeError: Called on jax_threadmap's event loop (in an ``async
-                def`` kernel): there, ``await asyncio.to_thread(handle.close)``.
-
-        Examples:
-            >>> import contextlib, jax_threadmap
-            >>> @contextlib.asynccontextmanager
-            ... async def resource():
-            ...     yield "ready"
-            >>> never_used = jax_threadmap.shared(resource)
-            >>> never_used.close()  # not open: nothing to do
-            >>> print(never_used.is_open)
-            False
-        """
-        with self._lock:
-            if self._state == "closed":
-                return
-        if event_loop().in_loop_thread():
-            raise RuntimeError(
-                f"jax_threadmap.shared {self.name!r}: close() was called on "
-                "jax_threadmap's event loop, where it would wait for the closing "
-                "that must run on that very loop. Call it from a thread: in a "
-                "coroutine, await asyncio.to_thread(handle.close)."
-            )
-        event_loop().run(self._close(), f"close of shared {self.name}")
+            await self._wait(pending)  # the opening (its error raises here)
 
     # -- the loop's side ---------------------------------------------------------
 
@@ -286,68 +240,47 @@ class Shared(Generic[T]):
             self._pending = None
 
     def _ended(self, task: asyncio.Task[None]) -> None:
-        """opening -> closed, or closing -> closed: the opening task ended
-        without entering (it failed or was cancelled, even before it started),
-        or the closing task ended. Its error goes to its waiters. Called by the
-        task's done callback and by its waiters, whichever comes first."""
+        """opening -> closed: the opening task ended without entering (it
+        failed or was cancelled, even before it started). Its error goes to its
+        waiters. Called by the task's done callback and by its waiters,
+        whichever comes first."""
         with self._lock:
             if self._pending is task:
                 self._state, self._pending = "closed", None
 
-    async def _close(self, *, cancel_opening: bool = False) -> None:
-        """Closes it, waiting for an opening or a closing under way first
-        (``cancel_opening``: cancels an opening instead, at exit)."""
-        while True:
-            with self._lock:
-                state, pending = self._state, self._pending
-            if state == "closed":
-                return
-            if state == "open":
-                pending = self._begin_close()
-            elif state == "opening" and cancel_opening:
-                assert pending is not None
-                pending.cancel()
-            assert pending is not None
-            try:
-                await self._wait(pending)
-            except asyncio.CancelledError:
-                if not pending.done():  # this close itself was cancelled
-                    raise
-            except Exception:  # noqa: BLE001 - the opening's error: its waiters get it
-                pass
-
     async def _wait(self, pending: asyncio.Task[None]) -> None:
-        """Waits for an opening or a closing; a waiter that is cancelled does
-        not cancel it. Once it is done, its end is recorded here too (its done
-        callback may not have run yet: waiting again would not wait)."""
+        """Waits for an opening; a waiter that is cancelled does not cancel it.
+        Once it is done, its end is recorded here too (its done callback may not
+        have run yet: waiting again would not wait)."""
         try:
             await asyncio.shield(pending)
         finally:
             if pending.done():
                 self._ended(pending)
 
-    def _begin_close(self) -> asyncio.Task[None]:
-        """open -> closing: starts the closing task."""
+    async def _close_at_exit(self) -> None:
+        """opening or open -> closed, at exit (the loop's closer): an opening
+        is cancelled, then what was entered is exited, here only."""
         with self._lock:
-            assert self._state == "open", self._state
+            pending = self._pending
+        if pending is not None:
+            pending.cancel()
+            try:
+                await self._wait(pending)
+            except asyncio.CancelledError:
+                if not pending.done():  # this closing itself was cancelled
+                    raise
+            except Exception:  # noqa: BLE001 - the opening's error: its waiters got it
+                pass
+        with self._lock:
             manager, self._manager, self._value = self._manager, None, None
-            self._state = "closing"
-            task = asyncio.get_running_loop().create_task(
-                self._exit(manager), name=f"close shared {self.name}"
-            )
-            self._pending = task
-        task.add_done_callback(self._ended)  # closing -> closed, whatever happens
-        return task
-
-    async def _exit(self, manager: Any) -> None:
-        """The one place a context manager this handle entered is exited."""
+            self._state = "closed"
+        if manager is None:
+            return
         try:
             await type(manager).__aexit__(manager, None, None, None)
         except Exception:  # noqa: BLE001 - closed all the same; say so
             logger.exception("jax_threadmap: shared %r failed to close", self.name)
-
-    async def _close_at_exit(self) -> None:
-        await self._close(cancel_opening=True)
 
     def _forget(self) -> None:
         """any -> closed, in a forked child: the parent's value stays the
@@ -363,9 +296,7 @@ class Shared(Generic[T]):
         )
 
 
-def shared(
-    factory: Callable[[], AbstractAsyncContextManager[T]], *, name: str | None = None
-) -> Shared[T]:
+def shared(factory: Callable[[], AbstractAsyncContextManager[T]]) -> Shared[T]:
     """Shares an async resource among the coroutines of jax_threadmap's loop.
 
     ``async def`` kernels run as coroutines on jax_threadmap's one event loop
@@ -385,8 +316,8 @@ def shared(
             manager: ``aiohttp.ClientSession``, ``functools.partial(
             aiohttp.ClientSession, base_url=...)``, a function decorated with
             ``contextlib.asynccontextmanager`` (the value is what it yields), or
-            a database pool factory. Usable as a decorator.
-        name: The resource's name in messages; by default the factory's.
+            a database pool factory. Usable as a decorator. Its name is the
+            resource's name in messages.
 
     Returns:
         A [`Shared`][jax_threadmap.Shared] handle. Make it once (at module
@@ -394,8 +325,8 @@ def shared(
 
     Raises:
         TypeError: ``factory`` is not callable (an instance was passed instead
-            of its class), or ``name`` is not a string. At the first use, a
-            factory that returns no async context manager.
+            of its class). At the first use, a factory that returns no async
+            context manager.
 
     Examples:
         An ``aiohttp`` session for every request of every map (a sketch: the
@@ -426,7 +357,7 @@ def shared(
         ...     shifted, jax.ShapeDtypeStruct((), jnp.float32), x))(jnp.arange(3.0))
         Array([100., 101., 102.], dtype=float32)
     """
-    return Shared(factory, name=name)
+    return Shared(factory)
 
 
 @_fork.in_child

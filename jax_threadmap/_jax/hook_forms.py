@@ -197,6 +197,14 @@ def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, .
     return (Form(OLDEST_JAX, None, where, note, adapt),)
 
 
+def _adapted_before(
+    until: tuple[int, ...], where: str, note: str, adapt: Callable[[Any], Any]
+) -> tuple[Form, ...]:
+    """One location on every supported JAX; the releases before ``until`` need
+    ``adapt`` (``note`` says what differs there)."""
+    return (Form(until, None, (where,)), Form(OLDEST_JAX, until, (where,), note, adapt))
+
+
 #: JAX's FFI targets of host callbacks, by platform (what emit_python_callback
 #: emits on every supported JAX: ``xla_ffi_python_{cpu,gpu}_callback`` with an
 #: ``index`` attribute into the program's host callbacks). TPU callbacks are

@@ -51,6 +51,7 @@ from .hook_forms import (
     Hook,
     Missing,
     UnsupportedJaxError,
+    _adapted_before,
     _automatic_mesh_of,
     _emit_python_callback_without_returns_token,
     _everywhere,
@@ -153,16 +154,12 @@ HOOKS: tuple[Hook, ...] = (
         "typeof",
         "the abstract value of an argument, a cotangent or a declared result",
         (THREADMAP, DERIVATIVES, ASYNC_ARRAYS),
-        (
-            Form((0, 8, 2), None, ("jax:typeof",)),
-            Form(
-                OLDEST_JAX,
-                (0, 8, 2),
-                ("jax:typeof",),
-                "a ShapeDtypeStruct's sharding of the wrong rank is not rejected; "
-                "NamedSharding.check_compatible_aval(shape) is called first",
-                _typeof_checking_sharding_rank,
-            ),
+        _adapted_before(
+            (0, 8, 2),
+            "jax:typeof",
+            "a ShapeDtypeStruct's sharding of the wrong rank is not rejected; "
+            "NamedSharding.check_compatible_aval(shape) is called first",
+            _typeof_checking_sharding_rank,
         ),
         "jax.typeof itself, public; in the table for its shim on JAX < 0.8.2",
     ),
@@ -187,15 +184,11 @@ HOOKS: tuple[Hook, ...] = (
         "register_lowering",
         "lowers each threadmap equation to one host callback",
         (THREADMAP,),
-        (
-            Form((0, 7, 0), None, ("jax.interpreters.mlir:register_lowering",)),
-            Form(
-                OLDEST_JAX,
-                (0, 7, 0),
-                ("jax.interpreters.mlir:register_lowering",),
-                "no cacheable= (0.6 lowers every equation inline)",
-                _register_lowering_without_cacheable,
-            ),
+        _adapted_before(
+            (0, 7, 0),
+            "jax.interpreters.mlir:register_lowering",
+            "no cacheable= (0.6 lowers every equation inline)",
+            _register_lowering_without_cacheable,
         ),
         _public("jax.interpreters.mlir:register_lowering"),
     ),
@@ -203,17 +196,13 @@ HOOKS: tuple[Hook, ...] = (
         "emit_python_callback",
         "emits the host callback that runs the flat map",
         (THREADMAP,),
-        (
-            # `jax.interpreters.mlir` re-exports it "temporarily" (JAX main says
-            # so); when that goes, the canary test says so and a Form is added.
-            Form((0, 8, 2), None, ("jax.interpreters.mlir:emit_python_callback",)),
-            Form(
-                OLDEST_JAX,
-                (0, 8, 2),
-                ("jax.interpreters.mlir:emit_python_callback",),
-                "no returns_token=",
-                _emit_python_callback_without_returns_token,
-            ),
+        # `jax.interpreters.mlir` re-exports it "temporarily" (JAX main says
+        # so); when that goes, the canary test says so and a Form is added.
+        _adapted_before(
+            (0, 8, 2),
+            "jax.interpreters.mlir:emit_python_callback",
+            "no returns_token=",
+            _emit_python_callback_without_returns_token,
         ),
         _public("jax.interpreters.mlir:emit_python_callback")
         + " (a re-export JAX calls temporary). Tried instead: lowering through "
@@ -255,17 +244,13 @@ HOOKS: tuple[Hook, ...] = (
         "the op sharding pure_callback uses: MAXIMAL on one device under automatic "
         "sharding, MANUAL inside shard_map, none otherwise",
         (THREADMAP,),
-        (
-            Form((0, 7, 1), None, ("jax._src.callback:_callback_op_sharding",)),
-            Form(
-                OLDEST_JAX,
-                (0, 7, 1),
-                ("jax._src.callback:_callback_op_sharding",),
-                "inside shard_map under Shardy, one annotation for all results; "
-                "one per result is made here, as 0.7.1 does (with "
-                "jax._src.sharding_impls.SdyDim)",
-                _one_sharding_per_result,
-            ),
+        _adapted_before(
+            (0, 7, 1),
+            "jax._src.callback:_callback_op_sharding",
+            "inside shard_map under Shardy, one annotation for all results; "
+            "one per result is made here, as 0.7.1 does (with "
+            "jax._src.sharding_impls.SdyDim)",
+            _one_sharding_per_result,
         ),
         "tried: lowering through jax.pure_callback's rule, which computes this "
         "sharding itself; it serves but costs about 120 us a call (see "

@@ -28,7 +28,7 @@ JAX_VERSION: tuple[int, ...] = tuple(jax.__version_info__)
 #: (``vma``), which reverse mode inside ``shard_map`` needs. pyproject.toml
 #: declares ``jax>=`` this; CI tests it.
 OLDEST_JAX: tuple[int, ...] = (0, 6, 2)
-#: The newest JAX that CI tests (.ci/run pins it); errors suggest pinning it.
+#: The newest JAX that CI tests (.ci/run pins it); errors suggest the range up to it.
 NEWEST_TESTED_JAX: tuple[int, ...] = (0, 12, 0, 1)
 
 #: The features a hook can be needed by; :func:`require` checks one at its entry.
@@ -271,22 +271,14 @@ class Missing:
         raise UnsupportedJaxError(self.message("jax_threadmap"))
 
     def message(self, api: str) -> str:
-        if JAX_VERSION < OLDEST_JAX:
-            oldest = version_text(OLDEST_JAX)
-            advice = (
-                f"jax_threadmap supports jax>={oldest}: upgrade with pip "
-                f"install -U 'jax>={oldest}' 'jaxlib>={oldest}'."
-            )
-        else:
-            newest = version_text(NEWEST_TESTED_JAX)
-            advice = (
-                f"Pin jax<={newest} (pip install 'jax<={newest}' "
-                f"'jaxlib<={newest}'), the newest JAX this jax_threadmap was "
-                "tested with, or upgrade jax_threadmap."
-            )
+        # One advice for a JAX older than supported and one newer than tested.
+        oldest, newest = version_text(OLDEST_JAX), version_text(NEWEST_TESTED_JAX)
         return (
             f"{api} needs the JAX internal {self.hook.name!r} ({self.hook.why}), "
-            f"which JAX {jax.__version__} does not provide: {self.reason}. {advice}"
+            f"which JAX {jax.__version__} does not provide: {self.reason}. Install "
+            f"a JAX from {oldest} to {newest}, the range this jax_threadmap "
+            f"supports (pip install 'jax>={oldest},<={newest}' "
+            f"'jaxlib>={oldest},<={newest}'), or upgrade jax_threadmap."
         )
 
 

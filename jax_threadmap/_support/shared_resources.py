@@ -88,8 +88,8 @@ class Shared(Generic[T]):
         ...     return (await rates_db.value())["ab"[int(i)]]
         >>> jax.vmap(lookup)(jnp.arange(2))
         Array([1., 2.], dtype=float32)
-        >>> print(rates_db.is_open)
-        True
+        >>> print(rates_db)  # its state, from any thread
+        <jax_threadmap.shared rates_db: open>
     """
 
     def __init__(self, factory: Callable[[], AbstractAsyncContextManager[T]]):
@@ -118,12 +118,6 @@ class Shared(Generic[T]):
         with self._lock:
             state = self._state
         return f"<jax_threadmap.shared {self.name}: {state}>"
-
-    @property
-    def is_open(self) -> bool:
-        """Whether the resource is open now (from any thread)."""
-        with self._lock:
-            return self._state == "open"
 
     # -- use ---------------------------------------------------------------------
 

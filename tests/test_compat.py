@@ -70,7 +70,7 @@ def test_each_hook_has_one_form_for_every_supported_jax(hook):
         _compat.ARRAY_SURFACE,
     }
     for form in hook.forms:
-        assert form.where and all(re.fullmatch(r"[\w.]+:\w+", w) for w in form.where)
+        assert re.fullmatch(r"[\w.]+:\w+", form.where), form.where
 
 
 def _private(where: str) -> bool:
@@ -85,7 +85,7 @@ def test_each_hook_says_which_public_api_was_tried(hook):
     # location says which public API was tried and why it does not serve; an
     # entry found at public locations only says so, and has no private fallback.
     assert hook.public.strip(), f"{hook.name}: say which public API was tried"
-    private = any(_private(w) for f in hook.forms for w in f.where)
+    private = any(_private(f.where) for f in hook.forms)
     if private:
         assert re.search(r"\b(tried|none)\b", hook.public), hook.public
     else:
@@ -109,9 +109,7 @@ def test_the_private_locations_are_few():
         "callback_logger",
         "execution_stream_id",
     }
-    private = sorted(
-        h.name for h in HOOKS if any(_private(w) for f in h.forms for w in f.where)
-    )
+    private = sorted(h.name for h in HOOKS if any(_private(f.where) for f in h.forms))
     assert private == sorted(
         [
             "callback_op_sharding",
@@ -251,8 +249,7 @@ def _hidden(hook):
     return dataclasses.replace(
         hook,
         forms=tuple(
-            dataclasses.replace(f, where=tuple(w + "_moved" for w in f.where))
-            for f in hook.forms
+            dataclasses.replace(f, where=f.where + "_moved") for f in hook.forms
         ),
     )
 
@@ -310,7 +307,7 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         message = str(info.value)
         assert f"needs the JAX internal {hook.name!r}" in message, message
         assert f"JAX {jax.__version__} does not provide" in message
-        location = _compat.form_for(hook).where[0].replace(":", ".")
+        location = _compat.form_for(hook).where.replace(":", ".")
         assert location + "_moved" in message  # where it was looked for
         assert f"pip install 'jax>={OLDEST},<={NEWEST}'" in message
         assert "or upgrade jax_threadmap" in message
@@ -362,11 +359,10 @@ table = importlib.import_module("jax_threadmap._jax.hooks")
 for name in [n for n in sys.modules if n.split(".")[0] == "jax_threadmap"]:
     del sys.modules[name]
 for hook in table.HOOKS:
-    for location in table.form_for(hook).where:
-        module_name, attr = location.split(":")
-        module = importlib.import_module(module_name)
-        if attr in vars(module):
-            delattr(module, attr)
+    module_name, attr = table.form_for(hook).where.split(":")
+    module = importlib.import_module(module_name)
+    if attr in vars(module):
+        delattr(module, attr)
 
 import jax_threadmap  # must not fail
 from jax_threadmap._jax import hooks as _compat

@@ -93,7 +93,7 @@ class Form:
         since: The first JAX version with this form.
         until: The first JAX version without it; ``None``: still current (also
             tried on JAX releases newer than the newest tested).
-        where: ``"module:attribute"`` locations, tried in order (public first).
+        where: The ``"module:attribute"`` location.
         note: What differs from the other forms, and why this one is used there.
         adapt: Turns the object found into what the package calls (a uniform
             signature across forms); ``None``: used as found.
@@ -101,7 +101,7 @@ class Form:
 
     since: tuple[int, ...]
     until: tuple[int, ...] | None
-    where: tuple[str, ...]
+    where: str
     note: str = ""
     adapt: Callable[[Any], Any] | None = None
 
@@ -192,7 +192,7 @@ def _register_with_none(register: Callable[[type, Any], None]) -> Any:
     return register_canonicalize_value
 
 
-def _everywhere(*where: str, note: str = "", adapt: Any = None) -> tuple[Form, ...]:
+def _everywhere(where: str, note: str = "", adapt: Any = None) -> tuple[Form, ...]:
     """One form for every supported JAX (no version gate needed so far)."""
     return (Form(OLDEST_JAX, None, where, note, adapt),)
 
@@ -202,7 +202,7 @@ def _adapted_before(
 ) -> tuple[Form, ...]:
     """One location on every supported JAX; the releases before ``until`` need
     ``adapt`` (``note`` says what differs there)."""
-    return (Form(until, None, (where,)), Form(OLDEST_JAX, until, (where,), note, adapt))
+    return (Form(until, None, where), Form(OLDEST_JAX, until, where, note, adapt))
 
 
 #: JAX's FFI targets of host callbacks, by platform (what emit_python_callback
@@ -296,12 +296,11 @@ def resolve(hook: Hook, version: tuple[int, ...] = JAX_VERSION) -> Any:
     if form is None:
         first = min(f.since for f in hook.forms)
         return Missing(hook, f"it is known from JAX {version_text(first)} on")
-    tried = []
-    for where in form.where:
-        module_name, attr = where.split(":")
-        try:
-            found = getattr(importlib.import_module(module_name), attr)
-            return form.adapt(found) if form.adapt is not None else found
-        except (ImportError, AttributeError) as e:
-            tried.append(f"{module_name}.{attr} ({type(e).__name__}: {e})")
-    return Missing(hook, "looked for " + "; ".join(tried))
+    module_name, attr = form.where.split(":")
+    try:  # an adapter that finds no field it needs says so by AttributeError
+        found = getattr(importlib.import_module(module_name), attr)
+        return form.adapt(found) if form.adapt is not None else found
+    except (ImportError, AttributeError) as e:
+        return Missing(
+            hook, f"looked for {module_name}.{attr} ({type(e).__name__}: {e})"
+        )

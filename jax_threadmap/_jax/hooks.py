@@ -25,9 +25,10 @@ The feature code built on the table lives beside it, one module per concern:
 of program runs). They reach JAX's internals only through :func:`get`,
 :func:`or_missing` and :data:`RESOLVED`.
 
-Rules for this module: every internal is an entry of :data:`HOOKS`; the public
-location first, the private one as the fallback; the entry says why; and
-nothing else (no feature code); no package module but :mod:`.hook_forms`.
+Rules for this module: every internal is an entry of :data:`HOOKS`, at one
+location per range of JAX versions (public where JAX has one); the entry says
+why; and nothing else (no feature code); no package module but
+:mod:`.hook_forms`.
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ HOOKS: tuple[Hook, ...] = (
             Form(
                 (0, 10, 0),
                 None,
-                ("jax._src.core:ManualAxisType",),
+                "jax._src.core:ManualAxisType",
                 "aval.manual_axis_type.varying; "
                 "ShapedArray(..., manual_axis_type=ManualAxisType(varying=...))",
                 _varying_by_manual_axis_type,
@@ -288,7 +289,7 @@ HOOKS: tuple[Hook, ...] = (
             Form(
                 OLDEST_JAX,
                 (0, 10, 0),
-                ("jax.core:ShapedArray",),
+                "jax.core:ShapedArray",
                 "aval.vma; the public ShapedArray(..., vma=...)",
                 _varying_by_vma,
             ),
@@ -394,21 +395,21 @@ HOOKS: tuple[Hook, ...] = (
             Form(
                 (0, 10, 2),
                 None,
-                ("jax._src.dtypes:register_canonicalize_value_handler",),
+                "jax._src.dtypes:register_canonicalize_value_handler",
                 "register(cls, None)",
                 _register_with_none,
             ),
             Form(
                 (0, 7, 1),
                 (0, 10, 2),
-                ("jax._src.dtypes:canonicalize_value_handlers",),
+                "jax._src.dtypes:canonicalize_value_handlers",
                 "a table; the handler must be the identity (None is skipped)",
                 _register_identity_in,
             ),
             Form(
                 OLDEST_JAX,
                 (0, 7, 1),
-                ("jax._src.interpreters.xla:canonicalize_dtype_handlers",),
+                "jax._src.interpreters.xla:canonicalize_dtype_handlers",
                 "a table under its old name; the handler must be the identity",
                 _register_identity_in,
             ),

@@ -182,11 +182,11 @@ class Shared(Generic[T]):
             )
 
     def _begin_open(self) -> asyncio.Task[None]:
-        """closed -> opening: starts the opening task (or joins one just started)."""
+        """closed -> opening: starts the opening task. Called by value() on
+        the loop's thread right after it read "closed", with no await between:
+        nothing else can have started one."""
         with self._lock:
-            if self._state != "closed":
-                assert self._pending is not None
-                return self._pending
+            assert self._state == "closed", self._state
             self._state = "opening"
             task = asyncio.get_running_loop().create_task(
                 self._open(), name=f"open shared {self.name}"

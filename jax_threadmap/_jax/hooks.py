@@ -561,12 +561,10 @@ def or_missing(name: str, fallback: Any) -> Any:
     return fallback if isinstance(value, Missing) else value
 
 
-def missing_for(*features: str) -> str | None:
-    """Why ``features`` are unavailable (the first missing hook of the first
-    feature that has one), or ``None``."""
-    for feature in features:
-        for hook in HOOKS:
-            value = RESOLVED[hook.name]
-            if feature in hook.features and isinstance(value, Missing):
-                return f"{hook.name} is missing: {value.reason}"
+def missing_for(feature: str) -> str | None:
+    """Why ``feature`` is unavailable (its first missing hook), or ``None``."""
+    for name in _NEEDED_BY.get(feature, ()):
+        value = RESOLVED[name]
+        if isinstance(value, Missing):
+            return f"{name} is missing: {value.reason}"
     return None

@@ -137,11 +137,6 @@ def register_batching_rule(prim: Any, rule: Callable[..., Any]) -> None:
     table[prim] = batching_rule
 
 
-def is_batching_rule_registered(prim: Any) -> bool:
-    table = or_missing("fancy_primitive_batchers", None)
-    return table is not None and prim in table
-
-
 def require_devices_during_lowering(prim: Any) -> None:
     primitives = or_missing("prim_requires_devices_during_lowering", None)
     if primitives is not None:

@@ -282,12 +282,8 @@ class Shared(Generic[T]):
         self._lock = threading.Lock()
         if self._manager is not None:
             _parents_values.append(self._manager)
-        self._state, self._value, self._manager, self._pending = (
-            "closed",
-            None,
-            None,
-            None,
-        )
+        self._state, self._pending = "closed", None
+        self._value = self._manager = None
 
 
 def shared(factory: Callable[[], AbstractAsyncContextManager[T]]) -> Shared[T]:

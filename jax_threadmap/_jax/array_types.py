@@ -24,17 +24,14 @@ def register_array_like(
     Registers nothing where a hook is missing (``require(ASYNC_ARRAYS, ...)`` then
     fails before such an array is made).
     """
-    names = ("pytype_aval_mappings", "canonicalize_value", "shard_arg_handlers")
-    if any(isinstance(RESOLVED[n], Missing) for n in (*names, "shard_args")):
+    needed = ("pytype_aval_mappings", "canonicalize_value", "shard_arg_handlers")
+    if any(isinstance(RESOLVED[n], Missing) for n in (*needed, "shard_args")):
         return
-    pytype_aval_mappings, register_canonicalize_value, shard_arg_handlers = (
-        RESOLVED[n] for n in names
-    )
-    pytype_aval_mappings[cls] = aval_of
-    register_canonicalize_value(cls)
+    RESOLVED["pytype_aval_mappings"][cls] = aval_of
+    RESOLVED["canonicalize_value"](cls)
 
     def handler(xs: Any, shardings: Any, layouts: Any, copy_semantics: Any) -> Any:
         arrays = arrays_of(list(xs))
         return RESOLVED["shard_args"](shardings, layouts, copy_semantics, arrays)
 
-    shard_arg_handlers[cls] = handler
+    RESOLVED["shard_arg_handlers"][cls] = handler

@@ -72,7 +72,7 @@ class Shared(Generic[T]):
     - any to closed: in a forked child (the parent's value left alone).
 
     Attributes:
-        name: The resource's name in messages (the factory's, by default).
+        name: The resource's name in messages: the factory's name.
 
     Examples:
         >>> import contextlib, jax, jax.numpy as jnp, numpy as np

@@ -156,41 +156,65 @@ def _how_to_attach(node: RuleNode, which: list[str]) -> str:
     )
 
 
+#: Per rule: its mode, the first-order transforms that need it, and what its
+#: kernel takes and returns.
+_MODES = {
+    "jvp": (
+        "forward",
+        "jax.jvp, jax.jacfwd, jax.linearize",
+        "jvp_kernel(*primals, *tangents) returns the tangent of the output",
+    ),
+    "vjp": (
+        "reverse",
+        "jax.grad, jax.vjp, jax.jacrev",
+        "vjp_kernel(*primals, cotangent) returns a tuple with one cotangent per "
+        "positional argument",
+    ),
+}
+
+
+def no_derivative_rule_message(name: str, wrapped: bool) -> str:
+    """The user's kernel ``name`` has no rules at all (``wrapped``: it is a
+    ``jax_threadmap.kernel``) and is differentiated."""
+    cannot = (
+        f"threadmap kernel {name!r} has no derivative rule, so jax.grad, jax.jvp "
+        "and friends cannot differentiate through it."
+    )
+    if not wrapped:
+        return (
+            f"{cannot} Wrap the kernel with "
+            "jax_threadmap.kernel(result_shape_dtypes)(fn) and attach threaded "
+            "derivative kernels with .defjvp(...) and/or .defvjp(...), or wrap the "
+            "call in jax.custom_jvp / jax.custom_vjp."
+        )
+    attach = " and/or ".join(
+        f"{_short(name)}.def{w}({w}_kernel) (for {_MODES[w][1]}; {_MODES[w][2]})"
+        for w in ("vjp", "jvp")
+    )
+    return (
+        f"{cannot} It is a jax_threadmap.kernel without derivative kernels: "
+        f"attach them with {attach}."
+    )
+
+
 def _first_order_missing(root: RuleNode, which: str) -> str:
-    name = root.name
-    if which == "jvp" and root.residuals:
-        return (
-            f"threadmap kernel {name!r} has fwd and bwd kernels "
-            "(defvjp(fwd, bwd, residuals=...)) but no JVP kernel, so forward-mode "
-            "derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot run: fwd and "
-            "bwd give reverse mode only, as for jax.custom_vjp. Attach a JVP "
-            f"kernel with {name}.defjvp(jvp_kernel), where jvp_kernel(*primals, "
-            "*tangents) returns the tangent of the output; or use reverse mode "
-            "(jax.grad, jax.vjp, jax.jacrev)."
-        )
-    if root.residuals:  # defjvp(fwd, jvp, residuals=...) without a bwd
-        return (
-            f"threadmap kernel {name!r} has fwd and jvp kernels "
-            "(defjvp(fwd, jvp, residuals=...)) but no bwd kernel, so reverse-mode "
-            "derivatives (jax.grad, jax.vjp, jax.jacrev) cannot run. Attach one "
-            f"with {name}.defvjp(fwd, bwd, residuals=...), the same fwd and "
-            "residuals, where bwd(residuals, cotangent) returns a tuple with one "
-            "cotangent per positional argument; or use forward mode (jax.jvp, "
-            "jax.jacfwd)."
-        )
-    if which == "jvp":
-        return (
-            f"threadmap kernel {name!r} has a VJP kernel but no JVP kernel, so "
-            "forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot "
-            "run. Attach one with "
-            f"{name}.defjvp(jvp_kernel), where jvp_kernel(*primals, *tangents) "
-            "returns the tangent of the output; or use reverse mode (jax.grad, "
-            "jax.vjp, jax.jacrev)."
+    name, other = root.name, "vjp" if which == "jvp" else "jvp"
+    (mode, transforms, signature), missing = _MODES[which], which.upper()
+    attach, why = f"{name}.def{which}({which}_kernel), where {signature}", ""
+    if not root.residuals:
+        has = f"a {other.upper()} kernel"
+    elif which == "jvp":
+        has = "fwd and bwd kernels (defvjp(fwd, bwd, residuals=...))"
+        why = ": fwd and bwd give reverse mode only, as for jax.custom_vjp"
+    else:  # defjvp(fwd, jvp, residuals=...) without a bwd
+        has, missing = "fwd and jvp kernels (defjvp(fwd, jvp, residuals=...))", "bwd"
+        attach = (
+            f"{name}.defvjp(fwd, bwd, residuals=...), the same fwd and residuals, "
+            "where bwd(residuals, cotangent) returns a tuple with one cotangent per "
+            "positional argument"
         )
     return (
-        f"threadmap kernel {name!r} has a JVP kernel but no VJP kernel, so "
-        "reverse-mode derivatives (jax.grad, jax.vjp, jax.jacrev) cannot be "
-        f"computed. Attach one with {name}.defvjp(vjp_kernel), where "
-        "vjp_kernel(*primals, cotangent) returns a tuple with one cotangent per "
-        "positional argument; or use forward mode (jax.jvp, jax.jacfwd)."
+        f"threadmap kernel {name!r} has {has} but no {missing} kernel, so "
+        f"{mode}-mode derivatives ({transforms}) cannot run{why}. Attach one with "
+        f"{attach}; or use {_MODES[other][0]} mode ({_MODES[other][1]})."
     )

@@ -106,12 +106,6 @@ def _check_kwargs_not_differentiated(
             )
 
 
-def _core_aval(x: Any, axes: Axes) -> tuple[tuple[int, ...], Any]:
-    """One element's ``(shape, dtype)`` of an operand with batch ``axes``."""
-    aval = _avals.typeof(x)
-    return _core_shape(aval.shape, axes), aval.dtype
-
-
 def _equation_view(
     kernel: Any, primals: Sequence[Any], result_avals: Sequence[Any], spec: BatchSpec
 ) -> tuple[Node, tuple[bool, ...], tuple[bool, ...]]:
@@ -120,7 +114,10 @@ def _equation_view(
         return kernel.node, kernel.present, kernel.keep
     node = Node(
         kernel,
-        tuple(_core_aval(p, ax) for p, ax in zip(primals, spec.in_axes, strict=True)),
+        tuple(
+            (_core_shape(aval.shape, ax), aval.dtype)
+            for aval, ax in zip(map(_avals.typeof, primals), spec.in_axes, strict=True)
+        ),
         tuple((tuple(a.shape), a.dtype) for a in result_avals),
     )
     return node, (True,) * len(primals), (True,) * len(result_avals)

@@ -167,10 +167,6 @@ def is_differentiable(dtype: Any) -> bool:
     return bool(jax.numpy.issubdtype(dtype, np.inexact))
 
 
-def tangent_dtype(dtype: Any) -> np.dtype:
-    return np.dtype(dtype) if is_differentiable(dtype) else jax.dtypes.float0
-
-
 @dataclasses.dataclass(frozen=True)
 class RuleKernel:
     """A derivative kernel with derivative kernels of its own, as params carry it.
@@ -201,7 +197,8 @@ Aval = tuple[tuple[int, ...], np.dtype]
 
 
 def _tangent(aval: Aval) -> Aval:
-    return aval[0], tangent_dtype(aval[1])
+    shape, dtype = aval
+    return shape, np.dtype(dtype) if is_differentiable(dtype) else jax.dtypes.float0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,11 +309,6 @@ class Node:
         rule = self.rule("vjp")
         assert isinstance(rule, ResidualRule), rule
         return rule
-
-    @property
-    def order(self) -> int:
-        """0 for the user's kernel, 1 for its JVP/VJP kernels, and so on."""
-        return 0 if self.base is None else self.base.order + 1
 
     @property
     def rule_object(self) -> Any:

@@ -137,7 +137,9 @@ def _result_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
     if node.kind == "fwd":
         return _forward_flattener(node)
     out_tree = node.out_tree
-    what = _jvp_kind(node)
+    what = "JVP kernel" + (
+        " (of defjvp(fwd, jvp, residuals=...))" if node.residual_jvp else ""
+    )
     if out_tree.num_leaves == 1 and out_tree.num_nodes == 1:
         # One leaf: the host's store checks it (and names a container in it).
         return lambda result, chunk: [result]
@@ -177,12 +179,6 @@ def _with_directions(
         return out
 
     return checked
-
-
-def _jvp_kind(node: Any) -> str:
-    if node.residual_jvp:
-        return "JVP kernel (of defjvp(fwd, jvp, residuals=...))"
-    return "JVP kernel"
 
 
 def _cotangent_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:

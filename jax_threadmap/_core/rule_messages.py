@@ -52,17 +52,8 @@ def missing_rule_message(node: RuleNode, which: str) -> str:
     if node.base is None:
         return _first_order_missing(node, which) + _hessian_hint(node, which)
     name, short = node.name, _short(node.name)
-    if which == "jvp":
-        needs = (
-            "forward mode through it (second-order derivatives such as "
-            "jax.hessian, jax.jacfwd of jax.grad or of jax.jacfwd, and jax.jvp of "
-            "jax.grad)"
-        )
-    else:
-        needs = (
-            "reverse mode through it (second-order derivatives such as jax.grad "
-            "of jax.grad, and jax.jacrev of jax.grad or of jax.jacfwd)"
-        )
+    mode, transforms = _MODES[which][0], _SECOND_ORDER[which]
+    needs = f"{mode} mode through it (second-order derivatives such as {transforms})"
     if which == "jvp" and node.residuals:
         needs += f" ({short}'s fwd and bwd give reverse mode only)"
     return (
@@ -77,9 +68,8 @@ def no_rules_message(node: RuleNode) -> str:
     return (
         f"threadmap kernel {name!r} ({_describe_node(node)}) has no derivative "
         f"kernels of its own, so it cannot be differentiated: {short} has no "
-        "defjvp (for forward mode over it: jax.hessian, jax.jacfwd of jax.grad or "
-        "of jax.jacfwd, jax.jvp of jax.grad) and no defvjp (for reverse mode over "
-        "it: jax.grad of jax.grad, jax.jacrev of jax.grad or of jax.jacfwd). "
+        f"defjvp (for forward mode over it: {_SECOND_ORDER['jvp']}) and no defvjp "
+        f"(for reverse mode over it: {_SECOND_ORDER['vjp']}). "
         f"{_how_to_attach(node, ['jvp', 'vjp'])}"
     )
 
@@ -170,6 +160,14 @@ _MODES = {
         "vjp_kernel(*primals, cotangent) returns a tuple with one cotangent per "
         "positional argument",
     ),
+}
+
+
+#: Per rule of a derivative kernel: the second-order transforms that need it.
+_SECOND_ORDER = {
+    "jvp": "jax.hessian, jax.jacfwd of jax.grad or of jax.jacfwd, and jax.jvp of "
+    "jax.grad",
+    "vjp": "jax.grad of jax.grad, and jax.jacrev of jax.grad or of jax.jacfwd",
 }
 
 

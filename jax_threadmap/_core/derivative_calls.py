@@ -38,7 +38,6 @@ class DerivativeCall:
     def __init__(self, param: Any):
         self.param = param
         node = param.node
-        self.node = node
         self.fn = node.function
         self.vectorized = param.vectorized
         ops = iter(range(sum(param.present)))

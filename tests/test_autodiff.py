@@ -581,6 +581,27 @@ def test_wrong_derivative_results_name_the_kernel_and_index():
         jax.jvp(lambda x: g(x, 2.0), (x,), (x,))
 
 
+@pytest.mark.parametrize("form", ["jvp", "fwd-jvp"])
+def test_a_tangent_of_the_wrong_structure_names_the_jvp_kernel(form):
+    """A pytree output's tangent is flattened against the output's structure;
+    one that does not fit names the JVP kernel (and its form) and the structure."""
+    S = jax.ShapeDtypeStruct((), jnp.float32)
+
+    @jax_threadmap.kernel((S, S))
+    def pair(x):
+        return x, 2 * x
+
+    if form == "jvp":
+        pair.defjvp(lambda x, tx: tx)  # one array, not a pair
+        what = r"the JVP kernel must return"
+    else:
+        pair.defjvp(lambda x: ((x, 2 * x), ()), lambda res, tx: tx, residuals=())
+        what = r"the JVP kernel \(of defjvp\(fwd, jvp, residuals=\.\.\.\)\) must"
+    x = jnp.arange(3.0)
+    with pytest.raises(KernelError, match=what + r" .*tangent of the output"):
+        jax.jvp(jax.vmap(pair), (x,), (x,))
+
+
 def test_derivative_results_that_do_not_fit_fail_naming_the_value():
     # Derivative kernels store through the same check as primal ones, the
     # host-summed cotangents of unbatched operands included.

@@ -8,7 +8,7 @@ import concurrent.futures
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any, Generic, NamedTuple, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 import jax
 import numpy as np
@@ -44,18 +44,6 @@ def _rules_changed() -> None:
     _rules_version = next(_rule_changes)
 
 
-class FwdBwd(NamedTuple):
-    """``defvjp(fwd, bwd, residuals=...)`` and ``defjvp(fwd, jvp,
-    residuals=...)`` as a kernel holds them until a call binds them (then a
-    :class:`~.params.ResidualRule`)."""
-
-    fwd: Callable[..., Any]
-    bwd: Callable[..., Any] | None
-    residuals: Any
-    jvp: Callable[..., Any] | None = None
-    directions: bool = False
-
-
 def _rule_param(
     rule: Callable[..., Any] | None, outer: tuple[KernelFunction[Any], ...]
 ) -> Callable[..., Any] | None:
@@ -72,38 +60,8 @@ def _rule_param(
             f"own derivative kernels ({chain}). Each order takes more arguments "
             "than the one before, so each needs a kernel of its own."
         )
-    inner = (*outer, rule)
     return RuleKernel(
-        hashable(rule.fn),
-        _rule_param(rule.primal_jvp, inner),
-        _reverse_param(rule.reverse_rule, inner),
-        rule._vectorized,
-    )
-
-
-def _reverse_param(
-    rule: Callable[..., Any] | FwdBwd | None, outer: tuple[KernelFunction[Any], ...]
-) -> Callable[..., Any] | ResidualRule | None:
-    """:func:`_rule_param` of what ``defvjp`` attached: ``fwd``/``bwd`` (and
-    ``defjvp``'s ``jvp`` over the same residuals) become a
-    :class:`~.params.ResidualRule`, their residuals checked now (with the
-    ``jax_enable_x64`` of this call)."""
-    if not isinstance(rule, FwdBwd):
-        return _rule_param(rule, outer)
-    api = "defvjp(fwd, bwd, " if rule.bwd else "defjvp(fwd, jvp, "
-    avals, tree = _validate.result_avals(
-        rule.residuals, api + "residuals=...)", name="residuals"
-    )
-    fwd = _rule_param(rule.fwd, outer)
-    assert fwd is not None
-    res_avals = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals)
-    return ResidualRule(
-        fwd,
-        _rule_param(rule.bwd, outer),
-        tree,
-        res_avals,
-        _rule_param(rule.jvp, outer),
-        rule.directions,
+        hashable(rule.fn), *rule._params((*outer, rule)), rule._vectorized
     )
 
 
@@ -222,26 +180,35 @@ class KernelFunction(Generic[R]):
         key = (_rules_version, x64)
         built = self._rules
         if built is None or built[0] != key:
-            rules = (
-                _rule_param(self.primal_jvp, ()),
-                _reverse_param(self.reverse_rule, ()),
-            )
-            self._rules = built = (key, rules)
+            self._rules = built = (key, self._params(()))
         return built[1]
 
-    @property
-    def reverse_rule(self) -> Callable[..., Any] | FwdBwd | None:
-        """What ``defvjp`` attached: the VJP kernel, or ``fwd``/``bwd`` with
-        their residuals (and ``defjvp``'s ``jvp`` over them), or ``None``."""
-        if self.fwd is not None:
-            jvp = self.jvp if self._jvp_on_residuals else None
-            return FwdBwd(self.fwd, self.bwd, self.residuals, jvp, self._directions)
-        return self.vjp
-
-    @property
-    def primal_jvp(self) -> Callable[..., Any] | None:
-        """The JVP kernel that takes the primals, or ``None``."""
-        return None if self._jvp_on_residuals else self.jvp
+    def _params(
+        self, outer: tuple[KernelFunction[Any], ...]
+    ) -> tuple[Callable[..., Any] | None, Callable[..., Any] | ResidualRule | None]:
+        """The JVP and VJP params of this kernel's rules (``outer``: the kernels
+        whose derivative kernel it is): ``fwd``/``bwd`` (and ``defjvp``'s
+        ``jvp`` over the same residuals) become a :class:`~.params.ResidualRule`,
+        their residuals checked now (with the ``jax_enable_x64`` of this call)."""
+        jvp = _rule_param(self.jvp, outer)
+        if self.fwd is None:
+            return jvp, _rule_param(self.vjp, outer)
+        api = "defvjp(fwd, bwd, " if self.bwd else "defjvp(fwd, jvp, "
+        avals, tree = _validate.result_avals(
+            self.residuals, api + "residuals=...)", name="residuals"
+        )
+        fwd = _rule_param(self.fwd, outer)
+        assert fwd is not None
+        on_residuals = self._jvp_on_residuals
+        rule = ResidualRule(
+            fwd,
+            _rule_param(self.bwd, outer),
+            tree,
+            tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals),
+            jvp if on_residuals else None,
+            self._directions,
+        )
+        return (None if on_residuals else jvp), rule
 
     @overload
     def defjvp(self, jvp: DerivativeKernel, /) -> DerivativeKernel: ...
@@ -356,12 +323,7 @@ class KernelFunction(Generic[R]):
                 self.fwd = self.residuals = None
             _rules_changed()
             return jvp_or_fwd
-        fwd, jvp = _fwd_rule(jvp_or_fwd, jvp, residuals, self.fn, "defjvp")
-        if self.bwd is not None:
-            _check_shared_fwd(self, fwd, residuals, "defjvp")
-        self._check_async(fwd, "fwd kernel")
-        self._check_async(jvp, "JVP kernel")
-        self.fwd, self.jvp, self.residuals = fwd, jvp, residuals
+        self.jvp = self._attach_fwd("defjvp", jvp_or_fwd, jvp, residuals)
         self._jvp_on_residuals = True
         self._directions = bool(directions)
         _rules_changed()
@@ -490,15 +452,24 @@ class KernelFunction(Generic[R]):
             self.fwd = self.bwd = self.residuals = None
             _rules_changed()
             return vjp
-        fwd, bwd = _fwd_rule(vjp_or_fwd, bwd, residuals, self.fn, "defvjp")
-        if self._jvp_on_residuals:
-            _check_shared_fwd(self, fwd, residuals, "defvjp")
-        self._check_async(fwd, "fwd kernel")
-        self._check_async(bwd, "bwd kernel")
-        self.fwd, self.bwd, self.residuals = fwd, bwd, residuals
+        self.bwd = self._attach_fwd("defvjp", vjp_or_fwd, bwd, residuals)
         self.vjp = None
         _rules_changed()
         return None
+
+    def _attach_fwd(
+        self, method: str, fwd: Any, rule: Any, residuals: Any
+    ) -> Callable[..., Any]:
+        """``defjvp(fwd, jvp, ...)``/``defvjp(fwd, bwd, ...)``: ``fwd`` and its
+        ``residuals`` attached, checked with ``rule`` (returned, checked): the
+        same as the other such rule's, if it has one."""
+        fwd, rule = _fwd_rule(fwd, rule, residuals, self.fn, method)
+        if self._jvp_on_residuals if method == "defvjp" else self.bwd is not None:
+            _check_shared_fwd(self, fwd, residuals, method)
+        self._check_async(fwd, "fwd kernel")
+        self._check_async(rule, "bwd kernel" if method == "defvjp" else "JVP kernel")
+        self.fwd, self.residuals = fwd, residuals
+        return rule
 
     def __repr__(self) -> str:
         jvp = "fwd/jvp" if self._jvp_on_residuals else "jvp"

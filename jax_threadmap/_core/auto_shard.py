@@ -312,21 +312,15 @@ def explicit_result_shardings(
     over explicit mesh axes (sharding in types): each kept level on the mesh
     axes of the first batched operand sharded there, the element's own axes
     whole. ``None`` where no level is (the results' default type)."""
+    plan = _Plan(spec, avals, results)
+    mesh = next((a.sharding.mesh for a in avals if any(_spec_entries(a))), None)
+    free = set() if mesh is None else _explicit_axes(mesh)
     levels: list[MeshAxes] = [()] * len(spec.shape)
-    mesh: Any = None
-    taken: set[str] = set()
-    for aval, axes in zip(avals, spec.in_axes, strict=True):
-        sharding: Any = getattr(aval, "sharding", None)
-        entries = _spec_entries(sharding)
-        for lv, d in enumerate(axes):
-            names = _names(entries[d]) if d is not None and d < len(entries) else ()
-            free = _explicit_axes(sharding.mesh) - taken if names else set()
-            if names and not levels[lv] and set(names) <= free:
-                levels[lv], mesh = names, sharding.mesh
-                taken.update(names)
-    if mesh is None:
-        return None
-    return _Plan(spec, avals, results)._result_shardings(mesh, levels)
+    for lv, names in plan._sharded(avals, ()):
+        if names and not levels[lv] and set(names) <= free:
+            levels[lv] = names
+            free -= set(names)
+    return plan._result_shardings(mesh, levels) if any(levels) else None
 
 
 def _explicit_axes(mesh: Any) -> set[str]:

@@ -35,7 +35,7 @@ from .params import (
     ResidualRule,
     is_differentiable,
 )
-from .rule_messages import no_rules_message
+from .rule_messages import no_derivative_rule_message, no_rules_message
 
 Zero = _rules.Zero
 Bind = Callable[..., Sequence[Any]]
@@ -75,30 +75,6 @@ def _slots(which: Sequence[bool]) -> tuple[int | None, ...]:
 # --- messages -------------------------------------------------------------------------
 
 
-def no_derivative_rule_message(kernel: KernelParam) -> str:
-    name = kernel.name
-    cannot = (
-        f"threadmap kernel {name!r} has no derivative rule, so jax.grad, jax.jvp "
-        "and friends cannot differentiate through it."
-    )
-    if kernel.wrapped:
-        name = name.rpartition(".")[2]  # the decorated name: "f", not "g.<locals>.f"
-        return (
-            f"{cannot} It is a jax_threadmap.kernel without derivative kernels: "
-            f"attach them with {name}.defvjp(vjp_kernel) (for jax.grad, jax.vjp, "
-            "jax.jacrev; vjp_kernel(*primals, cotangent) returns a tuple with one "
-            f"cotangent per positional argument) and/or {name}.defjvp(jvp_kernel) "
-            "(for jax.jvp, jax.jacfwd, jax.linearize; jvp_kernel(*primals, "
-            "*tangents) returns the tangent of the output)."
-        )
-    return (
-        f"{cannot} Wrap the kernel with "
-        "jax_threadmap.kernel(result_shape_dtypes)(fn) and attach threaded "
-        "derivative kernels with .defjvp(...) and/or .defvjp(...), or wrap the call "
-        "in jax.custom_jvp / jax.custom_vjp."
-    )
-
-
 def _kwarg_names(in_tree: Any) -> list[str]:
     """The keyword name (with path) of each keyword-argument leaf."""
     kwargs_tree = in_tree.children()[1]
@@ -130,12 +106,6 @@ def _check_kwargs_not_differentiated(
             )
 
 
-def _core_aval(x: Any, axes: Axes) -> tuple[tuple[int, ...], Any]:
-    """One element's ``(shape, dtype)`` of an operand with batch ``axes``."""
-    aval = _avals.typeof(x)
-    return _core_shape(aval.shape, axes), aval.dtype
-
-
 def _equation_view(
     kernel: Any, primals: Sequence[Any], result_avals: Sequence[Any], spec: BatchSpec
 ) -> tuple[Node, tuple[bool, ...], tuple[bool, ...]]:
@@ -144,7 +114,10 @@ def _equation_view(
         return kernel.node, kernel.present, kernel.keep
     node = Node(
         kernel,
-        tuple(_core_aval(p, ax) for p, ax in zip(primals, spec.in_axes, strict=True)),
+        tuple(
+            (_core_shape(aval.shape, ax), aval.dtype)
+            for aval, ax in zip(map(_avals.typeof, primals), spec.in_axes, strict=True)
+        ),
         tuple((tuple(a.shape), a.dtype) for a in result_avals),
     )
     return node, (True,) * len(primals), (True,) * len(result_avals)
@@ -304,7 +277,7 @@ def _check_has_rules(kernel: Any, node: Node) -> None:
     if node.rule("jvp") is not None or node.rule("vjp") is not None:
         return
     if node.base is None:
-        raise TypeError(no_derivative_rule_message(kernel))
+        raise TypeError(no_derivative_rule_message(kernel.name, kernel.wrapped))
     raise TypeError(no_rules_message(node))
 
 
@@ -373,7 +346,7 @@ def transpose_rule(
     """
     _hooks.require(_hooks.DERIVATIVES, "Differentiating a threadmap kernel")
     if isinstance(kernel, KernelParam):  # only derivative equations are linear
-        raise TypeError(no_derivative_rule_message(kernel))
+        raise TypeError(no_derivative_rule_message(kernel.name, kernel.wrapped))
     node, present = kernel.node, kernel.present
     num_base = sum(present[: node.num_base])
     base_ops, linear_ops = args[:num_base], args[num_base:]

@@ -38,7 +38,6 @@ class DerivativeCall:
     def __init__(self, param: Any):
         self.param = param
         node = param.node
-        self.node = node
         self.fn = node.function
         self.vectorized = param.vectorized
         ops = iter(range(sum(param.present)))
@@ -137,7 +136,9 @@ def _result_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
     if node.kind == "fwd":
         return _forward_flattener(node)
     out_tree = node.out_tree
-    what = _jvp_kind(node)
+    what = "JVP kernel" + (
+        " (of defjvp(fwd, jvp, residuals=...))" if node.residual_jvp else ""
+    )
     if out_tree.num_leaves == 1 and out_tree.num_nodes == 1:
         # One leaf: the host's store checks it (and names a container in it).
         return lambda result, chunk: [result]
@@ -177,12 +178,6 @@ def _with_directions(
         return out
 
     return checked
-
-
-def _jvp_kind(node: Any) -> str:
-    if node.residual_jvp:
-        return "JVP kernel (of defjvp(fwd, jvp, residuals=...))"
-    return "JVP kernel"
 
 
 def _cotangent_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]:
@@ -272,52 +267,36 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
                 and value.dtype == dtype
                 and value.shape == chunk + shape
             ):
-                check_declared(
-                    value,
-                    name,
-                    chunk + shape,
-                    dtype,
-                    who="the fwd kernel",
-                    declared="residuals=",
-                    fix=fix,
-                )
+                _check_residual(value, name, chunk + shape, dtype, fix)
         return outs + values
 
     return flat
 
 
-def check_declared(
-    value: Any,
-    name: str,
-    shape: tuple[int, ...],
-    dtype: Any,
-    *,
-    who: str,
-    declared: str,
-    fix: str,
+def _check_residual(
+    value: Any, name: str, shape: tuple[int, ...], dtype: Any, fix: str
 ) -> None:
-    """``value`` as declared (shape, and a dtype that holds its values), or a
+    """A residual as declared (shape, and a dtype that holds its values), or a
     ``TypeError`` that names it, what was declared, what came, and the fix."""
     spelled = f"jax.ShapeDtypeStruct({shape}, {np.dtype(dtype).name})"
     try:
         got = value if type(value) is np.ndarray else np.asarray(value)
     except Exception as e:  # noqa: BLE001 - named in the message
         raise TypeError(
-            f"{who} returned {name} of type {type(value).__name__}, which is not "
-            f"an array; {declared} declares {spelled}."
+            f"the fwd kernel returned {name} of type {type(value).__name__}, which "
+            f"is not an array; residuals= declares {spelled}."
         ) from e
     if got.shape != shape:
         raise TypeError(
-            f"{who} returned {name} of shape {got.shape}, but {declared} declares "
-            f"{spelled}. {fix or 'Return it as declared'}, or declare shape "
-            f"{got.shape}."
+            f"the fwd kernel returned {name} of shape {got.shape}, but residuals= "
+            f"declares {spelled}. {fix}, or declare shape {got.shape}."
         )
     if got.dtype != dtype:
         try:
             check_result_cast(got, np.dtype(dtype))
         except ResultCastError as e:
             raise TypeError(
-                f"{who} returned {name} as {e.got}, but {declared} declares "
+                f"the fwd kernel returned {name} as {e.got}, but residuals= declares "
                 f"{spelled}; {e.reason}. Declare the dtype that it returns, or "
                 "convert it in the kernel."
             ) from None

@@ -14,9 +14,11 @@ together with its tree structures, so params of repeated calls compare equal
   map between them); the param says which of the node's leaves are operands
   (the others are zeros built on the host) and which of its outputs it returns.
 
-Each provides ``name`` (shown in jaxprs and messages) and :meth:`host_call`: the
-function the host runs per element, with the trees it takes and returns. The
-``executor`` param is the one passed to ``threadmap``, or an :class:`InOrder` of it.
+Each (an :data:`AnyParam`) provides ``name`` (shown in jaxprs and messages),
+``vectorized``, ``max_chunk``, ``asynchronous`` (``async def``), ``max_in_flight``
+and ``host_call()``: ``(fn, in_tree, out_tree)``, the function the host runs per
+element, with the trees it takes and returns. The ``executor`` param is the one
+passed to ``threadmap``, or an :class:`InOrder` of it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -35,31 +37,6 @@ from .derivative_calls import DerivativeCall
 from .rule_messages import missing_rule_message
 
 Fn = Callable[..., Any]
-
-
-class HostCall(Protocol):
-    """What the lowering needs of a kernel param."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def vectorized(self) -> bool: ...
-
-    @property
-    def max_chunk(self) -> int | None: ...
-
-    @property
-    def asynchronous(self) -> bool:
-        """Whether what runs per element is ``async def`` (a coroutine each)."""
-        ...
-
-    @property
-    def max_in_flight(self) -> int | None: ...
-
-    def host_call(self) -> tuple[Fn, Any, Any]:
-        """``(fn, in_tree, out_tree)``: what runs per element, and its trees."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -190,10 +167,6 @@ def is_differentiable(dtype: Any) -> bool:
     return bool(jax.numpy.issubdtype(dtype, np.inexact))
 
 
-def tangent_dtype(dtype: Any) -> np.dtype:
-    return np.dtype(dtype) if is_differentiable(dtype) else jax.dtypes.float0
-
-
 @dataclasses.dataclass(frozen=True)
 class RuleKernel:
     """A derivative kernel with derivative kernels of its own, as params carry it.
@@ -224,7 +197,8 @@ Aval = tuple[tuple[int, ...], np.dtype]
 
 
 def _tangent(aval: Aval) -> Aval:
-    return aval[0], tangent_dtype(aval[1])
+    shape, dtype = aval
+    return shape, np.dtype(dtype) if is_differentiable(dtype) else jax.dtypes.float0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,11 +309,6 @@ class Node:
         rule = self.rule("vjp")
         assert isinstance(rule, ResidualRule), rule
         return rule
-
-    @property
-    def order(self) -> int:
-        """0 for the user's kernel, 1 for its JVP/VJP kernels, and so on."""
-        return 0 if self.base is None else self.base.order + 1
 
     @property
     def rule_object(self) -> Any:

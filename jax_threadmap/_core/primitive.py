@@ -43,7 +43,7 @@ from .._support.environment import env_num_threads
 from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
 from . import directions as _directions
-from .params import HostCall, InOrder
+from .params import AnyParam, InOrder
 
 threadmap_p = _rules.Primitive("threadmap")
 threadmap_p.multiple_results = True
@@ -51,7 +51,7 @@ threadmap_p.multiple_results = True
 
 def host_function(
     *,
-    kernel: HostCall,
+    kernel: AnyParam,
     result_avals: tuple[Any, ...],
     spec: BatchSpec,
     executor: Executor | InOrder,
@@ -103,7 +103,7 @@ def host_function(
 
 def _threadmap_abstract_eval(
     *avals: Any,
-    kernel: HostCall,
+    kernel: AnyParam,
     result_avals: tuple[Any, ...],
     spec: BatchSpec,
     executor: Executor | InOrder,

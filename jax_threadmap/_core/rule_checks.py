@@ -51,20 +51,15 @@ def _expected_rule(method: str, fn: Callable[..., Any]) -> str:
     """The signature of ``fn``'s derivative kernel, for messages; ``"fwd/bwd"``:
     of both kernels of ``defvjp(fwd, bwd, residuals=...)``."""
     primals = _positional_names(fn) or ["*primals"]
+    tangents = ", ".join("*tangents" if p[0] == "*" else f"{p}_dot" for p in primals)
     if method == "defjvp":
-        tangents = ["*tangents" if p.startswith("*") else f"{p}_dot" for p in primals]
-        return f"jvp({', '.join(primals + tangents)}, **kwargs) -> tangent_out"
+        return f"jvp({', '.join(primals)}, {tangents}, **kwargs) -> tangent_out"
     cts = ", ".join(f"ct_{p.lstrip('*')}" for p in primals)
     cts = f"({cts},)" if len(primals) == 1 else f"({cts})"
     if method.startswith("fwd/"):
         fwd = f"fwd({', '.join(primals)}, **kwargs) -> (out, residuals) and "
         if method == "fwd/jvp":
-            tangents = [
-                "*tangents" if p.startswith("*") else f"{p}_dot" for p in primals
-            ]
-            return (
-                fwd + f"jvp(residuals, {', '.join(tangents)}, **kwargs) -> tangent_out"
-            )
+            return fwd + f"jvp(residuals, {tangents}, **kwargs) -> tangent_out"
         return fwd + f"bwd(residuals, ct_out, **kwargs) -> {cts}"
     return f"vjp({', '.join(primals)}, ct_out, **kwargs) -> {cts}"
 

@@ -52,17 +52,8 @@ def missing_rule_message(node: RuleNode, which: str) -> str:
     if node.base is None:
         return _first_order_missing(node, which) + _hessian_hint(node, which)
     name, short = node.name, _short(node.name)
-    if which == "jvp":
-        needs = (
-            "forward mode through it (second-order derivatives such as "
-            "jax.hessian, jax.jacfwd of jax.grad or of jax.jacfwd, and jax.jvp of "
-            "jax.grad)"
-        )
-    else:
-        needs = (
-            "reverse mode through it (second-order derivatives such as jax.grad "
-            "of jax.grad, and jax.jacrev of jax.grad or of jax.jacfwd)"
-        )
+    mode, transforms = _MODES[which][0], _SECOND_ORDER[which]
+    needs = f"{mode} mode through it (second-order derivatives such as {transforms})"
     if which == "jvp" and node.residuals:
         needs += f" ({short}'s fwd and bwd give reverse mode only)"
     return (
@@ -77,9 +68,8 @@ def no_rules_message(node: RuleNode) -> str:
     return (
         f"threadmap kernel {name!r} ({_describe_node(node)}) has no derivative "
         f"kernels of its own, so it cannot be differentiated: {short} has no "
-        "defjvp (for forward mode over it: jax.hessian, jax.jacfwd of jax.grad or "
-        "of jax.jacfwd, jax.jvp of jax.grad) and no defvjp (for reverse mode over "
-        "it: jax.grad of jax.grad, jax.jacrev of jax.grad or of jax.jacfwd). "
+        f"defjvp (for forward mode over it: {_SECOND_ORDER['jvp']}) and no defvjp "
+        f"(for reverse mode over it: {_SECOND_ORDER['vjp']}). "
         f"{_how_to_attach(node, ['jvp', 'vjp'])}"
     )
 
@@ -156,41 +146,73 @@ def _how_to_attach(node: RuleNode, which: list[str]) -> str:
     )
 
 
+#: Per rule: its mode, the first-order transforms that need it, and what its
+#: kernel takes and returns.
+_MODES = {
+    "jvp": (
+        "forward",
+        "jax.jvp, jax.jacfwd, jax.linearize",
+        "jvp_kernel(*primals, *tangents) returns the tangent of the output",
+    ),
+    "vjp": (
+        "reverse",
+        "jax.grad, jax.vjp, jax.jacrev",
+        "vjp_kernel(*primals, cotangent) returns a tuple with one cotangent per "
+        "positional argument",
+    ),
+}
+
+
+#: Per rule of a derivative kernel: the second-order transforms that need it.
+_SECOND_ORDER = {
+    "jvp": "jax.hessian, jax.jacfwd of jax.grad or of jax.jacfwd, and jax.jvp of "
+    "jax.grad",
+    "vjp": "jax.grad of jax.grad, and jax.jacrev of jax.grad or of jax.jacfwd",
+}
+
+
+def no_derivative_rule_message(name: str, wrapped: bool) -> str:
+    """The user's kernel ``name`` has no rules at all (``wrapped``: it is a
+    ``jax_threadmap.kernel``) and is differentiated."""
+    cannot = (
+        f"threadmap kernel {name!r} has no derivative rule, so jax.grad, jax.jvp "
+        "and friends cannot differentiate through it."
+    )
+    if not wrapped:
+        return (
+            f"{cannot} Wrap the kernel with "
+            "jax_threadmap.kernel(result_shape_dtypes)(fn) and attach threaded "
+            "derivative kernels with .defjvp(...) and/or .defvjp(...), or wrap the "
+            "call in jax.custom_jvp / jax.custom_vjp."
+        )
+    attach = " and/or ".join(
+        f"{_short(name)}.def{w}({w}_kernel) (for {_MODES[w][1]}; {_MODES[w][2]})"
+        for w in ("vjp", "jvp")
+    )
+    return (
+        f"{cannot} It is a jax_threadmap.kernel without derivative kernels: "
+        f"attach them with {attach}."
+    )
+
+
 def _first_order_missing(root: RuleNode, which: str) -> str:
-    name = root.name
-    if which == "jvp" and root.residuals:
-        return (
-            f"threadmap kernel {name!r} has fwd and bwd kernels "
-            "(defvjp(fwd, bwd, residuals=...)) but no JVP kernel, so forward-mode "
-            "derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot run: fwd and "
-            "bwd give reverse mode only, as for jax.custom_vjp. Attach a JVP "
-            f"kernel with {name}.defjvp(jvp_kernel), where jvp_kernel(*primals, "
-            "*tangents) returns the tangent of the output; or use reverse mode "
-            "(jax.grad, jax.vjp, jax.jacrev)."
-        )
-    if root.residuals:  # defjvp(fwd, jvp, residuals=...) without a bwd
-        return (
-            f"threadmap kernel {name!r} has fwd and jvp kernels "
-            "(defjvp(fwd, jvp, residuals=...)) but no bwd kernel, so reverse-mode "
-            "derivatives (jax.grad, jax.vjp, jax.jacrev) cannot run. Attach one "
-            f"with {name}.defvjp(fwd, bwd, residuals=...), the same fwd and "
-            "residuals, where bwd(residuals, cotangent) returns a tuple with one "
-            "cotangent per positional argument; or use forward mode (jax.jvp, "
-            "jax.jacfwd)."
-        )
-    if which == "jvp":
-        return (
-            f"threadmap kernel {name!r} has a VJP kernel but no JVP kernel, so "
-            "forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) cannot "
-            "run. Attach one with "
-            f"{name}.defjvp(jvp_kernel), where jvp_kernel(*primals, *tangents) "
-            "returns the tangent of the output; or use reverse mode (jax.grad, "
-            "jax.vjp, jax.jacrev)."
+    name, other = root.name, "vjp" if which == "jvp" else "jvp"
+    (mode, transforms, signature), missing = _MODES[which], which.upper()
+    attach, why = f"{name}.def{which}({which}_kernel), where {signature}", ""
+    if not root.residuals:
+        has = f"a {other.upper()} kernel"
+    elif which == "jvp":
+        has = "fwd and bwd kernels (defvjp(fwd, bwd, residuals=...))"
+        why = ": fwd and bwd give reverse mode only, as for jax.custom_vjp"
+    else:  # defjvp(fwd, jvp, residuals=...) without a bwd
+        has, missing = "fwd and jvp kernels (defjvp(fwd, jvp, residuals=...))", "bwd"
+        attach = (
+            f"{name}.defvjp(fwd, bwd, residuals=...), the same fwd and residuals, "
+            "where bwd(residuals, cotangent) returns a tuple with one cotangent per "
+            "positional argument"
         )
     return (
-        f"threadmap kernel {name!r} has a JVP kernel but no VJP kernel, so "
-        "reverse-mode derivatives (jax.grad, jax.vjp, jax.jacrev) cannot be "
-        f"computed. Attach one with {name}.defvjp(vjp_kernel), where "
-        "vjp_kernel(*primals, cotangent) returns a tuple with one cotangent per "
-        "positional argument; or use forward mode (jax.jvp, jax.jacfwd)."
+        f"threadmap kernel {name!r} has {has} but no {missing} kernel, so "
+        f"{mode}-mode derivatives ({transforms}) cannot run{why}. Attach one with "
+        f"{attach}; or use {_MODES[other][0]} mode ({_MODES[other][1]})."
     )

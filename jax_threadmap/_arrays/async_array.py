@@ -298,9 +298,7 @@ class AsyncArray:
 
     def __repr__(self) -> str:
         status = self._task.status()
-        if self._task.donated(self._index) or (
-            status == "done" and _surface.landed(self).is_deleted()
-        ):
+        if status == "done" and _surface.landed(self).is_deleted():
             status = "deleted"  # where jax.Array's repr raises: a repr never does
         return (
             f"AsyncArray(shape={self.shape}, dtype={self.dtype}, "
@@ -327,9 +325,7 @@ class AsyncArray:
 
     def is_deleted(self) -> bool:
         """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
-        for the value, in Python, unless it was donated)."""
-        if self._task.donated(self._index):
-            return True
+        for the value, in Python)."""
         return bool(_surface.landed(self).is_deleted())
 
     @property

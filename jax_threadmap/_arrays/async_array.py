@@ -395,7 +395,7 @@ def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
-_async_dispatch.bind_arrays(
+_async_dispatch.mechanism.kind = _async_dispatch.ArrayKind(
     AsyncArray, lambda x: _async_dispatch.Pending(x._task, x._index, x), make_arrays
 )
 

@@ -2,7 +2,7 @@
 
 One mechanism on every platform: deferred dispatch (:mod:`.deferred_dispatch`).
 :mod:`.async_array` uses only :data:`mechanism`, :class:`Pending`,
-:func:`bind_arrays` and :func:`async_dispatch_status`; of a call, only
+:class:`ArrayKind` and :func:`async_dispatch_status`; of a call, only
 ``Task``'s public methods are used. :class:`Dispatch` sends each run on
 ``AsyncArray`` s where it belongs (deferred until its data lands, or run at
 once where it must wait for the data: blocking) and makes its array outputs
@@ -41,9 +41,9 @@ class Pending(NamedTuple):
 
 
 class ArrayKind(NamedTuple):
-    """What dispatch needs of :mod:`.async_array` (the array's owner), handed
-    down by it (:func:`bind_arrays`): the array type, the ``Pending`` of an
-    array, and the arrays of a call."""
+    """What dispatch needs of :mod:`.async_array` (the array's owner), set by
+    it as :attr:`Dispatch.kind` at its import: the array type, the ``Pending``
+    of an array, and the arrays of a call."""
 
     type: Any
     pending_of: Callable[[Any], Pending]
@@ -63,9 +63,7 @@ class Dispatch:
         self.readers = _deferred_dispatch.Readers()
         self.kind: ArrayKind | None = None
         self._lock = threading.Lock()
-        # Whether prepare() ran, and whether program runs are wrapped.
-        self._prepared = False
-        self._wrapped = False
+        self._prepared = False  # whether prepare() ran
 
     def status(self) -> str | None:
         """Why dispatch on pending data is blocking, or ``None``. (The switch
@@ -73,8 +71,6 @@ class Dispatch:
         if async_dispatch_mode() == "off":
             return f"disabled by {ENV_ASYNC_DISPATCH}=0"
         reason = _program_runs.runs_unavailable()
-        if reason is None and self._prepared and not self._wrapped:
-            reason = "the runs of compiled programs could not be wrapped"
         if reason is None:
             return None
         return f"unavailable in jax {jax.__version__}: {reason}"
@@ -89,7 +85,7 @@ class Dispatch:
             return
         with self._lock:
             if not self._prepared:
-                self._wrapped = _program_runs.RUNS.install(around)
+                _program_runs.RUNS.install(self.around)
                 self._prepared = True
 
     # -- every run of a compiled program from Python, once prepared --
@@ -193,22 +189,6 @@ class Results(Task):
 mechanism = Dispatch()
 
 
-def bind_arrays(
-    array_type: type,
-    pending_of: Callable[[Any], Pending],
-    arrays_of: Callable[[Task], Any],
-) -> None:
-    """Called once by :mod:`.async_array` at its import: the array type, the
-    ``Pending`` of an array, the arrays of a call (:class:`ArrayKind`)."""
-    mechanism.kind = ArrayKind(array_type, pending_of, arrays_of)
-
-
-def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python, once an async array exists
-    (:data:`.program_runs.RUNS`): the mechanism's (:meth:`Dispatch.around`)."""
-    return mechanism.around(run, program, args, effects)
-
-
 def async_dispatch_status() -> str:
     """Says whether jitted calls with pending ``AsyncArray`` s return at once.
 
@@ -230,4 +210,3 @@ def async_dispatch_status() -> str:
     """
     reason = mechanism.status()
     return "async" if reason is None else f"blocking: {reason}"
-

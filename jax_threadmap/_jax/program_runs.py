@@ -63,16 +63,16 @@ class ProgramRuns:
         #: What every run goes through (the async layer's), once set.
         self.around: Callable[..., Any] | None = None
 
-    def install(self, around: Callable[..., Any] | None = None) -> bool:
-        """Wraps the runs (once); sets :attr:`around` if given. Returns whether
-        the hook is there (:func:`runs_unavailable` says why not)."""
+    def install(self, around: Callable[..., Any] | None = None) -> None:
+        """Wraps the runs (once; not where :func:`runs_unavailable` says why);
+        sets :attr:`around` if given."""
         if runs_unavailable() is not None:
-            return False
+            return
         if around is not None:
             self.around = around
         cls = get("ExecuteReplicated")
         if hasattr(cls.__call__, _ORIGINAL):
-            return True
+            return
         run = cls.__call__
         refused = self.refused
 
@@ -87,7 +87,6 @@ class ProgramRuns:
 
         setattr(__call__, _ORIGINAL, run)
         cls.__call__ = __call__
-        return True
 
     def refusing(self, devices: frozenset[Any], why: str) -> _Refusing:
         """While entered, programs run from this thread on ``devices`` raise

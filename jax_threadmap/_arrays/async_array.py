@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import jax
 import numpy as np
@@ -402,6 +402,13 @@ _async_dispatch.mechanism.kind = _async_dispatch.ArrayKind(
 
 # --- the constructors -----------------------------------------------------------------
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _typed_as(like: _F) -> Callable[[Callable[..., Any]], _F]:
+    """Types the decorated function as ``like`` (its overloads), unchanged."""
+    return lambda fn: fn  # type: ignore[return-value]
+
 
 @overload
 def async_call(
@@ -529,42 +536,7 @@ def async_call(
     return out
 
 
-@overload
-def deferred_call(
-    fn: Callable[..., Any],
-    result_shape_dtypes: jax.ShapeDtypeStruct,
-    /,
-    *args: Any,
-    device: jax.Device | jax.sharding.Sharding | None = None,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> AsyncArray: ...
-
-
-@overload
-def deferred_call(
-    fn: Callable[..., Any],
-    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
-    /,
-    *args: Any,
-    device: jax.Device | jax.sharding.Sharding | None = None,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> tuple[AsyncArray, ...]: ...
-
-
-@overload
-def deferred_call(
-    fn: Callable[..., Any],
-    result_shape_dtypes: Any,
-    /,
-    *args: Any,
-    device: jax.Device | jax.sharding.Sharding | None = None,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> Any: ...
-
-
+@_typed_as(async_call)  # the same overloads: a pytree of AsyncArrays
 def deferred_call(
     fn: Callable[..., Any],
     result_shape_dtypes: Any,

@@ -154,12 +154,10 @@ class AsyncPoolStatus(NamedTuple):
     #: Calls waiting for a thread.
     queued: int
     #: Calls given up on (a ``timeout`` or ``cancel()``) whose function still
-    #: runs, by name: their threads are outside the bound until it returns.
+    #: runs, by name: their threads are outside the bound until it returns. At
+    #: most ``ABANDONED_PER_BOUND`` times the bound; beyond, a thread whose call
+    #: is given up on stays in the bound (counted in ``running``).
     abandoned: tuple[str, ...]
-    #: At most this many calls are abandoned at once (``ABANDONED_PER_BOUND``
-    #: times the bound); beyond it, a thread whose call is given up on stays in
-    #: the bound (counted in ``running``) until an abandoned one returns.
-    abandoned_cap: int
 
 
 class _Pool:
@@ -293,7 +291,6 @@ class _Pool:
                 running=self._counted - self._idle,
                 queued=len(self._queue),
                 abandoned=tuple(str(w.task) for w in self._abandoned),
-                abandoned_cap=ABANDONED_PER_BOUND * bound,
             )
 
 
@@ -309,13 +306,12 @@ def async_pool_status() -> AsyncPoolStatus:
 
     The result's fields: ``bound``, the most calls that run at once; ``running`` and
     ``queued``, the calls now; ``abandoned``, the names of the calls given up on
-    whose function still runs; ``abandoned_cap``, the most of those at once
-    (beyond it, a thread whose call is given up on stays in the bound, counted
-    in ``running``, and new calls wait in the queue).
+    whose function still runs, at most as many as the bound (beyond, a thread
+    whose call is given up on stays in the bound, counted in ``running``, and
+    new calls wait in the queue).
 
     Returns:
-        The named tuple
-        ``AsyncPoolStatus(bound, running, queued, abandoned, abandoned_cap)``.
+        The named tuple ``AsyncPoolStatus(bound, running, queued, abandoned)``.
 
     Examples:
         >>> import threading

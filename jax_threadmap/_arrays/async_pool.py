@@ -136,12 +136,11 @@ ABANDONED_PER_BOUND = 1
 class Worker:
     """One pool thread: whether it counts against the bound, what it runs."""
 
-    __slots__ = ("counted", "task", "given_up")
+    __slots__ = ("counted", "task")
 
     def __init__(self) -> None:
         self.counted = True
         self.task: Call | None = None  # the call it runs (given up on or not)
-        self.given_up = False  # its call was given up on (it runs on)
 
 
 class AsyncPoolStatus(NamedTuple):
@@ -201,7 +200,6 @@ class _Pool:
         with self._cond:
             if not worker.counted or worker.task is not task:  # it has moved on
                 return
-            worker.given_up = True
             self._held.add(worker)
             self._release_held()
 
@@ -244,7 +242,7 @@ class _Pool:
     def _next(self, worker: Worker) -> Call | None:
         """The next call to run, or ``None`` when this thread should exit."""
         with self._cond:
-            worker.task, worker.given_up = None, False
+            worker.task = None
             self._held.discard(worker)
             if not worker.counted:  # its call was given up on: back if there is room
                 self._abandoned.discard(worker)

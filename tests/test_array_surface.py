@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from jax_threadmap import AsyncArray, async_call, deferred_call
 from jax_threadmap._arrays import array_surface as _array_surface
+from jax_threadmap._jax import hooks as _compat
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -228,7 +229,8 @@ def test_every_name_of_jax_array_is_on_async_array():
     assert not any(hasattr(AsyncArray, n) for n in NO_BUFFER_PROTOCOL)
     assert not missing, f"AsyncArray lacks {missing} of jax.Array"
     # The tables that make them are JAX's own on every supported JAX.
-    assert _array_surface.surface_unavailable() is None
+    assert _compat.missing_for(_compat.ARRAY_SURFACE) is None
+    assert all(_array_surface._tables())
 
 
 @pytest.mark.parametrize("state", ["pending", "landed"])

@@ -194,7 +194,6 @@ _CAP_SCRIPT = """
 
     def at_cap():
         s = jtm.async_pool_status()
-        assert s.abandoned_cap == CAP, s
         return s.queued >= 1 and len(s.abandoned) >= CAP and s.running >= BOUND
 
     i = 0
@@ -334,8 +333,10 @@ def test_a_donated_async_array_cannot_be_used_again(landed):
     reason = _async_dispatch._program_runs.runs_unavailable()
     if reason is not None:
         pytest.skip(f"the runs of compiled programs are not wrapped: {reason}")
+    # Its value is the jax.Array the program donated: deleted, as JAX says.
+    assert x.is_deleted() and x.result().is_deleted() and "deleted" in repr(x)
     with pytest.raises(RuntimeError, match="deleted"):
-        x.result()
+        np.asarray(x)
     with pytest.raises(RuntimeError, match="deleted"):
         jax.jit(lambda a: a * 2)(x)
 

@@ -16,7 +16,6 @@ import pytest
 from helpers import run_script
 
 import jax_threadmap
-from jax_threadmap._arrays import array_surface as _array_surface
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import hooks as _compat
 from jax_threadmap._jax import placement as _placement
@@ -283,23 +282,11 @@ def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch
         for use in FEATURE_USES.values():
             use()
         return
-    if hook.features == (_compat.ARRAY_SURFACE,):  # optional: wait and delegate
-        reason = _array_surface.surface_unavailable()
-        assert reason is not None and reason.startswith(f"{hook.name} is missing")
-        methods, operators, properties = _array_surface._tables()
-        assert "sum" in methods and "add" in operators and "T" in properties
-        assert not any((*methods.values(), *operators.values(), *properties.values()))
-        waiting = type("Waiting", (jax_threadmap.AsyncArray,), {"__slots__": ()})
-        _array_surface.install(waiting, lambda a: isinstance(a, waiting))
-        x = jax_threadmap.async_call(np.arange, jax.ShapeDtypeStruct((3,), "int32"), 3)
-        y = waiting._new(x._task, 0)  # the same call's array, surface waiting
-        assert (y.sum(), (y + 1).tolist(), y.T.tolist()) == (3, [1, 2, 3], [0, 1, 2])
-        for use in FEATURE_USES.values():
-            use()
-        return
     needs = set(hook.features)
     if _compat.THREADMAP in needs:  # derivative kernels are threadmap equations
         needs.update((_compat.DERIVATIVES, _compat.SHARD_MAP))
+    if _compat.ARRAY_SURFACE in needs:  # async arrays require it with theirs
+        needs = (needs - {_compat.ARRAY_SURFACE}) | {_compat.ASYNC_ARRAYS}
     for feature in sorted(needs):
         with pytest.raises(_compat.UnsupportedJaxError) as info:
             FEATURE_USES[feature]()

@@ -186,7 +186,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
     runs, inside, depth = [], [], [0]
     wrapper = _compat.get("ExecuteReplicated").__call__
     assert hasattr(wrapper, "__jax_threadmap_original__")
-    assert _program_runs.RUNS.around is _async_dispatch.around
+    assert _program_runs.RUNS.around == _async_dispatch.mechanism.around
 
     def handler(xs):
         inside.append(depth[0])
@@ -196,7 +196,7 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         pass
 
     _array_types.register_array_like(Other, lambda x: x.aval, handler)
-    real_around = _async_dispatch.around
+    real_around = _async_dispatch.mechanism.around
 
     def counting(run, program, args, effects):
         runs.append(list(effects))

@@ -169,5 +169,5 @@ def test_a_donated_input_is_deleted(held):
     y = jax.jit(lambda a: a * 2, donate_argnums=0)(x)
     _check(y, A * 2)
     assert x.is_deleted()
-    with pytest.raises(RuntimeError, match="donated"):
+    with pytest.raises(RuntimeError, match="deleted"):
         x.tolist()

@@ -17,8 +17,8 @@ protocol, ``unsafe_buffer_pointer``, ``addressable_shards``, ``__bool__``,
 ``jax.Array``: a wait in C++ that holds the GIL could never let the thread
 that dispatches the deferred program filling it run.
 
-Where this JAX lacks a table (a release that moved it), every table name of
-``jax.Array`` waits and delegates instead (:func:`surface_unavailable` says why).
+Where this JAX lacks a table (a release that moved it), no ``AsyncArray`` is made:
+:func:`.leaves.leaf_specs` requires the tables, with the others async arrays need.
 """
 
 from __future__ import annotations
@@ -85,19 +85,14 @@ WAITING_PROPERTIES = (
 #: them (``arg.format``, ``arg.layout.device_local_layout`` on 0.6), so they must
 #: not wait, and an AsyncArray's layout is not known before its value is.
 NO_LAYOUT = ("format", "layout")
-#: The class of JAX's arrays (``object`` where this JAX moved it: the waiting
-#: methods are then left out, :func:`surface_unavailable` says why).
+#: The class of JAX's arrays (``object`` where this JAX moved it: then no
+#: ``AsyncArray`` is made, and nothing is installed).
 _IMPL: Any = _compat.or_missing("ArrayImpl", object)
 _TRACE_ERRORS = (
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerArrayConversionError,
     jax.errors.TracerIntegerConversionError,
 )
-
-
-def surface_unavailable() -> str | None:
-    """Why JAX's method tables are not used here (``None``: they are)."""
-    return _compat.missing_for(_compat.ARRAY_SURFACE)
 
 
 def landed(x: Any) -> Any:
@@ -269,27 +264,10 @@ def iterate(x: Any, is_async: Any) -> Iterator[Any]:
 
 
 def _tables() -> tuple[dict, dict, dict]:
-    """JAX's three tables; where this JAX lacks one, the same names (the abstract
-    ones of ``jax.Array``) bound to ``None``: each then waits and delegates."""
-    if surface_unavailable() is None:
-        return (
-            _compat.get("array_methods"),
-            _compat.get("array_operators"),
-            _compat.get("array_properties"),
-        )
-    methods: dict = {}
-    operators: dict = {}
-    properties: dict = {}
-    for name, attr in vars(jax.Array).items():
-        target = attr.fget if isinstance(attr, property) else attr
-        if not getattr(target, "__isabstractmethod__", False):
-            continue
-        if isinstance(attr, property):
-            properties[name] = None
-        elif name.startswith("__") and name.endswith("__"):
-            operators[name[2:-2]] = None
-        else:
-            methods[name] = None
+    """JAX's three tables (empty where this JAX lacks one: no ``AsyncArray`` is
+    made then)."""
+    names = ("array_methods", "array_operators", "array_properties")
+    methods, operators, properties = (_compat.or_missing(n, {}) for n in names)
     return methods, operators, properties
 
 
@@ -302,14 +280,10 @@ def install(cls: type, is_async: Callable[[Any], bool]) -> None:
         dunder = f"__{name}__"
         setattr(cls, dunder, _method(dunder, fn, is_async, key=name))
     for name, fn in properties.items():
-        if name == "at" and fn is not None:
+        if name == "at":
             value: Any = property(lambda self: _At(self, is_async))
-        elif fn is None or name in _DIRECT:
-            value = (
-                property(fn, doc=f"``jax.Array.{name}``.")
-                if fn
-                else _waiting_property(name)
-            )
+        elif name in _DIRECT:
+            value = property(fn, doc=f"``jax.Array.{name}``.")
         else:
             value = property(_deferred(name, fn, is_async))
         setattr(cls, name, value)
@@ -327,7 +301,7 @@ def _method(
     name: str, fn: Any, is_async: Any, key: str | None = None
 ) -> Callable[..., Any]:
     key = key or name
-    if fn is None or key in _NEEDS_VALUE:  # no table, or needs the value anyway
+    if key in _NEEDS_VALUE:
         return _waiting(name)
     if key in _DIRECT:
         return fn

@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import jax
 import numpy as np
@@ -298,9 +298,7 @@ class AsyncArray:
 
     def __repr__(self) -> str:
         status = self._task.status()
-        if self._task.donated(self._index) or (
-            status == "done" and _surface.landed(self).is_deleted()
-        ):
+        if status == "done" and _surface.landed(self).is_deleted():
             status = "deleted"  # where jax.Array's repr raises: a repr never does
         return (
             f"AsyncArray(shape={self.shape}, dtype={self.dtype}, "
@@ -327,9 +325,7 @@ class AsyncArray:
 
     def is_deleted(self) -> bool:
         """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
-        for the value, in Python, unless it was donated)."""
-        if self._task.donated(self._index):
-            return True
+        for the value, in Python)."""
         return bool(_surface.landed(self).is_deleted())
 
     @property
@@ -399,12 +395,19 @@ def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
-_async_dispatch.bind_arrays(
+_async_dispatch.mechanism.kind = _async_dispatch.ArrayKind(
     AsyncArray, lambda x: _async_dispatch.Pending(x._task, x._index, x), make_arrays
 )
 
 
 # --- the constructors -----------------------------------------------------------------
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _typed_as(like: _F) -> Callable[[Callable[..., Any]], _F]:
+    """Types the decorated function as ``like`` (its overloads), unchanged."""
+    return lambda fn: fn  # type: ignore[return-value]
 
 
 @overload
@@ -533,42 +536,7 @@ def async_call(
     return out
 
 
-@overload
-def deferred_call(
-    fn: Callable[..., Any],
-    result_shape_dtypes: jax.ShapeDtypeStruct,
-    /,
-    *args: Any,
-    device: jax.Device | jax.sharding.Sharding | None = None,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> AsyncArray: ...
-
-
-@overload
-def deferred_call(
-    fn: Callable[..., Any],
-    result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
-    /,
-    *args: Any,
-    device: jax.Device | jax.sharding.Sharding | None = None,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> tuple[AsyncArray, ...]: ...
-
-
-@overload
-def deferred_call(
-    fn: Callable[..., Any],
-    result_shape_dtypes: Any,
-    /,
-    *args: Any,
-    device: jax.Device | jax.sharding.Sharding | None = None,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> Any: ...
-
-
+@_typed_as(async_call)  # the same overloads: a pytree of AsyncArrays
 def deferred_call(
     fn: Callable[..., Any],
     result_shape_dtypes: Any,

@@ -2,7 +2,7 @@
 
 One mechanism on every platform: deferred dispatch (:mod:`.deferred_dispatch`).
 :mod:`.async_array` uses only :data:`mechanism`, :class:`Pending`,
-:func:`bind_arrays` and :func:`async_dispatch_status`; of a call, only
+:class:`ArrayKind` and :func:`async_dispatch_status`; of a call, only
 ``Task``'s public methods are used. :class:`Dispatch` sends each run on
 ``AsyncArray`` s where it belongs (deferred until its data lands, or run at
 once where it must wait for the data: blocking) and makes its array outputs
@@ -14,7 +14,6 @@ jax 0.12) fails every later one after one failed.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -22,7 +21,6 @@ from typing import Any, NamedTuple
 import jax
 
 from .._jax import program_runs as _program_runs
-from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
 from . import deferred_dispatch as _deferred_dispatch
 from .leaves import LeafSpec
@@ -43,22 +41,13 @@ class Pending(NamedTuple):
 
 
 class ArrayKind(NamedTuple):
-    """What dispatch needs of :mod:`.async_array` (the array's owner), handed
-    down by it (:func:`bind_arrays`): the array type, the ``Pending`` of an
-    array, and the arrays of a call."""
+    """What dispatch needs of :mod:`.async_array` (the array's owner), set by
+    it as :attr:`Dispatch.kind` at its import: the array type, the ``Pending``
+    of an array, and the arrays of a call."""
 
     type: Any
     pending_of: Callable[[Any], Pending]
     arrays_of: Callable[[Task], Any]
-
-
-class _Handed(threading.local):
-    #: The arrays handed to this thread's innermost run for ``AsyncArray`` s,
-    #: each with what to call if the run donates it (``None``: in no run).
-    arrays: list[tuple[Any, Callable[[], None]]] | None = None
-
-
-_handed = _Handed()
 
 
 class Dispatch:
@@ -74,9 +63,7 @@ class Dispatch:
         self.readers = _deferred_dispatch.Readers()
         self.kind: ArrayKind | None = None
         self._lock = threading.Lock()
-        # Whether prepare() ran, and whether program runs are wrapped.
-        self._prepared = False
-        self._wrapped = False
+        self._prepared = False  # whether prepare() ran
 
     def status(self) -> str | None:
         """Why dispatch on pending data is blocking, or ``None``. (The switch
@@ -84,8 +71,6 @@ class Dispatch:
         if async_dispatch_mode() == "off":
             return f"disabled by {ENV_ASYNC_DISPATCH}=0"
         reason = _program_runs.runs_unavailable()
-        if reason is None and self._prepared and not self._wrapped:
-            reason = "the runs of compiled programs could not be wrapped"
         if reason is None:
             return None
         return f"unavailable in jax {jax.__version__}: {reason}"
@@ -100,7 +85,7 @@ class Dispatch:
             return
         with self._lock:
             if not self._prepared:
-                self._wrapped = _program_runs.RUNS.install(around)
+                _program_runs.RUNS.install(self.around)
                 self._prepared = True
 
     # -- every run of a compiled program from Python, once prepared --
@@ -115,14 +100,14 @@ class Dispatch:
         reads = [kind.pending_of(a) if type(a) is kind.type else None for a in args]
         if not effects and self._defers(program, reads):
             return _deferred_dispatch.defer(
-                functools.partial(_run_noting_donations, run, program),
+                lambda frozen: run(program, *frozen),
                 program,
                 args,
                 reads,
                 kind.arrays_of,
                 self.readers,
             )
-        return self._results(_run_noting_donations(run, program, args))
+        return self._results(run(program, *args))
 
     def _defers(self, program: Any, reads: list[Pending | None]) -> bool:
         if all(r is None or r.task.future.done() for r in reads):
@@ -155,15 +140,10 @@ class Dispatch:
 
     def arrays_for(self, xs: list[Pending]) -> list[jax.Array]:
         """One jax.Array per x, its value: waits for it (a run that reaches the
-        argument handlers was not deferred, or its data has landed)."""
-        out = [self._landed(x) for x in xs]
-        handed = _handed.arrays
-        if handed is not None:  # later uses fail if the run donates them
-            handed.extend(
-                (array, x.task.donation_of(x.leaf))
-                for x, array in zip(xs, out, strict=True)
-            )
-        return out
+        argument handlers was not deferred, or its data has landed). A run that
+        donates it (``donate_argnums``) deletes it: the call's value is that
+        ``jax.Array``, so later uses fail as for a donated ``jax.Array``."""
+        return [self._landed(x) for x in xs]
 
     def _landed(self, x: Pending) -> jax.Array:
         """The value of ``x``, once the deferred programs called before this
@@ -178,20 +158,6 @@ class Dispatch:
         no longer need them (:meth:`.deferred_dispatch.Readers.settle`)."""
         if self.readers.by_source:
             self.readers.settle(task)
-
-
-def _run_noting_donations(run: Any, program: Any, args: Any) -> Any:
-    """Runs ``program`` on ``args``; tells the ``AsyncArray`` s whose arrays it
-    donated (``donate_argnums``: XLA deletes them at the run), so that their
-    later uses fail, as for a donated ``jax.Array``."""
-    outer, _handed.arrays = _handed.arrays, []
-    try:
-        return run(program, *args)
-    finally:
-        handed, _handed.arrays = _handed.arrays, outer
-        for array, donated in handed:
-            if array.is_deleted():
-                donated()
 
 
 class Results(Task):
@@ -223,22 +189,6 @@ class Results(Task):
 mechanism = Dispatch()
 
 
-def bind_arrays(
-    array_type: type,
-    pending_of: Callable[[Any], Pending],
-    arrays_of: Callable[[Task], Any],
-) -> None:
-    """Called once by :mod:`.async_array` at its import: the array type, the
-    ``Pending`` of an array, the arrays of a call (:class:`ArrayKind`)."""
-    mechanism.kind = ArrayKind(array_type, pending_of, arrays_of)
-
-
-def around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python, once an async array exists
-    (:data:`.program_runs.RUNS`): the mechanism's (:meth:`Dispatch.around`)."""
-    return mechanism.around(run, program, args, effects)
-
-
 def async_dispatch_status() -> str:
     """Says whether jitted calls with pending ``AsyncArray`` s return at once.
 
@@ -260,10 +210,3 @@ def async_dispatch_status() -> str:
     """
     reason = mechanism.status()
     return "async" if reason is None else f"blocking: {reason}"
-
-
-@_fork.in_child
-def _after_fork_in_child() -> None:
-    # The forking thread (the child's only one) is in no run of a program here.
-    global _handed
-    _handed = _Handed()

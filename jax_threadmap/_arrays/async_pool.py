@@ -136,12 +136,11 @@ ABANDONED_PER_BOUND = 1
 class Worker:
     """One pool thread: whether it counts against the bound, what it runs."""
 
-    __slots__ = ("counted", "task", "given_up")
+    __slots__ = ("counted", "task")
 
     def __init__(self) -> None:
         self.counted = True
         self.task: Call | None = None  # the call it runs (given up on or not)
-        self.given_up = False  # its call was given up on (it runs on)
 
 
 class AsyncPoolStatus(NamedTuple):
@@ -154,12 +153,10 @@ class AsyncPoolStatus(NamedTuple):
     #: Calls waiting for a thread.
     queued: int
     #: Calls given up on (a ``timeout`` or ``cancel()``) whose function still
-    #: runs, by name: their threads are outside the bound until it returns.
+    #: runs, by name: their threads are outside the bound until it returns. At
+    #: most ``ABANDONED_PER_BOUND`` times the bound; beyond, a thread whose call
+    #: is given up on stays in the bound (counted in ``running``).
     abandoned: tuple[str, ...]
-    #: At most this many calls are abandoned at once (``ABANDONED_PER_BOUND``
-    #: times the bound); beyond it, a thread whose call is given up on stays in
-    #: the bound (counted in ``running``) until an abandoned one returns.
-    abandoned_cap: int
 
 
 class _Pool:
@@ -203,7 +200,6 @@ class _Pool:
         with self._cond:
             if not worker.counted or worker.task is not task:  # it has moved on
                 return
-            worker.given_up = True
             self._held.add(worker)
             self._release_held()
 
@@ -246,7 +242,7 @@ class _Pool:
     def _next(self, worker: Worker) -> Call | None:
         """The next call to run, or ``None`` when this thread should exit."""
         with self._cond:
-            worker.task, worker.given_up = None, False
+            worker.task = None
             self._held.discard(worker)
             if not worker.counted:  # its call was given up on: back if there is room
                 self._abandoned.discard(worker)
@@ -293,7 +289,6 @@ class _Pool:
                 running=self._counted - self._idle,
                 queued=len(self._queue),
                 abandoned=tuple(str(w.task) for w in self._abandoned),
-                abandoned_cap=ABANDONED_PER_BOUND * bound,
             )
 
 
@@ -309,13 +304,12 @@ def async_pool_status() -> AsyncPoolStatus:
 
     The result's fields: ``bound``, the most calls that run at once; ``running`` and
     ``queued``, the calls now; ``abandoned``, the names of the calls given up on
-    whose function still runs; ``abandoned_cap``, the most of those at once
-    (beyond it, a thread whose call is given up on stays in the bound, counted
-    in ``running``, and new calls wait in the queue).
+    whose function still runs, at most as many as the bound (beyond, a thread
+    whose call is given up on stays in the bound, counted in ``running``, and
+    new calls wait in the queue).
 
     Returns:
-        The named tuple
-        ``AsyncPoolStatus(bound, running, queued, abandoned, abandoned_cap)``.
+        The named tuple ``AsyncPoolStatus(bound, running, queued, abandoned)``.
 
     Examples:
         >>> import threading

@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import functools
 import logging
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from . import async_pool as _async_pool
@@ -107,7 +105,7 @@ class Call:
     """
 
     __slots__ = tuple(
-        "_lock _state _submitted _clock _pid _worker _source _error_text _donated "
+        "_lock _state _submitted _clock _pid _worker _source _error_text "
         "name api runnable timeout".split()
     )
     #: Holds the list of placed leaves, or the exception of the call (a
@@ -135,8 +133,6 @@ class Call:
         self._source: asyncio.Task | None = None
         # What the programs deferred on its arrays raise, once it failed.
         self._error_text: str | None = None
-        # The leaves donated to a jitted call (donate_argnums): later uses fail.
-        self._donated: frozenset[int] = frozenset()
 
     @property
     def returned(self) -> bool:
@@ -267,20 +263,6 @@ class Call:
             self._error_text = error_text
         with _async_pool.live_lock:
             _async_pool.live.discard(self)
-
-    # -- uses --
-
-    def donation_of(self, leaf: int) -> Callable[[], None]:
-        """What to call when ``leaf`` is donated to a jitted call."""
-        return functools.partial(self._mark_donated, leaf)
-
-    def _mark_donated(self, leaf: int) -> None:
-        with self._lock:
-            self._donated = self._donated | {leaf}
-
-    def donated(self, leaf: int) -> bool:
-        """Whether ``leaf`` was donated to a jitted call (its uses then fail)."""
-        return leaf in self._donated
 
     def __str__(self) -> str:
         return f"{self.name} ({self.api})"

@@ -77,6 +77,7 @@ def leaf_specs(
     calls, and never written.
     """
     _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")
+    _hooks.require(_hooks.ARRAY_SURFACE, f"jax_threadmap.{api}")
     key: Any = None
     if type(result_shape_dtypes) is jax.ShapeDtypeStruct:
         key = (result_shape_dtypes, device, jax.config.jax_enable_x64)  # type: ignore[attr-defined]

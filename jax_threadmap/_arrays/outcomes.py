@@ -134,15 +134,6 @@ def failure_text(
     return f"{name}, which {_by(api)} {verb}, failed {where}with {text}"
 
 
-def donated_error(what: str) -> RuntimeError:
-    """A use of an array donated to a jitted call (``donate_argnums``)."""
-    return RuntimeError(
-        f"{what} has been deleted: it was donated to a jitted call "
-        "(donate_argnums), so, like a donated jax.Array, it cannot be used any "
-        "more. Use the jitted call's result instead, or do not donate the array."
-    )
-
-
 def traced_error(name: str) -> Exception:
     """JAX's error for a data_callback that returns a tracer."""
     return jax.errors.UnexpectedTracerError(

@@ -43,13 +43,10 @@ from . import outcomes as _outcomes
 from .async_array import AsyncArray, make_arrays
 from .leaves import LeafSpec, is_extended, leaf_specs, shape_of
 from .shards import (
-    auto_layout_name,
     check_shard,
     extended_spec,
-    format_layout,
     index_key,
     index_str,
-    is_format,
     place_shard,
     slice_shape,
 )
@@ -144,7 +141,7 @@ class ShardedLoad(Task):
     (:meth:`_stop_parts`).
     """
 
-    __slots__ = tuple("shape sharding shards _order _layout _stopped".split())
+    __slots__ = tuple("shape sharding shards _order _stopped".split())
 
     def __init__(
         self,
@@ -153,7 +150,6 @@ class ShardedLoad(Task):
         fetch: Callable[..., Any],
         spec: LeafSpec,
         timeout: float | None,
-        layout: Any = None,
         first: tuple[tuple, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -182,8 +178,6 @@ class ShardedLoad(Task):
             else Shard(self, fetch, (index,), index, devices)
             for key, (index, devices) in by_key.items()
         )
-        # A Format's layout (its type and layout), for each shard's placement.
-        self._layout = layout
         # Whether the load ended before its shards: those landing drop their data.
         self._stopped = False
 
@@ -269,7 +263,7 @@ class ShardedLoad(Task):
         except ValueError as e:
             return [], ValueError(self._bad_shard(shard, e, expected, out))
         try:
-            return place_shard(checked, out, shard.devices, self._layout), None
+            return place_shard(checked, out, shard.devices), None
         except BaseException as e:  # noqa: BLE001 - the load fails with it
             return [], e
 
@@ -323,39 +317,15 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     return dims
 
 
-def _check_sharding(sharding: Any) -> tuple[jax.sharding.Sharding, Any]:
-    """The sharding, and the ``Format`` whose layout shards take (or ``None``).
-
-    A ``Format`` is refused at the call as ``jax.make_array_from_callback``
-    refuses it, in JAX's words: with the AUTO layout (a placed array has a
-    concrete one), or without a sharding.
-    """
+def _check_sharding(sharding: Any) -> jax.sharding.Sharding:
     if isinstance(sharding, jax.sharding.Sharding):
-        return sharding, None
-    if is_format(sharding):
-        layout = format_layout(sharding)
-        auto = auto_layout_name(layout)
-        if auto is not None:
-            raise TypeError(
-                f"`{auto}` cannot be used in place of a device-local layout when "
-                f"calling `jax.make_array_from_callback`. Got {sharding} "
-                f"(jax_threadmap.{API}). Pass a Format with a concrete layout "
-                "(e.g. a compiled program's input_formats), or the sharding alone."
-            )
-        inner = sharding.sharding
-        if not isinstance(inner, jax.sharding.Sharding):
-            raise TypeError(
-                f"sharding should be an instance of `jax.sharding`. Got {inner} of "
-                f"type {type(inner)} (jax_threadmap.{API}: the sharding of "
-                f"{sharding}). Pass Format(layout, sharding) with a Sharding, e.g. "
-                "jax.sharding.SingleDeviceSharding(device)."
-            )
-        return inner, None if layout is None else sharding
+        return sharding
     raise TypeError(
-        f"jax_threadmap.{API}: sharding must be a jax.sharding.Sharding or a "
-        f"Format. Got sharding={sharding!r} of type {type(sharding).__name__}. "
-        "Pass e.g. jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("
-        "'x')), or jax.sharding.SingleDeviceSharding(device) for one device."
+        f"jax_threadmap.{API}: sharding must be a jax.sharding.Sharding. Got "
+        f"sharding={sharding!r} of type {type(sharding).__name__}. Pass e.g. "
+        "jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')), or "
+        "jax.sharding.SingleDeviceSharding(device) for one device (for a Format: "
+        "its .sharding, then jax.device_put(x.result(), fmt) for its layout)."
     )
 
 
@@ -416,9 +386,7 @@ def async_array_from_callback(
     Args:
         shape: The shape of the whole (global) array.
         sharding: A ``jax.sharding.Sharding`` (``NamedSharding``,
-            ``SingleDeviceSharding``, ...) that can hold ``shape``, or a
-            ``Format`` (``jax.experimental.layout``): each shard is then placed
-            with its layout, and jitted programs wait for the whole array.
+            ``SingleDeviceSharding``, ...) that can hold ``shape``.
         data_callback: Called with each distinct index (a tuple of slices, as
             ``jax.make_array_from_callback`` passes) and returns that shard of
             the array, as anything with ``shape`` and ``dtype`` (a NumPy
@@ -443,10 +411,8 @@ def async_array_from_callback(
 
     Raises:
         TypeError: If ``data_callback`` is not callable, ``sharding`` is not a
-            ``Sharding`` or ``Format`` (or is a ``Format`` with the AUTO layout
-            or without a sharding, in JAX's words), ``dtype`` is not a dtype,
-            ``shape`` is not a sequence of integers, or ``timeout`` is not a
-            number.
+            ``Sharding``, ``dtype`` is not a dtype, ``shape`` is not a sequence
+            of integers, or ``timeout`` is not a number.
         ValueError: If ``sharding`` cannot hold ``shape``, ``shape`` has a
             negative size, ``timeout`` is not positive and finite, or ``dtype``
             is ``None`` and no device of this process holds a shard.
@@ -485,7 +451,7 @@ def async_array_from_callback(
         "Pass a function of the shard's index, e.g. lambda index: data[index].",
     )
     dims = _check_shape(shape)
-    sharding, fmt = _check_sharding(sharding)
+    sharding = _check_sharding(sharding)
     try:
         sharding.shard_shape(dims)
     except (ValueError, TypeError, IndexError) as e:
@@ -514,7 +480,7 @@ def async_array_from_callback(
         spec = extended_spec(dims, dtype, sharding)
     else:
         _, (spec,) = leaf_specs(declared, sharding, API)
-    load = ShardedLoad(dims, sharding, data_callback, spec, seconds, fmt, first)
+    load = ShardedLoad(dims, sharding, data_callback, spec, seconds, first)
     array: AsyncArray = make_arrays(load)
     load.submit()
     return array

@@ -3,8 +3,7 @@
 The index helpers key (:func:`index_key`), name (:func:`index_str`) and measure
 (:func:`slice_shape`) a shard's index; :func:`check_shard` checks one shard as
 :func:`.leaves.check_result` checks a leaf, without a copy, and
-:func:`place_shard` copies it to its devices (the one copy); a ``Format``
-(layout and sharding) is read by :func:`is_format` and :func:`format_layout`.
+:func:`place_shard` copies it to its devices (the one copy).
 """
 
 from __future__ import annotations
@@ -74,9 +73,7 @@ def extended_spec(shape: tuple[int, ...], dtype: Any, sharding: Any) -> LeafSpec
     return LeafSpec("<root>", shape, dtype, aval, sharding)
 
 
-def place_shard(
-    shard: Any, value: Any, devices: list[Any], fmt: Any = None
-) -> list[jax.Array]:
+def place_shard(shard: Any, value: Any, devices: list[Any]) -> list[jax.Array]:
     """``shard`` on each of ``devices``, there when this returns; never aliased.
 
     ``value`` is what the callback returned (``shard`` itself, a view of its
@@ -88,16 +85,15 @@ def place_shard(
     memory, not identity: a slice of an ``np.memmap`` (an ndarray subclass)
     reaches us as a base-class view of the file's pages. So a shard costs its
     buffer and one copy at most, as in ``jax.make_array_from_callback``.
-    ``fmt``: a ``Format`` whose layout each shard takes.
     """
-    placed = _put(shard, devices, fmt)
+    placed = _put(shard, devices)
     if (
         isinstance(shard, np.ndarray)
         and not _own_copy(shard, value)
         and _aliased(placed, shard)
     ):
         del placed
-        placed = _put(np.array(shard, order="C"), devices, fmt)
+        placed = _put(np.array(shard, order="C"), devices)
     return placed
 
 
@@ -113,9 +109,9 @@ def _own_copy(shard: np.ndarray, value: Any) -> bool:
     )
 
 
-def _put(shard: Any, devices: list[Any], fmt: Any) -> list[jax.Array]:
+def _put(shard: Any, devices: list[Any]) -> list[jax.Array]:
     return jax.block_until_ready(
-        [jax.device_put(shard, _target(d, fmt)) for d in devices]
+        [jax.device_put(shard, jax.sharding.SingleDeviceSharding(d)) for d in devices]
     )
 
 
@@ -132,37 +128,3 @@ def _aliased(placed: list[jax.Array], buffer: np.ndarray) -> bool:
         if start <= pointer < end:
             return True
     return False
-
-
-def _target(device: Any, fmt: Any) -> Any:
-    one = jax.sharding.SingleDeviceSharding(device)
-    return one if fmt is None else type(fmt)(format_layout(fmt), one)
-
-
-def is_format(value: Any) -> bool:
-    """Whether ``value`` is a ``Format`` (a layout and a sharding, either may
-    be ``None``): its class in ``jax.experimental.layout``, by its fields
-    (``device_local_layout`` before jax 0.7)."""
-    return hasattr(value, "sharding") and (
-        hasattr(value, "layout") or hasattr(value, "device_local_layout")
-    )
-
-
-def auto_layout_name(layout: Any) -> str | None:
-    """``"Layout.AUTO"`` (``"DeviceLocalLayout.AUTO"`` before jax 0.7) if
-    ``layout`` is JAX's public AUTO layout, which a placed array cannot have;
-    else ``None``."""
-    from jax.experimental import layout as public
-
-    for name in ("Layout", "DeviceLocalLayout"):
-        auto = getattr(getattr(public, name, None), "AUTO", None)
-        if auto is not None and layout is auto:
-            return f"{name}.AUTO"
-    return None
-
-
-def format_layout(fmt: Any) -> Any:
-    """A ``Format``'s layout (``device_local_layout`` before jax 0.7)."""
-    if hasattr(fmt, "layout"):
-        return fmt.layout
-    return getattr(fmt, "device_local_layout", None)

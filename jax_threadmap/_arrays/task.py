@@ -339,10 +339,8 @@ class Task(Call):
     def value(
         self, leaf: int, timeout: float | None, describe: Callable[[], str]
     ) -> jax.Array:
-        """The placed ``leaf``; raises the call's error, TimeoutError, or that
-        the leaf was donated. ``describe()`` names the array, for the errors."""
-        if self.donated(leaf):
-            raise _outcomes.donated_error(describe())
+        """The placed ``leaf``; raises the call's error or TimeoutError.
+        ``describe()`` names the array, for the errors."""
         value = self._value  # the common case, cheaply: no lock
         if value is not None:
             return value[leaf]

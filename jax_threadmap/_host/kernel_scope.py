@@ -82,12 +82,12 @@ class _Entered:
     """One entry of a :class:`KernelScope` (a few microseconds: an ``async def``
     kernel enters at every step)."""
 
-    __slots__ = ("_scope", "_device", "_refusing")
+    __slots__ = ("_scope", "_device", "_outer")
 
     def __init__(self, scope: KernelScope):
         self._scope = scope
         self._device: Any = None
-        self._refusing: Any = None
+        self._outer: tuple[frozenset[Any], str] | None = None
 
     def __enter__(self) -> None:
         scope = self._scope
@@ -95,12 +95,11 @@ class _Entered:
             self._device = jax.default_device(scope._default)
             self._device.__enter__()
         if scope.held:
-            self._refusing = RUNS.refusing(scope.held, scope._why)
-            self._refusing.__enter__()
+            self._outer = RUNS.refuse(scope.held, scope._why)
 
     def __exit__(self, *exc: object) -> None:
-        if self._refusing is not None:
-            self._refusing.__exit__(*exc)
+        if self._outer is not None:
+            RUNS.restore(self._outer)
         if self._device is not None:
             self._device.__exit__(*exc)
 

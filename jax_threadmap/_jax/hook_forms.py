@@ -51,9 +51,9 @@ FAST_PLACEMENT = "fast placement"
 #: Where a hook is missing, it is mapped on one device, with one INFO log line
 #: (:func:`.auto_sharding.unavailable`).
 AUTO_PER_SHARD = "per-shard jit"
-#: Optional: the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own under
-#: ``jit`` (deferred); where a hook is missing, each waits for the value and
-#: delegates to the ``jax.Array`` (:func:`.._arrays.array_surface.surface_unavailable`).
+#: Needed by async arrays with the others (:func:`.._arrays.leaves.leaf_specs`
+#: requires both): the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own
+#: under ``jit`` (deferred).
 ARRAY_SURFACE = "jax.Array surface"
 
 

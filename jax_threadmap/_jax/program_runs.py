@@ -1,7 +1,7 @@
 """Program runs: :data:`RUNS`, the one hooks object that wraps every run of a
 compiled program from Python (on the hooks of :mod:`.hooks`), through which the
 async layer defers the runs on pending data and kernels are kept off the
-devices whose programs wait for them (:meth:`ProgramRuns.refusing`).
+devices whose programs wait for them (:meth:`ProgramRuns.refuse`).
 """
 
 from __future__ import annotations
@@ -50,29 +50,29 @@ class ProgramRuns:
     ``ExecuteReplicated.__call__``: JAX runs a jitted program from Python there
     (its C++ fast path aside, which never sees an ``AsyncArray``), the argument
     handlers first, then XLA's execute. Each run first refuses a program on a
-    device that this thread must not use (:meth:`refusing`, the kernel scope's
+    device that this thread must not use (:meth:`refuse`, the kernel scope's
     channel), then goes through :attr:`around` where one is set (the async
     layer's): ``around(run, program, args, ordered_effects)`` must return
     ``run(program, *args)``.
     """
 
     def __init__(self) -> None:
-        #: What this thread's programs must not use (:meth:`refusing`), read
+        #: What this thread's programs must not use (:meth:`refuse`), read
         #: as an attribute (``refused.devices``) on every kernel's first call.
         self.refused = _Refused()
         #: What every run goes through (the async layer's), once set.
         self.around: Callable[..., Any] | None = None
 
-    def install(self, around: Callable[..., Any] | None = None) -> bool:
-        """Wraps the runs (once); sets :attr:`around` if given. Returns whether
-        the hook is there (:func:`runs_unavailable` says why not)."""
+    def install(self, around: Callable[..., Any] | None = None) -> None:
+        """Wraps the runs (once; not where :func:`runs_unavailable` says why);
+        sets :attr:`around` if given."""
         if runs_unavailable() is not None:
-            return False
+            return
         if around is not None:
             self.around = around
         cls = get("ExecuteReplicated")
         if hasattr(cls.__call__, _ORIGINAL):
-            return True
+            return
         run = cls.__call__
         refused = self.refused
 
@@ -87,14 +87,21 @@ class ProgramRuns:
 
         setattr(__call__, _ORIGINAL, run)
         cls.__call__ = __call__
-        return True
 
-    def refusing(self, devices: frozenset[Any], why: str) -> _Refusing:
-        """While entered, programs run from this thread on ``devices`` raise
-        :class:`HeldDeviceError` (``why`` says what waits on them) instead of
-        being dispatched. Nested scopes add up. Reaches the programs that JAX
-        runs from Python, not those of its C++ fast path."""
-        return _Refusing(self.refused, devices, why)
+    def refuse(self, devices: frozenset[Any], why: str) -> tuple[frozenset[Any], str]:
+        """Until :meth:`restore` is given what this returns, programs run from
+        this thread on ``devices`` raise :class:`HeldDeviceError` (``why`` says
+        what waits on them) instead of being dispatched. Nested calls add up.
+        Reaches the programs that JAX runs from Python, not those of its C++
+        fast path."""
+        refused = self.refused
+        outer = (refused.devices, refused.why)
+        refused.devices, refused.why = refused.devices | devices, why
+        return outer
+
+    def restore(self, outer: tuple[frozenset[Any], str]) -> None:
+        """Ends the :meth:`refuse` that returned ``outer``."""
+        self.refused.devices, self.refused.why = outer
 
     def _check_devices(self, program: Any) -> None:
         refused = self.refused
@@ -109,25 +116,6 @@ class ProgramRuns:
                 "jax.devices('cpu')[0]) for arrays from elsewhere, or "
                 "jax.jit(f, backend='cpu')), or do this work outside the kernel."
             )
-
-
-class _Refusing:
-    """One entry of :meth:`ProgramRuns.refusing`."""
-
-    __slots__ = ("_refused", "_devices", "_why", "_outer")
-
-    def __init__(self, refused: _Refused, devices: frozenset[Any], why: str):
-        self._refused, self._devices, self._why = refused, devices, why
-        self._outer: tuple[frozenset[Any], str] = (frozenset(), "")
-
-    def __enter__(self) -> None:
-        refused = self._refused
-        self._outer = (refused.devices, refused.why)
-        if self._devices:
-            refused.devices, refused.why = refused.devices | self._devices, self._why
-
-    def __exit__(self, *exc: object) -> None:
-        self._refused.devices, self._refused.why = self._outer
 
 
 #: The hooks object (one per process: JAX's class is wrapped once).

@@ -22,7 +22,6 @@ import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, async_call, kernel, threadmap
 from jax_threadmap._executors.async_kernels import (
     DEFAULT_MAX_IN_FLIGHT,
-    ENV_MAX_IN_FLIGHT,
 )
 from jax_threadmap._support import event_loop as _event_loop
 
@@ -134,8 +133,7 @@ def test_partials_and_callables_of_coroutine_functions():
     )
 
 
-@pytest.mark.parametrize("how", ["keyword", "environment"])
-def test_the_bound_on_elements_in_flight_holds(how, monkeypatch):
+def test_the_bound_on_elements_in_flight_holds():
     bound = 7
     seen = InFlight(until=bound)
 
@@ -145,12 +143,7 @@ def test_the_bound_on_elements_in_flight_holds(how, monkeypatch):
         seen.leave()
         return x
 
-    kw = {}
-    if how == "keyword":
-        kw["max_in_flight"] = bound
-    else:
-        monkeypatch.setenv(ENV_MAX_IN_FLIGHT, str(bound))
-    f = jax.vmap(lambda x: threadmap(wait_a_little, F32, x, **kw))
+    f = jax.vmap(lambda x: threadmap(wait_a_little, F32, x, max_in_flight=bound))
     x = jnp.arange(100.0)
     np.testing.assert_array_equal(f(x), x)
     assert seen.peak == bound
@@ -192,12 +185,6 @@ def test_bad_bounds_are_refused_at_the_call(value, error, match):
         threadmap(_identity, F32, 1.0, max_in_flight=value)
     with pytest.raises(error, match=match):
         jax_threadmap.kernel(F32, max_in_flight=value)
-
-
-def test_a_bad_environment_variable_is_refused_at_the_call(monkeypatch):
-    monkeypatch.setenv(ENV_MAX_IN_FLIGHT, "lots")
-    with pytest.raises(ValueError, match=f"{ENV_MAX_IN_FLIGHT} must be a positive"):
-        threadmap(_identity, F32, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -200,8 +200,7 @@ def threadmap(
             with at most N elements per chunk (for kernels that need memory per
             element).
         max_in_flight: For an ``async def`` kernel, the most elements awaited at
-            once. ``None``: the environment variable
-            ``JAX_THREADMAP_MAX_IN_FLIGHT``, else 2048. An ``async def`` kernel
+            once. ``None``: 2048. An ``async def`` kernel
             runs each element as a coroutine on jax_threadmap's one event loop
             (the loop of ``async def`` loaders), not a thread each; it takes
             ``executor=None`` and ``vectorized=False`` only (see

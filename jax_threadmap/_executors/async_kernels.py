@@ -47,7 +47,6 @@ import numpy as np
 
 from .._host.kernel_scope import KernelScope
 from .._host.maps import ElementCaller, HostMap
-from .._support import environment as _environment
 from .._support import validate as _validate
 from .._support.errors import (
     PASS_THROUGH,
@@ -60,19 +59,15 @@ from .._support.event_loop import event_loop
 from .._support.validate import is_coroutine_function
 from .progress import Progress, progress_enabled, wait
 
-#: Elements of one map in flight at once when neither ``max_in_flight=`` nor
-#: ``JAX_THREADMAP_MAX_IN_FLIGHT`` says: enough that 2,048 requests of 50 ms
-#: finish in about 50 ms, and few enough that a kernel opening a connection per
-#: element stays under a raised file-descriptor limit (4,096 on many systems).
+#: Elements of one map in flight at once when ``max_in_flight=`` does not say:
+#: enough that 2,048 requests of 50 ms finish in about 50 ms, and few enough that
+#: a kernel opening a connection per element stays under a raised
+#: file-descriptor limit (4,096 on many systems).
 DEFAULT_MAX_IN_FLIGHT = 2048
 
 #: The largest bound accepted: each element in flight is a task and a coroutine
 #: (a few kB); beyond this the bound is almost always a batch size by mistake.
 MAX_IN_FLIGHT = 1_000_000
-
-#: The environment variable for the bound, when ``max_in_flight=`` is not given.
-ENV_MAX_IN_FLIGHT = "JAX_THREADMAP_MAX_IN_FLIGHT"
-
 
 # --- checks at the call -------------------------------------------------------------
 
@@ -104,15 +99,13 @@ def check_async_kernel(
 
 
 def check_max_in_flight(value: Any, api: str = "threadmap") -> int | None:
-    """``max_in_flight=`` checked; ``None`` also checks the environment variable,
-    so that a bad value fails the call rather than the map."""
+    """``max_in_flight=`` checked (``None``: :data:`DEFAULT_MAX_IN_FLIGHT`)."""
     if value is None:
-        env_max_in_flight()
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
             f"{api}: max_in_flight must be None (the default, "
-            f"{DEFAULT_MAX_IN_FLIGHT}, or {ENV_MAX_IN_FLIGHT}) or a positive int: "
+            f"{DEFAULT_MAX_IN_FLIGHT}) or a positive int: "
             "the most elements of an async def kernel awaited at once. Got "
             f"max_in_flight={value!r} of type {type(value).__name__}."
         )
@@ -123,22 +116,6 @@ def check_max_in_flight(value: Any, api: str = "threadmap") -> int | None:
             "once (e.g. 256 for requests to one server), not the batch size."
         )
     return int(value)
-
-
-def env_max_in_flight() -> int | None:
-    """``JAX_THREADMAP_MAX_IN_FLIGHT``, checked; ``None`` when unset."""
-    return _environment.env_positive_int(
-        ENV_MAX_IN_FLIGHT,
-        "the most elements of an async def kernel in flight at once",
-        MAX_IN_FLIGHT,
-    )
-
-
-def in_flight_bound(max_in_flight: int | None) -> int:
-    """The bound of one map: the keyword, else the environment, else the default."""
-    if max_in_flight is not None:
-        return max_in_flight
-    return env_max_in_flight() or DEFAULT_MAX_IN_FLIGHT
 
 
 # --- one element in the kernels' scope ----------------------------------------------
@@ -431,4 +408,4 @@ def run_async_map(
     if work.n == 0:
         return
     bar = Progress(work.n, work.name) if progress_enabled(progress) else None
-    AsyncMap(work, in_flight_bound(max_in_flight)).run(bar)
+    AsyncMap(work, max_in_flight or DEFAULT_MAX_IN_FLIGHT).run(bar)

@@ -68,8 +68,8 @@ class Job:
     Args:
         n: The number of units.
         fn: Runs one chunk.
-        fixed: Chunks of exactly this many units; ``None`` for guided chunks.
-        divisor: Guided chunks take ``1 / divisor`` of what is left.
+        fixed: Chunks of exactly this many units; ``None`` for guided chunks
+            (:func:`.scheduling.chunk_size`).
         parent: The map whose kernel started this one; its failure stops this one.
         workers: The threads the map's executor has (default: one per unit).
         cpus: A guided map starts on this many threads when fewer than
@@ -85,7 +85,6 @@ class Job:
         fn: ChunkFn,
         *,
         fixed: int | None = None,
-        divisor: int = 2,
         parent: Job | None = None,
         workers: int | None = None,
         cpus: int | None = None,
@@ -96,7 +95,6 @@ class Job:
         self.fn = fn
         self.scope = scope
         self.fixed = 1 if in_order else fixed
-        self.divisor = divisor
         self.workers = n if workers is None else max(1, workers)
         #: Threads the map may hold now (raised to ``workers`` once it rises).
         self.limit = self.workers
@@ -167,7 +165,7 @@ class Job:
             return None
         start = self._next
         size = self.fixed or policy.chunk_size(
-            self.n - start, self.divisor, self._measure, self.limited
+            self.n - start, self.workers, self._measure, self.limited
         )
         self._next = stop = min(self.n, start + size)
         self._outstanding += 1

@@ -48,18 +48,15 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
 
 #: Per thread executor, the lock held while a map queues its first pullers: two
 #: maps started at once would split its workers, and elements that wait for each
-#: other could wait for good. Executors without weak references share _fallback.
+#: other could wait for good. (A ``ThreadPoolExecutor`` takes weak references,
+#: its subclasses too; and it is hashable, or JAX refuses it as a param.)
 _states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
-_fallback = threading.Lock()
 
 
 def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
     with _states_lock:
-        try:
-            return _states.setdefault(executor, threading.Lock())
-        except TypeError:  # an executor that takes no weak references
-            return _fallback
+        return _states.setdefault(executor, threading.Lock())
 
 
 # --- one runner per kind of executor --------------------------------------------------
@@ -200,7 +197,6 @@ def new_job(
         units,
         work.run_chunk,
         fixed=fixed,
-        divisor=policy.guided_divisor(workers),
         parent=parent,
         workers=workers,
         cpus=cpus if limited else None,
@@ -328,8 +324,7 @@ atexit.register(_at_exit)
 def _start_afresh() -> None:
     """A forked child runs none of the parent's maps, and any lock of the user
     executors may have been held at the fork."""
-    global _states, _states_lock, _fallback
+    global _states, _states_lock
     _flights.clear()
     _states = weakref.WeakKeyDictionary()
     _states_lock = threading.Lock()
-    _fallback = threading.Lock()

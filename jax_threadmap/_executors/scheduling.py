@@ -70,11 +70,6 @@ class Measure:
     votes: int = 0
 
 
-def guided_divisor(workers: int) -> int:
-    """Guided chunks take ``1 / guided_divisor(workers)`` of what is left."""
-    return GUIDED_SHARE * workers
-
-
 def fixed_chunk(units: int, workers: int) -> int | None:
     """Elements per chunk of a map summed on the host (fixed bounds)."""
     return -(-units // (FIXED_CHUNKS_PER_WORKER * workers)) if units else None
@@ -99,14 +94,15 @@ def starts_limited(
     return on_threads and not nested and large and cpus < workers
 
 
-def chunk_size(remaining: int, divisor: int, measure: Measure, limited: bool) -> int:
-    """Elements in the next guided chunk: one until one has been timed, then
-    ``remaining // divisor``, at most :data:`MAX_CHUNK_SECONDS` of work, and
-    on a limited map at least :data:`MIN_CHUNK_SECONDS`."""
+def chunk_size(remaining: int, workers: int, measure: Measure, limited: bool) -> int:
+    """Elements in the next guided chunk of a map on ``workers`` threads: one
+    until one has been timed, then ``remaining // (GUIDED_SHARE * workers)``, at
+    most :data:`MAX_CHUNK_SECONDS` of work, and on a limited map at least
+    :data:`MIN_CHUNK_SECONDS`."""
     per = measure.per_element
     if per <= 0.0:
         return 1
-    size = remaining // divisor
+    size = remaining // (GUIDED_SHARE * workers)
     if limited:
         size = max(size, int(MIN_CHUNK_SECONDS / per))
     return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))

@@ -48,8 +48,6 @@ class ThreadPool:
     ) -> None:
         """Runs ``job`` to completion or first failure (``work``: the map, which
         the shared threads do not need: they run ``job``'s chunks)."""
-        if job.n == 0:
-            return
         threads = _threads
         job.grow = lambda: threads.hand(self, job)
         try:

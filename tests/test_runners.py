@@ -7,8 +7,9 @@ import multiprocessing
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jax_threadmap import threadmap
+from jax_threadmap import ExecutorError, threadmap
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import shared_threads as _shared_threads
 
@@ -79,3 +80,20 @@ def test_a_new_kind_of_executor_is_one_class_and_one_line(monkeypatch):
     ex = InlineExecutor()
     np.testing.assert_array_equal(f(x), 2 * x)
     assert ran == [6]
+
+
+def _initializer_fails():
+    raise RuntimeError("no thread for you")
+
+
+def test_a_thread_pool_whose_initializer_fails_names_its_error():
+    # The pool breaks (BrokenThreadPool): the map's error says so, and none of a
+    # process pool's hints (worker processes, the main script) appear.
+    ex = concurrent.futures.ThreadPoolExecutor(2, initializer=_initializer_fails)
+    f = jax.vmap(lambda v: threadmap(lambda a: a * 2, F32, v, executor=ex))
+    with pytest.raises(ExecutorError) as info:
+        f(np.arange(6, dtype=np.float32))
+    message = str(info.value)
+    assert "the executor failed with BrokenThreadPool" in message, message
+    assert "initializer" in message and "worker process" not in message, message
+    ex.shutdown()

@@ -23,7 +23,7 @@ from . import scheduling as policy
 from . import shared_threads as _shared_threads
 from .jobs import Job, interpreter_exiting, this_thread
 from .progress import Progress, progress_enabled, wait
-from .shipping import Shipper, broken_hint, refused, said
+from .shipping import Shipper, refused, said
 
 #: Where a map runs: the shared pool, a pool of N threads, or an executor (as
 #: ``executor=`` takes them, out of their ``InOrder``: ``run_map``'s ``in_order``).
@@ -237,19 +237,15 @@ def run_map(
         _flights.pop(job, None)
         job.detach()
     if job.error is not None:
-        raise _map_error(job.error, work.name, executor)
+        raise _map_error(job.error, work.name)
 
 
-def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
-    """The error a failed map raises: kernel errors as they are, the rest wrapped."""
+def _map_error(e: BaseException, name: str) -> BaseException:
+    """The error a failed map raises: kernel errors as they are, the rest wrapped
+    (an executor that pickles work names its broken workers as its chunks fail,
+    ``shipping.py``; a thread pool breaks only when its initializer fails)."""
     if isinstance(e, (KernelError, ExecutorError, KeyboardInterrupt, SystemExit)):
         return e
-    if isinstance(e, concurrent.futures.BrokenExecutor):
-        return ExecutorError(
-            f"The executor running threadmap kernel {name!r} broke while the map ran "
-            f"({said(e)}). {broken_hint(executor)}",
-            cause=e,
-        )
     return ExecutorError(
         f"threadmap kernel {name!r}: the executor failed with {said(e)}.", cause=e
     )

@@ -329,35 +329,6 @@ def _next(prefix: tuple[int, ...], outer: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(index)
 
 
-def loop_source(
-    caller: Caller,
-    in_v: Sequence[np.ndarray],
-    out_v: Sequence[np.ndarray],
-    shape: tuple[int, ...],
-    flat_of: Any = None,
-) -> str:
-    """The generated source of the loop of ``caller``'s kernel over these views
-    (tracebacks show its lines); arguments as :func:`element_loop`."""
-    last = len(shape) - 1
-    # Read once per row: constant along it (stride 0), or a row of one element.
-    consts = tuple(bool(v.strides[last] == 0 or shape[last] == 1) for v in in_v)
-    sources = caller.loop_sources
-    if sources is None or sources[0] != len(in_v):  # once per caller, not per call
-        sources = caller.loop_sources = (
-            len(in_v),
-            call_source(caller.in_tree, [f"A{k}_" for k in range(len(in_v))]),
-            unpack_source(caller.out_tree),
-        )
-    return _source(
-        consts,
-        sources[1],
-        sources[2],
-        tuple(s == () for s, _ in caller.out_core),
-        tuple(k in caller.accumulate for k in range(len(out_v))),
-        flat_of is not None,
-    )
-
-
 def element_loop(
     caller: Caller,
     in_v: Sequence[np.ndarray],
@@ -375,7 +346,24 @@ def element_loop(
         flat_of: For views holding a gathered subset of the batch (1-D), the
             flat batch index of each element, for messages.
     """
-    source = loop_source(caller, in_v, out_v, shape, flat_of)
+    last = len(shape) - 1
+    # Read once per row: constant along it (stride 0), or a row of one element.
+    consts = tuple(bool(v.strides[last] == 0 or shape[last] == 1) for v in in_v)
+    sources = caller.loop_sources
+    if sources is None or sources[0] != len(in_v):  # once per caller, not per call
+        sources = caller.loop_sources = (
+            len(in_v),
+            call_source(caller.in_tree, [f"A{k}_" for k in range(len(in_v))]),
+            unpack_source(caller.out_tree),
+        )
+    source = _source(
+        consts,
+        sources[1],
+        sources[2],
+        tuple(s == () for s, _ in caller.out_core),
+        tuple(k in caller.accumulate for k in range(len(out_v))),
+        flat_of is not None,
+    )
     label = loop_label(caller.name, len(in_v), len(out_v), len(caller.accumulate))
     build = _compile(source, label)
     return build(

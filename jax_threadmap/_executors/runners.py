@@ -1,5 +1,5 @@
 """One map from start to end: :func:`run_map` picks its runner (one per kind
-of ``executor=``, :data:`RUNNERS`), makes its job, runs it, raises its error;
+of ``executor=``, :func:`runner_for`), makes its job, runs it, raises its error;
 chunks shipped to executors that pickle work (:mod:`.shipping`); interpreter
 exit (docs/executors.md, "Ctrl-C and interpreter exit").
 """
@@ -11,7 +11,6 @@ import concurrent.futures
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._host.inner_threads import BLAS_LIMIT
@@ -153,17 +152,14 @@ def _is_shared(executor: Any) -> bool:
     return executor is None or isinstance(executor, int)
 
 
-#: The kinds of executor, first match first: a test and a runner class.
-RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], Runner]], ...] = (
-    (_is_shared, _shared_threads.get_pool),
-    (lambda e: isinstance(e, concurrent.futures.ThreadPoolExecutor), ThreadExecutor),
-    (lambda executor: True, PicklingExecutor),
-)
-
-
 def runner_for(executor: Any) -> Runner:
-    """The runner of ``executor=`` (see :data:`RUNNERS`)."""
-    return next(make(executor) for is_kind, make in RUNNERS if is_kind(executor))
+    """The runner of ``executor=``: the shared threads, a user's thread pool, or
+    an executor that pickles work (any other)."""
+    if _is_shared(executor):
+        return _shared_threads.get_pool(executor)
+    if isinstance(executor, concurrent.futures.ThreadPoolExecutor):
+        return ThreadExecutor(executor)
+    return PicklingExecutor(executor)
 
 
 #: Every map in flight, with the thread waiting for it. No lock: setting, popping
@@ -173,15 +169,13 @@ _flights: dict[Job, threading.Thread] = {}
 
 def new_job(
     work: HostMap,
-    executor: Executor,
+    runner: Runner,
     max_chunk: int | None = None,
     parent: Job | None = None,
-    runner: Runner | None = None,
     in_order: bool = False,
 ) -> Job:
-    """The job of ``work`` on ``executor`` (or its ``runner``), with its chunking
-    policy; ``in_order``: asked for (``executor=InOrder(...)``)."""
-    runner = runner_for(executor) if runner is None else runner
+    """The job of ``work`` on ``runner``, with its chunking policy;
+    ``in_order``: asked for (``executor=InOrder(...)``)."""
     workers, on_threads, units = runner.workers, runner.on_threads, work.n
     if work.vectorized and units:
         units = work.split(
@@ -221,7 +215,7 @@ def run_map(
     if work.n == 0:
         return
     runner = runner_for(executor)
-    job = new_job(work, executor, max_chunk, this_thread.job, runner, in_order)
+    job = new_job(work, runner, max_chunk, this_thread.job, in_order)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")

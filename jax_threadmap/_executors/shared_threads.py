@@ -31,7 +31,7 @@ def default_num_threads() -> int:
 class ThreadPool:
     """At most ``workers`` kernels of its maps run at once, on the shared
     threads (a nested map's waiting thread, lent to it, is the one exception):
-    the runner of ``executor=None`` and ``executor=N`` (``runners.RUNNERS``)."""
+    the runner of ``executor=None`` and ``executor=N`` (``runners.runner_for``)."""
 
     on_threads = True
 

@@ -126,10 +126,6 @@ def test_remote_chunks():
     # even share of what is left (each task costs a round trip).
     fast = policy.MIN_TASK_SECONDS_REMOTE / 1000
     assert policy.remote_chunk_size(fast, 4000, 8) >= 999  # not 4000 // 8
-    assert policy.smoothed(None, 3.0) == 3.0
-    assert policy.smoothed(1.0, 3.0) == pytest.approx(
-        policy.SMOOTHING * 1.0 + (1 - policy.SMOOTHING) * 3.0
-    )
 
 
 # --- the docs quote the numbers ---------------------------------------------------

@@ -56,8 +56,6 @@ VECTOR_CHUNK_BYTES = 16 * 2**20
 #: Tasks in flight per worker of an executor that pickles work: one running,
 #: one queued.
 REMOTE_IN_FLIGHT_PER_WORKER = 2
-#: Weight of the older estimate of an element's seconds (pickling executors).
-SMOOTHING = 0.5
 
 
 @dataclasses.dataclass
@@ -154,8 +152,3 @@ def remote_chunk_size(per_element: float | None, remaining: int, in_flight: int)
     size = int(TASK_SECONDS_REMOTE / per_element)
     least = int(MIN_TASK_SECONDS_REMOTE / per_element)
     return max(1, min(size, max(least, -(-remaining // in_flight))))
-
-
-def smoothed(old: float | None, new: float) -> float:
-    """The moving average of an element's seconds (:data:`SMOOTHING`)."""
-    return new if old is None else SMOOTHING * old + (1 - SMOOTHING) * new

@@ -90,7 +90,7 @@ class Shipper:
                 raise _chunk_failed(self.executor, self.work, start, stop, e) from e
             self.work.store_packed(start, stop, outs)
             self.job.add_completed(stop - start)
-            self.per_element = policy.smoothed(self.per_element, per_element)
+            self.per_element = per_element  # the latest: tasks size from it
         self.top_up(self.cap)
         return not self.pending
 

@@ -18,17 +18,15 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
+from .._host.loops import ChunkFn
 from .._support import fork as _fork
 from .._support.errors import ExecutorError
 from . import scheduling as policy
 
 #: A claimed chunk: units ``[start, stop)``.
 Chunk = tuple[int, int]
-#: Runs units ``[start, stop)`` of a job (the third argument), stopping before
-#: the next unit once the job's ``failed`` is true.
-ChunkFn = Callable[[int, int, Any], None]
 
 
 class Busy(Protocol):

@@ -38,7 +38,7 @@ class Shipper:
         self.work = work
         self.job = job
         self.cap = policy.remote_in_flight(workers)
-        self.first_wave = min(workers or policy.UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
+        self.first_wave = workers or self.cap  # one task per worker, if known
         self.next = 0
         self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
         self.per_element: float | None = None

@@ -185,8 +185,8 @@ def threadmap(
             [`InOrder`][jax_threadmap.InOrder]: the elements run one per claim in
             index order on every thread at once, as `ThreadPoolExecutor.map` does,
             for elements that wait for each other.
-        progress: Show a progress bar (tqdm when installed, else lines on
-            stderr) for maps that run longer than about a second. ``None``: on
+        progress: Show a progress bar (tqdm's; without tqdm, a warning) for
+            maps that run longer than about a second. ``None``: on
             when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.
             Costs nothing when off.
         vectorized: ``False``: ``kernel`` takes one element. ``True``: it takes a

@@ -1015,17 +1015,18 @@ def test_maps_summed_on_the_host_and_nested_maps_take_every_thread(monkeypatch):
     monkeypatch.setattr(_maps, "available_cpus", lambda: 1)
     work = type("W", (), {"sums": True, "vectorized": False, "n": 64, "scope": None})()
     work.run_chunk = lambda start, stop, job: None
-    assert not _maps.new_job(work, 8).limited  # fixed bounds: not measured
+    eight, one = _maps.runner_for(8), _maps.runner_for(1)
+    assert not _maps.new_job(work, eight).limited  # fixed bounds: not measured
     work.sums = False
-    assert _maps.new_job(work, 8).limited
+    assert _maps.new_job(work, eight).limited
     parent = _jobs.Job(1, lambda *a: None)
-    assert not _maps.new_job(work, 8, parent=parent).limited
-    assert not _maps.new_job(work, 1).limited  # no more threads than CPUs
+    assert not _maps.new_job(work, eight, parent=parent).limited
+    assert not _maps.new_job(work, one).limited  # no more threads than CPUs
     work.n = 32
-    small = _maps.new_job(work, 8)  # 4 elements per thread: in index order
+    small = _maps.new_job(work, eight)  # 4 elements per thread: in index order
     assert small.fixed == 1 and not small.limited
     work.n = 64
-    asked = _maps.new_job(work, 8, in_order=True)
+    asked = _maps.new_job(work, eight, in_order=True)
     assert asked.fixed == 1 and not asked.limited
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
-import sys
 
 import hypothesis.strategies as st
 import jax
@@ -90,7 +89,7 @@ def test_one_thread_env_off_and_the_users_block_keep_blas_threads(
 ):
     ones = (1,) * len(blas_default)
     assert _seen_on_the_pool(executor=1) == {blas_default}  # one kernel at a time
-    with jtm.limit_inner_threads(3, user_api="blas"):
+    with jtm.limit_inner_threads(3):
         assert _seen_on_the_pool() == {(3,) * len(blas_default)}  # the user's wins
     with jtm.limit_inner_threads(1):
         assert _seen_on_the_pool() == {ones}
@@ -236,7 +235,7 @@ def test_a_jitted_map_waited_for_in_the_block_runs_under_the_limit():
 
     one = jax.ShapeDtypeStruct((), np.float32)
     f = jax.jit(jax.vmap(lambda a: jtm.threadmap(kernel, one, a)))
-    with jtm.limit_inner_threads(1, user_api="blas"):
+    with jtm.limit_inner_threads(1):
         out = f(np.arange(6, dtype=np.float32)).block_until_ready()
     np.testing.assert_array_equal(out, np.arange(6) + 1)
     assert seen == {(1,) * len(_blas_threads())}
@@ -248,7 +247,6 @@ def test_a_jitted_map_waited_for_in_the_block_runs_under_the_limit():
         ({"limit": 0}, ValueError, "at least 1 (1 runs each"),
         ({"limit": 1.5}, TypeError, "must be an int"),
         ({"limit": True}, TypeError, "of type bool"),
-        ({"user_api": "mkl"}, ValueError, "Got 'mkl'"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, words):
@@ -256,10 +254,3 @@ def test_bad_arguments_are_named(kwargs, error, words):
         with jtm.limit_inner_threads(**kwargs):
             pass
     assert words in str(info.value)
-
-
-def test_without_threadpoolctl_the_error_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
-    with pytest.raises(ModuleNotFoundError, match="pip install threadpoolctl"):
-        with jtm.limit_inner_threads(1):
-            pass

@@ -137,7 +137,7 @@ def test_fork_while_the_layer_is_busy():
     held = threading.Event()
 
     def hold_locks():
-        with _runners._states_lock, _runners._fallback:
+        with _runners._states_lock:
             held.set()
             release.wait(60)
 
@@ -215,7 +215,7 @@ def test_chunks_claimed_while_others_run_leave_every_unit_run_once(
         lock = threading.Lock()
         slow = set(rng.choice(n, 40, replace=False).tolist())
         chunk = _protocol_chunk(calls, lock, slow)
-        job = _jobs.Job(n, chunk, divisor=8, workers=6, in_order=in_order)
+        job = _jobs.Job(n, chunk, workers=6, in_order=in_order)
         threads = [threading.Thread(target=job.drain) for _ in range(6)]
         for t in threads:
             t.start()
@@ -260,7 +260,7 @@ def test_a_failure_stops_every_running_chunk_at_its_next_unit(switch_often):
         late: dict[int, int] = {}  # per thread: units begun with the map failed
         jobs: list[_jobs.Job] = []
         chunk = _failing_chunk(calls, late, functools.partial(jobs.__getitem__, 0))
-        job = _jobs.Job(n, chunk, divisor=8, workers=6)
+        job = _jobs.Job(n, chunk, workers=6)
         jobs.append(job)
         threads = [threading.Thread(target=job.drain) for _ in range(6)]
         for t in threads:

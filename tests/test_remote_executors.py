@@ -497,18 +497,21 @@ def test_fast_elements_ship_in_a_few_tasks(counting_pool, monkeypatch):
     # checks is that the shipper sizes its tasks from it, with the floor.
     per_element = policy.MIN_TASK_SECONDS_REMOTE / 500
     reported = []
+    chunk_size = policy.remote_chunk_size
 
-    def fixed(old, new):
-        reported.append(new)
-        return per_element
+    def fixed(per, remaining, in_flight):
+        if per is not None:  # (None: the first wave, one element per worker)
+            reported.append(per)
+            per = per_element
+        return chunk_size(per, remaining, in_flight)
 
-    monkeypatch.setattr(policy, "smoothed", fixed)
+    monkeypatch.setattr(policy, "remote_chunk_size", fixed)
     f = mapped(worker_kernels.raises_at_five, counting_pool)
     x = (np.arange(4096) % 5).astype(np.float32)
     tasks = counting_pool.tasks
     np.testing.assert_array_equal(f(x), x)
     tasks = counting_pool.tasks - tasks
-    assert len(reported) == tasks and all(t > 0 for t in reported), reported
+    assert len(reported) == tasks - 2 and all(t > 0 for t in reported), reported
     # The first wave (one element per worker), then tasks of at least 500
     # elements (or what is left): 2 + ceil(4094 / 500).
     assert tasks <= 2 + -(-4094 // 500), tasks

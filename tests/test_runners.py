@@ -7,8 +7,9 @@ import multiprocessing
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jax_threadmap import threadmap
+from jax_threadmap import ExecutorError, threadmap
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import shared_threads as _shared_threads
 
@@ -57,7 +58,7 @@ class InlineExecutor(concurrent.futures.Executor):
     """A kind of executor for this test: its runner runs chunks in the caller."""
 
 
-def test_a_new_kind_of_executor_is_one_class_and_one_line(monkeypatch):
+def test_a_new_kind_of_executor_is_one_class_and_one_branch(monkeypatch):
     ran = []
 
     class Inline:
@@ -72,10 +73,31 @@ def test_a_new_kind_of_executor_is_one_class_and_one_line(monkeypatch):
             ran.append(job.n)
             job.drain()
 
-    kind = (lambda ex: isinstance(ex, InlineExecutor), Inline)
-    monkeypatch.setattr(_maps, "RUNNERS", (kind, *_maps.RUNNERS))
+    runner_for = _maps.runner_for
+
+    def with_inline(ex):
+        return Inline(ex) if isinstance(ex, InlineExecutor) else runner_for(ex)
+
+    monkeypatch.setattr(_maps, "runner_for", with_inline)
     x = np.arange(6, dtype=np.float32)
     f = jax.vmap(lambda v: threadmap(lambda a: a * 2, F32, v, executor=ex))
     ex = InlineExecutor()
     np.testing.assert_array_equal(f(x), 2 * x)
     assert ran == [6]
+
+
+def _initializer_fails():
+    raise RuntimeError("no thread for you")
+
+
+def test_a_thread_pool_whose_initializer_fails_names_its_error():
+    # The pool breaks (BrokenThreadPool): the map's error says so, and none of a
+    # process pool's hints (worker processes, the main script) appear.
+    ex = concurrent.futures.ThreadPoolExecutor(2, initializer=_initializer_fails)
+    f = jax.vmap(lambda v: threadmap(lambda a: a * 2, F32, v, executor=ex))
+    with pytest.raises(ExecutorError) as info:
+        f(np.arange(6, dtype=np.float32))
+    message = str(info.value)
+    assert "the executor failed with BrokenThreadPool" in message, message
+    assert "initializer" in message and "worker process" not in message, message
+    ex.shutdown()

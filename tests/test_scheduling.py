@@ -17,19 +17,19 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 
 def test_guided_chunks_take_a_share_of_what_is_left():
-    divisor = policy.guided_divisor(8)
-    assert divisor == policy.GUIDED_SHARE * 8
     fast = Measure(per_element=1e-9)
-    assert policy.chunk_size(1600, divisor, fast, limited=False) == 100
-    assert policy.chunk_size(20, divisor, fast, limited=False) == 1
+    assert policy.chunk_size(1600, 8, fast, limited=False) == 1600 // (
+        policy.GUIDED_SHARE * 8
+    )
+    assert policy.chunk_size(20, 8, fast, limited=False) == 1
     # Fewer than 2 * GUIDED_SHARE elements per worker left: one element each.
     last = 2 * policy.GUIDED_SHARE * 8 - 1
-    assert policy.chunk_size(last, divisor, fast, limited=False) == 1
+    assert policy.chunk_size(last, 8, fast, limited=False) == 1
 
 
 @pytest.mark.parametrize("limited", [False, True])
 def test_a_guided_map_takes_one_element_until_one_is_timed(limited):
-    assert policy.chunk_size(10_000, 16, Measure(), limited=limited) == 1
+    assert policy.chunk_size(10_000, 8, Measure(), limited=limited) == 1
 
 
 def test_which_maps_run_in_order_and_which_start_limited():
@@ -58,16 +58,16 @@ def test_which_maps_run_in_order_and_which_start_limited():
 def test_a_limited_maps_chunks_hold_between_min_and_max_seconds_of_work():
     fast = Measure(per_element=1e-6)
     # The share of what is left, unless that is under MIN_CHUNK_SECONDS of work.
-    assert policy.chunk_size(10_000, 16, fast, limited=True) == 625
-    assert policy.chunk_size(32, 16, fast, limited=True) == int(
+    assert policy.chunk_size(10_000, 8, fast, limited=True) == 625
+    assert policy.chunk_size(32, 8, fast, limited=True) == int(
         policy.MIN_CHUNK_SECONDS / 1e-6
     )
     # ... and never more than MAX_CHUNK_SECONDS of work.
-    assert policy.chunk_size(10**7, 16, fast, limited=True) == int(
+    assert policy.chunk_size(10**7, 8, fast, limited=True) == int(
         policy.MAX_CHUNK_SECONDS / 1e-6
     )
     slow = Measure(per_element=1.0)
-    assert policy.chunk_size(10**7, 16, slow, limited=True) == 1
+    assert policy.chunk_size(10**7, 8, slow, limited=True) == 1
 
 
 def _chunk(measure, per_element, cpu_share=1.0, threads=2, elements=10):
@@ -126,10 +126,6 @@ def test_remote_chunks():
     # even share of what is left (each task costs a round trip).
     fast = policy.MIN_TASK_SECONDS_REMOTE / 1000
     assert policy.remote_chunk_size(fast, 4000, 8) >= 999  # not 4000 // 8
-    assert policy.smoothed(None, 3.0) == 3.0
-    assert policy.smoothed(1.0, 3.0) == pytest.approx(
-        policy.SMOOTHING * 1.0 + (1 - policy.SMOOTHING) * 3.0
-    )
 
 
 # --- the docs quote the numbers ---------------------------------------------------
@@ -183,8 +179,8 @@ def test_slow_elements_cap_every_guided_chunk():
     # A map whose first elements are slow: once timed, a chunk holds at most
     # MAX_CHUNK_SECONDS of work, not a share of what is left (about 150 here).
     slow = Measure(per_element=10 * policy.MAX_CHUNK_SECONDS)
-    assert policy.chunk_size(9_000, 64, slow, limited=False) == 1
+    assert policy.chunk_size(9_000, 32, slow, limited=False) == 1
     fast = Measure(per_element=1e-7)
-    assert policy.chunk_size(9_000, 64, fast, limited=False) == 9_000 // 64
+    assert policy.chunk_size(9_000, 32, fast, limited=False) == 9_000 // 64
     policy.record_time(fast, 10, 10 * policy.MAX_CHUNK_SECONDS)
-    assert policy.chunk_size(9_000, 64, fast, limited=False) == 1
+    assert policy.chunk_size(9_000, 32, fast, limited=False) == 1

@@ -185,8 +185,8 @@ def threadmap(
             [`InOrder`][jax_threadmap.InOrder]: the elements run one per claim in
             index order on every thread at once, as `ThreadPoolExecutor.map` does,
             for elements that wait for each other.
-        progress: Show a progress bar (tqdm when installed, else lines on
-            stderr) for maps that run longer than about a second. ``None``: on
+        progress: Show a progress bar (tqdm's; without tqdm, a warning) for
+            maps that run longer than about a second. ``None``: on
             when the environment variable ``JAX_THREADMAP_PROGRESS=1`` is set.
             Costs nothing when off.
         vectorized: ``False``: ``kernel`` takes one element. ``True``: it takes a
@@ -200,8 +200,7 @@ def threadmap(
             with at most N elements per chunk (for kernels that need memory per
             element).
         max_in_flight: For an ``async def`` kernel, the most elements awaited at
-            once. ``None``: the environment variable
-            ``JAX_THREADMAP_MAX_IN_FLIGHT``, else 2048. An ``async def`` kernel
+            once. ``None``: 2048. An ``async def`` kernel
             runs each element as a coroutine on jax_threadmap's one event loop
             (the loop of ``async def`` loaders), not a thread each; it takes
             ``executor=None`` and ``vectorized=False`` only (see

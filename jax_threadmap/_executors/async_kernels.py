@@ -19,11 +19,10 @@ of ``runners.run_map``):
   awaiting them, and a cancelled element stores nothing;
 - the thread that waits for the map (the caller's, or XLA's under ``jit``) waits in
   :func:`.progress.wait`; Ctrl-C there cancels the map the same way;
-- each step of an element (from one ``await`` to the next) is timed; a step longer
-  than :data:`SLOW_STEP` held the loop, and with it every other element, loader
-  and map on it: the map then warns, naming the kernel, the batch index and how
-  long (:class:`LoopHolds`, logged as a warning by the logger
-  ``jax_threadmap.async_kernels``, as asyncio's debug mode logs slow callbacks);
+- a step of an element (from one ``await`` to the next) that blocks holds up the
+  loop, and with it every other element, loader and map on it; asyncio's debug
+  mode (``PYTHONASYNCIODEBUG=1``) logs such steps with their task, named after
+  the kernel, as it does for ``async def`` loaders;
 - outputs summed on the host (the cotangent of an operand not batched at some
   level) are added in index order, so the sum does not depend on which element
   finished first; an element may then start only while fewer than
@@ -39,10 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import logging
 import threading
-import time
 import types
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any, cast
@@ -51,7 +47,6 @@ import numpy as np
 
 from .._host.kernel_scope import KernelScope
 from .._host.maps import ElementCaller, HostMap
-from .._support import environment as _environment
 from .._support import validate as _validate
 from .._support.errors import (
     PASS_THROUGH,
@@ -64,31 +59,15 @@ from .._support.event_loop import event_loop
 from .._support.validate import is_coroutine_function
 from .progress import Progress, progress_enabled, wait
 
-#: Elements of one map in flight at once when neither ``max_in_flight=`` nor
-#: ``JAX_THREADMAP_MAX_IN_FLIGHT`` says: enough that 2,048 requests of 50 ms
-#: finish in about 50 ms, and few enough that a kernel opening a connection per
-#: element stays under a raised file-descriptor limit (4,096 on many systems).
+#: Elements of one map in flight at once when ``max_in_flight=`` does not say:
+#: enough that 2,048 requests of 50 ms finish in about 50 ms, and few enough that
+#: a kernel opening a connection per element stays under a raised
+#: file-descriptor limit (4,096 on many systems).
 DEFAULT_MAX_IN_FLIGHT = 2048
 
 #: The largest bound accepted: each element in flight is a task and a coroutine
 #: (a few kB); beyond this the bound is almost always a batch size by mistake.
 MAX_IN_FLIGHT = 1_000_000
-
-#: The environment variable for the bound, when ``max_in_flight=`` is not given.
-ENV_MAX_IN_FLIGHT = "JAX_THREADMAP_MAX_IN_FLIGHT"
-
-#: A step of an element (the code between two ``await`` s) that runs longer than
-#: this held the loop, and the map logs it. Ten times asyncio's own
-#: ``slow_callback_duration`` (0.1 s, in debug mode): a step is timed by the wall
-#: clock, and on a loaded machine the loop's thread may wait a quarter of a second
-#: for a CPU or the GIL (measured at a load of 17 on 2 CPUs), which must not be
-#: blamed on the kernel. For finer detail, asyncio's debug mode
-#: (``PYTHONASYNCIODEBUG=1``) logs every step over 0.1 s with its task, named
-#: after the kernel.
-SLOW_STEP = 1.0
-
-logger = logging.getLogger("jax_threadmap.async_kernels")
-
 
 # --- checks at the call -------------------------------------------------------------
 
@@ -120,15 +99,13 @@ def check_async_kernel(
 
 
 def check_max_in_flight(value: Any, api: str = "threadmap") -> int | None:
-    """``max_in_flight=`` checked; ``None`` also checks the environment variable,
-    so that a bad value fails the call rather than the map."""
+    """``max_in_flight=`` checked (``None``: :data:`DEFAULT_MAX_IN_FLIGHT`)."""
     if value is None:
-        env_max_in_flight()
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
             f"{api}: max_in_flight must be None (the default, "
-            f"{DEFAULT_MAX_IN_FLIGHT}, or {ENV_MAX_IN_FLIGHT}) or a positive int: "
+            f"{DEFAULT_MAX_IN_FLIGHT}) or a positive int: "
             "the most elements of an async def kernel awaited at once. Got "
             f"max_in_flight={value!r} of type {type(value).__name__}."
         )
@@ -141,76 +118,25 @@ def check_max_in_flight(value: Any, api: str = "threadmap") -> int | None:
     return int(value)
 
 
-def env_max_in_flight() -> int | None:
-    """``JAX_THREADMAP_MAX_IN_FLIGHT``, checked; ``None`` when unset."""
-    return _environment.env_positive_int(
-        ENV_MAX_IN_FLIGHT,
-        "the most elements of an async def kernel in flight at once",
-        MAX_IN_FLIGHT,
-    )
-
-
-def in_flight_bound(max_in_flight: int | None) -> int:
-    """The bound of one map: the keyword, else the environment, else the default."""
-    if max_in_flight is not None:
-        return max_in_flight
-    return env_max_in_flight() or DEFAULT_MAX_IN_FLIGHT
-
-
-# --- a loop-blocking kernel ---------------------------------------------------------
-
-
-@dataclasses.dataclass
-class LoopHolds:
-    """The steps of one map's elements that held the loop (longer than
-    :data:`SLOW_STEP`): how many, and the longest with its flat index."""
-
-    count: int = 0
-    longest: float = 0.0
-    flat: int | None = None
-
-    def add(self, seconds: float, flat: int) -> None:
-        self.count += 1
-        if seconds > self.longest:
-            self.longest, self.flat = seconds, flat
-
-    def message(self, name: str, where: str) -> str:
-        return (
-            f"jax_threadmap: async def kernel {name!r}{where} held the event loop "
-            f"for {self.longest:.3f} s in one step, without awaiting "
-            f"({self.count} step(s) of this map over {SLOW_STEP} s). Meanwhile no "
-            "other element, map or async def loader on the loop ran. Await "
-            "asyncio.to_thread(...) for blocking calls (time.sleep, a synchronous "
-            "client) and computation, or make the kernel a plain def function to "
-            "run it on threads."
-        )
+# --- one element in the kernels' scope ----------------------------------------------
 
 
 @types.coroutine
-def _timed(
-    coro: Any, holds: LoopHolds, flat: int, scope: KernelScope | None = None
-) -> Generator[Any, Any, Any]:
-    """Awaits ``coro`` as ``await coro`` would, with a clock around each of its
-    steps (``send``/``throw``): the kernel's own code between two ``await`` s,
-    not the waits between them. A step over :data:`SLOW_STEP` goes to ``holds``.
-    Each step runs in ``scope`` (where the kernel's JAX calls run), if any.
-    (A generator-based coroutine, one object per element: maps of thousands of
-    elements in flight pay for every object the collector tracks.)"""
+def _in_scope(coro: Any, scope: KernelScope | None) -> Generator[Any, Any, Any]:
+    """Awaits ``coro`` as ``await coro`` would, each of its steps
+    (``send``/``throw``: the kernel's own code between two ``await`` s) in
+    ``scope`` (where the kernel's JAX calls run), if any. (A generator-based coroutine,
+    one object per element: maps of thousands of elements in flight pay for
+    every object the collector tracks.)"""
     value: Any = None
     error: BaseException | None = None
     step = contextlib.nullcontext if scope is None else scope.entered
     while True:
-        start = time.perf_counter()
         try:
             with step():
                 signal = coro.send(value) if error is None else coro.throw(error)
         except StopIteration as stop:
-            _check_step(start, holds, flat)
             return stop.value
-        except BaseException:
-            _check_step(start, holds, flat)
-            raise
-        _check_step(start, holds, flat)
         try:
             value, error = (yield signal), None
         except GeneratorExit:
@@ -218,12 +144,6 @@ def _timed(
             raise
         except BaseException as e:  # cancellation: thrown into the kernel
             value, error = None, e
-
-
-def _check_step(start: float, holds: LoopHolds, flat: int) -> None:
-    seconds = time.perf_counter() - start
-    if seconds > SLOW_STEP:
-        holds.add(seconds, flat)
 
 
 # --- one map on the loop --------------------------------------------------------------
@@ -273,7 +193,6 @@ class AsyncMap:
         self._held: dict[int, tuple[tuple[int, ...], list[Any]]] = {}
         self._next_sum = 0
         self._added: asyncio.Event | None = None
-        self.holds = LoopHolds()
 
     # -- the waiting thread ------------------------------------------------------
 
@@ -298,8 +217,6 @@ class AsyncMap:
         except BaseException as e:  # Ctrl-C, also before the wait: stop the map
             self.fail(e)
             raise
-        finally:
-            self._warn_holds()
         if self._error is not None:
             raise self._error
 
@@ -313,15 +230,6 @@ class AsyncMap:
         self._done.set()
         if main is not None:
             event_loop().cancel(main)
-
-    def _warn_holds(self) -> None:
-        if not self.holds.count:
-            return
-        where = ""
-        if self.holds.flat is not None and self.caller.batch_shape:
-            index = _unravel(self.holds.flat, self.caller.batch_shape)
-            where = f" (at batch index {index})"
-        logger.warning("%s", self.holds.message(self.work.name, where))
 
     # -- the loop's thread -------------------------------------------------------
 
@@ -446,7 +354,7 @@ class AsyncMap:
                 f"the async def kernel returned {type(coro).__name__}, not a "
                 "coroutine, when called"
             )
-        return _timed(coro, self.holds, i, self.work.scope)
+        return _in_scope(coro, self.work.scope)
 
     def _store(self, i: int, index: tuple[int, ...], result: Any) -> None:
         caller = self.caller
@@ -500,4 +408,4 @@ def run_async_map(
     if work.n == 0:
         return
     bar = Progress(work.n, work.name) if progress_enabled(progress) else None
-    AsyncMap(work, in_flight_bound(max_in_flight)).run(bar)
+    AsyncMap(work, max_in_flight or DEFAULT_MAX_IN_FLIGHT).run(bar)

@@ -18,17 +18,15 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
+from .._host.loops import ChunkFn
 from .._support import fork as _fork
 from .._support.errors import ExecutorError
 from . import scheduling as policy
 
 #: A claimed chunk: units ``[start, stop)``.
 Chunk = tuple[int, int]
-#: Runs units ``[start, stop)`` of a job (the third argument), stopping before
-#: the next unit once the job's ``failed`` is true.
-ChunkFn = Callable[[int, int, Any], None]
 
 
 class Busy(Protocol):
@@ -68,8 +66,8 @@ class Job:
     Args:
         n: The number of units.
         fn: Runs one chunk.
-        fixed: Chunks of exactly this many units; ``None`` for guided chunks.
-        divisor: Guided chunks take ``1 / divisor`` of what is left.
+        fixed: Chunks of exactly this many units; ``None`` for guided chunks
+            (:func:`.scheduling.chunk_size`).
         parent: The map whose kernel started this one; its failure stops this one.
         workers: The threads the map's executor has (default: one per unit).
         cpus: A guided map starts on this many threads when fewer than
@@ -85,7 +83,6 @@ class Job:
         fn: ChunkFn,
         *,
         fixed: int | None = None,
-        divisor: int = 2,
         parent: Job | None = None,
         workers: int | None = None,
         cpus: int | None = None,
@@ -96,7 +93,6 @@ class Job:
         self.fn = fn
         self.scope = scope
         self.fixed = 1 if in_order else fixed
-        self.divisor = divisor
         self.workers = n if workers is None else max(1, workers)
         #: Threads the map may hold now (raised to ``workers`` once it rises).
         self.limit = self.workers
@@ -167,7 +163,7 @@ class Job:
             return None
         start = self._next
         size = self.fixed or policy.chunk_size(
-            self.n - start, self.divisor, self._measure, self.limited
+            self.n - start, self.workers, self._measure, self.limited
         )
         self._next = stop = min(self.n, start + size)
         self._outstanding += 1

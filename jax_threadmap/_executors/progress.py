@@ -1,13 +1,13 @@
 """Progress bars, and the one loop that waits for a map while showing one.
 
-A bar appears only once a map has run for ``delay`` seconds (tqdm when it is
-installed, else a line on stderr now and then), so short maps print nothing.
+A bar (tqdm's) appears only once a map has run for ``delay`` seconds, so short
+maps print nothing; without tqdm, the map warns once that it shows none.
 """
 
 from __future__ import annotations
 
-import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -41,7 +41,6 @@ class Progress:
         self.unit = unit
         self.start = time.perf_counter()
         self.bar: Any = None
-        self._last_print = 0.0
 
     def update(self, completed: int) -> None:
         now = time.perf_counter()
@@ -51,15 +50,6 @@ class Progress:
             self.bar = _tqdm(self.total, f"threadmap {self.name}", self.unit) or False
         if self.bar:
             self.bar.update(completed - self.bar.n)
-        elif now - self._last_print >= 1.0:
-            self._last_print = now
-            print(
-                f"threadmap {self.name}: {completed}/{self.total} "
-                f"{'elements' if self.unit == 'el' else self.unit + 's'} "
-                f"({100 * completed / max(self.total, 1):.0f}%)",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def close(self, completed: int) -> None:
         if self.bar:
@@ -71,6 +61,11 @@ def _tqdm(total: int, desc: str, unit: str) -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError:
+        warnings.warn(
+            f"{desc}: progress bars need tqdm, which is not installed: pip install "
+            "tqdm (or the package's 'progress' extra). This map shows none.",
+            stacklevel=2,
+        )
         return None
     return tqdm(total=total, desc=desc, unit=unit)
 

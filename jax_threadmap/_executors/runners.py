@@ -1,5 +1,5 @@
 """One map from start to end: :func:`run_map` picks its runner (one per kind
-of ``executor=``, :data:`RUNNERS`), makes its job, runs it, raises its error;
+of ``executor=``, :func:`runner_for`), makes its job, runs it, raises its error;
 chunks shipped to executors that pickle work (:mod:`.shipping`); interpreter
 exit (docs/executors.md, "Ctrl-C and interpreter exit").
 """
@@ -11,7 +11,6 @@ import concurrent.futures
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._host.inner_threads import BLAS_LIMIT
@@ -23,7 +22,7 @@ from . import scheduling as policy
 from . import shared_threads as _shared_threads
 from .jobs import Job, interpreter_exiting, this_thread
 from .progress import Progress, progress_enabled, wait
-from .shipping import Shipper, broken_hint, refused, said
+from .shipping import Shipper, refused, said
 
 #: Where a map runs: the shared pool, a pool of N threads, or an executor (as
 #: ``executor=`` takes them, out of their ``InOrder``: ``run_map``'s ``in_order``).
@@ -48,18 +47,15 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
 
 #: Per thread executor, the lock held while a map queues its first pullers: two
 #: maps started at once would split its workers, and elements that wait for each
-#: other could wait for good. Executors without weak references share _fallback.
+#: other could wait for good. (A ``ThreadPoolExecutor`` takes weak references,
+#: its subclasses too; and it is hashable, or JAX refuses it as a param.)
 _states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
-_fallback = threading.Lock()
 
 
 def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
     with _states_lock:
-        try:
-            return _states.setdefault(executor, threading.Lock())
-        except TypeError:  # an executor that takes no weak references
-            return _fallback
+        return _states.setdefault(executor, threading.Lock())
 
 
 # --- one runner per kind of executor --------------------------------------------------
@@ -156,17 +152,14 @@ def _is_shared(executor: Any) -> bool:
     return executor is None or isinstance(executor, int)
 
 
-#: The kinds of executor, first match first: a test and a runner class.
-RUNNERS: tuple[tuple[Callable[[Any], bool], Callable[[Any], Runner]], ...] = (
-    (_is_shared, _shared_threads.get_pool),
-    (lambda e: isinstance(e, concurrent.futures.ThreadPoolExecutor), ThreadExecutor),
-    (lambda executor: True, PicklingExecutor),
-)
-
-
 def runner_for(executor: Any) -> Runner:
-    """The runner of ``executor=`` (see :data:`RUNNERS`)."""
-    return next(make(executor) for is_kind, make in RUNNERS if is_kind(executor))
+    """The runner of ``executor=``: the shared threads, a user's thread pool, or
+    an executor that pickles work (any other)."""
+    if _is_shared(executor):
+        return _shared_threads.get_pool(executor)
+    if isinstance(executor, concurrent.futures.ThreadPoolExecutor):
+        return ThreadExecutor(executor)
+    return PicklingExecutor(executor)
 
 
 #: Every map in flight, with the thread waiting for it. No lock: setting, popping
@@ -176,15 +169,13 @@ _flights: dict[Job, threading.Thread] = {}
 
 def new_job(
     work: HostMap,
-    executor: Executor,
+    runner: Runner,
     max_chunk: int | None = None,
     parent: Job | None = None,
-    runner: Runner | None = None,
     in_order: bool = False,
 ) -> Job:
-    """The job of ``work`` on ``executor`` (or its ``runner``), with its chunking
-    policy; ``in_order``: asked for (``executor=InOrder(...)``)."""
-    runner = runner_for(executor) if runner is None else runner
+    """The job of ``work`` on ``runner``, with its chunking policy;
+    ``in_order``: asked for (``executor=InOrder(...)``)."""
     workers, on_threads, units = runner.workers, runner.on_threads, work.n
     if work.vectorized and units:
         units = work.split(
@@ -200,7 +191,6 @@ def new_job(
         units,
         work.run_chunk,
         fixed=fixed,
-        divisor=policy.guided_divisor(workers),
         parent=parent,
         workers=workers,
         cpus=cpus if limited else None,
@@ -225,7 +215,7 @@ def run_map(
     if work.n == 0:
         return
     runner = runner_for(executor)
-    job = new_job(work, executor, max_chunk, this_thread.job, runner, in_order)
+    job = new_job(work, runner, max_chunk, this_thread.job, in_order)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
@@ -241,19 +231,15 @@ def run_map(
         _flights.pop(job, None)
         job.detach()
     if job.error is not None:
-        raise _map_error(job.error, work.name, executor)
+        raise _map_error(job.error, work.name)
 
 
-def _map_error(e: BaseException, name: str, executor: Any) -> BaseException:
-    """The error a failed map raises: kernel errors as they are, the rest wrapped."""
+def _map_error(e: BaseException, name: str) -> BaseException:
+    """The error a failed map raises: kernel errors as they are, the rest wrapped
+    (an executor that pickles work names its broken workers as its chunks fail,
+    ``shipping.py``; a thread pool breaks only when its initializer fails)."""
     if isinstance(e, (KernelError, ExecutorError, KeyboardInterrupt, SystemExit)):
         return e
-    if isinstance(e, concurrent.futures.BrokenExecutor):
-        return ExecutorError(
-            f"The executor running threadmap kernel {name!r} broke while the map ran "
-            f"({said(e)}). {broken_hint(executor)}",
-            cause=e,
-        )
     return ExecutorError(
         f"threadmap kernel {name!r}: the executor failed with {said(e)}.", cause=e
     )
@@ -328,8 +314,7 @@ atexit.register(_at_exit)
 def _start_afresh() -> None:
     """A forked child runs none of the parent's maps, and any lock of the user
     executors may have been held at the fork."""
-    global _states, _states_lock, _fallback
+    global _states, _states_lock
     _flights.clear()
     _states = weakref.WeakKeyDictionary()
     _states_lock = threading.Lock()
-    _fallback = threading.Lock()

@@ -56,8 +56,6 @@ VECTOR_CHUNK_BYTES = 16 * 2**20
 #: Tasks in flight per worker of an executor that pickles work: one running,
 #: one queued.
 REMOTE_IN_FLIGHT_PER_WORKER = 2
-#: Weight of the older estimate of an element's seconds (pickling executors).
-SMOOTHING = 0.5
 
 
 @dataclasses.dataclass
@@ -68,11 +66,6 @@ class Measure:
     per_element: float = 0.0
     #: Chunks in a row of a limited map that found the elements slow or waiting.
     votes: int = 0
-
-
-def guided_divisor(workers: int) -> int:
-    """Guided chunks take ``1 / guided_divisor(workers)`` of what is left."""
-    return GUIDED_SHARE * workers
 
 
 def fixed_chunk(units: int, workers: int) -> int | None:
@@ -99,14 +92,15 @@ def starts_limited(
     return on_threads and not nested and large and cpus < workers
 
 
-def chunk_size(remaining: int, divisor: int, measure: Measure, limited: bool) -> int:
-    """Elements in the next guided chunk: one until one has been timed, then
-    ``remaining // divisor``, at most :data:`MAX_CHUNK_SECONDS` of work, and
-    on a limited map at least :data:`MIN_CHUNK_SECONDS`."""
+def chunk_size(remaining: int, workers: int, measure: Measure, limited: bool) -> int:
+    """Elements in the next guided chunk of a map on ``workers`` threads: one
+    until one has been timed, then ``remaining // (GUIDED_SHARE * workers)``, at
+    most :data:`MAX_CHUNK_SECONDS` of work, and on a limited map at least
+    :data:`MIN_CHUNK_SECONDS`."""
     per = measure.per_element
     if per <= 0.0:
         return 1
-    size = remaining // divisor
+    size = remaining // (GUIDED_SHARE * workers)
     if limited:
         size = max(size, int(MIN_CHUNK_SECONDS / per))
     return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
@@ -158,8 +152,3 @@ def remote_chunk_size(per_element: float | None, remaining: int, in_flight: int)
     size = int(TASK_SECONDS_REMOTE / per_element)
     least = int(MIN_TASK_SECONDS_REMOTE / per_element)
     return max(1, min(size, max(least, -(-remaining // in_flight))))
-
-
-def smoothed(old: float | None, new: float) -> float:
-    """The moving average of an element's seconds (:data:`SMOOTHING`)."""
-    return new if old is None else SMOOTHING * old + (1 - SMOOTHING) * new

@@ -31,7 +31,7 @@ def default_num_threads() -> int:
 class ThreadPool:
     """At most ``workers`` kernels of its maps run at once, on the shared
     threads (a nested map's waiting thread, lent to it, is the one exception):
-    the runner of ``executor=None`` and ``executor=N`` (``runners.RUNNERS``)."""
+    the runner of ``executor=None`` and ``executor=N`` (``runners.runner_for``)."""
 
     on_threads = True
 
@@ -48,8 +48,6 @@ class ThreadPool:
     ) -> None:
         """Runs ``job`` to completion or first failure (``work``: the map, which
         the shared threads do not need: they run ``job``'s chunks)."""
-        if job.n == 0:
-            return
         threads = _threads
         job.grow = lambda: threads.hand(self, job)
         try:
@@ -115,13 +113,12 @@ class _Threads:
                 return False
             if queue:
                 self.queue.append((pool, job))
-            returning: list[int] = []  # threads about to look for work, counted once
             # (The room is read once: under this lock only this loop changes it,
-            # and Job.add_hand decides against a limit lowered meanwhile. Each
-            # rule is asked once per thread handed, the second only when no
-            # thread is idle: this loop runs once per element of a small map.)
+            # and Job.add_hand decides against a limit lowered meanwhile. The
+            # threads about to return are counted only when no thread is idle:
+            # then each thread handed is a new one, which costs far more.)
             for _ in range(_room(pool, job)):
-                if not self.idle and self._returning_take(returning):
+                if not self.idle and self._returning_take():
                     break
                 if not _take_place(pool, job):
                     break
@@ -143,15 +140,17 @@ class _Threads:
             )
         return True
 
-    def _returning_take(self, counted: list[int]) -> bool:  # lock held
+    def _returning_take(self) -> bool:  # lock held, no thread idle
         """Whether threads about to look for work (neither idle nor running a
         kernel) will take the map from the queue (:meth:`_hand_next`), so that
-        no new thread starts for it: when no thread is idle (the caller asks
-        only then) and at least one per CPU of them are returning. ``counted``
-        keeps their count for the rest of one :meth:`hand`."""
-        if not counted:
-            counted.append(self._returning())
-        return counted[0] >= available_cpus()
+        no new thread starts for it: when at least one per CPU of them are
+        returning."""
+        returning = sum(
+            1
+            for w in self.workers
+            if not w.running and (w.job is None or w.job.exhausted())
+        )
+        return returning >= available_cpus()
 
     def _give_thread(self, pool: ThreadPool, job: Job) -> bool:  # lock held
         """Gives ``job`` (its place taken) the thread that went idle last, else
@@ -194,16 +193,6 @@ class _Threads:
             )
         return False
 
-    def _returning(self) -> int:  # lock held
-        """Threads neither idle nor running a kernel."""
-        return sum(
-            1
-            for w in self.workers
-            if not w.running
-            and w not in self.idle
-            and (w.job is None or w.job.exhausted())
-        )
-
     def forget(self, job: Job) -> None:
         """Drops ``job`` from the queue, where a thread has not yet done so."""
         with self.lock:
@@ -228,8 +217,8 @@ class _Threads:
                 woke = worker.wake.acquire(timeout=IDLE_TIMEOUT)
                 with self.lock:
                     if not woke and not worker.wake.acquire(blocking=False):
-                        if worker in self.idle:  # no one can hand us a job now
-                            self.idle.remove(worker)
+                        # Still idle: whoever takes an idle thread releases it.
+                        self.idle.remove(worker)  # no one can hand us a job now
                     if worker.job is None:  # timed out, or told to exit
                         self.workers.discard(worker)
             job = worker.job

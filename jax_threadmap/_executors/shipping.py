@@ -38,7 +38,7 @@ class Shipper:
         self.work = work
         self.job = job
         self.cap = policy.remote_in_flight(workers)
-        self.first_wave = min(workers or policy.UNKNOWN_WORKERS_IN_FLIGHT, self.cap)
+        self.first_wave = workers or self.cap  # one task per worker, if known
         self.next = 0
         self.pending: dict[concurrent.futures.Future[Any], tuple[int, int]] = {}
         self.per_element: float | None = None
@@ -90,7 +90,7 @@ class Shipper:
                 raise _chunk_failed(self.executor, self.work, start, stop, e) from e
             self.work.store_packed(start, stop, outs)
             self.job.add_completed(stop - start)
-            self.per_element = policy.smoothed(self.per_element, per_element)
+            self.per_element = per_element  # the latest: tasks size from it
         self.top_up(self.cap)
         return not self.pending
 

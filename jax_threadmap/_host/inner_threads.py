@@ -18,7 +18,6 @@ Two ways to limit them:
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import threading
 import time
@@ -28,13 +27,9 @@ from typing import Any
 from .._support import environment as _environment
 from .._support import fork as _fork
 
-_USER_APIS = (None, "blas", "openmp")
-
 
 @contextlib.contextmanager
-def limit_inner_threads(
-    limit: int = 1, *, user_api: str | None = None
-) -> Iterator[None]:
+def limit_inner_threads(limit: int = 1) -> Iterator[None]:
     """Limits the BLAS and OpenMP threads of the kernels that run in the block.
 
     Your own limit for a block: while a map runs kernels on several threads,
@@ -50,16 +45,13 @@ def limit_inner_threads(
 
     Args:
         limit: The threads each BLAS or OpenMP call may use (at least 1).
-        user_api: ``"blas"`` or ``"openmp"`` to limit only those libraries;
-            ``None`` (default) limits both.
 
     Yields:
         Nothing; the limit holds until the block ends.
 
     Raises:
         TypeError: ``limit`` is not an ``int``.
-        ValueError: ``limit`` is below 1, or ``user_api`` is not one of the above.
-        ModuleNotFoundError: threadpoolctl (a dependency) is not installed.
+        ValueError: ``limit`` is below 1.
 
     Examples:
         >>> import jax, numpy as np
@@ -87,22 +79,11 @@ def limit_inner_threads(
             "jax_threadmap.limit_inner_threads: limit must be at least 1 (1 runs "
             f"each BLAS or OpenMP call on its kernel's own thread). Got {limit}."
         )
-    if user_api not in _USER_APIS:
-        raise ValueError(
-            "jax_threadmap.limit_inner_threads: user_api must be 'blas', 'openmp' "
-            f"or None (both). Got {user_api!r}."
-        )
-    try:
-        import threadpoolctl
-    except ImportError as e:
-        raise ModuleNotFoundError(
-            "jax_threadmap.limit_inner_threads needs threadpoolctl to set the "
-            "threads of BLAS and OpenMP libraries: pip install threadpoolctl "
-            "(or the package's 'inner' extra)."
-        ) from e
+    import threadpoolctl  # (imported once needed: a dependency)
+
     BLAS_LIMIT.block_opened()
     try:
-        with threadpoolctl.threadpool_limits(limits=limit, user_api=user_api):
+        with threadpoolctl.threadpool_limits(limits=limit):
             yield
     finally:
         BLAS_LIMIT.block_closed()
@@ -130,15 +111,6 @@ def auto_limit_enabled() -> bool:
         "default; 0 leaves BLAS its own thread count)",
         default=True,
     )
-
-
-@functools.cache
-def _has_threadpoolctl() -> bool:
-    try:
-        import threadpoolctl  # noqa: F401
-    except ImportError:  # no automatic limit without it
-        return False
-    return True
 
 
 class BlasLimit:
@@ -187,7 +159,7 @@ class BlasLimit:
         """Around a map that runs kernel ``name`` on ``threads`` threads of this
         process: the limit while it runs, when more than one thread and not
         turned off (:data:`ENV_LIMIT_BLAS`)."""
-        if not auto_limit_enabled() or threads <= 1 or not _has_threadpoolctl():
+        if not auto_limit_enabled() or threads <= 1:
             yield
             return
         long = self._long.get(name)

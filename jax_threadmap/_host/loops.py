@@ -23,7 +23,6 @@ stay generated.
 
 from __future__ import annotations
 
-import collections
 import functools
 import keyword
 import linecache
@@ -291,26 +290,6 @@ def loop_label(name: str, n_in: int, n_out: int, summed: int) -> str:
     )
 
 
-#: The loops built, by label, newest last (at most as many as :func:`_compile`
-#: keeps): what :func:`show_loops` shows.
-_built: collections.OrderedDict[str, str] = collections.OrderedDict()
-
-
-def show_loops(kernel_name: str) -> str:
-    """The generated source of every element loop built so far for the kernel
-    named ``kernel_name`` (its ``__qualname__``, or the name given to
-    ``jax_threadmap.kernel``), each under the file name its tracebacks show.
-
-    For debugging: ``print(jax_threadmap._loops.show_loops("my_kernel"))``.
-    """
-    parts = [
-        f"# {label}\n{source}"
-        for label, source in list(_built.items())
-        if f"kernel {kernel_name!r} " in label
-    ]
-    return "\n".join(parts)
-
-
 @functools.lru_cache(maxsize=256)
 def _compile(source: str, label: str) -> Callable[..., ChunkFn]:
     """Compiles a loop builder under the file name ``label`` (inside the
@@ -350,35 +329,6 @@ def _next(prefix: tuple[int, ...], outer: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(index)
 
 
-def loop_source(
-    caller: Caller,
-    in_v: Sequence[np.ndarray],
-    out_v: Sequence[np.ndarray],
-    shape: tuple[int, ...],
-    flat_of: Any = None,
-) -> str:
-    """The generated source of the loop of ``caller``'s kernel over these views
-    (for debugging: see :func:`show_loop`); arguments as :func:`element_loop`."""
-    last = len(shape) - 1
-    # Read once per row: constant along it (stride 0), or a row of one element.
-    consts = tuple(bool(v.strides[last] == 0 or shape[last] == 1) for v in in_v)
-    sources = caller.loop_sources
-    if sources is None or sources[0] != len(in_v):  # once per caller, not per call
-        sources = caller.loop_sources = (
-            len(in_v),
-            call_source(caller.in_tree, [f"A{k}_" for k in range(len(in_v))]),
-            unpack_source(caller.out_tree),
-        )
-    return _source(
-        consts,
-        sources[1],
-        sources[2],
-        tuple(s == () for s, _ in caller.out_core),
-        tuple(k in caller.accumulate for k in range(len(out_v))),
-        flat_of is not None,
-    )
-
-
 def element_loop(
     caller: Caller,
     in_v: Sequence[np.ndarray],
@@ -396,13 +346,26 @@ def element_loop(
         flat_of: For views holding a gathered subset of the batch (1-D), the
             flat batch index of each element, for messages.
     """
-    source = loop_source(caller, in_v, out_v, shape, flat_of)
+    last = len(shape) - 1
+    # Read once per row: constant along it (stride 0), or a row of one element.
+    consts = tuple(bool(v.strides[last] == 0 or shape[last] == 1) for v in in_v)
+    sources = caller.loop_sources
+    if sources is None or sources[0] != len(in_v):  # once per caller, not per call
+        sources = caller.loop_sources = (
+            len(in_v),
+            call_source(caller.in_tree, [f"A{k}_" for k in range(len(in_v))]),
+            unpack_source(caller.out_tree),
+        )
+    source = _source(
+        consts,
+        sources[1],
+        sources[2],
+        tuple(s == () for s, _ in caller.out_core),
+        tuple(k in caller.accumulate for k in range(len(out_v))),
+        flat_of is not None,
+    )
     label = loop_label(caller.name, len(in_v), len(out_v), len(caller.accumulate))
     build = _compile(source, label)
-    _built[label] = source
-    _built.move_to_end(label)
-    if len(_built) > 256:
-        _built.popitem(last=False)
     return build(
         caller.fn,
         list(in_v),

@@ -31,8 +31,7 @@ from . import shared_operands as _shared_operands
 from . import summing as _summing
 from .batch_spec import Axes, BatchSpec
 from .kernel_scope import KernelScope
-from .loops import element_loop
-from .packing import ChunkFn
+from .loops import ChunkFn, element_loop
 from .vectorized import ChunkCaller, KernelCaller, PiecePlan
 
 _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
@@ -426,7 +425,7 @@ class ChunkMap(HostMap):
             index, first, k = self._piece(i)
             leaves = self.plan.leaves(self.in_v, index, k)  # type: ignore[union-attr]
             pieces.append((first, k, leaves))
-        return _packing.pack_pieces(self.caller, pieces, self._shared)
+        return _packing.RemotePieces(self.caller, pieces, self._shared)
 
     def store_packed(self, start: int, stop: int, outs: Any) -> None:
         """Stores the outputs of a packed chunk (see :mod:`.packing`)."""

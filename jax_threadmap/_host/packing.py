@@ -25,12 +25,13 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from . import summing as _summing
+from .loops import ChunkFn
 from .shared_operands import Shared, resolve
 
 
@@ -97,10 +98,6 @@ def _restore(cls: type[_Task], caller: Any, state: dict[str, Any]) -> _Task:
             caller, task.not_loaded = None, _not_loaded_message(e)
     task.caller = caller
     return task
-
-
-#: Runs elements ``[start, stop)`` of a job, stopping once its ``failed`` is true.
-ChunkFn = Callable[[int, int, Any], None]
 
 
 class ElementLoops(Protocol):
@@ -315,12 +312,3 @@ def _expand(packed: tuple[bool, Any], k: int, shared: Sequence[Any]) -> np.ndarr
         )
     data.flags.writeable = False
     return data
-
-
-def pack_pieces(
-    caller: ChunkCall,
-    pieces: list[tuple[int, int, list[np.ndarray]]],
-    shared: dict[int, int] | None = None,
-) -> RemotePieces:
-    """Packs pieces ``(first, k, operand chunks)`` of a vectorized map."""
-    return RemotePieces(caller, pieces, shared)

@@ -21,7 +21,7 @@ Usage::
     PYTHONPATH=.:/tmp/oldpkg python benchmarks/plain_loop.py --old jax_threadmap_old
 
 Not collected by pytest (not a ``test_`` file): it is a measurement, and its
-numbers are in docs/architecture.md.
+numbers are in docs/architecture-design.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ dual kernel (the VJP kernel for a JVP equation, and back) as a third. A
 derivative kernel that is a ``jax_threadmap.kernel`` brings its own rules, so
 the same two rules give the next order: the JVP of a VJP equation runs the VJP
 kernel's JVP kernel, and so on. All of them fold under ``vmap`` through the one
-batching rule. ``docs/architecture.md`` explains the design.
+batching rule. ``docs/architecture-design.md`` explains the design.
 
 The rules receive ``bind`` (``threadmap_p.bind``) from the rule table in
 :mod:`.primitive`, so this module does not import the primitive.

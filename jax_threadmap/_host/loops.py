@@ -17,7 +17,7 @@ stops the chunk there. So the cost per element is the kernel call, one index
 per batched operand, a type check and a write per result, and that one check.
 A plain closure for the commonest signatures (``fn(*args)``, one argument list
 refilled per element) measured 11-42% slower per element
-(``benchmarks/plain_loop.py``, numbers in docs/architecture.md), so the loops
+(``benchmarks/plain_loop.py``, numbers in docs/architecture-design.md), so the loops
 stay generated.
 """
 

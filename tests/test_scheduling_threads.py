@@ -193,10 +193,17 @@ def test_threads_follow_the_kernels_running_at_once(monkeypatch):
     # 300 calls of a 50-element map on a pool of 1000: at most 50 kernels run at
     # once. A thread done with a map's chunks takes the next map a moment later;
     # before the fix each call started threads rather than wait for them.
-    monkeypatch.setattr(_shared_threads, "_threads", _shared_threads._Threads())
+    # No thread idles out here: a pause of the loop longer than IDLE_TIMEOUT (a
+    # loaded machine) ended idle threads, and the next call started new ones.
+    threads = _shared_threads._Threads()
+    monkeypatch.setattr(_shared_threads, "_threads", threads)
+    monkeypatch.setattr(_shared_threads, "IDLE_TIMEOUT", 3600.0)
     f = jax.jit(jax.vmap(lambda i: threadmap(lambda v: v, I32, i, executor=1000)))
     x = jnp.arange(50, dtype=jnp.int32)
-    for _ in range(300):
-        np.testing.assert_array_equal(f(x), np.arange(50))
-    started = _shared_threads._threads.started
+    try:
+        for _ in range(300):
+            np.testing.assert_array_equal(f(x), np.arange(50))
+        started = threads.started
+    finally:
+        threads.exit(lambda job: False)  # its idle threads leave now
     assert started <= 50 + _maps.available_cpus(), started

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import (
     CLOCKS,
+    all_idle,
     clocked_executor,
     executor_of,
     run_script,
@@ -103,20 +104,25 @@ def test_env_var_rejects_garbage(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 5])
-def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
+def test_int_executor_is_a_hard_bound_and_threads_are_reused(kept_threads, n):
+    # Each map starts once the last one's threads are idle, and none idles out
+    # (else a loaded machine's pause, or a thread still on its way back from
+    # the last map, may have a map start a thread).
     rec = Recorder(gate=n)
     np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
-    started = _shared_threads._threads.started
+    started = kept_threads.started
     for _ in range(2):
+        wait_until(lambda: all_idle(kept_threads), "the threads went idle")
         np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
     assert rec.max_running == n
     assert not rec.gate_timed_out
     sleepy = Recorder(0.002)  # chunks sized from timings: within the bound too
+    wait_until(lambda: all_idle(kept_threads), "the threads went idle")
     np.testing.assert_array_equal(run(sleepy, X, executor=n), X * 2)
     assert 1 <= sleepy.max_running <= n
     assert _shared_threads.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
-    assert _shared_threads._threads.started == started
+    assert kept_threads.started == started
 
 
 def test_bound_is_per_pool_not_per_map():

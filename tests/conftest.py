@@ -63,6 +63,22 @@ def x64():
         jax.config.update("jax_enable_x64", prev)
 
 
+@pytest.fixture
+def kept_threads(monkeypatch):
+    """A set of shared threads of the test's own (``shared_threads._threads``)
+    whose idle threads stay (``IDLE_TIMEOUT`` an hour), for a test that counts
+    the threads started: a pause longer than the idle timeout (a loaded machine
+    makes them) would end idle threads, and the next map start new ones. Its
+    threads leave after the test."""
+    from jax_threadmap._executors import shared_threads
+
+    threads = shared_threads._Threads()
+    monkeypatch.setattr(shared_threads, "_threads", threads)
+    monkeypatch.setattr(shared_threads, "IDLE_TIMEOUT", 3600.0)
+    yield threads
+    threads.exit(lambda job: False)
+
+
 # Executors that pickle work (each costs seconds to start): a process pool shared
 # by the test modules that use it (its workers import JAX once per test process,
 # not once per module; every test leaves it usable), a Dask cluster per module.

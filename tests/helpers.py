@@ -520,6 +520,14 @@ def clocked_executor(monkeypatch, kind, n, clock: str, cpus: int | None = None):
         yield ex
 
 
+def all_idle(threads) -> bool:
+    """Whether every thread of a set of shared threads (``kept_threads``) is
+    idle: none is still on its way back from a map (a map started then may
+    start a thread)."""
+    with threads.lock:
+        return len(threads.idle) == len(threads.workers)
+
+
 def nested_pids(kernel, executor, **options) -> set[int]:
     """Runs ``kernel(x, y, scale=s)`` (``worker_kernels.scaled_with_pid`` or its
     vectorized twin; ``options`` go to ``threadmap``) under ``jit`` of two

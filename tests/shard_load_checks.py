@@ -416,20 +416,39 @@ def bad_shards_are_named():
 
 def timeout_and_cancel():
     sharding = NamedSharding(mesh((4, 2), ("x", "y"), "auto"), P("x"))
-    cancelled, started = threading.Semaphore(0), threading.Semaphore(0)
 
-    async def hangs(index):
-        if index[0].start == 0:
-            return DATA[index]
-        started.release()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.release()
-            raise
+    def hanging():
+        """A loader whose first shard lands and the others hang, with its own
+        counts of the shards that started and that were cancelled."""
+        cancelled, started = threading.Semaphore(0), threading.Semaphore(0)
 
-    x = jtm.async_array_from_callback(SHAPE, sharding, hangs, np.float32, timeout=0.5)
-    text = message(TimeoutError, x.result, WAIT)
+        async def hangs(index):
+            if index[0].start == 0:
+                return DATA[index]
+            started.release()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.release()
+                raise
+
+        return hangs, cancelled, started
+
+    # The timeout must come once the first shard has landed and the others
+    # have started (about 0.1 s on a busy machine, 0.01 s on a quiet one):
+    # if it came first, again with a timeout twice as long.
+    timeout = 0.5
+    while True:
+        hangs, cancelled, started = hanging()
+        x = jtm.async_array_from_callback(
+            SHAPE, sharding, hangs, np.float32, timeout=timeout
+        )
+        text = message(TimeoutError, x.result, WAIT)
+        all_started = all(started.acquire(blocking=False) for _ in range(3))
+        early = text is not None and "for 4 of 4 shard(s)" in text
+        if (all_started and not early) or timeout >= 8:
+            break
+        timeout *= 2
     check(
         "timeout names the missing shards",
         text is not None
@@ -440,8 +459,9 @@ def timeout_and_cancel():
     check(
         "timeout cancels them", all(cancelled.acquire(timeout=WAIT) for _ in range(3))
     )
+    check("the others started before the timeout", all_started)
     y = jtm.async_array_from_callback(SHAPE, sharding, hangs, np.float32)
-    check("started", all(started.acquire(timeout=WAIT) for _ in range(6)))
+    check("started", all(started.acquire(timeout=WAIT) for _ in range(3)))
     check("cancel", y.cancel() is True)
     check("cancel cancels them", all(cancelled.acquire(timeout=WAIT) for _ in range(3)))
     got = raised(concurrent.futures.CancelledError, y.result, WAIT)

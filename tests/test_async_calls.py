@@ -276,8 +276,12 @@ class Stuck:
 def test_a_stuck_load_is_given_up_on(how):
     load = Stuck()
     kwargs = {"timeout": 0.5} if how == "timeout" else {}
+    double = jax.jit(lambda v: v * 2)
+    # Compiled before x's clock starts: a compile on a loaded machine may
+    # outlast the timeout, and the dispatch would raise it.
+    double(jnp.ones(3)).block_until_ready()
     x = async_call(load, SDS((3,), np.float32), **kwargs)
-    y = jax.jit(lambda v: v * 2)(x)  # dispatched while it loads
+    y = double(x)  # dispatched while it loads
     z = jax.jit(lambda v: v + 3)(jnp.ones(3))  # queued behind y on this thread
     if how == "cancel":
         assert x.cancel() is True
@@ -441,6 +445,7 @@ def _loop(n, stuck, timeout=None):
         return np.full(3, i, np.float32)
 
     f = jax.jit(lambda v: v * 2)
+    f(jnp.zeros(3)).block_until_ready()  # compiled before any load's clock starts
     kwargs = {} if timeout is None else {"timeout": timeout}
     xs, ys = [], []
     for i in range(n):

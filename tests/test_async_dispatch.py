@@ -526,23 +526,24 @@ def test_a_failed_call_with_dispatched_dependents_exits_cleanly():
 
 
 def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values():
-    # The call copies its data to the device, here slowly, while the script
-    # ends: exit waits for that copy (and then dispatches its dependent)
+    # The call copies its data to the device, here until the script has
+    # ended: exit waits for that copy (and then dispatches its dependent)
     # instead of warning that the call has not returned.
     script = textwrap.dedent(
         """
-        import threading, time
+        import atexit, threading
         import jax, numpy as np
         import jax_threadmap as jtm
         from jax_threadmap._arrays import task as _task
 
         place = _task.place
-        placing = threading.Event()
+        placing, exiting = threading.Event(), threading.Event()
         def slow_place(task, flat):
             placing.set()
-            time.sleep(1.0)
+            assert exiting.wait(60)  # (a 1 s sleep lost the race under load)
             return place(task, flat)
         _task.place = slow_place
+        atexit.register(exiting.set)  # runs before jax_threadmap's exit hook
 
         go = threading.Event()
         def slow():

@@ -232,8 +232,18 @@ def test_cancel_raises_cancelled_error_inside_the_coroutine():
 
 
 def test_a_timeout_cancels_the_coroutine():
-    hung = Hung()
-    x = jtm.async_call(hung, F32, timeout=0.2)
+    # The coroutine must start before the timeout (else it never runs, and has
+    # nothing to clean up): if the loop's thread came later (a loaded
+    # machine), again with a timeout twice as long.
+    timeout = 0.2
+    while True:
+        hung = Hung()
+        x = jtm.async_call(hung, F32, timeout=timeout)
+        with pytest.raises(TimeoutError, match="its coroutine is cancelled"):
+            x.result(timeout=WAIT)
+        if hung.started.is_set() or timeout >= 5:
+            break
+        timeout *= 2
     assert hung.cancelled.wait(WAIT)
     with pytest.raises(TimeoutError, match="its coroutine is cancelled"):
         x.result()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import (
     CLOCKS,
+    all_idle,
     clocked_executor,
     executor_of,
     run_script,
@@ -103,20 +104,25 @@ def test_env_var_rejects_garbage(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 5])
-def test_int_executor_is_a_hard_bound_and_threads_are_reused(n):
+def test_int_executor_is_a_hard_bound_and_threads_are_reused(kept_threads, n):
+    # Each map starts once the last one's threads are idle, and none idles out
+    # (else a loaded machine's pause, or a thread still on its way back from
+    # the last map, may have a map start a thread).
     rec = Recorder(gate=n)
     np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
-    started = _shared_threads._threads.started
+    started = kept_threads.started
     for _ in range(2):
+        wait_until(lambda: all_idle(kept_threads), "the threads went idle")
         np.testing.assert_array_equal(run(rec, X, executor=InOrder(n)), X * 2)
     assert rec.max_running == n
     assert not rec.gate_timed_out
     sleepy = Recorder(0.002)  # chunks sized from timings: within the bound too
+    wait_until(lambda: all_idle(kept_threads), "the threads went idle")
     np.testing.assert_array_equal(run(sleepy, X, executor=n), X * 2)
     assert 1 <= sleepy.max_running <= n
     assert _shared_threads.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
-    assert _shared_threads._threads.started == started
+    assert kept_threads.started == started
 
 
 def test_bound_is_per_pool_not_per_map():
@@ -363,22 +369,25 @@ def test_interrupt_while_waiting_stops_work_not_started():
         def update(self, completed):
             raise KeyboardInterrupt
 
-    ran = []
+    ran = []  # the chunks begun
 
     def fn(start, stop, job):
-        for i in range(start, stop):
+        ran.append(start)
+        for _ in range(start, stop):
             if job.failed:
                 return
-            ran.append(i)
-            time.sleep(0.01)
+            # Each element waits for the interrupt (it once slept 10 ms, and a
+            # waiting thread late to its first update let 50 start).
+            wait_until(lambda: job.failed, "the interrupt", poll=1e-3)
 
     pool = _shared_threads.ThreadPool(2)
     job = _jobs.Job(1000, fn)
     with pytest.raises(KeyboardInterrupt):
         pool.run(job, progress=Interrupting(1000, "k"))
-    job.done.wait(5)
-    assert job.failed and job.done.is_set()
-    assert len(ran) < 50
+    wait_until(job.done, "the running chunks ended")
+    assert isinstance(job.error, KeyboardInterrupt)
+    # One chunk of one element per thread, begun before the interrupt; none after.
+    assert len(ran) <= 2, ran
 
 
 def test_kernel_lends_its_thread_to_the_nested_map_it_waits_for():
@@ -411,11 +420,14 @@ def test_nested_map_on_the_same_pool_keeps_the_bound_exact():
 def test_failed_map_stops_the_maps_its_kernels_started():
     ran = []
     nested_running = threading.Event()
+    outer = []  # the outer map
 
     def inner_k(v):
         ran.append(v)
         nested_running.set()
-        time.sleep(0.005)
+        # Each inner element waits for the outer map's failure (it slept 5 ms:
+        # the failure had to come within the nested map's 5 s).
+        wait_until(lambda: outer[0].failed, "the outer map failed", poll=1e-3)
         return v
 
     inner = jax.jit(jax.vmap(lambda v: threadmap(inner_k, F32, v, executor=1)))
@@ -424,12 +436,14 @@ def test_failed_map_stops_the_maps_its_kernels_started():
         if int(v) == 0:
             assert nested_running.wait(30)
             raise RuntimeError("outer element fails")
+        outer.append(_jobs.this_thread.job)
         return np.asarray(inner(jnp.zeros(2000, jnp.float32))).sum()
 
     with pytest.raises(Exception, match="outer element fails"):
         run(outer_k, np.arange(2, dtype=np.float32)[None], executor=2)
-    # The nested map of element 1 (5 s of work) stopped with the outer map.
-    assert len(ran) < 2000
+    # The nested map of element 1 stopped with the outer map: one element ran
+    # on each of its threads (its pool's one, and the waiting kernel's).
+    assert len(ran) <= 2, len(ran)
 
 
 @pytest.mark.parametrize(

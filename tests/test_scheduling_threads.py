@@ -19,7 +19,6 @@ from jax_threadmap import InOrder, threadmap
 from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import scheduling as policy
-from jax_threadmap._executors import shared_threads as _shared_threads
 
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 #: Seconds a barrier waits before it breaks: far above a working map's time.
@@ -189,14 +188,15 @@ def test_front_loaded_costs_spread_over_every_thread(monkeypatch):
     assert max(slow_per_chunk) <= most, sorted(slow_per_chunk)[-5:]
 
 
-def test_threads_follow_the_kernels_running_at_once(monkeypatch):
+def test_threads_follow_the_kernels_running_at_once(kept_threads):
     # 300 calls of a 50-element map on a pool of 1000: at most 50 kernels run at
     # once. A thread done with a map's chunks takes the next map a moment later;
-    # before the fix each call started threads rather than wait for them.
-    monkeypatch.setattr(_shared_threads, "_threads", _shared_threads._Threads())
+    # before the fix each call started threads rather than wait for them. (No
+    # thread idles out: a loaded machine's pause ended idle threads, and the
+    # next call started new ones.)
     f = jax.jit(jax.vmap(lambda i: threadmap(lambda v: v, I32, i, executor=1000)))
     x = jnp.arange(50, dtype=jnp.int32)
     for _ in range(300):
         np.testing.assert_array_equal(f(x), np.arange(50))
-    started = _shared_threads._threads.started
+    started = kept_threads.started
     assert started <= 50 + _maps.available_cpus(), started

@@ -106,50 +106,44 @@ def lowering_place(ctx: Any) -> tuple[Any, Any] | None:
     return module, RESOLVED["mlir_ir"].InsertionPoint.current.block
 
 
-def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:
-    register = or_missing("register_lowering", None)
-    if register is not None:
-        register(prim, rule, **kwargs)
+def register_rules(
+    prim: Any,
+    lowering: Callable[..., Any],
+    batching: Callable[..., Any] | None = None,
+    jvp: Callable[..., Any] | None = None,
+    transpose: Callable[..., Any] | None = None,
+    *,
+    cacheable: bool = True,
+    devices_during_lowering: bool = False,
+) -> None:
+    """Registers the rules of ``prim`` (with ``multiple_results``), each in its
+    table where this JAX has one (a missing table: a throwaway one).
 
-
-def register_batching_rule(prim: Any, rule: Callable[..., Any]) -> None:
-    """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
-
-    JAX calls rules of this table with ``(axis_data, vals, dims, **params)``,
-    also when no operand is batched; then the primitive is bound as it is, as
-    JAX's own shim for the classic signature does.
+    ``batching(args, dims, **params) -> (outs, out_dims)``. JAX calls rules of
+    its table with ``(axis_data, vals, dims, **params)``, also when no operand is
+    batched; then the primitive is bound as it is, as JAX's own shim for the
+    classic signature does.
     """
-    table = or_missing("fancy_primitive_batchers", None)
-    if table is None:
-        return
+    register_lowering = or_missing("register_lowering", lambda *_, **__: None)
+    register_lowering(prim, lowering, cacheable=cacheable)
+    rules = {"primitive_jvps": jvp, "primitive_transposes": transpose}
+    if batching is not None:
 
-    def batching_rule(
-        axis_data: Any, vals: Sequence[Any], dims: Sequence[int | None], **params: Any
-    ) -> tuple[Any, Any]:
-        del axis_data
-        if all(d is None for d in dims):
-            outs = prim.bind(*vals, **params)
-            if prim.multiple_results:
+        def batching_rule(
+            axis_data: Any,
+            vals: Sequence[Any],
+            dims: Sequence[int | None],
+            **params: Any,
+        ) -> tuple[Any, Any]:
+            del axis_data
+            if all(d is None for d in dims):
+                outs = prim.bind(*vals, **params)
                 return outs, [None] * len(outs)
-            return outs, None
-        return rule(vals, dims, **params)
+            return batching(vals, dims, **params)
 
-    table[prim] = batching_rule
-
-
-def require_devices_during_lowering(prim: Any) -> None:
-    primitives = or_missing("prim_requires_devices_during_lowering", None)
-    if primitives is not None:
-        primitives.add(prim)
-
-
-def register_jvp(prim: Any, rule: Callable[..., Any]) -> None:
-    table = or_missing("primitive_jvps", None)
-    if table is not None:
-        table[prim] = rule
-
-
-def register_transpose(prim: Any, rule: Callable[..., Any]) -> None:
-    table = or_missing("primitive_transposes", None)
-    if table is not None:
-        table[prim] = rule
+        rules["fancy_primitive_batchers"] = batching_rule
+    for table, rule in rules.items():
+        if rule is not None:
+            or_missing(table, {})[prim] = rule
+    if devices_during_lowering:
+        or_missing("prim_requires_devices_during_lowering", set()).add(prim)

@@ -72,10 +72,10 @@ def lowering_devices(ctx: Any) -> frozenset[Any]:
     """The devices of the program being lowered (those its host callbacks hold).
 
     Read from the lowering context's axis context, which JAX fills for the
-    primitives that need devices during lowering
-    (:func:`require_devices_during_lowering`): a ``device_assignment`` (jit), or
-    a mesh (shard_map); else, as a bound from above, every device of the
-    lowering platforms (pmap)."""
+    primitives that need devices during lowering (:func:`register_rules`'s
+    ``devices_during_lowering``): a ``device_assignment`` (jit), or a mesh
+    (shard_map); else, as a bound from above, every device of the lowering
+    platforms (pmap)."""
     module = ctx.module_context
     axis_context = getattr(module, "axis_context", None)
     devices = getattr(axis_context, "device_assignment", None)

@@ -213,7 +213,7 @@ def check_operands(
                 "the kernel."
             )
             raise TypeError(
-                f"{api}: {_arg_name(path)} is a {type(leaf).__name__} "
+                f"{api}: {arg_name(path)} is a {type(leaf).__name__} "
                 f"({_short(leaf)}), not an array. Arguments are passed to JAX, so "
                 "every leaf must be an array (jax.Array, numpy.ndarray) or a "
                 f"number. {fix}"
@@ -221,7 +221,7 @@ def check_operands(
     return [leaf for _, leaf in with_path], in_tree
 
 
-def _arg_name(path: tuple[Any, ...]) -> str:
+def arg_name(path: tuple[Any, ...]) -> str:
     """'positional argument 1 (at ['a'])' for a path into ``(args, kwargs)``."""
     top, first, *rest = path
     name = (

@@ -39,22 +39,10 @@ class _PrimitiveStandIn:
 Primitive: Any = or_missing("Primitive", _PrimitiveStandIn)
 # Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
 Zero: Any = RESOLVED["Zero"]
-
-
-def instantiate_zeros(t: Any) -> Any:
-    return RESOLVED["instantiate_zeros"](t)
-
-
-def is_undefined_primal(x: Any) -> bool:
-    return RESOLVED["is_undefined_primal"](x)
-
-
-def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
-    return RESOLVED["callback_op_sharding"](axis_context, sharding, avals_out)
-
-
-def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
-    return RESOLVED["emit_python_callback"](*args, **kwargs)
+is_undefined_primal: Callable[[Any], bool] = RESOLVED["is_undefined_primal"]
+# The host callback's op sharding and custom call, as jax.pure_callback lowers them.
+callback_op_sharding: Callable[..., Any] = RESOLVED["callback_op_sharding"]
+emit_python_callback: Callable[..., Any] = RESOLVED["emit_python_callback"]
 
 
 def lower_zeros(ctx: Any, args: Sequence[Any], avals: Sequence[Any]) -> list[Any]:

@@ -155,7 +155,6 @@ class KernelFunction(Generic[R]):
                     "kernel, and cannot be passed per call or reach the kernel. "
                     f"Got {name}={kwargs[name]!r}."
                 )
-        _validate.check_callback_kwargs(kwargs, _validate.callable_name(self.fn))
         jvp, vjp = self._rule_params()
         result: R = _bind(
             self.fn,

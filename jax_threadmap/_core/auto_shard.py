@@ -380,4 +380,4 @@ def _shard_callback_lowering(
 
 
 shard_callback_p.def_abstract_eval(_shard_callback_abstract_eval)
-_rules.register_lowering(shard_callback_p, _shard_callback_lowering)
+_rules.register_rules(shard_callback_p, _shard_callback_lowering)

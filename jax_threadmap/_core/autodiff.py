@@ -27,6 +27,7 @@ from .._host.batch_spec import Axes, BatchSpec
 from .._jax import avals as _avals
 from .._jax import hooks as _hooks
 from .._jax import primitive_rules as _rules
+from .._support import validate as _validate
 from . import directions as _directions
 from .params import (
     DerivativeParam,
@@ -76,15 +77,10 @@ def _slots(which: Sequence[bool]) -> tuple[int | None, ...]:
 
 
 def _kwarg_names(in_tree: Any) -> list[str]:
-    """The keyword name (with path) of each keyword-argument leaf."""
-    kwargs_tree = in_tree.children()[1]
-    tree = jax.tree_util.tree_unflatten(kwargs_tree, range(kwargs_tree.num_leaves))
-    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [
-        f"{path[0].key!r}"
-        + (f" (at {jax.tree_util.keystr(tuple(path[1:]))})" if path[1:] else "")
-        for path, _ in paths
-    ]
+    """Each keyword-argument leaf as messages name it (with its path)."""
+    args = jax.tree_util.tree_unflatten(in_tree, range(in_tree.num_leaves))
+    paths = jax.tree_util.tree_flatten_with_path(args)[0]
+    return [_validate.arg_name(path) for path, _ in paths if path[0].idx == 1]
 
 
 def _is_zero(t: Any) -> bool:
@@ -98,7 +94,7 @@ def _check_kwargs_not_differentiated(
     for name, t in zip(_kwarg_names(kernel.in_tree), kw_tangents, strict=True):
         if not _is_zero(t):
             raise TypeError(
-                f"threadmap kernel {kernel.name!r}: keyword argument {name} depends "
+                f"threadmap kernel {kernel.name!r}: {name} depends "
                 "on the variable being differentiated, but keyword arguments are "
                 "not differentiable (they get no tangent and no cotangent). Pass "
                 "it positionally, or wrap it in jax.lax.stop_gradient if its "

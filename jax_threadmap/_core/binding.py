@@ -261,7 +261,6 @@ def threadmap(
         "kernel",
         "Pass the kernel first, then result_shape_dtypes, then the arguments.",
     )
-    _validate.check_callback_kwargs(kwargs, "threadmap")
     executor = check_executor(executor)
     chunking = _validate.check_vectorized(vectorized)
     if max_in_flight is not None or _validate.is_coroutine_function(kernel):

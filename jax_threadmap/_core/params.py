@@ -31,8 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._support.event_loop import is_coroutine_function
-from .._support.validate import callable_name
+from .._support.validate import callable_name, is_coroutine_function
 from .derivative_calls import DerivativeCall
 from .rule_messages import missing_rule_message
 

@@ -340,12 +340,12 @@ def _without_empty(
 
 threadmap_p.def_impl(_threadmap_impl)
 threadmap_p.def_abstract_eval(_threadmap_abstract_eval)
-_rules.register_batching_rule(threadmap_p, _threadmap_batching_rule)
-_rules.register_lowering(threadmap_p, _threadmap_lowering, cacheable=False)
-_rules.register_jvp(
-    threadmap_p, functools.partial(_autodiff.jvp_rule, threadmap_p.bind)
+_rules.register_rules(
+    threadmap_p,
+    _threadmap_lowering,
+    _threadmap_batching_rule,
+    functools.partial(_autodiff.jvp_rule, threadmap_p.bind),
+    functools.partial(_autodiff.transpose_rule, threadmap_p.bind),
+    cacheable=False,
+    devices_during_lowering=True,
 )
-_rules.register_transpose(
-    threadmap_p, functools.partial(_autodiff.transpose_rule, threadmap_p.bind)
-)
-_rules.require_devices_during_lowering(threadmap_p)

@@ -120,19 +120,9 @@ def _describe_node(node: RuleNode) -> str:
 
 def _how_to_attach(node: RuleNode, which: list[str]) -> str:
     short = _short(node.name)
-    signatures = {
-        "jvp": (
-            f"{short}.defjvp(jvp_kernel), where jvp_kernel takes {short}'s "
-            "positional arguments, then one tangent per positional argument, and "
-            f"returns the tangent of {short}'s result"
-        ),
-        "vjp": (
-            f"{short}.defvjp(vjp_kernel), where vjp_kernel takes {short}'s "
-            f"positional arguments, then the cotangent of {short}'s result, and "
-            "returns a tuple with one cotangent per positional argument"
-        ),
-    }
-    attach = "; and/or ".join(signatures[w] for w in which)
+    attach = "; and/or ".join(
+        f"{short}.def{w}({w}_kernel), where {_MODES[w][2]}" for w in which
+    )
     if node.is_kernel:
         return f"Attach it with {attach}."
     result = jax.tree_util.tree_unflatten(

@@ -366,7 +366,6 @@ HOOKS: tuple[Hook, ...] = (
             ("primitive_jvps", "the JVP rule that binds the JVP kernel's equation"),
             ("primitive_transposes", "the transpose rule that runs the VJP kernel"),
             ("Zero", "symbolic zero tangents and cotangents"),
-            ("instantiate_zeros", "materialises symbolic zero tangents"),
             ("is_undefined_primal", "tells linear inputs in a transpose rule"),
         )
     ),

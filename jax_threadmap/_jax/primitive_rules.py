@@ -39,22 +39,10 @@ class _PrimitiveStandIn:
 Primitive: Any = or_missing("Primitive", _PrimitiveStandIn)
 # Symbolic zeros and linear inputs, as JVP and transpose rules receive them.
 Zero: Any = RESOLVED["Zero"]
-
-
-def instantiate_zeros(t: Any) -> Any:
-    return RESOLVED["instantiate_zeros"](t)
-
-
-def is_undefined_primal(x: Any) -> bool:
-    return RESOLVED["is_undefined_primal"](x)
-
-
-def callback_op_sharding(axis_context: Any, sharding: Any, avals_out: Any) -> Any:
-    return RESOLVED["callback_op_sharding"](axis_context, sharding, avals_out)
-
-
-def emit_python_callback(*args: Any, **kwargs: Any) -> Any:
-    return RESOLVED["emit_python_callback"](*args, **kwargs)
+is_undefined_primal: Callable[[Any], bool] = RESOLVED["is_undefined_primal"]
+# The host callback's op sharding and custom call, as jax.pure_callback lowers them.
+callback_op_sharding: Callable[..., Any] = RESOLVED["callback_op_sharding"]
+emit_python_callback: Callable[..., Any] = RESOLVED["emit_python_callback"]
 
 
 def lower_zeros(ctx: Any, args: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
@@ -72,10 +60,10 @@ def lowering_devices(ctx: Any) -> frozenset[Any]:
     """The devices of the program being lowered (those its host callbacks hold).
 
     Read from the lowering context's axis context, which JAX fills for the
-    primitives that need devices during lowering
-    (:func:`require_devices_during_lowering`): a ``device_assignment`` (jit), or
-    a mesh (shard_map); else, as a bound from above, every device of the
-    lowering platforms (pmap)."""
+    primitives that need devices during lowering (:func:`register_rules`'s
+    ``devices_during_lowering``): a ``device_assignment`` (jit), or a mesh
+    (shard_map); else, as a bound from above, every device of the lowering
+    platforms (pmap)."""
     module = ctx.module_context
     axis_context = getattr(module, "axis_context", None)
     devices = getattr(axis_context, "device_assignment", None)
@@ -106,50 +94,44 @@ def lowering_place(ctx: Any) -> tuple[Any, Any] | None:
     return module, RESOLVED["mlir_ir"].InsertionPoint.current.block
 
 
-def register_lowering(prim: Any, rule: Callable[..., Any], **kwargs: Any) -> None:
-    register = or_missing("register_lowering", None)
-    if register is not None:
-        register(prim, rule, **kwargs)
+def register_rules(
+    prim: Any,
+    lowering: Callable[..., Any],
+    batching: Callable[..., Any] | None = None,
+    jvp: Callable[..., Any] | None = None,
+    transpose: Callable[..., Any] | None = None,
+    *,
+    cacheable: bool = True,
+    devices_during_lowering: bool = False,
+) -> None:
+    """Registers the rules of ``prim`` (with ``multiple_results``), each in its
+    table where this JAX has one (a missing table: a throwaway one).
 
-
-def register_batching_rule(prim: Any, rule: Callable[..., Any]) -> None:
-    """Registers ``rule(args, dims, **params) -> (outs, out_dims)`` for ``prim``.
-
-    JAX calls rules of this table with ``(axis_data, vals, dims, **params)``,
-    also when no operand is batched; then the primitive is bound as it is, as
-    JAX's own shim for the classic signature does.
+    ``batching(args, dims, **params) -> (outs, out_dims)``. JAX calls rules of
+    its table with ``(axis_data, vals, dims, **params)``, also when no operand is
+    batched; then the primitive is bound as it is, as JAX's own shim for the
+    classic signature does.
     """
-    table = or_missing("fancy_primitive_batchers", None)
-    if table is None:
-        return
+    register_lowering = or_missing("register_lowering", lambda *_, **__: None)
+    register_lowering(prim, lowering, cacheable=cacheable)
+    rules = {"primitive_jvps": jvp, "primitive_transposes": transpose}
+    if batching is not None:
 
-    def batching_rule(
-        axis_data: Any, vals: Sequence[Any], dims: Sequence[int | None], **params: Any
-    ) -> tuple[Any, Any]:
-        del axis_data
-        if all(d is None for d in dims):
-            outs = prim.bind(*vals, **params)
-            if prim.multiple_results:
+        def batching_rule(
+            axis_data: Any,
+            vals: Sequence[Any],
+            dims: Sequence[int | None],
+            **params: Any,
+        ) -> tuple[Any, Any]:
+            del axis_data
+            if all(d is None for d in dims):
+                outs = prim.bind(*vals, **params)
                 return outs, [None] * len(outs)
-            return outs, None
-        return rule(vals, dims, **params)
+            return batching(vals, dims, **params)
 
-    table[prim] = batching_rule
-
-
-def require_devices_during_lowering(prim: Any) -> None:
-    primitives = or_missing("prim_requires_devices_during_lowering", None)
-    if primitives is not None:
-        primitives.add(prim)
-
-
-def register_jvp(prim: Any, rule: Callable[..., Any]) -> None:
-    table = or_missing("primitive_jvps", None)
-    if table is not None:
-        table[prim] = rule
-
-
-def register_transpose(prim: Any, rule: Callable[..., Any]) -> None:
-    table = or_missing("primitive_transposes", None)
-    if table is not None:
-        table[prim] = rule
+        rules["fancy_primitive_batchers"] = batching_rule
+    for table, rule in rules.items():
+        if rule is not None:
+            or_missing(table, {})[prim] = rule
+    if devices_during_lowering:
+        or_missing("prim_requires_devices_during_lowering", set()).add(prim)

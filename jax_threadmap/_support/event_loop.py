@@ -2,9 +2,9 @@
 
 ``async_call``, ``deferred_call`` and ``async_array_from_callback`` run a
 coroutine function (``async def``, a ``functools.partial`` of one, an object
-whose ``__call__`` is one: :func:`is_coroutine_function`) as a coroutine on one
-event loop, on one daemon thread (``jax_threadmap-asyncio``), so that a thousand
-loads in flight need no thousand threads. The loop:
+whose ``__call__`` is one: :func:`.validate.is_coroutine_function`) as a
+coroutine on one event loop, on one daemon thread (``jax_threadmap-asyncio``),
+so that a thousand loads in flight need no thousand threads. The loop:
 
 - starts on first use (:meth:`EventLoop.submit`), never at import: a program
   without coroutine loaders pays nothing;
@@ -42,7 +42,6 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from . import fork as _fork
-from .validate import is_coroutine_function as is_coroutine_function
 
 logger = logging.getLogger("jax_threadmap._async")
 

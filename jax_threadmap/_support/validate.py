@@ -31,21 +31,14 @@ MAX_THREADS = 4096
 #: Keyword arguments of ``threadmap`` itself; they never reach the kernel.
 RESERVED_KWARGS = ("executor", "progress", "vectorized", "max_in_flight")
 
-#: Keywords of ``jax.pure_callback`` that ``threadmap`` refuses, rather than pass to
-#: the kernel (where they fail at run time), with what it does instead.
+#: Keywords of ``jax.pure_callback`` that ``threadmap`` lacks, with what it does
+#: instead; the refusal of one as a kernel's non-array argument says so.
 CALLBACK_KWARGS = {
-    "vmap_method": (
-        "threadmap has no vmap_method: under any nesting of jax.vmap it always "
-        "runs one flat map over all elements on the executor, one kernel call per "
-        "element (or per chunk, with vectorized=True), and never tiles an "
-        "unbatched argument. Drop the keyword."
-    ),
-    "sharding": (
-        "threadmap takes no sharding: under jit with sharded inputs the host call "
-        "runs where XLA's partitioner places it (as jax.pure_callback without "
-        "sharding= does); to run one map per shard on the data where it lives, "
-        "call threadmap inside jax.shard_map. Drop the keyword."
-    ),
+    "vmap_method": "it batches itself: under any nesting of jax.vmap it runs one "
+    "flat map over all elements, one kernel call per element (or per chunk, with "
+    "vectorized=True), and never tiles an unbatched argument",
+    "sharding": "under jit with sharded inputs it runs where XLA's partitioner "
+    "places it; to run one map per shard, call threadmap inside jax.shard_map",
 }
 
 
@@ -58,17 +51,6 @@ def is_coroutine_function(fn: Any) -> bool:
     if inspect.iscoroutinefunction(fn):
         return True
     return callable(fn) and inspect.iscoroutinefunction(type(fn).__call__)
-
-
-def check_callback_kwargs(kwargs: dict[str, Any], api: str) -> None:
-    """Refuses the keywords of ``jax.pure_callback`` that ``threadmap`` lacks."""
-    for name, instead in CALLBACK_KWARGS.items():
-        if name in kwargs:
-            raise TypeError(
-                f"{api}: {name}= is a keyword of jax.pure_callback, not of "
-                f"threadmap. {instead} (A kernel's own keyword argument cannot "
-                f"be named {name!r}; rename it.) Got {name}={_short(kwargs[name])}."
-            )
 
 
 def callable_name(fn: Any) -> str:
@@ -221,17 +203,25 @@ def check_operands(
         try:
             _avals.typeof(leaf)
         except TypeError:
-            where = _arg_name(path)
+            name = path[1].key if path[0].idx == 1 else None
+            fix = (
+                f"{name}= is a keyword of jax.pure_callback, not of threadmap: "
+                f"{CALLBACK_KWARGS[name]}. Drop the keyword (a kernel's own argument "
+                "of that name: bind it with functools.partial)."
+                if name in CALLBACK_KWARGS
+                else "Bind other values with functools.partial or a closure over "
+                "the kernel."
+            )
             raise TypeError(
-                f"{api}: {where} is a {type(leaf).__name__} ({_short(leaf)}), not an "
-                "array. Arguments are passed to JAX, so every leaf must be an array "
-                "(jax.Array, numpy.ndarray) or a number; bind other values with "
-                "functools.partial or a closure over the kernel."
+                f"{api}: {arg_name(path)} is a {type(leaf).__name__} "
+                f"({_short(leaf)}), not an array. Arguments are passed to JAX, so "
+                "every leaf must be an array (jax.Array, numpy.ndarray) or a "
+                f"number. {fix}"
             ) from None
     return [leaf for _, leaf in with_path], in_tree
 
 
-def _arg_name(path: tuple[Any, ...]) -> str:
+def arg_name(path: tuple[Any, ...]) -> str:
     """'positional argument 1 (at ['a'])' for a path into ``(args, kwargs)``."""
     top, first, *rest = path
     name = (

@@ -509,6 +509,9 @@ def test_derivative_params_are_equal_across_traces(monkeypatch):
         lambda f: jax.grad(lambda x: f(x, 2.0).sum()),
         lambda f: jax.jacrev(lambda x: f(x, 2.0)),
         lambda f: jax.jit(lambda x: jax.vjp(lambda x: f(x, 2.0), x)[1](x)),
+        # Forward over reverse: its VJP, which it lacks, is named, not a
+        # derivative kernel "vjp(...)" to be given rules of its own.
+        lambda f: jax.hessian(lambda x: f(x, 2.0).sum()),
     ],
 )
 def test_reverse_mode_without_vjp_names_defvjp(transform):
@@ -524,6 +527,7 @@ def test_reverse_mode_without_vjp_names_defvjp(transform):
         lambda f: jax.jit(lambda x: jax.jvp(lambda x: f(x, 2.0), (x,), (x,))[1]),
         lambda f: jax.jacfwd(lambda x: f(x, 2.0)),
         lambda f: lambda x: jax.linearize(lambda x: f(x, 2.0), x)[1](x),
+        lambda f: jax.jacrev(jax.jacfwd(lambda x: f(x, 2.0))),  # reverse over it
     ],
 )
 def test_forward_mode_without_jvp_names_defjvp(transform):

@@ -101,3 +101,19 @@ def test_a_thread_pool_whose_initializer_fails_names_its_error():
     assert "the executor failed with BrokenThreadPool" in message, message
     assert "initializer" in message and "worker process" not in message, message
     ex.shutdown()
+
+
+class _UnhashablePool(concurrent.futures.ThreadPoolExecutor):
+    """A user's thread pool whose ``__eq__`` drops ``__hash__`` (as Python does)."""
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+def test_an_unhashable_thread_pool_runs_a_map_outside_jit():
+    # It takes weak references but is no dict key: its queueing lock is the
+    # one such pools share (JAX refuses it as a jitted param, not under vmap).
+    x = np.arange(8, dtype=np.float32)
+    with _UnhashablePool(2) as ex:
+        out = jax.vmap(lambda v: threadmap(lambda e: e * 2, F32, v, executor=ex))(x)
+    np.testing.assert_array_equal(np.asarray(out), x * 2)

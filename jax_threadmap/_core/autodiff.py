@@ -274,6 +274,8 @@ def _check_has_rules(kernel: Any, node: Node) -> None:
         return
     if node.base is None:
         raise TypeError(no_derivative_rule_message(kernel.name, kernel.wrapped))
+    if node.rule_object is None:  # its base lacks the rule (no kernel to give rules)
+        raise TypeError(node.missing_rule())
     raise TypeError(no_rules_message(node))
 
 

@@ -348,6 +348,13 @@ class Node:
         """Whether this node's VJP is given with residuals (``fwd``/``bwd``)."""
         return isinstance(self.rule("vjp"), ResidualRule)
 
+    def missing_rule(self) -> str:
+        """Why this derived node, whose base lacks its rule, cannot run: the
+        base's missing rule, named as at first order."""
+        assert self.base is not None and self.rule_object is None
+        which = {"lin": "jvp", "bwd": "vjp"}.get(self.kind, self.kind)
+        return missing_rule_message(self.base, which)
+
     @property
     def name(self) -> str:
         obj = self.rule_object
@@ -518,9 +525,7 @@ class DerivativeParam:
         node = self.node
         if node.rule_object is None:
             # Traced and transposed without one; running it needs one.
-            assert node.base is not None
-            which = {"lin": "jvp", "bwd": "vjp"}.get(node.kind, node.kind)
-            raise TypeError(missing_rule_message(node.base, which))
+            raise TypeError(node.missing_rule())
         n_in, n_out = sum(self.present), sum(self.keep)
         call = DerivativeCall(self)
         return call, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)

@@ -47,15 +47,19 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
 
 #: Per thread executor, the lock held while a map queues its first pullers: two
 #: maps started at once would split its workers, and elements that wait for each
-#: other could wait for good. (A ``ThreadPoolExecutor`` takes weak references,
-#: its subclasses too; and it is hashable, or JAX refuses it as a param.)
+#: other could wait for good. Unhashable ones (``__eq__`` without ``__hash__``: JAX
+#: refuses them as jitted params, not under ``vmap``) share _fallback.
 _states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
+_fallback = threading.Lock()
 
 
 def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
     with _states_lock:
-        return _states.setdefault(executor, threading.Lock())
+        try:
+            return _states.setdefault(executor, threading.Lock())
+        except TypeError:  # unhashable
+            return _fallback
 
 
 # --- one runner per kind of executor --------------------------------------------------
@@ -314,7 +318,8 @@ atexit.register(_at_exit)
 def _start_afresh() -> None:
     """A forked child runs none of the parent's maps, and any lock of the user
     executors may have been held at the fork."""
-    global _states, _states_lock
+    global _states, _states_lock, _fallback
     _flights.clear()
     _states = weakref.WeakKeyDictionary()
     _states_lock = threading.Lock()
+    _fallback = threading.Lock()

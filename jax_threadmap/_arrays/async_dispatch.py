@@ -187,26 +187,3 @@ class Results(Task):
 
 
 mechanism = Dispatch()
-
-
-def async_dispatch_status() -> str:
-    """Says whether jitted calls with pending ``AsyncArray`` s return at once.
-
-    With ``"async"`` (every platform, by default), ``y = f(x)`` with ``x``
-    pending returns at once with ``AsyncArray`` results, and ``f`` 's program
-    is dispatched from the host when ``x`` lands; other work that does not use
-    ``y`` runs meanwhile (docs/async-dispatch.md). With ``"blocking: <reason>"``
-    the call waits for ``x`` first (``JAX_THREADMAP_ASYNC_DISPATCH=0``, or a
-    JAX without the hook that defers program runs).
-
-    Returns:
-        ``"async"``, or ``"blocking: <reason>"`` (the reason names the switch or
-        the missing JAX feature).
-
-    Examples:
-        >>> import jax_threadmap as jtm
-        >>> jtm.async_dispatch_status()  # CPU, GPU, TPU: jax 0.6.2+
-        'async'
-    """
-    reason = mechanism.status()
-    return "async" if reason is None else f"blocking: {reason}"

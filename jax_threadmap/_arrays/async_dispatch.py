@@ -1,8 +1,8 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
 One mechanism on every platform: deferred dispatch (:mod:`.deferred_dispatch`).
-:mod:`.async_array` uses only :data:`mechanism`, :class:`Pending`,
-:class:`ArrayKind` and :func:`async_dispatch_status`; of a call, only
+:mod:`.async_array` uses only :data:`mechanism`, :class:`Pending` and
+:class:`ArrayKind`; of a call, only
 ``Task``'s public methods are used. :class:`Dispatch` sends each run on
 ``AsyncArray`` s where it belongs (deferred until its data lands, or run at
 once where it must wait for the data: blocking) and makes its array outputs

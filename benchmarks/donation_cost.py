@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_threadmap as jtm
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 ROUNDS = 3
 
@@ -52,7 +53,8 @@ def main() -> None:
     params = jnp.ones((n,), jnp.float32).block_until_ready()
     loss = jax.jit(lambda b, p: jnp.sum(p[:4] * b))
     update = jax.jit(lambda p: p * 0.5, donate_argnums=0)
-    print(f"{jtm.async_dispatch_status()}; {gib:g} GiB of parameters")
+    status = _async_dispatch.mechanism.status() or "async"
+    print(f"{status}; {gib:g} GiB of parameters")
 
     copy = _best(lambda: jax.device_put(params, may_alias=False).block_until_ready())
     print(f"one device copy of the parameters: {copy * 1e3:.1f} ms")

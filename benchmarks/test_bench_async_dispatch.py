@@ -334,7 +334,7 @@ def compare(rounds: int = ROUNDS) -> dict:
             where: min(unrelated_work(where) for _ in range(rounds))
             for where in ("same thread", "other thread")
         },
-        "status": jtm.async_dispatch_status(),
+        "status": _async_dispatch.mechanism.status() or "async",
     }
 
 

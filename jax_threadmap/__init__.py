@@ -7,8 +7,6 @@ import importlib.metadata
 
 from ._arrays.async_array import AsyncArray as AsyncArray
 from ._arrays.async_array import async_call as async_call
-from ._arrays.async_array import deferred_call as deferred_call
-from ._arrays.async_dispatch import async_dispatch_status as async_dispatch_status
 from ._arrays.async_pool import async_pool_status as async_pool_status
 from ._arrays.shard_loads import async_array_from_callback as async_array_from_callback
 from ._core.api import KernelFunction as KernelFunction
@@ -40,9 +38,7 @@ __all__ = [
     "UnsupportedJaxError",
     "async_array_from_callback",
     "async_call",
-    "async_dispatch_status",
     "async_pool_status",
-    "deferred_call",
     "kernel",
     "limit_inner_threads",
     "shared",

@@ -36,7 +36,7 @@ DATA = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
 ROW = jax.ShapeDtypeStruct((16,), jnp.float32)
 #: Async dispatch: a program on pending data returns AsyncArrays at once, and is
 #: dispatched once every shard has landed.
-ASYNC = _async_dispatch.async_dispatch_status() == "async"
+ASYNC = _async_dispatch.mechanism.status() is None  # None: no reason to block
 AXIS_TYPES = {
     "auto": jax.sharding.AxisType.Auto,
     "explicit": jax.sharding.AxisType.Explicit,
@@ -553,8 +553,8 @@ if __name__ == "__main__":
     print(
         "jax",
         jax.__version__,
-        "async dispatch:",
-        _async_dispatch.async_dispatch_status(),
+        "blocking dispatch:",
+        _async_dispatch.mechanism.status(),
     )
     a_failing_thread_stops_the_rest()
     same_as_make_array_from_callback()

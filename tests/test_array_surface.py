@@ -23,8 +23,9 @@ from helpers import PATIENCE, examples, returns_within, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_threadmap import AsyncArray, async_call, deferred_call
+from jax_threadmap import AsyncArray, async_call
 from jax_threadmap._arrays import array_surface as _array_surface
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._jax import hooks as _compat
 
 pytestmark = [
@@ -337,9 +338,13 @@ METHODS = {
 )
 def test_methods_match_jax_numpy_on_the_same_data(method, shape, axis, seed):
     data = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
-    x = deferred_call(lambda: data, SDS(shape, np.float32))  # pending until used
+    go = threading.Event()
+    x = async_call(lambda: go.wait(PATIENCE) and data, SDS(shape, np.float32))
+    if _async_dispatch.mechanism.status() is not None:  # blocking: waits for it
+        go.set()
     on_async, on_jnp = METHODS[method]
-    got = on_async(x, axis)
+    got = on_async(x, axis)  # with async dispatch: before the data
+    go.set()
     want = on_jnp(jnp.asarray(data), axis)
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

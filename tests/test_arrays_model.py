@@ -2,17 +2,16 @@
 
 A hypothesis state machine drives random sequences of background calls (that
 return, fail, hang until landed, return 0-size arrays or a pytree; sharded loads;
-``async def`` loaders; ``deferred_call`` s), with no, tiny or huge timeouts,
+``async def`` loaders), with no, tiny or huge timeouts,
 cancels, ``result()``, jitted dispatches on pending arrays, and data landing.
 After every step it checks that the pool never runs more calls than its bound
 nor abandons more threads than its cap, and that the programs deferred on
 pending data are never more than the model's dispatches allow; a dispatch on
-pending data returns before its data (then ``async_dispatch_status()``, which
-says ``'async'``, told the truth). When a call is looked at, its value equals
+pending data returns before its data (then the dispatch mode, which says
+async, told the truth). When a call is looked at, its value equals
 the synchronous one (NumPy), or its error is the one it must be, and every
 dependent carries that same value or error. At the end, with every load landed,
-no program of the model is still deferred, and a deferred call cancelled before
-its first use never started.
+no program of the model is still deferred.
 
 Loads fail in every way the hostile pass of issue 43 found (``FAULTS``): the
 loader raises, returns another library's array whose shape is an int or whose
@@ -57,7 +56,6 @@ from jax_threadmap import (
     async_array_from_callback,
     async_call,
     async_pool_status,
-    deferred_call,
     kernel,
     threadmap,
 )
@@ -70,8 +68,8 @@ pytestmark = pytest.mark.timeout(600)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 60.0
-STATUS = _async_dispatch.async_dispatch_status()
-ASYNC = STATUS == "async"
+STATUS = _async_dispatch.mechanism.status()  # why dispatch blocks, or None
+ASYNC = STATUS is None
 DEVICE = jax.devices()[0]
 KINDS = (
     "value",
@@ -81,7 +79,6 @@ KINDS = (
     "async",
     "sharded",
     "async sharded",
-    "deferred",
 )
 TIMEOUTS = {"none": None, "tiny": 1e-3, "huge": 1e10}
 #: The kinds of load that take a fault.
@@ -182,8 +179,6 @@ class Call:
     started: threading.Event = field(default_factory=threading.Event)
     landed: bool = False
     cancelled: bool = False  # cancel() returned True
-    never_starts: bool = False  # cancelled before any use (deferred)
-    used: bool = False  # something asked for its value (a deferred call starts)
     outcome: str | None = None  # "value", or the error's type name, once seen
     dependents: list[Any] = field(default_factory=list)  # (y, counted)
     fault: str = "none"
@@ -324,12 +319,9 @@ class AsyncArraysModel(RuleBasedStateMachine):
             x = async_array_from_callback(
                 (size,), sharding, load, np.float32, timeout=seconds
             )
-        elif kind == "deferred":
-            x = deferred_call(load, sds, timeout=seconds)
         else:
             x = async_call(load, sds, timeout=seconds)
         call = Call(kind, timeout, go, value, x, started, fault=fault, buffer=buffer)
-        call.used = kind != "deferred"
         self.all.append(call)
         return call
 
@@ -340,10 +332,8 @@ class AsyncArraysModel(RuleBasedStateMachine):
 
     @rule(call=calls)
     def cancel(self, call: Call) -> None:
-        unused = not call.used
         if call.x.cancel():
             call.cancelled = True
-            call.never_starts = call.never_starts or unused
             self._seen(call, "CancelledError")
 
     @rule(call=calls)
@@ -351,7 +341,6 @@ class AsyncArraysModel(RuleBasedStateMachine):
         if not ASYNC and not self._ends(call):
             return  # blocking dispatch: it would wait for the landing step
         pending = not call.x.done()
-        call.used = True
         try:
             # A dispatch on pending data returns before it.
             y = returns_within(
@@ -426,7 +415,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
     def deferred_programs_within_the_model(self) -> None:
         deferred = _deferred_runs()
         assert len(deferred - self.deferred_before) <= self.outstanding, deferred
-        assert _async_dispatch.async_dispatch_status() == STATUS
+        assert _async_dispatch.mechanism.status() == STATUS
 
     def teardown(self) -> None:
         for call in self.all:
@@ -435,9 +424,6 @@ class AsyncArraysModel(RuleBasedStateMachine):
         try:
             for call in self.all:
                 self._check(call)
-            for call in self.all:
-                if call.never_starts:  # cancelled before its first use
-                    assert not call.started.is_set(), call
             # No program of the model is still deferred (each leaves the
             # readers in its done-callback, just after its waiters wake).
             wait_until(
@@ -455,8 +441,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
             call.landed
             or call.cancelled
             or call.outcome is not None
-            or (call.timeout == "tiny" and call.kind != "deferred")
-            or (call.timeout == "tiny" and call.used)
+            or call.timeout == "tiny"
         )
 
     def _seen(self, call: Call, outcome: str) -> None:
@@ -466,7 +451,6 @@ class AsyncArraysModel(RuleBasedStateMachine):
         assert outcome == call.outcome, (outcome, call)
 
     def _check(self, call: Call) -> None:
-        call.used = True
         try:
             value = np.asarray(call.x.result(timeout=WAIT))
         except (Exception, Odd) as e:

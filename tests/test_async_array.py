@@ -1,4 +1,4 @@
-"""Tests of async_call, deferred_call and AsyncArray (jax_threadmap/_arrays/)."""
+"""Tests of async_call and AsyncArray (jax_threadmap/_arrays/)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cause_of, returns_within, run_script, wait_until
+from helpers import cause_of, returns_within, run_script
 
 import jax_threadmap as jtm
-from jax_threadmap import AsyncArray, async_call, deferred_call
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap import AsyncArray, async_call
 from jax_threadmap._arrays import async_pool as _async_pool
 
 pytestmark = pytest.mark.timeout(60)
@@ -501,22 +500,6 @@ def test_fn_error_is_raised_at_every_use(use):
     assert params["w"].done()
 
 
-def test_error_in_a_deferred_call_is_raised_at_every_use():
-    calls = []
-
-    def fn():
-        calls.append(1)
-        raise KeyError("missing shard")
-
-    x = deferred_call(fn, SDS((2,), np.float32))
-    for _ in range(3):  # uses that need the value (x + 1 defers, as jit does)
-        with pytest.raises(KeyError, match="missing shard"):
-            x.tolist()
-        with pytest.raises(KeyError, match="missing shard"):
-            float(x[0])
-    assert calls == [1]
-
-
 @pytest.mark.parametrize(
     "returned, pattern",
     [
@@ -600,8 +583,6 @@ def test_a_timeout_error_of_fn_is_its_own():
 def test_bad_arguments_fail_at_the_call(args, kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
         async_call(*args, **kwargs)
-    with pytest.raises(exc, match=pattern):
-        deferred_call(*args, **kwargs)
 
 
 # --- threads -------------------------------------------------------------------------
@@ -693,104 +674,6 @@ def test_async_threads_env_var(monkeypatch):
         _async_pool.default_async_threads()
     monkeypatch.delenv(_async_pool.ENV_ASYNC_THREADS)
     assert _async_pool.default_async_threads() >= 1
-
-
-# --- deferred ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dispatch", ["async", "blocking"])
-def test_deferred_runs_only_when_first_needed_and_once(dispatch, monkeypatch):
-    monkeypatch.setenv(
-        _async_dispatch.ENV_ASYNC_DISPATCH, "1" if dispatch == "async" else "0"
-    )
-    async_dispatch = _async_dispatch.async_dispatch_status().startswith("async")
-    calls = []
-
-    def fn(seed):
-        calls.append((threading.current_thread(), threading.current_thread().name))
-        return _weights(seed=seed)
-
-    params = deferred_call(fn, _shapes(), 5)
-    x = jnp.ones(3, jnp.float32)
-    f = jax.jit(_model)
-    f.lower(params, x).compile()
-    # Still deferred (its state says so, not a clock): neither queued nor run.
-    assert "deferred" in repr(params["w"]) and not params["w"].done()
-    assert calls == []
-    out = f(params, x)  # executing the program needs the values
-    if async_dispatch:  # the dispatch queued it on the pool and returned
-        wait_until(lambda: calls, "the pool to run the deferred call")
-        assert calls[0][1].startswith("jax_threadmap-async"), calls
-    else:  # the dispatch waited, running it in the caller
-        assert [t for t, _ in calls] == [threading.current_thread()]
-    np.testing.assert_allclose(
-        out, _model(jax.tree.map(jnp.asarray, _weights(seed=5)), x), rtol=1e-6
-    )
-    np.testing.assert_array_equal(np.asarray(params["b"]), _weights(seed=5)["b"])
-    assert len(calls) == 1
-
-
-def test_deferred_result_with_timeout_runs_on_the_pool():
-    gate = Gate(np.ones(2, np.float32))
-    x = deferred_call(gate, SDS((2,), np.float32))
-    assert not gate.started.is_set()
-    with pytest.raises(TimeoutError):
-        x.result(timeout=0.1)
-    assert gate.started.wait(WAIT)
-    assert gate.threads[0] is not threading.current_thread()
-    gate.release.set()
-    np.testing.assert_array_equal(np.asarray(x.result(timeout=WAIT)), [1.0, 1.0])
-    assert gate.calls == 1
-
-
-# --- from_future ---------------------------------------------------------------------
-
-
-def test_from_future():
-    ref = _weights(seed=2)
-    with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        release = threading.Event()
-        fut = ex.submit(lambda: (release.wait(WAIT), ref)[1])
-        params = AsyncArray.from_future(fut, _shapes())
-        assert not params["w"].done() and "pending" in repr(params["w"])
-        with pytest.raises(TimeoutError):
-            params["w"].result(timeout=0.05)
-        release.set()
-        out = jax.jit(_model)(params, jnp.ones(3))
-    expected = _model(jax.tree.map(jnp.asarray, ref), jnp.ones(3))
-    np.testing.assert_allclose(out, expected, rtol=1e-6)
-
-
-def test_from_already_done_future_and_its_errors():
-    fut = concurrent.futures.Future()
-    fut.set_result(np.arange(4, dtype=np.float32))
-    x = AsyncArray.from_future(fut, SDS((4,), np.float32))
-    assert x.done()
-    np.testing.assert_array_equal(x * 2, np.arange(4) * 2)
-
-    failed = concurrent.futures.Future()
-    x = AsyncArray.from_future(failed, SDS((4,), np.float32))
-    failed.set_exception(OSError("disk gone"))
-    with pytest.raises(OSError, match="disk gone") as info:
-        np.asarray(x)
-    if hasattr(info.value, "add_note"):
-        assert "from_future waited for" in info.value.__notes__[0]
-    assert "failed: OSError: disk gone, from a Future of the caller" in repr(x)
-
-    cancelled = concurrent.futures.Future()
-    x = AsyncArray.from_future(cancelled, SDS((4,), np.float32))
-    cancelled.cancel()
-    with pytest.raises(concurrent.futures.CancelledError):
-        x.result()
-
-    wrong = concurrent.futures.Future()
-    wrong.set_result(np.zeros(5, np.float32))
-    x = AsyncArray.from_future(wrong, SDS((4,), np.float32))
-    with pytest.raises(ValueError, match=r"shape \(5,\).*expected shape \(4,\)"):
-        x.result()
-
-    with pytest.raises(TypeError, match="concurrent.futures.Future"):
-        AsyncArray.from_future(lambda: 1, SDS((4,), np.float32))
 
 
 # --- copies, pickling, fork ----------------------------------------------------------

@@ -9,7 +9,6 @@ contract, chains and failures: tests/test_deferred_dispatch.py.)
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import pathlib
 import textwrap
@@ -23,15 +22,15 @@ from helpers import returns_within, run_script
 from jax.experimental import io_callback
 
 import jax_threadmap as jtm
-from jax_threadmap import AsyncArray, async_call, deferred_call
+from jax_threadmap import AsyncArray, async_call
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import async_pool as _async_pool
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        _async_dispatch.async_dispatch_status() != "async",
-        reason=f"async dispatch is off here: {_async_dispatch.async_dispatch_status()}",
+        _async_dispatch.mechanism.status() is not None,
+        reason=f"async dispatch is off here: {_async_dispatch.mechanism.status()}",
     ),
 ]
 
@@ -361,38 +360,7 @@ def test_a_failed_load_under_an_ordered_effect_fails_only_its_dispatch():
     assert seen == [[1.0, 1.0]]
 
 
-# --- the other constructors and threadmap ----------------------------------------
-
-
-def test_deferred_call_starts_on_the_pool_when_dispatched():
-    calls = []
-    release, started = threading.Event(), threading.Event()
-
-    def fn(seed):
-        calls.append(threading.current_thread())
-        started.set()
-        assert release.wait(WAIT)
-        return _weights(seed=seed)
-
-    params = deferred_call(fn, _shapes(), 5)
-    x = jnp.ones(3, jnp.float32)
-    y = returns_while_gated(jax.jit(_model), params, x)
-    assert started.wait(WAIT)
-    assert len(calls) == 1 and calls[0].name.startswith("jax_threadmap-async")
-    release.set()
-    np.testing.assert_allclose(y, _reference(_model, _weights(seed=5), x), rtol=1e-6)
-    assert len(calls) == 1
-
-
-def test_from_future():
-    ref = _weights(seed=2)
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-    params = AsyncArray.from_future(fut, _shapes())
-    x = jnp.ones(3, jnp.float32)
-    y = returns_while_gated(jax.jit(_model), params, x)
-    assert not y.is_ready()
-    fut.set_result(ref)
-    np.testing.assert_allclose(y, _reference(_model, ref, x), rtol=1e-6)
+# --- threadmap ------------------------------------------------------------------------
 
 
 def test_threadmap_input():
@@ -446,7 +414,7 @@ def test_dispatch_inside_a_pool_call_still_waits_for_its_data():
 
 def test_switch_off_gives_blocking_dispatch(monkeypatch):
     monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "0")
-    assert _async_dispatch.async_dispatch_status().startswith("blocking: disabled by")
+    assert _async_dispatch.mechanism.status().startswith("disabled by")
     gate = Gate(np.ones(2, np.float32))
     a = async_call(gate, SDS((2,), np.float32))
     box = {}

@@ -37,12 +37,7 @@ import numpy as np
 import pytest
 from helpers import run_script
 
-from jax_threadmap import (
-    async_array_from_callback,
-    async_call,
-    async_pool_status,
-    deferred_call,
-)
+from jax_threadmap import async_array_from_callback, async_call, async_pool_status
 from jax_threadmap._arrays import async_pool as _async_pool
 
 pytestmark = pytest.mark.timeout(120)
@@ -318,7 +313,7 @@ BAD_TIMEOUTS = [-1, -0.0, float("nan"), float("inf"), -float("inf"), np.float32(
     "api, timeout",
     [
         (api, t)
-        for api in ("async_call", "deferred_call", "shards", "async shards", "result")
+        for api in ("async_call", "shards", "async shards", "result")
         for t in BAD_TIMEOUTS
         if not (api == "result" and t == 0)  # result(timeout=-0.0): look, no wait
     ],
@@ -335,17 +330,17 @@ def test_a_negative_nan_or_infinite_timeout_is_refused_before_any_work(api, time
         started.append(index)
         return np.zeros(2, np.float32)[index]
 
+    landed = async_call(np.zeros, SDS((2,), np.float32), 2)
+    landed.result(timeout=60)
     with pytest.raises(ValueError, match="finite number of seconds. Got timeout="):
         if api == "async_call":
             async_call(load, SDS((2,), np.float32), timeout=timeout)
-        elif api == "deferred_call":
-            deferred_call(load, SDS((2,), np.float32), timeout=timeout)
         elif api == "shards":  # dtype=None: would fetch one shard at the call
             async_array_from_callback((2,), ONE, load, timeout=timeout)
         elif api == "async shards":
             async_array_from_callback((2,), ONE, load_async, timeout=timeout)
         else:
-            deferred_call(load, SDS((2,), np.float32)).result(timeout=timeout)
+            landed.result(timeout=timeout)
     assert started == []
     with _async_pool.live_lock:  # nothing of it is in flight
         assert not [t for t in _async_pool.live if "before_any_work" in str(t)]
@@ -397,7 +392,6 @@ def async_map(n):
 running = jtm.async_call(blocked, S, 1.0)
 sharded = jtm.async_array_from_callback((8,), sharding, fetch, np.float32)
 queued = jtm.async_call(quick, S, 2.0)
-deferred = jtm.deferred_call(quick, S, 3.0)
 coroutine = jtm.async_call(blocked_async, S, 4.0)
 box = {}
 mapper = threading.Thread(target=lambda: box.setdefault("map", async_map(4)))
@@ -438,10 +432,9 @@ if pid == 0:
         got = bounded(x.result)  # no timeout: the child may run what is left
         expect(name, got, isinstance(got, dict)
                and "forked" in str(got.get("error", "")))
-    for name, x, v in (("queued", queued, 2.0), ("deferred", deferred, 3.0)):
-        got = bounded(x.result)
-        expect(name, got, isinstance(got, dict) and "value" in got
-               and np.asarray(got["value"]).tolist() == [v, v])
+    got = bounded(queued.result)  # not started at the fork: runs here
+    expect("queued", got, isinstance(got, dict) and "value" in got
+           and np.asarray(got["value"]).tolist() == [2.0, 2.0])
     async def fresh(v):
         await asyncio.sleep(0)
         return np.full(2, v, np.float32)
@@ -465,9 +458,9 @@ if pid == 0:
     os._exit(0 if not failures else 1)
 _, status = os.waitpid(pid, 0)
 release.set()
-values = [float(x.result(60)[0]) for x in (running, queued, deferred, coroutine)]
+values = [float(x.result(60)[0]) for x in (running, queued, coroutine)]
 mapper.join(60)
-ok = (values == [1.0, 2.0, 3.0, 4.0]
+ok = (values == [1.0, 2.0, 4.0]
       and np.array_equal(np.asarray(sharded.result(60)), data)
       and np.array_equal(box.get("map"), [0.0, 2.0, 4.0, 6.0]))
 print("parent:", "ok" if ok else (values, box), flush=True)

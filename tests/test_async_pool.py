@@ -24,15 +24,15 @@ import numpy as np
 import pytest
 from helpers import returns_within, run_script
 
-from jax_threadmap import async_array_from_callback, async_call, deferred_call
+from jax_threadmap import async_array_from_callback, async_call
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 pytestmark = pytest.mark.timeout(180)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-STATUS = _async_dispatch.async_dispatch_status()
-ASYNC = STATUS == "async"
+STATUS = _async_dispatch.mechanism.status()  # why dispatch blocks, or None
+ASYNC = STATUS is None
 
 
 def held_load(go: threading.Event, value: np.ndarray, error: str | None = None):
@@ -58,7 +58,7 @@ def test_pending_zero_size_data_never_turns_dispatch_blocking():
         y = double(x)  # returns before the data
         go.set()
         assert np.asarray(y).shape == (0, 3)
-    assert _async_dispatch.async_dispatch_status() == "async"
+    assert _async_dispatch.mechanism.status() is None  # still async
     # Behind a stuck load, a dispatch still returns before its data.
     go = threading.Event()
     x = async_call(held_load(go, np.arange(3.0, dtype=np.float32)), SDS((3,), "f4"))
@@ -100,16 +100,11 @@ def _make(api: str, fn, timeout: float):
     sds = SDS((2,), np.float32)
     if api == "async_call":
         return async_call(fn, sds, timeout=timeout)
-    if api == "deferred_call":
-        x = deferred_call(fn, sds, timeout=timeout)
-        with pytest.raises(TimeoutError, match="was not ready"):
-            x.result(timeout=0)  # the first use: its clock starts
-        return x
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return async_array_from_callback((2,), sharding, fn, np.float32, timeout=timeout)
 
 
-@pytest.mark.parametrize("api", ["async_call", "deferred_call", "callback"])
+@pytest.mark.parametrize("api", ["async_call", "callback"])
 @pytest.mark.parametrize("huge", [1e10, 1e300])
 def test_a_huge_timeout_leaves_later_timeouts_working(api, huge):
     never = threading.Event()

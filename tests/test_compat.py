@@ -16,6 +16,7 @@ import pytest
 from helpers import run_script
 
 import jax_threadmap
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import hooks as _compat
 from jax_threadmap._jax import placement as _placement
@@ -252,11 +253,11 @@ def _hidden(hook):
     )
 
 
-#: Optional features: without one of their hooks nothing fails, and
-#: async_dispatch_status() starts with this.
+#: Optional features: without one of their hooks nothing fails, and the
+#: dispatch's reason to block starts with this.
 OPTIONAL_STATUS = {
     # No wrapped program runs: dispatch on pending data waits for the data.
-    (_compat.ASYNC_DISPATCH,): "blocking: unavailable",
+    (_compat.ASYNC_DISPATCH,): "unavailable",
 }
 
 
@@ -264,7 +265,7 @@ OPTIONAL_STATUS = {
 def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch):
     monkeypatch.setitem(_compat.RESOLVED, hook.name, _compat.resolve(_hidden(hook)))
     if hook.features in OPTIONAL_STATUS:  # optional: the status says why
-        status = jax_threadmap.async_dispatch_status()
+        status = _async_dispatch.mechanism.status()
         assert status.startswith(OPTIONAL_STATUS[hook.features]), status
         assert f"{hook.name} is missing" in status and "_moved" in status
         for use in FEATURE_USES.values():
@@ -352,6 +353,7 @@ for hook in table.HOOKS:
 
 import jax_threadmap  # must not fail
 from jax_threadmap._jax import hooks as _compat
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import placement as _placement
 from jax_threadmap._jax import primitive_rules as _rules

@@ -31,8 +31,8 @@ from hypothesis.stateful import (
 from jax.experimental import io_callback
 from wait_hooks import calling_on_wait
 
-import jax_threadmap as jtm
-from jax_threadmap import AsyncArray, async_call, deferred_call, threadmap
+from jax_threadmap import AsyncArray, async_call, threadmap
+from jax_threadmap._arrays import async_dispatch as _async_dispatch
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
@@ -43,8 +43,8 @@ F32 = SDS((3,), np.float32)
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        jtm.async_dispatch_status() != "async",
-        reason=f"async dispatch is off here: {jtm.async_dispatch_status()}",
+        _async_dispatch.mechanism.status() is not None,
+        reason=f"async dispatch is off here: {_async_dispatch.mechanism.status()}",
     ),
 ]
 
@@ -131,22 +131,6 @@ def test_a_kernel_inside_the_deferred_program():
     y = while_gated(f, x)
     gate.release.set()
     np.testing.assert_array_equal(np.asarray(y), np.sort(-value, axis=-1))
-
-
-def test_a_deferred_call_starts_when_a_program_is_dispatched_on_it():
-    calls = []
-    release = threading.Event()
-
-    def load():
-        calls.append(1)
-        release.wait(WAIT)
-        return np.ones(3, np.float32)
-
-    x = deferred_call(load, F32)
-    y = while_gated(jax.jit(lambda a: a * 5), x)
-    release.set()
-    np.testing.assert_array_equal(np.asarray(y), [5.0] * 3)
-    assert calls == [1]
 
 
 @pytest.mark.parametrize("how", ["raises", "times out", "cancelled"])

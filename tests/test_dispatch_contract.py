@@ -26,7 +26,6 @@ from helpers import examples, returns_within
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import deferred_dispatch as _deferred_dispatch
@@ -34,8 +33,8 @@ from jax_threadmap._arrays import deferred_dispatch as _deferred_dispatch
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        jtm.async_dispatch_status() != "async",
-        reason=f"async dispatch is off here: {jtm.async_dispatch_status()}",
+        _async_dispatch.mechanism.status() is not None,
+        reason=f"async dispatch is off here: {_async_dispatch.mechanism.status()}",
     ),
 ]
 
@@ -186,7 +185,7 @@ def test_the_kind_of_a_result_depends_on_the_arguments_only(lands):
 
 def test_blocking_dispatch_returns_async_arrays_too(monkeypatch):
     monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "0")
-    assert jtm.async_dispatch_status().startswith("blocking")
+    assert _async_dispatch.mechanism.status().startswith("disabled by")
     gate, x = gated(BATCH)
     threading.Timer(0.05, gate.release.set).start()
     y = jax.jit(lambda a: a * 3)(x)  # waits for the data here

@@ -1,4 +1,4 @@
-"""``async def`` loaders: async_call and deferred_call on the package's event loop.
+"""``async def`` loaders: async_call on the package's event loop.
 
 Each test waits on events (asyncio or threading), never on elapsed time; the
 bounds only turn a hang into a failure.
@@ -70,11 +70,11 @@ class AsyncCallable:
     ],
     ids=["async def", "partial", "async __call__", "returns a coroutine"],
 )
-@pytest.mark.parametrize("make", [jtm.async_call, jtm.deferred_call])
-def test_coroutine_loaders_give_their_values(fn, make):
-    x = make(fn, F32, 2.5)
+def test_coroutine_loaders_give_their_values(fn):
+    x = jtm.async_call(fn, F32, 2.5)
     np.testing.assert_array_equal(x.result(timeout=WAIT), np.full(3, 2.5))
-    np.testing.assert_array_equal(jax.jit(lambda a: a * 2)(make(fn, F32, 1.0)), 2.0)
+    y = jax.jit(lambda a: a * 2)(jtm.async_call(fn, F32, 1.0))
+    np.testing.assert_array_equal(y, 2.0)
 
 
 def test_coroutines_run_on_one_loop_thread_without_a_thread_each():
@@ -175,20 +175,6 @@ def test_a_call_whose_end_fails_keeps_neither_itself_nor_its_burst_waiting(
         np.testing.assert_array_equal(np.asarray(x.result(timeout=WAIT)), i)
     assert len(broken) == 1
     assert any("slot lost" in r.exc_text for r in caplog.records if r.exc_text)
-
-
-def test_a_deferred_coroutine_starts_only_when_used():
-    started = threading.Event()
-
-    async def fn():
-        started.set()
-        return np.zeros(3, np.float32)
-
-    x = jtm.deferred_call(fn, F32)
-    assert x.done() is False and "float32, deferred," in repr(x)
-    assert not started.is_set()
-    np.testing.assert_array_equal(x + 1, 1.0)
-    assert started.is_set()
 
 
 def test_a_coroutine_error_keeps_its_type_and_names_the_loader():

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_threadmap import async_call, deferred_call
+from jax_threadmap import async_call
 from jax_threadmap._arrays import async_array as _async_array
 from jax_threadmap._arrays import task as _task
 from jax_threadmap._arrays.call import (
@@ -89,8 +89,9 @@ def _call_in(state: str, monkeypatch) -> tuple[Task, threading.Event]:
         return real_place(task, frozen)
 
     monkeypatch.setattr(_task, "place", slow_place)
-    if state == PENDING:
-        x = deferred_call(fn, F32)
+    if state == PENDING:  # made, not submitted: nothing runs it
+        task = Task.for_call(fn, F32, (), {}, None, "async_call", None)
+        x = _async_array.make_arrays(task)
     else:
         x = async_call(fn, F32)
         assert started.wait(WAIT)

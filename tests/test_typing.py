@@ -13,8 +13,8 @@ pytestmark = pytest.mark.children
 
 
 def test_a_user_script_type_checks_strictly_with_precise_results():
-    # Was: threadmap, kernel calls, async_call, deferred_call and from_future
-    # were typed as returning Any, so every assert_type of the script failed.
+    # Was: threadmap, kernel calls and async_call were typed as returning Any,
+    # so every assert_type of the script failed.
     pytest.importorskip("mypy")
     pytest.importorskip("typing_extensions")
     proc = subprocess.run(

@@ -6,7 +6,6 @@ another type than a user can rely on.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
@@ -47,11 +46,7 @@ assert_type(jax_threadmap.kernel((F32, F32))(scaled)(x), tuple[jax.Array, ...])
 loading = jax_threadmap.async_call(load, F32)
 assert_type(loading, AsyncArray)
 assert_type(loading.result(), jax.Array)
-assert_type(jax_threadmap.deferred_call(load, F32), AsyncArray)
-with concurrent.futures.ThreadPoolExecutor(1) as ex:
-    future = ex.submit(load)
-    assert_type(AsyncArray.from_future(future, F32), AsyncArray)
-    assert_type(AsyncArray.from_future(future, (F32, F32)), tuple[AsyncArray, ...])
+assert_type(jax_threadmap.async_call(load, (F32, F32)), tuple[AsyncArray, ...])
 
 sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 ROWS = np.zeros((4, 3), np.float32)

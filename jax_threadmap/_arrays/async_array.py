@@ -5,17 +5,16 @@
   call runs; when a compiled program runs with it, the argument handler
   registered here (through :mod:`.._jax.array_types`) asks
   :mod:`.async_dispatch` for buffers.
-- :func:`async_call`, :func:`deferred_call`, :meth:`AsyncArray.from_future`: each
-  makes the :class:`~.task.Task` behind every array of one call.
+- :func:`async_call`: makes the :class:`~.task.Task` behind every array of
+  one call.
 - Exit (:func:`_at_exit`): calls still running are reported and abandoned.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import numpy as np
@@ -45,20 +44,20 @@ atexit.register(_at_exit)
 class AsyncArray:
     """An array whose value a background call is still computing.
 
-    Made by [`async_call`][jax_threadmap.async_call],
-    [`deferred_call`][jax_threadmap.deferred_call] or
-    [`from_future`][jax_threadmap.AsyncArray.from_future], never directly. Its shape and
-    dtype are known at once, so it can be passed to ``jax.jit`` functions (tracing and
-    compilation proceed while the call runs; the program waits for the buffer only when
-    it executes), eager ``jax.numpy`` functions, ``jax.device_put``, ``np.asarray`` and
-    ``threadmap``. Every method, operator and property of ``jax.Array`` works as on
-    the ``jax.Array`` that [`result`][jax_threadmap.AsyncArray.result] returns: those
-    that need no value (``x.T``, ``x.sum()``, ``x.astype(t)``, ``x[0]``, ``x * 2``,
-    ``x.at[i].set(v)``) run JAX's own under ``jax.jit`` and return at once; those that
-    read the buffer (``item``, ``tolist``, ``np.asarray``, ``__dlpack__``,
-    ``unsafe_buffer_pointer``, ``addressable_shards``, pickling) wait for the value in
-    Python first. ``repr`` never waits; ``sharding`` is ``None`` when uncommitted;
-    ``isinstance(x, jax.Array)`` is ``False`` (docs/async.md says why).
+    Made by [`async_call`][jax_threadmap.async_call] (or
+    [`async_array_from_callback`][jax_threadmap.async_array_from_callback]), never
+    directly. Its shape and dtype are known at once, so it can be passed to ``jax.jit``
+    functions (tracing and compilation proceed while the call runs; the program waits
+    for the buffer only when it executes), eager ``jax.numpy`` functions,
+    ``jax.device_put``, ``np.asarray`` and ``threadmap``. Every method, operator and
+    property of ``jax.Array`` works as on the ``jax.Array`` that
+    [`result`][jax_threadmap.AsyncArray.result] returns: those that need no value
+    (``x.T``, ``x.sum()``, ``x.astype(t)``, ``x[0]``, ``x * 2``, ``x.at[i].set(v)``) run
+    JAX's own under ``jax.jit`` and return at once; those that read the buffer
+    (``item``, ``tolist``, ``np.asarray``, ``__dlpack__``, ``unsafe_buffer_pointer``,
+    ``addressable_shards``, pickling) wait for the value in Python first. ``repr`` never
+    waits; ``sharding`` is ``None`` when uncommitted; ``isinstance(x, jax.Array)`` is
+    ``False`` (docs/async.md says why).
 
     If the call raised, every use of the array re-raises that exception (same
     type, message and ``__cause__``, with a note naming the call).
@@ -95,8 +94,7 @@ class AsyncArray:
         del args, kwargs
         raise TypeError(
             "AsyncArray cannot be constructed directly. Use "
-            "jax_threadmap.async_call(fn, result_shape_dtypes, *args), "
-            "jax_threadmap.deferred_call(...) or AsyncArray.from_future(...)."
+            "jax_threadmap.async_call(fn, result_shape_dtypes, *args)."
         )
 
     @classmethod
@@ -105,81 +103,6 @@ class AsyncArray:
         self._task = task
         self._index = index
         return self
-
-    @overload
-    @classmethod
-    def from_future(
-        cls,
-        future: concurrent.futures.Future[Any],
-        result_shape_dtypes: jax.ShapeDtypeStruct,
-        *,
-        device: jax.Device | jax.sharding.Sharding | None = None,
-    ) -> AsyncArray: ...
-
-    @overload
-    @classmethod
-    def from_future(
-        cls,
-        future: concurrent.futures.Future[Any],
-        result_shape_dtypes: tuple[jax.ShapeDtypeStruct, ...],
-        *,
-        device: jax.Device | jax.sharding.Sharding | None = None,
-    ) -> tuple[AsyncArray, ...]: ...
-
-    @overload
-    @classmethod
-    def from_future(
-        cls,
-        future: concurrent.futures.Future[Any],
-        result_shape_dtypes: Any,
-        *,
-        device: jax.Device | jax.sharding.Sharding | None = None,
-    ) -> Any: ...
-
-    @classmethod
-    def from_future(
-        cls,
-        future: concurrent.futures.Future[Any],
-        result_shape_dtypes: Any,
-        *,
-        device: jax.Device | jax.sharding.Sharding | None = None,
-    ) -> Any:
-        """Wraps a ``concurrent.futures.Future`` whose result is a pytree of arrays.
-
-        The value is checked and copied to its device as soon as the future
-        completes (in the thread that completes it).
-
-        Args:
-            future: A ``concurrent.futures.Future`` (from any executor) whose
-                result has the structure of ``result_shape_dtypes``.
-            result_shape_dtypes: A pytree whose leaves have ``shape`` and
-                ``dtype`` (``jax.ShapeDtypeStruct``, arrays).
-            device: Optional target ``jax.Device`` or ``jax.sharding.Sharding``
-                for every leaf.
-
-        Returns:
-            A pytree of [`AsyncArray`][jax_threadmap.AsyncArray] with the structure of
-            ``result_shape_dtypes``.
-
-        Raises:
-            TypeError: If ``future`` is not a ``concurrent.futures.Future``, or
-                ``result_shape_dtypes`` or ``device`` is malformed.
-
-        Examples:
-            >>> from concurrent.futures import ThreadPoolExecutor
-            >>> import jax, numpy as np
-            >>> from jax_threadmap import AsyncArray
-            >>> with ThreadPoolExecutor(1) as ex:
-            ...     fut = ex.submit(np.arange, 3.0, dtype=np.float32)
-            ...     x = AsyncArray.from_future(
-            ...         fut, jax.ShapeDtypeStruct((3,), np.float32))
-            ...     print(x + 1)
-            [1. 2. 3.]
-        """
-        task = Task.for_future(future, result_shape_dtypes, device)
-        out = make_arrays(task)
-        future.add_done_callback(task.on_source_done)
-        return out
 
     # -- what jit needs, without waiting --
 
@@ -402,13 +325,6 @@ _async_dispatch.mechanism.kind = _async_dispatch.ArrayKind(
 
 # --- the constructors -----------------------------------------------------------------
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _typed_as(like: _F) -> Callable[[Callable[..., Any]], _F]:
-    """Types the decorated function as ``like`` (its overloads), unchanged."""
-    return lambda fn: fn  # type: ignore[return-value]
-
 
 @overload
 def async_call(
@@ -534,56 +450,3 @@ def async_call(
     out = make_arrays(task)
     task.submit()
     return out
-
-
-@_typed_as(async_call)  # the same overloads: a pytree of AsyncArrays
-def deferred_call(
-    fn: Callable[..., Any],
-    result_shape_dtypes: Any,
-    /,
-    *args: Any,
-    device: jax.Device | jax.sharding.Sharding | None = None,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Like ``async_call``, but runs ``fn`` only when a value is first needed.
-
-    A thunk-backed array: nothing runs until the first use of any of the
-    returned arrays (``result()``, ``block_until_ready()``, a jitted program
-    that executes with it, ``np.asarray``, an operator...). That first use runs
-    ``fn`` in its own thread, or on the pool when it is ``result(timeout=...)``,
-    so that the timeout holds. ``done()`` and ``repr`` never start it, and
-    ``jax.jit`` tracing and compiling with the arrays does not either, so
-    a program that is traced but never run never pays for the call.
-
-    Args:
-        fn: The function to call, as in [`async_call`][jax_threadmap.async_call].
-        result_shape_dtypes: A pytree whose leaves have ``shape`` and ``dtype``.
-        *args: Positional arguments of ``fn``.
-        device: Reserved keyword, as in [`async_call`][jax_threadmap.async_call].
-        timeout: Reserved keyword, as in [`async_call`][jax_threadmap.async_call],
-            counted from the first use.
-        **kwargs: Keyword arguments of ``fn``.
-
-    Returns:
-        A pytree of [`AsyncArray`][jax_threadmap.AsyncArray] with the structure of
-        ``result_shape_dtypes``.
-
-    Raises:
-        TypeError: As [`async_call`][jax_threadmap.async_call].
-        ValueError: As [`async_call`][jax_threadmap.async_call].
-
-    Examples:
-        >>> import jax, numpy as np
-        >>> import jax_threadmap as jtm
-        >>> x = jtm.deferred_call(np.full, jax.ShapeDtypeStruct((2,), np.float32),
-        ...                       2, 7.0, dtype=np.float32)
-        >>> x.done()
-        False
-        >>> print(x + 1)
-        [8. 8.]
-    """
-    task = Task.for_call(
-        fn, result_shape_dtypes, args, kwargs, device, "deferred_call", timeout
-    )
-    return make_arrays(task)

@@ -1,8 +1,8 @@
 """Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
 One mechanism on every platform: deferred dispatch (:mod:`.deferred_dispatch`).
-:mod:`.async_array` uses only :data:`mechanism`, :class:`Pending`,
-:class:`ArrayKind` and :func:`async_dispatch_status`; of a call, only
+:mod:`.async_array` uses only :data:`mechanism`, :class:`Pending` and
+:class:`ArrayKind`; of a call, only
 ``Task``'s public methods are used. :class:`Dispatch` sends each run on
 ``AsyncArray`` s where it belongs (deferred until its data lands, or run at
 once where it must wait for the data: blocking) and makes its array outputs
@@ -187,26 +187,3 @@ class Results(Task):
 
 
 mechanism = Dispatch()
-
-
-def async_dispatch_status() -> str:
-    """Says whether jitted calls with pending ``AsyncArray`` s return at once.
-
-    With ``"async"`` (every platform, by default), ``y = f(x)`` with ``x``
-    pending returns at once with ``AsyncArray`` results, and ``f`` 's program
-    is dispatched from the host when ``x`` lands; other work that does not use
-    ``y`` runs meanwhile (docs/async-dispatch.md). With ``"blocking: <reason>"``
-    the call waits for ``x`` first (``JAX_THREADMAP_ASYNC_DISPATCH=0``, or a
-    JAX without the hook that defers program runs).
-
-    Returns:
-        ``"async"``, or ``"blocking: <reason>"`` (the reason names the switch or
-        the missing JAX feature).
-
-    Examples:
-        >>> import jax_threadmap as jtm
-        >>> jtm.async_dispatch_status()  # CPU, GPU, TPU: jax 0.6.2+
-        'async'
-    """
-    reason = mechanism.status()
-    return "async" if reason is None else f"blocking: {reason}"

@@ -37,10 +37,10 @@ def checked_move(state: Any, to: Any, moves: frozenset, owner: Any, what: str) -
 
 
 class CallState(enum.Enum):
-    """A call's states: not started (a ``deferred_call`` not yet submitted),
-    running, finishing (its outcome is being set: values placed, or the error
-    kept) and finished (landed or failed). Each move
-    is a method of :class:`Call`, the owner, through :meth:`Call._move`:
+    """A call's states: not started (queued, or not yet submitted), running,
+    finishing (its outcome is being set: values placed, or the error kept) and
+    finished (landed or failed). Each move is a method of :class:`Call`, the
+    owner, through :meth:`Call._move`:
 
     ==================  ==========================  =========  =====================
     state               event (method)              next       taken (+), given
@@ -52,10 +52,11 @@ class CallState(enum.Enum):
     pending             claim (_claim)              running    + pool slot (its
                                                                thread); a call not
                                                                submitted in this
-                                                               process (a waiter
-                                                               runs a deferred
-                                                               call): + live entry,
-                                                               + deadline
+                                                               process (claimed
+                                                               before its submit,
+                                                               or in a forked
+                                                               child): + live
+                                                               entry, + deadline
     running             fn returns (_accept)        finishing  nothing
     running             fn raises (_fail)           finishing  + error text
     pending, running    give_up (timeout, cancel)   finishing  - pool slot (abandon),
@@ -106,15 +107,13 @@ class Call:
 
     __slots__ = tuple(
         "_lock _state _submitted _clock _pid _worker _source _error_text "
-        "name api runnable timeout".split()
+        "name api timeout".split()
     )
     #: Holds the list of placed leaves, or the exception of the call (a
     #: subclass's).
     future: concurrent.futures.Future
 
-    def __init__(
-        self, name: str, api: str, runnable: bool, timeout: float | None
-    ) -> None:
+    def __init__(self, name: str, api: str, timeout: float | None) -> None:
         self._lock = threading.Lock()
         self._state = PENDING
         self._submitted = False
@@ -122,9 +121,7 @@ class Call:
         self._pid = os.getpid()
         self.name = name
         self.api = api
-        # False for a wrapped Future: there is nothing to run, only to wait for.
-        self.runnable = runnable
-        # Seconds from the call (or first use) before it is given up on.
+        # Seconds from the call before it is given up on.
         self.timeout = timeout
         # The pool thread running fn, while it runs (it leaves the bound if the
         # call is given up on); its asyncio task while it runs on the event
@@ -138,11 +135,6 @@ class Call:
     def returned(self) -> bool:
         """Whether ``fn`` returned and its values are being placed."""
         return self._state == FINISHING
-
-    @property
-    def deferred(self) -> bool:
-        """Whether nothing has asked for the call yet (a ``deferred_call``)."""
-        return self._state == PENDING and self.runnable and not self._submitted
 
     def _move(self, to: CallState) -> None:  # lock held
         """The one change of the call's state: refuses a move that is not in
@@ -166,7 +158,7 @@ class Call:
     def submit(self) -> None:
         """Queues the call on the pool or loop (once); its timeout counts from now."""
         with self._lock:
-            if not self.runnable or self._submitted or self._state != PENDING:
+            if self._submitted or self._state != PENDING:
                 return
             self._submitted = True
         with _async_pool.live_lock:

@@ -433,11 +433,8 @@ class ProgramRun(Task):
             concurrent.futures.wait([self.future])  # the dispatch: moments
 
     def _start(self) -> None:
-        """Starts the inputs that nothing started (a ``deferred_call``) and
-        waits for them: the first to fail fails the program, the last one to
-        land queues the dispatch."""
-        for task in self._inputs:
-            task.submit()
+        """Waits for the inputs (each submitted when made): the first to fail
+        fails the program, the last one to land queues the dispatch."""
         for task in self._inputs:
             task.future.add_done_callback(functools.partial(self._input_done, task))
 

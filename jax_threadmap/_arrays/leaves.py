@@ -10,7 +10,6 @@ their devices. One shard of a sharded load is checked with the same rule
 
 from __future__ import annotations
 
-import concurrent.futures
 import inspect
 import operator
 from typing import Any, Protocol
@@ -150,20 +149,6 @@ def check_call(
         "functools.partial.",
     )
     return treedef, specs, seconds
-
-
-def check_future(
-    future: Any, result_shape_dtypes: Any, device: Any
-) -> tuple[Any, list[LeafSpec]]:
-    """Checks ``AsyncArray.from_future(future, result_shape_dtypes, device=)``."""
-    api = "AsyncArray.from_future"
-    if not isinstance(future, concurrent.futures.Future):
-        raise TypeError(
-            f"{api}: future must be a concurrent.futures.Future. Got "
-            f"{future!r} of type {type(future).__name__}. For a plain "
-            "function use jax_threadmap.async_call(fn, result_shape_dtypes)."
-        )
-    return leaf_specs(result_shape_dtypes, device, api)
 
 
 def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:

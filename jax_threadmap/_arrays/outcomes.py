@@ -76,10 +76,6 @@ def not_ready_error(what: str, timeout: float) -> TimeoutError:
     )
 
 
-def _verb(runnable: bool) -> str:
-    return "ran" if runnable else "waited for"
-
-
 def timed_out(name: str, api: str, timeout: float, cancels: bool) -> TimeoutError:
     """The error of a call whose ``timeout`` passed; ``cancels``: a coroutine."""
     return TimeoutError(
@@ -93,17 +89,14 @@ def timed_out(name: str, api: str, timeout: float, cancels: bool) -> TimeoutErro
     )
 
 
-def cancelled(name: str, api: str, runnable: bool) -> BaseException:
+def cancelled(name: str, api: str) -> BaseException:
     """The error of a call given up on by ``AsyncArray.cancel()``."""
     return concurrent.futures.CancelledError(
-        f"{name}, which {_by(api)} {_verb(runnable)}, was cancelled "
-        "(AsyncArray.cancel)."
+        f"{name}, which {_by(api)} ran, was cancelled (AsyncArray.cancel)."
     )
 
 
-def note_on(
-    error: BaseException, name: str, api: str, runnable: bool, n: int, part: str
-) -> None:
+def note_on(error: BaseException, name: str, api: str, n: int, part: str) -> None:
     """Adds (once) the note naming the call to the loader's own ``error``."""
     what = (
         f"for {part}; every use of the array"
@@ -112,7 +105,7 @@ def note_on(
     )
     add_note(
         error,
-        f"{_NOTE_START} {name}, which {_by(api)} {_verb(runnable)} {what} raises it.",
+        f"{_NOTE_START} {name}, which {_by(api)} ran {what} raises it.",
         _NOTE_START,
     )
 
@@ -123,15 +116,12 @@ def _by(api: str) -> str:
     return f"jax_threadmap.{api}" if api.isidentifier() else f"jax_threadmap's {api}"
 
 
-def failure_text(
-    error: BaseException, name: str, api: str, runnable: bool, *, part: str
-) -> str:
+def failure_text(error: BaseException, name: str, api: str, *, part: str) -> str:
     """What the programs deferred on a failed call's arrays raise (``part``:
     the part of a larger call that failed, a shard; "": none)."""
     text = describe_error(error)
     where = f"for {part} " if part else ""
-    verb = _verb(runnable)
-    return f"{name}, which {_by(api)} {verb}, failed {where}with {text}"
+    return f"{name}, which {_by(api)} ran, failed {where}with {text}"
 
 
 def traced_error(name: str) -> Exception:

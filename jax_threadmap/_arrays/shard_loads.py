@@ -192,12 +192,10 @@ class ShardedLoad(Task):
             self._shard_done(None, None)
 
     def run(self, worker: Any = None) -> None:
-        """Starts every shard, and runs here those not started yet (a waiting
-        thread helps)."""
+        """Runs here the shards not started yet (a waiting thread helps)."""
         del worker
-        self.submit()
         for shard in self.shards:
-            shard.run()  # no-op once started; an async def one is submitted
+            shard.run()  # no-op once started, or async def (on the event loop)
 
     def _shard_done(self, shard: Shard | None, future: Any) -> None:
         """A shard landed or failed (in the thread or coroutine that ended it):

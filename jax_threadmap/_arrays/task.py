@@ -1,6 +1,6 @@
 """Background calls: the :class:`Task` behind every ``AsyncArray``.
 
-:class:`Task` is one call of ``fn`` (or one wrapped ``Future``) and its outcome,
+:class:`Task` is one call of ``fn`` and its outcome,
 shared by every array of its result: what the call runs, how what it returned
 lands (checked, placed, published), and the uses of its value. Its state is
 its base's, :class:`.call.Call`, the one owner (each move one of its methods,
@@ -37,7 +37,6 @@ from .call import Call
 from .leaves import (
     LeafSpec,
     check_call,
-    check_future,
     check_result,
     describe_error,
     place,
@@ -49,7 +48,7 @@ logger = logging.getLogger("jax_threadmap._async")
 
 
 class Task(Call):
-    """One call of ``fn`` (or one wrapped Future) and its shared outcome.
+    """One call of ``fn`` and its shared outcome.
 
     Its state is :class:`.call.Call`'s, moved only by that class's methods.
     Claimed, the call runs in a thread (:meth:`_run_here`) or on the
@@ -95,7 +94,7 @@ class Task(Call):
         specs: list[LeafSpec],
         timeout: float | None = None,
     ):
-        super().__init__(name, api, fn is not None, timeout)
+        super().__init__(name, api, timeout)
         self._fn, self._args, self._kwargs = fn, args, kwargs
         self.treedef = treedef
         self.specs: list[LeafSpec] = specs
@@ -134,23 +133,12 @@ class Task(Call):
             timeout=seconds,
         )
 
-    @classmethod
-    def for_future(cls, future: Any, result_shape_dtypes: Any, device: Any) -> Task:
-        """The task that waits for ``future`` (``AsyncArray.from_future``), live."""
-        api = "AsyncArray.from_future"
-        treedef, specs = check_future(future, result_shape_dtypes, device)
-        name = f"a {type(future).__name__} of the caller"
-        task = cls(None, None, None, name=name, api=api, treedef=treedef, specs=specs)
-        with _async_pool.live_lock:
-            _async_pool.live.add(task)
-        return task
-
     def status(self) -> str:
-        """``done``, ``failed: <error>``, ``deferred`` or ``pending``; never blocks."""
+        """``done``, ``failed: <error>`` or ``pending``; never blocks."""
         if self.future.done():
             error = self.future.exception()
             return "done" if error is None else f"failed: {describe_error(error)}"
-        return "deferred" if self.deferred else "pending"
+        return "pending"
 
     # -- start --
 
@@ -167,12 +155,10 @@ class Task(Call):
     def run(self, worker: _async_pool.Worker | None = None) -> None:
         """Runs the call here, unless it has already started (or ended).
 
-        A coroutine call is submitted to the event loop instead: there is no
-        bounded pool to get around.
+        Not a coroutine call: it runs on the event loop (submitted with the
+        call), with no bounded pool to get around.
         """
-        if self.coroutine:
-            self.submit()
-        elif self.runnable:
+        if not self.coroutine:
             self._run_here(worker)
 
     def _work(self) -> Any:
@@ -180,18 +166,8 @@ class Task(Call):
         fn, args, kwargs = self._fn, self._args, self._kwargs
         # The arguments may be large (raw bytes, file handles): do not keep them.
         self._fn = self._args = self._kwargs = None
-        return _event_loop.call(fn, args, kwargs)
-
-    def on_source_done(self, source: concurrent.futures.Future) -> None:
-        """Done-callback of a wrapped Future: checks and places its value."""
-        if not self._claim(None):
-            return
-        try:
-            out = source.result()
-        except BaseException as e:
-            self._fail(e, raised_by_fn=True)
-            return
-        self._finish(out)
+        assert fn is not None  # Results (nothing to run) lands when made
+        return fn(*args, **kwargs)
 
     # -- the end: returned, raised, given up on, abandoned --
 
@@ -204,7 +180,7 @@ class Task(Call):
 
     def cancel(self) -> bool:
         """Gives up on the call (``CancelledError``) unless it has finished."""
-        return self.give_up(_outcomes.cancelled(self.name, self.api, self.runnable))
+        return self.give_up(_outcomes.cancelled(self.name, self.api))
 
     def give_up(self, error: BaseException, text: str | None = None) -> bool:
         """Fails the call with ``error`` (which names it) now, unless it has ended;
@@ -321,12 +297,10 @@ class Task(Call):
         what = self.what
         if raised_by_fn:
             n = len(self.specs)
-            _outcomes.note_on(error, self.name, self.api, self.runnable, n, what)
+            _outcomes.note_on(error, self.name, self.api, n, what)
         self._kept = KeptError(error)
         if text is None:
-            text = _outcomes.failure_text(
-                error, self.name, self.api, self.runnable, part=what
-            )
+            text = _outcomes.failure_text(error, self.name, self.api, part=what)
         self._end(text)
         self.future.set_exception(error)
 
@@ -355,12 +329,10 @@ class Task(Call):
                 self.timeout is None or getattr(worker_state, "in_pool", False)
             ):
                 # Run it here rather than wait on work queued behind busy (or
-                # not yet started, or deferred) threads. No-op once started.
+                # not yet started) threads. No-op once started.
                 # Not a call with a timeout (but in a pool thread, where it may
                 # be what frees the pool): its timeout must hold for the caller.
                 self.run()
-            else:
-                self.submit()
             if self.ran_elsewhere():
                 raise _outcomes.forked_error(what)
             if not _outcomes.wait_polling(self.future, timeout):

@@ -38,8 +38,8 @@ ASYNC_ARRAYS = "async arrays"
 #: threadmap inside jax.shard_map (and under pmap where JAX runs it as shard_map).
 SHARD_MAP = "shard_map"
 #: Optional: where its hook is missing, a jitted call on pending data waits for
-#: the data (blocking dispatch; ``async_dispatch_status()`` says why) instead of
-#: returning at once with deferred results.
+#: the data (blocking dispatch) instead of returning at once with deferred
+#: results.
 ASYNC_DISPATCH = "async dispatch"
 #: Optional: a result of a background call is put on its one device by JAX's own
 #: batched placement (what ``make_array_from_callback`` uses), about 5x faster

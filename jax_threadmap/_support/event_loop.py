@@ -1,6 +1,6 @@
 """The package's one asyncio event loop, for ``async def`` loaders.
 
-``async_call``, ``deferred_call`` and ``async_array_from_callback`` run a
+``async_call`` and ``async_array_from_callback`` run a
 coroutine function (``async def``, a ``functools.partial`` of one, an object
 whose ``__call__`` is one: :func:`.validate.is_coroutine_function`) as a
 coroutine on one event loop, on one daemon thread (``jax_threadmap-asyncio``),
@@ -62,11 +62,6 @@ FORGET_MIN = 256
 
 #: What the loop runs: a function that makes the coroutine, and its task's name.
 Work = tuple[Callable[[], Coroutine[Any, Any, None]], str]
-
-
-def call(fn: Any, args: Any, kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``: makes a call's coroutine (on the loop's thread)."""
-    return fn(*args, **kwargs)
 
 
 def close_awaitable(awaitable: Any) -> None:

@@ -68,7 +68,7 @@ def host_function(
     name, max_chunk, max_in_flight = kernel.name, kernel.max_chunk, kernel.max_in_flight
     asynchronous = kernel.asynchronous
     in_order = isinstance(executor, InOrder)
-    runs_on = executor.executor if isinstance(executor, InOrder) else executor
+    runs_on = _runs_on(executor)
     out_core = [(a.shape, a.dtype) for a in result_avals]
     caller: ElementCaller | ChunkCaller
     if kernel.vectorized:
@@ -99,6 +99,11 @@ def host_function(
         return flat_map.finish()
 
     return run
+
+
+def _runs_on(executor: Executor | InOrder) -> Executor:
+    """Where a map runs: ``executor=``, out of its ``InOrder``."""
+    return executor.executor if isinstance(executor, InOrder) else executor
 
 
 def _threadmap_abstract_eval(
@@ -226,10 +231,7 @@ def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
 
 def _lower(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     avals_in, avals_out = ctx.avals_in, ctx.avals_out
-    executor = params["executor"]
-    if isinstance(executor, InOrder):
-        executor = executor.executor
-    if executor is None:
+    if _runs_on(params["executor"]) is None:
         # The shared pool's size is read once per map, where it runs (a changed
         # value is followed); a bad value also fails here, as the jitted call
         # is made, rather than inside its program's host callback.

@@ -221,20 +221,16 @@ def test_a_shard_landing_as_another_fails_ends_the_load_with_its_error():
 LANDED_SCRIPT = """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-import asyncio, concurrent.futures, gc, threading, time
+import asyncio, concurrent.futures, functools, gc, threading
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_threadmap as jtm
+from helpers import wait_until
 from jax_threadmap._arrays import async_pool
 
 sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
 SHARD = (1000, 7)  # a shape no other array here has
-
-def wait(condition, what):
-    deadline = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+wait = functools.partial(wait_until, timeout=30)
 
 def shards_alive():
     gc.collect()

@@ -121,7 +121,7 @@ def thousand_loads() -> dict[str, float]:
     import numpy as np
 
     import jax_threadmap as jtm
-    from jax_threadmap._support import event_loop as _event_loop
+    from jax_threadmap._coroutines import event_loop as _event_loop
 
     spec = jax.ShapeDtypeStruct((4,), np.float32)
 

@@ -14,13 +14,13 @@ from ._core.api import kernel as kernel
 from ._core.binding import threadmap as threadmap
 from ._core.params import InOrder as InOrder
 from ._core.primitive import threadmap_p as threadmap_p
+from ._coroutines.shared_resources import Shared as Shared
+from ._coroutines.shared_resources import shared as shared
 from ._host.inner_threads import limit_inner_threads as limit_inner_threads
 from ._jax.hooks import UnsupportedJaxError as UnsupportedJaxError
 from ._support.errors import ExecutorError as ExecutorError
 from ._support.errors import KernelError as KernelError
 from ._support.errors import ThreadmapError as ThreadmapError
-from ._support.shared_resources import Shared as Shared
-from ._support.shared_resources import shared as shared
 
 try:
     __version__ = importlib.metadata.version("jax_threadmap")

@@ -1,5 +1,6 @@
 """The layering of the package's subpackages: each imports only those below it,
-and the two wings (maps, async arrays) meet only in shared support.
+and the two wings (maps, async arrays) meet only in shared support (the
+coroutines wing's event loop among it).
 
 A newcomer reads the architecture from the folder and file names
 (docs/architecture.md); this test keeps it true. An import across the wings, or
@@ -18,14 +19,18 @@ PACKAGE = pathlib.Path(jax_threadmap.__file__).parent
 
 #: The subpackages, and those each may import. The two wings, maps (``_core``,
 #: ``_host``, ``_executors``) and async arrays (``_arrays``), meet only in what
-#: they share: ``_support`` and ``_jax`` (the one home of JAX internals).
+#: they share: ``_support``, ``_jax`` (the one home of JAX internals) and the
+#: coroutines wing (``_coroutines``: the event loop both run ``async def`` code
+#: on, shared resources, and ``async def`` kernels, whose maps are the maps
+#: wing's: the arrays wing imports only what reaches neither).
 ALLOWED = {
     "_jax": set(),
     "_support": {"_jax"},
     "_host": {"_support", "_jax"},
     "_executors": {"_support", "_host"},
-    "_core": {"_support", "_jax", "_host", "_executors"},
-    "_arrays": {"_support", "_jax"},
+    "_coroutines": {"_support", "_host", "_executors"},
+    "_core": {"_support", "_jax", "_host", "_executors", "_coroutines"},
+    "_arrays": {"_support", "_jax", "_coroutines"},
 }
 WINGS = {"maps": {"_core", "_host", "_executors"}, "async arrays": {"_arrays"}}
 
@@ -87,18 +92,34 @@ def test_subpackages_import_only_those_below_them():
     assert wrong == []
 
 
-def test_the_wings_meet_only_in_shared_support():
-    maps, arrays = WINGS.values()
-    assert not any(ALLOWED[a] & maps for a in arrays)
-    assert not any(ALLOWED[m] & arrays for m in maps)
-
-
-def test_no_import_cycle_between_modules():
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package, and the package modules it imports."""
     known = modules()
-    graph = {
+    return {
         name: {m for m in package_imports(path, name) if m in known}
         for name, path in known.items()
     }
+
+
+def test_the_wings_meet_only_in_shared_support():
+    # Through any chain of imports: the arrays wing's use of the event loop
+    # (_coroutines) must not reach async def kernels, whose maps are the maps wing's.
+    maps, arrays = WINGS.values()
+    assert not any(ALLOWED[a] & maps for a in arrays)
+    assert not any(ALLOWED[m] & arrays for m in maps)
+    graph = import_graph()
+    for wing, other in ((arrays, maps), (maps, arrays)):
+        seen = {m for m in graph if _subpackage(m) in wing}
+        todo = list(seen)
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        assert {m for m in seen if _subpackage(m) in other} == set(), wing
+
+
+def test_no_import_cycle_between_modules():
+    graph = import_graph()
     done: set[str] = set()
 
     def visit(node: str, stack: list[str]) -> None:

@@ -62,7 +62,7 @@ from jax_threadmap import (
 from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import async_pool as _async_pool
 from jax_threadmap._arrays.shard_loads import ShardedLoad
-from jax_threadmap._support import event_loop as _event_loop
+from jax_threadmap._coroutines import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -20,10 +20,10 @@ from helpers import cause_of, returns_within, run_script, sigint_as_usual
 
 import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, async_call, kernel, threadmap
-from jax_threadmap._executors.async_kernels import (
+from jax_threadmap._coroutines import event_loop as _event_loop
+from jax_threadmap._coroutines.async_kernels import (
     DEFAULT_MAX_IN_FLIGHT,
 )
-from jax_threadmap._support import event_loop as _event_loop
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 #: Seconds a test waits for an event before it fails (never reached when it passes).
@@ -548,7 +548,7 @@ def test_a_map_never_returns_with_an_element_unwritten(monkeypatch):
     # Whatever ends an element without storing it (here: a store that writes
     # nothing for one element), the map fails rather than return that element
     # as whatever its output buffer held.
-    from jax_threadmap._executors import async_kernels as _async_kernels
+    from jax_threadmap._coroutines import async_kernels as _async_kernels
 
     real_store = _async_kernels.AsyncMap._store
 

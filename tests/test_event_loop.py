@@ -20,7 +20,7 @@ import pytest
 from helpers import run_script
 
 import jax_threadmap as jtm
-from jax_threadmap._support import event_loop as _event_loop
+from jax_threadmap._coroutines import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -296,7 +296,7 @@ def test_a_forked_child_gets_a_fresh_loop():
     warnings.simplefilter("ignore")
     import jax, numpy as np
     import jax_threadmap as jtm
-    from jax_threadmap._support import event_loop as _event_loop
+    from jax_threadmap._coroutines import event_loop as _event_loop
     async def load(v):
         await asyncio.sleep(0)
         return np.full(2, v, np.float32)

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import jax_threadmap
 from jax_threadmap import KernelError, ThreadmapError
-from jax_threadmap._support import event_loop as _event_loop
+from jax_threadmap._coroutines import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,2 +1,2 @@
-"""The async wing: arrays whose values a background call fills (calls, their pool
-and event loop, dispatch, sharded loads)."""
+"""The async wing: arrays whose values a background call fills (calls, their pool,
+dispatch, sharded loads; ``async def`` loaders run on ``_coroutines``' loop)."""

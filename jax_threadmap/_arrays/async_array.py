@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, overload
 import jax
 import numpy as np
 
+from .._coroutines import event_loop as _event_loop
 from .._jax import array_types as _array_types
-from .._support import event_loop as _event_loop
 from .._support.validate import check_timeout
 from . import array_surface as _surface
 from . import async_dispatch as _async_dispatch

@@ -16,8 +16,8 @@
   values placed, a deferred program dispatched); exit waits for those in
   flight and lets none start.
 
-``async def`` calls run on the event loop of :mod:`.._support.event_loop` instead of the
-pool. Everything here only calls the methods of :class:`Call` and
+``async def`` calls run on the event loop of :mod:`.._coroutines.event_loop`
+instead of the pool. Everything here only calls the methods of :class:`Call` and
 :class:`LiveCall` (which ``task.Task`` has), so this module knows nothing
 of what a call computes.
 """

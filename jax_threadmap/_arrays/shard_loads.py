@@ -35,8 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._coroutines import event_loop as _event_loop
 from .._jax import traces as _traces
-from .._support import event_loop as _event_loop
 from .._support.validate import callable_name, check_callable, check_timeout
 from . import async_pool as _async_pool
 from . import outcomes as _outcomes

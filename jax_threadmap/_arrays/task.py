@@ -9,7 +9,7 @@ a call's fields, and a subclass (a sharded load and its shards,
 :mod:`.shard_loads`; a deferred program run, :mod:`.deferred_dispatch`) changes
 what the call does through override points only. A plain ``fn`` runs on the async pool
 (:mod:`.async_pool`), an ``async def`` one on the event loop
-(:mod:`.._support.event_loop`): :meth:`Task._run_here`,
+(:mod:`.._coroutines.event_loop`): :meth:`Task._run_here`,
 :meth:`Task._run_on_loop`; a thread that needs a value whose call has not
 started runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from .._support import event_loop as _event_loop
+from .._coroutines import event_loop as _event_loop
 from .._support import fork as _fork
 from .._support.errors import KeptError
 from .._support.validate import callable_name, is_coroutine_function

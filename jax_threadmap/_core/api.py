@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar, overload
 import jax
 import numpy as np
 
-from .._executors import async_kernels as _async_kernels
+from .._coroutines import async_kernels as _async_kernels
 from .._jax import hooks as _hooks
 from .._support import validate as _validate
 from .._support.validate import RESERVED_KWARGS
@@ -136,7 +136,7 @@ class KernelFunction(Generic[R]):
 
     def _check_async(self, fn: Callable[..., Any], what: str) -> None:
         """Refuses an ``async def`` kernel (or derivative kernel) with an
-        executor or ``vectorized`` (see ``_executors.async_kernels``)."""
+        executor or ``vectorized`` (see ``_coroutines.async_kernels``)."""
         _async_kernels.check_async_kernel(
             fn,
             executor=self._executor,

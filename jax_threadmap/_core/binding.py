@@ -10,7 +10,7 @@ from typing import Any, overload
 import jax
 import numpy as np
 
-from .._executors import async_kernels as _async_kernels
+from .._coroutines import async_kernels as _async_kernels
 from .._executors.runners import Executor
 from .._host.batch_spec import BatchSpec
 from .._jax import hooks as _hooks

@@ -6,7 +6,7 @@ moves or tiles an operand. The lowering emits one host callback; the eager impl
 calls the same host function directly. Both run the flat map of
 :mod:`.._host.maps` on the executor named in the params
 (:func:`.._executors.runners.run_map`), or, for an ``async def`` kernel, as
-coroutines on the event loop (:func:`.._executors.async_kernels.run_async_map`).
+coroutines on the event loop (:func:`.._coroutines.async_kernels.run_async_map`).
 The derivative rules are in :mod:`.autodiff`; all six registrations are at the
 bottom of this file.
 
@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._executors.async_kernels import run_async_map
+from .._coroutines.async_kernels import run_async_map
 from .._executors.runners import Executor, run_map
 from .._host.batch_spec import BatchSpec
 from .._host.kernel_scope import kernel_scope

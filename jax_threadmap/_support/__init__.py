@@ -1,1 +1,1 @@
-"""Shared support of both wings: errors, argument checks, fork handling."""
+"""Shared support of every wing: errors, argument checks, fork handling."""

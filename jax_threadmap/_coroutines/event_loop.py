@@ -1,8 +1,8 @@
-"""The package's one asyncio event loop, for ``async def`` loaders.
+"""The package's one asyncio event loop, for ``async def`` loaders and kernels.
 
 ``async_call`` and ``async_array_from_callback`` run a
 coroutine function (``async def``, a ``functools.partial`` of one, an object
-whose ``__call__`` is one: :func:`.validate.is_coroutine_function`) as a
+whose ``__call__`` is one: :func:`.._support.validate.is_coroutine_function`) as a
 coroutine on one event loop, on one daemon thread (``jax_threadmap-asyncio``),
 so that a thousand loads in flight need no thousand threads. The loop:
 
@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from . import fork as _fork
+from .._support import fork as _fork
 
 logger = logging.getLogger("jax_threadmap._async")
 

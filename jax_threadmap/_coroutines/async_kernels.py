@@ -3,7 +3,7 @@
 A kernel that waits (a request, a read from an object store) holds a thread per
 waiting element when it is a plain function. An ``async def`` kernel instead runs
 each element as a coroutine on the package's one event loop
-(:mod:`.._support.event_loop`, the loop of ``async def`` loaders), so thousands of
+(:mod:`.event_loop`, the loop of ``async def`` loaders), so thousands of
 elements wait at once on one thread. The map is the same flat map of
 :mod:`.._host.maps` (views in, results checked and written in place by the
 caller's own checks, ``KernelError`` with the batch index); only what runs it
@@ -45,6 +45,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .._executors.progress import Progress, progress_enabled, wait
 from .._host.kernel_scope import KernelScope
 from .._host.maps import ElementCaller, HostMap
 from .._support import validate as _validate
@@ -55,9 +56,8 @@ from .._support.errors import (
     describe,
     kernel_traceback,
 )
-from .._support.event_loop import event_loop
 from .._support.validate import is_coroutine_function
-from .progress import Progress, progress_enabled, wait
+from .event_loop import event_loop
 
 #: Elements of one map in flight at once when ``max_in_flight=`` does not say:
 #: enough that 2,048 requests of 50 ms finish in about 50 ms, and few enough that

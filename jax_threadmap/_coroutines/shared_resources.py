@@ -38,10 +38,10 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
 
-from . import fork as _fork
-from .errors import ThreadmapError, describe
+from .._support import fork as _fork
+from .._support.errors import ThreadmapError, describe
+from .._support.validate import callable_name, check_callable
 from .event_loop import event_loop
-from .validate import callable_name, check_callable
 
 logger = logging.getLogger("jax_threadmap._async")
 

@@ -265,6 +265,24 @@ def test_one_fork_hook_for_the_package():
     assert calls == []
 
 
+def test_every_owner_of_process_wide_state_has_a_row_in_the_docs():
+    # docs/architecture.md, "Process-wide state": each module whose state a
+    # forked child resets, or that rebinds a module-level name, is listed there
+    # with its lock and fork rule; fork.OWNERS orders every reset.
+    from jax_threadmap._support import fork
+
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = docs.split("## Process-wide state")[1].split("\n## ")[0]
+    assert set(fork.resets) <= set(fork.OWNERS), set(fork.resets) - set(fork.OWNERS)
+    owners = {m.removeprefix("jax_threadmap.") for m in fork.OWNERS} | {
+        name
+        for name, path in modules().items()
+        if any(isinstance(n, ast.Global) for n in ast.walk(ast.parse(path.read_text())))
+    }
+    missing = [m for m in owners if f"`{m.replace('.', '/')}.py`" not in table]
+    assert missing == [], missing
+
+
 #: What no module may use to learn what another thread (or the interpreter) is
 #: doing: profiler and tracer hooks, other threads' frames, bytecode.
 INTROSPECTION = re.compile(

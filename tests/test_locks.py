@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import run_script, wait_until
 
 from jax_threadmap import threadmap
 from jax_threadmap._executors import jobs as _jobs
@@ -119,9 +119,8 @@ FORK_TIMEOUT = 60
 )
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_fork_while_the_layer_is_busy():
-    # At the fork: kernels block on the shared threads, and other threads hold
-    # the runners' table lock and the fallback queueing lock. The child must
-    # find none of it.
+    # At the fork: kernels block on the shared threads, and another thread holds
+    # the runners' queueing lock. The child must find none of it.
     release = threading.Event()
     started = threading.Barrier(3, timeout=60)
 
@@ -137,7 +136,7 @@ def test_fork_while_the_layer_is_busy():
     held = threading.Event()
 
     def hold_locks():
-        with _runners._states_lock:
+        with _runners._queueing:
             held.set()
             release.wait(60)
 
@@ -180,6 +179,100 @@ def test_fork_while_the_layer_is_busy():
         release.set()
         for t in threads:
             t.join(60)
+
+
+# Every resource that a forked child resets (fork.OWNERS) busy at the fork; the
+# child checks each is its own, in use, and that the resets ran in that order.
+FORK_EVERY_RESOURCE = """
+import asyncio, concurrent.futures, contextlib, functools, os, threading, traceback
+import jax, jax.numpy as jnp, numpy as np
+import jax_threadmap as jtm
+from jax_threadmap._coroutines import event_loop
+from jax_threadmap._executors import jobs, runners, shared_threads
+from jax_threadmap._host.inner_threads import BLAS_LIMIT
+from jax_threadmap._support import fork
+
+F32, S = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((2,), np.float32)
+opened_in = []  # the process that opened the shared resource, each time
+
+@jtm.shared
+@contextlib.asynccontextmanager
+async def resource():
+    opened_in.append(os.getpid())
+    yield 1.0
+
+@jtm.kernel(F32)
+async def plus_one(x):
+    return x + await resource.value()
+
+def use_everything():
+    x = np.arange(8, dtype=np.float32)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        for e in (2, ex):
+            f = jax.vmap(lambda v, e=e: jtm.threadmap(np.negative, F32, v, executor=e))
+            assert (np.asarray(f(x)) == -x).all(), e
+    assert (np.asarray(jax.vmap(plus_one)(x)) == x + 1).all()
+    assert opened_in[-1] == os.getpid(), opened_in
+    async def load(v):
+        return np.full(2, v, np.float32)
+    assert float(jtm.async_call(load, S, 1.0).result(30)[0]) == 1.0
+    plain = functools.partial(np.full, 2, dtype=np.float32)
+    assert float(jtm.async_call(plain, S, 2.0, timeout=30).result(30)[0]) == 2.0
+
+use_everything()
+ran = []  # the owners whose resets ran in the child, in order
+for owner, resets in fork.resets.items():
+    resets[:] = [lambda r=r, o=owner: (ran.append(o), r()) for r in resets]
+release, started = threading.Event(), threading.Event()
+def blocked():
+    started.set()
+    release.wait(60)
+    return np.zeros(2, np.float32)
+async def pending():
+    await asyncio.to_thread(release.wait, 60)
+    return np.zeros(2, np.float32)
+calls = [jtm.async_call(blocked, S), jtm.async_call(pending, S)]
+assert started.wait(30)
+parent = (shared_threads._threads, runners._queueing, event_loop.event_loop())
+jobs.this_thread.job = object()  # as in a kernel that forks
+counted = BLAS_LIMIT.during_map(2, "k")  # a map of two threads runs
+counted.__enter__()
+runners._queueing.acquire()  # held at the fork: entered in the parent only
+pid = os.fork()
+if pid == 0:
+    try:
+        assert ran == [o for o in fork.OWNERS if o in fork.resets], ran
+        assert set(fork.resets) <= set(fork.OWNERS), set(fork.resets)
+        assert jobs.this_thread.job is None, jobs.this_thread.job
+        assert (BLAS_LIMIT._maps, BLAS_LIMIT.held) == (0, False), BLAS_LIMIT._maps
+        assert shared_threads._threads is not parent[0], "threads"
+        assert shared_threads.num_threads() == 0, shared_threads.num_threads()
+        assert runners._queueing is not parent[1] and not runners._queueing.locked()
+        assert event_loop.event_loop() is not parent[2], "loop"
+        assert repr(resource).endswith("closed>"), resource
+        status = jtm.async_pool_status()
+        assert (status.running, status.queued, status.abandoned) == (0, 0, ()), status
+        use_everything()
+        os._exit(0)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+runners._queueing.release()
+counted.__exit__(None, None, None)
+jobs.this_thread.job = None
+release.set()
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+jax.block_until_ready(calls)
+use_everything()
+print("fork ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_starts_every_resource_afresh():
+    proc = run_script(FORK_EVERY_RESOURCE)
+    assert "fork ok" in proc.stdout, proc.report
 
 
 def _protocol_chunk(calls, lock, slow, pause=0.002):

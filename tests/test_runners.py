@@ -1,8 +1,10 @@
 """The runners: one class per kind of executor, chosen once per map, and the
 private attributes read for an executor's size, each optional."""
 
+import atexit
 import concurrent.futures
 import multiprocessing
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -111,9 +113,27 @@ class _UnhashablePool(concurrent.futures.ThreadPoolExecutor):
 
 
 def test_an_unhashable_thread_pool_runs_a_map_outside_jit():
-    # It takes weak references but is no dict key: its queueing lock is the
-    # one such pools share (JAX refuses it as a jitted param, not under vmap).
+    # It takes weak references but is no dict key: the package keys nothing by
+    # an executor (JAX refuses it as a jitted param, not under vmap).
     x = np.arange(8, dtype=np.float32)
     with _UnhashablePool(2) as ex:
         out = jax.vmap(lambda v: threadmap(lambda e: e * 2, F32, v, executor=ex))(x)
     np.testing.assert_array_equal(np.asarray(out), x * 2)
+
+
+@pytest.mark.parametrize("private_name", [True, False])
+def test_the_early_exit_hook_has_a_public_fallback(monkeypatch, private_name):
+    # CPython's threading._register_atexit runs the hook before Python joins the
+    # pools' threads; where that private name is missing, atexit runs it.
+    registered = []
+    monkeypatch.setattr(_maps, "_early_hook", threading.Lock())  # not yet taken
+    if private_name:
+        monkeypatch.setattr(threading, "_register_atexit", registered.append)
+    else:
+        monkeypatch.delattr(threading, "_register_atexit", raising=False)
+        monkeypatch.setattr(atexit, "register", registered.append)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        for _ in range(2):  # registered once
+            f = jax.vmap(lambda v: threadmap(np.negative, F32, v, executor=ex))
+            np.testing.assert_array_equal(f(np.arange(3.0)), -np.arange(3.0))
+    assert registered == [_maps._before_executors_exit]

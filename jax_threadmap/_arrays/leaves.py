@@ -10,6 +10,7 @@ their devices. One shard of a sharded load is checked with the same rule
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from typing import Any, Protocol
@@ -71,32 +72,31 @@ def leaf_specs(
 ) -> tuple[Any, list[LeafSpec]]:
     """Validates ``result_shape_dtypes`` and ``device`` up front, at the call.
 
-    The answer for one ``jax.ShapeDtypeStruct`` is kept (:data:`_one_leaf`): a
-    thousand loads of one shape check it once. The specs are shared by the
-    calls, and never written.
+    The answer for one ``jax.ShapeDtypeStruct`` is kept (:func:`_leaf_specs`, the
+    last :data:`MAX_CACHED_AVALS`): a thousand loads of one shape check it once.
+    The specs are shared by the calls, and never written.
     """
     _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")
     _hooks.require(_hooks.ARRAY_SURFACE, f"jax_threadmap.{api}")
-    key: Any = None
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
     if type(result_shape_dtypes) is jax.ShapeDtypeStruct:
-        key = (result_shape_dtypes, device, jax.config.jax_enable_x64)  # type: ignore[attr-defined]
         try:
-            return _one_leaf[key]
-        except KeyError:
+            return _leaf_specs(result_shape_dtypes, device, api, x64)
+        except TypeError:  # an unhashable sharding (any other error: again below)
             pass
-        except TypeError:  # an unhashable sharding
-            key = None
-    answer = _leaf_specs(result_shape_dtypes, device, api)
-    if key is not None:
-        if len(_one_leaf) >= MAX_CACHED_AVALS:
-            _one_leaf.clear()
-        _one_leaf[key] = answer
-    return answer
+    return _leaf_specs.__wrapped__(result_shape_dtypes, device, api, x64)
 
 
+#: Abstract values kept by :func:`_aval`, and declarations by :func:`leaf_specs`
+#: (a bound against ever new shapes).
+MAX_CACHED_AVALS = 1024
+
+
+@functools.lru_cache(MAX_CACHED_AVALS)
 def _leaf_specs(
-    result_shape_dtypes: Any, device: Any, api: str
+    result_shape_dtypes: Any, device: Any, api: str, x64: bool
 ) -> tuple[Any, list[LeafSpec]]:
+    del x64  # a key only: the specs differ under it
     target = _target_sharding(device, api)
     flat, treedef = jax.tree_util.tree_flatten_with_path(result_shape_dtypes)
     if not flat:
@@ -152,31 +152,22 @@ def check_call(
 
 
 def _aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
-    """The abstract value ``jit`` sees (the sharding checked), cached: JAX takes
-    about 10 us to make one, which a thousand calls in flight would pay."""
+    """The abstract value ``jit`` sees (the sharding checked), cached (the last
+    :data:`MAX_CACHED_AVALS`): JAX takes about 10 us to make one, which a
+    thousand calls in flight would pay."""
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
-    key: Any = (shape, dtype, sharding, x64)
     try:
-        return _avals[key]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable sharding
-        key = None
+        return _new_aval(shape, dtype, sharding, x64)
+    except TypeError:  # an unhashable sharding (any other error: again below)
+        return _new_aval.__wrapped__(shape, dtype, sharding, x64)
+
+
+@functools.lru_cache(MAX_CACHED_AVALS)
+def _new_aval(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, x64: bool) -> Any:
+    del x64  # a key only: the avals differ under it
     if sharding is not None:
         sharding.shard_shape(shape)
-    aval = _jax_avals.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
-    if key is not None:
-        if len(_avals) >= MAX_CACHED_AVALS:
-            _avals.clear()
-        _avals[key] = aval
-    return aval
-
-
-#: Abstract values kept by :func:`_aval`, and declarations by :func:`leaf_specs`
-#: (a bound against ever new shapes).
-MAX_CACHED_AVALS = 1024
-_avals: dict[Any, Any] = {}
-_one_leaf: dict[Any, tuple[Any, list[LeafSpec]]] = {}
+    return _jax_avals.typeof(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
 
 
 def _target_sharding(device: Any, api: str) -> jax.sharding.Sharding | None:

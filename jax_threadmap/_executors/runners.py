@@ -10,7 +10,6 @@ import atexit
 import concurrent.futures
 import threading
 import time
-import weakref
 from typing import Any, Protocol
 
 from .._host.inner_threads import BLAS_LIMIT
@@ -45,21 +44,11 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
         return None
 
 
-#: Per thread executor, the lock held while a map queues its first pullers: two
+#: Held while a map queues its first pullers on a user's thread executor: two
 #: maps started at once would split its workers, and elements that wait for each
-#: other could wait for good. Unhashable ones (``__eq__`` without ``__hash__``: JAX
-#: refuses them as jitted params, not under ``vmap``) share _fallback.
-_states: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
-_states_lock = threading.Lock()
-_fallback = threading.Lock()
-
-
-def _queueing(executor: concurrent.futures.Executor) -> threading.Lock:
-    with _states_lock:
-        try:
-            return _states.setdefault(executor, threading.Lock())
-        except TypeError:  # unhashable
-            return _fallback
+#: other could wait for good. One for every executor: their submit() takes one
+#: lock of concurrent.futures' for all of them anyway.
+_queueing = threading.Lock()
 
 
 # --- one runner per kind of executor --------------------------------------------------
@@ -131,7 +120,7 @@ class ThreadExecutor(_UserExecutor):
 
         job.grow = hand
         try:
-            with _queueing(executor):
+            with _queueing:
                 hand()
             if this_thread.job is not None:
                 job.drain()
@@ -281,9 +270,12 @@ _early_hook = threading.Lock()
 
 def register_early_exit_hook() -> None:
     """Registers :func:`_before_executors_exit` once with threading's exit
-    hooks (after ``concurrent.futures``' own, so that it runs first)."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None and _early_hook.acquire(blocking=False):
+    hooks (after ``concurrent.futures``' own, so that it runs first: before
+    Python joins the pools' threads, whose pullers would run the map to its end
+    first). Where that private CPython name is missing, with ``atexit``: after
+    that join (``tests/test_runners.py`` runs both)."""
+    register = getattr(threading, "_register_atexit", atexit.register)
+    if _early_hook.acquire(blocking=False):
         try:
             register(_before_executors_exit)
         except RuntimeError:  # the interpreter is exiting already
@@ -316,10 +308,8 @@ atexit.register(_at_exit)
 
 @_fork.in_child
 def _start_afresh() -> None:
-    """A forked child runs none of the parent's maps, and any lock of the user
-    executors may have been held at the fork."""
-    global _states, _states_lock, _fallback
+    """A forked child runs none of the parent's maps, and the queueing lock may
+    have been held at the fork."""
+    global _queueing
     _flights.clear()
-    _states = weakref.WeakKeyDictionary()
-    _states_lock = threading.Lock()
-    _fallback = threading.Lock()
+    _queueing = threading.Lock()

@@ -12,7 +12,6 @@ import concurrent.futures
 import mmap
 import os
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -134,9 +133,10 @@ def _remove(paths: list[str]) -> None:
             pass
 
 
-#: In a worker process: the files of shared operands it has mapped, by path.
+#: In a worker process: the files of shared operands it has mapped, by path. No
+#: lock: a dict's get, setdefault and pop are atomic (free-threaded builds too);
+#: a forked child keeps the mappings (read-only, valid there).
 _mapped: dict[str, np.ndarray] = {}
-_mapped_lock = threading.Lock()
 
 
 class MappedFile:
@@ -152,13 +152,13 @@ class MappedFile:
         self.dtype = dtype
 
     def open(self) -> np.ndarray:
-        with _mapped_lock:
-            array = _mapped.get(self.path)
-            if array is None:
-                for gone in [p for p in _mapped if not os.path.exists(p)]:
-                    del _mapped[gone]  # maps that are over
-                with open(self.path, "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                array = np.frombuffer(m, self.dtype).reshape(self.shape)
-                _mapped[self.path] = array
-            return array
+        array = _mapped.get(self.path)
+        if array is None:
+            for gone in [p for p in list(_mapped) if not os.path.exists(p)]:
+                _mapped.pop(gone, None)  # maps that are over
+            with open(self.path, "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            array = np.frombuffer(m, self.dtype).reshape(self.shape)
+            # Two threads that map the file at once: both use the first mapping.
+            array = _mapped.setdefault(self.path, array)
+        return array

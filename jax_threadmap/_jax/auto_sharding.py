@@ -11,6 +11,7 @@ program's, so a callback registered there would be lost: jax-ml/jax#23620).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +27,6 @@ from .hooks import (
 )
 
 logger = logging.getLogger("jax_threadmap.sharding")
-_logged: set[str] = set()
 
 
 def automatic_mesh(ctx: Any) -> Any:
@@ -53,14 +53,13 @@ def unavailable(ctx: Any) -> str | None:
     return None
 
 
+@functools.cache  # once per reason
 def log_fallback(reason: str) -> None:
     """One INFO line per reason: this map runs on one device."""
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.info(
-            "threadmap under jit on a mesh maps every element on one device here: %s",
-            reason,
-        )
+    logger.info(
+        "threadmap under jit on a mesh maps every element on one device here: %s",
+        reason,
+    )
 
 
 def register_host_callback(ctx: Any, callback: Callable[..., Any]) -> int:

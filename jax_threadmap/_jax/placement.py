@@ -4,13 +4,12 @@ does, at a fraction of its cost (on the hooks of :mod:`.hooks`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 
 from .hooks import RESOLVED, Missing
-
-_one_device: dict[Any, Any] = {}  # SingleDeviceSharding by device
 
 
 def put_on_device(aval: Any, x: Any, device: Any) -> Any:
@@ -25,10 +24,11 @@ def put_on_device(aval: Any, x: Any, device: Any) -> Any:
     if isinstance(put, Missing):
         return None
     target = default_device() if device is None else device
-    sharding = _one_device.get(target)
-    if sharding is None:
-        sharding = _one_device[target] = jax.sharding.SingleDeviceSharding(target)
+    sharding = _one_device(target)
     return put(aval, sharding, [x], [target], device is not None)
+
+
+_one_device = functools.cache(jax.sharding.SingleDeviceSharding)  # (devices are few)
 
 
 def default_device() -> Any:

@@ -1,6 +1,7 @@
 """The runners: one class per kind of executor, chosen once per map, and the
 private attributes read for an executor's size, each optional."""
 
+import _thread
 import atexit
 import concurrent.futures
 import multiprocessing
@@ -122,11 +123,12 @@ def test_an_unhashable_thread_pool_runs_a_map_outside_jit():
 
 
 @pytest.mark.parametrize("private_name", [True, False])
-def test_the_early_exit_hook_has_a_public_fallback(monkeypatch, private_name):
+def test_the_early_exit_hook_has_a_public_fallback(monkeypatch, request, private_name):
     # CPython's threading._register_atexit runs the hook before Python joins the
     # pools' threads; where that private name is missing, atexit runs it.
     registered = []
-    monkeypatch.setattr(_maps, "_early_hook", threading.Lock())  # not yet taken
+    _maps.register_early_exit_hook.cache_clear()  # not yet registered
+    request.addfinalizer(_maps.register_early_exit_hook.cache_clear)
     if private_name:
         monkeypatch.setattr(threading, "_register_atexit", registered.append)
     else:
@@ -137,3 +139,22 @@ def test_the_early_exit_hook_has_a_public_fallback(monkeypatch, private_name):
             f = jax.vmap(lambda v: threadmap(np.negative, F32, v, executor=ex))
             np.testing.assert_array_equal(f(np.arange(3.0)), -np.arange(3.0))
     assert registered == [_maps._before_executors_exit]
+
+
+@pytest.mark.parametrize("private_name", [True, False])
+def test_a_map_that_xla_waits_for_is_told_apart(monkeypatch, private_name):
+    # A thread Python did not start (XLA's) is a dummy thread to it: JAX waits
+    # for its program at exit, so its map runs on. CPython's class for it is
+    # private; without it, its default name tells.
+    seen, done = [], threading.Event()
+    _thread.start_new_thread(
+        lambda: (seen.append(threading.current_thread()), done.set()), ()
+    )
+    assert done.wait(30)
+    if not private_name:
+        monkeypatch.setattr(_maps, "_DUMMY", None)
+    xla, ours = object(), object()
+    monkeypatch.setitem(_maps._flights, xla, seen[0])
+    monkeypatch.setitem(_maps._flights, ours, threading.current_thread())
+    assert _maps._run_for_jax(xla) and not _maps._run_for_jax(ours)
+    assert not _maps._run_for_jax(object())  # no map

@@ -1,3 +1,2 @@
-"""The coroutines wing: ``async def`` support for both wings. The package's one
-event loop (loaders of ``async_call`` and ``async def`` kernels run on it),
-``jax_threadmap.shared`` resources opened on it, and ``async def`` kernels' maps."""
+"""The coroutines wing: the event loop that ``async def`` loaders and kernels run
+on, the resources shared on it (``jax_threadmap.shared``), ``async def`` maps."""

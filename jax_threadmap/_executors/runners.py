@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import threading
 import time
 from typing import Any, Protocol
@@ -238,10 +239,18 @@ def _map_error(e: BaseException, name: str) -> BaseException:
     )
 
 
+#: The class Python gives threads it did not start (XLA's): CPython's private
+#: name, else none and their default name (``tests/test_runners.py`` runs both).
+_DUMMY = getattr(threading, "_DummyThread", None)
+
+
 def _run_for_jax(job: Job) -> bool:
     """Whether XLA runs the program that waits for ``job`` on a thread of its
     own (a dummy thread to Python): JAX waits for it at exit, so it runs on."""
-    return isinstance(_flights.get(job), threading._DummyThread)
+    waiter = _flights.get(job)
+    if _DUMMY is not None:
+        return isinstance(waiter, _DUMMY)
+    return waiter is not None and waiter.name.startswith("Dummy-")
 
 
 def _stop_maps_of_daemon_threads(deadline: float) -> None:
@@ -264,10 +273,7 @@ def _stop_maps_of_daemon_threads(deadline: float) -> None:
         time.sleep(0.001)
 
 
-#: Taken, for good, by the first registration.
-_early_hook = threading.Lock()
-
-
+@functools.cache  # once
 def register_early_exit_hook() -> None:
     """Registers :func:`_before_executors_exit` once with threading's exit
     hooks (after ``concurrent.futures``' own, so that it runs first: before
@@ -275,11 +281,10 @@ def register_early_exit_hook() -> None:
     first). Where that private CPython name is missing, with ``atexit``: after
     that join (``tests/test_runners.py`` runs both)."""
     register = getattr(threading, "_register_atexit", atexit.register)
-    if _early_hook.acquire(blocking=False):
-        try:
-            register(_before_executors_exit)
-        except RuntimeError:  # the interpreter is exiting already
-            interpreter_exiting.set()
+    try:
+        register(_before_executors_exit)
+    except RuntimeError:  # the interpreter is exiting already
+        interpreter_exiting.set()
 
 
 def _before_executors_exit() -> None:

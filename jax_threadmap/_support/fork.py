@@ -28,8 +28,7 @@ OWNERS = (
     "jax_threadmap._arrays.task",
 )
 
-#: The resets by owning module (``reset.__module__``), in registration order;
-#: written at import only.
+#: The resets by owning module (``reset.__module__``); written at import only.
 resets: dict[str, list[Callable[[], None]]] = {}
 
 

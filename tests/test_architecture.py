@@ -265,16 +265,24 @@ def test_one_fork_hook_for_the_package():
     assert calls == []
 
 
+def test_a_forked_child_resets_the_layers_lowest_first():
+    # fork.LAYERS: every subpackage, each after those it may import.
+    from jax_threadmap._support import fork
+
+    assert set(fork.LAYERS) == set(ALLOWED)
+    for k, sub in enumerate(fork.LAYERS):
+        assert ALLOWED[sub] <= set(fork.LAYERS[:k]), sub
+
+
 def test_every_owner_of_process_wide_state_has_a_row_in_the_docs():
     # docs/architecture.md, "Process-wide state": each module whose state a
     # forked child resets, or that rebinds a module-level name, is listed there
-    # with its lock and fork rule; fork.OWNERS orders every reset.
+    # with its lock and fork rule.
     from jax_threadmap._support import fork
 
     docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     table = docs.split("## Process-wide state")[1].split("\n## ")[0]
-    assert set(fork.resets) <= set(fork.OWNERS), set(fork.resets) - set(fork.OWNERS)
-    owners = {m.removeprefix("jax_threadmap.") for m in fork.OWNERS} | {
+    owners = {r.__module__.removeprefix("jax_threadmap.") for r in fork.resets} | {
         name
         for name, path in modules().items()
         if any(isinstance(n, ast.Global) for n in ast.walk(ast.parse(path.read_text())))

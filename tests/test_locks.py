@@ -181,8 +181,8 @@ def test_fork_while_the_layer_is_busy():
             t.join(60)
 
 
-# Every resource that a forked child resets (fork.OWNERS) busy at the fork; the
-# child checks each is its own, in use, and that the resets ran in that order.
+# Every resource that a forked child resets busy at the fork; the child checks
+# each is its own, in use, and that the resets ran layer by layer, lowest first.
 FORK_EVERY_RESOURCE = """
 import asyncio, concurrent.futures, contextlib, functools, os, threading, traceback
 import jax, jax.numpy as jnp, numpy as np
@@ -220,9 +220,12 @@ def use_everything():
     assert float(jtm.async_call(plain, S, 2.0, timeout=30).result(30)[0]) == 2.0
 
 use_everything()
-ran = []  # the owners whose resets ran in the child, in order
-for owner, resets in fork.resets.items():
-    resets[:] = [lambda r=r, o=owner: (ran.append(o), r()) for r in resets]
+ran = []  # the layers of the resets run in the child, in order
+def recorded(reset):
+    return functools.wraps(reset)(lambda: (ran.append(layer(reset)), reset()))
+def layer(reset):
+    return fork.LAYERS.index(reset.__module__.split(".")[1])
+fork.resets[:] = [recorded(r) for r in fork.resets]
 release, started = threading.Event(), threading.Event()
 def blocked():
     started.set()
@@ -241,8 +244,7 @@ runners._queueing.acquire()  # held at the fork: entered in the parent only
 pid = os.fork()
 if pid == 0:
     try:
-        assert ran == [o for o in fork.OWNERS if o in fork.resets], ran
-        assert set(fork.resets) <= set(fork.OWNERS), set(fork.resets)
+        assert len(ran) == len(fork.resets) and ran == sorted(ran), ran
         assert jobs.this_thread.job is None, jobs.this_thread.job
         assert (BLAS_LIMIT._maps, BLAS_LIMIT.held) == (0, False), BLAS_LIMIT._maps
         assert shared_threads._threads is not parent[0], "threads"

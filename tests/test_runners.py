@@ -123,12 +123,11 @@ def test_an_unhashable_thread_pool_runs_a_map_outside_jit():
 
 
 @pytest.mark.parametrize("private_name", [True, False])
-def test_the_early_exit_hook_has_a_public_fallback(monkeypatch, request, private_name):
+def test_the_early_exit_hook_has_a_public_fallback(monkeypatch, private_name):
     # CPython's threading._register_atexit runs the hook before Python joins the
     # pools' threads; where that private name is missing, atexit runs it.
     registered = []
-    _maps.register_early_exit_hook.cache_clear()  # not yet registered
-    request.addfinalizer(_maps.register_early_exit_hook.cache_clear)
+    monkeypatch.setattr(_maps, "_early_hook", threading.Lock())  # not yet taken
     if private_name:
         monkeypatch.setattr(threading, "_register_atexit", registered.append)
     else:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import functools
 import threading
 import time
 from typing import Any, Protocol
@@ -273,18 +272,21 @@ def _stop_maps_of_daemon_threads(deadline: float) -> None:
         time.sleep(0.001)
 
 
-@functools.cache  # once
+#: Taken, for good, by the first registration.
+_early_hook = threading.Lock()
+
+
 def register_early_exit_hook() -> None:
-    """Registers :func:`_before_executors_exit` once with threading's exit
-    hooks (after ``concurrent.futures``' own, so that it runs first: before
-    Python joins the pools' threads, whose pullers would run the map to its end
-    first). Where that private CPython name is missing, with ``atexit``: after
-    that join (``tests/test_runners.py`` runs both)."""
+    """Registers :func:`_before_executors_exit` once with threading's exit hooks,
+    after ``concurrent.futures``' own, so that it runs before Python joins the
+    pools' threads (whose pullers would run the map to its end); else with
+    ``atexit``, after that join (``tests/test_runners.py`` runs both)."""
     register = getattr(threading, "_register_atexit", atexit.register)
-    try:
-        register(_before_executors_exit)
-    except RuntimeError:  # the interpreter is exiting already
-        interpreter_exiting.set()
+    if _early_hook.acquire(blocking=False):
+        try:
+            register(_before_executors_exit)
+        except RuntimeError:  # the interpreter is exiting already
+            interpreter_exiting.set()
 
 
 def _before_executors_exit() -> None:

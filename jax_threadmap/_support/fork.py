@@ -6,7 +6,8 @@ flight belongs to the parent. As CPython's ``threading`` reinitialises its locks
 one after-fork function (``_after_fork``, each lock's ``_at_fork_reinit``), this
 package registers one ``os.register_at_fork`` hook, here: each module that owns
 process-wide state (docs/architecture.md, "Process-wide state") registers its reset
-with :func:`in_child`, and the hook calls the resets in the order of :data:`OWNERS`.
+with :func:`in_child`, and the hook calls the resets layer by layer, lowest first
+(:data:`LAYERS`), and each layer's in the order they were registered (imported).
 """
 
 from __future__ import annotations
@@ -14,22 +15,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-#: The modules whose state a forked child resets, in the order it does: lowest
-#: layer first, so a reset never finds a layer below it still the parent's. A
-#: module missing here is reset after these (tests/test_architecture.py fails).
-OWNERS = (
-    "jax_threadmap._host.inner_threads",
-    "jax_threadmap._executors.jobs",
-    "jax_threadmap._executors.shared_threads",
-    "jax_threadmap._executors.runners",
-    "jax_threadmap._coroutines.event_loop",
-    "jax_threadmap._coroutines.shared_resources",
-    "jax_threadmap._arrays.async_pool",
-    "jax_threadmap._arrays.task",
-)
+#: The subpackages, each after those it imports (tests/test_architecture.py): a
+#: reset never finds a layer below its own still the parent's.
+LAYERS = ("_jax", "_support", "_host", "_executors", "_coroutines", "_core", "_arrays")
 
-#: The resets by owning module (``reset.__module__``); written at import only.
-resets: dict[str, list[Callable[[], None]]] = {}
+#: Every reset, in registration order; written at import only.
+resets: list[Callable[[], None]] = []
 
 
 def in_child(reset: Callable[[], None]) -> Callable[[], None]:
@@ -39,14 +30,14 @@ def in_child(reset: Callable[[], None]) -> Callable[[], None]:
     child's own code goes on; it replaces locks and forgets threads, servers and
     calls that exist only in the parent.
     """
-    resets.setdefault(reset.__module__, []).append(reset)
+    resets.append(reset)
     return reset
 
 
 def _after_fork_in_child() -> None:
-    for module in sorted(resets, key=(*OWNERS, *resets).index):
-        for reset in resets[module]:
-            reset()
+    # By the layer of each reset's module; sorted() keeps the order of one layer's.
+    for reset in sorted(resets, key=lambda r: LAYERS.index(r.__module__.split(".")[1])):
+        reset()
 
 
 if hasattr(os, "register_at_fork"):

@@ -368,7 +368,7 @@ HOOKS: tuple[Hook, ...] = (
                 "not exported by jax.sharding before 0.7.2",
             ),
         ),
-        "jax.sharding.use_abstract_mesh, public from jax 0.7.2. Tried on 0.6.2: "
+        "jax.sharding.use_abstract_mesh, public from jax 0.7.2; tried on 0.6.2: "
         "jax.sharding.use_mesh, which raises 'use_mesh can only be used outside "
         "of jax.jit' in the partition function",
     ),

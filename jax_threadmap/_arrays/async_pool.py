@@ -77,10 +77,8 @@ _bound_read: tuple[str | None, int] | None = None
 
 
 def _async_threads() -> int:
-    n = env_async_threads()
-    if n is not None:
-        return n
-    return max(min(32, available_cpus() + 4), jax.local_device_count())
+    n = env_async_threads()  # (None when unset; never 0)
+    return n or max(min(32, available_cpus() + 4), jax.local_device_count())
 
 
 class Call(Protocol):

@@ -101,11 +101,6 @@ ENTER_DELAY = 0.005
 KNOWN_KERNELS = 1024
 
 
-def auto_limit_enabled() -> bool:
-    """Whether ``JAX_THREADMAP_LIMIT_BLAS`` allows the automatic limit (default on)."""
-    return _environment.env_limit_blas()
-
-
 class BlasLimit:
     """The process's BLAS limit while maps run kernels on several threads.
 
@@ -152,7 +147,7 @@ class BlasLimit:
         """Around a map that runs kernel ``name`` on ``threads`` threads of this
         process: the limit while it runs, when more than one thread and not
         turned off (``JAX_THREADMAP_LIMIT_BLAS=0``)."""
-        if not auto_limit_enabled() or threads <= 1:
+        if not _environment.env_limit_blas() or threads <= 1:
             yield
             return
         long = self._long.get(name)

@@ -1,35 +1,31 @@
 """Public names that are gone: each raises an ``AttributeError`` that names what
-replaced it, for as long as CHANGELOG.md lists it under "Removed"
-(``tests/test_environment.py`` checks both ways)."""
+replaced it, as long as CHANGELOG.md lists it under "Removed" (a test checks)."""
 
 from __future__ import annotations
 
 from typing import Any, NoReturn
 
-#: Each removed name (of the package, or ``Class.attribute`` of a public class)
-#: and what to use instead.
+_DERIVATIVES = "read jvp, vjp, fwd, bwd and residuals"
+#: Each removed name (of the package, or ``Class.attribute``) and what replaced it.
 REMOVED: dict[str, str] = {
     "deferred_call": "call jax_threadmap.async_call where the work should start",
-    "async_dispatch_status": "async dispatch is on unless the environment variable "
-    "JAX_THREADMAP_ASYNC_DISPATCH=0 turns it off",
-    "AsyncArray.from_future": "call jax_threadmap.async_call(future.result, "
-    "shapes), or async_call an async def loader that returns await "
-    "asyncio.wrap_future(future) (docs/async.md)",
-    "Shared.close": "a shared resource is closed at exit; one that must close "
-    "earlier is opened by the kernel that uses it (async with factory() as r:)",
+    "async_dispatch_status": "it is on unless JAX_THREADMAP_ASYNC_DISPATCH=0",
+    "AsyncArray.from_future": "call jax_threadmap.async_call(future.result, shapes), "
+    "or an async def loader that returns await asyncio.wrap_future(future)",
+    "Shared.close": "a shared resource closes at exit; one that must close earlier "
+    "is opened by the kernel that uses it (async with factory() as r:)",
     "Shared.is_open": "repr(handle) says whether it is open",
-    "KernelFunction.reverse_rule": "read jvp, vjp, fwd, bwd and residuals",
-    "KernelFunction.primal_jvp": "read jvp, vjp, fwd, bwd and residuals",
+    "KernelFunction.reverse_rule": _DERIVATIVES,
+    "KernelFunction.primal_jvp": _DERIVATIVES,
 }
 
 
 def error(name: str) -> AttributeError:
-    """The error for removed ``name`` (a key of :data:`REMOVED`)."""
     return AttributeError(f"jax_threadmap.{name} was removed: {REMOVED[name]}.")
 
 
 class _Gone:
-    """A class attribute that is gone: reading it raises :func:`error`."""
+    """A removed class attribute: reading it raises :func:`error`."""
 
     def __init__(self, name: str):
         self.name = name
@@ -39,7 +35,7 @@ class _Gone:
 
 
 def install(package: dict[str, Any]) -> None:
-    """Puts the removed attributes of the classes in ``package`` (its globals)."""
+    """Puts the removed attributes on the classes in ``package`` (its globals)."""
     for name in REMOVED:
         cls, _, attr = name.rpartition(".")
         if cls:
@@ -47,7 +43,7 @@ def install(package: dict[str, Any]) -> None:
 
 
 def package_getattr(name: str) -> NoReturn:
-    """The package's ``__getattr__``: a removed name says what replaced it."""
+    """The package's ``__getattr__``."""
     if name in REMOVED:
         raise error(name)
     raise AttributeError(f"module 'jax_threadmap' has no attribute {name!r}")

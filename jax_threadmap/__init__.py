@@ -4,7 +4,7 @@ One flat, threaded map per host callback, however deeply it is ``vmap``-ed.
 """
 
 import importlib.metadata
-from typing import TYPE_CHECKING
+import typing as _typing
 
 from ._arrays.async_array import AsyncArray as AsyncArray
 from ._arrays.async_array import async_call as async_call
@@ -34,7 +34,7 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree
 # CHANGELOG.md lists them); a bad JAX_THREADMAP_* value fails here, at import.
 _removed.install(globals())
 _check_environment()
-if not TYPE_CHECKING:  # (type checkers see no removed name)
+if not _typing.TYPE_CHECKING:  # (type checkers see no removed name)
     __getattr__ = _removed.package_getattr
 
 __all__ = [

@@ -294,14 +294,12 @@ def per_shard_jit(mesh, xs):
         elements=8,
     )
     # A mesh mixing explicit and automatic axes: partitioned along "x"; the
-    # devices along the automatic "y" map the same rows under Shardy, which
-    # keeps the result on P("x"), and their own rows under GSPMD, which takes
-    # the finer sharding proposed.
+    # devices along the automatic "y" map the same rows, with either
+    # partitioner (the result stays on P("x"); GSPMD once took a split over "y").
     mixed = mesh4((2, 2), ("x", "y"), AxisType.Explicit, AxisType.Auto)
     xm = jax.device_put(X, NamedSharding(mixed, P("x")))
-    block = (4,) if jax.config.jax_use_shardy_partitioner else (2,)
     out = compiled(f, xm, A)(xm, A)
-    check("Explicit and Auto axes", out, SORTED, [("scaled_sort", block)] * 4)
+    check("Explicit and Auto axes", out, SORTED, [("scaled_sort", (4,))] * 4)
     # A batch too small to split over "y" too: each row is mapped on both
     # devices of its "x" block (no data moves).
     x1 = jax.device_put(X[:2], NamedSharding(mesh2, P("x")))

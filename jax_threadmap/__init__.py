@@ -4,6 +4,7 @@ One flat, threaded map per host callback, however deeply it is ``vmap``-ed.
 """
 
 import importlib.metadata
+import typing as _typing
 
 from ._arrays.async_array import AsyncArray as AsyncArray
 from ._arrays.async_array import async_call as async_call
@@ -18,6 +19,8 @@ from ._coroutines.shared_resources import Shared as Shared
 from ._coroutines.shared_resources import shared as shared
 from ._host.inner_threads import limit_inner_threads as limit_inner_threads
 from ._jax.hooks import UnsupportedJaxError as UnsupportedJaxError
+from ._support import removed as _removed
+from ._support.environment import check_environment as _check_environment
 from ._support.errors import ExecutorError as ExecutorError
 from ._support.errors import KernelError as KernelError
 from ._support.errors import ThreadmapError as ThreadmapError
@@ -26,6 +29,13 @@ try:
     __version__ = importlib.metadata.version("jax_threadmap")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree
     __version__ = "0+unknown"
+
+# Removed names raise an AttributeError naming what replaced them (as long as
+# CHANGELOG.md lists them); a bad JAX_THREADMAP_* value fails here, at import.
+_removed.install(globals())
+_check_environment()
+if not _typing.TYPE_CHECKING:  # (type checkers see no removed name)
+    __getattr__ = _removed.package_getattr
 
 __all__ = [
     "AsyncArray",

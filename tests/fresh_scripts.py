@@ -21,8 +21,8 @@ nothing to stderr, else :func:`run` starts fresh processes); and environment
 variables read when JAX is imported (``JAX_*``) are those of the zygote's start,
 so there is one zygote per environment (``XLA_FLAGS`` for more devices, or one
 that a script sets itself before its first JAX call, is read when the backend
-starts, which the zygote never does). ``JAX_THREADMAP_FRESH_SCRIPTS=processes`` runs
-every script in a fresh process.
+starts, which the zygote never does).
+``JAX_THREADMAP_TEST_FRESH_SCRIPTS=processes`` runs every script in a fresh process.
 """
 
 from __future__ import annotations
@@ -173,10 +173,11 @@ def zygote_key(env: dict[str, str]) -> str:
 def run(file: str, cwd: str, env: dict[str, str], timeout: float = 600):
     """Runs ``python FILE`` in ``cwd`` with ``env`` (forked from the zygote
     started with ``env``). Returns a ``CompletedProcess``."""
-    mode = os.environ.get("JAX_THREADMAP_FRESH_SCRIPTS", "fork")
+    mode = os.environ.get("JAX_THREADMAP_TEST_FRESH_SCRIPTS", "fork")
     if mode not in ("fork", "processes"):
         raise ValueError(
-            f"JAX_THREADMAP_FRESH_SCRIPTS must be 'fork' or 'processes', got {mode!r}"
+            "JAX_THREADMAP_TEST_FRESH_SCRIPTS must be 'fork' or 'processes', "
+            f"got {mode!r}"
         )
     if mode == "fork" and hasattr(os, "fork"):
         key = zygote_key(env)

@@ -124,6 +124,7 @@ def test_the_private_locations_are_few():
             "array_methods",
             "array_operators",
             "array_properties",
+            "use_abstract_mesh",
         ]
     )
 

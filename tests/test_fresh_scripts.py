@@ -56,7 +56,7 @@ def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypa
         cwd=tmp_path,
         timeout=300,
     )
-    monkeypatch.setenv("JAX_THREADMAP_FRESH_SCRIPTS", "fork")
+    monkeypatch.setenv("JAX_THREADMAP_TEST_FRESH_SCRIPTS", "fork")
     forked = fresh_scripts.run(str(file), cwd=str(tmp_path), env=env, timeout=300)
     assert (forked.returncode, forked.stdout, forked.stderr) == (
         fresh.returncode,
@@ -92,7 +92,7 @@ def test_the_scripts_of_every_test_share_a_zygote(tmp_path, monkeypatch):
     # pytest names the running test in PYTEST_CURRENT_TEST: a zygote keyed by it
     # started afresh (a JAX import) for every test's script, 1-2 s each. The
     # child still gets its environment whole.
-    monkeypatch.setenv("JAX_THREADMAP_FRESH_SCRIPTS", "fork")
+    monkeypatch.setenv("JAX_THREADMAP_TEST_FRESH_SCRIPTS", "fork")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     file = tmp_path / "parent.py"
     file.write_text(

@@ -16,7 +16,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import jax_threadmap as jtm
-from jax_threadmap._host.inner_threads import BLAS_LIMIT, ENV_LIMIT_BLAS
+from jax_threadmap._host.inner_threads import BLAS_LIMIT
+from jax_threadmap._support.environment import ENV_LIMIT_BLAS
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
 

@@ -150,7 +150,7 @@ def test_a_kernel_sees_an_unbatched_operand_as_the_same_view_each_element():
 
 GOLDEN = pathlib.Path(__file__).parent / "loop_sources"
 #: Set to rewrite the checked-in sources after a deliberate change of the loops.
-REGENERATE = os.environ.get("JAX_THREADMAP_REGENERATE_LOOPS") == "1"
+REGENERATE = os.environ.get("JAX_THREADMAP_TEST_REGENERATE_LOOPS") == "1"
 
 
 def _loops_built_by(name, monkeypatch):
@@ -185,7 +185,7 @@ def test_the_whole_generated_loop_is_the_checked_in_one(name, monkeypatch):
     assert path.exists(), f"no checked-in source {path}: run with REGENERATE"
     assert text == path.read_text(), (
         f"the generated loop of the {name!r} family changed; if on purpose, rerun "
-        "with JAX_THREADMAP_REGENERATE_LOOPS=1 and review the diff of "
+        "with JAX_THREADMAP_TEST_REGENERATE_LOOPS=1 and review the diff of "
         f"{path.relative_to(GOLDEN.parent.parent)}"
     )
 

@@ -12,7 +12,7 @@ vmaps. Every value is a small integer, so every sum is exact in float32 and the
 order in which the host sums does not change a bit.
 
 It draws 120 examples in CI (``JAX_THREADMAP_TEST_EXAMPLES=full``) and 30 otherwise,
-from the seed the run prints; ``JAX_THREADMAP_PROPERTY_EXAMPLES=N`` runs N, and
+from the seed the run prints; ``JAX_THREADMAP_TEST_PROPERTY_EXAMPLES=N`` runs N, and
 ``--hypothesis-seed=S`` draws other ones.
 """
 
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import jax_threadmap
 
-_EXAMPLES = int(os.environ.get("JAX_THREADMAP_PROPERTY_EXAMPLES", "0"))
+_EXAMPLES = int(os.environ.get("JAX_THREADMAP_TEST_PROPERTY_EXAMPLES", "0"))
 _SETTINGS = settings(
     max_examples=_EXAMPLES or examples(120),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -16,7 +16,7 @@ from jax_threadmap._jax import hooks as _hooks
 
 CHECKS = pathlib.Path(__file__).parent / "sharding_checks.py"
 #: The lines each part prints (the script stops at the first failure).
-CHECK_LINES = {"shard_map": 59, "jit": 59}
+CHECK_LINES = {"shard_map": 59, "jit": 62}
 
 
 # Both partitioners: Shardy is the default from jax 0.7, GSPMD before, and their
@@ -56,5 +56,6 @@ def test_the_hooks_of_per_shard_maps_under_jit_are_found():
         "ffi_lowering",
         "ModuleContext",
         "ShardingContext",
+        "use_abstract_mesh",
     }
     assert _hooks.missing_for(_hooks.AUTO_PER_SHARD) is None

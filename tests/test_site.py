@@ -104,12 +104,12 @@ class _Text(html.parser.HTMLParser):
 
 #: Set by .ci/run: where CI installed the docs and browser extras and Chromium,
 #: a site test that cannot run fails instead of skipping.
-REQUIRED = os.environ.get("JAX_THREADMAP_SITE_TESTS") == "required"
+REQUIRED = os.environ.get("JAX_THREADMAP_TEST_SITE") == "required"
 
 
 def _skip(reason: str) -> None:
     if REQUIRED:
-        pytest.fail(f"{reason}, and JAX_THREADMAP_SITE_TESTS=required")
+        pytest.fail(f"{reason}, and JAX_THREADMAP_TEST_SITE=required")
     pytest.skip(reason)
 
 

@@ -42,12 +42,9 @@ import jax
 
 from .._support import fork as _fork
 from .._support.cpus import available_cpus
-from .._support.environment import env_positive_int
-from .._support.validate import MAX_THREADS
+from .._support.environment import ENV_ASYNC_THREADS, env_async_threads
 
 logger = logging.getLogger("jax_threadmap._async")
-
-ENV_ASYNC_THREADS = "JAX_THREADMAP_ASYNC_THREADS"
 
 #: Seconds an idle pool thread waits for a call before it exits.
 IDLE_S = 5.0
@@ -80,14 +77,8 @@ _bound_read: tuple[str | None, int] | None = None
 
 
 def _async_threads() -> int:
-    n = env_positive_int(
-        ENV_ASYNC_THREADS,
-        "the number of threads that run jax_threadmap.async_call",
-        maximum=MAX_THREADS,
-    )
-    if n is not None:
-        return n
-    return max(min(32, available_cpus() + 4), jax.local_device_count())
+    n = env_async_threads()  # (None when unset; never 0)
+    return n or max(min(32, available_cpus() + 4), jax.local_device_count())
 
 
 class Call(Protocol):

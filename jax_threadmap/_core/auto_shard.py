@@ -22,7 +22,6 @@ the equation is lowered as before: one device maps every element.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -120,10 +119,13 @@ class _Plan:
         out (that operand is gathered along them). When no level is sharded,
         the mesh's other axes (of size > 1) go on the first level whose block
         they divide, else on the largest level, in blocks padded at the end.
-        Else, proposed to XLA (``chosen`` is ``None``) or explicit, they go on
-        the first level whose block they divide (a local slice of the data;
-        the results are gathered back over them); otherwise, and where none
-        does, the devices along such an axis map the same elements.
+        Else, explicit ones go on the first level whose block they divide (a
+        local slice of the data; the results are gathered back over them, to
+        keep their type); automatic ones, and where no level fits, are not
+        split: the devices along such an axis map the same elements, as XLA
+        computes a jax.numpy function there, and nothing is gathered whatever
+        the results' sharding (a split proposed to GSPMD was gathered back
+        where ``out_shardings`` asked for the batch's own, issue 58).
         """
         levels: list[MeshAxes] = [()] * len(self.spec.shape)
         taken = self._core_axes(arg_shapes)
@@ -138,15 +140,10 @@ class _Plan:
                 continue
             blocks = self._blocks(sizes, levels)
             fits = [lv for lv, b in enumerate(blocks) if b % sizes[name] == 0]
-            if anywhere or (fits and self._may_split(name, chosen)):
+            if anywhere or (fits and name in self.explicit):
                 lv = fits[0] if fits else int(np.argmax(blocks))
                 levels[lv] = (*levels[lv], name)
         return levels
-
-    def _may_split(self, name: str, chosen: Sequence[Any] | None) -> bool:
-        """Whether a level may take the mesh axis ``name``, which no level is
-        sharded over: proposed to XLA, or explicit (see :meth:`levels`)."""
-        return chosen is None or name in self.explicit
 
     def _core_axes(self, arg_shapes: Sequence[Any]) -> set[str]:
         """The mesh axes that shard an element's own axes of a batched operand."""
@@ -227,9 +224,9 @@ class _Plan:
         index = self.index
 
         def per_device(*blocks: Any) -> list[Any]:
-            # Traced on the partitioner's mesh, not on a jax.set_mesh context's
-            # explicit one (whose typed values XLA cannot lower here).
-            with _on_mesh(mesh):
+            # Traced on the partitioner's mesh, not on a jax.set_mesh (use_mesh)
+            # context's explicit one (whose typed values XLA cannot lower here).
+            with _auto.on_mesh(mesh):
                 where = jax.numpy.stack(
                     [jax.lax.axis_index(lv) if lv else 0 for lv in levels]
                 ).astype(np.int32)
@@ -327,13 +324,6 @@ def _explicit_axes(mesh: Any) -> set[str]:
     types = getattr(mesh, "axis_types", None) or ()
     explicit = jax.sharding.AxisType.Explicit
     return {n for n, t in zip(mesh.axis_names, types, strict=False) if t == explicit}
-
-
-def _on_mesh(mesh: Any) -> Any:
-    """``mesh``'s abstract mesh as the context's (jax 0.6 has neither
-    ``jax.sharding.use_abstract_mesh`` nor a ``jax.set_mesh`` to override)."""
-    use = getattr(jax.sharding, "use_abstract_mesh", None)
-    return contextlib.nullcontext() if use is None else use(mesh.abstract_mesh)
 
 
 def _slice(axes: Sequence[int | None], d: int, real: tuple[int, ...]) -> slice:

@@ -13,8 +13,6 @@ from typing import Any, Protocol
 
 from .._support import environment as _environment
 
-ENV_PROGRESS = "JAX_THREADMAP_PROGRESS"
-
 #: Seconds between two checks of a map that shows no bar: short enough that the
 #: waiting thread sees Ctrl-C at once.
 POLL_INTERVAL = 0.5
@@ -24,7 +22,7 @@ def progress_enabled(progress: bool | None) -> bool:
     """``progress`` if given, else environment variable ``JAX_THREADMAP_PROGRESS``."""
     if progress is not None:
         return bool(progress)
-    return _environment.env_flag(ENV_PROGRESS, "progress bars for long threadmaps")
+    return _environment.env_progress()
 
 
 class Progress:

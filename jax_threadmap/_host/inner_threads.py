@@ -91,8 +91,6 @@ def limit_inner_threads(limit: int = 1) -> Iterator[None]:
 
 # --- the automatic limit of maps that run kernels on several threads --------------
 
-#: ``0`` turns the automatic BLAS limit of maps off (default on).
-ENV_LIMIT_BLAS = "JAX_THREADMAP_LIMIT_BLAS"
 #: A map that runs this many seconds or more is long: the next map of its kernel
 #: is limited from its start. A map of a kernel not seen yet is limited once it
 #: has run this long; a map of a kernel whose last map was shorter is not limited,
@@ -101,16 +99,6 @@ ENV_LIMIT_BLAS = "JAX_THREADMAP_LIMIT_BLAS"
 ENTER_DELAY = 0.005
 #: Kernels whose last map's length is remembered (by name), at most.
 KNOWN_KERNELS = 1024
-
-
-def auto_limit_enabled() -> bool:
-    """Whether ``JAX_THREADMAP_LIMIT_BLAS`` allows the automatic limit (default on)."""
-    return _environment.env_flag(
-        ENV_LIMIT_BLAS,
-        "one BLAS thread per call while a map runs kernels on several threads (the "
-        "default; 0 leaves BLAS its own thread count)",
-        default=True,
-    )
 
 
 class BlasLimit:
@@ -158,8 +146,8 @@ class BlasLimit:
     def during_map(self, threads: int, name: str) -> Iterator[None]:
         """Around a map that runs kernel ``name`` on ``threads`` threads of this
         process: the limit while it runs, when more than one thread and not
-        turned off (:data:`ENV_LIMIT_BLAS`)."""
-        if not auto_limit_enabled() or threads <= 1:
+        turned off (``JAX_THREADMAP_LIMIT_BLAS=0``)."""
+        if not _environment.env_limit_blas() or threads <= 1:
             yield
             return
         long = self._long.get(name)

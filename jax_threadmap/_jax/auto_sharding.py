@@ -62,6 +62,11 @@ def log_fallback(reason: str) -> None:
     )
 
 
+def on_mesh(mesh: Any) -> Any:
+    """A context in which ``mesh``'s abstract mesh is the current one."""
+    return get("use_abstract_mesh")(mesh.abstract_mesh)
+
+
 def register_host_callback(ctx: Any, callback: Callable[..., Any]) -> int:
     """Registers ``callback`` in the program being lowered; its index."""
     return int(RESOLVED["ModuleContext"](ctx.module_context, callback))

@@ -236,8 +236,11 @@ def _automatic_mesh_of(sharding_context: type) -> Any:
         if not isinstance(axis_context, sharding_context):
             return None
         devices = getattr(axis_context, "device_assignment", None) or ()
+        # None where no operand names a mesh (NumPy operands under jax.set_mesh):
+        # then the context's, which the program's results are typed on.
         mesh = getattr(axis_context, "abstract_mesh", None)
-        if len(devices) < 2 or mesh is None or getattr(mesh, "empty", True):
+        mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+        if len(devices) < 2 or getattr(mesh, "empty", True):
             return None
         return mesh
 

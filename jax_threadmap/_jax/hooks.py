@@ -353,6 +353,25 @@ HOOKS: tuple[Hook, ...] = (
         "NamedSharding arguments and no mesh context, and a lowering rule has "
         "no other view of its program's devices and mesh",
     ),
+    Hook(
+        "use_abstract_mesh",
+        "traces each device's call in the partition function on the partitioner's "
+        "mesh, not on the explicit one of a jax.set_mesh (jax.sharding.use_mesh) "
+        "context, whose typed values XLA cannot lower there",
+        (AUTO_PER_SHARD,),
+        (
+            Form((0, 7, 2), None, "jax.sharding:use_abstract_mesh"),
+            Form(
+                OLDEST_JAX,
+                (0, 7, 2),
+                "jax._src.mesh:use_abstract_mesh",
+                "not exported by jax.sharding before 0.7.2",
+            ),
+        ),
+        "jax.sharding.use_abstract_mesh, public from jax 0.7.2; tried on 0.6.2: "
+        "jax.sharding.use_mesh, which raises 'use_mesh can only be used outside "
+        "of jax.jit' in the partition function",
+    ),
     # Derivative rules on the primitive.
     *(
         Hook(

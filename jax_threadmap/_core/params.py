@@ -532,3 +532,17 @@ class DerivativeParam:
 
 
 AnyParam = KernelParam | DerivativeParam
+
+
+def kernel_ids(param: Any) -> tuple[int, ...]:
+    """The ids of the functions a kernel param runs (the kernel and its rules,
+    at every order), in order. With the param, whose ``==`` compares them by
+    ``==``, a key that tells kernels apart by identity, as docs/faq.md says:
+    two frozen-dataclass kernels may compare equal and compute different things.
+    (The param holds them, so their ids stay theirs while a key holds it.)"""
+    if isinstance(
+        param, (KernelParam, RuleKernel, ResidualRule, Node, DerivativeParam)
+    ):
+        fields = (getattr(param, f.name) for f in dataclasses.fields(param))
+        return sum(map(kernel_ids, fields), ())
+    return (id(_unwrap(param)),) if callable(param) else ()

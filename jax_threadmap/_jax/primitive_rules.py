@@ -94,6 +94,53 @@ def lowering_place(ctx: Any) -> tuple[Any, Any] | None:
     return module, RESOLVED["mlir_ir"].InsertionPoint.current.block
 
 
+#: Operations whose results two runs on equal operands may not share (host
+#: calls, random numbers, tokens, jax.checkpoint's barrier against exactly
+#: this): numbered by identity, as is any operation with regions or of another
+#: dialect (func.call).
+_OWN_RESULTS = frozenset(
+    "stablehlo." + name
+    for name in (
+        *("custom_call", "rng", "optimization_barrier"),
+        *("infeed", "outfeed", "send", "recv", "after_all", "create_token"),
+    )
+)
+
+
+def value_number(value: Any, numbers: dict[Any, Any]) -> Any:
+    """A key of an IR ``value`` that is equal for two values computed by equal
+    operations (name, attributes, result types, operands' keys) from the same
+    values, as XLA's common-subexpression elimination finds them: equal at run
+    time. ``numbers`` (one per module) holds the keys found so far, and
+    numbers the operations' keys."""
+    stack = [value]
+    while stack:
+        v = stack[-1]
+        if v in numbers:
+            stack.pop()
+            continue
+        op = getattr(v.owner, "operation", v.owner)  # a Block for an argument
+        name = getattr(op, "name", "")
+        if not name.startswith(("stablehlo.", "chlo.")) or name in _OWN_RESULTS:
+            numbers[v] = v
+        elif len(op.regions):
+            numbers[v] = v
+        elif todo := [x for x in op.operands if x not in numbers]:
+            stack.extend(todo)
+            continue
+        else:
+            a = op.attributes  # (by index: a NamedAttribute in every JAX)
+            attrs = tuple((a[i].name, a[i].attr) for i in range(len(a)))
+            ins = tuple(numbers[x] for x in op.operands)
+            types = tuple(r.type for r in op.results)
+            for k, r in enumerate(op.results):  # (a number: hashed in O(1))
+                numbers[r] = numbers.setdefault(
+                    (name, attrs, types, ins, k), len(numbers)
+                )
+        stack.pop()
+    return numbers[value]
+
+
 def register_rules(
     prim: Any,
     lowering: Callable[..., Any],

@@ -200,9 +200,9 @@ def _threadmap_batching_rule(
     return outs, [0] * len(outs)
 
 
-#: Per module being lowered: the results of its equations by (block, operands,
-#: kernels, params), and its values' keys (``_rules.value_number``).
-_LOWERED: weakref.WeakKeyDictionary[Any, tuple[dict[Any, Any], dict[Any, Any]]] = (
+#: Per module being lowered, by (block, kernels, params): the operands and
+#: results of its equations.
+_LOWERED: weakref.WeakKeyDictionary[Any, dict[Any, list[tuple[Any, Any]]]] = (
     weakref.WeakKeyDictionary()
 )
 _LOWERED_LOCK = threading.Lock()
@@ -210,29 +210,28 @@ _LOWERED_LOCK = threading.Lock()
 
 def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
     # An equation equal to one lowered before it in the same block reuses its
-    # results: the same kernels (by identity) on operands that equal operations
-    # computed from the same values (jax.jacfwd's fwd and jax.grad's in one
-    # step, each on its own m built from p). threadmap is a pure function to
-    # JAX, as pure_callback is, and XLA never merges two host callbacks.
+    # results: the same kernels (by identity) and params, on operands that are
+    # the same values or computed alike from the same values (jax.jacfwd's fwd
+    # and jax.grad's in one step, each on its own m built from p). threadmap is
+    # a pure function to JAX, as pure_callback is, and XLA never merges two
+    # host callbacks.
     place = _rules.lowering_place(ctx)
     if place is None:
         return _lower(ctx, *args, **params)
     module, block = place
-    with _LOWERED_LOCK:
-        lowered, numbers = _LOWERED.setdefault(module, ({}, {}))
-    key = (  # (never the module)
-        block,
-        tuple(_rules.value_number(a, numbers) for a in args),
-        kernel_ids(params["kernel"]),
-        tuple(sorted(params.items())),
-    )
+    key = (block, kernel_ids(params["kernel"]), tuple(sorted(params.items())))
     try:
-        hash(key)
+        hash(key)  # (never the module)
     except TypeError:  # a param that does not hash: lowered on its own
         return _lower(ctx, *args, **params)
-    if key not in lowered:  # (one module is lowered by one thread)
-        lowered[key] = _lower(ctx, *args, **params)
-    return list(lowered[key])
+    with _LOWERED_LOCK:  # (one module is lowered by one thread)
+        earlier = _LOWERED.setdefault(module, {}).setdefault(key, [])
+    for operands, results in earlier:
+        if all(map(_rules.computed_alike, operands, args)):
+            return list(results)
+    results = _lower(ctx, *args, **params)
+    earlier.append((args, results))
+    return list(results)
 
 
 def _lower(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:

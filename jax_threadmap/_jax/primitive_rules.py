@@ -107,38 +107,41 @@ _OWN_RESULTS = frozenset(
 )
 
 
-def value_number(value: Any, numbers: dict[Any, Any]) -> Any:
-    """A key of an IR ``value`` that is equal for two values computed by equal
-    operations (name, attributes, result types, operands' keys) from the same
-    values, as XLA's common-subexpression elimination finds them: equal at run
-    time. ``numbers`` (one per module) holds the keys found so far, and
-    numbers the operations' keys."""
-    stack = [value]
-    while stack:
-        v = stack[-1]
-        if v in numbers:
-            stack.pop()
+def computed_alike(a: Any, b: Any) -> bool:
+    """Whether IR values ``a`` and ``b`` are the same value, or results of
+    equal operations (name, attributes, result types, operands computed alike)
+    of the same values, as XLA's common-subexpression elimination finds them:
+    equal at run time. The walk stops at the values they share."""
+    pairs, seen = [(a, b)], set()
+    while pairs:
+        a, b = pairs.pop()
+        if a == b or (a, b) in seen:
             continue
-        op = getattr(v.owner, "operation", v.owner)  # a Block for an argument
-        name = getattr(op, "name", "")
-        if not name.startswith(("stablehlo.", "chlo.")) or name in _OWN_RESULTS:
-            numbers[v] = v
-        elif len(op.regions):
-            numbers[v] = v
-        elif todo := [x for x in op.operands if x not in numbers]:
-            stack.extend(todo)
-            continue
-        else:
-            a = op.attributes  # (by index: a NamedAttribute in every JAX)
-            attrs = tuple((a[i].name, a[i].attr) for i in range(len(a)))
-            ins = tuple(numbers[x] for x in op.operands)
-            types = tuple(r.type for r in op.results)
-            for k, r in enumerate(op.results):  # (a number: hashed in O(1))
-                numbers[r] = numbers.setdefault(
-                    (name, attrs, types, ins, k), len(numbers)
-                )
-        stack.pop()
-    return numbers[value]
+        seen.add((a, b))
+        ops = [getattr(v.owner, "operation", v.owner) for v in (a, b)]
+        if not all(map(_pure, ops)) or _signature(ops[0]) != _signature(ops[1]):
+            return False  # (an argument's owner is a Block: no name)
+        if list(ops[0].results).index(a) != list(ops[1].results).index(b):
+            return False
+        pairs.extend(zip(ops[0].operands, ops[1].operands, strict=True))
+    return True
+
+
+def _pure(op: Any) -> bool:
+    name = getattr(op, "name", "")
+    return (
+        name.startswith(("stablehlo.", "chlo."))
+        and name not in _OWN_RESULTS
+        and not len(op.regions)
+    )
+
+
+def _signature(op: Any) -> tuple[Any, ...]:
+    """An operation but for its operands (its attributes by index: a
+    NamedAttribute in every JAX)."""
+    a = op.attributes
+    attrs = tuple((a[i].name, a[i].attr) for i in range(len(a)))
+    return op.name, attrs, tuple(r.type for r in op.results), len(op.operands)
 
 
 def register_rules(

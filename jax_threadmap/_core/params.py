@@ -535,11 +535,9 @@ AnyParam = KernelParam | DerivativeParam
 
 
 def kernel_ids(param: Any) -> tuple[int, ...]:
-    """The ids of the functions a kernel param runs (the kernel and its rules,
-    at every order), in order. With the param, whose ``==`` compares them by
-    ``==``, a key that tells kernels apart by identity, as docs/faq.md says:
-    two frozen-dataclass kernels may compare equal and compute different things.
-    (The param holds them, so their ids stay theirs while a key holds it.)"""
+    """The ids of the functions a kernel param runs (its kernels and rules):
+    with the param, a key that compares kernels by identity, as docs/faq.md
+    says (two that compare equal may compute different things)."""
     if isinstance(
         param, (KernelParam, RuleKernel, ResidualRule, Node, DerivativeParam)
     ):

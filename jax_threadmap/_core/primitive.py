@@ -209,12 +209,10 @@ _LOWERED_LOCK = threading.Lock()
 
 
 def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
-    # An equation equal to one lowered before it in the same block reuses its
-    # results: the same kernels (by identity) and params, on operands that are
-    # the same values or computed alike from the same values (jax.jacfwd's fwd
-    # and jax.grad's in one step, each on its own m built from p). threadmap is
-    # a pure function to JAX, as pure_callback is, and XLA never merges two
-    # host callbacks.
+    # An equation equal to one lowered before it in the same block (the same
+    # kernels, by identity, and params, on operands computed alike: jax.jacfwd's
+    # fwd and jax.grad's, each on its own m built from p) reuses its results:
+    # it is pure, as pure_callback is, and XLA never merges two host callbacks.
     place = _rules.lowering_place(ctx)
     if place is None:
         return _lower(ctx, *args, **params)

@@ -94,16 +94,13 @@ def lowering_place(ctx: Any) -> tuple[Any, Any] | None:
     return module, RESOLVED["mlir_ir"].InsertionPoint.current.block
 
 
-#: Operations whose results two runs on equal operands may not share (host
-#: calls, random numbers, tokens, jax.checkpoint's barrier against exactly
-#: this): numbered by identity, as is any operation with regions or of another
-#: dialect (func.call).
+#: Operations whose results may differ between runs on equal operands (host
+#: calls, random numbers, tokens, jax.checkpoint's barrier against reuse); so
+#: may those with regions or of other dialects (func.call), to be safe.
 _OWN_RESULTS = frozenset(
     "stablehlo." + name
-    for name in (
-        *("custom_call", "rng", "optimization_barrier"),
-        *("infeed", "outfeed", "send", "recv", "after_all", "create_token"),
-    )
+    for name in "custom_call rng optimization_barrier infeed outfeed send recv "
+    "after_all create_token".split()
 )
 
 
@@ -118,30 +115,25 @@ def computed_alike(a: Any, b: Any) -> bool:
         if a == b or (a, b) in seen:
             continue
         seen.add((a, b))
-        ops = [getattr(v.owner, "operation", v.owner) for v in (a, b)]
-        if not all(map(_pure, ops)) or _signature(ops[0]) != _signature(ops[1]):
-            return False  # (an argument's owner is a Block: no name)
-        if list(ops[0].results).index(a) != list(ops[1].results).index(b):
+        (op_a, key_a), (op_b, key_b) = _defining(a), _defining(b)
+        if key_a is None or key_a != key_b:
             return False
-        pairs.extend(zip(ops[0].operands, ops[1].operands, strict=True))
+        pairs.extend(zip(op_a.operands, op_b.operands, strict=True))
     return True
 
 
-def _pure(op: Any) -> bool:
-    name = getattr(op, "name", "")
-    return (
-        name.startswith(("stablehlo.", "chlo."))
-        and name not in _OWN_RESULTS
-        and not len(op.regions)
-    )
-
-
-def _signature(op: Any) -> tuple[Any, ...]:
-    """An operation but for its operands (its attributes by index: a
-    NamedAttribute in every JAX)."""
-    a = op.attributes
+def _defining(v: Any) -> tuple[Any, Any]:
+    """The operation that computed ``v``, and what they are but for its
+    operands (``None`` where its results may differ between runs)."""
+    op = getattr(v.owner, "operation", v.owner)
+    name = getattr(op, "name", "")  # (an argument's owner is a Block: no name)
+    if not name.startswith(("stablehlo.", "chlo.")) or name in _OWN_RESULTS:
+        return op, None
+    a, results = op.attributes, list(op.results)  # (a[i]: NamedAttribute in all JAX)
     attrs = tuple((a[i].name, a[i].attr) for i in range(len(a)))
-    return op.name, attrs, tuple(r.type for r in op.results), len(op.operands)
+    types = tuple(r.type for r in results)
+    key = (name, attrs, types, results.index(v), len(op.operands))
+    return op, None if len(op.regions) else key
 
 
 def register_rules(

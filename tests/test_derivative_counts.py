@@ -371,7 +371,6 @@ def test_operands_computed_otherwise_run_their_own():
     want += [x.astype(t).astype(F64) for t in (jnp.float32, jnp.float16)]
     assert_close(got[:7], tuple(map(jnp.exp, want)))
     assert_close(got[7:], tuple((jnp.exp(h), h) for _, h in got[7:]))
-    assert not np.allclose(got[7][1], got[8][1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from helpers import kname, threadmap_eqns
 
 import jax_threadmap
 from jax_threadmap._core import primitive as _primitive
+from jax_threadmap._jax import primitive_rules as _rules
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
 
@@ -371,6 +372,31 @@ def test_operands_computed_otherwise_run_their_own():
     want += [x.astype(t).astype(F64) for t in (jnp.float32, jnp.float16)]
     assert_close(got[:7], tuple(map(jnp.exp, want)))
     assert_close(got[7:], tuple((jnp.exp(h), h) for _, h in got[7:]))
+
+
+def test_comparing_operands_is_bounded(monkeypatch):
+    """The walk that compares two operands stops after ``_MOST_PAIRS`` pairs
+    of values: beyond it, the operands are told apart (their own maps)."""
+    monkeypatch.setattr(_rules, "_MOST_PAIRS", 6)
+    calls = Counter()
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def f(x):
+        return calls.exp(x, 3)
+
+    def deep(x, depth):
+        for _ in range(depth):
+            x = jnp.sin(x) + 1.0  # sin, a constant, add: 3 pairs per step
+        return x
+
+    def program(x):
+        fs = jax.vmap(f)
+        return fs(deep(x, 1)), fs(deep(x, 1)), fs(deep(x, 3)), fs(deep(x, 3))
+
+    x = jnp.linspace(-1, 1, 12).reshape(4, 3)
+    got = jax.block_until_ready(jax.jit(program)(x))
+    assert calls.count == 3 * 4  # deep(x, 1) once; deep(x, 3) twice
+    assert_close(got, tuple(jnp.exp(deep(x, d)) for d in (1, 1, 3, 3)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,6 +103,11 @@ _OWN_RESULTS = frozenset(
     "after_all create_token".split()
 )
 
+#: The most pairs of values one comparison walks (about 25 us each): a kernel
+#: called many times in a block on deep, nearly equal computations would
+#: otherwise cost compile time quadratic in its calls.
+_MOST_PAIRS = 10_000
+
 
 def computed_alike(a: Any, b: Any) -> bool:
     """Whether IR values ``a`` and ``b`` are the same value, or results of
@@ -114,6 +119,8 @@ def computed_alike(a: Any, b: Any) -> bool:
         a, b = pairs.pop()
         if a == b or (a, b) in seen:
             continue
+        if len(seen) == _MOST_PAIRS:
+            return False  # (told apart: a bound on the compile time it costs)
         seen.add((a, b))
         (op_a, key_a), (op_b, key_b) = _defining(a), _defining(b)
         if key_a is None or key_a != key_b:

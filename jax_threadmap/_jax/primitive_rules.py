@@ -114,7 +114,7 @@ def computed_alike(a: Any, b: Any) -> bool:
     equal operations (name, attributes, result types, operands computed alike)
     of the same values, as XLA's common-subexpression elimination finds them:
     equal at run time. The walk stops at the values they share."""
-    pairs, seen = [(a, b)], set()
+    pairs, seen = [(a, b)], set[tuple[Any, Any]]()
     while pairs:
         a, b = pairs.pop()
         if a == b or (a, b) in seen:

@@ -1,29 +1,24 @@
-"""A Gauss-Newton step through a host solver: kernels with ``fwd`` residuals
-against JAX's ``custom_jvp`` + ``pure_callback`` recipe (issue 49).
+"""A Gauss-Newton step through a host solver, as docs/derivatives-residuals.md
+teaches it, against JAX's ``custom_jvp`` + ``pure_callback`` recipe (issue 57).
 
-Per element ``i`` (``N`` of them, under two nested ``vmap`` s) an SPD system
-``M_i(p) x_i = b_i`` with ``M_i(p) = A_i + p_0 I + p_1 W_i + p_2 U_i`` (``M`` x
-``M``, float64), factorized by Cholesky on the host; three global parameters
-``p``. One step, in one ``jax.jit``: the residual ``r(p) = x(p) - y``, its
-Jacobian by ``jax.jacfwd`` (3 directions), the gradient of ``|r|^2 / 2`` by
-``jax.grad``, and ``p - (J^T J)^-1 g``. Every side runs the same host function
-``factor`` (which works on one element or on a batch) and the same algebra:
+The programs are the page's own: its Gauss-Newton blocks are read from the page
+and run here with systems of ``M x M`` (the page's ``M = 4`` line set to each
+size), so what is measured is what the page teaches. Per element an SPD system
+``M_i(p) x_i = b_i``, ``M_i(p) = A_i + p_0 I + p_1 W_i + p_2 U_i``, float64,
+factorized by Cholesky on the host; one step, in one ``jax.jit``: the residual,
+its Jacobian by ``jax.jacfwd`` (3 directions), the gradient by ``jax.grad``.
+Sides, each on the page's ``inverse`` and ``solve_fwd``:
 
-- ``kernels``: a ``jax_threadmap.kernel`` per element, ``fwd`` returning
-  ``dx/dp`` as its residual, shared by ``defjvp(fwd, jvp, ...)`` and
-  ``defvjp(fwd, bwd, ...)``; ``jvp`` and ``bwd`` multiply by it.
-- ``vectorized``: the same kernels with ``vectorized=True`` (chunks of elements).
-- ``recipe``: ``jax.custom_jvp`` whose rule calls ``factor`` per element, in a
-  loop over the batch in one ``jax.pure_callback(...,
-  vmap_method="broadcast_all")``, and computes the tangent from the same
-  residual in ``jax.numpy`` (which JAX transposes for ``jax.grad``). (With
-  ``vmap_method="sequential"`` instead, one callback per element, a step took
-  10 times longer.)
-- ``batched``: the same recipe, ``factor`` given the whole batch at once
-  (batched NumPy).
+- ``solve(m, b)``: the page's kernel of ``m`` (built from ``p`` in
+  ``jax.numpy``) and ``b``, with per-element ``fwd``/``jvp``/``bwd``.
+- ``solve_p(p)``: the page's kernel of the parameters, the data as keywords.
+- ``recipe``: ``solve(m, b)`` as a ``jax.custom_jvp`` around one
+  ``jax.pure_callback(..., vmap_method="broadcast_all")`` whose host function
+  loops over the elements, its rule a second such callback (``solve_fwd``),
+  the tangent from the same residuals in ``jax.numpy``.
 
-Each side's best wall time of ``REPS`` reps, sides alternated rep by rep, with
-ratios ``kernels / recipe`` and ``vectorized / batched``.
+Each side's best wall and CPU time of ``REPS`` reps, sides alternated rep by
+rep, the factorizations per element per step, and each kernel side / recipe.
 
 Run:
     python benchmarks/test_bench_gauss_newton.py    # docs/derivatives-residuals.md
@@ -33,9 +28,14 @@ Run:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
+import pathlib
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import harness
 import jax
@@ -43,194 +43,169 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_threadmap
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+import page_script  # noqa: E402  (the docs test reads the pages with it too)
 
-jax.config.update("jax_enable_x64", True)
-
+DOC = ROOT / "docs" / "derivatives-residuals.md"
+SECTION = "### Gauss-Newton steps through a host solver"
+SIZE_LINE = "\nM = 4  #"  # the page's size, set to each system's size here
 SIZES = [
     tuple(int(v) for v in size.split("x"))
     for size in os.environ.get("SIZES", "128x4,128x32,4096x4,4096x32").split(",")
 ]
 REPS = int(os.environ.get("REPS", "7"))
 S = jax.ShapeDtypeStruct
-F64 = jnp.float64
 
 
-def _system(p, A, W, U):
-    """``M(p)`` for one element or a batch (NumPy or jax.numpy)."""
-    eye = np.eye(A.shape[-1])
-    p = p[..., None, None]
-    return A + p[..., 0, :, :] * eye + p[..., 1, :, :] * W + p[..., 2, :, :] * U
+@functools.cache
+def docs_program(m: int) -> dict[str, Any]:
+    """The names that the page's Gauss-Newton blocks define, with ``M = m``
+    (their own example run as they do, its output dropped)."""
+    text = DOC.read_text()
+    blocks = page_script.blocks(text[text.index(SECTION) :])
+    code = "\n".join(b["code"] for b in blocks if page_script.is_python(b))
+    assert code.count(SIZE_LINE) == 1, f"{DOC} has no line {SIZE_LINE!r}"
+    names: dict[str, Any] = {"__name__": "gauss_newton_docs"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(code.replace(SIZE_LINE, f"\nM = {m}  #"), str(DOC), "exec"), names)
+    return names
 
 
-def factor(p, A, W, U, b):
-    """``(x, dx/dp)`` by Cholesky, for one element or a batch (leading axes):
-    ``dx/dp_k = -M^-1 (dM/dp_k) x``, an ``M x 3`` matrix per element, which
-    every side keeps as the residual of its tangents."""
-    L = np.linalg.cholesky(_system(p, A, W, U))
-    Linv = np.linalg.inv(L)
-    Minv = np.swapaxes(Linv, -1, -2) @ Linv
-    x = (Minv @ b[..., None])[..., 0]
-    dM_x = np.stack([x, (W @ x[..., None])[..., 0], (U @ x[..., None])[..., 0]], -1)
-    return x, -(Minv @ dM_x)
+def _per_element(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A host function looping ``fn(m_i, b_i) -> arrays`` over a batch."""
+
+    def host(m: Any, b: Any) -> tuple[np.ndarray, ...]:
+        m, b = np.asarray(m), np.asarray(b)  # JAX may pass jax.Arrays
+        batch = b.shape[:-1]
+        outs: list[np.ndarray] | None = None
+        for i in np.ndindex(batch):
+            got = fn(m[i], b[i])
+            if outs is None:
+                outs = [np.empty(batch + np.shape(g)) for g in got]
+            for out, g in zip(outs, got, strict=True):
+                out[i] = g
+        assert outs is not None
+        return tuple(outs)
+
+    return host
 
 
-def kernels(m: int, vectorized: bool = False) -> Callable:
-    vec, jac = S((m,), F64), S((m, 3), F64)
+def recipe(docs: dict[str, Any]) -> Callable[..., Any]:
+    """The page's ``residual_m`` with JAX's recipe for ``solve(m, b)``."""
+    inverse, solve_fwd, system = docs["inverse"], docs["solve_fwd"], docs["system"]
 
-    @jax_threadmap.kernel(vec, vectorized=vectorized)
-    def solve(p, *, A, W, U, b):
-        return factor(p, A, W, U, b)[0]
+    def fwd(m, b):  # x and M^-1: the residuals the tangent needs
+        x, (m_inv, _) = solve_fwd(m, b)
+        return x, m_inv
 
-    def fwd(p, *, A, W, U, b):
-        return factor(p, A, W, U, b)  # (x, dx/dp)
+    host_solve, host_fwd = (
+        _per_element(lambda m, b: (inverse(m) @ b,)),
+        _per_element(fwd),
+    )
 
-    # The tangent algebra on a chunk of elements (as the recipe's XLA does it
-    # batched): dx_dp (c, m, 3), tp (c, 3 directions, 3), ct (c, m).
-    linear = jax_threadmap.kernel(vec, vectorized=True)
-
-    @linear
-    def jvp(dx_dp, tp, *, A, W, U, b):
-        return tp @ np.swapaxes(dx_dp, -1, -2)
-
-    @linear
-    def bwd(dx_dp, ct, *, A, W, U, b):
-        return ((ct[..., None, :] @ dx_dp)[..., 0, :],)
-
-    solve.defjvp(fwd, jvp, residuals=jac, directions=True)
-    solve.defvjp(fwd, bwd, residuals=jac)
-    return lambda p, A, W, U, b: solve(p, A=A, W=W, U=U, b=b)
-
-
-def per_element(p, A, W, U, b):
-    """``factor`` called once per element of a batch (a loop on the host)."""
-    p, A, W, U, b = map(np.asarray, (p, A, W, U, b))  # JAX may pass jax.Arrays
-    x, dx_dp = np.empty(b.shape), np.empty((*b.shape, 3))
-    for i in np.ndindex(b.shape[:-1]):
-        x[i], dx_dp[i] = factor(p[i], A[i], W[i], U[i], b[i])
-    return x, dx_dp
-
-
-def recipe(m: int, host: Callable = per_element) -> Callable:
-    @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
-    def solve(p, A, W, U, b):
-        return _callback(p, A, W, U, b)[0]
-
-    def _callback(p, A, W, U, b):
-        out = (S(b.shape, F64), S((*b.shape, 3), F64))
-        return jax.pure_callback(host, out, p, A, W, U, b, vmap_method="broadcast_all")
+    @jax.custom_jvp
+    def solve(m, b):
+        out = S(b.shape, jnp.float64)
+        return jax.pure_callback(host_solve, (out,), m, b, vmap_method="broadcast_all")[
+            0
+        ]
 
     @solve.defjvp
-    def solve_jvp(A, W, U, b, primals, tangents):
-        x, dx_dp = _callback(primals[0], A, W, U, b)
-        return x, dx_dp @ tangents[0]
-
-    return solve
-
-
-SIDES = {
-    "kernels": lambda m: kernels(m),
-    "vectorized": lambda m: kernels(m, vectorized=True),
-    "recipe": lambda m: recipe(m),
-    "batched": lambda m: recipe(m, factor),
-}
-RATIOS = [("kernels", "recipe"), ("vectorized", "batched")]
-
-
-def problem(n: int, m: int, seed: int = 0):
-    """``(p, data, y)``: the data as ``(n1, n2, ...)`` for two vmaps, SPD
-    ``A, W, U``, and targets ``y`` from parameters near ``p``."""
-    rng = np.random.default_rng(seed)
-    n1 = 2 ** (n.bit_length() // 2)  # 128: 8 x 16, 4096: 64 x 64
-    shape = (n1, n // n1)
-
-    def spd(scale):
-        q = rng.standard_normal((*shape, m, m)) / np.sqrt(m)
-        return q @ np.swapaxes(q, -1, -2) * scale + np.eye(m) * scale
-
-    A, W, U = spd(1.0), spd(0.3), spd(0.2)
-    b = rng.standard_normal((*shape, m))
-    y = factor(np.array([0.4, 0.6, 0.5]), A, W, U, b)[0]
-    p = np.array([0.5, 0.5, 0.5])
-    return tuple(jnp.asarray(v) for v in (p, A, W, U, b, y))
-
-
-def gauss_newton_step(solve: Callable) -> Callable:
-    per_element = jax.vmap(jax.vmap(solve, (None, 0, 0, 0, 0)), (None, 0, 0, 0, 0))
-
-    @jax.jit
-    def step(p, A, W, U, b, y):
-        def residual(p):
-            return per_element(p, A, W, U, b) - y
-
-        r = residual(p)
-        J = jax.jacfwd(residual)(p).reshape(-1, 3)
-        g = jax.grad(lambda p: 0.5 * jnp.sum(residual(p) ** 2))(p)
-        return p - jnp.linalg.solve(J.T @ J, g), jnp.sum(r**2)
-
-    return step
-
-
-def runs(n: int, m: int) -> dict[str, Callable[[], jax.Array]]:
-    """Per side, a thunk running one step to its end."""
-    args = problem(n, m)
-    out = {}
-    for side, make in SIDES.items():
-        step = gauss_newton_step(make(m))
-        out[side] = functools.partial(
-            lambda step: jax.block_until_ready(step(*args)), step
+    def solve_jvp(primals, tangents):
+        (m, b), (dm, db) = primals, tangents
+        outs = (S(b.shape, jnp.float64), S(m.shape, jnp.float64))
+        x, m_inv = jax.pure_callback(host_fwd, outs, m, b, vmap_method="broadcast_all")
+        return x, jnp.einsum(
+            "...ij,...j->...i", m_inv, db - jnp.einsum("...ij,...j->...i", dm, x)
         )
-    return out
+
+    def residual(p, A, W, U, b, y):
+        m = jax.vmap(system, (None, 0, 0, 0))(p, A, W, U)
+        return jax.vmap(solve)(m, b) - y
+
+    return residual
 
 
-def report(times: dict[tuple[int, int], dict[str, tuple[float, float]]]) -> str:
+SIDES: dict[str, Callable[[dict[str, Any]], Callable[..., Any]]] = {
+    "solve(m, b)": lambda docs: docs["residual_m"],
+    "solve_p(p)": lambda docs: docs["residual_p"],
+    "recipe": recipe,
+}
+KERNEL_SIDES = ("solve(m, b)", "solve_p(p)")
+
+
+def runs(n: int, m: int) -> tuple[dict[str, Callable[[], Any]], dict[str, float]]:
+    """Per side, a thunk running one step to its end; and its factorizations
+    per element per step."""
+    docs = docs_program(m)
+    data, p = docs["problem"](n), jnp.array([0.5, 0.5, 0.5])
+    thunks, factorizations = {}, {}
+    for side, make in SIDES.items():
+        step = docs["gauss_newton"](make(docs))
+        thunks[side] = functools.partial(
+            lambda step: jax.block_until_ready(step(p, data)), step
+        )
+        thunks[side]()  # compiles
+        docs["factorized"].clear()
+        thunks[side]()
+        factorizations[side] = len(docs["factorized"]) / n
+    return thunks, factorizations
+
+
+def report(times: dict[tuple[int, int], tuple[dict, dict]]) -> str:
     lines = [
         f"float64, best of {REPS} reps, sides alternated, load average "
-        f"{os.getloadavg()[0]:.1f}; ms per step (CPU ms)",
+        f"{os.getloadavg()[0]:.1f}; ms per step (CPU ms) [factorizations per "
+        "element per step]",
         "| elements | system | "
-        + " | ".join(SIDES)
-        + " | kernels / recipe (CPU) | vectorized / batched (CPU) |",
-        "|---|---|" + "---|" * (len(SIDES) + 2),
+        + " | ".join(f"`{s}`" for s in SIDES)
+        + " | "
+        + " | ".join(f"`{s}` / recipe (CPU)" for s in KERNEL_SIDES)
+        + " |",
+        "|---|---|" + "---|" * (len(SIDES) + len(KERNEL_SIDES)),
     ]
-    for (n, m), best in times.items():
+    for (n, m), (best, count) in times.items():
         ms = " | ".join(
-            f"{best[s][0] * 1e3:.1f} ({best[s][1] * 1e3:.0f})" for s in SIDES
+            f"{best[s][0] * 1e3:.1f} ({best[s][1] * 1e3:.0f}) [{count[s]:g}]"
+            for s in SIDES
         )
         ratios = " | ".join(
-            f"{best[a][0] / best[b][0]:.2f} ({best[a][1] / best[b][1]:.2f})"
-            for a, b in RATIOS
+            f"{best[s][0] / best['recipe'][0]:.2f} "
+            f"({best[s][1] / best['recipe'][1]:.2f})"
+            for s in KERNEL_SIDES
         )
         lines.append(f"| {n} | {m} x {m} | {ms} | {ratios} |")
     return "\n".join(lines)
+
+
+def measure(n: int, m: int) -> tuple[dict, dict]:
+    thunks, factorizations = runs(n, m)
+    return harness.alternate(thunks, REPS), factorizations
 
 
 # --- pytest ---------------------------------------------------------------------------
 
 
 def test_sides_compute_the_same_step():
-    args = problem(16, 4)
-    reference = gauss_newton_step(lambda p, A, W, U, b: factor_jnp(p, A, W, U, b))(
-        *args
-    )
+    docs = docs_program(4)
+    data, p = docs["problem"](16), jnp.array([0.5, 0.5, 0.5])
+    want = docs["gauss_newton"](docs["residual_jnp"])(p, data)
     for side, make in SIDES.items():
-        got = gauss_newton_step(make(4))(*args)
-        for g, w in zip(got, reference, strict=True):
+        got = docs["gauss_newton"](make(docs))(p, data)
+        for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-9, err_msg=side)
-
-
-def factor_jnp(p, A, W, U, b):
-    """The solve in jax.numpy, which JAX differentiates (the reference)."""
-    return jnp.linalg.solve(_system(p, A, W, U), b)
+    counts = runs(16, 4)[1]
+    assert counts == {"solve(m, b)": 2, "solve_p(p)": 2, "recipe": 3}
 
 
 @pytest.mark.parametrize("side", list(SIDES))
 @pytest.mark.parametrize("size", SIZES, ids=[f"{n}x{m}" for n, m in SIZES])
 def test_gauss_newton_step(benchmark, side, size):
-    run = runs(*size)[side]
-    run()
+    run = runs(*size)[0][side]
     benchmark.group = f"Gauss-Newton step: {size[0]} elements, {size[1]} x {size[1]}"
     benchmark.pedantic(run, rounds=REPS, warmup_rounds=1, iterations=1)
 
 
 if __name__ == "__main__":
-    print(report({size: harness.alternate(runs(*size), REPS) for size in SIZES}))
+    print(report({size: measure(*size) for size in SIZES}))

@@ -13,6 +13,7 @@ compared with ``jax.numpy``, and counts no more expensive calls per element than
 the better recipe (docs/derivatives-residuals.md has the table).
 """
 
+import dataclasses
 import gc
 import threading
 
@@ -20,9 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import kname, threadmap_eqns
 
 import jax_threadmap
 from jax_threadmap._core import primitive as _primitive
+from jax_threadmap._jax import primitive_rules as _rules
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
 
@@ -282,6 +285,148 @@ def test_identical_equations_in_one_block_run_once():
     jax.clear_caches()
     gc.collect()
     assert not _primitive._LOWERED
+
+
+def test_operands_computed_alike_run_once():
+    """jax.jacfwd and jax.grad each build the operand ``m`` from ``p`` anew
+    (two equal computations of the same values): under jit, ``fwd`` runs once
+    for both, as on one operand (a Gauss-Newton step as users write it)."""
+    n, d = 6, 3
+    counter = Counter()
+
+    @jax_threadmap.kernel(S((d,), F64))
+    def solve(m, b):
+        return np.linalg.solve(m, b)
+
+    def fwd(m, b):
+        inv = np.linalg.inv(m)
+        counter.exp(b, d)  # counts the element
+        return inv @ b, (inv, inv @ b)
+
+    def jvp(res, dm, db):
+        inv, x = res
+        return inv @ (db - dm @ x)
+
+    def bwd(res, ct):
+        inv, x = res
+        ct_b = inv.T @ ct
+        return -np.outer(ct_b, x), ct_b
+
+    res = (S((d, d), F64), S((d,), F64))
+    solve.defjvp(fwd, jvp, residuals=res)
+    solve.defvjp(fwd, bwd, residuals=res)
+    rng = np.random.default_rng(0)
+    A, W = (jnp.asarray(rng.normal(size=(n, d, d)) + 3 * np.eye(d)) for _ in "AW")
+    b, y = (jnp.asarray(rng.normal(size=(n, d))) for _ in "by")
+
+    def step(solve):
+        def residual(p):
+            m = A + p[0] * jnp.eye(d) + p[1] * W  # built anew by each transform
+            return jax.vmap(solve)(m, b) - y
+
+        return lambda p: (
+            jax.jacfwd(residual)(p),
+            jax.grad(lambda p: 0.5 * jnp.sum(residual(p) ** 2))(p),
+        )
+
+    p = jnp.array([0.5, 0.25])
+    eqns = threadmap_eqns(jax.make_jaxpr(step(solve))(p).jaxpr)
+    assert [kname(e) for e in eqns].count("fwd") == 2  # two equations...
+    run = jax.jit(step(solve))
+    jax.block_until_ready(run(p))  # compiles, runs once
+    counter.count = 0
+    got = jax.block_until_ready(run(p))
+    assert counter.count == n  # ...that run as one
+    assert_close(got, step(lambda m, b: jnp.linalg.solve(m, b[:, None])[:, 0])(p))
+
+
+def test_operands_computed_otherwise_run_their_own():
+    """Only equal operations of the same values make equal operands: other
+    constants, other result types (a convert has no attribute to tell), other
+    operations, and host calls (each its own values) run their own maps."""
+    calls = Counter()
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def f(x):
+        return calls.exp(x, 3)
+
+    def noise(x):
+        return np.asarray(x) + np.random.default_rng().normal(size=x.shape)
+
+    def program(x):
+        fs = jax.vmap(f)
+        host = [jax.pure_callback(noise, S(x.shape, F64), x) for _ in range(2)]
+        return (
+            *(fs(x + 1), fs(x + 1), fs(x + 2), fs(2 * x), fs(x + x)),
+            *(fs(x.astype(t).astype(F64)) for t in (jnp.float32, jnp.float16)),
+            *((fs(h), h) for h in host),
+        )
+
+    x = jnp.linspace(-1, 1, 12).reshape(4, 3)
+    run = jax.jit(program)
+    jax.block_until_ready(run(x))
+    calls.count = 0
+    got = jax.block_until_ready(run(x))
+    assert calls.count == 8 * 4  # x + 1 once
+    want = [x + 1, x + 1, x + 2, 2 * x, 2 * x]
+    want += [x.astype(t).astype(F64) for t in (jnp.float32, jnp.float16)]
+    assert_close(got[:7], tuple(map(jnp.exp, want)))
+    assert_close(got[7:], tuple((jnp.exp(h), h) for _, h in got[7:]))
+
+
+def test_comparing_operands_is_bounded(monkeypatch):
+    """The walk that compares two operands stops after ``_MOST_PAIRS`` pairs
+    of values: beyond it, the operands are told apart (their own maps)."""
+    monkeypatch.setattr(_rules, "_MOST_PAIRS", 6)
+    calls = Counter()
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def f(x):
+        return calls.exp(x, 3)
+
+    def deep(x, depth):
+        for _ in range(depth):
+            x = jnp.sin(x) + 1.0  # sin, a constant, add: 3 pairs per step
+        return x
+
+    def program(x):
+        fs = jax.vmap(f)
+        return fs(deep(x, 1)), fs(deep(x, 1)), fs(deep(x, 3)), fs(deep(x, 3))
+
+    x = jnp.linspace(-1, 1, 12).reshape(4, 3)
+    got = jax.block_until_ready(jax.jit(program)(x))
+    assert calls.count == 3 * 4  # deep(x, 1) once; deep(x, 3) twice
+    assert_close(got, tuple(jnp.exp(deep(x, d)) for d in (1, 1, 3, 3)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reciprocal:
+    """``1 / (x * scale)``: ``Reciprocal(0.0) == Reciprocal(-0.0)``, and they
+    compute ``inf`` and ``-inf``."""
+
+    scale: float
+
+    def __call__(self, x):
+        with np.errstate(divide="ignore"):
+            return 1.0 / (x * self.scale)
+
+
+def test_kernels_that_compare_equal_are_told_apart_by_identity():
+    """As docs/faq.md says, kernels are compared by identity: two that compare
+    equal on the same operand in one jit run their own maps."""
+    pos, neg = Reciprocal(0.0), Reciprocal(-0.0)
+    assert pos == neg and hash(pos) == hash(neg)
+    kernels = [jax_threadmap.kernel(S((), F64))(k) for k in (pos, neg)]
+
+    def program(x):
+        def bare(e):
+            return [jax_threadmap.threadmap(k, S((), F64), e) for k in (pos, neg)]
+
+        return (*jax.vmap(bare)(x), *(jax.vmap(k)(x) for k in kernels))
+
+    x, inf = jnp.ones(4), np.full(4, np.inf)
+    for run in (program, jax.jit(program)):
+        np.testing.assert_array_equal(jnp.stack(run(x)), [inf, -inf, inf, -inf])
 
 
 def test_reuse_leaves_checkpoint_recomputing():

@@ -663,6 +663,39 @@ def test_second_order_without_rules_of_fwd_names_fwd():
     assert "@jax_threadmap.kernel((ShapeDtypeStruct(shape=(3,)" in msg
 
 
+def test_second_order_of_forward_mode_alone_names_defjvp():
+    """A kernel with only defjvp(fwd, jvp, ...) under jacfwd(jacfwd): its fwd
+    comes from defjvp, and the message says so (not defvjp, never given)."""
+
+    @jax_threadmap.kernel(S((3,), F64))
+    def h(x, a):
+        return np.sin(x) * a
+
+    def fwd(x, a):
+        return np.sin(x) * a, (np.cos(x) * a, np.sin(x))
+
+    h.defjvp(fwd, lambda res, tx, ta: res[0] * tx + res[1] * ta, residuals=RESIDUALS)
+    loss = lambda x: jax.vmap(h, (0, None))(x, 0.5)  # noqa: E731
+    for transform in (jax.jacfwd(jax.jacfwd(loss)), jax.hessian(loss)):
+        with pytest.raises(TypeError) as info:
+            jax.jit(transform)(values((2, 3), 0))
+        msg = str(info.value)
+        assert "(the fwd kernel of " in msg
+        assert "from defjvp(fwd, jvp, residuals=...)) has no" in msg
+        assert "defvjp(fwd, bwd" not in msg
+        assert "Make fwd a jax_threadmap.kernel" in msg
+    # Both forms with one fwd: both named.
+    f = make_kernel(jvp="residuals")
+    with pytest.raises(TypeError) as info:
+        jax.jit(jax.jacfwd(jax.jacfwd(lambda x: jax.vmap(f, (0, None))(x, 0.5))))(
+            values((2, 3), 0)
+        )
+    assert (
+        "from defjvp(fwd, jvp, residuals=...) and defvjp(fwd, bwd, residuals=...))"
+        in str(info.value)
+    )
+
+
 # --- other kernels: vectorized, async def, keywords, integers, no residuals ---------
 
 

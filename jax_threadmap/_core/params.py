@@ -532,3 +532,15 @@ class DerivativeParam:
 
 
 AnyParam = KernelParam | DerivativeParam
+
+
+def kernel_ids(param: Any) -> tuple[int, ...]:
+    """The ids of the functions a kernel param runs (its kernels and rules):
+    with the param, a key that compares kernels by identity, as docs/faq.md
+    says (two that compare equal may compute different things)."""
+    if isinstance(
+        param, (KernelParam, RuleKernel, ResidualRule, Node, DerivativeParam)
+    ):
+        fields = (getattr(param, f.name) for f in dataclasses.fields(param))
+        return sum(map(kernel_ids, fields), ())
+    return (id(_unwrap(param)),) if callable(param) else ()

@@ -43,7 +43,7 @@ from .._support.environment import env_num_threads
 from . import auto_shard as _auto_shard
 from . import autodiff as _autodiff
 from . import directions as _directions
-from .params import AnyParam, InOrder
+from .params import AnyParam, InOrder, kernel_ids
 
 threadmap_p = _rules.Primitive("threadmap")
 threadmap_p.multiple_results = True
@@ -200,33 +200,36 @@ def _threadmap_batching_rule(
     return outs, [0] * len(outs)
 
 
-#: Per module being lowered, the results of its equations by (block, operands,
-#: params).
-_LOWERED: weakref.WeakKeyDictionary[Any, dict[Any, Sequence[Any]]] = (
+#: Per module being lowered, by (block, kernels, params): the operands and
+#: results of its equations.
+_LOWERED: weakref.WeakKeyDictionary[Any, dict[Any, list[tuple[Any, Any]]]] = (
     weakref.WeakKeyDictionary()
 )
 _LOWERED_LOCK = threading.Lock()
 
 
 def _threadmap_lowering(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
-    # An equation identical to one lowered before it in the same block (the same
-    # operands and params: jax.jacfwd's fwd and jax.grad's in one step) reuses
-    # its results: threadmap is a pure function to JAX, as pure_callback is, and
-    # XLA never merges two host callbacks.
+    # An equation equal to one lowered before it in the same block (the same
+    # kernels, by identity, and params, on operands computed alike: jax.jacfwd's
+    # fwd and jax.grad's, each on its own m built from p) reuses its results:
+    # it is pure, as pure_callback is, and XLA never merges two host callbacks.
     place = _rules.lowering_place(ctx)
     if place is None:
         return _lower(ctx, *args, **params)
     module, block = place
-    key = (block, args, tuple(sorted(params.items())))  # (never the module)
+    key = (block, kernel_ids(params["kernel"]), tuple(sorted(params.items())))
     try:
-        hash(key)
+        hash(key)  # (never the module)
     except TypeError:  # a param that does not hash: lowered on its own
         return _lower(ctx, *args, **params)
-    with _LOWERED_LOCK:
-        lowered = _LOWERED.setdefault(module, {})
-    if key not in lowered:  # (one module is lowered by one thread)
-        lowered[key] = _lower(ctx, *args, **params)
-    return list(lowered[key])
+    with _LOWERED_LOCK:  # (one module is lowered by one thread)
+        earlier = _LOWERED.setdefault(module, {}).setdefault(key, [])
+    for operands, results in earlier:
+        if all(map(_rules.computed_alike, operands, args)):
+            return list(results)
+    results = _lower(ctx, *args, **params)
+    earlier.append((args, results))
+    return list(results)
 
 
 def _lower(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:

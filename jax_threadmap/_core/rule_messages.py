@@ -110,9 +110,14 @@ def _short(name: str) -> str:
 def _describe_node(node: RuleNode) -> str:
     assert node.base is not None
     if node.kind in ("fwd", "bwd"):
+        # bwd comes from defvjp; fwd from defjvp, defvjp or both (one fwd).
+        rule, forms = node.base.rule("vjp"), []
+        if node.kind == "fwd" and rule.jvp is not None:
+            forms.append("defjvp(fwd, jvp, residuals=...)")
+        if rule.bwd is not None:
+            forms.append("defvjp(fwd, bwd, residuals=...)")
         return (
-            f"the {node.kind} kernel of {node.base.name!r}, from "
-            "defvjp(fwd, bwd, residuals=...)"
+            f"the {node.kind} kernel of {node.base.name!r}, from {' and '.join(forms)}"
         )
     kind = "jvp" if node.kind == "lin" else node.kind
     return f"the {kind.upper()} kernel of {node.base.name!r}"

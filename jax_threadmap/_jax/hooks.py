@@ -232,9 +232,10 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "mlir_ir",
-        "the block a lowering rule emits into (ir.InsertionPoint.current): an "
-        "equation identical to one lowered before it in that block reuses its "
-        "results (XLA never merges two host callbacks)",
+        "the block a lowering rule emits into (ir.InsertionPoint.current), and "
+        "the operations that computed its operands: an equation equal to one "
+        "lowered before it in that block reuses its results (XLA never merges "
+        "two host callbacks)",
         (THREADMAP,),
         _everywhere("jax.interpreters.mlir:ir"),
         _public("jax.interpreters.mlir:ir")

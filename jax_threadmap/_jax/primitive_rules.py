@@ -94,6 +94,55 @@ def lowering_place(ctx: Any) -> tuple[Any, Any] | None:
     return module, RESOLVED["mlir_ir"].InsertionPoint.current.block
 
 
+#: Operations whose results may differ between runs on equal operands (host
+#: calls, random numbers, tokens, jax.checkpoint's barrier against reuse); so
+#: may those with regions or of other dialects (func.call), to be safe.
+_OWN_RESULTS = frozenset(
+    "stablehlo." + name
+    for name in "custom_call rng optimization_barrier infeed outfeed send recv "
+    "after_all create_token".split()
+)
+
+#: The most pairs of values one comparison walks (about 25 us each): a kernel
+#: called many times in a block on deep, nearly equal computations would
+#: otherwise cost compile time quadratic in its calls.
+_MOST_PAIRS = 10_000
+
+
+def computed_alike(a: Any, b: Any) -> bool:
+    """Whether IR values ``a`` and ``b`` are the same value, or results of
+    equal operations (name, attributes, result types, operands computed alike)
+    of the same values, as XLA's common-subexpression elimination finds them:
+    equal at run time. The walk stops at the values they share."""
+    pairs, seen = [(a, b)], set[tuple[Any, Any]]()
+    while pairs:
+        a, b = pairs.pop()
+        if a == b or (a, b) in seen:
+            continue
+        if len(seen) == _MOST_PAIRS:
+            return False  # (told apart: a bound on the compile time it costs)
+        seen.add((a, b))
+        (op_a, key_a), (op_b, key_b) = _defining(a), _defining(b)
+        if key_a is None or key_a != key_b:
+            return False
+        pairs.extend(zip(op_a.operands, op_b.operands, strict=True))
+    return True
+
+
+def _defining(v: Any) -> tuple[Any, Any]:
+    """The operation that computed ``v``, and what they are but for its
+    operands (``None`` where its results may differ between runs)."""
+    op = getattr(v.owner, "operation", v.owner)
+    name = getattr(op, "name", "")  # (an argument's owner is a Block: no name)
+    if not name.startswith(("stablehlo.", "chlo.")) or name in _OWN_RESULTS:
+        return op, None
+    a, results = op.attributes, list(op.results)  # (a[i]: NamedAttribute in all JAX)
+    attrs = tuple((a[i].name, a[i].attr) for i in range(len(a)))
+    types = tuple(r.type for r in results)
+    key = (name, attrs, types, results.index(v), len(op.operands))
+    return op, None if len(op.regions) else key
+
+
 def register_rules(
     prim: Any,
     lowering: Callable[..., Any],

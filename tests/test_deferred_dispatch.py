@@ -197,6 +197,45 @@ def test_a_failed_load_fails_every_program_of_a_long_chain():
     np.testing.assert_array_equal(np.asarray(ok), np.full(3, 600, np.float32))
 
 
+def test_a_waiter_never_dispatches_a_program_whose_input_is_failing(monkeypatch):
+    # A failure along a chain is queued (not nested): the program on the failed
+    # program's results learns of it in two steps, its input counted as ended,
+    # then failed. A waiter that looks between the two must see a failed input,
+    # not a landed one, and never dispatch the program. The failing thread is
+    # held right there, and the waiter's step runs then.
+    gate, x = gated(error=OSError("no route to the weights"))
+    y = while_gated(jax.jit(lambda a: a + 1), x)
+    z = while_gated(jax.jit(lambda a: a * 2), y)  # on y's program: a chain
+    second = z._task
+    dispatched = []
+
+    def dispatch(args):
+        dispatched.append(args)
+        raise AssertionError("dispatched a program whose input failed")
+
+    second._dispatch = dispatch
+    held, go = threading.Event(), threading.Event()
+    fail_for = type(second)._fail_for
+
+    def holding(run, task):
+        if run is second:  # between its input's end and its own failure
+            held.set()
+            assert go.wait(WAIT), "the test never let the failure go on"
+        fail_for(run, task)
+
+    monkeypatch.setattr(type(second), "_fail_for", holding)
+    gate.release.set()
+    wait_until(held, "the failure to reach the second program")
+    try:
+        second.run()  # what a thread waiting for z does first
+    finally:
+        go.set()
+    assert dispatched == []  # the program never ran
+    with pytest.raises(jax.errors.JaxRuntimeError, match="no route") as info:
+        z.result(timeout=WAIT)
+    assert str(info.value).count("AsyncCallFailed") == 1, str(info.value)
+
+
 def test_a_wait_for_the_end_of_a_long_chain_helps_it_without_nesting():
     # np.asarray(y) on the last of 2000 pending programs: the waiter helps the
     # chain from its first program on, not nested (it overflowed the stack).

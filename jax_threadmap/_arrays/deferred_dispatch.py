@@ -439,14 +439,31 @@ class ProgramRun(Task):
             task.future.add_done_callback(functools.partial(self._input_done, task))
 
     def _input_done(self, task: Task, future: Any) -> None:
-        if future.exception() is not None:
-            _fail_along(self, task)  # at once; a later failure changes nothing
+        failed = future.exception() is not None
+        if self._input_ended(task, failed):
+            if failed:  # the first to fail; a later failure changes nothing
+                _fail_along(self, task)
+            else:
+                super()._start()  # on the pool, unless a waiter dispatches first
+
+    def _input_ended(self, task: Task, failed: bool) -> bool:
+        """The one move of the inputs' count and cause, together under the
+        lock: a waiter (:meth:`_run_one`) that sees no input waiting sees the
+        failure too, though the program is failed later (queued along a chain,
+        :func:`_fail_along`). Returns whether ``task`` is the first input to
+        fail, or the last to land with none failed."""
         with self._inputs_lock:
             self._waiting -= 1
-            last = self._waiting == 0
-        if last and all(t.future.exception() is None for t in self._inputs):
-            self._landed = True
-            super()._start()  # on the pool, unless a waiter dispatches first
+            if failed:
+                if self._cause is not None:
+                    return False
+                self._cause = task.failure_text()
+                # The root of an input program's failure, whatever the chain.
+                root = task.root if isinstance(task, ProgramRun) else None
+                self.root = root or task
+                return True
+            self._landed = self._waiting == 0 and self._cause is None
+            return self._landed
 
     @property
     def returned(self) -> bool:
@@ -455,11 +472,10 @@ class ProgramRun(Task):
         return self._landed or super().returned
 
     def _fail_for(self, task: Task) -> None:
-        """Gives up on the program: the call of one of its arguments failed."""
-        text = task.failure_text()
-        self._cause = text
-        root = task.root if isinstance(task, ProgramRun) and task.root else task
-        self.root = root
+        """Gives up on the program: the call of one of its arguments, ``task``,
+        failed first (its cause and root are set, :meth:`_input_ended`)."""
+        text, root = self._cause, self.root
+        assert text is not None and root is not None
         error = jax.errors.JaxRuntimeError(f"{_JAX_PREFIX}AsyncCallFailed: {text}")
         error.__cause__ = task.future.exception()
         # Said before the failure is set: a thread waiting for the results may
@@ -523,9 +539,9 @@ class ProgramRun(Task):
                     raise error  # Ctrl-C reached the call this thread ran
         for task in self._inputs:  # in slices: Ctrl-C reaches the wait
             wait_polling(task.future, None)  # landed, failed or cancelled
-        with self._inputs_lock:
-            landed = self._waiting == 0
-        if landed and self._cause is None:
+        with self._inputs_lock:  # the count and the cause move together
+            landed = self._waiting == 0 and self._cause is None
+        if landed:
             self._dispatch_landed(worker)
 
     @landing  # exit waits for a dispatch in flight, and starts none

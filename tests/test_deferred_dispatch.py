@@ -2,7 +2,7 @@
 runs on the device once the data lands, and nothing else waits for it.
 
 The one mechanism of async dispatch on every platform
-(jax_threadmap/_arrays/deferred_dispatch.py). Each test holds
+(jax_threadmap/_arrays/dispatch.py). Each test holds
 the background call on an Event it releases itself, so "returned before the data"
 is checked without timing: the dispatch runs in a helper thread, which must finish
 while the gate is still closed. Values are compared with NumPy on the host.
@@ -32,7 +32,7 @@ from jax.experimental import io_callback
 from wait_hooks import calling_on_wait
 
 from jax_threadmap import AsyncArray, async_call, threadmap
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
@@ -43,8 +43,8 @@ F32 = SDS((3,), np.float32)
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        _async_dispatch.mechanism.status() is not None,
-        reason=f"async dispatch is off here: {_async_dispatch.mechanism.status()}",
+        _dispatch.mechanism.status() is not None,
+        reason=f"async dispatch is off here: {_dispatch.mechanism.status()}",
     ),
 ]
 

@@ -307,7 +307,8 @@ AsyncArray.delete = _delete  # type: ignore[attr-defined]
 
 def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
-    _dispatch.mechanism.prepare(_around)  # before any dispatch with them
+    if not _dispatch.mechanism.prepared:  # before any dispatch with them
+        _dispatch.mechanism.prepare(_around)
     arrays = [AsyncArray._new(task, i) for i in range(len(task.specs))]
     return jax.tree_util.tree_unflatten(task.treedef, arrays)
 

@@ -57,6 +57,7 @@ import numpy as np
 
 from .._jax import program_runs as _program_runs
 from .._jax.placement import alias_or_copy
+from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
 from . import outcomes as _outcomes
 from .async_pool import landing, worker_state
@@ -120,12 +121,15 @@ class Held:
         self.original, self.copy = original, copy
 
 
-class _Dispatching(threading.local):
+class _ThisThread(threading.local):
     #: The program run this thread dispatches (see :meth:`Readers.settle`).
     run: ProgramRun | None = None
+    #: The programs this thread is failing (:func:`_fail_along`), or ``None``.
+    failing: collections.deque[tuple[ProgramRun, Task]] | None = None
 
 
-_dispatching = _Dispatching()
+#: What this thread is doing (nothing shared, so nothing to reset at fork).
+_this_thread = _ThisThread()
 
 
 class Readers:
@@ -199,7 +203,7 @@ class Readers:
     def settle(self, source: Any) -> None:
         """Before ``source``'s arrays are handed to a program: the pending
         programs called before it that read them no longer need them."""
-        me = _dispatching.run
+        me = _this_thread.run
         with self._lock:
             runs = list(self.by_source.get(source, ()))
         made: dict[Any, Held] = {}
@@ -273,24 +277,16 @@ def treedef_of(n: int) -> Any:
     return jax.tree_util.tree_structure(list(range(n)))
 
 
-class _Failing(threading.local):
-    #: The programs this thread is failing (:func:`_fail_along`), or ``None``.
-    queue: collections.deque[tuple[ProgramRun, Task]] | None = None
-
-
-_failing = _Failing()
-
-
 def _fail_along(run: ProgramRun, task: Task) -> None:
     """``run._fail_for(task)``; a failure along a chain fails the next program
     from the done-callback of the last, so those are queued here rather than
     nested: a chain of any length fails (nesting overflowed the stack at a
     few hundred programs, and the rest never ended)."""
-    queue = _failing.queue
+    queue = _this_thread.failing
     if queue is not None:
         queue.append((run, task))
         return
-    _failing.queue = queue = collections.deque([(run, task)])
+    _this_thread.failing = queue = collections.deque([(run, task)])
     try:
         while queue:
             failed, cause = queue.popleft()
@@ -299,7 +295,7 @@ def _fail_along(run: ProgramRun, task: Task) -> None:
             except Exception:  # one program's failure must not stop the rest
                 logger.exception("jax_threadmap: could not fail %s", failed)
     finally:
-        _failing.queue = None
+        _this_thread.failing = None
 
 
 class ProgramRun(Task):
@@ -368,13 +364,13 @@ class ProgramRun(Task):
         with self._inputs_lock:
             args, self._program_args = self._program_args, []
             held = [r for r in self._reads if isinstance(r, Held)]
-        outer, _dispatching.run = _dispatching.run, self
+        outer, _this_thread.run = _this_thread.run, self
         try:
             for h in held:  # it may donate them: the earlier readers first
                 self._readers.settle(h)
             return self._dispatch(tuple(args))
         finally:
-            _dispatching.run = outer
+            _this_thread.run = outer
             for h in held:
                 # A donated copy stands for the caller's array, deleted now
                 # (later uses fail, as after a donation; JAX's runtime keeps
@@ -554,8 +550,8 @@ class Dispatch:
 
     def __init__(self) -> None:
         self.readers = Readers()
-        self._lock = threading.Lock()
-        self._prepared = False  # whether prepare() ran
+        self._installing = threading.Lock()
+        self.prepared = False  # whether prepare() ran (read without the lock)
 
     def status(self) -> str | None:
         """Why dispatch on pending data is blocking, or ``None``. (The switch
@@ -575,12 +571,12 @@ class Dispatch:
         No ``AsyncArray`` exists before that, so no dispatch on pending data can
         happen earlier, and a process that never makes one runs JAX untouched.
         """
-        if self._prepared:
+        if self.prepared:
             return
-        with self._lock:
-            if not self._prepared:
+        with self._installing:
+            if not self.prepared:
                 _program_runs.RUNS.install(around)
-                self._prepared = True
+                self.prepared = True
 
     def run(
         self,
@@ -646,3 +642,9 @@ class Dispatch:
 
 
 mechanism = Dispatch()
+
+
+@_fork.in_child
+def _after_fork_in_child() -> None:
+    # The parent's pending programs never run here; a lock held at fork stays held.
+    mechanism.readers, mechanism._installing = Readers(), threading.Lock()

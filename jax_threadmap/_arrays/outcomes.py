@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 import weakref
 from typing import Any
@@ -142,9 +141,10 @@ def traced_error(name: str) -> Exception:
 #: What JAX prefixes to a runtime error's text (kept, for errors that read as JAX's).
 _JAX_PREFIX = "INTERNAL: "
 
-#: The failed calls whose dependents' failure was logged (once per call).
-_reported: weakref.WeakSet[Any] = weakref.WeakSet()
-_reported_lock = threading.Lock()
+#: The failed calls whose dependents' failure was logged (once per call). No
+#: lock (so nothing to reset at fork): a dict's setdefault is atomic, in
+#: free-threaded builds too.
+_reported: weakref.WeakKeyDictionary[Any, object] = weakref.WeakKeyDictionary()
 
 
 def dependents_failed(
@@ -157,11 +157,8 @@ def dependents_failed(
     soon as it has."""
     error = jax.errors.JaxRuntimeError(f"{_JAX_PREFIX}AsyncCallFailed: {text}")
     error.__cause__ = cause
-    with _reported_lock:
-        first = not done and root not in _reported
-        if first:
-            _reported.add(root)
-    if first:
+    mine = object()
+    if not done and _reported.setdefault(root, mine) is mine:
         logger.warning(
             "jax_threadmap: the jitted programs dispatched on the arrays of "
             "%s (%s) were not run, and their results raise this error when "

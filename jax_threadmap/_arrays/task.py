@@ -23,6 +23,7 @@ import inspect
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -254,7 +255,7 @@ class Task:
             if self._clock or self.timeout is None:
                 return
             self._clock = True
-        _async_pool.deadlines().add(self, self.timeout)
+        _event_loop.event_loop().call_later(self.timeout, _time_out, weakref.ref(self))
 
     def _start(self) -> None:
         """Queues the call's work, at :meth:`submit` (once): a coroutine call on
@@ -263,7 +264,7 @@ class Task:
             run = functools.partial(_run_on_loop, self)
             _event_loop.event_loop().submit(run, self.name)
         else:
-            _async_pool.pool().submit(self)
+            _async_pool.POOL.submit(self)
 
     def run(self, worker: _async_pool.Worker | None = None) -> None:
         """Runs the call here, unless it has already started (or ended).
@@ -376,7 +377,7 @@ class Task:
             return False
         worker, source = taken
         if worker is not None:
-            _async_pool.pool().abandon(worker, self)
+            _async_pool.POOL.abandon(worker, self)
         if source is not None:
             _event_loop.event_loop().cancel(source)
         if text is None:
@@ -613,6 +614,18 @@ def _land_burst() -> None:
             task._publish(leaves)
         except BaseException:  # noqa: BLE001 - logged; the value is set
             logger.exception("landing %s of %s", task.api, task)
+
+
+def _time_out(ref: weakref.ref[Task]) -> None:
+    """At a call's deadline, on the event loop's thread: gives up on the call,
+    unless it ended. Held weakly: a call that ended and whose arrays are gone is
+    not kept (with its values) until its deadline."""
+    task = ref()
+    if task is not None:
+        try:
+            task.time_out()
+        except BaseException:  # noqa: BLE001 - logged; the loop serves every call
+            logger.exception("jax_threadmap: could not time out %s", task)
 
 
 #: The ``async def`` calls whose fn returned in this turn of the event loop,

@@ -236,6 +236,31 @@ def test_a_waiter_never_dispatches_a_program_whose_input_is_failing(monkeypatch)
     assert str(info.value).count("AsyncCallFailed") == 1, str(info.value)
 
 
+def test_a_program_on_a_failed_and_a_pending_argument_never_runs():
+    # The failed argument had ended at the call: it fails the program as one
+    # that fails later does, and the program is never dispatched.
+    def load():
+        raise OSError("no route to the weights")
+
+    failed = async_call(load, F32)
+    wait_until(failed.done, "the failing load to end")
+    gate, x = gated(np.ones(3, np.float32))
+    y = while_gated(jax.jit(lambda a, b: a + b), failed, x)  # deferred: x pends
+    dispatched = []
+
+    def dispatch(args):
+        dispatched.append(args)
+        raise AssertionError("dispatched a program whose input failed")
+
+    y._task._dispatch = dispatch
+    gate.release.set()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="no route") as info:
+        y.result(timeout=WAIT)
+    assert "AsyncCallFailed" in str(info.value), str(info.value)
+    assert dispatched == []
+    np.testing.assert_array_equal(np.asarray(x), np.ones(3))
+
+
 def test_a_wait_for_the_end_of_a_long_chain_helps_it_without_nesting():
     # np.asarray(y) on the last of 2000 pending programs: the waiter helps the
     # chain from its first program on, not nested (it overflowed the stack).

@@ -223,12 +223,12 @@ def defer(
     """The :class:`ProgramRun`, submitted, that runs ``dispatch`` with the
     program's arguments once its pending ones land (its results are its arrays).
 
-    ``reads``: for each argument that is an ``AsyncArray``, its :class:`Pending`
-    (its call and leaf), else ``None``.
-    """
+    ``reads``: each ``AsyncArray`` argument's :class:`Pending`, else ``None``.
+    Each call read is an input, even one that ended: one that failed before the
+    call fails the program as a later failure would."""
     frozen, held = readers.freeze(args)
     reads = [r if r is not None else h for r, h in zip(reads, held, strict=True)]
-    inputs = [r.task for r in reads if _is_call(r) and not r.task.future.done()]
+    inputs = [r.task for r in reads if _is_call(r)]
     run = ProgramRun(
         dispatch,
         readers,
@@ -315,7 +315,7 @@ class ProgramRun(Task):
         args: The program's arguments (:meth:`Readers.freeze`).
         reads: For each argument, what it reads: a call's array (``Pending``),
             a :class:`Held` copy, or ``None``.
-        inputs: The calls of the pending arguments.
+        inputs: The calls of the ``AsyncArray`` arguments.
         name: The program's name, for messages (``\\`jit(f)\\```).
         specs: The program's output leaves.
     """

@@ -100,8 +100,7 @@ def deferrable(program: Any) -> bool:
 
 def output_specs(program: Any) -> list[LeafSpec]:
     """The leaves of the program's outputs: their avals and shardings."""
-    handler = program.out_handler
-    return _specs(handler.out_avals, handler.out_shardings)
+    return _specs(program.out_handler.out_avals, program.out_handler.out_shardings)
 
 
 def _specs(avals: Any, shardings: Any) -> list[LeafSpec]:
@@ -500,7 +499,8 @@ class ProgramRun(Task):
                 if isinstance(error, KeyboardInterrupt):
                     raise error  # Ctrl-C reached the call this thread ran
         for task in self._inputs:  # in slices: Ctrl-C reaches the wait
-            _outcomes.wait_polling(task.future, None)  # landed, failed or cancelled
+            if not task.future.done():  # landed, failed or cancelled
+                _outcomes.wait_polling(task.future, None)
         with self._inputs_lock:  # the count and the cause move together
             landed = self._waiting == 0 and self._cause is None
         if landed:

@@ -157,7 +157,7 @@ def test_a_failed_load_fails_every_dependent_with_its_error(how, caplog):
         if how == "cancelled":
             assert x.cancel()
         elif how == "times out":
-            x._task.time_out()  # what the timeouts' thread calls at the deadline
+            x._task.time_out()  # what the event loop calls at the deadline
         gate.release.set()
         for dependent in (y, z, y):  # every use, every time
             with pytest.raises(jax.errors.JaxRuntimeError) as info:

@@ -49,7 +49,7 @@ import numpy as np
 
 import jax_threadmap as jtm
 from jax_threadmap import threadmap
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 #: The load behind the pending array of the dispatch measurements (seconds).
@@ -165,7 +165,7 @@ def _compile_time(value: np.ndarray, scale: float) -> float:
 def dispatch(rounds: int) -> dict[str, Any]:
     """Async (deferred) against blocking dispatch, rounds alternated."""
     results: dict[str, list[dict[str, float]]] = {"async": [], "blocking": []}
-    status = _async_dispatch.mechanism.status() or "async"
+    status = _dispatch.mechanism.status() or "async"
     for _ in range(rounds):
         results["async"].append(_dispatch_once(blocking=False))
         results["blocking"].append(_dispatch_once(blocking=True))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_threadmap as jtm
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 
 ROUNDS = 3
 
@@ -53,7 +53,7 @@ def main() -> None:
     params = jnp.ones((n,), jnp.float32).block_until_ready()
     loss = jax.jit(lambda b, p: jnp.sum(p[:4] * b))
     update = jax.jit(lambda p: p * 0.5, donate_argnums=0)
-    status = _async_dispatch.mechanism.status() or "async"
+    status = _dispatch.mechanism.status() or "async"
     print(f"{status}; {gib:g} GiB of parameters")
 
     copy = _best(lambda: jax.device_put(params, may_alias=False).block_until_ready())

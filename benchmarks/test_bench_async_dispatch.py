@@ -57,7 +57,7 @@ import numpy as np
 import pytest
 
 import jax_threadmap as jtm
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 
 LOAD_S = float(os.environ.get("LOAD_S", "1.0"))
 COMPILE_S = 1.0  # target; calibrated below
@@ -107,15 +107,15 @@ def n_ops() -> int:
 
 @contextlib.contextmanager
 def dispatch_mode(mode: str):
-    old = os.environ.get(_async_dispatch.ENV_ASYNC_DISPATCH)
-    os.environ[_async_dispatch.ENV_ASYNC_DISPATCH] = "1" if mode == "async" else "0"
+    old = os.environ.get(_dispatch.ENV_ASYNC_DISPATCH)
+    os.environ[_dispatch.ENV_ASYNC_DISPATCH] = "1" if mode == "async" else "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ[_async_dispatch.ENV_ASYNC_DISPATCH]
+            del os.environ[_dispatch.ENV_ASYNC_DISPATCH]
         else:
-            os.environ[_async_dispatch.ENV_ASYNC_DISPATCH] = old
+            os.environ[_dispatch.ENV_ASYNC_DISPATCH] = old
 
 
 def blocking_order() -> list[np.ndarray]:
@@ -253,10 +253,11 @@ def program_run_ns(wrapped: bool, fast: bool = False, calls: int = 3000) -> floa
     the wrapper); else a program with a host callback, which JAX always runs
     from Python.
     """
-    from jax_threadmap._arrays import async_dispatch as _async_dispatch
+    from jax_threadmap._arrays import async_array as _async_array
+    from jax_threadmap._arrays import dispatch as _dispatch
     from jax_threadmap._jax import hooks as _compat
 
-    _async_dispatch.mechanism.prepare()
+    _dispatch.mechanism.prepare(_async_array._around)
     cls = _compat.get("ExecuteReplicated")
     wrapper = cls.__call__
     original = getattr(wrapper, "__jax_threadmap_original__", wrapper)
@@ -334,7 +335,7 @@ def compare(rounds: int = ROUNDS) -> dict:
             where: min(unrelated_work(where) for _ in range(rounds))
             for where in ("same thread", "other thread")
         },
-        "status": _async_dispatch.mechanism.status() or "async",
+        "status": _dispatch.mechanism.status() or "async",
     }
 
 

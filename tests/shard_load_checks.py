@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_threadmap as jtm  # noqa: E402
-from jax_threadmap._arrays import async_dispatch as _async_dispatch  # noqa: E402
+from jax_threadmap._arrays import dispatch as _dispatch  # noqa: E402
 from jax_threadmap._jax import avals as _avals
 
 assert jax.device_count() == 8, jax.devices()
@@ -36,7 +36,7 @@ DATA = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
 ROW = jax.ShapeDtypeStruct((16,), jnp.float32)
 #: Async dispatch: a program on pending data returns AsyncArrays at once, and is
 #: dispatched once every shard has landed.
-ASYNC = _async_dispatch.mechanism.status() is None  # None: no reason to block
+ASYNC = _dispatch.mechanism.status() is None  # None: no reason to block
 AXIS_TYPES = {
     "auto": jax.sharding.AxisType.Auto,
     "explicit": jax.sharding.AxisType.Explicit,
@@ -554,7 +554,7 @@ if __name__ == "__main__":
         "jax",
         jax.__version__,
         "blocking dispatch:",
-        _async_dispatch.mechanism.status(),
+        _dispatch.mechanism.status(),
     )
     a_failing_thread_stops_the_rest()
     same_as_make_array_from_callback()

@@ -310,10 +310,9 @@ def test_no_module_reads_frames_or_sets_profilers():
 
 #: The state machines of the async wing with one owner each: the module that
 #: owns the class, the private fields no other module may touch, and the names
-#: of the package's classes derived from it (``Task``, a ``Call``).
+#: of the package's classes derived from it (``Task``, a sharded load).
 def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
     from jax_threadmap._arrays.async_array import AsyncArray
-    from jax_threadmap._arrays.call import Call
     from jax_threadmap._arrays.task import Task
 
     def owned(module: str, cls: type) -> tuple[str, set[str], set[str]]:
@@ -326,7 +325,6 @@ def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
         return module, private, derived
 
     return {
-        "Call": owned("_arrays.call", Call),
         "Task": owned("_arrays.task", Task),
         "AsyncArray": owned("_arrays.async_array", AsyncArray),
     }
@@ -336,7 +334,7 @@ def owner_violations(path: pathlib.Path, name: str) -> list[str]:
     """The private fields of an owned class (``Task``, ``AsyncArray``) that the
     module ``name`` at ``path`` touches: on any object but ``self``, and on
     ``self`` in a class derived from the owned class (``class ShardedLoad(Task)``
-    touching a ``Call``'s field)."""
+    touching a ``Task``'s field)."""
     found = []
     tree = ast.parse(path.read_text())
     for cls_name, (owner, fields, derived) in _owned_fields().items():
@@ -359,9 +357,9 @@ def owner_violations(path: pathlib.Path, name: str) -> list[str]:
 
 
 def test_a_call_and_an_array_are_changed_only_by_their_own_modules():
-    # One owner, enforced: a Task subclass (the sharded load) uses Call's and Task's
+    # One owner, enforced: a Task subclass (the sharded load) uses Task's
     # override points, and async dispatch reaches an array's call and leaf
-    # through the record the array's module hands it (async_dispatch.Pending).
+    # through the record the array's module hands it (dispatch.Pending).
     found = [
         v
         for name, path in modules().items()
@@ -380,8 +378,8 @@ def test_the_owner_checker_sees_fields_touched_from_outside(tmp_path):
     )
     found = owner_violations(bad, "_arrays.bad")
     assert [f.split(" ", 1)[1] for f in found] == [
-        "self._state (Call)",
-        "x.task._state (Call)",
+        "self._state (Task)",
+        "x.task._state (Task)",
         "x._task (AsyncArray)",
         "x._index (AsyncArray)",
     ], found

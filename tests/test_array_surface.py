@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from jax_threadmap import AsyncArray, async_call
 from jax_threadmap._arrays import array_surface as _array_surface
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 from jax_threadmap._jax import hooks as _compat
 
 pytestmark = [
@@ -340,7 +340,7 @@ def test_methods_match_jax_numpy_on_the_same_data(method, shape, axis, seed):
     data = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
     go = threading.Event()
     x = async_call(lambda: go.wait(PATIENCE) and data, SDS(shape, np.float32))
-    if _async_dispatch.mechanism.status() is not None:  # blocking: waits for it
+    if _dispatch.mechanism.status() is not None:  # blocking: waits for it
         go.set()
     on_async, on_jnp = METHODS[method]
     got = on_async(x, axis)  # with async dispatch: before the data

@@ -59,8 +59,8 @@ from jax_threadmap import (
     kernel,
     threadmap,
 )
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import async_pool as _async_pool
+from jax_threadmap._arrays import dispatch as _dispatch
 from jax_threadmap._arrays.shard_loads import ShardedLoad
 from jax_threadmap._coroutines import event_loop as _event_loop
 
@@ -68,7 +68,7 @@ pytestmark = pytest.mark.timeout(600)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 60.0
-STATUS = _async_dispatch.mechanism.status()  # why dispatch blocks, or None
+STATUS = _dispatch.mechanism.status()  # why dispatch blocks, or None
 ASYNC = STATUS is None
 DEVICE = jax.devices()[0]
 KINDS = (
@@ -415,7 +415,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
     def deferred_programs_within_the_model(self) -> None:
         deferred = _deferred_runs()
         assert len(deferred - self.deferred_before) <= self.outstanding, deferred
-        assert _async_dispatch.mechanism.status() == STATUS
+        assert _dispatch.mechanism.status() == STATUS
 
     def teardown(self) -> None:
         for call in self.all:
@@ -484,7 +484,7 @@ class AsyncArraysModel(RuleBasedStateMachine):
 
 def _deferred_runs() -> set[Any]:
     """The deferred programs that are still pending (they read their sources)."""
-    runs = list(_async_dispatch.mechanism.readers.by_source.values())
+    runs = list(_dispatch.mechanism.readers.by_source.values())
     return {id(run) for group in runs for run in list(group)}
 
 

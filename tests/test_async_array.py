@@ -736,3 +736,16 @@ def test_the_set_of_live_calls_is_unlocked_in_a_forked_child():
             os._exit(0 if _async_pool.live_lock.acquire(timeout=5) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_what_deferred_programs_read_is_unlocked_in_a_forked_child():
+    from jax_threadmap._arrays import dispatch as _dispatch
+
+    with _dispatch.mechanism.readers._lock:  # held by this thread at the fork
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            lock = _dispatch.mechanism.readers._lock
+            os._exit(0 if lock.acquire(timeout=5) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -19,14 +19,14 @@ import pytest
 from helpers import returns_within, run_script, start_script, wait_until
 
 from jax_threadmap import async_call, threadmap
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import async_pool as _async_pool
+from jax_threadmap._arrays import dispatch as _dispatch
 
 pytestmark = pytest.mark.timeout(120)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-STATUS = _async_dispatch.mechanism.status()  # why dispatch blocks, or None
+STATUS = _dispatch.mechanism.status()  # why dispatch blocks, or None
 ASYNC = STATUS is None
 
 

@@ -23,14 +23,14 @@ from jax.experimental import io_callback
 
 import jax_threadmap as jtm
 from jax_threadmap import AsyncArray, async_call
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
 from jax_threadmap._arrays import async_pool as _async_pool
+from jax_threadmap._arrays import dispatch as _dispatch
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        _async_dispatch.mechanism.status() is not None,
-        reason=f"async dispatch is off here: {_async_dispatch.mechanism.status()}",
+        _dispatch.mechanism.status() is not None,
+        reason=f"async dispatch is off here: {_dispatch.mechanism.status()}",
     ),
 ]
 
@@ -413,8 +413,8 @@ def test_dispatch_inside_a_pool_call_still_waits_for_its_data():
 
 
 def test_switch_off_gives_blocking_dispatch(monkeypatch):
-    monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "0")
-    assert _async_dispatch.mechanism.status().startswith("disabled by")
+    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "0")
+    assert _dispatch.mechanism.status().startswith("disabled by")
     gate = Gate(np.ones(2, np.float32))
     a = async_call(gate, SDS((2,), np.float32))
     box = {}
@@ -425,9 +425,9 @@ def test_switch_off_gives_blocking_dispatch(monkeypatch):
     gate.release.set()
     t.join(WAIT)
     np.testing.assert_array_equal(box["y"], [-1.0, -1.0])
-    monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "maybe")
+    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "maybe")
     with pytest.raises(ValueError, match="JAX_THREADMAP_ASYNC_DISPATCH='maybe'"):
-        _async_dispatch.async_dispatch_mode()
+        _dispatch.async_dispatch_mode()
 
 
 # --- exit ----------------------------------------------------------------------------

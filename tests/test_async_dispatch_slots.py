@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 from helpers import run_script
 
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 
 pytestmark = pytest.mark.timeout(240)
 
-ASYNC = _async_dispatch.mechanism.status() is None  # None: no reason to block
+ASYNC = _dispatch.mechanism.status() is None  # None: no reason to block
 
 PRELUDE = """
 import sys, threading, time

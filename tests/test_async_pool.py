@@ -25,13 +25,13 @@ import pytest
 from helpers import returns_within, run_script
 
 from jax_threadmap import async_array_from_callback, async_call
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 
 pytestmark = pytest.mark.timeout(180)
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-STATUS = _async_dispatch.mechanism.status()  # why dispatch blocks, or None
+STATUS = _dispatch.mechanism.status()  # why dispatch blocks, or None
 ASYNC = STATUS is None
 
 
@@ -58,7 +58,7 @@ def test_pending_zero_size_data_never_turns_dispatch_blocking():
         y = double(x)  # returns before the data
         go.set()
         assert np.asarray(y).shape == (0, 3)
-    assert _async_dispatch.mechanism.status() is None  # still async
+    assert _dispatch.mechanism.status() is None  # still async
     # Behind a stuck load, a dispatch still returns before its data.
     go = threading.Event()
     x = async_call(held_load(go, np.arange(3.0, dtype=np.float32)), SDS((3,), "f4"))
@@ -325,7 +325,7 @@ def test_a_donated_async_array_cannot_be_used_again(landed):
     y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
     go.set()
     np.testing.assert_array_equal(np.asarray(y), value + 1)
-    reason = _async_dispatch._program_runs.runs_unavailable()
+    reason = _dispatch._program_runs.runs_unavailable()
     if reason is not None:
         pytest.skip(f"the runs of compiled programs are not wrapped: {reason}")
     # Its value is the jax.Array the program donated: deleted, as JAX says.

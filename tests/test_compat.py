@@ -16,7 +16,7 @@ import pytest
 from helpers import run_script
 
 import jax_threadmap
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import hooks as _compat
 from jax_threadmap._jax import placement as _placement
@@ -266,7 +266,7 @@ OPTIONAL_STATUS = {
 def test_a_missing_hook_fails_first_use_of_its_feature_by_name(hook, monkeypatch):
     monkeypatch.setitem(_compat.RESOLVED, hook.name, _compat.resolve(_hidden(hook)))
     if hook.features in OPTIONAL_STATUS:  # optional: the status says why
-        status = _async_dispatch.mechanism.status()
+        status = _dispatch.mechanism.status()
         assert status.startswith(OPTIONAL_STATUS[hook.features]), status
         assert f"{hook.name} is missing" in status and "_moved" in status
         for use in FEATURE_USES.values():
@@ -354,7 +354,7 @@ for hook in table.HOOKS:
 
 import jax_threadmap  # must not fail
 from jax_threadmap._jax import hooks as _compat
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import placement as _placement
 from jax_threadmap._jax import primitive_rules as _rules

@@ -180,13 +180,15 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         pytest.skip(_program_runs.runs_unavailable())
     from jax.experimental import io_callback
 
-    from jax_threadmap._arrays import async_dispatch as _async_dispatch
+    from jax_threadmap._arrays import async_array as _async_array
+    from jax_threadmap._arrays import dispatch as _dispatch
 
-    _async_dispatch.mechanism.prepare()  # wraps the runs, as the first async_call does
+    real_around = _async_array._around
+    _dispatch.mechanism.prepare(real_around)  # as the first async_call does
     runs, inside, depth = [], [], [0]
     wrapper = _compat.get("ExecuteReplicated").__call__
     assert hasattr(wrapper, "__jax_threadmap_original__")
-    assert _program_runs.RUNS.around == _async_dispatch.mechanism.around
+    assert _program_runs.RUNS.around == real_around
 
     def handler(xs):
         inside.append(depth[0])
@@ -196,7 +198,6 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
         pass
 
     _array_types.register_array_like(Other, lambda x: x.aval, handler)
-    real_around = _async_dispatch.mechanism.around
 
     def counting(run, program, args, effects):
         runs.append(list(effects))
@@ -236,10 +237,10 @@ def test_argument_handlers_run_inside_the_wrapped_run_of_the_program():
 
 
 def test_a_compiled_program_still_tells_what_deferred_dispatch_reads():
-    # Deferred dispatch (_arrays/deferred_dispatch.py) reads, of JAX's
+    # Deferred dispatch (_arrays/dispatch.py) reads, of JAX's
     # ExecuteReplicated: its devices, its jax.Ref mutations, its outputs' avals and
     # shardings, and its name. If JAX moves one, deferred dispatch must be updated.
-    from jax_threadmap._arrays import deferred_dispatch as _deferred_dispatch
+    from jax_threadmap._arrays import dispatch as _dispatch
 
     if _program_runs.runs_unavailable() is not None:
         pytest.skip(_program_runs.runs_unavailable())
@@ -260,8 +261,8 @@ def test_a_compiled_program_still_tells_what_deferred_dispatch_reads():
     program = seen[0]
     assert list(program._local_devices) == [jax.devices()[0]], UPDATE
     assert program.mut is None and program.name.startswith("jit("), UPDATE
-    assert _deferred_dispatch.deferrable(program), UPDATE
-    specs = _deferred_dispatch.output_specs(program)
+    assert _dispatch.deferrable(program), UPDATE
+    specs = _dispatch.output_specs(program)
     assert sorted((s.shape, str(s.dtype)) for s in specs) == [
         ((), "int32"),
         ((3,), "float32"),

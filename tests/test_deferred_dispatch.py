@@ -2,7 +2,7 @@
 runs on the device once the data lands, and nothing else waits for it.
 
 The one mechanism of async dispatch on every platform
-(jax_threadmap/_arrays/deferred_dispatch.py). Each test holds
+(jax_threadmap/_arrays/dispatch.py). Each test holds
 the background call on an Event it releases itself, so "returned before the data"
 is checked without timing: the dispatch runs in a helper thread, which must finish
 while the gate is still closed. Values are compared with NumPy on the host.
@@ -32,7 +32,7 @@ from jax.experimental import io_callback
 from wait_hooks import calling_on_wait
 
 from jax_threadmap import AsyncArray, async_call, threadmap
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
@@ -43,8 +43,8 @@ F32 = SDS((3,), np.float32)
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        _async_dispatch.mechanism.status() is not None,
-        reason=f"async dispatch is off here: {_async_dispatch.mechanism.status()}",
+        _dispatch.mechanism.status() is not None,
+        reason=f"async dispatch is off here: {_dispatch.mechanism.status()}",
     ),
 ]
 
@@ -157,7 +157,7 @@ def test_a_failed_load_fails_every_dependent_with_its_error(how, caplog):
         if how == "cancelled":
             assert x.cancel()
         elif how == "times out":
-            x._task.time_out()  # what the timeouts' thread calls at the deadline
+            x._task.time_out()  # what the event loop calls at the deadline
         gate.release.set()
         for dependent in (y, z, y):  # every use, every time
             with pytest.raises(jax.errors.JaxRuntimeError) as info:
@@ -195,6 +195,70 @@ def test_a_failed_load_fails_every_program_of_a_long_chain():
     for _ in range(600):  # and a chain on ready data computes
         ok = f(ok)
     np.testing.assert_array_equal(np.asarray(ok), np.full(3, 600, np.float32))
+
+
+def test_a_waiter_never_dispatches_a_program_whose_input_is_failing(monkeypatch):
+    # A failure along a chain is queued (not nested): the program on the failed
+    # program's results learns of it in two steps, its input counted as ended,
+    # then failed. A waiter that looks between the two must see a failed input,
+    # not a landed one, and never dispatch the program. The failing thread is
+    # held right there, and the waiter's step runs then.
+    gate, x = gated(error=OSError("no route to the weights"))
+    y = while_gated(jax.jit(lambda a: a + 1), x)
+    z = while_gated(jax.jit(lambda a: a * 2), y)  # on y's program: a chain
+    second = z._task
+    dispatched = []
+
+    def dispatch(args):
+        dispatched.append(args)
+        raise AssertionError("dispatched a program whose input failed")
+
+    second._dispatch = dispatch
+    held, go = threading.Event(), threading.Event()
+    fail_for = type(second)._fail_for
+
+    def holding(run, task):
+        if run is second:  # between its input's end and its own failure
+            held.set()
+            assert go.wait(WAIT), "the test never let the failure go on"
+        fail_for(run, task)
+
+    monkeypatch.setattr(type(second), "_fail_for", holding)
+    gate.release.set()
+    wait_until(held, "the failure to reach the second program")
+    try:
+        second.run()  # what a thread waiting for z does first
+    finally:
+        go.set()
+    assert dispatched == []  # the program never ran
+    with pytest.raises(jax.errors.JaxRuntimeError, match="no route") as info:
+        z.result(timeout=WAIT)
+    assert str(info.value).count("AsyncCallFailed") == 1, str(info.value)
+
+
+def test_a_program_on_a_failed_and_a_pending_argument_never_runs():
+    # The failed argument had ended at the call: it fails the program as one
+    # that fails later does, and the program is never dispatched.
+    def load():
+        raise OSError("no route to the weights")
+
+    failed = async_call(load, F32)
+    wait_until(failed.done, "the failing load to end")
+    gate, x = gated(np.ones(3, np.float32))
+    y = while_gated(jax.jit(lambda a, b: a + b), failed, x)  # deferred: x pends
+    dispatched = []
+
+    def dispatch(args):
+        dispatched.append(args)
+        raise AssertionError("dispatched a program whose input failed")
+
+    y._task._dispatch = dispatch
+    gate.release.set()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="no route") as info:
+        y.result(timeout=WAIT)
+    assert "AsyncCallFailed" in str(info.value), str(info.value)
+    assert dispatched == []
+    np.testing.assert_array_equal(np.asarray(x), np.ones(3))
 
 
 def test_a_wait_for_the_end_of_a_long_chain_helps_it_without_nesting():

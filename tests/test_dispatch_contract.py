@@ -5,7 +5,7 @@
   donation (``donate_argnums``, through jit's C++ fast path too), ``delete()``, a
   donation by another deferred program in a chain. JAX's runtime promises this for
   the programs it has enqueued; deferred dispatch holds programs back, so it must
-  keep the promise itself (``_arrays/deferred_dispatch.py``, ``Readers``).
+  keep the promise itself (``_arrays/dispatch.py``, ``Readers``).
 - **Types never depend on timing.** A call with an ``AsyncArray`` argument returns
   ``AsyncArray`` s for its array outputs, whether the load ended before the call or
   after, blocking or not; a call without one returns what JAX returns; tokens stay
@@ -27,14 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jax_threadmap import AsyncArray, async_call
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
-from jax_threadmap._arrays import deferred_dispatch as _deferred_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
+from jax_threadmap._jax.placement import alias_or_copy
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        _async_dispatch.mechanism.status() is not None,
-        reason=f"async dispatch is off here: {_async_dispatch.mechanism.status()}",
+        _dispatch.mechanism.status() is not None,
+        reason=f"async dispatch is off here: {_dispatch.mechanism.status()}",
     ),
 ]
 
@@ -184,8 +184,8 @@ def test_the_kind_of_a_result_depends_on_the_arguments_only(lands):
 
 
 def test_blocking_dispatch_returns_async_arrays_too(monkeypatch):
-    monkeypatch.setenv(_async_dispatch.ENV_ASYNC_DISPATCH, "0")
-    assert _async_dispatch.mechanism.status().startswith("disabled by")
+    monkeypatch.setenv(_dispatch.ENV_ASYNC_DISPATCH, "0")
+    assert _dispatch.mechanism.status().startswith("disabled by")
     gate, x = gated(BATCH)
     threading.Timer(0.05, gate.release.set).start()
     y = jax.jit(lambda a: a * 3)(x)  # waits for the data here
@@ -216,7 +216,7 @@ def test_tokens_stay_tokens_and_arrays_become_async_arrays():
 
 
 def test_pending_programs_on_one_ready_array_share_one_copy():
-    readers = _async_dispatch.mechanism.readers
+    readers = _dispatch.mechanism.readers
     gates, outs = [], []
     params = jnp.asarray(PARAMS)
     for k in range(4):
@@ -286,7 +286,7 @@ def test_a_held_back_program_keeps_an_alias_on_the_cpu_and_a_copy_elsewhere():
     # alias) and delete() frees nothing the alias reads. Accelerators, and
     # arrays over several devices, get a copy.
     params = jax.device_put(PARAMS)
-    kept = _deferred_dispatch._kept(params)
+    kept = alias_or_copy(params)
     on_cpu = next(iter(params.devices())).platform == "cpu"
     same = kept.unsafe_buffer_pointer() == params.unsafe_buffer_pointer()
     assert same == on_cpu
@@ -295,13 +295,13 @@ def test_a_held_back_program_keeps_an_alias_on_the_cpu_and_a_copy_elsewhere():
     np.testing.assert_array_equal(np.asarray(new), PARAMS - 7)
     np.testing.assert_array_equal(np.asarray(kept), PARAMS)
     other = jnp.asarray(PARAMS)
-    kept_other = _deferred_dispatch._kept(other)
+    kept_other = alias_or_copy(other)
     other.delete()
     np.testing.assert_array_equal(np.asarray(kept_other), PARAMS)
     if jax.device_count() > 1:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
         spec = jax.sharding.PartitionSpec("d")
         spread = jax.device_put(PARAMS, jax.sharding.NamedSharding(mesh, spec))
-        copy = _deferred_dispatch._kept(spread)
+        copy = alias_or_copy(spread)
         assert copy.sharding == spread.sharding
         np.testing.assert_array_equal(np.asarray(copy), PARAMS)

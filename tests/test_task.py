@@ -1,5 +1,4 @@
-"""A background call (``_arrays/task.py``) and the owner of its states
-(``Call``, its base).
+"""A background call (``_arrays/task.py``): ``Task``, the one owner of its states.
 
 Every move of a call goes through one method of its owner that refuses a move
 not in its table, as ``concurrent.futures.Future`` refuses one; the table in
@@ -23,14 +22,14 @@ import pytest
 from jax_threadmap import async_call
 from jax_threadmap._arrays import async_array as _async_array
 from jax_threadmap._arrays import task as _task
-from jax_threadmap._arrays.call import (
+from jax_threadmap._arrays.task import (
     CALL_MOVES,
     FINISHED,
     FINISHING,
     PENDING,
     CallState,
+    Task,
 )
-from jax_threadmap._arrays.task import Task
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,7 +62,7 @@ def _table(owner: type) -> list[tuple[list[str], str]]:
 
 def test_the_docstring_table_is_the_moves_the_code_allows():
     shown = set()
-    for froms, nxt in _table(CallState):
+    for froms, nxt in _table(Task):
         if nxt == "same":
             continue
         for state in froms:

@@ -2,11 +2,11 @@
 layer for a call's value, inside that wait, before it blocks.
 
 Every such wait is ``jax_threadmap._arrays.outcomes.wait_polling`` (module
-docstring there), called through that module by ``Task.wait`` and under its own
-name by ``deferred_dispatch`` (a thread that helps a chain of deferred
-programs). A test that must act once a thread is inside its wait (release a
-load then, exit then) sets an event here instead of sleeping and hoping: it
-cannot pass on code that never waits. No frames are read. Should those modules
+docstring there), called through that module by ``Task.wait`` and by
+``dispatch`` (a thread that helps a chain of deferred programs). A test that
+must act once a thread is inside its wait (release a load then, exit then)
+sets an event here instead of sleeping and hoping: it
+cannot pass on code that never waits. No frames are read. Should that module
 rename the function, ``calling_on_wait`` fails at once (AttributeError).
 
 Imported by tests and by their child scripts (it imports no test tooling).
@@ -15,21 +15,20 @@ Imported by tests and by their child scripts (it imports no test tooling).
 import contextlib
 from collections.abc import Callable, Iterator
 
-from jax_threadmap._arrays import deferred_dispatch, outcomes
+from jax_threadmap._arrays import outcomes
 
 
 @contextlib.contextmanager
 def calling_on_wait(callback: Callable[[], object]) -> Iterator[None]:
     """Within the block, ``callback()`` runs in each thread entering such a wait."""
     original = outcomes.wait_polling
-    assert deferred_dispatch.wait_polling is original
 
     def waiting(future, timeout):
         callback()
         return original(future, timeout)
 
-    outcomes.wait_polling = deferred_dispatch.wait_polling = waiting
+    outcomes.wait_polling = waiting
     try:
         yield
     finally:
-        outcomes.wait_polling = deferred_dispatch.wait_polling = original
+        outcomes.wait_polling = original

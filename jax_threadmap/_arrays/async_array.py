@@ -3,8 +3,10 @@
 - :class:`AsyncArray`: an array whose value a background call is still
   computing. ``jax.jit`` traces and compiles with its shape and dtype while the
   call runs; when a compiled program runs with it, the argument handler
-  registered here (through :mod:`.._jax.array_types`) asks
-  :mod:`.async_dispatch` for buffers.
+  registered here (through :mod:`.._jax.array_types`) asks :mod:`.dispatch`
+  for buffers; a run with it (the hook on program runs installed here,
+  :func:`_around`) returns ``AsyncArray`` s of the call :mod:`.dispatch` hands
+  back.
 - :func:`async_call`: makes the :class:`~.task.Task` behind every array of
   one call.
 - Exit (:func:`_at_exit`): calls still running are reported and abandoned.
@@ -23,8 +25,8 @@ from .._coroutines import event_loop as _event_loop
 from .._jax import array_types as _array_types
 from .._support.validate import check_timeout
 from . import array_surface as _surface
-from . import async_dispatch as _async_dispatch
 from . import async_pool as _async_pool
+from . import dispatch as _dispatch
 from .leaves import LeafSpec
 from .task import Task
 
@@ -296,7 +298,7 @@ def _delete(self: AsyncArray) -> None:
     """``jax.Array.delete``: waits for the value, lets the pending deferred programs
     that read it take it first, then deletes it."""
     value = _surface.landed(self)
-    _async_dispatch.mechanism.settle(self._task)
+    _dispatch.mechanism.settle(self._task)
     value.delete()
 
 
@@ -305,22 +307,36 @@ AsyncArray.delete = _delete  # type: ignore[attr-defined]
 
 def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
-    _async_dispatch.mechanism.prepare()  # before any dispatch with them
+    if not _dispatch.mechanism.prepared:  # before any dispatch with them
+        _dispatch.mechanism.prepare(_around)
     arrays = [AsyncArray._new(task, i) for i in range(len(task.specs))]
     return jax.tree_util.tree_unflatten(task.treedef, arrays)
+
+
+def _pending(x: AsyncArray) -> _dispatch.Pending:
+    return _dispatch.Pending(x._task, x._index, x)
 
 
 def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
     # Called by jit only when a compiled program runs, after compilation (a run
     # that was not deferred, or a deferred one whose data has landed).
-    pending = [_async_dispatch.Pending(x._task, x._index, x) for x in xs]
-    return _async_dispatch.mechanism.arrays_for(pending)
+    return _dispatch.mechanism.arrays_for([_pending(x) for x in xs])
+
+
+def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
+    """Every run of a compiled program from Python, once the first
+    ``AsyncArray`` is made: a run with ``AsyncArray`` arguments returns
+    ``AsyncArray`` s (deferred until its data lands, or run now, blocking, and
+    its array outputs wrapped); any other run is JAX's."""
+    if not any(type(a) is AsyncArray for a in args):
+        return run(program, *args)
+    reads = [_pending(a) if type(a) is AsyncArray else None for a in args]
+    task, outs = _dispatch.mechanism.run(run, program, args, reads, effects)
+    arrays = iter(make_arrays(task) if task is not None else ())
+    return [next(arrays) if o is None else o for o in outs]
 
 
 _array_types.register_array_like(AsyncArray, AsyncArray._aval, _arrays_of)
-_async_dispatch.mechanism.kind = _async_dispatch.ArrayKind(
-    AsyncArray, lambda x: _async_dispatch.Pending(x._task, x._index, x), make_arrays
-)
 
 
 # --- the constructors -----------------------------------------------------------------

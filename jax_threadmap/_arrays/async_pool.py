@@ -1,4 +1,4 @@
-"""The threads of background calls: the pool that runs them, timeouts, exit.
+"""The threads of background calls: the pool that runs them, and exit.
 
 - The async pool (:class:`_Pool`): daemon threads of its own, started on demand,
   at most ``JAX_THREADMAP_ASYNC_THREADS`` of them counted at once, idle ones
@@ -7,8 +7,6 @@
   stop the thread: a replacement may start for the calls queued, and the thread
   is counted as *abandoned* until its function returns, then takes its place
   again if there is room (:meth:`_Pool.status`; the warning at exit names them).
-- Timeouts (:class:`_Deadlines`): one daemon thread gives up on each call whose
-  timeout has passed.
 - The calls in flight (:data:`live`) and the report at exit
   (:func:`abandon_at_exit`): calls still running, and threads still in calls
   given up on, are named in one warning; the calls are abandoned.
@@ -16,10 +14,10 @@
   values placed, a deferred program dispatched); exit waits for those in
   flight and lets none start.
 
-``async def`` calls run on the event loop of :mod:`.._coroutines.event_loop`
-instead of the pool. Everything here only calls the methods of :class:`Call` and
-:class:`LiveCall` (which ``task.Task`` has), so this module knows nothing
-of what a call computes.
+``async def`` calls run on the event loop of :mod:`.._coroutines.event_loop` instead of the
+pool, and timeouts fire there (:meth:`.EventLoop.call_later`). Everything here only
+calls the methods of :class:`Call` and :class:`LiveCall` (which ``task.Task`` has), so
+this module knows nothing of what a call computes.
 """
 
 from __future__ import annotations
@@ -27,14 +25,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
-import heapq
 import itertools
 import logging
 import os
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -64,19 +60,12 @@ def default_async_threads() -> int:
     waits on work queued behind itself. Worked out once per change of the
     variable (every call asks: the CPUs and devices are not counted each time).
     """
-    global _bound_read
-    raw = os.environ.get(ENV_ASYNC_THREADS)
-    read = _bound_read
-    if read is None or read[0] != raw:
-        read = _bound_read = (raw, _async_threads())
-    return read[1]
+    return _async_threads(os.environ.get(ENV_ASYNC_THREADS))
 
 
-#: ``JAX_THREADMAP_ASYNC_THREADS`` as last read, and the bound it gave.
-_bound_read: tuple[str | None, int] | None = None
-
-
-def _async_threads() -> int:
+@functools.lru_cache(maxsize=1)
+def _async_threads(raw: str | None) -> int:
+    del raw  # the key: the bound is worked out again when the variable changes
     n = env_async_threads()  # (None when unset; never 0)
     return n or max(min(32, available_cpus() + 4), jax.local_device_count())
 
@@ -173,6 +162,8 @@ class _Pool:
         self._abandoned: set[Worker] = set()
         self._held: set[Worker] = set()  # given up on, kept counted (the cap)
         self._names = itertools.count()
+        #: Whether exit has begun (:func:`abandon_at_exit`): no thread starts.
+        self.exiting = False
 
     @property
     def cap(self) -> int:
@@ -209,7 +200,7 @@ class _Pool:
         exit runs what must still run itself, :func:`abandon_at_exit`)."""
         if len(self._queue) <= self._idle or self._counted >= self._bound:
             return
-        if _exiting:
+        if self.exiting:
             return
         worker = Worker()
         thread = threading.Thread(
@@ -283,7 +274,9 @@ class _Pool:
             )
 
 
-_pool = _Pool()
+#: The async pool: the one owner of its threads and queue, all under its lock
+#: (``_cond``); a new one in a forked child (:func:`_after_fork_in_child`).
+POOL = _Pool()
 
 
 def async_pool_status() -> AsyncPoolStatus:
@@ -318,80 +311,7 @@ def async_pool_status() -> AsyncPoolStatus:
         ('`hangs` (async_call)',)
         >>> never.set()
     """
-    return _pool.status()
-
-
-def pool() -> _Pool:
-    """The async pool (a new one in a forked child)."""
-    return _pool
-
-
-# --- timeouts -------------------------------------------------------------------------
-
-#: The longest the timeouts' thread sleeps at once (a later deadline: again).
-MAX_SLEEP_S = 3600.0
-
-
-class _Deadlines:
-    """One daemon thread that gives up on calls whose timeout has passed.
-
-    It holds the calls weakly: a call that ended and whose arrays are gone is
-    not kept (with its values) until its deadline.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, weakref.ref[Call]]] = []
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def add(self, task: Call, seconds: float) -> None:
-        with self._cond:
-            entry = (time.monotonic() + seconds, next(self._ids), weakref.ref(task))
-            heapq.heappush(self._heap, entry)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="jax_threadmap-timeouts", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify()
-
-    def _due(self) -> list[Call]:
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                due = []
-                while self._heap and self._heap[0][0] <= now:
-                    task = heapq.heappop(self._heap)[2]()
-                    if task is not None:
-                        due.append(task)
-                if due:
-                    return due
-                # At most MAX_SLEEP_S at once: a wait past the platform's time_t
-                # (a timeout of 1e10 s) raises OverflowError.
-                left = self._heap[0][0] - now if self._heap else MAX_SLEEP_S
-                self._cond.wait(min(left, MAX_SLEEP_S))
-
-    def _run(self) -> None:
-        while True:
-            try:
-                due = self._due()
-            except Exception:  # never let the thread die: no timeout would fire
-                logger.exception("jax_threadmap: the timeouts' thread failed")
-                continue
-            for task in due:
-                try:
-                    task.time_out()
-                except BaseException:  # one call's failure must not stop the rest
-                    logger.exception("jax_threadmap: could not time out %s", task)
-
-
-_deadlines = _Deadlines()
-
-
-def deadlines() -> _Deadlines:
-    """The timeouts' thread (a new one in a forked child)."""
-    return _deadlines
+    return POOL.status()
 
 
 # --- the calls in flight, and exit ---------------------------------------------------
@@ -399,9 +319,6 @@ def deadlines() -> _Deadlines:
 # Calls submitted or running and not finished, for the report at exit.
 live_lock = threading.Lock()
 live: set[LiveCall] = set()
-
-#: Whether exit has begun (:func:`abandon_at_exit`): the pool starts no thread.
-_exiting = False
 
 #: How long exit waits for calls whose function returned to place their values.
 EXIT_PLACE_S = 5.0
@@ -481,8 +398,8 @@ def abandon_at_exit() -> None:
     :data:`EXIT_PLACE_S` in all), rather than report them. Then no landing
     starts, and those in flight are waited for (:class:`_Landings`).
     """
-    global _exiting
-    _exiting = True
+    with POOL._cond:
+        POOL.exiting = True
     deadline = time.monotonic() + EXIT_PLACE_S
     _finish_landed(deadline)
     _landings.close(max(0.0, deadline - time.monotonic()))
@@ -490,7 +407,7 @@ def abandon_at_exit() -> None:
         unfinished = [c for c in live if not c.future.done()]
     # Not status(): its bound asks JAX for the device count, which would start
     # a backend in a process that never used one (on a TPU host: open the chip).
-    abandoned = _pool.abandoned()
+    abandoned = POOL.abandoned()
     if not unfinished and not abandoned:
         return
     parts = []
@@ -543,8 +460,7 @@ def _after_fork_in_child() -> None:
     # The parent's threads, and the calls they ran or queued, do not exist here,
     # and a lock one of them held at the fork stays held: start afresh. A call
     # that had not started runs in the thread that first needs it (Task.wait).
-    global _pool, _deadlines, live_lock, _landings
-    _pool = _Pool()
-    _deadlines = _Deadlines()
+    global POOL, live_lock, _landings
+    POOL = _Pool()
     live_lock = threading.Lock()
     _landings = _Landings()

@@ -14,12 +14,17 @@ says where they are. The errors here are those of a wait that cannot succeed.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
+import weakref
+from typing import Any
 
 import jax
 
 from .._support.errors import add_note
 from .leaves import describe_error
+
+logger = logging.getLogger("jax_threadmap._async")
 
 # The start of the note added to a loader's exception (once per call).
 _NOTE_START = "This error was raised by"
@@ -131,3 +136,35 @@ def traced_error(name: str) -> Exception:
         "(jax_threadmap.async_array_from_callback: the data_callback "
         f"{name} returned a tracer). Call it outside jit, with concrete data."
     )
+
+
+#: What JAX prefixes to a runtime error's text (kept, for errors that read as JAX's).
+_JAX_PREFIX = "INTERNAL: "
+
+#: The failed calls whose dependents' failure was logged (once per call). No
+#: lock (so nothing to reset at fork): a dict's setdefault is atomic, in
+#: free-threaded builds too.
+_reported: weakref.WeakKeyDictionary[Any, object] = weakref.WeakKeyDictionary()
+
+
+def dependents_failed(
+    root: Any, text: str, cause: BaseException | None, done: bool
+) -> jax.errors.JaxRuntimeError:
+    """The error of a deferred program whose input failed (``text``, passed on
+    unchanged along a chain; ``root``: the call whose failure it is). Logged
+    once per ``root`` (unless the program is ``done`` already), before the
+    program fails: a thread waiting for its results may go on (and end) as
+    soon as it has."""
+    error = jax.errors.JaxRuntimeError(f"{_JAX_PREFIX}AsyncCallFailed: {text}")
+    error.__cause__ = cause
+    mine = object()
+    if not done and _reported.setdefault(root, mine) is mine:
+        logger.warning(
+            "jax_threadmap: the jitted programs dispatched on the arrays of "
+            "%s (%s) were not run, and their results raise this error when "
+            "used: %s",
+            root.name,
+            root.api,
+            text,
+        )
+    return error

@@ -1,16 +1,15 @@
-"""Background calls: the :class:`Task` behind every ``AsyncArray``.
+"""Background calls: :class:`Task`, the life of every ``AsyncArray``'s call.
 
-:class:`Task` is one call of ``fn`` and its outcome,
-shared by every array of its result: what the call runs, how what it returned
-lands (checked, placed, published), and the uses of its value. Its state is
-its base's, :class:`.call.Call`, the one owner (each move one of its methods,
-under its lock, refused if not in its table); no other module reads or writes
-a call's fields, and a subclass (a sharded load and its shards,
-:mod:`.shard_loads`; a deferred program run, :mod:`.deferred_dispatch`) changes
-what the call does through override points only. A plain ``fn`` runs on the async pool
-(:mod:`.async_pool`), an ``async def`` one on the event loop
-(:mod:`.._coroutines.event_loop`): :meth:`Task._run_here`,
-:meth:`Task._run_on_loop`; a thread that needs a value whose call has not
+:class:`Task` is one call of ``fn`` and its outcome, shared by every array of
+its result: its state and what it holds in each (the one owner: each move one
+of its methods, under its lock, refused if not in its table), what the call
+runs, how what it returned lands (checked, placed, published), and the uses of
+its value. No other module reads or writes a call's fields, and a subclass (a
+sharded load and its shards, :mod:`.shard_loads`; a deferred program run,
+:mod:`.dispatch`) changes what the call does through override points only. A
+plain ``fn`` runs on the async pool (:mod:`.async_pool`), an ``async def`` one
+on the event loop (:mod:`.._coroutines.event_loop`): :func:`_run_here`,
+:func:`_run_on_loop`; a thread that needs a value whose call has not
 started runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock.
 """
 
@@ -18,9 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import functools
 import inspect
 import logging
+import os
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +36,6 @@ from .._support.validate import callable_name, is_coroutine_function
 from . import async_pool as _async_pool
 from . import outcomes as _outcomes
 from .async_pool import worker_state
-from .call import Call
 from .leaves import (
     LeafSpec,
     check_call,
@@ -44,17 +46,69 @@ from .leaves import (
 
 logger = logging.getLogger("jax_threadmap._async")
 
-# --- one call, shared by the arrays of its result -------------------------------------
+
+class CallState(enum.Enum):
+    """A call's states (the moves: :class:`Task`'s table)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    FINISHED = "finished"
+
+    def __str__(self) -> str:
+        return self.value
 
 
-class Task(Call):
-    """One call of ``fn`` and its shared outcome.
+PENDING, RUNNING, FINISHING, FINISHED = CallState
 
-    Its state is :class:`.call.Call`'s, moved only by that class's methods.
-    Claimed, the call runs in a thread (:meth:`_run_here`) or on the
-    event loop (:meth:`_run_on_loop`); an ``async def`` call lands with the
-    others whose ``fn`` returned in the same turn of the loop (:meth:`_land_burst`).
+#: The moves of a call's state (:meth:`Task._move`); any other is a bug, refused
+#: with ``InvalidStateError`` as ``concurrent.futures.Future`` refuses one.
+CALL_MOVES = frozenset(
+    {
+        (PENDING, RUNNING),  # claimed
+        (PENDING, FINISHING),  # given up on, or abandoned, before it started
+        (RUNNING, FINISHING),  # returned, raised, given up on, abandoned
+        (FINISHING, FINISHED),  # published, or its error set
+    }
+)
 
+
+class Task:
+    """One call of ``fn``: its state, what it holds in each, its shared outcome.
+
+    Timed out, cancelled and abandoned calls are failed calls whose error says
+    so; a call given up on drops what ``fn`` returns later. In a forked child,
+    a call that ran at the fork fails at its first use (:meth:`ran_elsewhere`).
+    Each move of its state (:class:`CallState`) is one of its methods, under
+    its lock, through :meth:`_move`, which refuses a move not in
+    :data:`CALL_MOVES`:
+
+    ==================  ==========================  =========  =========================
+    state               event (method)              next       taken (+), given back (-)
+    ==================  ==========================  =========  =========================
+    pending             submit                      same       + queue entry or loop
+                                                               task, + deadline,
+                                                               + live entry
+    pending             claim (_claim)              running    + pool slot (its thread);
+                                                               not submitted in this
+                                                               process: + live entry,
+                                                               + deadline
+    running             fn returns (_accept)        finishing  nothing
+    running             fn raises (_fail)           finishing  + error text
+    pending, running    give_up (timeout, cancel)   finishing  - pool slot (abandon),
+                                                               - loop task (cancel),
+                                                               + error text
+    pending, running    abandon (at exit)           finishing  nothing
+    finishing           _publish, _conclude (_end)  finished   - live entry
+    finishing,finished  its thread leaves run       same       - pool slot (once
+                                                               published; at give_up if
+                                                               given up on)
+    finishing,finished  fn returns or raises late   same       nothing (dropped)
+    ==================  ==========================  =========  =========================
+
+    Claimed, the call runs in a thread (:func:`_run_here`) or on the event
+    loop (:func:`_run_on_loop`); an ``async def`` call lands with the others
+    whose ``fn`` returned in the same turn of the loop (:func:`_land_burst`).
     Subclasses change what a call does, never its fields, through these
     override points: :meth:`_start` (what ``submit`` queues), :meth:`_accept`
     (what ``fn`` returned, landed: by default checked, then placed by
@@ -72,13 +126,14 @@ class Task(Call):
     #: sharded load's shard: "the shard at index [0:2] ..."); "": none.
     what = ""
     #: Whether an ``async def`` call lands with the others of its turn of the
-    #: event loop (:meth:`_land_burst`), or at once (a shard: its buffer is
+    #: event loop (:func:`_land_burst`), or at once (a shard: its buffer is
     #: dropped as soon as it is placed, not held until the burst is placed).
     bursts = True
 
     # Named in one string: a thousand calls in flight, each without a __dict__.
     __slots__ = tuple(
-        "_fn _args _kwargs treedef specs future _kept coroutine _value "
+        "_lock _state _submitted _clock _pid _worker _source _error_text name api "
+        "timeout _fn _args _kwargs treedef specs future _kept coroutine _value "
         "__weakref__".split()
     )
 
@@ -94,7 +149,20 @@ class Task(Call):
         specs: list[LeafSpec],
         timeout: float | None = None,
     ):
-        super().__init__(name, api, timeout)
+        self._lock = threading.Lock()
+        self._state = PENDING
+        self._submitted = False
+        self._clock = False  # whether the timeout's clock runs
+        self._pid = os.getpid()
+        self.name, self.api = name, api
+        self.timeout = timeout  # seconds from the call before it is given up on
+        # The pool thread running fn, while it runs (it leaves the bound if the
+        # call is given up on); its asyncio task while it runs on the event
+        # loop (cancelled if the call is given up on).
+        self._worker: _async_pool.Worker | None = None
+        self._source: asyncio.Task | None = None
+        # What the programs deferred on its arrays raise, once it failed.
+        self._error_text: str | None = None
         self._fn, self._args, self._kwargs = fn, args, kwargs
         self.treedef = treedef
         self.specs: list[LeafSpec] = specs
@@ -140,17 +208,63 @@ class Task(Call):
             return "done" if error is None else f"failed: {describe_error(error)}"
         return "pending"
 
+    # -- its state: each move under its lock --
+
+    def _move(self, to: CallState) -> None:  # lock held
+        """The one change of the call's state: refuses (``InvalidStateError``,
+        as ``concurrent.futures.Future`` does) a move not in :data:`CALL_MOVES`."""
+        if (self._state, to) not in CALL_MOVES:
+            raise concurrent.futures.InvalidStateError(
+                f"{self}: the call cannot move from {self._state} to {to}"
+            )
+        self._state = to
+
+    @property
+    def returned(self) -> bool:
+        """Whether ``fn`` returned and its values are being placed."""
+        return self._state == FINISHING
+
+    def failure_text(self) -> str:
+        """The error the programs deferred on the call's arrays raise (once the
+        call failed)."""
+        return self._error_text or f"{self.name} ({self.api}) failed"
+
+    def ran_elsewhere(self) -> bool:
+        """Whether the call started in the parent of this forked child (then
+        it never ends here)."""
+        return self._state != PENDING and self._pid != os.getpid()
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.api})"
+
     # -- start --
 
-    def _start(self) -> None:
-        """Queues the call's work, at :meth:`submit` (once). Override point.
+    def submit(self) -> None:
+        """Queues the call on the pool or loop (once); its timeout counts from now."""
+        with self._lock:
+            if self._submitted or self._state != PENDING:
+                return
+            self._submitted = True
+        with _async_pool.live_lock:
+            _async_pool.live.add(self)
+        self._start_clock()
+        self._start()
 
-        A coroutine call runs on the event loop, any other on the pool.
-        """
+    def _start_clock(self) -> None:
+        with self._lock:
+            if self._clock or self.timeout is None:
+                return
+            self._clock = True
+        _event_loop.event_loop().call_later(self.timeout, _time_out, weakref.ref(self))
+
+    def _start(self) -> None:
+        """Queues the call's work, at :meth:`submit` (once): a coroutine call on
+        the event loop, any other on the pool. Override point."""
         if self.coroutine:
-            _event_loop.event_loop().submit(self._run_on_loop, self.name)
+            run = functools.partial(_run_on_loop, self)
+            _event_loop.event_loop().submit(run, self.name)
         else:
-            _async_pool.pool().submit(self)
+            _async_pool.POOL.submit(self)
 
     def run(self, worker: _async_pool.Worker | None = None) -> None:
         """Runs the call here, unless it has already started (or ended).
@@ -159,7 +273,41 @@ class Task(Call):
         call), with no bounded pool to get around.
         """
         if not self.coroutine:
-            self._run_here(worker)
+            _run_here(self, worker)
+
+    def _claim(
+        self, worker: _async_pool.Worker | None, source: asyncio.Task | None = None
+    ) -> bool:
+        """Claims the call (pending -> running) for this thread or coroutine;
+        ``False``: already claimed, or ended."""
+        pid = os.getpid()
+        with self._lock:
+            if self._state != PENDING:
+                return False
+            # submit() did the two below, unless in the parent of this fork.
+            known = self._submitted and self._pid == pid
+            self._move(RUNNING)
+            self._worker, self._source = worker, source
+            self._pid = pid
+        if not known:
+            with _async_pool.live_lock:
+                _async_pool.live.add(self)
+            self._start_clock()
+        return True
+
+    def _left_runner(self) -> None:
+        """``fn`` returned or raised: its thread or coroutine is no longer ours."""
+        with self._lock:
+            self._worker = self._source = None
+
+    def _adopt(self, source: asyncio.Task | None) -> bool:
+        """The coroutine that awaits what the call's thread returned; ``False``:
+        the call was given up on meanwhile."""
+        with self._lock:
+            if self._state != RUNNING:
+                return False
+            self._source = source
+            return True
 
     def _work(self) -> Any:
         """Calls what computes the call; returns what it returned."""
@@ -171,10 +319,43 @@ class Task(Call):
 
     # -- the end: returned, raised, given up on, abandoned --
 
+    def _settle(self) -> bool:
+        """Ends a running call's run (-> finishing); ``False``: it was given up on."""
+        with self._lock:
+            if self._state != RUNNING:
+                return False
+            self._move(FINISHING)
+            return True
+
+    def _take_runners(self) -> tuple[Any, Any] | None:
+        """Ends a pending or running call (-> finishing): its thread and
+        coroutine, to give up on; ``None``: it had ended."""
+        with self._lock:
+            if self._state not in (PENDING, RUNNING):
+                return None
+            self._move(FINISHING)
+            worker, source = self._worker, self._source
+            self._worker = self._source = None
+        return worker, source
+
+    def abandon(self) -> None:
+        """At exit: ends a call that is still running (what it returns later
+        is dropped)."""
+        self._take_runners()
+
+    def _end(self, error_text: str | None = None) -> None:
+        """The finishing call's outcome is set (-> finished); ``error_text``:
+        what the programs deferred on its arrays raise, if it failed."""
+        with self._lock:
+            self._move(FINISHED)
+            self._error_text = error_text
+        with _async_pool.live_lock:
+            _async_pool.live.discard(self)
+
     def time_out(self) -> None:
         """Gives up on the call because its timeout has passed (override point:
         a sharded load names the shards still missing)."""
-        cancels = self.coroutine or self._on_loop_now()
+        cancels = self.coroutine or self._source is not None  # on the loop now
         assert self.timeout is not None
         self.give_up(_outcomes.timed_out(self.name, self.api, self.timeout, cancels))
 
@@ -196,7 +377,7 @@ class Task(Call):
             return False
         worker, source = taken
         if worker is not None:
-            _async_pool.pool().abandon(worker, self)
+            _async_pool.POOL.abandon(worker, self)
         if source is not None:
             _event_loop.event_loop().cancel(source)
         if text is None:
@@ -342,98 +523,113 @@ class Task(Call):
             self._kept.reraise()
         return self.future.result()
 
-    # -- how a claimed call runs --
-    #
-    # _run_here runs it in the thread that calls it (a thread of the async pool,
-    # or one that waits for its value); _run_on_loop on the package's event
-    # loop: an ``async def`` fn, or the awaitable a plain fn returned. Each first
-    # claims it (_claim: False when it started elsewhere or ended), then calls
-    # what computes it (_work) and lands what came back (_finish, _fail).
-    #
-    # An ``async def`` call whose fn returned is landed (checked and placed) one
-    # turn of the event loop later, together with every other call whose fn
-    # returned in that turn (_land_burst), and published once all of them are
-    # placed and their copies done: a thread waiting for them wakes once per
-    # burst, not once each. Until then it is running.
 
-    def _run_here(self, worker: _async_pool.Worker | None) -> None:
-        """Runs the call here, in a thread, once claimed."""
-        if not self._claim(worker):
-            return
+# --- how a claimed call runs ---------------------------------------------------------
+#
+# _run_here runs it in the thread that calls it (a thread of the async pool,
+# or one that waits for its value); _run_on_loop on the package's event
+# loop: an ``async def`` fn, or the awaitable a plain fn returned. Each first
+# claims it (_claim: False when it started elsewhere or ended), then calls
+# what computes it (_work) and lands what came back (_finish, _fail).
+#
+# An ``async def`` call whose fn returned is landed (checked and placed) one
+# turn of the event loop later, together with every other call whose fn
+# returned in that turn (_land_burst), and published once all of them are
+# placed and their copies done: a thread waiting for them wakes once per
+# burst, not once each. Until then it is running.
+
+
+def _run_here(task: Task, worker: _async_pool.Worker | None) -> None:
+    """Runs the call here, in a thread, once claimed."""
+    if not task._claim(worker):
+        return
+    try:
+        out = task._work()
+    except BaseException as e:  # routed to every use, like a Future does
+        task._left_runner()
+        task._fail(e, raised_by_fn=True)
+        return
+    task._left_runner()
+    if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
+        awaited = functools.partial(_run_on_loop, task, out)
+        _event_loop.event_loop().submit(awaited, task.name)
+        return
+    task._finish(out)
+
+
+async def _run_on_loop(task: Task, awaitable: Any = None) -> None:
+    """Runs the call on the event loop: its coroutine, or ``awaitable``
+    (what its thread returned).
+
+    Claimed here, on the loop, before ``fn`` is called: asyncio would run a
+    task cancelled before its first step up to its first ``await``.
+    """
+    source = asyncio.current_task()
+    if awaitable is not None and not task._adopt(source):
+        _event_loop.close_awaitable(awaitable)  # given up on on its way here
+        return
+    if awaitable is None and not task._claim(None, source):
+        return
+    try:
+        out = task._work() if awaitable is None else awaitable
+        while inspect.isawaitable(out):
+            out = await out
+    except BaseException as e:  # our cancel included: then dropped by _fail
+        task._left_runner()
+        task._fail(e, raised_by_fn=True)
+        return
+    task._left_runner()
+    if not task.bursts:
+        task._finish(out)
+        return
+    # Landed with the other calls whose fn returns in this turn of the
+    # loop, one turn later (:func:`_land_burst`).
+    if not _burst:
+        asyncio.get_running_loop().call_soon(_land_burst)
+    _burst.append((task, out))
+
+
+@_async_pool.landing
+def _land_burst() -> None:
+    """Lands the ``async def`` calls whose fn returned in the last turn of
+    the event loop (on its thread): all are checked and placed before any
+    is published, so that a thread waiting for them wakes once per burst,
+    not once per load (each wake-up would cost the loop's thread the GIL
+    at every placement), and the per-load steps run back to back."""
+    batch = _burst.copy()
+    _burst.clear()
+    # Every check first, then every placement: each runs back to back
+    # (measured: placements so run at several times the speed).
+    checked = [(task, task._accept(out)) for task, out in batch]
+    del batch
+    landed = [(task, task._place(c)) for task, c in checked if c is not None]
+    placed = [(task, leaves) for task, leaves in landed if leaves is not None]
+    del checked, landed
+    try:  # one wait for every copy (they run meanwhile)
+        jax.block_until_ready([leaves for _, leaves in placed])
+    except BaseException:  # each call's own copies then say which failed
+        placed = [(task, lv) for task, lv in placed if task._ready(lv)]
+    for task, leaves in placed:
+        try:  # one call's end never keeps the rest of the burst running
+            task._publish(leaves)
+        except BaseException:  # noqa: BLE001 - logged; the value is set
+            logger.exception("landing %s of %s", task.api, task)
+
+
+def _time_out(ref: weakref.ref[Task]) -> None:
+    """At a call's deadline, on the event loop's thread: gives up on the call,
+    unless it ended. Held weakly: a call that ended and whose arrays are gone is
+    not kept (with its values) until its deadline."""
+    task = ref()
+    if task is not None:
         try:
-            out = self._work()
-        except BaseException as e:  # routed to every use, like a Future does
-            self._left_runner()
-            self._fail(e, raised_by_fn=True)
-            return
-        self._left_runner()
-        if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
-            awaited = functools.partial(self._run_on_loop, out)
-            _event_loop.event_loop().submit(awaited, self.name)
-            return
-        self._finish(out)
-
-    async def _run_on_loop(self, awaitable: Any = None) -> None:
-        """Runs the call on the event loop: its coroutine, or ``awaitable``
-        (what its thread returned).
-
-        Claimed here, on the loop, before ``fn`` is called: asyncio would run a
-        task cancelled before its first step up to its first ``await``.
-        """
-        source = asyncio.current_task()
-        if awaitable is not None and not self._adopt(source):
-            _event_loop.close_awaitable(awaitable)  # given up on on its way here
-            return
-        if awaitable is None and not self._claim(None, source):
-            return
-        try:
-            out = self._work() if awaitable is None else awaitable
-            while inspect.isawaitable(out):
-                out = await out
-        except BaseException as e:  # our cancel included: then dropped by _fail
-            self._left_runner()
-            self._fail(e, raised_by_fn=True)
-            return
-        self._left_runner()
-        if not self.bursts:
-            self._finish(out)
-            return
-        # Landed with the other calls whose fn returns in this turn of the
-        # loop, one turn later (:meth:`_land_burst`).
-        if not _burst:
-            asyncio.get_running_loop().call_soon(Task._land_burst)
-        _burst.append((self, out))
-
-    @staticmethod
-    @_async_pool.landing
-    def _land_burst() -> None:
-        """Lands the ``async def`` calls whose fn returned in the last turn of
-        the event loop (on its thread): all are checked and placed before any
-        is published, so that a thread waiting for them wakes once per burst,
-        not once per load (each wake-up would cost the loop's thread the GIL
-        at every placement), and the per-load steps run back to back."""
-        batch = _burst.copy()
-        _burst.clear()
-        # Every check first, then every placement: each runs back to back
-        # (measured: placements so run at several times the speed).
-        checked = [(task, task._accept(out)) for task, out in batch]
-        del batch
-        landed = [(task, task._place(c)) for task, c in checked if c is not None]
-        placed = [(task, leaves) for task, leaves in landed if leaves is not None]
-        del checked, landed
-        try:  # one wait for every copy (they run meanwhile)
-            jax.block_until_ready([leaves for _, leaves in placed])
-        except BaseException:  # each call's own copies then say which failed
-            placed = [(task, lv) for task, lv in placed if task._ready(lv)]
-        for task, leaves in placed:
-            try:  # one call's end never keeps the rest of the burst running
-                task._publish(leaves)
-            except BaseException:  # noqa: BLE001 - logged; the value is set
-                logger.exception("landing %s of %s", task.api, task)
+            task.time_out()
+        except BaseException:  # noqa: BLE001 - logged; the loop serves every call
+            logger.exception("jax_threadmap: could not time out %s", task)
 
 
 #: The ``async def`` calls whose fn returned in this turn of the event loop,
-#: with what it returned, until :meth:`Task._land_burst` lands them; touched on
+#: with what it returned, until :func:`_land_burst` lands them; touched on
 #: the loop's thread only.
 _burst: list[tuple[Task, Any]] = []
 

@@ -1,4 +1,4 @@
-"""The package's one asyncio event loop, for ``async def`` loaders and kernels.
+"""The package's one asyncio event loop, for ``async def`` loaders (and timeouts).
 
 ``async_call`` and ``async_array_from_callback`` run a
 coroutine function (``async def``, a ``functools.partial`` of one, an object
@@ -6,8 +6,9 @@ whose ``__call__`` is one: :func:`.._support.validate.is_coroutine_function`) as
 coroutine on one event loop, on one daemon thread (``jax_threadmap-asyncio``),
 so that a thousand loads in flight need no thousand threads. The loop:
 
-- starts on first use (:meth:`EventLoop.submit`), never at import: a program
-  without coroutine loaders pays nothing;
+- starts on first use (:meth:`EventLoop.submit`; :meth:`EventLoop.call_later`,
+  where a call's timeout fires), never at import: a program without coroutine
+  loaders or timeouts pays nothing;
 - takes its work from a queue, waking up once per burst of submissions (one
   ``call_soon_threadsafe`` when the queue was empty), not once per call;
 - runs each call's coroutine as an asyncio task named after the function (for
@@ -37,6 +38,7 @@ import concurrent.futures
 import inspect
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -195,6 +197,18 @@ class EventLoop:
         self.submit(wait, name)
         return done.result()
 
+    def call_later(self, seconds: float, fn: Callable[..., object], *args: Any) -> None:
+        """Calls ``fn(*args)`` on the loop's thread ``seconds`` from now (from
+        any thread); not once the loop is closed (at exit). A deadline past the
+        platform's ``time_t`` (``1e300``) never fires and stops nothing: asyncio
+        caps each wait of its selector (at a day)."""
+        when = time.monotonic() + seconds
+        with self._lock:
+            if self._closed:
+                return
+            loop = self._start()
+        loop.call_soon_threadsafe(_call_at, loop, when, fn, args)
+
     def cancel(self, task: asyncio.Task) -> None:
         """Cancels ``task`` (from any thread): ``CancelledError`` at its ``await``."""
         with self._lock:
@@ -265,6 +279,12 @@ class EventLoop:
                 await asyncio.wait_for(closer(), max(left, 0.0))
             except Exception:  # noqa: BLE001 - at exit: say so, close the others
                 logger.exception("jax_threadmap: %r did not close at exit", closer)
+
+
+def _call_at(loop: asyncio.AbstractEventLoop, when: float, fn: Any, args: Any) -> None:
+    """Schedules ``fn(*args)`` at ``when`` (on the loop's thread)."""
+    # time.monotonic(), not loop.time(): another loop (uvloop) has another clock.
+    loop.call_later(max(0.0, when - time.monotonic()), fn, *args)
 
 
 _event_loop = EventLoop()

@@ -523,7 +523,7 @@ HOOKS: tuple[Hook, ...] = (
     # arguments returns at once: JAX's call that runs the compiled program
     # (ExecuteReplicated.__call__, which `ProgramRuns.install` wraps) is where the
     # program and its arguments are known and nothing has run yet, so the run is
-    # deferred there (`_arrays/deferred_dispatch.py`) until the data lands.
+    # deferred there (`_arrays/dispatch.py`) until the data lands.
     Hook(
         "ExecuteReplicated",
         "its __call__ runs a compiled program from Python (the argument "

@@ -1,5 +1,6 @@
 """Placing a background call's NumPy result on its device, as ``jax.device_put``
-does, at a fraction of its cost (on the hooks of :mod:`.hooks`).
+does, at a fraction of its cost (on the hooks of :mod:`.hooks`); keeping a ready
+``jax.Array`` for a deferred program (:func:`alias_or_copy`).
 """
 
 from __future__ import annotations
@@ -44,3 +45,20 @@ def default_device() -> Any:
     if isinstance(chosen, str):
         return jax.local_devices(backend=chosen)[0]
     return chosen or jax.local_devices()[0]
+
+
+def alias_or_copy(a: jax.Array) -> jax.Array:
+    """What a deferred program reads for the ready array ``a``: on one CPU
+    device, an alias of its buffer (DLPack: XLA's CPU client then copies at a
+    later donation instead of donating, and ``a.delete()`` leaves the alias:
+    no copy unless a conflict comes); elsewhere, a copy (dispatched, not
+    waited for)."""
+    if len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu":
+        try:
+            alias = jax.dlpack.from_dlpack(a)
+        except Exception:  # noqa: BLE001 - a dtype or layout DLPack refuses: copy
+            alias = None
+        if alias is not None and alias.sharding == a.sharding:
+            if alias.dtype == a.dtype and alias.shape == a.shape:
+                return alias
+    return jax.device_put(a, may_alias=False)

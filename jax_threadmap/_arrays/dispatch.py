@@ -1,12 +1,14 @@
-"""Deferred dispatch: a program on pending data is dispatched when the data lands.
+"""Async dispatch: a jitted call with pending ``AsyncArray`` s returns at once.
 
-The one mechanism of async dispatch, on every platform. A program waiting in the
+One mechanism on every platform, deferred dispatch: a program waiting in the
 device's queue for data would hold the queue (a TPU runs its programs in order),
-so nothing of ours ever waits there: a jitted call whose arguments include
-pending ``AsyncArray`` s is not run at once:
+so nothing of ours ever waits there. :class:`Dispatch` runs a program handed
+``AsyncArray`` s (:mod:`.async_array`, their owner, hands each as a
+:class:`Pending`) and hands back the call whose arrays its array outputs become,
+whatever the timing. A jitted call whose arguments include pending ones:
 
-- the call returns at once (once compiled), and its results are ``AsyncArray`` s
-  of the program's output shapes, dtypes and shardings, whose call is a
+- returns at once (once compiled); its results are ``AsyncArray`` s of the
+  program's output shapes, dtypes and shardings, whose call is a
   :class:`ProgramRun`;
 - when the last pending argument lands, the program is dispatched from the host
   (on the async pool, or in a thread that waits for a result first), and its
@@ -20,17 +22,20 @@ pending ``AsyncArray`` s is not run at once:
 - the program reads its arguments as they were at the call, whatever later
   calls do to them (a donation, ``delete()``, a write to a NumPy array), as JAX's
   runtime promises for the programs it has enqueued: NumPy arrays are copied
-  and ``jax.Array`` s kept at the call (:meth:`Readers.freeze`, :func:`_kept`:
-  an alias on the CPU, a copy elsewhere; jit's C++ fast path donates without
-  passing any hook, so no later point could copy), and an
+  and ``jax.Array`` s kept at the call (:meth:`Readers.freeze`,
+  :func:`alias_or_copy`: an alias on the CPU, a copy elsewhere; jit's C++ fast
+  path donates without passing any hook, so no later point could copy), and an
   ``AsyncArray`` is let go of (:class:`Readers`) before a later program is handed
   it.
 
-Not deferred (they wait for their data at dispatch, in Python): programs with
-ordered effects, programs on ``jax.Ref`` s, programs with outputs of extended
-dtypes (PRNG keys), dispatches from the async pool's own threads (a call that
-needs another's value runs it, :meth:`.task.Task.wait`), and every
-program of a multi-process run (all processes must dispatch in one order).
+Not deferred (run at once: they wait for their data at dispatch, in Python, and
+their outputs are the arrays of a landed call, :class:`Results`): programs with
+ordered effects (JAX dispatches a thread's program with an ordered effect only
+once its previous one has run, and before jax 0.12 fails every later one after
+one failed), on ``jax.Ref`` s, or with outputs of extended dtypes (PRNG keys);
+dispatches from the async pool's own threads (a call that needs another's value
+runs it, :meth:`.task.Task.wait`); every program of a multi-process run (all
+processes must dispatch in one order).
 
 At exit, the programs whose data has landed are dispatched (exit waits for
 them, as for a call that is placing its values); those still waiting for data
@@ -44,25 +49,35 @@ import concurrent.futures
 import functools
 import logging
 import threading
-import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from .._jax import program_runs as _program_runs
+from .._jax.placement import alias_or_copy
+from .._support import fork as _fork
+from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
+from . import outcomes as _outcomes
 from .async_pool import landing, worker_state
 from .leaves import LeafSpec, is_extended
-from .outcomes import wait_polling
 from .task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
 
+
+class Pending(NamedTuple):
+    """An ``AsyncArray`` handed to a dispatch by :mod:`.async_array` (its
+    owner): its call, the leaf of the call's result it is, and the array."""
+
+    task: Task
+    leaf: int
+    array: Any
+
+
 #: The ``api`` of a deferred program run, in messages and ``repr``.
 API = "deferred dispatch"
-
-#: What JAX prefixes to a runtime error's text (kept, for errors that read as JAX's).
-_JAX_PREFIX = "INTERNAL: "
 
 
 @functools.cache
@@ -85,12 +100,13 @@ def deferrable(program: Any) -> bool:
 
 def output_specs(program: Any) -> list[LeafSpec]:
     """The leaves of the program's outputs: their avals and shardings."""
-    handler = program.out_handler
+    return _specs(program.out_handler.out_avals, program.out_handler.out_shardings)
+
+
+def _specs(avals: Any, shardings: Any) -> list[LeafSpec]:
     return [
         LeafSpec(f"[{k}]", tuple(aval.shape), aval.dtype, aval, sharding)
-        for k, (aval, sharding) in enumerate(
-            zip(handler.out_avals, handler.out_shardings, strict=True)
-        )
+        for k, (aval, sharding) in enumerate(zip(avals, shardings, strict=True))
     ]
 
 
@@ -104,29 +120,15 @@ class Held:
         self.original, self.copy = original, copy
 
 
-def _kept(a: jax.Array) -> jax.Array:
-    """What a deferred program reads for the ready array ``a``: on one CPU
-    device, an alias of its buffer (DLPack: XLA's CPU client then copies at a
-    later donation instead of donating, and ``a.delete()`` leaves the alias:
-    no copy unless a conflict comes); elsewhere, a copy (dispatched, not
-    waited for)."""
-    if len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu":
-        try:
-            alias = jax.dlpack.from_dlpack(a)
-        except Exception:  # noqa: BLE001 - a dtype or layout DLPack refuses: copy
-            alias = None
-        if alias is not None and alias.sharding == a.sharding:
-            if alias.dtype == a.dtype and alias.shape == a.shape:
-                return alias
-    return jax.device_put(a, may_alias=False)
-
-
-class _Dispatching(threading.local):
+class _ThisThread(threading.local):
     #: The program run this thread dispatches (see :meth:`Readers.settle`).
     run: ProgramRun | None = None
+    #: The programs this thread is failing (:func:`_fail_along`), or ``None``.
+    failing: collections.deque[tuple[ProgramRun, Task]] | None = None
 
 
-_dispatching = _Dispatching()
+#: What this thread is doing (nothing shared, so nothing to reset at fork).
+_this_thread = _ThisThread()
 
 
 class Readers:
@@ -136,10 +138,11 @@ class Readers:
     calls do to them (JAX's runtime promises that for the programs it has
     enqueued; a deferred one is not enqueued yet):
 
-    - a ready ``jax.Array`` is kept at the call (:meth:`freeze`, :func:`_kept`:
-      an alias on the CPU, else a copy dispatched and not waited for), once for
-      all the pending programs that read it: jit's C++ fast path donates
-      without passing any hook, so no later point could copy at the conflict;
+    - a ready ``jax.Array`` is kept at the call (:meth:`freeze`,
+      :func:`alias_or_copy`: an alias on the CPU, else a copy dispatched and
+      not waited for), once for all the pending programs that read it: jit's
+      C++ fast path donates without passing any hook, so no later point could
+      copy at the conflict;
     - before a call's array, or such a copy, is handed to a program
       (:meth:`settle`), which may donate it, the pending programs called
       earlier that read it are let go of it (:meth:`ProgramRun.let_go`):
@@ -170,7 +173,7 @@ class Readers:
                 with self._lock:
                     h = self._held.get(id(a))
                 if h is None or h.original is not a or h.copy.is_deleted():
-                    h = Held(a, _kept(a))
+                    h = Held(a, alias_or_copy(a))
                     with self._lock:
                         self._held[id(a)] = h
                 a = h.copy
@@ -199,7 +202,7 @@ class Readers:
     def settle(self, source: Any) -> None:
         """Before ``source``'s arrays are handed to a program: the pending
         programs called before it that read them no longer need them."""
-        me = _dispatching.run
+        me = _this_thread.run
         with self._lock:
             runs = list(self.by_source.get(source, ()))
         made: dict[Any, Held] = {}
@@ -214,18 +217,17 @@ def defer(
     program: Any,
     args: tuple[Any, ...],
     reads: list[Any],
-    arrays_of: Callable[[Task], Any],
     readers: Readers,
-) -> Any:
-    """The program's results, as arrays of a :class:`ProgramRun` that runs
-    ``dispatch`` with its arguments once its pending ones land.
+) -> ProgramRun:
+    """The :class:`ProgramRun`, submitted, that runs ``dispatch`` with the
+    program's arguments once its pending ones land (its results are its arrays).
 
-    ``reads``: for each argument that is an ``AsyncArray``, its ``Pending`` (its
-    call and leaf), else ``None``; ``arrays_of``: the ``AsyncArray`` s of a call.
-    """
+    ``reads``: each ``AsyncArray`` argument's :class:`Pending`, else ``None``.
+    Each call read is an input, even one that ended: one that failed before the
+    call fails the program as a later failure would."""
     frozen, held = readers.freeze(args)
     reads = [r if r is not None else h for r, h in zip(reads, held, strict=True)]
-    inputs = [r.task for r in reads if _is_call(r) and not r.task.future.done()]
+    inputs = [r.task for r in reads if _is_call(r)]
     run = ProgramRun(
         dispatch,
         readers,
@@ -237,9 +239,8 @@ def defer(
     )
     sources = [r.task if _is_call(r) else r for r in reads if r is not None]
     readers.add(run, list(dict.fromkeys(sources)))
-    outs = arrays_of(run)
     run.submit()
-    return outs
+    return run
 
 
 def _is_call(read: Any) -> bool:
@@ -275,37 +276,16 @@ def treedef_of(n: int) -> Any:
     return jax.tree_util.tree_structure(list(range(n)))
 
 
-#: The failed calls whose dependents' failure was logged (once per call).
-_reported: weakref.WeakSet[Task] = weakref.WeakSet()
-_reported_lock = threading.Lock()
-
-
-def _first_report(task: Task) -> bool:
-    with _reported_lock:
-        if task in _reported:
-            return False
-        _reported.add(task)
-        return True
-
-
-class _Failing(threading.local):
-    #: The programs this thread is failing (:func:`_fail_along`), or ``None``.
-    queue: collections.deque[tuple[ProgramRun, Task]] | None = None
-
-
-_failing = _Failing()
-
-
 def _fail_along(run: ProgramRun, task: Task) -> None:
     """``run._fail_for(task)``; a failure along a chain fails the next program
     from the done-callback of the last, so those are queued here rather than
     nested: a chain of any length fails (nesting overflowed the stack at a
     few hundred programs, and the rest never ended)."""
-    queue = _failing.queue
+    queue = _this_thread.failing
     if queue is not None:
         queue.append((run, task))
         return
-    _failing.queue = queue = collections.deque([(run, task)])
+    _this_thread.failing = queue = collections.deque([(run, task)])
     try:
         while queue:
             failed, cause = queue.popleft()
@@ -314,7 +294,7 @@ def _fail_along(run: ProgramRun, task: Task) -> None:
             except Exception:  # one program's failure must not stop the rest
                 logger.exception("jax_threadmap: could not fail %s", failed)
     finally:
-        _failing.queue = None
+        _this_thread.failing = None
 
 
 class ProgramRun(Task):
@@ -334,22 +314,14 @@ class ProgramRun(Task):
         args: The program's arguments (:meth:`Readers.freeze`).
         reads: For each argument, what it reads: a call's array (``Pending``),
             a :class:`Held` copy, or ``None``.
-        inputs: The calls of the pending arguments.
+        inputs: The calls of the ``AsyncArray`` arguments.
         name: The program's name, for messages (``\\`jit(f)\\```).
         specs: The program's output leaves.
     """
 
-    __slots__ = (
-        "_inputs",
-        "_inputs_lock",
-        "_waiting",
-        "_cause",
-        "root",
-        "_landed",
-        "_dispatch",
-        "_readers",
-        "_program_args",
-        "_reads",
+    __slots__ = tuple(
+        "_inputs _inputs_lock _waiting _cause root _landed _dispatch _readers "
+        "_program_args _reads".split()
     )
     stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
 
@@ -391,13 +363,13 @@ class ProgramRun(Task):
         with self._inputs_lock:
             args, self._program_args = self._program_args, []
             held = [r for r in self._reads if isinstance(r, Held)]
-        outer, _dispatching.run = _dispatching.run, self
+        outer, _this_thread.run = _this_thread.run, self
         try:
             for h in held:  # it may donate them: the earlier readers first
                 self._readers.settle(h)
             return self._dispatch(tuple(args))
         finally:
-            _dispatching.run = outer
+            _this_thread.run = outer
             for h in held:
                 # A donated copy stands for the caller's array, deleted now
                 # (later uses fail, as after a donation; JAX's runtime keeps
@@ -439,14 +411,31 @@ class ProgramRun(Task):
             task.future.add_done_callback(functools.partial(self._input_done, task))
 
     def _input_done(self, task: Task, future: Any) -> None:
-        if future.exception() is not None:
-            _fail_along(self, task)  # at once; a later failure changes nothing
+        failed = future.exception() is not None
+        if self._input_ended(task, failed):
+            if failed:  # the first to fail; a later failure changes nothing
+                _fail_along(self, task)
+            else:
+                super()._start()  # on the pool, unless a waiter dispatches first
+
+    def _input_ended(self, task: Task, failed: bool) -> bool:
+        """The one move of the inputs' count and cause, together under the
+        lock: a waiter (:meth:`_run_one`) that sees no input waiting sees the
+        failure too, though the program is failed later (queued along a chain,
+        :func:`_fail_along`). Returns whether ``task`` is the first input to
+        fail, or the last to land with none failed."""
         with self._inputs_lock:
             self._waiting -= 1
-            last = self._waiting == 0
-        if last and all(t.future.exception() is None for t in self._inputs):
-            self._landed = True
-            super()._start()  # on the pool, unless a waiter dispatches first
+            if failed:
+                if self._cause is not None:
+                    return False
+                self._cause = task.failure_text()
+                # The root of an input program's failure, whatever the chain.
+                root = task.root if isinstance(task, ProgramRun) else None
+                self.root = root or task
+                return True
+            self._landed = self._waiting == 0 and self._cause is None
+            return self._landed
 
     @property
     def returned(self) -> bool:
@@ -455,24 +444,12 @@ class ProgramRun(Task):
         return self._landed or super().returned
 
     def _fail_for(self, task: Task) -> None:
-        """Gives up on the program: the call of one of its arguments failed."""
-        text = task.failure_text()
-        self._cause = text
-        root = task.root if isinstance(task, ProgramRun) and task.root else task
-        self.root = root
-        error = jax.errors.JaxRuntimeError(f"{_JAX_PREFIX}AsyncCallFailed: {text}")
-        error.__cause__ = task.future.exception()
-        # Said before the failure is set: a thread waiting for the results may
-        # go on (and end) as soon as it is.
-        if not self.future.done() and _first_report(root):
-            logger.warning(
-                "jax_threadmap: the jitted programs dispatched on the arrays of "
-                "%s (%s) were not run, and their results raise this error when "
-                "used: %s",
-                root.name,
-                root.api,
-                text,
-            )
+        """Gives up on the program: the call of one of its arguments, ``task``,
+        failed first (its cause and root are set, :meth:`_input_ended`)."""
+        text, root = self._cause, self.root
+        assert text is not None and root is not None
+        cause = task.future.exception()
+        error = _outcomes.dependents_failed(root, text, cause, self.future.done())
         with self._inputs_lock:
             self._program_args = []  # the copies are not needed any more
         self.give_up(error)
@@ -522,10 +499,11 @@ class ProgramRun(Task):
                 if isinstance(error, KeyboardInterrupt):
                     raise error  # Ctrl-C reached the call this thread ran
         for task in self._inputs:  # in slices: Ctrl-C reaches the wait
-            wait_polling(task.future, None)  # landed, failed or cancelled
-        with self._inputs_lock:
-            landed = self._waiting == 0
-        if landed and self._cause is None:
+            if not task.future.done():  # landed, failed or cancelled
+                _outcomes.wait_polling(task.future, None)
+        with self._inputs_lock:  # the count and the cause move together
+            landed = self._waiting == 0 and self._cause is None
+        if landed:
             self._dispatch_landed(worker)
 
     @landing  # exit waits for a dispatch in flight, and starts none
@@ -536,3 +514,137 @@ class ProgramRun(Task):
         """The program's outputs are placed already: published at once."""
         self._publish_placed(list(out))
         return None
+
+
+class Results(Task):
+    """The call behind the ``AsyncArray`` results of a program run with
+    ``AsyncArray`` arguments that was not deferred: it has landed when made,
+    with the run's outputs (``jax.Array`` s, still being computed)."""
+
+    __slots__ = ()
+    stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
+
+    def __init__(self, leaves: list[jax.Array]):
+        specs = _specs([a.aval for a in leaves], [a.sharding for a in leaves])
+        super().__init__(
+            None,  # nothing to run: a wrapped outcome
+            (),
+            {},
+            name="a jitted call on AsyncArrays",
+            api="jit",
+            treedef=treedef_of(len(leaves)),
+            specs=specs,
+        )
+        self._claim(None)
+        self._publish_placed(leaves)
+
+
+class Dispatch:
+    """Async dispatch: what a program run with ``AsyncArray`` arguments does.
+
+    It reads the switch, installs the array owner's hook on program runs when
+    the first ``AsyncArray`` is made, and defers a run on pending data or runs
+    it blocking (:meth:`run`); either way it hands back the call whose arrays
+    the run's array outputs become.
+    """
+
+    def __init__(self) -> None:
+        self.readers = Readers()
+        self._installing = threading.Lock()
+        self.prepared = False  # whether prepare() ran (read without the lock)
+
+    def status(self) -> str | None:
+        """Why dispatch on pending data is blocking, or ``None``. (The switch
+        is parsed once per change of its value, :func:`async_dispatch_mode`.)"""
+        if async_dispatch_mode() == "off":
+            return f"disabled by {ENV_ASYNC_DISPATCH}=0"
+        reason = _program_runs.runs_unavailable()
+        if reason is None:
+            return None
+        return f"unavailable in jax {jax.__version__}: {reason}"
+
+    def prepare(self, around: Callable[..., Any]) -> None:
+        """Installs ``around`` as the hook on program runs (once; at the first
+        async call): :mod:`.async_array`'s, which sends the runs with
+        ``AsyncArray`` arguments to :meth:`run`.
+
+        No ``AsyncArray`` exists before that, so no dispatch on pending data can
+        happen earlier, and a process that never makes one runs JAX untouched.
+        """
+        if self.prepared:
+            return
+        with self._installing:
+            if not self.prepared:
+                _program_runs.RUNS.install(around)
+                self.prepared = True
+
+    def run(
+        self,
+        run: Any,
+        program: Any,
+        args: tuple,
+        reads: list[Pending | None],
+        effects: Any,
+    ) -> tuple[Task | None, list[Any]]:
+        """Runs ``program`` on ``args`` (``reads``: each ``AsyncArray``'s
+        :class:`Pending`, else ``None``): deferred until its data lands, or now
+        (blocking). Returns the call whose arrays the run's array outputs
+        become (``None``: it has none), and the outputs, with ``None`` where
+        those arrays go, in order (the rest, tokens, as they are)."""
+        if not effects and self._defers(program, reads):
+            deferred = defer(
+                lambda frozen: run(program, *frozen), program, args, reads, self.readers
+            )
+            return deferred, [None] * len(deferred.specs)
+        outs = list(run(program, *args))
+        at = [k for k, o in enumerate(outs) if isinstance(o, jax.Array)]
+        if not at:
+            return None, outs
+        landed = Results([outs[k] for k in at])
+        for k in at:
+            outs[k] = None
+        return landed, outs
+
+    def _defers(self, program: Any, reads: list[Pending | None]) -> bool:
+        if all(r is None or r.task.future.done() for r in reads):
+            return False
+        if self.status() is not None:
+            return False
+        if processes() > 1:
+            # Every process must dispatch its programs in the same order (their
+            # collectives meet): deferring one would reorder them.
+            return False
+        if not program._local_devices:
+            return False
+        return deferrable(program)
+
+    # -- at dispatch, in the thread that runs the program --
+
+    def arrays_for(self, xs: list[Pending]) -> list[jax.Array]:
+        """One jax.Array per x, its value: waits for it (a run that reaches the
+        argument handlers was not deferred, or its data has landed). A run that
+        donates it (``donate_argnums``) deletes it: the call's value is that
+        ``jax.Array``, so later uses fail as for a donated ``jax.Array``."""
+        values = []
+        for x in xs:
+            values.append(x.array.result())
+            # The deferred programs called before this one that read it no
+            # longer need it (a later donation).
+            self.settle(x.task)
+        return values
+
+    def settle(self, task: Task) -> None:
+        """Before ``task``'s values are handed on (to a program that may donate
+        them, or to ``delete()``): the pending deferred programs that read them
+        no longer need them (:meth:`Readers.settle`)."""
+        if self.readers.by_source:
+            self.readers.settle(task)
+
+
+mechanism = Dispatch()
+
+
+@_fork.in_child
+def _after_fork_in_child() -> None:
+    # The parent's pending programs never run here; a lock held at fork stays held.
+    mechanism.readers, mechanism._installing = Readers(), threading.Lock()

@@ -136,6 +136,12 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "long: the test takes tens of seconds (children on 8 devices, a property "
+        "test, exit scripts): it starts first, so that a run on several workers "
+        "(-n 2) does not end with one worker running it and the other idle",
+    )
     cpus = config.getoption("cpus")
     if cpus is not None:  # for the whole session, workers included (-n)
         stack = contextlib.ExitStack()
@@ -158,6 +164,9 @@ def part_of_test(index: int, parts: int) -> int:
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
+    # The tests marked `long` first, then the rest, each in collection order (a
+    # stable sort: every xdist worker collects the same order).
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     spec = config.getoption("part")
     if spec is None or not items:
         return

@@ -1,4 +1,5 @@
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import pathlib
@@ -32,7 +33,7 @@ os.environ["PYTHONWARNINGS"] = ",".join(
 )
 
 import pytest  # noqa: E402
-from helpers import EXAMPLES, LOOPBACK, NO_LOOPBACK  # noqa: E402
+from helpers import EXAMPLES, LOOPBACK, NO_LOOPBACK, cpus_seen  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Hypothesis runs are reproducible: the seed is fixed (pyproject.toml's addopts pass
@@ -123,9 +124,29 @@ def pytest_addoption(parser):
         "them (the suite on an accelerator, one device run per part; "
         "tests/tpu_suite.sh)",
     )
+    parser.addoption(
+        "--cpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="this process reports N CPUs to the package (os.sched_getaffinity "
+        "and os.cpu_count; helpers.cpus_seen): the suite as on a machine of N "
+        "cores (its child processes see the machine's own)",
+    )
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "long: the test takes tens of seconds (children on 8 devices, a property "
+        "test, exit scripts): it starts first, so that a run on several workers "
+        "(-n 2) does not end with one worker running it and the other idle",
+    )
+    cpus = config.getoption("cpus")
+    if cpus is not None:  # for the whole session, workers included (-n)
+        stack = contextlib.ExitStack()
+        stack.enter_context(cpus_seen(cpus))
+        config.add_cleanup(stack.close)
     config.addinivalue_line(
         "markers",
         "children: the test's work runs in child processes on the CPU, or reads "
@@ -143,6 +164,9 @@ def part_of_test(index: int, parts: int) -> int:
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
+    # The tests marked `long` first, then the rest, each in collection order (a
+    # stable sort: every xdist worker collects the same order).
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     spec = config.getoption("part")
     if spec is None or not items:
         return

@@ -520,6 +520,23 @@ def clocked_executor(monkeypatch, kind, n, clock: str, cpus: int | None = None):
         yield ex
 
 
+@contextlib.contextmanager
+def cpus_seen(n: int):
+    """This process (not its children) reports ``n`` CPUs while the context is
+    entered: ``os.sched_getaffinity`` (what the package reads,
+    ``_support/cpus.py``) and ``os.cpu_count``. For a test of a core count the
+    machine lacks; ``pytest --cpus N`` (conftest.py) runs a whole session so."""
+    if n < 1:
+        raise ValueError(f"cpus_seen takes a CPU count of at least 1, got {n}")
+    saved = os.sched_getaffinity, os.cpu_count
+    os.sched_getaffinity = lambda pid=0: set(range(n))  # type: ignore[assignment]
+    os.cpu_count = lambda: n
+    try:
+        yield
+    finally:
+        os.sched_getaffinity, os.cpu_count = saved
+
+
 def all_idle(threads) -> bool:
     """Whether every thread of a set of shared threads (``kept_threads``) is
     idle: none is still on its way back from a map (a map started then may

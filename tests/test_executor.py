@@ -644,7 +644,7 @@ def test_exit_without_waiting_for_dispatched_maps_is_clean(devices, program):
 
 # Maps on a process pool, in flight in a daemon and a non-daemon thread at exit.
 PROCESS_POOL_AT_EXIT = """
-    import concurrent.futures, multiprocessing, os, threading, time
+    import atexit, concurrent.futures, gc, multiprocessing, os, threading, time
     import jax, jax.numpy as jnp, numpy as np
     from jax_threadmap import threadmap
     from jax_threadmap._executors import runners as _maps
@@ -662,8 +662,6 @@ PROCESS_POOL_AT_EXIT = """
         on_pool(worker_kernels.raises_at_five)(np.zeros(4, np.float32))  # warm
         f = on_pool(worker_kernels.slow_identity)  # 64 elements: 64 s a map
 
-        daemon_said = threading.Event()
-
         def run(name):
             try:
                 f(np.zeros(64, np.float32))  # 64 s of kernels on 2 workers
@@ -671,21 +669,38 @@ PROCESS_POOL_AT_EXIT = """
                 # One write per line: the two threads end at the same moment,
                 # and print() writes its parts one by one.
                 os.write(1, f"{name} {type(e).__name__} {e}\\n".encode())
-            finally:
-                if name:
-                    daemon_said.set()
 
-        for daemon in (True, False):
-            threading.Thread(target=run, args=(daemon,), daemon=daemon).start()
-        # A daemon thread may be cut short by the interpreter's end before it
-        # writes: a non-daemon thread keeps the interpreter until it has (the
-        # daemon thread's map is stopped before Python joins non-daemon threads).
-        threading.Thread(target=daemon_said.wait, args=(50,)).start()
+        threads = [
+            threading.Thread(target=run, args=(daemon,), daemon=daemon)
+            for daemon in (True, False)
+        ]
+        for t in threads:
+            t.start()
+        # A daemon thread may be cut short by the interpreter's end: a non-daemon
+        # thread keeps the interpreter until it has ended (its map is stopped
+        # before Python joins non-daemon threads), having written its line and
+        # let go of the pool.
+        threading.Thread(target=threads[0].join, args=(50,)).start()
+
+        def let_go_of_the_pool():
+            # After the pool's own exit (atexit runs after concurrent.futures'
+            # threading hook has joined its manager): the last references to it
+            # (this module's, JAX's caches of the maps' parameters) go while every
+            # module is whole. Else the interpreter's teardown drops them, and the
+            # pool's weakref callback may meet concurrent.futures.process torn
+            # down (CPython's own "Exception ignored in ... weakref_cb",
+            # "'NoneType' object has no attribute 'util'": seen under load).
+            globals().pop("ex", None)
+            jax.clear_caches()
+            gc.collect()
+
+        atexit.register(let_go_of_the_pool)
         wait_until(lambda: len(_maps._flights) == 2, "both maps in flight")
         print("ready", flush=True)
 """
 
 
+@pytest.mark.long
 def test_exit_with_process_pool_maps_in_flight_says_the_interpreter_exits():
     # Was "The executor ... refused new work ... cannot schedule new futures after
     # shutdown. Pass an executor that is running", for both maps.

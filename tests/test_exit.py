@@ -53,6 +53,8 @@ x = jtm.async_call(lambda: np.ones(1000, np.float32),
                    jax.ShapeDtypeStruct((1000,), np.float32))
 """
 
+pytestmark = pytest.mark.long  # (conftest.py: they start first)
+
 RUNS = 2  # each case aborted 3 runs in 3 before the fix (fresh processes)
 
 

@@ -126,6 +126,7 @@ def executors(spawn_pool):
     return {"shared": None, "1": 1, "2": 2, "process pool": spawn_pool}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)  # ~1 min on 2 quiet cores; much more on a loaded machine
 @_SETTINGS
 @given(

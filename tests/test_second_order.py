@@ -417,6 +417,7 @@ KERNELS = {
 }
 
 
+@pytest.mark.long
 @settings(
     max_examples=examples(24),
     deadline=None,

@@ -39,6 +39,7 @@ WAIT = 30.0
     [("1", "1"), ("0", "1"), ("1", "0")],
     ids=["shardy", "gspmd", "blocking-dispatch"],
 )
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_shard_loads_on_8_devices(shardy, dispatch):
     ran = run_script(

@@ -23,6 +23,7 @@ CHECK_LINES = {"shard_map": 59, "jit": 62}
 # callback shardings differ (one per result for Shardy).
 @pytest.mark.parametrize("shardy", ["1", "0"], ids=["shardy", "gspmd"])
 @pytest.mark.parametrize("part", sorted(CHECK_LINES))
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_sharded_programs_on_8_devices(part, shardy):
     env = {"JAX_USE_SHARDY_PARTITIONER": shardy}

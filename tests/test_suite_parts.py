@@ -6,6 +6,7 @@ run of the whole suite runs."""
 from __future__ import annotations
 
 import collections
+import os
 import pathlib
 import subprocess
 import sys
@@ -95,3 +96,16 @@ def test_the_parts_of_a_run_are_the_whole_run(tmp_path):
     assert sorted(t for part in parts for t in part) == sorted(whole)
     assert [len(part) for part in parts] == [4, 4, 3]
     assert all(any("test_b.py" in t for t in part) for part in parts)
+
+
+def test_cpus_seen_sets_the_count_the_package_reads():
+    from helpers import cpus_seen
+
+    from jax_threadmap._support.cpus import available_cpus
+
+    machine = available_cpus()
+    for n in (1, 16, 64):
+        with cpus_seen(n):
+            assert available_cpus() == n
+            assert os.cpu_count() == n
+    assert available_cpus() == machine

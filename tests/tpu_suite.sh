@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The test suite on a TPU host, in parts of under 8 minutes each (one device run
+# The test suite on a TPU host, in parts of at most 5 minutes each (one device run
 # may last 10): docs/accelerators.md, "Running the tests on an accelerator".
 #
-#   bash tests/tpu_suite.sh K [N]      # part K of N (N = 6 unless given), K = 1 .. N
+#   bash tests/tpu_suite.sh K [N]      # part K of N (N = 10 unless given), K = 1 .. N
 #
 # Part K runs, at the same time:
 #   - in one pytest process on the TPU (one process at a time may hold it), the
@@ -14,7 +14,7 @@
 # Logs: $OUT (the folder a device run sends back) or /tmp.
 set -u
 K=${1:?usage: bash tests/tpu_suite.sh K [N]}
-N=${2:-6}
+N=${2:-10}
 LOGS=${OUT:-/tmp}
 SITE=/tmp/tpu-suite-site
 # What the TPU image lacks of the package's dependencies and the test extra, from

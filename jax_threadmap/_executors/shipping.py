@@ -91,7 +91,10 @@ class Shipper:
             self.work.store_packed(start, stop, outs)
             self.job.add_completed(stop - start)
             self.per_element = per_element  # the latest: tasks size from it
-        self.top_up(self.cap)
+        # Untimed, a task is one element: no more of them than the first wave,
+        # however long a cold pool's workers take to answer.
+        timed = self.per_element is not None or self.job.fixed
+        self.top_up(self.cap if timed else self.first_wave)
         return not self.pending
 
     def run(self, progress: Progress | None) -> None:

@@ -159,7 +159,7 @@ class BlasLimit:
         """Around a map that runs kernel ``name`` on ``threads`` threads of this
         process: the limit while it runs, when more than one thread and not
         turned off (:data:`ENV_LIMIT_BLAS`)."""
-        if not auto_limit_enabled() or threads <= 1:
+        if threads <= 1 or not auto_limit_enabled():
             yield
             return
         long = self._long.get(name)

@@ -99,18 +99,17 @@ class Job:
         self.workers = n if workers is None else max(1, workers)
         #: Threads the map may hold now (raised to ``workers`` once it rises).
         self.limit = self.workers
+        self.measure = policy.Measure()
         self.inline = inline is not None and self.fixed is None
         self._spent = 0.0  # seconds an inline map has run
-        if self.inline:  # (it rises from one thread; chunks sized from the start)
-            cpus, self.measure = 1, policy.Measure(inline.per_element)  # type: ignore[union-attr]
+        if inline is not None and self.inline:  # one thread; chunks sized at once
+            cpus, self.measure.per_element = 1, inline.per_element
         if cpus is not None and self.fixed is None:
             self.limit = max(1, min(cpus, self.workers))
         #: Threads handed to the map (:meth:`add_hand`).
         self.hands = 0
         #: Hands the map more threads once its limit rises (set by its runner).
         self.grow: Callable[[], object] | None = None
-        if not self.inline:
-            self.measure = policy.Measure()
         self.failed = False
         self.error: BaseException | None = None
         self._completed = 0  # units counted done (shipped ones too)

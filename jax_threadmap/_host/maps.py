@@ -50,7 +50,7 @@ def operand_view(x: Any, axes: Axes, batch_shape: tuple[int, ...]) -> np.ndarray
     )
     shape = tuple(batch_shape) + tuple(x.shape[d] for d in core_axes)
     if len(present) == len(axes):  # batched at every level: a transpose (faster)
-        view = x.transpose([*axes, *core_axes])  # type: ignore[list-item]
+        view = x.transpose([*axes, *core_axes])
         view.flags.writeable = False
         return view
     return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=False)

@@ -101,7 +101,7 @@ class Job:
         self.limit = self.workers
         self.measure = policy.Measure()
         self.inline = inline is not None and self.fixed is None
-        self._spent = 0.0  # seconds an inline map has run
+        self._spent, self._timed = 0.0, 0  # seconds and units of timed chunks
         if inline is not None and self.inline:  # one thread; chunks sized at once
             cpus, self.measure.per_element = 1, inline.per_element
         if cpus is not None and self.fixed is None:
@@ -128,6 +128,11 @@ class Job:
     def limited(self) -> bool:
         """Whether the map holds fewer threads than its executor has."""
         return self.limit < self.workers
+
+    @property
+    def per_unit(self) -> float:
+        """Seconds per unit of its chunks timed so far, on their threads."""
+        return self._spent / self._timed if self._timed else 0.0
 
     @property
     def completed(self) -> int:
@@ -212,12 +217,12 @@ class Job:
 
     def _record(self, units: int, wall: float, cpu: float, limited: bool) -> bool:
         """Records a guided chunk's time (lock held); whether the map rises now."""
+        self._spent, self._timed = self._spent + wall, self._timed + units
         if not (limited and self.limited):
             policy.record_time(self.measure, units, wall)
             return False
         if self.inline:
             policy.record_time(self.measure, units, wall)
-            self._spent += wall
             if self._spent < policy.INLINE_SECONDS:
                 return False
         elif not policy.record_chunk(self.measure, units, wall, cpu, self.limit):

@@ -240,8 +240,8 @@ def run_map(
     finally:
         _flights.pop(job, None)
         job.detach()
-    if last is not None and job.measure.per_element:
-        last.per_element = job.measure.per_element
+    if last is not None and job.per_unit:
+        last.per_element = job.per_unit
     if job.error is not None:
         raise _map_error(job.error, work.name)
 

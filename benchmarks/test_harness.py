@@ -138,6 +138,22 @@ def test_report_computes_ratios_and_checks_targets():
         report.replace_region("nothing", "x", "new")
 
 
+def test_report_puts_small_maps_against_their_loop_with_each_target():
+    report = _load_report()
+    e = [
+        _entry(f"small-map-{n}", "alternating", 1.0, n, batch=n, title="t", **times)
+        for n, times in (
+            (16, {"threadmap": 12e-6, "loop": 10e-6, "target": 1.1}),
+            (128, {"threadmap": 10e-6, "loop": 10e-6, "target": 1.0}),
+        )
+    ]
+    small = report.analyse(e)["small_maps"]
+    assert [r["ratio"] for r in small["rows"].values()] == pytest.approx([1.2, 1.0])
+    assert [c["ok"] for c in small["checks"]] == [False, True]
+    text = report.markdown(report.analyse(e))
+    assert "#### Small maps: t, per element" in text and "| 128 |" in text
+
+
 def test_fmt_time():
     report = _load_report()
     assert report.fmt_time(2.345e-6) == "2.35 µs"

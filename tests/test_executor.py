@@ -390,6 +390,66 @@ def test_interrupt_while_waiting_stops_work_not_started():
     assert len(ran) <= 2, ran
 
 
+def _inline_job(n, fn, per_element):
+    last = _scheduling.Measure(per_element=per_element)
+    return _jobs.Job(n, fn, workers=2, inline=last)
+
+
+def test_a_map_expected_short_runs_on_the_thread_that_started_it():
+    ran = []  # (element, thread); list.append is thread-safe
+
+    def fn(start, stop, job):
+        ran.extend((i, threading.current_thread()) for i in range(start, stop))
+
+    pool = _shared_threads.ThreadPool(2)
+    job = _inline_job(16, fn, 1e-6)  # one chunk: 16 elements of 1 us
+    pool.run(job)
+    assert job.error is None and sorted(i for i, _ in ran) == list(range(16))
+    assert {t for _, t in ran} == {threading.current_thread()}
+    assert pool.active == 0
+
+
+def test_a_map_run_inline_that_turns_out_slow_gets_the_pools_threads():
+    ran = []
+
+    def fn(start, stop, job):
+        for i in range(start, stop):
+            if i == 0:  # longer than the map was expected to take in all
+                time.sleep(2 * _scheduling.INLINE_SECONDS)
+            ran.append(i)
+
+    pool = _shared_threads.ThreadPool(2)
+    n = 40
+    job = _inline_job(n, fn, _scheduling.INLINE_SECONDS / n / 2)
+    assert job.inline
+    pool.run(job)
+    assert job.error is None and sorted(ran) == list(range(n))
+    assert job.limit == 2  # it rose
+    wait_until(lambda: pool.active == 0, "the threads it got gave their places back")
+
+
+def test_a_map_queued_behind_an_inline_map_gets_its_place_back():
+    pool = _shared_threads.ThreadPool(1)
+    second = _jobs.Job(3, lambda start, stop, job: None, workers=1)
+
+    def queued():
+        return any(j is second for _, j in _shared_threads._threads.queue)
+
+    def fn(start, stop, job):  # the inline map holds the pool's one place
+        wait_until(queued, "the second map queued")
+
+    def start_second():
+        wait_until(lambda: pool.active, "the inline map took the pool's place")
+        pool.run(second)
+
+    waiter = threading.Thread(target=start_second)
+    waiter.start()
+    pool.run(_inline_job(4, fn, 1e-6))
+    waiter.join(60)
+    assert not waiter.is_alive() and second.done.is_set() and second.error is None
+    wait_until(lambda: pool.active == 0, "every place given back")
+
+
 def test_kernel_lends_its_thread_to_the_nested_map_it_waits_for():
     inner_rec = Recorder(0.02)
     inner = jax.jit(jax.vmap(lambda v: threadmap(inner_rec, F32, v, executor=2)))

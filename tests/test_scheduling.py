@@ -104,6 +104,18 @@ def test_waiting_elements_vote_by_their_share_of_cpu():
     assert not any(_chunk(m, fast, 0.5) for _ in range(5 * policy.SLOW_VOTES))
 
 
+def test_short_maps_of_fast_elements_run_inline():
+    fast = Measure(per_element=policy.SLOW_ELEMENT / 10)
+    fits = int(policy.INLINE_SECONDS / fast.per_element) - 1
+    assert policy.runs_inline(fits, fast, shared=True)
+    assert not policy.runs_inline(fits + 2, fast, shared=True)  # too long
+    assert not policy.runs_inline(fits, fast, shared=False)  # a user's executor
+    assert not policy.runs_inline(1, Measure(), shared=True)  # nothing timed yet
+    assert not policy.runs_inline(1, None, shared=True)  # the first map
+    slow = Measure(per_element=policy.SLOW_ELEMENT)
+    assert not policy.runs_inline(1, slow, shared=True)  # threads pay off
+
+
 def test_fixed_chunks_and_vector_lengths():
     per = policy.FIXED_CHUNKS_PER_WORKER
     assert policy.fixed_chunk(100, 5) == -(-100 // (per * 5))
@@ -152,6 +164,7 @@ def quoted_facts():
         ("docs/executors.md", f"as soon as {_WORDS[policy.SLOW_VOTES]} chunks in a"),
         ("docs/executors.md", f"slow ({_us(policy.SLOW_ELEMENT)} or more each)"),
         ("docs/executors.md", f"idle for {policy.IDLE_TIMEOUT:g} seconds exits"),
+        ("docs/executors.md", f"less than {_ms(policy.INLINE_SECONDS)} in all"),
         ("README.md", f"exit after {policy.IDLE_TIMEOUT:g} s idle"),
         (
             "docs/executors.md",

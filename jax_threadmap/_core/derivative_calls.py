@@ -112,10 +112,21 @@ class DerivativeCall:
             return _then(result, lambda r: self._kept(self.flat_result(r, chunk)))
         return self._kept(self.flat_result(result, chunk))
 
+    def is_direct(self) -> bool:
+        """Whether :meth:`direct` calls this kernel."""
+        plan = [(i, None) for i in range(sum(self.param.present))]
+        simple = not (self.vectorized or self.keywords or self.asynchronous)
+        return simple and self.flat_args and self.plans[0] == plan
+
+    def direct(self, *operands: np.ndarray) -> Any:
+        """``__call__`` where the kernel takes the operands as they come (one
+        leaf each, in order: no zeros, keywords, chunks or coroutines)."""
+        return self._kept(self.flat_result(self.fn(*operands), ()))
+
     def _kept(self, out: list[Any]) -> tuple[Any, ...]:
         if self.keep is None:
             return tuple(out)
-        return tuple(out[k] for k in self.keep)
+        return tuple([out[k] for k in self.keep])
 
 
 async def _then(result: Any, finish: Callable[[Any], Any]) -> Any:
@@ -187,7 +198,7 @@ def _cotangent_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any
     what = "VJP" if node.kind == "vjp" else "bwd"
     arg_trees = node.base.args_tree.children()
     leaf = [t.num_leaves == 1 and t.num_nodes == 1 for t in arg_trees]
-    out_avals = node.out_avals
+    every_leaf, out_avals = all(leaf), node.out_avals
 
     def flat(result: Any, chunk: tuple[int, ...]) -> list[Any]:
         if not isinstance(result, (tuple, list)) or len(result) != len(arg_trees):
@@ -196,23 +207,26 @@ def _cotangent_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any
                 f"positional argument ({len(arg_trees)}), e.g. `return (ct_x,)` for "
                 f"one argument; got {_describe(result)}."
             )
-        out: list[Any] = []
-        for i, (tree, r) in enumerate(zip(arg_trees, result, strict=True)):
-            if r is None:
-                out.extend([None] * tree.num_leaves)
-            elif leaf[i]:
-                out.append(r)
-            else:
-                try:
-                    out.extend(tree.flatten_up_to(r))
-                except (ValueError, TypeError) as e:
-                    raise TypeError(
-                        f"the {what} kernel returned a cotangent for positional "
-                        f"argument {i} of structure "
-                        f"{jax.tree_util.tree_structure(r)}, but the argument has "
-                        f"structure {tree} ({e}). Return a pytree like the "
-                        "argument, or None for zeros."
-                    ) from None
+        if every_leaf:  # one leaf per argument: as they come (None: zeros)
+            out = list(result)
+        else:
+            out = []
+            for i, (tree, r) in enumerate(zip(arg_trees, result, strict=True)):
+                if r is None:
+                    out.extend([None] * tree.num_leaves)
+                elif leaf[i]:
+                    out.append(r)
+                else:
+                    try:
+                        out.extend(tree.flatten_up_to(r))
+                    except (ValueError, TypeError) as e:
+                        raise TypeError(
+                            f"the {what} kernel returned a cotangent for positional "
+                            f"argument {i} of structure "
+                            f"{jax.tree_util.tree_structure(r)}, but the argument has "
+                            f"structure {tree} ({e}). Return a pytree like the "
+                            "argument, or None for zeros."
+                        ) from None
         for j, c in enumerate(out):
             if c is None:
                 out[j] = zeros(chunk + out_avals[j][0], out_avals[j][1])
@@ -228,6 +242,9 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
     rule, out_tree = node.base.residual_rule, node.base.out_tree
     res_tree, checks = rule.res_tree, list(zip(rule.names, rule.res_avals, strict=True))
     one_out = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
+    # A tuple of leaves (the common residuals) flattens as a tuple does.
+    n_res = res_tree.num_leaves
+    res_tuple = res_tree == jax.tree_util.tree_structure((0,) * n_res)
     users = " and ".join(
         kind for kind, r in (("jvp", rule.jvp), ("bwd", rule.bwd)) if r is not None
     )
@@ -253,7 +270,10 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
                 f"result_shape_dtypes has structure {out_tree} ({e})."
             ) from None
         try:
-            values = res_tree.flatten_up_to(res)
+            if res_tuple and type(res) is tuple and len(res) == n_res:
+                values = list(res)
+            else:
+                values = res_tree.flatten_up_to(res)
         except (ValueError, TypeError) as e:
             raise TypeError(
                 "the fwd kernel returned residuals (the second of its pair) of "

@@ -528,7 +528,8 @@ class DerivativeParam:
             raise TypeError(node.missing_rule())
         n_in, n_out = sum(self.present), sum(self.keep)
         call = DerivativeCall(self)
-        return call, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
+        fn = call.direct if call.is_direct() else call
+        return fn, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
 
 
 AnyParam = KernelParam | DerivativeParam

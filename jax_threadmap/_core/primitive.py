@@ -33,6 +33,7 @@ import numpy as np
 
 from .._coroutines.async_kernels import run_async_map
 from .._executors.runners import Executor, run_map
+from .._executors.scheduling import Measure
 from .._host.batch_spec import BatchSpec
 from .._host.kernel_scope import kernel_scope
 from .._host.maps import ElementCaller, HostMap
@@ -69,6 +70,7 @@ def host_function(
     asynchronous = kernel.asynchronous
     in_order = isinstance(executor, InOrder)
     runs_on = _runs_on(executor)
+    last = Measure()  # the times of this equation's last map (scheduling.py)
     out_core = [(a.shape, a.dtype) for a in result_avals]
     caller: ElementCaller | ChunkCaller
     if kernel.vectorized:
@@ -95,6 +97,7 @@ def host_function(
                 progress=progress,
                 max_chunk=max_chunk,
                 in_order=in_order,
+                last=last,
             )
         return flat_map.finish()
 

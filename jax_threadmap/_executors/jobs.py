@@ -73,6 +73,8 @@ class Job:
         cpus: A guided map starts on this many threads when fewer than
             ``workers`` (limited), and rises to all (:func:`.scheduling.record_chunk`).
         in_order: Fixed chunks of one unit, on every thread.
+        inline: The times of its equation's last map, for a map that runs on
+            the thread that starts it (:func:`.scheduling.runs_inline`).
         scope: Entered by each thread around its chunks of the map (where the
             kernels' JAX calls run: ``_host/kernel_scope.py``).
     """
@@ -87,6 +89,7 @@ class Job:
         workers: int | None = None,
         cpus: int | None = None,
         in_order: bool = False,
+        inline: policy.Measure | None = None,
         scope: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     ):
         self.n = n
@@ -96,13 +99,17 @@ class Job:
         self.workers = n if workers is None else max(1, workers)
         #: Threads the map may hold now (raised to ``workers`` once it rises).
         self.limit = self.workers
+        self.measure = policy.Measure()
+        self.inline = inline is not None and self.fixed is None
+        self._spent, self._timed = 0.0, 0  # seconds and units of timed chunks
+        if inline is not None and self.inline:  # one thread; chunks sized at once
+            cpus, self.measure.per_element = 1, inline.per_element
         if cpus is not None and self.fixed is None:
             self.limit = max(1, min(cpus, self.workers))
         #: Threads handed to the map (:meth:`add_hand`).
         self.hands = 0
         #: Hands the map more threads once its limit rises (set by its runner).
         self.grow: Callable[[], object] | None = None
-        self._measure = policy.Measure()
         self.failed = False
         self.error: BaseException | None = None
         self._completed = 0  # units counted done (shipped ones too)
@@ -121,6 +128,11 @@ class Job:
     def limited(self) -> bool:
         """Whether the map holds fewer threads than its executor has."""
         return self.limit < self.workers
+
+    @property
+    def per_unit(self) -> float:
+        """Seconds per unit of its chunks timed so far, on their threads."""
+        return self._spent / self._timed if self._timed else 0.0
 
     @property
     def completed(self) -> int:
@@ -163,7 +175,7 @@ class Job:
             return None
         start = self._next
         size = self.fixed or policy.chunk_size(
-            self.n - start, self.workers, self._measure, self.limited
+            self.n - start, self.workers, self.measure, self.limited
         )
         self._next = stop = min(self.n, start + size)
         self._outstanding += 1
@@ -179,14 +191,14 @@ class Job:
         if busy is not None:
             busy.running = True
         began = time.perf_counter() if timed else 0.0
-        cpu = time.thread_time() if limited else 0.0
+        cpu = time.thread_time() if limited and not self.inline else 0.0  # (slow)
         try:
             self.fn(start, stop, self)
         except BaseException as e:  # routed to the waiting thread, like CPython's pool
             self.fail(e)
         finally:
             wall = time.perf_counter() - began if timed else 0.0
-            cpu = time.thread_time() - cpu if limited else 0.0
+            cpu = time.thread_time() - cpu if cpu else 0.0
             this_thread.job = outer
             if busy is not None:
                 busy.running = False
@@ -205,10 +217,15 @@ class Job:
 
     def _record(self, units: int, wall: float, cpu: float, limited: bool) -> bool:
         """Records a guided chunk's time (lock held); whether the map rises now."""
+        self._spent, self._timed = self._spent + wall, self._timed + units
         if not (limited and self.limited):
-            policy.record_time(self._measure, units, wall)
+            policy.record_time(self.measure, units, wall)
             return False
-        if not policy.record_chunk(self._measure, units, wall, cpu, self.limit):
+        if self.inline:
+            policy.record_time(self.measure, units, wall)
+            if self._spent < policy.INLINE_SECONDS:
+                return False
+        elif not policy.record_chunk(self.measure, units, wall, cpu, self.limit):
             return False
         self.limit = self.workers
         return not self._exhausted()

@@ -166,9 +166,11 @@ def new_job(
     max_chunk: int | None = None,
     parent: Job | None = None,
     in_order: bool = False,
+    last: policy.Measure | None = None,
 ) -> Job:
     """The job of ``work`` on ``runner``, with its chunking policy;
-    ``in_order``: asked for (``executor=InOrder(...)``)."""
+    ``in_order``: asked for (``executor=InOrder(...)``); ``last``: the times of
+    the last map of its equation."""
     workers, on_threads, units = runner.workers, runner.on_threads, work.n
     if work.vectorized and units:
         units = work.split(
@@ -180,6 +182,7 @@ def new_job(
     limited = policy.starts_limited(
         units, workers, cpus, parent is not None, on_threads
     )
+    shared = isinstance(runner, _shared_threads.ThreadPool) and parent is None
     return Job(
         units,
         work.run_chunk,
@@ -188,6 +191,7 @@ def new_job(
         workers=workers,
         cpus=cpus if limited else None,
         in_order=ordered,
+        inline=last if policy.runs_inline(units, last, shared) else None,
         # Where the kernels' JAX calls run (kernel_scope.py), entered by each
         # thread that works on the map.
         scope=None if work.scope is None else work.scope.entered,
@@ -201,14 +205,16 @@ def run_map(
     progress: bool | None,
     max_chunk: int | None = None,
     in_order: bool = False,
+    last: policy.Measure | None = None,
 ) -> None:
     """Runs every element of ``work`` on ``executor``; raises the map's error.
     ``max_chunk`` bounds the chunks of a vectorized map; ``in_order``: one
-    element per claim in index order (``executor=InOrder(...)``)."""
+    element per claim in index order (``executor=InOrder(...)``); ``last``: the
+    times of the last map of its equation, which this one updates."""
     if work.n == 0:
         return
     runner = runner_for(executor)
-    job = new_job(work, runner, max_chunk, this_thread.job, in_order)
+    job = new_job(work, runner, max_chunk, this_thread.job, in_order, last)
     bar = None
     if progress_enabled(progress):
         bar = Progress(job.n, work.name, unit="chunk" if work.vectorized else "el")
@@ -218,11 +224,13 @@ def run_map(
     # One BLAS thread per kernel while kernels run on several threads here.
     threads = min(runner.workers, job.n) if runner.on_threads else 1
     try:
-        with BLAS_LIMIT.during_map(threads, work.name):
+        with BLAS_LIMIT.during_map(1 if job.inline else threads, work.name):
             runner.run(job, work, bar)
     finally:
         _flights.pop(job, None)
         job.detach()
+    if last is not None and job.per_unit:
+        last.per_element = job.per_unit
     if job.error is not None:
         raise _map_error(job.error, work.name)
 

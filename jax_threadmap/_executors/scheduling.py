@@ -40,6 +40,10 @@ SLOW_VOTES = 2
 #: elements spread over every thread rather than queue in one chunk.
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
+#: Seconds of work (expected from the last map of its equation) under which a
+#: map of fast elements runs on the thread that started it: handing it to other
+#: threads costs more than they save (wake-ups, and the GIL passed between them).
+INLINE_SECONDS = 5e-3
 #: Elements per thread up to which a map on threads runs in index order; a
 #: larger one may start limited. Its guided chunks would be one element anyway.
 IN_ORDER_UP_TO = 4
@@ -66,6 +70,14 @@ class Measure:
     per_element: float = 0.0
     #: Chunks in a row of a limited map that found the elements slow or waiting.
     votes: int = 0
+
+
+def runs_inline(units: int, last: Measure | None, shared: bool) -> bool:
+    """Whether a map on the shared threads runs on the thread that started it,
+    from the time per element of the last map of its equation (``last``); it
+    gets every thread once it has run :data:`INLINE_SECONDS` (:class:`.jobs.Job`)."""
+    per = last.per_element if shared and last else 0.0
+    return 0.0 < per < SLOW_ELEMENT and per * units < INLINE_SECONDS
 
 
 def fixed_chunk(units: int, workers: int) -> int | None:

@@ -51,6 +51,12 @@ class ThreadPool:
         threads = _threads
         job.grow = lambda: threads.hand(self, job)
         try:
+            if job.inline and threads.take_place(self, job):
+                try:  # a short map runs here, in a place of the pool (scheduling.py)
+                    job.drain()
+                finally:
+                    threads.give_back(self)
+                return wait(job, job.done.wait, progress)
             refused_at_exit = threads.hand(self, job, queue=True)
             if this_thread.job is not None or refused_at_exit:
                 # A nested map: work on its chunks rather than wait behind ours.
@@ -125,6 +131,19 @@ class _Threads:
                 if self._give_thread(pool, job):
                     return True
         return False
+
+    def take_place(self, pool: ThreadPool, job: Job) -> bool:
+        """A place of ``pool`` for the thread that started ``job``, if one is free."""
+        with self.lock:
+            return not self.exiting and _take_place(pool, job)
+
+    def give_back(self, pool: ThreadPool) -> None:
+        """Gives that place back, and the maps queued for ``pool`` their threads."""
+        with self.lock:
+            pool.active -= 1
+            queued = [job for p, job in self.queue if p is pool]
+        for job in queued:
+            self.hand(pool, job)
 
     def _admits_at_exit(self, job: Job, queue: bool) -> bool:  # lock held
         """Whether a map gets threads while the interpreter exits: more threads

@@ -147,7 +147,7 @@ class BlasLimit:
         """Around a map that runs kernel ``name`` on ``threads`` threads of this
         process: the limit while it runs, when more than one thread and not
         turned off (``JAX_THREADMAP_LIMIT_BLAS=0``)."""
-        if not _environment.env_limit_blas() or threads <= 1:
+        if threads <= 1 or not _environment.env_limit_blas():
             yield
             return
         long = self._long.get(name)

@@ -3,12 +3,17 @@
 JAX defines the methods, operators and properties of its arrays from three tables
 (``_array_methods``, ``_array_operators``, ``_array_properties`` of
 ``jax/_src/numpy/array_methods.py``, reached through :mod:`.._jax.hooks`).
-:func:`install` puts each entry on ``AsyncArray``, run under ``jax.jit`` with the
-array as an argument: the call traces with the array's abstract value and
-dispatches at once, as any jitted call on pending data does (``y.T``, ``y.sum()``,
-``y.astype(...)``, ``y.at[i].set(v)`` never wait). An entry that needs a concrete
-value (``item``, ``nonzero()`` without ``size``, a boolean mask) fails to trace
-with a ``ConcretizationTypeError``; it then waits and runs on the landed array.
+:func:`install` puts each entry on ``AsyncArray`` as :func:`apply`: where the
+data has landed, JAX's own entry runs on the ``jax.Array`` s; where it is pending,
+the call returns at once, as a jitted call on pending data does (``y + 1``,
+``y.sum()``, ``y[i]``, ``y.at[i].set(v)``): its outputs are ``AsyncArray`` s of a
+deferred program run (:mod:`.deferred_dispatch`) that runs JAX's entry on the
+values when they land, their avals traced once per abstract signature, with the
+arguments traced as JAX traces them (Python scalars weakly typed, NumPy scalars
+and arrays as values; Python ints static only where the trace needs them
+concrete; a float is never a key). An entry that needs concrete values
+(``nonzero()`` without ``size``, a boolean mask, a NumPy shape) fails to trace;
+it then waits and runs on the values.
 
 What reads the buffer (``tolist``, ``__array__``, ``__dlpack__``, the buffer
 protocol, ``unsafe_buffer_pointer``, ``addressable_shards``, ``__bool__``,
@@ -24,6 +29,7 @@ Where this JAX lacks a table (a release that moved it), no ``AsyncArray`` is mad
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +37,8 @@ import jax
 import numpy as np
 
 from .._jax import hooks as _compat
+from . import async_dispatch as _async_dispatch
+from . import deferred_dispatch as _deferred_dispatch
 
 #: Table entries run as they are, not under jit: they return no array, or
 #: return a helper whose own calls are deferred (``at``).
@@ -88,11 +96,6 @@ NO_LAYOUT = ("format", "layout")
 #: The class of JAX's arrays (``object`` where this JAX moved it: then no
 #: ``AsyncArray`` is made, and nothing is installed).
 _IMPL: Any = _compat.or_missing("ArrayImpl", object)
-_TRACE_ERRORS = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerArrayConversionError,
-    jax.errors.TracerIntegerConversionError,
-)
 
 
 def landed(x: Any) -> Any:
@@ -106,21 +109,14 @@ def landed(x: Any) -> Any:
     return x
 
 
-def _landed_tree(tree: Any, is_async: Callable[[Any], bool]) -> Any:
-    return jax.tree_util.tree_map(
-        lambda a: landed(a) if is_async(a) or isinstance(a, jax.Array) else a, tree
-    )
-
-
 class _Static:
     """The static part of a call's arguments: the tree and its non-array leaves,
-    hashable for ``jit``'s cache (slices are made hashable; a leaf's type is part
-    of the key, so that ``1``, ``1.0`` and ``True`` never share an entry)."""
+    hashable for ``jit``'s cache (typed keys, :func:`_key`)."""
 
     def __init__(self, treedef: Any, leaves: list[Any]) -> None:
         self.treedef, self.leaves = treedef, leaves
         self._key = (treedef, tuple(_key(leaf) for leaf in leaves))
-        self._hash = hash(self._key)  # TypeError: not hashable, the caller waits
+        self._hash = hash(self._key)
 
     def __hash__(self) -> int:
         return self._hash
@@ -130,32 +126,100 @@ class _Static:
 
 
 def _key(leaf: Any) -> Any:
+    """A static leaf's key: its type and value, so that ``1``, ``1.0`` and
+    ``True`` never share an entry (floats are never static, :func:`_marked`)."""
     if isinstance(leaf, slice):
-        return (slice, leaf.start, leaf.stop, leaf.step)
+        return (slice, *(_key(v) for v in (leaf.start, leaf.stop, leaf.step)))
     return (type(leaf), leaf)
 
 
 #: A leaf that is a placeholder for a dynamic argument in ``_Static.leaves``.
 _DYNAMIC = object()
+#: Plans (:func:`_plan`) that are not an output tree and avals: the call needs
+#: concrete arguments (it waits for the values); try again with ints static.
+_WAIT, _INTS = "wait", "ints"
+#: Where the outputs go is not known before the run (:func:`_placement`).
+_ELSEWHERE = "elsewhere"
+#: The plans kept (:data:`_plans`), a bound against ever new static arguments.
+MAX_PLANS = 1024
+_plans: dict[Any, Any] = {}
+_VALUES = (jax.Array, np.ndarray, np.generic)
 
 
-def _dynamic(leaf: Any, is_async: Callable[[Any], bool]) -> bool:
-    # Python ints stay static (axes, shapes, integer powers); floats are traced
-    # as JAX traces Python scalars (weak types), so that a changing step size
-    # does not compile again.
-    return (
-        is_async(leaf)
-        or isinstance(leaf, (jax.Array, np.ndarray, float, complex))
-        and not isinstance(leaf, np.generic)
-    )
+def _marked(leaf: Any, is_async: bool, static_ints: bool) -> tuple[Any, Any]:
+    """``(_DYNAMIC, abstract key)`` for a value (traced, as JAX traces it:
+    arrays and NumPy scalars by shape and dtype, Python floats and ints
+    weakly typed), else ``(leaf, typed key)``: a static leaf."""
+    if is_async or isinstance(leaf, _VALUES):
+        return _DYNAMIC, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False))
+    kind = type(leaf)
+    if kind is float or kind is complex:
+        return _DYNAMIC, kind
+    if kind is int and not static_ints and -(2**31) <= leaf < 2**31:
+        return _DYNAMIC, kind
+    return leaf, _key(leaf)
+
+
+def _call(fn: Callable[..., Any], treedef: Any, flat: list[Any]) -> Any:
+    args, kwargs = jax.tree_util.tree_unflatten(treedef, flat[1:])
+    return fn(flat[0], *args, **kwargs)
+
+
+def _plan(
+    fn: Callable[..., Any], treedef: Any, flat: list[Any], asyncs: list[bool]
+) -> tuple[Any, list[Any]]:
+    """The output tree and avals of ``fn`` on ``flat`` (traced once per
+    abstract signature: Python ints first traced, then static where a trace
+    needs them concrete), or :data:`_WAIT`; and the leaves marked."""
+    static_ints = False
+    while True:
+        marks = [
+            _marked(a, is_async, static_ints)
+            for a, is_async in zip(flat, asyncs, strict=True)
+        ]
+        marked = [m for m, _ in marks]
+        key = (fn, treedef, jax.config.jax_enable_x64, tuple(k for _, k in marks))
+        try:
+            plan = _plans.get(key)
+        except TypeError:  # an unhashable static argument
+            return _WAIT, marked
+        if plan is None:
+            plan = _trace(fn, treedef, flat, marked)
+            if plan is None:
+                retry = not static_ints and int in key[-1]
+                plan = _INTS if retry else _WAIT
+            if len(_plans) >= MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+        if plan is not _INTS:
+            return plan, marked
+        static_ints = True
+
+
+def _trace(fn: Callable[..., Any], treedef: Any, flat: list, marked: list) -> Any:
+    """``fn``'s output tree and avals, traced with the dynamic leaves abstract;
+    ``None`` if the trace fails (a value must be concrete, or an error that
+    the run on the values then raises as JAX does)."""
+
+    def abstract(dynamic: list[Any]) -> Any:
+        values = iter(dynamic)
+        return _call(
+            fn, treedef, [next(values) if m is _DYNAMIC else m for m in marked]
+        )
+
+    dynamic = [leaf for leaf, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
+    try:
+        jaxpr, shapes = jax.make_jaxpr(abstract, return_shape=True)(dynamic)
+    except Exception:  # noqa: BLE001 - run on the values, as a jax.Array would
+        return None
+    return jax.tree_util.tree_structure(shapes), list(jaxpr.out_avals)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def array_method(fn: Callable[..., Any], static: _Static, x: Any, dynamic: list) -> Any:
+def array_method(fn: Callable[..., Any], static: _Static, dynamic: list) -> Any:
     values = iter(dynamic)
     leaves = [next(values) if s is _DYNAMIC else s for s in static.leaves]
-    args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
-    return fn(x, *args, **kwargs)
+    return _call(fn, static.treedef, leaves)
 
 
 def apply(
@@ -165,22 +229,152 @@ def apply(
     kwargs: dict,
     is_async: Callable[[Any], bool],
 ) -> Any:
-    """``fn(x, *args, **kwargs)`` under ``jax.jit`` (deferred where ``x`` is
-    pending); where it needs a concrete value, on the landed values instead."""
+    """``fn(x, *args, **kwargs)`` as on the ``jax.Array`` s the async arrays
+    stand for. Landed: JAX's own ``fn`` on their values. Pending: deferred
+    (returns at once) with the output avals of a trace cached by abstract
+    signature, and run on the values when they land; where the trace needs
+    concrete values, or dispatch is blocking, it waits for them."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [leaf for leaf in leaves if _dynamic(leaf, is_async)]
-    marked = [_DYNAMIC if _dynamic(leaf, is_async) else leaf for leaf in leaves]
+    flat = [x, *leaves]
+    asyncs = [is_async(a) for a in flat]
+    if all(a.done() for a, y in zip(flat, asyncs, strict=True) if y):
+        return _on_values(fn, treedef, flat, asyncs, wait=False)
+    plan, marked = _plan(fn, treedef, flat, asyncs)
+    placement = _placement(flat, marked, asyncs)
+    if plan is _WAIT:
+        _raise_if_never(fn, treedef, flat, asyncs)
+    if plan is _WAIT or _blocking(fn, plan, placement):
+        return _on_values(fn, treedef, flat, asyncs, wait=True)
+    if placement is _ELSEWHERE:  # JAX's jit finds where the outputs go
+        dynamic = [a for a, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
+        return array_method(fn, _Static(treedef, marked), dynamic)
+    return _defer(fn, treedef, flat, asyncs, plan, placement)
+
+
+#: What a trace raises where it needs a value (:func:`_raise_if_never`).
+_NEEDS_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.NonConcreteBooleanIndexError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def _raise_if_never(fn: Callable[..., Any], treedef: Any, flat: list, asyncs: list):
+    """Raises at once, as JAX does on a ``jax.Array``, the error that ``fn``
+    raises whatever the values of its one async array (``x[0] = 1``, a shape
+    that does not fit): traced with every other argument concrete."""
+    if sum(asyncs) > 1:  # the others' values may be what it needs: it waits
+        return
     try:
-        static = _Static(treedef, marked)
-    except TypeError:  # an unhashable static argument: run it on the value
-        static = None
-    if static is not None:
-        try:
-            return array_method(fn, static, x, dynamic)
-        except _TRACE_ERRORS:
-            pass
-    args, kwargs = _landed_tree((args, kwargs), is_async)
-    return fn(landed(x), *args, **kwargs)
+        jax.make_jaxpr(lambda x: _call(fn, treedef, [x, *flat[1:]]))(flat[0])
+    except Exception as e:
+        if not isinstance(e, _NEEDS_VALUES):
+            raise
+
+
+def _on_values(
+    fn: Callable[..., Any], treedef: Any, flat: list, asyncs: list, wait: bool
+) -> Any:
+    """JAX's own ``fn`` on the values (waited for in Python), its array outputs
+    ``AsyncArray`` s of a landed call (the kind follows the arguments)."""
+    get = landed if wait else (lambda a: a.result())
+    out = _call(
+        fn, treedef, [get(a) if y else a for a, y in zip(flat, asyncs, strict=True)]
+    )
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    at = [k for k, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    if at:
+        kind = _async_dispatch.mechanism.kind
+        assert kind is not None  # set when the array type was
+        made = kind.arrays_of(_async_dispatch.Results([leaves[k] for k in at]))
+        for k, array in zip(at, made, strict=True):
+            leaves[k] = array
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _placement(flat: list, marked: list, asyncs: list) -> Any:
+    """Where the outputs of an op on ``flat`` go: ``None`` (the default device,
+    uncommitted, as JAX's eager ops on uncommitted arrays), the one
+    single-device sharding the committed arrays among ``flat`` share, or
+    :data:`_ELSEWHERE` (several devices, or a device or sharding argument)."""
+    found = None
+    for a, m, is_async in zip(flat, marked, asyncs, strict=True):
+        if isinstance(m, (jax.Device, jax.sharding.Sharding)):
+            return _ELSEWHERE
+        if is_async:
+            sharding = a.sharding
+        elif isinstance(a, jax.Array) and a.committed:
+            sharding = a.sharding
+        else:
+            continue
+        if sharding is None or sharding == found:
+            continue
+        if found is not None or len(sharding.device_set) > 1:
+            return _ELSEWHERE
+        found = sharding
+    return found
+
+
+def _blocking(fn: Callable[..., Any], plan: Any, placement: Any) -> bool:
+    """Whether the op waits for its data: blocking dispatch, several processes,
+    a pool thread, or outputs deferred dispatch does not make (PRNG keys)."""
+    if _async_dispatch.mechanism.status() is not None:
+        return True
+    if _deferred_dispatch.processes() > 1:
+        return True
+    return not _deferred_dispatch.deferrable(_program(fn, plan, placement))
+
+
+def _program(fn: Callable[..., Any], plan: Any, placement: Any) -> Any:
+    """What deferred dispatch reads of a program: its name and outputs."""
+    _, avals = plan
+    outs = types.SimpleNamespace(
+        out_avals=avals, out_shardings=[placement] * len(avals)
+    )
+    name = f"`{getattr(fn, '__name__', 'op').strip('_')}`"
+    return types.SimpleNamespace(name=name, mut=None, out_handler=outs)
+
+
+def _defer(
+    fn: Callable[..., Any],
+    treedef: Any,
+    flat: list,
+    asyncs: list,
+    plan: Any,
+    placement: Any,
+) -> Any:
+    """The op's outputs, ``AsyncArray`` s of a deferred program run that runs
+    JAX's own ``fn`` on the values when they land (arguments kept as at the
+    call: :meth:`.deferred_dispatch.Readers.freeze`)."""
+    out_tree, avals = plan
+    kind = _async_dispatch.mechanism.kind
+    assert kind is not None  # set when the array type was
+
+    def dispatch(frozen: tuple[Any, ...]) -> list[jax.Array]:
+        values = [a.result() if y else a for a, y in zip(frozen, asyncs, strict=True)]
+        outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
+        for out, aval in zip(outs, avals, strict=True):
+            if (out.shape, out.dtype, out.weak_type) != (
+                aval.shape,
+                aval.dtype,
+                aval.weak_type,
+            ):  # a bug if ever: the trace and the run disagree
+                raise AssertionError(f"{fn}: {out.aval} where its trace gave {aval}")
+        return outs
+
+    reads = [
+        kind.pending_of(a) if y else None for a, y in zip(flat, asyncs, strict=True)
+    ]
+    made = _deferred_dispatch.defer(
+        dispatch,
+        _program(fn, plan, placement),
+        tuple(flat),
+        reads,
+        kind.arrays_of,
+        _async_dispatch.mechanism.readers,
+    )
+    return jax.tree_util.tree_unflatten(out_tree, made)
 
 
 def _deferred(name: str, fn: Callable[..., Any], is_async: Any) -> Any:

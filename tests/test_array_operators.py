@@ -179,6 +179,29 @@ def test_the_sign_of_zero_is_kept_in_float64():
     assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.report
 
 
+# JAX's eager code takes an integer exponent as concrete (integer_pow: x's dtype);
+# traced, a NumPy integer would promote: such exponents are static.
+EXPONENTS = {
+    "uint8 ** np.int32": (np.uint8, lambda a: a ** np.int32(3)),
+    "bool ** np.int8": (np.bool_, lambda a: a ** np.int8(2)),
+    "float32 ** int": (np.float32, lambda a: a**3),
+    "int32 ** 2": (np.int32, lambda a: a**2),
+    "float32 ** np.int64": (np.float32, lambda a: a ** np.int64(5)),
+}
+
+
+@pytest.mark.parametrize("state", ["pending", "landed"])
+@pytest.mark.parametrize("use", sorted(EXPONENTS))
+def test_integer_exponents_give_what_jax_gives(use, state):
+    dtype, power = EXPONENTS[use]
+    data = np.array([3.0, 1.0, 0.0, 2.0]).astype(dtype)
+    x, release = _array(data, state)
+    want = power(jnp.asarray(data))
+    got = power(x)
+    release.set()
+    _same(got, want, use)
+
+
 # --- pending data: return at once, wait only to read --------------------------------
 
 W = np.ones((3, 2), np.float32)
@@ -403,12 +426,17 @@ def test_operators_with_every_scalar_kind_match_jax_array(
         return
     want = _outcome(lambda: OPS[op](jnp.asarray(data), scalar))
     x, release = _array(data, state)
+    # A jax.Array on the left (``jax_scalar - x``) converts x with __jax_array__,
+    # which waits for the data: released meanwhile.
+    waits = threading.Timer(0.5, release.set)
 
     def use():
+        waits.start()
         try:
             return OPS[op](x, scalar)
         finally:
             release.set()  # after the use: it returned without the data
+            waits.cancel()
 
     got = returns_within(_outcome, use, limit=PATIENCE)
     where = f"{op} {dtype.__name__} {kind}({value}) {state}"

@@ -144,12 +144,19 @@ _ELSEWHERE = "elsewhere"
 MAX_PLANS = 1024
 _plans: dict[Any, Any] = {}
 _VALUES = (jax.Array, np.ndarray, np.generic)
+#: Entries whose integer arguments JAX's eager code takes as concrete, with
+#: another result type (``x ** np.int32(3)`` keeps ``x``'s dtype, traced it
+#: promotes): their integer scalars are static (set by :func:`install`).
+_CONCRETE_INTS: set[Any] = set()
 
 
 def _marked(leaf: Any, is_async: bool, static_ints: bool) -> tuple[Any, Any]:
     """``(_DYNAMIC, abstract key)`` for a value (traced, as JAX traces it:
     arrays and NumPy scalars by shape and dtype, Python floats and ints
-    weakly typed), else ``(leaf, typed key)``: a static leaf."""
+    weakly typed), else ``(leaf, typed key)``: a static leaf; ``static_ints``:
+    Python ints and NumPy integer scalars are static."""
+    if static_ints and isinstance(leaf, np.integer):
+        return leaf, _key(leaf)
     if is_async or isinstance(leaf, _VALUES):
         return _DYNAMIC, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False))
     kind = type(leaf)
@@ -169,16 +176,17 @@ def _plan(
     fn: Callable[..., Any], treedef: Any, flat: list[Any], asyncs: list[bool]
 ) -> tuple[Any, list[Any]]:
     """The output tree and avals of ``fn`` on ``flat`` (traced once per
-    abstract signature: Python ints first traced, then static where a trace
-    needs them concrete), or :data:`_WAIT`; and the leaves marked."""
-    static_ints = False
+    abstract signature: integer scalars first traced, then static where a
+    trace needs them concrete), or :data:`_WAIT`; and the leaves marked."""
+    static_ints = fn in _CONCRETE_INTS
     while True:
         marks = [
             _marked(a, is_async, static_ints)
             for a, is_async in zip(flat, asyncs, strict=True)
         ]
         marked = [m for m, _ in marks]
-        key = (fn, treedef, jax.config.jax_enable_x64, tuple(k for _, k in marks))
+        x64 = jax.config.jax_enable_x64
+        key = (fn, treedef, x64, static_ints, tuple(k for _, k in marks))
         try:
             plan = _plans.get(key)
         except TypeError:  # an unhashable static argument
@@ -186,8 +194,7 @@ def _plan(
         if plan is None:
             plan = _trace(fn, treedef, flat, marked)
             if plan is None:
-                retry = not static_ints and int in key[-1]
-                plan = _INTS if retry else _WAIT
+                plan = _WAIT if static_ints else _INTS
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
@@ -468,6 +475,7 @@ def _tables() -> tuple[dict, dict, dict]:
 def install(cls: type, is_async: Callable[[Any], bool]) -> None:
     """Puts the whole ``jax.Array`` surface on ``cls`` (``AsyncArray``)."""
     methods, operators, properties = _tables()
+    _CONCRETE_INTS.add(operators.get("pow"))
     for name, fn in methods.items():
         setattr(cls, name, _method(name, fn, is_async))
     for name, fn in operators.items():

@@ -17,6 +17,7 @@ Run:
 
 from __future__ import annotations
 
+import gc
 import statistics
 import threading
 import time
@@ -43,6 +44,7 @@ SUBJECTS = ("jax.Array", "landed", "pending")
 
 
 def _batch(use, x, start: int) -> float:
+    gc.collect()  # the garbage of one subject's batch is not the next one's cost
     t = time.perf_counter()
     for k in range(start, start + CALLS):
         y = use(x, k)

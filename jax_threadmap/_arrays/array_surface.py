@@ -3,17 +3,13 @@
 JAX defines the methods, operators and properties of its arrays from three tables
 (``_array_methods``, ``_array_operators``, ``_array_properties`` of
 ``jax/_src/numpy/array_methods.py``, reached through :mod:`.._jax.hooks`).
-:func:`install` puts each entry on ``AsyncArray`` as :func:`apply`: where the
-data has landed, JAX's own entry runs on the ``jax.Array`` s; where it is pending,
-the call returns at once, as a jitted call on pending data does (``y + 1``,
-``y.sum()``, ``y[i]``, ``y.at[i].set(v)``): its outputs are ``AsyncArray`` s of a
-deferred program run (:mod:`.deferred_dispatch`) that runs JAX's entry on the
-values when they land, their avals traced once per abstract signature, with the
-arguments traced as JAX traces them (Python scalars weakly typed, NumPy scalars
-and arrays as values; Python ints static only where the trace needs them
-concrete; a float is never a key). An entry that needs concrete values
-(``nonzero()`` without ``size``, a boolean mask, a NumPy shape) fails to trace;
-it then waits and runs on the values.
+:func:`install` puts each entry on ``AsyncArray`` (:func:`apply`): on landed
+data, JAX's own entry on the values; on pending data, it returns at once, as a
+jitted call does: its outputs are those of a deferred program run that runs the
+entry on the values when they land, their avals traced once per abstract
+signature (Python scalars weakly typed, NumPy ones values: a float is never a
+key). Where a trace needs concrete values (a boolean mask, a NumPy shape), it
+waits and runs on the values.
 
 What reads the buffer (``tolist``, ``__array__``, ``__dlpack__``, the buffer
 protocol, ``unsafe_buffer_pointer``, ``addressable_shards``, ``__bool__``,
@@ -110,40 +106,31 @@ def landed(x: Any) -> Any:
 
 
 class _Static:
-    """The static part of a call's arguments: the tree and its non-array leaves,
-    hashable for ``jit``'s cache (typed keys, :func:`_key`)."""
+    """Static arguments, hashable for ``jit``: equal when their plan keys are."""
 
-    def __init__(self, treedef: Any, leaves: list[Any]) -> None:
-        self.treedef, self.leaves = treedef, leaves
-        self._key = (treedef, tuple(_key(leaf) for leaf in leaves))
-        self._hash = hash(self._key)
+    def __init__(self, key: Any, marked: list[Any]) -> None:
+        self.key, self.marked = key, marked
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash(self.key)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and self._key == other._key
+        return isinstance(other, _Static) and self.key == other.key
 
 
 def _key(leaf: Any) -> Any:
-    """A static leaf's key: its type and value, so that ``1``, ``1.0`` and
-    ``True`` never share an entry (floats are never static, :func:`_marked`)."""
+    """A static leaf's key: its type and value (``1``, ``1.0``, ``True`` differ)."""
     if isinstance(leaf, slice):
         return (slice, *(_key(v) for v in (leaf.start, leaf.stop, leaf.step)))
     return (type(leaf), leaf)
 
 
-#: A leaf that is a placeholder for a dynamic argument in ``_Static.leaves``.
-_DYNAMIC = object()
-#: Plans (:func:`_plan`) that are not an output tree and avals: the call needs
-#: concrete arguments (it waits for the values); try again with ints static.
-_WAIT, _INTS = "wait", "ints"
-#: Where the outputs go is not known before the run (:func:`_placement`).
-_ELSEWHERE = "elsewhere"
-#: The plans kept (:data:`_plans`), a bound against ever new static arguments.
-MAX_PLANS = 1024
+#: Marks a dynamic leaf; plans that are not (output tree, avals): the op needs
+#: concrete values (it waits for them), or a retry with integers static.
+_DYNAMIC, _WAIT, _INTS = object(), "wait", "ints"
+_ELSEWHERE = "elsewhere"  # where outputs go is not known before the run
 _plans: dict[Any, Any] = {}
-_VALUES = (jax.Array, np.ndarray, np.generic)
+MAX_PLANS = 1024  # kept plans: a bound against ever new static arguments
 #: Entries whose integer arguments JAX's eager code takes as concrete, with
 #: another result type (``x ** np.int32(3)`` keeps ``x``'s dtype, traced it
 #: promotes): their integer scalars are static (set by :func:`install`).
@@ -151,18 +138,17 @@ _CONCRETE_INTS: set[Any] = set()
 
 
 def _marked(leaf: Any, is_async: bool, static_ints: bool) -> tuple[Any, Any]:
-    """``(_DYNAMIC, abstract key)`` for a value (traced, as JAX traces it:
-    arrays and NumPy scalars by shape and dtype, Python floats and ints
-    weakly typed), else ``(leaf, typed key)``: a static leaf; ``static_ints``:
-    Python ints and NumPy integer scalars are static."""
+    """``(_DYNAMIC, abstract key)`` for a value traced as JAX traces it (arrays
+    and NumPy scalars by shape and dtype, Python floats and ints weakly
+    typed: never a float in a key), else ``(leaf, typed key)``."""
     if static_ints and isinstance(leaf, np.integer):
         return leaf, _key(leaf)
-    if is_async or isinstance(leaf, _VALUES):
+    if is_async or isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return _DYNAMIC, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False))
     kind = type(leaf)
-    if kind is float or kind is complex:
-        return _DYNAMIC, kind
-    if kind is int and not static_ints and -(2**31) <= leaf < 2**31:
+    if kind in (float, complex) or (
+        kind is int and not static_ints and -(2**31) <= leaf < 2**31
+    ):
         return _DYNAMIC, kind
     return leaf, _key(leaf)
 
@@ -172,49 +158,42 @@ def _call(fn: Callable[..., Any], treedef: Any, flat: list[Any]) -> Any:
     return fn(flat[0], *args, **kwargs)
 
 
-def _plan(
-    fn: Callable[..., Any], treedef: Any, flat: list[Any], asyncs: list[bool]
-) -> tuple[Any, list[Any]]:
-    """The output tree and avals of ``fn`` on ``flat`` (traced once per
-    abstract signature: integer scalars first traced, then static where a
-    trace needs them concrete), or :data:`_WAIT`; and the leaves marked."""
+def _plan(fn: Any, treedef: Any, flat: list, asyncs: list) -> tuple[Any, Any, list]:
+    """``fn``'s output tree and avals on ``flat`` (or :data:`_WAIT`), its key and
+    the marked leaves: traced once per abstract signature, integers first
+    traced, then static where the trace needs them concrete."""
     static_ints = fn in _CONCRETE_INTS
     while True:
-        marks = [
-            _marked(a, is_async, static_ints)
-            for a, is_async in zip(flat, asyncs, strict=True)
-        ]
+        marks = [_marked(a, y, static_ints) for a, y in zip(flat, asyncs, strict=True)]
         marked = [m for m, _ in marks]
-        x64 = jax.config.jax_enable_x64
+        x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
         key = (fn, treedef, x64, static_ints, tuple(k for _, k in marks))
         try:
             plan = _plans.get(key)
         except TypeError:  # an unhashable static argument
-            return _WAIT, marked
+            return _WAIT, None, marked
         if plan is None:
-            plan = _trace(fn, treedef, flat, marked)
-            if plan is None:
-                plan = _WAIT if static_ints else _INTS
+            plan = _trace(fn, treedef, flat, marked) or (
+                _WAIT if static_ints else _INTS
+            )
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
         if plan is not _INTS:
-            return plan, marked
+            return plan, key, marked
         static_ints = True
 
 
-def _trace(fn: Callable[..., Any], treedef: Any, flat: list, marked: list) -> Any:
-    """``fn``'s output tree and avals, traced with the dynamic leaves abstract;
-    ``None`` if the trace fails (a value must be concrete, or an error that
-    the run on the values then raises as JAX does)."""
+def _trace(fn: Any, treedef: Any, flat: list, marked: list) -> Any:
+    """The output tree and avals of ``fn`` with the dynamic leaves abstract;
+    ``None`` where the trace fails (a value must be concrete, or an error)."""
 
     def abstract(dynamic: list[Any]) -> Any:
         values = iter(dynamic)
-        return _call(
-            fn, treedef, [next(values) if m is _DYNAMIC else m for m in marked]
-        )
+        leaves = [next(values) if m is _DYNAMIC else m for m in marked]
+        return _call(fn, treedef, leaves)
 
-    dynamic = [leaf for leaf, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
+    dynamic = [a for a, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
     try:
         jaxpr, shapes = jax.make_jaxpr(abstract, return_shape=True)(dynamic)
     except Exception:  # noqa: BLE001 - run on the values, as a jax.Array would
@@ -222,11 +201,11 @@ def _trace(fn: Callable[..., Any], treedef: Any, flat: list, marked: list) -> An
     return jax.tree_util.tree_structure(shapes), list(jaxpr.out_avals)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def array_method(fn: Callable[..., Any], static: _Static, dynamic: list) -> Any:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def array_method(fn: Any, treedef: Any, static: _Static, dynamic: list) -> Any:
     values = iter(dynamic)
-    leaves = [next(values) if s is _DYNAMIC else s for s in static.leaves]
-    return _call(fn, static.treedef, leaves)
+    leaves = [next(values) if m is _DYNAMIC else m for m in static.marked]
+    return _call(fn, treedef, leaves)
 
 
 def apply(
@@ -237,25 +216,34 @@ def apply(
     is_async: Callable[[Any], bool],
 ) -> Any:
     """``fn(x, *args, **kwargs)`` as on the ``jax.Array`` s the async arrays
-    stand for. Landed: JAX's own ``fn`` on their values. Pending: deferred
-    (returns at once) with the output avals of a trace cached by abstract
-    signature, and run on the values when they land; where the trace needs
-    concrete values, or dispatch is blocking, it waits for them."""
+    stand for: landed, JAX's own ``fn`` on their values; pending, deferred
+    with the avals of its plan (:func:`_plan`), ``fn`` run when they land;
+    where it needs concrete values, or dispatch is blocking, it waits."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     flat = [x, *leaves]
     asyncs = [is_async(a) for a in flat]
     if all(a.done() for a, y in zip(flat, asyncs, strict=True) if y):
         return _on_values(fn, treedef, flat, asyncs, wait=False)
-    plan, marked = _plan(fn, treedef, flat, asyncs)
-    placement = _placement(flat, marked, asyncs)
+    plan, key, marked = _plan(fn, treedef, flat, asyncs)
     if plan is _WAIT:
         _raise_if_never(fn, treedef, flat, asyncs)
-    if plan is _WAIT or _blocking(fn, plan, placement):
         return _on_values(fn, treedef, flat, asyncs, wait=True)
-    if placement is _ELSEWHERE:  # JAX's jit finds where the outputs go
+    placement = _placement(flat, marked, asyncs)
+    if placement is _ELSEWHERE:  # jit finds where the outputs go
         dynamic = [a for a, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
-        return array_method(fn, _Static(treedef, marked), dynamic)
-    return _defer(fn, treedef, flat, asyncs, plan, placement)
+        return array_method(fn, treedef, _Static(key, marked), dynamic)
+    name = f"`{getattr(fn, '__name__', 'op').strip('_')}`"
+    outs = types.SimpleNamespace(
+        out_avals=plan[1], out_shardings=[placement] * len(plan[1])
+    )
+    program = types.SimpleNamespace(name=name, mut=None, out_handler=outs)
+    if (
+        _async_dispatch.mechanism.status() is not None  # blocking dispatch
+        or _deferred_dispatch.processes() > 1
+        or not _deferred_dispatch.deferrable(program)  # a pool thread, PRNG keys
+    ):
+        return _on_values(fn, treedef, flat, asyncs, wait=True)
+    return _defer(fn, treedef, flat, asyncs, plan, program)
 
 
 #: What a trace raises where it needs a value (:func:`_raise_if_never`).
@@ -267,33 +255,28 @@ _NEEDS_VALUES = (
 )
 
 
-def _raise_if_never(fn: Callable[..., Any], treedef: Any, flat: list, asyncs: list):
-    """Raises at once, as JAX does on a ``jax.Array``, the error that ``fn``
-    raises whatever the values of its one async array (``x[0] = 1``, a shape
-    that does not fit): traced with every other argument concrete."""
-    if sum(asyncs) > 1:  # the others' values may be what it needs: it waits
-        return
-    try:
-        jax.make_jaxpr(lambda x: _call(fn, treedef, [x, *flat[1:]]))(flat[0])
-    except Exception as e:
-        if not isinstance(e, _NEEDS_VALUES):
-            raise
+def _raise_if_never(fn: Any, treedef: Any, flat: list, asyncs: list) -> None:
+    """Raises at once, as on a ``jax.Array``, what ``fn`` raises whatever the
+    values of its one async array (``x[0] = 1``, a shape that does not fit)."""
+    if sum(asyncs) == 1:  # (the values of others may be what it needs)
+        try:
+            jax.make_jaxpr(lambda x: _call(fn, treedef, [x, *flat[1:]]))(flat[0])
+        except Exception as e:
+            if not isinstance(e, _NEEDS_VALUES):
+                raise
 
 
-def _on_values(
-    fn: Callable[..., Any], treedef: Any, flat: list, asyncs: list, wait: bool
-) -> Any:
-    """JAX's own ``fn`` on the values (waited for in Python), its array outputs
-    ``AsyncArray`` s of a landed call (the kind follows the arguments)."""
+def _on_values(fn: Any, treedef: Any, flat: list, asyncs: list, wait: bool) -> Any:
+    """JAX's own ``fn`` on the values (``wait``: waited for in Python), its
+    array outputs ``AsyncArray`` s of a landed call (the kind follows the
+    arguments)."""
     get = landed if wait else (lambda a: a.result())
-    out = _call(
-        fn, treedef, [get(a) if y else a for a, y in zip(flat, asyncs, strict=True)]
-    )
+    values = [get(a) if y else a for a, y in zip(flat, asyncs, strict=True)]
+    out = _call(fn, treedef, values)
     leaves, tree = jax.tree_util.tree_flatten(out)
     at = [k for k, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
     if at:
-        kind = _async_dispatch.mechanism.kind
-        assert kind is not None  # set when the array type was
+        kind: Any = _async_dispatch.mechanism.kind
         made = kind.arrays_of(_async_dispatch.Results([leaves[k] for k in at]))
         for k, array in zip(at, made, strict=True):
             leaves[k] = array
@@ -301,73 +284,38 @@ def _on_values(
 
 
 def _placement(flat: list, marked: list, asyncs: list) -> Any:
-    """Where the outputs of an op on ``flat`` go: ``None`` (the default device,
-    uncommitted, as JAX's eager ops on uncommitted arrays), the one
-    single-device sharding the committed arrays among ``flat`` share, or
-    :data:`_ELSEWHERE` (several devices, or a device or sharding argument)."""
+    """Where an op's outputs go, as JAX's eager ops put them: ``None`` (the
+    default device, uncommitted), the one single-device sharding of the
+    committed arrays, or :data:`_ELSEWHERE` (several devices, or a device or
+    sharding argument: not known before the run)."""
     found = None
     for a, m, is_async in zip(flat, marked, asyncs, strict=True):
         if isinstance(m, (jax.Device, jax.sharding.Sharding)):
             return _ELSEWHERE
-        if is_async:
-            sharding = a.sharding
-        elif isinstance(a, jax.Array) and a.committed:
-            sharding = a.sharding
-        else:
-            continue
-        if sharding is None or sharding == found:
-            continue
-        if found is not None or len(sharding.device_set) > 1:
-            return _ELSEWHERE
-        found = sharding
+        committed = is_async or (isinstance(a, jax.Array) and a.committed)
+        sharding = a.sharding if committed else None
+        if sharding is not None and sharding != found:
+            if found is not None or len(sharding.device_set) > 1:
+                return _ELSEWHERE
+            found = sharding
     return found
 
 
-def _blocking(fn: Callable[..., Any], plan: Any, placement: Any) -> bool:
-    """Whether the op waits for its data: blocking dispatch, several processes,
-    a pool thread, or outputs deferred dispatch does not make (PRNG keys)."""
-    if _async_dispatch.mechanism.status() is not None:
-        return True
-    if _deferred_dispatch.processes() > 1:
-        return True
-    return not _deferred_dispatch.deferrable(_program(fn, plan, placement))
-
-
-def _program(fn: Callable[..., Any], plan: Any, placement: Any) -> Any:
-    """What deferred dispatch reads of a program: its name and outputs."""
-    _, avals = plan
-    outs = types.SimpleNamespace(
-        out_avals=avals, out_shardings=[placement] * len(avals)
-    )
-    name = f"`{getattr(fn, '__name__', 'op').strip('_')}`"
-    return types.SimpleNamespace(name=name, mut=None, out_handler=outs)
-
-
 def _defer(
-    fn: Callable[..., Any],
-    treedef: Any,
-    flat: list,
-    asyncs: list,
-    plan: Any,
-    placement: Any,
+    fn: Any, treedef: Any, flat: list, asyncs: list, plan: Any, program: Any
 ) -> Any:
-    """The op's outputs, ``AsyncArray`` s of a deferred program run that runs
-    JAX's own ``fn`` on the values when they land (arguments kept as at the
-    call: :meth:`.deferred_dispatch.Readers.freeze`)."""
+    """The op's outputs: ``AsyncArray`` s of a deferred program run that runs
+    JAX's own ``fn`` on the values when they land (its arguments kept as at the
+    call, :meth:`.deferred_dispatch.Readers.freeze`)."""
     out_tree, avals = plan
-    kind = _async_dispatch.mechanism.kind
-    assert kind is not None  # set when the array type was
+    kind: Any = _async_dispatch.mechanism.kind
 
     def dispatch(frozen: tuple[Any, ...]) -> list[jax.Array]:
         values = [a.result() if y else a for a, y in zip(frozen, asyncs, strict=True)]
         outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
-        for out, aval in zip(outs, avals, strict=True):
-            if (out.shape, out.dtype, out.weak_type) != (
-                aval.shape,
-                aval.dtype,
-                aval.weak_type,
-            ):  # a bug if ever: the trace and the run disagree
-                raise AssertionError(f"{fn}: {out.aval} where its trace gave {aval}")
+        got = [(o.shape, o.dtype, o.weak_type) for o in outs]
+        # A bug, if ever: the trace and the run disagree.
+        assert got == [(a.shape, a.dtype, a.weak_type) for a in avals], (fn, got)
         return outs
 
     reads = [
@@ -375,7 +323,7 @@ def _defer(
     ]
     made = _deferred_dispatch.defer(
         dispatch,
-        _program(fn, plan, placement),
+        program,
         tuple(flat),
         reads,
         kind.arrays_of,

@@ -166,6 +166,9 @@ def analyse(entries: list[dict[str, Any]], stat: str = "median") -> dict[str, An
     small = _analyse_small_maps(entries)
     if small:
         result["small_maps"] = small
+    operators = _analyse_operators(entries)
+    if operators:
+        result["operators"] = operators
     return result
 
 
@@ -189,6 +192,23 @@ def _analyse_small_maps(entries: list[dict[str, Any]]) -> dict[str, Any]:
         for n, r in sorted(rows.items())
     ]
     return {"rows": dict(sorted(rows.items())), "checks": checks} if rows else {}
+
+
+def _analyse_operators(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """An AsyncArray's operators (landed, pending) against a jax.Array's, per call
+    (test_bench_operators.py: the times and ratios in extra_info)."""
+    rows = {
+        e["extra_info"]["case"]: {**e["extra_info"], "other": _other(e)}
+        for e in entries
+        if e.get("group") == "operators"
+    }
+    if not rows:
+        return {}
+    checks = []
+    for ratio in ("landed / jax.Array", "pending / jax.Array"):
+        worst = max(rows, key=lambda k: rows[k][ratio])
+        checks.append(_check(f"worst {ratio} (`{worst}`)", rows[worst][ratio], "<=", 2))
+    return {"rows": rows, "checks": checks}
 
 
 def _analyse_signatures(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -421,6 +441,8 @@ def markdown(a: dict[str, Any]) -> str:
         parts += _signatures_markdown(a["signatures"])
     if a.get("small_maps"):
         parts += _small_maps_markdown(a["small_maps"])
+    if a.get("operators"):
+        parts += _operators_markdown(a["operators"])
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -461,6 +483,27 @@ def _signatures_markdown(sig: dict[str, Any]) -> list[str]:
         _table(header, rows),
         "",
         _checks(sig["checks"]),
+        "",
+    ]
+
+
+def _operators_markdown(ops: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            f"`{case}`",
+            fmt_time(r["jax.Array"]),
+            f"{fmt_time(r['landed'])} ({fmt_ratio(r['landed / jax.Array'])})",
+            f"{fmt_time(r['pending'])} ({fmt_ratio(r['pending / jax.Array'])})"
+            + _noise_note(r["other"]),
+        ]
+        for case, r in ops["rows"].items()
+    ]
+    header = ["per call, (256, 64) float32", "`jax.Array`", "landed", "pending"]
+    return [
+        "#### `AsyncArray` operators against `jax.Array`'s\n",
+        _table(header, rows),
+        "",
+        _checks(ops["checks"]),
         "",
     ]
 

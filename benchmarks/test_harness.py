@@ -154,6 +154,20 @@ def test_report_puts_small_maps_against_their_loop_with_each_target():
     assert "#### Small maps: t, per element" in text and "| 128 |" in text
 
 
+def test_report_checks_the_operators_row():
+    times = {"jax.Array": 10e-6, "landed": 15e-6, "pending": 30e-6}
+    ratios = {"landed / jax.Array": 1.5, "pending / jax.Array": 3.0}
+    e = [_entry("operators", c, 1.0, 1, case=c, **times, **ratios) for c in "ab"]
+    a = _load_report().analyse(e)
+    checks = {c["name"]: c["ok"] for c in a["operators"]["checks"]}
+    assert checks == {
+        "worst landed / jax.Array (`a`)": True,
+        "worst pending / jax.Array (`a`)": False,
+    }
+    text = _load_report().markdown(a)
+    assert "| `a` | 10.0 µs | 15.0 µs (1.50x) | 30.0 µs (3.00x) |" in text
+
+
 def test_fmt_time():
     report = _load_report()
     assert report.fmt_time(2.345e-6) == "2.35 µs"

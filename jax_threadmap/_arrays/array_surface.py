@@ -3,12 +3,13 @@
 JAX defines the methods, operators and properties of its arrays from three tables
 (``_array_methods``, ``_array_operators``, ``_array_properties`` of
 ``jax/_src/numpy/array_methods.py``, reached through :mod:`.._jax.hooks`).
-:func:`install` puts each entry on ``AsyncArray``, run under ``jax.jit`` with the
-array as an argument: the call traces with the array's abstract value and
-dispatches at once, as any jitted call on pending data does (``y.T``, ``y.sum()``,
-``y.astype(...)``, ``y.at[i].set(v)`` never wait). An entry that needs a concrete
-value (``item``, ``nonzero()`` without ``size``, a boolean mask) fails to trace
-with a ``ConcretizationTypeError``; it then waits and runs on the landed array.
+:func:`install` puts each entry on ``AsyncArray`` (:func:`apply`): on landed
+data, JAX's own entry on the values; on pending data, it returns at once, as a
+jitted call does: its outputs are those of a deferred program run that runs the
+entry on the values when they land, their avals traced once per abstract
+signature (Python scalars weakly typed, NumPy ones values: a float is never a
+key). Where a trace needs concrete values (a boolean mask, a NumPy shape), it
+waits and runs on the values.
 
 What reads the buffer (``tolist``, ``__array__``, ``__dlpack__``, the buffer
 protocol, ``unsafe_buffer_pointer``, ``addressable_shards``, ``__bool__``,
@@ -24,6 +25,7 @@ Where this JAX lacks a table (a release that moved it), no ``AsyncArray`` is mad
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +33,8 @@ import jax
 import numpy as np
 
 from .._jax import hooks as _compat
+from . import async_dispatch as _async_dispatch
+from . import deferred_dispatch as _deferred_dispatch
 
 #: Table entries run as they are, not under jit: they return no array, or
 #: return a helper whose own calls are deferred (``at``).
@@ -88,11 +92,6 @@ NO_LAYOUT = ("format", "layout")
 #: The class of JAX's arrays (``object`` where this JAX moved it: then no
 #: ``AsyncArray`` is made, and nothing is installed).
 _IMPL: Any = _compat.or_missing("ArrayImpl", object)
-_TRACE_ERRORS = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerArrayConversionError,
-    jax.errors.TracerIntegerConversionError,
-)
 
 
 def landed(x: Any) -> Any:
@@ -106,56 +105,107 @@ def landed(x: Any) -> Any:
     return x
 
 
-def _landed_tree(tree: Any, is_async: Callable[[Any], bool]) -> Any:
-    return jax.tree_util.tree_map(
-        lambda a: landed(a) if is_async(a) or isinstance(a, jax.Array) else a, tree
-    )
-
-
 class _Static:
-    """The static part of a call's arguments: the tree and its non-array leaves,
-    hashable for ``jit``'s cache (slices are made hashable; a leaf's type is part
-    of the key, so that ``1``, ``1.0`` and ``True`` never share an entry)."""
+    """Static arguments, hashable for ``jit``: equal when their plan keys are."""
 
-    def __init__(self, treedef: Any, leaves: list[Any]) -> None:
-        self.treedef, self.leaves = treedef, leaves
-        self._key = (treedef, tuple(_key(leaf) for leaf in leaves))
-        self._hash = hash(self._key)  # TypeError: not hashable, the caller waits
+    def __init__(self, key: Any, marked: list[Any]) -> None:
+        self.key, self.marked = key, marked
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash(self.key)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and self._key == other._key
+        return isinstance(other, _Static) and self.key == other.key
 
 
 def _key(leaf: Any) -> Any:
+    """A static leaf's key: its type and value (``1``, ``1.0``, ``True`` differ)."""
     if isinstance(leaf, slice):
-        return (slice, leaf.start, leaf.stop, leaf.step)
+        return (slice, *(_key(v) for v in (leaf.start, leaf.stop, leaf.step)))
     return (type(leaf), leaf)
 
 
-#: A leaf that is a placeholder for a dynamic argument in ``_Static.leaves``.
-_DYNAMIC = object()
+#: Marks a dynamic leaf; plans that are not (output tree, avals): the op needs
+#: concrete values (it waits for them), or a retry with integers static.
+_DYNAMIC, _WAIT, _INTS = object(), "wait", "ints"
+_ELSEWHERE = "elsewhere"  # where outputs go is not known before the run
+_plans: dict[Any, Any] = {}
+MAX_PLANS = 1024  # kept plans: a bound against ever new static arguments
+#: Entries whose integer arguments JAX's eager code takes as concrete, with
+#: another result type (``x ** np.int32(3)`` keeps ``x``'s dtype, traced it
+#: promotes): their integer scalars are static (set by :func:`install`).
+_CONCRETE_INTS: set[Any] = set()
 
 
-def _dynamic(leaf: Any, is_async: Callable[[Any], bool]) -> bool:
-    # Python ints stay static (axes, shapes, integer powers); floats are traced
-    # as JAX traces Python scalars (weak types), so that a changing step size
-    # does not compile again.
-    return (
-        is_async(leaf)
-        or isinstance(leaf, (jax.Array, np.ndarray, float, complex))
-        and not isinstance(leaf, np.generic)
-    )
+def _marked(leaf: Any, is_async: bool, static_ints: bool) -> tuple[Any, Any]:
+    """``(_DYNAMIC, abstract key)`` for a value traced as JAX traces it (arrays
+    and NumPy scalars by shape and dtype, Python floats and ints weakly
+    typed: never a float in a key), else ``(leaf, typed key)``."""
+    if static_ints and isinstance(leaf, np.integer):
+        return leaf, _key(leaf)
+    if is_async or isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return _DYNAMIC, (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False))
+    kind = type(leaf)
+    if kind in (float, complex) or (
+        kind is int and not static_ints and -(2**31) <= leaf < 2**31
+    ):
+        return _DYNAMIC, kind
+    return leaf, _key(leaf)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def array_method(fn: Callable[..., Any], static: _Static, x: Any, dynamic: list) -> Any:
+def _call(fn: Callable[..., Any], treedef: Any, flat: list[Any]) -> Any:
+    args, kwargs = jax.tree_util.tree_unflatten(treedef, flat[1:])
+    return fn(flat[0], *args, **kwargs)
+
+
+def _plan(fn: Any, treedef: Any, flat: list, asyncs: list) -> tuple[Any, Any, list]:
+    """``fn``'s output tree and avals on ``flat`` (or :data:`_WAIT`), its key and
+    the marked leaves: traced once per abstract signature, integers first
+    traced, then static where the trace needs them concrete."""
+    static_ints = fn in _CONCRETE_INTS
+    while True:
+        marks = [_marked(a, y, static_ints) for a, y in zip(flat, asyncs, strict=True)]
+        marked = [m for m, _ in marks]
+        x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+        key = (fn, treedef, x64, static_ints, tuple(k for _, k in marks))
+        try:
+            plan = _plans.get(key)
+        except TypeError:  # an unhashable static argument
+            return _WAIT, None, marked
+        if plan is None:
+            plan = _trace(fn, treedef, flat, marked) or (
+                _WAIT if static_ints else _INTS
+            )
+            if len(_plans) >= MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+        if plan is not _INTS:
+            return plan, key, marked
+        static_ints = True
+
+
+def _trace(fn: Any, treedef: Any, flat: list, marked: list) -> Any:
+    """The output tree and avals of ``fn`` with the dynamic leaves abstract;
+    ``None`` where the trace fails (a value must be concrete, or an error)."""
+
+    def abstract(dynamic: list[Any]) -> Any:
+        values = iter(dynamic)
+        leaves = [next(values) if m is _DYNAMIC else m for m in marked]
+        return _call(fn, treedef, leaves)
+
+    dynamic = [a for a, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
+    try:
+        jaxpr, shapes = jax.make_jaxpr(abstract, return_shape=True)(dynamic)
+    except Exception:  # noqa: BLE001 - run on the values, as a jax.Array would
+        return None
+    return jax.tree_util.tree_structure(shapes), list(jaxpr.out_avals)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def array_method(fn: Any, treedef: Any, static: _Static, dynamic: list) -> Any:
     values = iter(dynamic)
-    leaves = [next(values) if s is _DYNAMIC else s for s in static.leaves]
-    args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
-    return fn(x, *args, **kwargs)
+    leaves = [next(values) if m is _DYNAMIC else m for m in static.marked]
+    return _call(fn, treedef, leaves)
 
 
 def apply(
@@ -165,22 +215,121 @@ def apply(
     kwargs: dict,
     is_async: Callable[[Any], bool],
 ) -> Any:
-    """``fn(x, *args, **kwargs)`` under ``jax.jit`` (deferred where ``x`` is
-    pending); where it needs a concrete value, on the landed values instead."""
+    """``fn(x, *args, **kwargs)`` as on the ``jax.Array`` s the async arrays
+    stand for: landed, JAX's own ``fn`` on their values; pending, deferred
+    with the avals of its plan (:func:`_plan`), ``fn`` run when they land;
+    where it needs concrete values, or dispatch is blocking, it waits."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [leaf for leaf in leaves if _dynamic(leaf, is_async)]
-    marked = [_DYNAMIC if _dynamic(leaf, is_async) else leaf for leaf in leaves]
-    try:
-        static = _Static(treedef, marked)
-    except TypeError:  # an unhashable static argument: run it on the value
-        static = None
-    if static is not None:
+    flat = [x, *leaves]
+    asyncs = [is_async(a) for a in flat]
+    if all(a.done() for a, y in zip(flat, asyncs, strict=True) if y):
+        return _on_values(fn, treedef, flat, asyncs, wait=False)
+    plan, key, marked = _plan(fn, treedef, flat, asyncs)
+    if plan is _WAIT:
+        _raise_if_never(fn, treedef, flat, asyncs)
+        return _on_values(fn, treedef, flat, asyncs, wait=True)
+    placement = _placement(flat, marked, asyncs)
+    if placement is _ELSEWHERE:  # jit finds where the outputs go
+        dynamic = [a for a, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
+        return array_method(fn, treedef, _Static(key, marked), dynamic)
+    name = f"`{getattr(fn, '__name__', 'op').strip('_')}`"
+    outs = types.SimpleNamespace(
+        out_avals=plan[1], out_shardings=[placement] * len(plan[1])
+    )
+    program = types.SimpleNamespace(name=name, mut=None, out_handler=outs)
+    if (
+        _async_dispatch.mechanism.status() is not None  # blocking dispatch
+        or _deferred_dispatch.processes() > 1
+        or not _deferred_dispatch.deferrable(program)  # a pool thread, PRNG keys
+    ):
+        return _on_values(fn, treedef, flat, asyncs, wait=True)
+    return _defer(fn, treedef, flat, asyncs, plan, program)
+
+
+#: What a trace raises where it needs a value (:func:`_raise_if_never`).
+_NEEDS_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.NonConcreteBooleanIndexError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def _raise_if_never(fn: Any, treedef: Any, flat: list, asyncs: list) -> None:
+    """Raises at once, as on a ``jax.Array``, what ``fn`` raises whatever the
+    values of its one async array (``x[0] = 1``, a shape that does not fit)."""
+    if sum(asyncs) == 1:  # (the values of others may be what it needs)
         try:
-            return array_method(fn, static, x, dynamic)
-        except _TRACE_ERRORS:
-            pass
-    args, kwargs = _landed_tree((args, kwargs), is_async)
-    return fn(landed(x), *args, **kwargs)
+            jax.make_jaxpr(lambda x: _call(fn, treedef, [x, *flat[1:]]))(flat[0])
+        except Exception as e:
+            if not isinstance(e, _NEEDS_VALUES):
+                raise
+
+
+def _on_values(fn: Any, treedef: Any, flat: list, asyncs: list, wait: bool) -> Any:
+    """JAX's own ``fn`` on the values (``wait``: waited for in Python), its
+    array outputs ``AsyncArray`` s of a landed call (the kind follows the
+    arguments)."""
+    get = landed if wait else (lambda a: a.result())
+    values = [get(a) if y else a for a, y in zip(flat, asyncs, strict=True)]
+    out = _call(fn, treedef, values)
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    at = [k for k, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    if at:
+        kind: Any = _async_dispatch.mechanism.kind
+        made = kind.arrays_of(_async_dispatch.Results([leaves[k] for k in at]))
+        for k, array in zip(at, made, strict=True):
+            leaves[k] = array
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _placement(flat: list, marked: list, asyncs: list) -> Any:
+    """Where an op's outputs go, as JAX's eager ops put them: ``None`` (the
+    default device, uncommitted), the one single-device sharding of the
+    committed arrays, or :data:`_ELSEWHERE` (several devices, or a device or
+    sharding argument: not known before the run)."""
+    found = None
+    for a, m, is_async in zip(flat, marked, asyncs, strict=True):
+        if isinstance(m, (jax.Device, jax.sharding.Sharding)):
+            return _ELSEWHERE
+        committed = is_async or (isinstance(a, jax.Array) and a.committed)
+        sharding = a.sharding if committed else None
+        if sharding is not None and sharding != found:
+            if found is not None or len(sharding.device_set) > 1:
+                return _ELSEWHERE
+            found = sharding
+    return found
+
+
+def _defer(
+    fn: Any, treedef: Any, flat: list, asyncs: list, plan: Any, program: Any
+) -> Any:
+    """The op's outputs: ``AsyncArray`` s of a deferred program run that runs
+    JAX's own ``fn`` on the values when they land (its arguments kept as at the
+    call, :meth:`.deferred_dispatch.Readers.freeze`)."""
+    out_tree, avals = plan
+    kind: Any = _async_dispatch.mechanism.kind
+
+    def dispatch(frozen: tuple[Any, ...]) -> list[jax.Array]:
+        values = [a.result() if y else a for a, y in zip(frozen, asyncs, strict=True)]
+        outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
+        got = [(o.shape, o.dtype, o.weak_type) for o in outs]
+        # A bug, if ever: the trace and the run disagree.
+        assert got == [(a.shape, a.dtype, a.weak_type) for a in avals], (fn, got)
+        return outs
+
+    reads = [
+        kind.pending_of(a) if y else None for a, y in zip(flat, asyncs, strict=True)
+    ]
+    made = _deferred_dispatch.defer(
+        dispatch,
+        program,
+        tuple(flat),
+        reads,
+        kind.arrays_of,
+        _async_dispatch.mechanism.readers,
+    )
+    return jax.tree_util.tree_unflatten(out_tree, made)
 
 
 def _deferred(name: str, fn: Callable[..., Any], is_async: Any) -> Any:
@@ -274,6 +423,7 @@ def _tables() -> tuple[dict, dict, dict]:
 def install(cls: type, is_async: Callable[[Any], bool]) -> None:
     """Puts the whole ``jax.Array`` surface on ``cls`` (``AsyncArray``)."""
     methods, operators, properties = _tables()
+    _CONCRETE_INTS.add(operators.get("pow"))
     for name, fn in methods.items():
         setattr(cls, name, _method(name, fn, is_async))
     for name, fn in operators.items():

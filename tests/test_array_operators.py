@@ -25,7 +25,7 @@ from test_array_surface import HOUSEKEEPING, NAMES, _array_for, _use
 
 from jax_threadmap import AsyncArray, async_call
 from jax_threadmap._arrays import array_surface as _array_surface
-from jax_threadmap._arrays import async_dispatch as _async_dispatch
+from jax_threadmap._arrays import dispatch as _dispatch
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -35,7 +35,7 @@ pytestmark = [
 
 SDS = jax.ShapeDtypeStruct
 X = np.array([[1.5, -2.0, 3.25], [0.5, 4.0, -1.0]], np.float32)
-ASYNC = _async_dispatch.mechanism.status() is None  # (blocking: ops wait)
+ASYNC = _dispatch.mechanism.status() is None  # (blocking: ops wait)
 
 # JAX reports each XLA compilation under this name (tests/test_async_array.py).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

@@ -33,8 +33,7 @@ import jax
 import numpy as np
 
 from .._jax import hooks as _compat
-from . import async_dispatch as _async_dispatch
-from . import deferred_dispatch as _deferred_dispatch
+from . import dispatch as _dispatch
 
 #: Table entries run as they are, not under jit: they return no array, or
 #: return a helper whose own calls are deferred (``at``).
@@ -238,9 +237,9 @@ def apply(
     )
     program = types.SimpleNamespace(name=name, mut=None, out_handler=outs)
     if (
-        _async_dispatch.mechanism.status() is not None  # blocking dispatch
-        or _deferred_dispatch.processes() > 1
-        or not _deferred_dispatch.deferrable(program)  # a pool thread, PRNG keys
+        _dispatch.mechanism.status() is not None  # blocking dispatch
+        or _dispatch.processes() > 1
+        or not _dispatch.deferrable(program)  # a pool thread, PRNG keys
     ):
         return _on_values(fn, treedef, flat, asyncs, wait=True)
     return _defer(fn, treedef, flat, asyncs, plan, program)
@@ -276,8 +275,7 @@ def _on_values(fn: Any, treedef: Any, flat: list, asyncs: list, wait: bool) -> A
     leaves, tree = jax.tree_util.tree_flatten(out)
     at = [k for k, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
     if at:
-        kind: Any = _async_dispatch.mechanism.kind
-        made = kind.arrays_of(_async_dispatch.Results([leaves[k] for k in at]))
+        made = _arrays_of(flat, asyncs, _dispatch.Results([leaves[k] for k in at]))
         for k, array in zip(at, made, strict=True):
             leaves[k] = array
     return jax.tree_util.tree_unflatten(tree, leaves)
@@ -306,9 +304,8 @@ def _defer(
 ) -> Any:
     """The op's outputs: ``AsyncArray`` s of a deferred program run that runs
     JAX's own ``fn`` on the values when they land (its arguments kept as at the
-    call, :meth:`.deferred_dispatch.Readers.freeze`)."""
+    call, :meth:`.dispatch.Readers.freeze`)."""
     out_tree, avals = plan
-    kind: Any = _async_dispatch.mechanism.kind
 
     def dispatch(frozen: tuple[Any, ...]) -> list[jax.Array]:
         values = [a.result() if y else a for a, y in zip(frozen, asyncs, strict=True)]
@@ -319,17 +316,20 @@ def _defer(
         return outs
 
     reads = [
-        kind.pending_of(a) if y else None for a, y in zip(flat, asyncs, strict=True)
+        _dispatch.Pending(a._task, a._index, a) if y else None
+        for a, y in zip(flat, asyncs, strict=True)
     ]
-    made = _deferred_dispatch.defer(
-        dispatch,
-        program,
-        tuple(flat),
-        reads,
-        kind.arrays_of,
-        _async_dispatch.mechanism.readers,
+    run = _dispatch.defer(
+        dispatch, program, tuple(flat), reads, _dispatch.mechanism.readers
     )
-    return jax.tree_util.tree_unflatten(out_tree, made)
+    return jax.tree_util.tree_unflatten(out_tree, _arrays_of(flat, asyncs, run))
+
+
+def _arrays_of(flat: list, asyncs: list, task: Any) -> list[Any]:
+    """The arrays of ``task``'s call, made by the class of the op's first
+    ``AsyncArray`` (no climb back up to its module)."""
+    cls = next(type(a) for a, y in zip(flat, asyncs, strict=True) if y)
+    return [cls._new(task, i) for i in range(len(task.specs))]
 
 
 def _deferred(name: str, fn: Callable[..., Any], is_async: Any) -> Any:

@@ -98,12 +98,19 @@ _TRACE_ERRORS = (
 def landed(x: Any) -> Any:
     """``x``'s value, waited for in Python: an ``AsyncArray``'s result, and any
     ``jax.Array`` ready (``block_until_ready`` releases the GIL while it waits)."""
-    result = getattr(x, "result", None)
-    if result is not None and not isinstance(x, jax.Array):
-        x = result()
+    if _is_async(x):
+        x = x.result()
     if isinstance(x, jax.Array) and not x.is_deleted():
         x.block_until_ready()
     return x
+
+
+def _never(x: Any) -> bool:
+    return False
+
+
+#: Whether an object is an ``AsyncArray`` (set by :func:`install`).
+_is_async: Callable[[Any], bool] = _never
 
 
 def _landed_tree(tree: Any, is_async: Callable[[Any], bool]) -> Any:
@@ -273,6 +280,8 @@ def _tables() -> tuple[dict, dict, dict]:
 
 def install(cls: type, is_async: Callable[[Any], bool]) -> None:
     """Puts the whole ``jax.Array`` surface on ``cls`` (``AsyncArray``)."""
+    global _is_async
+    _is_async = is_async
     methods, operators, properties = _tables()
     for name, fn in methods.items():
         setattr(cls, name, _method(name, fn, is_async))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -41,7 +41,7 @@ atexit.register(_at_exit)
 # --- the array ------------------------------------------------------------------------
 
 
-class AsyncArray:
+class AsyncArray(jax.Array):
     """An array whose value a background call is still computing.
 
     Made by [`async_call`][jax_threadmap.async_call] (or
@@ -56,8 +56,9 @@ class AsyncArray:
     JAX's own under ``jax.jit`` and return at once; those that read the buffer
     (``item``, ``tolist``, ``np.asarray``, ``__dlpack__``, ``unsafe_buffer_pointer``,
     ``addressable_shards``, pickling) wait for the value in Python first. ``repr`` never
-    waits; ``sharding`` is ``None`` when uncommitted; ``isinstance(x, jax.Array)`` is
-    ``False`` (docs/async.md says why).
+    waits; ``sharding`` is ``None`` when uncommitted. It is a ``jax.Array``
+    (``isinstance(x, jax.Array)`` is ``True`` in every state), so JAX and the libraries
+    that test for one (Equinox, Optax, Flax) take it as an array.
 
     If the call raised, every use of the array re-raises that exception (same
     type, message and ``__cause__``, with a note naming the call).
@@ -84,7 +85,10 @@ class AsyncArray:
         [2. 2.]
     """
 
-    __slots__ = ("_task", "_index", "__weakref__")
+    # jax.Array's C++ class has a weak-reference slot on JAX 0.6, none from 0.7.
+    __slots__ = ("_task", "_index") + (
+        () if jax.Array.__weakrefoffset__ else ("__weakref__",)
+    )
     _task: Task
     _index: int
     # Makes NumPy defer `ndarray + AsyncArray` to AsyncArray.__radd__.
@@ -127,7 +131,7 @@ class AsyncArray:
         return int(np.prod(self._spec.shape, dtype=np.int64))
 
     @property
-    def sharding(self) -> jax.sharding.Sharding | None:
+    def sharding(self) -> jax.sharding.Sharding | None:  # type: ignore[override]
         return self._spec.sharding
 
     def _aval(self) -> Any:
@@ -211,9 +215,6 @@ class AsyncArray:
         self.result().block_until_ready()
         return self
 
-    def __jax_array__(self) -> jax.Array:
-        return self.result()
-
     # -- never blocks --
 
     def _describe(self) -> str:
@@ -261,29 +262,6 @@ class AsyncArray:
 
     __hash__ = None  # type: ignore[assignment]  # like jax.Array
 
-    if TYPE_CHECKING:  # the jax.Array surface, installed below from JAX's tables
-
-        def __getattr__(self, name: str) -> Any: ...
-        def __getitem__(self, index: Any) -> Any: ...
-        def __add__(self, other: Any) -> Any: ...
-        def __radd__(self, other: Any) -> Any: ...
-        def __sub__(self, other: Any) -> Any: ...
-        def __rsub__(self, other: Any) -> Any: ...
-        def __mul__(self, other: Any) -> Any: ...
-        def __rmul__(self, other: Any) -> Any: ...
-        def __truediv__(self, other: Any) -> Any: ...
-        def __rtruediv__(self, other: Any) -> Any: ...
-        def __matmul__(self, other: Any) -> Any: ...
-        def __rmatmul__(self, other: Any) -> Any: ...
-        def __pow__(self, other: Any) -> Any: ...
-        def __neg__(self) -> Any: ...
-        def __lt__(self, other: Any) -> Any: ...
-        def __gt__(self, other: Any) -> Any: ...
-        def __bool__(self) -> bool: ...
-        def __int__(self) -> int: ...
-        def __float__(self) -> float: ...
-        def __index__(self) -> int: ...
-
 
 def _is_async(x: Any) -> bool:
     return isinstance(x, AsyncArray)
@@ -300,7 +278,7 @@ def _delete(self: AsyncArray) -> None:
     value.delete()
 
 
-AsyncArray.delete = _delete  # type: ignore[attr-defined]
+AsyncArray.delete = _delete  # type: ignore[method-assign,assignment]
 
 
 def make_arrays(task: Task) -> Any:

@@ -22,6 +22,7 @@ from .._jax import hooks as _hooks
 from .._jax import placement as _placement
 from .._support import result_casts as _result_casts
 from .._support.validate import check_callable, check_timeout, shape_dtype_of
+from .array_surface import landed
 
 
 class CallInfo(Protocol):
@@ -262,6 +263,7 @@ def checked_leaf(
             f"({expected}); return the data itself"
         )
     _check_shape_of(leaf, shape, declared, expected)
+    leaf = landed(leaf)  # an AsyncArray (a jax.Array): its value
     if isinstance(leaf, jax.Array) and leaf.dtype == target:
         return leaf
     try:

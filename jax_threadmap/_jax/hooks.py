@@ -62,6 +62,7 @@ from .hook_forms import (
     _register_lowering_without_cacheable,
     _register_with_none,
     _typeof_checking_sharding_rank,
+    _waiting_constant_registrar,
     resolve,
 )
 
@@ -434,6 +435,21 @@ HOOKS: tuple[Hook, ...] = (
         "tried: jax.interpreters.pxla.shard_args, exported on 0.6.2 only (not on "
         "0.10.2 nor 0.12.0.1); jax.device_put(x, sharding) does not take the "
         "program's layouts and copy semantics",
+    ),
+    # An AsyncArray is a jax.Array, so a jitted function may close over one:
+    # JAX embeds such a constant in the program through the handler of its type.
+    Hook(
+        "register_constant_handler",
+        "a jitted function that closes over an AsyncArray embeds its value in "
+        "the program (waited for when lowered), as for a jax.Array",
+        (ASYNC_ARRAYS,),
+        _everywhere(
+            "jax.interpreters.mlir:register_constant_handler",
+            adapt=_waiting_constant_registrar,
+        ),
+        _public("jax.interpreters.mlir:register_constant_handler")
+        + " (with jax.interpreters.mlir.ir_constant). Pass the array as an "
+        "argument instead and it is never waited for when lowered",
     ),
     # jax.make_array_from_callback raises UnexpectedTracerError at the call when
     # its data_callback returns a tracer (the call made under jit). Our sharded

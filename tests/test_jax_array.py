@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
 import threading
 
 import jax
@@ -162,3 +163,52 @@ def test_threadmap_takes_it_eagerly(held):
     held.release()  # an eager threadmap runs its kernel now, on the value
     y = jtm.threadmap(np.sin, SDS((3,), np.float32), x[0])
     np.testing.assert_allclose(np.asarray(y), np.sin(A[0]), rtol=1e-6)
+
+
+RANDOM = {
+    "normal": lambda k: jax.random.normal(k, (3,)),
+    "uniform": lambda k: jax.random.uniform(k, (3,)),
+    "randint": lambda k: jax.random.randint(k, (2,), 0, 10),
+    "bits": lambda k: jax.random.bits(k, (2,)),
+    "key_data": jax.random.key_data,
+    "split": lambda k: jax.random.key_data(jax.random.split(k)),
+    "split_row": lambda k: jax.random.key_data(jax.random.split(k, 3)[1]),
+    "fold_in": lambda k: jax.random.key_data(jax.random.fold_in(k, 3)),
+    "clone": lambda k: jax.random.key_data(jax.random.clone(k)),
+    "permutation": lambda k: jax.random.permutation(k, 5),
+    "categorical": lambda k: jax.random.categorical(k, jnp.zeros(4)),
+}
+
+
+@pytest.mark.parametrize("impl", [None, "rbg"])
+def test_a_key_result_works_with_every_jax_random_function(held, impl):
+    seed = held(np.uint32(7))
+    threading.Timer(0.05, held.release).start()  # a key result waits at dispatch
+    key = jax.jit(lambda s: jax.random.key(s, impl=impl))(seed)
+    assert isinstance(key, AsyncArray) and isinstance(key, jax.Array)
+    assert str(jax.random.key_impl(key)) == str(
+        jax.random.key_impl(jax.random.key(7, impl=impl))
+    )
+    want = jax.random.key(7, impl=impl)
+    for name, fn in RANDOM.items():
+        got, expected = fn(key), fn(want)
+        assert isinstance(got, jax.Array), name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), name)
+    # and as an argument of a jitted function
+    got = jax.jit(lambda k: jax.random.normal(jax.random.split(k)[0], (2,)))(key)
+    want_jit = jax.random.normal(jax.random.split(want)[0], (2,))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want_jit))
+
+
+def test_the_buffer_protocol_where_python_allows_it(held):
+    x = held()
+    held.release()
+    if sys.version_info >= (3, 12):  # PEP 688: __buffer__ from Python
+        assert memoryview(x).tobytes() == A.tobytes()
+    else:  # a Python class cannot export a buffer before 3.12
+        with pytest.raises(TypeError, match="bytes-like"):
+            memoryview(x)
+    x._check_if_deleted()  # JAX's own check, on the value
+    x.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        x._check_if_deleted()

@@ -39,9 +39,7 @@ _DIRECT = frozenset({"__array_namespace__", "nbytes", "itemsize", "flat", "deepc
 _NEEDS_VALUE = frozenset({"item"})
 #: Methods of JAX's array class (outside the tables) that read the buffer or its
 #: state: each waits in Python, then delegates. Those this JAX lacks are skipped.
-#: Not the buffer protocol (``__buffer__``, Python 3.12+): NumPy tries it first in
-#: ``np.asarray`` and swallows any error of it, a Ctrl-C's ``KeyboardInterrupt``
-#: too, then calls ``__array__``, which would wait on with the signal gone.
+#: The buffer protocol (``__buffer__``, Python 3.12+) is ``AsyncArray``'s own.
 WAITING_METHODS = (
     "tolist",
     "tobytes",

@@ -12,7 +12,10 @@
 
 from __future__ import annotations
 
+import _thread
 import atexit
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, overload
 
@@ -20,6 +23,7 @@ import jax
 import numpy as np
 
 from .._jax import array_types as _array_types
+from .._jax import hooks as _hooks
 from .._support import event_loop as _event_loop
 from .._support.validate import check_timeout
 from . import array_surface as _surface
@@ -134,6 +138,12 @@ class AsyncArray(jax.Array):
     def sharding(self) -> jax.sharding.Sharding | None:  # type: ignore[override]
         return self._spec.sharding
 
+    @property
+    def _committed(self) -> bool:
+        # What jit reads of a jax.Array argument (and a key array of its key
+        # data): committed where its sharding is known (device=, or a result).
+        return self._spec.sharding is not None
+
     def _aval(self) -> Any:
         return self._spec.aval
 
@@ -247,6 +257,23 @@ class AsyncArray(jax.Array):
     def __reversed__(self) -> Iterator[Any]:
         return iter(self[::-1])
 
+    def _check_if_deleted(self) -> None:
+        # What JAX's own code calls on its arrays (device_put, tests): waits.
+        _surface.landed(self)._check_if_deleted()
+
+    if sys.version_info >= (3, 12):  # the buffer protocol from Python (PEP 688)
+
+        def __buffer__(self, flags: int) -> memoryview:
+            try:
+                value = _surface.landed(self)
+            except KeyboardInterrupt:
+                # np.asarray tries this first and swallows its errors, a Ctrl-C
+                # too: raise it again at the next line that Python runs.
+                if threading.current_thread() is threading.main_thread():
+                    _thread.interrupt_main()
+                raise
+            return value.__buffer__(flags)
+
     def is_deleted(self) -> bool:
         """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
         for the value, in Python)."""
@@ -259,6 +286,19 @@ class AsyncArray(jax.Array):
     @property
     def weak_type(self) -> bool:
         return bool(self._spec.aval.weak_type)
+
+    # A key array (a dtype key<impl>): jax.random's eager rules read these two
+    # fields of JAX's key arrays (hook PRNGKeyArray); the key data is deferred.
+    @property
+    def _impl(self) -> Any:
+        if not jax.dtypes.issubdtype(self.dtype, jax.dtypes.prng_key):
+            raise AttributeError("_impl: not a key array")
+        return _hooks.get("PRNGKeyArray")(self.dtype)
+
+    @property
+    def _base_array(self) -> Any:
+        self._impl  # noqa: B018 - a key array only
+        return _surface.apply(jax.random.key_data, self, (), {}, _is_async)
 
     __hash__ = None  # type: ignore[assignment]  # like jax.Array
 

@@ -204,6 +204,19 @@ def _waiting_constant_registrar(register: Callable[[type, Any], None]) -> Any:
     return register_waiting_constant
 
 
+def _key_impl_reader(key_array: type) -> Any:
+    fields = getattr(key_array, "__annotations__", {})
+    if not {"_impl", "_base_array"} <= set(fields):
+        raise AttributeError("PRNGKeyArray has no _impl and _base_array fields")
+
+    def impl_of(dtype: Any) -> Any:
+        # A key dtype (key<fry>) holds its PRNG implementation, which JAX's key
+        # arrays hold as _impl.
+        return dtype._impl
+
+    return impl_of
+
+
 def _everywhere(where: str, note: str = "", adapt: Any = None) -> tuple[Form, ...]:
     """One form for every supported JAX (no version gate needed so far)."""
     return (Form(OLDEST_JAX, None, where, note, adapt),)

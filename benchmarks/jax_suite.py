@@ -43,7 +43,9 @@ SELECTION = (
 )
 #: Of APITest, the tests of device_put, block_until_ready and arrays.
 KEYWORDS = "JitTest or JaxArrayTest or device_put or block_until_ready or array"
-MODES = ("plain", "pending")
+#: ``pending``: deferred dispatch (the default); ``blocking``: the same inputs with
+#: ``JAX_THREADMAP_ASYNC_DISPATCH=0`` (a call on pending data waits at dispatch).
+MODES = ("plain", "pending", "blocking")
 
 
 def extract(jax_git: str, ref: str, into: pathlib.Path) -> None:
@@ -73,6 +75,8 @@ def run(tests: pathlib.Path, mode: str, timeout: float) -> dict[str, tuple[str, 
     env["JAX_SUITE_LOG"] = str(log)
     if mode != "plain":
         env["JAX_SUITE_PENDING"] = "1"
+    if mode == "blocking":
+        env["JAX_THREADMAP_ASYNC_DISPATCH"] = "0"
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     argv += ["-p", "no:xdist", "-p", "no:randomly", "-p", "jax_suite_plugin"]
     argv += ["-k", KEYWORDS, "-o", "addopts=", "--rootdir", str(tests)]

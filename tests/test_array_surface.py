@@ -67,10 +67,11 @@ HOUSEKEEPING = {
 #: only); ``format``/``layout`` are absent (JAX's dispatch reads them from every
 #: jit argument that has them, so they could not wait for a value).
 BY_DESIGN = {"__repr__", "__str__", "sharding", *_array_surface.NO_LAYOUT}
-#: The buffer protocol (Python 3.12+) is absent: NumPy's np.asarray tries it first
-#: and swallows its errors, a Ctrl-C included (array_surface.WAITING_METHODS).
-NO_BUFFER_PROTOCOL = {"__buffer__", "__release_buffer__"}
-BY_DESIGN |= NO_BUFFER_PROTOCOL
+#: The buffer protocol (Python 3.12+): ``__buffer__`` waits and exports the value's
+#: buffer (tests/test_jax_array.py); the memoryview it returns releases it, so
+#: there is no ``__release_buffer__``.
+NO_BUFFER_PROTOCOL = {"__release_buffer__"}
+BY_DESIGN |= NO_BUFFER_PROTOCOL | {"__buffer__"}
 #: Whether the value is there now: checked on its own (False while pending).
 BY_DESIGN |= {"is_ready"}
 #: Destructive: checked on their own, last.

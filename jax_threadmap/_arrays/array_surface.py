@@ -42,9 +42,7 @@ _DIRECT = frozenset({"__array_namespace__", "nbytes", "itemsize", "flat", "deepc
 _NEEDS_VALUE = frozenset({"item"})
 #: Methods of JAX's array class (outside the tables) that read the buffer or its
 #: state: each waits in Python, then delegates. Those this JAX lacks are skipped.
-#: Not the buffer protocol (``__buffer__``, Python 3.12+): NumPy tries it first in
-#: ``np.asarray`` and swallows any error of it, a Ctrl-C's ``KeyboardInterrupt``
-#: too, then calls ``__array__``, which would wait on with the signal gone.
+#: The buffer protocol (``__buffer__``, Python 3.12+) is ``AsyncArray``'s own.
 WAITING_METHODS = (
     "tolist",
     "tobytes",
@@ -96,12 +94,19 @@ _IMPL: Any = _compat.or_missing("ArrayImpl", object)
 def landed(x: Any) -> Any:
     """``x``'s value, waited for in Python: an ``AsyncArray``'s result, and any
     ``jax.Array`` ready (``block_until_ready`` releases the GIL while it waits)."""
-    result = getattr(x, "result", None)
-    if result is not None and not isinstance(x, jax.Array):
-        x = result()
+    if _is_async(x):
+        x = x.result()
     if isinstance(x, jax.Array) and not x.is_deleted():
         x.block_until_ready()
     return x
+
+
+def _never(x: Any) -> bool:
+    return False
+
+
+#: Whether an object is an ``AsyncArray`` (set by :func:`install`).
+_is_async: Callable[[Any], bool] = _never
 
 
 class _Static:
@@ -422,6 +427,8 @@ def _tables() -> tuple[dict, dict, dict]:
 
 def install(cls: type, is_async: Callable[[Any], bool]) -> None:
     """Puts the whole ``jax.Array`` surface on ``cls`` (``AsyncArray``)."""
+    global _is_async
+    _is_async = is_async
     methods, operators, properties = _tables()
     _CONCRETE_INTS.add(operators.get("pow"))
     for name, fn in methods.items():

@@ -14,15 +14,19 @@
 
 from __future__ import annotations
 
+import _thread
 import atexit
+import sys
+import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import jax
 import numpy as np
 
 from .._coroutines import event_loop as _event_loop
 from .._jax import array_types as _array_types
+from .._jax import hooks as _hooks
 from .._support.validate import check_timeout
 from . import array_surface as _surface
 from . import async_pool as _async_pool
@@ -43,7 +47,7 @@ atexit.register(_at_exit)
 # --- the array ------------------------------------------------------------------------
 
 
-class AsyncArray:
+class AsyncArray(jax.Array):
     """An array whose value a background call is still computing.
 
     Made by [`async_call`][jax_threadmap.async_call] (or
@@ -58,8 +62,9 @@ class AsyncArray:
     JAX's own under ``jax.jit`` and return at once; those that read the buffer
     (``item``, ``tolist``, ``np.asarray``, ``__dlpack__``, ``unsafe_buffer_pointer``,
     ``addressable_shards``, pickling) wait for the value in Python first. ``repr`` never
-    waits; ``sharding`` is ``None`` when uncommitted; ``isinstance(x, jax.Array)`` is
-    ``False`` (docs/async.md says why).
+    waits; ``sharding`` is ``None`` when uncommitted. It is a ``jax.Array``
+    (``isinstance(x, jax.Array)`` is ``True`` in every state), so JAX and the libraries
+    that test for one (Equinox, Optax, Flax) take it as an array.
 
     If the call raised, every use of the array re-raises that exception (same
     type, message and ``__cause__``, with a note naming the call).
@@ -86,7 +91,10 @@ class AsyncArray:
         [2. 2.]
     """
 
-    __slots__ = ("_task", "_index", "__weakref__")
+    # jax.Array's C++ class has a weak-reference slot on JAX 0.6, none from 0.7.
+    __slots__ = ("_task", "_index") + (
+        () if jax.Array.__weakrefoffset__ else ("__weakref__",)
+    )
     _task: Task
     _index: int
     # Makes NumPy defer `ndarray + AsyncArray` to AsyncArray.__radd__.
@@ -129,8 +137,14 @@ class AsyncArray:
         return int(np.prod(self._spec.shape, dtype=np.int64))
 
     @property
-    def sharding(self) -> jax.sharding.Sharding | None:
+    def sharding(self) -> jax.sharding.Sharding | None:  # type: ignore[override]
         return self._spec.sharding
+
+    @property
+    def _committed(self) -> bool:
+        # What jit reads of a jax.Array argument (and a key array of its key
+        # data): committed where its sharding is known (device=, or a result).
+        return self._spec.sharding is not None
 
     def _aval(self) -> Any:
         return self._spec.aval
@@ -213,9 +227,6 @@ class AsyncArray:
         self.result().block_until_ready()
         return self
 
-    def __jax_array__(self) -> jax.Array:
-        return self.result()
-
     # -- never blocks --
 
     def _describe(self) -> str:
@@ -248,6 +259,23 @@ class AsyncArray:
     def __reversed__(self) -> Iterator[Any]:
         return iter(self[::-1])
 
+    def _check_if_deleted(self) -> None:
+        # What JAX's own code calls on its arrays (device_put, tests): waits.
+        _surface.landed(self)._check_if_deleted()
+
+    if sys.version_info >= (3, 12):  # the buffer protocol from Python (PEP 688)
+
+        def __buffer__(self, flags: int) -> memoryview:
+            try:
+                value = _surface.landed(self)
+            except KeyboardInterrupt:
+                # np.asarray tries this first and swallows its errors, a Ctrl-C
+                # too: raise it again at the next line that Python runs.
+                if threading.current_thread() is threading.main_thread():
+                    _thread.interrupt_main()
+                raise
+            return value.__buffer__(flags)
+
     def is_deleted(self) -> bool:
         """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
         for the value, in Python)."""
@@ -261,30 +289,20 @@ class AsyncArray:
     def weak_type(self) -> bool:
         return bool(self._spec.aval.weak_type)
 
+    # A key array (a dtype key<impl>): jax.random's eager rules read these two
+    # fields of JAX's key arrays (hook PRNGKeyArray); the key data is deferred.
+    @property
+    def _impl(self) -> Any:
+        if not jax.dtypes.issubdtype(self.dtype, jax.dtypes.prng_key):
+            raise AttributeError("_impl: not a key array")
+        return _hooks.get("PRNGKeyArray")(self.dtype)
+
+    @property
+    def _base_array(self) -> Any:
+        self._impl  # noqa: B018 - a key array only
+        return _surface.apply(jax.random.key_data, self, (), {}, _is_async)
+
     __hash__ = None  # type: ignore[assignment]  # like jax.Array
-
-    if TYPE_CHECKING:  # the jax.Array surface, installed below from JAX's tables
-
-        def __getattr__(self, name: str) -> Any: ...
-        def __getitem__(self, index: Any) -> Any: ...
-        def __add__(self, other: Any) -> Any: ...
-        def __radd__(self, other: Any) -> Any: ...
-        def __sub__(self, other: Any) -> Any: ...
-        def __rsub__(self, other: Any) -> Any: ...
-        def __mul__(self, other: Any) -> Any: ...
-        def __rmul__(self, other: Any) -> Any: ...
-        def __truediv__(self, other: Any) -> Any: ...
-        def __rtruediv__(self, other: Any) -> Any: ...
-        def __matmul__(self, other: Any) -> Any: ...
-        def __rmatmul__(self, other: Any) -> Any: ...
-        def __pow__(self, other: Any) -> Any: ...
-        def __neg__(self) -> Any: ...
-        def __lt__(self, other: Any) -> Any: ...
-        def __gt__(self, other: Any) -> Any: ...
-        def __bool__(self) -> bool: ...
-        def __int__(self) -> int: ...
-        def __float__(self) -> float: ...
-        def __index__(self) -> int: ...
 
 
 def _is_async(x: Any) -> bool:
@@ -302,7 +320,7 @@ def _delete(self: AsyncArray) -> None:
     value.delete()
 
 
-AsyncArray.delete = _delete  # type: ignore[attr-defined]
+AsyncArray.delete = _delete  # type: ignore[method-assign,assignment]
 
 
 def make_arrays(task: Task) -> Any:

@@ -14,10 +14,10 @@
   values placed, a deferred program dispatched); exit waits for those in
   flight and lets none start.
 
-``async def`` calls run on the event loop of :mod:`.._coroutines.event_loop` instead of the
-pool, and timeouts fire there (:meth:`.EventLoop.call_later`). Everything here only
-calls the methods of :class:`Call` and :class:`LiveCall` (which ``task.Task`` has), so
-this module knows nothing of what a call computes.
+``async def`` calls run on the event loop of :mod:`.._coroutines.event_loop`
+instead of the pool, and timeouts fire there (:meth:`.EventLoop.call_later`).
+Everything here only calls the methods of :class:`Call` and :class:`LiveCall`
+(which ``task.Task`` has), so this module knows nothing of what a call computes.
 """
 
 from __future__ import annotations

@@ -160,14 +160,19 @@ class Readers:
         #: The shared copies of ready arrays, by ``id`` of the original.
         self._held: dict[int, Held] = {}
 
-    def freeze(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+    def freeze(
+        self, args: tuple[Any, ...], reads: list[Any]
+    ) -> tuple[list[Any], list[Any]]:
         """``args`` as they are now, and what each reads (a :class:`Held` for a
-        ``jax.Array``; NumPy arrays are copied, as JAX copies them at dispatch)."""
+        ready ``jax.Array``; NumPy arrays are copied, as JAX copies them at
+        dispatch; an ``AsyncArray``, whose ``reads`` entry is not ``None``, as is)."""
         frozen: list[Any] = []
         held: list[Any] = []
-        for a in args:
+        for a, read in zip(args, reads, strict=True):
             h = None
-            if isinstance(a, np.ndarray):
+            if read is not None:
+                pass
+            elif isinstance(a, np.ndarray):
                 a = np.array(a, copy=True)
             elif isinstance(a, jax.Array) and not is_extended(a.dtype):
                 with self._lock:
@@ -225,7 +230,7 @@ def defer(
     ``reads``: each ``AsyncArray`` argument's :class:`Pending`, else ``None``.
     Each call read is an input, even one that ended: one that failed before the
     call fails the program as a later failure would."""
-    frozen, held = readers.freeze(args)
+    frozen, held = readers.freeze(args, reads)
     reads = [r if r is not None else h for r, h in zip(reads, held, strict=True)]
     inputs = [r.task for r in reads if _is_call(r)]
     run = ProgramRun(

@@ -253,6 +253,9 @@ def checked_leaf(
             f"({expected}); return the data itself"
         )
     _check_shape_of(leaf, shape, declared, expected)
+    from .array_surface import landed  # (array_surface imports this module)
+
+    leaf = landed(leaf)  # an AsyncArray (a jax.Array): its value
     if isinstance(leaf, jax.Array) and leaf.dtype == target:
         return leaf
     try:

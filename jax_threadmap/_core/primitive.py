@@ -154,7 +154,9 @@ def _threadmap_impl(*args: Any, **params: Any) -> list[jax.Array]:
 
 
 def _on_several_devices(a: Any) -> bool:
-    return isinstance(a, jax.Array) and len(a.sharding.device_set) > 1
+    # An uncommitted AsyncArray (a jax.Array) has no sharding yet: one device.
+    sharding = getattr(a, "sharding", None) if isinstance(a, jax.Array) else None
+    return sharding is not None and len(sharding.device_set) > 1
 
 
 def _host_operand(a: Any) -> np.ndarray:

@@ -192,6 +192,31 @@ def _register_with_none(register: Callable[[type, Any], None]) -> Any:
     return register_canonicalize_value
 
 
+def _waiting_constant_registrar(register: Callable[[type, Any], None]) -> Any:
+    ir_constant = importlib.import_module("jax.interpreters.mlir").ir_constant
+
+    def register_waiting_constant(cls: type, value_of: Callable[[Any], Any]) -> None:
+        # A jitted function that closes over such an array embeds its value in
+        # the program, as JAX does for its own arrays: the lowering waits for it.
+        # The handler gets (value) on 0.6 and (value, aval) from 0.7.
+        register(cls, lambda x, *aval: ir_constant(value_of(x)))
+
+    return register_waiting_constant
+
+
+def _key_impl_reader(key_array: type) -> Any:
+    fields = getattr(key_array, "__annotations__", {})
+    if not {"_impl", "_base_array"} <= set(fields):
+        raise AttributeError("PRNGKeyArray has no _impl and _base_array fields")
+
+    def impl_of(dtype: Any) -> Any:
+        # A key dtype (key<fry>) holds its PRNG implementation, which JAX's key
+        # arrays hold as _impl.
+        return dtype._impl
+
+    return impl_of
+
+
 def _everywhere(where: str, note: str = "", adapt: Any = None) -> tuple[Form, ...]:
     """One form for every supported JAX (no version gate needed so far)."""
     return (Form(OLDEST_JAX, None, where, note, adapt),)

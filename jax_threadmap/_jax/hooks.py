@@ -57,11 +57,13 @@ from .hook_forms import (
     _emit_python_callback_without_returns_token,
     _everywhere,
     _host_callback_registrar,
+    _key_impl_reader,
     _public,
     _register_identity_in,
     _register_lowering_without_cacheable,
     _register_with_none,
     _typeof_checking_sharding_rank,
+    _waiting_constant_registrar,
     resolve,
 )
 
@@ -455,6 +457,21 @@ HOOKS: tuple[Hook, ...] = (
         "0.10.2 nor 0.12.0.1); jax.device_put(x, sharding) does not take the "
         "program's layouts and copy semantics",
     ),
+    # An AsyncArray is a jax.Array, so a jitted function may close over one:
+    # JAX embeds such a constant in the program through the handler of its type.
+    Hook(
+        "register_constant_handler",
+        "a jitted function that closes over an AsyncArray embeds its value in "
+        "the program (waited for when lowered), as for a jax.Array",
+        (ASYNC_ARRAYS,),
+        _everywhere(
+            "jax.interpreters.mlir:register_constant_handler",
+            adapt=_waiting_constant_registrar,
+        ),
+        _public("jax.interpreters.mlir:register_constant_handler")
+        + " (with jax.interpreters.mlir.ir_constant). Pass the array as an "
+        "argument instead and it is never waited for when lowered",
+    ),
     # jax.make_array_from_callback raises UnexpectedTracerError at the call when
     # its data_callback returns a tracer (the call made under jit). Our sharded
     # load returns before any shard arrives; under a trace it fetches one shard
@@ -518,6 +535,34 @@ HOOKS: tuple[Hook, ...] = (
             ("array_operators", "jax.Array's operators (__add__, __getitem__...)"),
             ("array_properties", "jax.Array's properties (T, mT, real, at...)"),
         )
+    ),
+    # jax.random's eager rules (split, fold_in, bits, key_data...) read two
+    # fields of a key array, `_impl` and `_base_array`; an AsyncArray of a key
+    # dtype gives them: its dtype's implementation, and its key data (deferred).
+    Hook(
+        "PRNGKeyArray",
+        "the fields jax.random reads of a key array (_impl, _base_array), which "
+        "an AsyncArray of a key dtype provides; the implementation of a key dtype",
+        (ARRAY_SURFACE,),
+        (
+            Form(
+                (0, 10, 2),
+                None,
+                "jax._src.random.prng:PRNGKeyArray",
+                "",
+                _key_impl_reader,
+            ),
+            Form(
+                OLDEST_JAX,
+                (0, 10, 2),
+                "jax._src.prng:PRNGKeyArray",
+                "the module before it moved into jax._src.random",
+                _key_impl_reader,
+            ),
+        ),
+        "tried: jax.random.key_impl(k), public, which returns a PRNGSpec, not "
+        "the implementation that the rules call (impl.split...); no public API "
+        "makes an array that jax.random's eager rules take as a key array",
     ),
     # Async dispatch (issues 13, 48). A jitted call with pending `AsyncArray`
     # arguments returns at once: JAX's call that runs the compiled program

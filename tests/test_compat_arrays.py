@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_threadmap._arrays import leaves as _leaves
 from jax_threadmap._jax import array_types as _array_types
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import hooks as _compat
@@ -262,7 +263,7 @@ def test_a_compiled_program_still_tells_what_deferred_dispatch_reads():
     assert list(program._local_devices) == [jax.devices()[0]], UPDATE
     assert program.mut is None and program.name.startswith("jit("), UPDATE
     assert _dispatch.deferrable(program), UPDATE
-    specs = _dispatch.output_specs(program)
+    specs = _leaves.output_specs(program.out_handler)
     assert sorted((s.shape, str(s.dtype)) for s in specs) == [
         ((), "int32"),
         ((3,), "float32"),

@@ -94,19 +94,11 @@ _IMPL: Any = _compat.or_missing("ArrayImpl", object)
 def landed(x: Any) -> Any:
     """``x``'s value, waited for in Python: an ``AsyncArray``'s result, and any
     ``jax.Array`` ready (``block_until_ready`` releases the GIL while it waits)."""
-    if _is_async(x):
+    if isinstance(x, jax.Array) and hasattr(x, "result"):  # an AsyncArray
         x = x.result()
     if isinstance(x, jax.Array) and not x.is_deleted():
         x.block_until_ready()
     return x
-
-
-def _never(x: Any) -> bool:
-    return False
-
-
-#: Whether an object is an ``AsyncArray`` (set by :func:`install`).
-_is_async: Callable[[Any], bool] = _never
 
 
 class _Static:
@@ -320,10 +312,7 @@ def _defer(
         assert got == [(a.shape, a.dtype, a.weak_type) for a in avals], (fn, got)
         return outs
 
-    reads = [
-        _dispatch.Pending(a._task, a._index, a) if y else None
-        for a, y in zip(flat, asyncs, strict=True)
-    ]
+    reads = [a._pending() if y else None for a, y in zip(flat, asyncs, strict=True)]
     run = _dispatch.defer(
         dispatch, program, tuple(flat), reads, _dispatch.mechanism.readers
     )
@@ -334,7 +323,7 @@ def _arrays_of(flat: list, asyncs: list, task: Any) -> list[Any]:
     """The arrays of ``task``'s call, made by the class of the op's first
     ``AsyncArray`` (no climb back up to its module)."""
     cls = next(type(a) for a, y in zip(flat, asyncs, strict=True) if y)
-    return [cls._new(task, i) for i in range(len(task.specs))]
+    return cls._of_call(task)
 
 
 def _deferred(name: str, fn: Callable[..., Any], is_async: Any) -> Any:
@@ -427,8 +416,6 @@ def _tables() -> tuple[dict, dict, dict]:
 
 def install(cls: type, is_async: Callable[[Any], bool]) -> None:
     """Puts the whole ``jax.Array`` surface on ``cls`` (``AsyncArray``)."""
-    global _is_async
-    _is_async = is_async
     methods, operators, properties = _tables()
     _CONCRETE_INTS.add(operators.get("pow"))
     for name, fn in methods.items():

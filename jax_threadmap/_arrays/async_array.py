@@ -114,6 +114,15 @@ class AsyncArray(jax.Array):
         self._index = index
         return self
 
+    @classmethod
+    def _of_call(cls, task: Task) -> list[AsyncArray]:
+        """The arrays of ``task``'s call, one per result leaf, in order."""
+        return [cls._new(task, i) for i in range(len(task.specs))]
+
+    def _pending(self) -> _dispatch.Pending:
+        """What a dispatch reads of this array: its call and leaf."""
+        return _dispatch.Pending(self._task, self._index, self)
+
     # -- what jit needs, without waiting --
 
     @property
@@ -327,18 +336,13 @@ def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
     if not _dispatch.mechanism.prepared:  # before any dispatch with them
         _dispatch.mechanism.prepare(_around)
-    arrays = [AsyncArray._new(task, i) for i in range(len(task.specs))]
-    return jax.tree_util.tree_unflatten(task.treedef, arrays)
-
-
-def _pending(x: AsyncArray) -> _dispatch.Pending:
-    return _dispatch.Pending(x._task, x._index, x)
+    return jax.tree_util.tree_unflatten(task.treedef, AsyncArray._of_call(task))
 
 
 def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
     # Called by jit only when a compiled program runs, after compilation (a run
     # that was not deferred, or a deferred one whose data has landed).
-    return _dispatch.mechanism.arrays_for([_pending(x) for x in xs])
+    return _dispatch.mechanism.arrays_for([x._pending() for x in xs])
 
 
 def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
@@ -348,7 +352,7 @@ def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
     its array outputs wrapped); any other run is JAX's."""
     if not any(type(a) is AsyncArray for a in args):
         return run(program, *args)
-    reads = [_pending(a) if type(a) is AsyncArray else None for a in args]
+    reads = [a._pending() if type(a) is AsyncArray else None for a in args]
     task, outs = _dispatch.mechanism.run(run, program, args, reads, effects)
     arrays = iter(make_arrays(task) if task is not None else ())
     return [next(arrays) if o is None else o for o in outs]

@@ -61,7 +61,7 @@ from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
 from . import outcomes as _outcomes
 from .async_pool import landing, worker_state
-from .leaves import LeafSpec, is_extended
+from .leaves import LeafSpec, is_extended, output_specs, specs_of
 from .task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -96,18 +96,6 @@ def deferrable(program: Any) -> bool:
         hasattr(a, "dtype") and not is_extended(a.dtype)
         for a in program.out_handler.out_avals
     )
-
-
-def output_specs(program: Any) -> list[LeafSpec]:
-    """The leaves of the program's outputs: their avals and shardings."""
-    return _specs(program.out_handler.out_avals, program.out_handler.out_shardings)
-
-
-def _specs(avals: Any, shardings: Any) -> list[LeafSpec]:
-    return [
-        LeafSpec(f"[{k}]", tuple(aval.shape), aval.dtype, aval, sharding)
-        for k, (aval, sharding) in enumerate(zip(avals, shardings, strict=True))
-    ]
 
 
 class Held:
@@ -240,7 +228,7 @@ def defer(
         reads,
         inputs,
         f"`{program.name}`",
-        output_specs(program),
+        output_specs(program.out_handler),
     )
     sources = [r.task if _is_call(r) else r for r in reads if r is not None]
     readers.add(run, list(dict.fromkeys(sources)))
@@ -530,7 +518,7 @@ class Results(Task):
     stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
 
     def __init__(self, leaves: list[jax.Array]):
-        specs = _specs([a.aval for a in leaves], [a.sharding for a in leaves])
+        specs = specs_of([a.aval for a in leaves], [a.sharding for a in leaves])
         super().__init__(
             None,  # nothing to run: a wrapped outcome
             (),

@@ -49,6 +49,20 @@ class LeafSpec:
         self.sharding = sharding
 
 
+def output_specs(out_handler: Any) -> list[LeafSpec]:
+    """The leaves of a compiled program's outputs (its ``out_handler``): their
+    avals and shardings."""
+    return specs_of(out_handler.out_avals, out_handler.out_shardings)
+
+
+def specs_of(avals: Any, shardings: Any) -> list[LeafSpec]:
+    """The leaves ``[0]``, ``[1]``, ... of a program's outputs."""
+    return [
+        LeafSpec(f"[{k}]", tuple(aval.shape), aval.dtype, aval, sharding)
+        for k, (aval, sharding) in enumerate(zip(avals, shardings, strict=True))
+    ]
+
+
 def describe_error(error: BaseException) -> str:
     """``Type: message`` of an exception, even one whose ``str()`` raises."""
     try:
@@ -253,9 +267,8 @@ def checked_leaf(
             f"({expected}); return the data itself"
         )
     _check_shape_of(leaf, shape, declared, expected)
-    from .array_surface import landed  # (array_surface imports this module)
-
-    leaf = landed(leaf)  # an AsyncArray (a jax.Array): its value
+    if isinstance(leaf, jax.Array) and hasattr(leaf, "result"):
+        leaf = leaf.result()  # an AsyncArray (a jax.Array): its value
     if isinstance(leaf, jax.Array) and leaf.dtype == target:
         return leaf
     try:

@@ -99,11 +99,11 @@ class Job:
         self.workers = n if workers is None else max(1, workers)
         #: Threads the map may hold now (raised to ``workers`` once it rises).
         self.limit = self.workers
-        self.measure = policy.Measure()
+        self._measure = policy.Measure()
         self.inline = inline is not None and self.fixed is None
         self._spent, self._timed = 0.0, 0  # seconds and units of timed chunks
         if inline is not None and self.inline:  # one thread; chunks sized at once
-            cpus, self.measure.per_element = 1, inline.per_element
+            cpus, self._measure.per_element = 1, inline.per_element
         if cpus is not None and self.fixed is None:
             self.limit = max(1, min(cpus, self.workers))
         #: Threads handed to the map (:meth:`add_hand`).
@@ -175,7 +175,7 @@ class Job:
             return None
         start = self._next
         size = self.fixed or policy.chunk_size(
-            self.n - start, self.workers, self.measure, self.limited
+            self.n - start, self.workers, self._measure, self.limited
         )
         self._next = stop = min(self.n, start + size)
         self._outstanding += 1
@@ -219,13 +219,13 @@ class Job:
         """Records a guided chunk's time (lock held); whether the map rises now."""
         self._spent, self._timed = self._spent + wall, self._timed + units
         if not (limited and self.limited):
-            policy.record_time(self.measure, units, wall)
+            policy.record_time(self._measure, units, wall)
             return False
         if self.inline:
-            policy.record_time(self.measure, units, wall)
+            policy.record_time(self._measure, units, wall)
             if self._spent < policy.INLINE_SECONDS:
                 return False
-        elif not policy.record_chunk(self.measure, units, wall, cpu, self.limit):
+        elif not policy.record_chunk(self._measure, units, wall, cpu, self.limit):
             return False
         self.limit = self.workers
         return not self._exhausted()

@@ -182,7 +182,9 @@ def new_job(
     limited = policy.starts_limited(
         units, workers, cpus, parent is not None, on_threads
     )
-    shared = isinstance(runner, _shared_threads.ThreadPool) and parent is None
+    # (A pool with more threads than CPUs is there for kernels that wait.)
+    pool = isinstance(runner, _shared_threads.ThreadPool) and workers <= cpus
+    shared = pool and parent is None
     return Job(
         units,
         work.run_chunk,

@@ -40,10 +40,10 @@ SLOW_VOTES = 2
 #: elements spread over every thread rather than queue in one chunk.
 MIN_CHUNK_SECONDS = 200e-6
 MAX_CHUNK_SECONDS = 10e-3
-#: Seconds of work (expected from the last map of its equation) under which a
+#: Seconds of work (the chunks of the last map of its equation) under which a
 #: map of fast elements runs on the thread that started it: handing it to other
 #: threads costs more than they save (wake-ups, and the GIL passed between them).
-INLINE_SECONDS = 5e-3
+INLINE_SECONDS = 10e-3
 #: Elements per thread up to which a map on threads runs in index order; a
 #: larger one may start limited. Its guided chunks would be one element anyway.
 IN_ORDER_UP_TO = 4

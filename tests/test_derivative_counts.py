@@ -16,6 +16,7 @@ the better recipe (docs/derivatives-residuals.md has the table).
 import dataclasses
 import gc
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -261,6 +262,8 @@ def test_identical_equations_in_one_block_run_once():
     before it in the same block reuses its results (one map); other operands,
     or another block (a cond branch), run their own."""
     calls = Counter()
+    # The modules lowered before: other tests' programs may still be alive.
+    before = {id(m) for m in list(_primitive._LOWERED.keys())}
 
     @jax_threadmap.kernel(S((3,), F64))
     def f(x):
@@ -281,10 +284,14 @@ def test_identical_equations_in_one_block_run_once():
     assert calls.count == 3 * 4  # f(x), f(y), and f(x) in the branch
     assert_close(got, (3 * jnp.exp(x), jnp.exp(y), jnp.exp(x)))
     # What the lowering kept to find them goes with the program's module.
+    ours = [
+        weakref.ref(m) for m in list(_primitive._LOWERED.keys()) if id(m) not in before
+    ]
+    assert ours
     del run
     jax.clear_caches()
     gc.collect()
-    assert not _primitive._LOWERED
+    assert [r for r in ours if r() is not None] == []
 
 
 def test_operands_computed_alike_run_once():

@@ -39,6 +39,8 @@ LOAD_SECONDS = 0.001
 
 def pending(x: Any) -> Any:
     """``x`` as a pending AsyncArray, where it is a concrete array; else ``x``."""
+    if isinstance(x, jtm.AsyncArray):  # a jax.Array already pending (or landed)
+        return x
     if isinstance(x, jax.Array):
         if isinstance(x, jax.core.Tracer) or x.is_deleted():
             return x

@@ -12,6 +12,7 @@ import pathlib
 import pickle
 import re
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import worker_kernels
 from helpers import (
     LOOPBACK,
     NO_LOOPBACK,
+    PATIENCE,
     cause_of,
     nested_pids,
     run_script,
@@ -31,6 +33,7 @@ import jax_threadmap
 from jax_threadmap import ExecutorError, KernelError, threadmap
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import scheduling as policy
+from jax_threadmap._executors import shipping
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -515,6 +518,61 @@ def test_fast_elements_ship_in_a_few_tasks(counting_pool, monkeypatch):
     # The first wave (one element per worker), then tasks of at least 500
     # elements (or what is left): 2 + ceil(4094 / 500).
     assert tasks <= 2 + -(-4094 // 500), tasks
+
+
+class SlowToStart(concurrent.futures.Executor):
+    """An executor of 2 workers whose workers answer only once ``started`` is
+    set, as a cold process pool's do once they have imported JAX. (It runs each
+    task on a thread here: what it ships is not pickled.)"""
+
+    _max_workers = 2
+
+    def __init__(self):
+        self.started = threading.Event()
+        self.tasks = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.tasks += 1
+        fut = concurrent.futures.Future()
+
+        def run():
+            self.started.wait(PATIENCE)
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                fut.set_exception(e)
+
+        threading.Thread(target=run, daemon=True).start()
+        return fut
+
+
+def test_a_cold_pool_gets_one_untimed_task_per_worker(monkeypatch):
+    # Until an element has been timed, a task is one element: while the workers
+    # start (many polls without an answer), one such task per worker goes out.
+    # Was: each poll that timed out shipped more of them, up to the tasks in
+    # flight (4 here), so test_fast_elements_ship_in_a_few_tasks failed whenever
+    # its pool was cold (run alone).
+    polls = []
+    poll = shipping.Shipper.poll
+
+    def quick_poll(self, timeout):
+        polls.append(timeout)
+        return poll(self, 0.001)
+
+    monkeypatch.setattr(shipping.Shipper, "poll", quick_poll)
+    ex = SlowToStart()
+    f = mapped(worker_kernels.raises_at_five, ex)
+    x = (np.arange(64) % 5).astype(np.float32)
+    out = []
+    t = threading.Thread(target=lambda: out.append(f(x)))
+    t.start()
+    try:
+        wait_until(lambda: len(polls) >= 20, "polls while the workers start")
+        assert ex.tasks == 2
+    finally:
+        ex.started.set()
+        t.join(PATIENCE)
+    np.testing.assert_array_equal(out[0], x)
 
 
 # --- Dask workers that die in the middle of a map ------------------------------

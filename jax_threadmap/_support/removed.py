@@ -25,7 +25,8 @@ def error(name: str) -> AttributeError:
 
 
 class _Gone:
-    """A removed class attribute: reading it raises :func:`error`."""
+    """A removed class attribute: reading it raises an `AttributeError` naming
+    what replaced it."""
 
     def __init__(self, name: str):
         self.name = name

@@ -245,6 +245,19 @@ def test_operators_on_pending_data_return_at_once_and_the_values_are_right():
         _same(got[name], use(a, b), name)
 
 
+def test_the_repr_of_an_op_on_pending_data_names_the_op_once_quoted():
+    """``repr(x + 1)`` names the op as a jitted call's repr names its program:
+    in one pair of backticks (was ``\`\`operator_add\`\```)."""
+    held = Held(X)
+    try:
+        text = repr(held.array + 1)
+    finally:
+        held.release.set()
+    if ASYNC:
+        assert "from `operator_add`)" in text, text
+    assert "``" not in text, text
+
+
 # --- arguments that must be concrete: wait, then as on a jax.Array --------------------
 
 MASK = np.array([[True, False, True], [False, True, False]])

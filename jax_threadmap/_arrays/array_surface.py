@@ -228,7 +228,7 @@ def apply(
     if placement is _ELSEWHERE:  # jit finds where the outputs go
         dynamic = [a for a, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
         return array_method(fn, treedef, _Static(key, marked), dynamic)
-    name = f"`{getattr(fn, '__name__', 'op').strip('_')}`"
+    name = getattr(fn, "__name__", "op").strip("_")
     outs = types.SimpleNamespace(
         out_avals=plan[1], out_shardings=[placement] * len(plan[1])
     )

@@ -247,7 +247,7 @@ def test_operators_on_pending_data_return_at_once_and_the_values_are_right():
 
 def test_the_repr_of_an_op_on_pending_data_names_the_op_once_quoted():
     """``repr(x + 1)`` names the op as a jitted call's repr names its program:
-    in one pair of backticks (was ``\`\`operator_add\`\```)."""
+    in one pair of backticks (it was two)."""
     held = Held(X)
     try:
         text = repr(held.array + 1)

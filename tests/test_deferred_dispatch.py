@@ -10,6 +10,7 @@ while the gate is still closed. Values are compared with NumPy on the host.
 
 from __future__ import annotations
 
+import gc
 import logging
 import pathlib
 import threading
@@ -122,6 +123,38 @@ def test_chains_eager_ops_and_mixed_arguments():
     np.testing.assert_array_equal(np.asarray(y), value + 110.0)
     np.testing.assert_array_equal(np.asarray(z), (value + 110.0) * 2)
     np.testing.assert_allclose(np.asarray(s), np.sin(value), rtol=F32_RTOL, atol=1e-6)
+
+
+def test_finished_programs_keep_neither_what_they_read_nor_what_they_made():
+    """An input that lives on (weights) keeps neither the programs run on it
+    while pending, nor their outputs and arguments (it kept all of them); the
+    end of a chain keeps none of the middle: as many arrays live on after a
+    few programs as after many."""
+    shape = (7, 13)  # no other test's arrays: counted among the live ones
+    add = jax.jit(lambda a, b: a + b)
+
+    def live_after(n: int) -> tuple[int, AsyncArray]:
+        gate, x = gated(np.ones(shape, np.float32), shape=SDS(shape, jnp.float32))
+        for i in range(n):
+            y = while_gated(add, x, jnp.full(shape, float(i)))
+            z = while_gated(lambda a, i=i: a * float(i), x)
+        chain = x + 1
+        for _ in range(2 * n):
+            chain = chain * 2
+        gate.release.set()
+        np.testing.assert_array_equal(np.asarray(y), np.full(shape, n))
+        np.testing.assert_array_equal(np.asarray(z), np.full(shape, n - 1.0))
+        np.testing.assert_array_equal(
+            np.asarray(chain), np.full(shape, 2.0 ** (2 * n + 1))
+        )
+        del y, z, chain
+        gc.collect()
+        return sum(a.shape == shape for a in jax.live_arrays()), x
+
+    few, x = live_after(2)
+    del x
+    many, x = live_after(6)
+    assert many == few
 
 
 def test_a_kernel_inside_the_deferred_program():

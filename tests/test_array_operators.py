@@ -12,6 +12,7 @@ raises its error. Each result is compared with the same use of a ``jax.Array``.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import threading
 
 import jax
@@ -256,6 +257,27 @@ def test_the_repr_of_an_op_on_pending_data_names_the_op_once_quoted():
     if ASYNC:
         assert "from `operator_add`)" in text, text
     assert "``" not in text, text
+
+
+def test_ops_in_an_x64_context_give_what_they_give_on_a_jax_array():
+    """A ``jax.enable_x64`` context holds for the op's caller thread only: the
+    deferred op runs as in it (its planned float64 outputs failed every use
+    with an AssertionError, run in a thread where x64 was off)."""
+    value = np.arange(3, dtype=np.int32)
+    held = Held(value)
+    try:
+        enable = getattr(jax, "enable_x64", None)
+        if enable is None:  # JAX 0.6
+            enable = importlib.import_module("jax.experimental").enable_x64
+        with enable(True):
+            got = [held.array.astype(jnp.float64), held.array + np.float64(0.5)]
+            want = [jnp.asarray(value).astype(jnp.float64), jnp.asarray(value) + 0.5]
+    finally:
+        held.release.set()
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == np.float64
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert np.asarray(g).dtype == np.float64
 
 
 # --- arguments that must be concrete: wait, then as on a jax.Array --------------------

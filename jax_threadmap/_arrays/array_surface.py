@@ -24,7 +24,9 @@ Where this JAX lacks a table (a release that moved it), no ``AsyncArray`` is mad
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -303,10 +305,12 @@ def _defer(
     JAX's own ``fn`` on the values when they land (its arguments kept as at the
     call, :meth:`.dispatch.Readers.freeze`)."""
     out_tree, avals = plan
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
 
     def dispatch(frozen: tuple[Any, ...]) -> list[jax.Array]:
         values = [a.result() if y else a for a, y in zip(frozen, asyncs, strict=True)]
-        outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
+        with x64_as(x64):
+            outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
         got = [(o.shape, o.dtype, o.weak_type) for o in outs]
         # A bug, if ever: the trace and the run disagree.
         assert got == [(a.shape, a.dtype, a.weak_type) for a in avals], (fn, got)
@@ -317,6 +321,17 @@ def _defer(
         dispatch, program, tuple(flat), reads, _dispatch.mechanism.readers
     )
     return jax.tree_util.tree_unflatten(out_tree, _arrays_of(flat, asyncs, run))
+
+
+def x64_as(on: bool) -> Any:
+    """``jax_enable_x64`` as ``on`` (the caller's, which a ``jax.enable_x64``
+    context sets for its thread only) in the thread that runs a deferred op."""
+    if jax.config.jax_enable_x64 == on:  # type: ignore[attr-defined]
+        return contextlib.nullcontext()
+    enable = getattr(jax, "enable_x64", None)  # public from JAX 0.7
+    if enable is None:  # JAX 0.6
+        enable = importlib.import_module("jax.experimental").enable_x64
+    return enable(on)
 
 
 def _arrays_of(flat: list, asyncs: list, task: Any) -> list[Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import re
 import threading
 
 import jax
@@ -254,8 +255,8 @@ def test_the_repr_of_an_op_on_pending_data_names_the_op_once_quoted():
         text = repr(held.array + 1)
     finally:
         held.release.set()
-    if ASYNC:
-        assert "from `operator_add`)" in text, text
+    if ASYNC:  # (`operator_add`; `deferring_binary_op` on JAX 0.6)
+        assert re.search(r"pending, from `\w+`\)$", text), text
     assert "``" not in text, text
 
 

@@ -281,6 +281,42 @@ def test_ops_in_an_x64_context_give_what_they_give_on_a_jax_array():
         assert np.asarray(g).dtype == np.float64
 
 
+_DEFAULT_DEVICE = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import threading
+import jax, jax.numpy as jnp, numpy as np
+import jax_threadmap as jtm
+from jax_threadmap._arrays import dispatch
+ASYNC = dispatch.mechanism.status() is None  # (blocking: ops wait)
+go = threading.Event()
+if not ASYNC:
+    go.set()
+x = jtm.async_call(lambda: go.wait(60) and np.ones(3, np.float32),
+                   jax.ShapeDtypeStruct((3,), np.float32))
+other = jax.devices()[1]
+with jax.default_device(other):
+    got = {"x + 1": x + 1, "x.sum()": x.sum(), "jnp.sin(x)": jnp.sin(x)}
+    want = {"x + 1": jnp.ones(3) + 1, "x.sum()": jnp.ones(3).sum(),
+            "jnp.sin(x)": jnp.sin(jnp.ones(3))}
+assert not ASYNC or not any(y.done() for y in got.values())  # returned at once
+go.set()
+for k, y in got.items():
+    on = y.result().devices()
+    assert on == want[k].devices() == {other}, (k, on)
+    assert np.array_equal(np.asarray(y), np.asarray(want[k])), k
+print("ok")
+"""
+
+
+def test_ops_in_a_default_device_context_land_where_a_jax_array_s_do():
+    """A ``jax.default_device`` context holds for the op's caller thread only:
+    the outputs of an op on pending uncommitted data go where it says (they went
+    to the first device, that of the thread that ran the deferred op)."""
+    ran = run_script(_DEFAULT_DEVICE, timeout=180)
+    assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.report
+
+
 # --- arguments that must be concrete: wait, then as on a jax.Array --------------------
 
 MASK = np.array([[True, False, True], [False, True, False]])

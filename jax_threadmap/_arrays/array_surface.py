@@ -295,6 +295,10 @@ def _placement(flat: list, marked: list, asyncs: list) -> Any:
             if found is not None or len(sharding.device_set) > 1:
                 return _ELSEWHERE
             found = sharding
+    if found is None and jax.config.jax_default_device is not None:  # type: ignore[attr-defined]
+        # A jax.default_device context holds for this thread only, not the one
+        # that runs a deferred op: jit places the outputs as it says.
+        return _ELSEWHERE
     return found
 
 

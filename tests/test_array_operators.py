@@ -281,6 +281,22 @@ def test_ops_in_an_x64_context_give_what_they_give_on_a_jax_array():
         assert np.asarray(g).dtype == np.float64
 
 
+def test_a_strict_promotion_raises_on_pending_data_as_on_a_jax_array():
+    """``int32 + float32`` raises in a ``jax.numpy_dtype_promotion("strict")``
+    context, pending or not (the plan made outside it was used, and it did not)."""
+    held = Held(np.arange(3, dtype=np.int32))
+    try:
+        outside = held.array + jnp.float32(1.5)  # a plan of the standard promotion
+        with jax.numpy_dtype_promotion("strict"):
+            with pytest.raises(ValueError, match="promot") as on_jax:
+                jnp.arange(3, dtype=jnp.int32) + jnp.float32(1.5)
+            with pytest.raises(type(on_jax.value)):
+                held.array + jnp.float32(1.5)
+    finally:
+        held.release.set()
+    np.testing.assert_array_equal(np.asarray(outside), np.arange(3) + 1.5)
+
+
 _DEFAULT_DEVICE = """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"

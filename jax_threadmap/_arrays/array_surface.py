@@ -165,7 +165,9 @@ def _plan(fn: Any, treedef: Any, flat: list, asyncs: list) -> tuple[Any, Any, li
         marks = [_marked(a, y, static_ints) for a, y in zip(flat, asyncs, strict=True)]
         marked = [m for m, _ in marks]
         x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
-        key = (fn, treedef, x64, static_ints, tuple(k for _, k in marks))
+        # (a strict promotion raises where a plan of the standard one would not)
+        promotion = jax.config.jax_numpy_dtype_promotion  # type: ignore[attr-defined]
+        key = (fn, treedef, x64, promotion, static_ints, tuple(k for _, k in marks))
         try:
             plan = _plans.get(key)
         except TypeError:  # an unhashable static argument

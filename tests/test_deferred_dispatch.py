@@ -161,6 +161,26 @@ def test_finished_programs_keep_neither_what_they_read_nor_what_they_made():
     np.testing.assert_array_equal(np.asarray(x), np.ones(shape))  # it lived on
 
 
+def test_an_op_whose_landed_argument_is_handed_on_first_still_runs():
+    """``x + y`` waits for ``y``; ``x`` landed and is handed to a program first:
+    the op reads a copy of ``x`` then, and gives ``x + y`` (it raised
+    AttributeError: the copy is a ``jax.Array``, with no ``result``)."""
+    gate_x, x = gated(np.full(3, 1.0, np.float32))
+    gate_y, y = gated(np.full(3, 10.0, np.float32))
+    ops = {
+        "x + y": lambda a, b: a + b,
+        "x.at[0].set(y[1])": lambda a, b: a.at[0].set(b[1]),
+    }
+    got = {k: while_gated(f, x, y) for k, f in ops.items()}
+    gate_x.release.set()
+    twice = jax.jit(lambda a: a * 2)(x)  # hands x's buffer on, y still pending
+    gate_y.release.set()
+    np.testing.assert_array_equal(np.asarray(twice), np.full(3, 2.0))
+    a, b = jnp.full(3, 1.0), jnp.full(3, 10.0)
+    for k, f in ops.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(f(a, b)), k)
+
+
 def test_a_kernel_inside_the_deferred_program():
     value = np.arange(6, dtype=np.float32).reshape(2, 3)
     gate, x = gated(value, shape=SDS((2, 3), np.float32))

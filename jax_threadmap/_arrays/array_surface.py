@@ -314,7 +314,12 @@ def _defer(
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
 
     def dispatch(frozen: tuple[Any, ...]) -> list[jax.Array]:
-        values = [a.result() if y else a for a, y in zip(frozen, asyncs, strict=True)]
+        # An async argument may be a jax.Array copy of it by now (it was handed
+        # on first: Readers.settle, ProgramRun.let_go).
+        values = [
+            a.result() if y and hasattr(a, "result") else a
+            for a, y in zip(frozen, asyncs, strict=True)
+        ]
         with x64_as(x64):
             outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
         got = [(o.shape, o.dtype, o.weak_type) for o in outs]

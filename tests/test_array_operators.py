@@ -12,6 +12,8 @@ raises its error. Each result is compared with the same use of a ``jax.Array``.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
+import re
 import threading
 
 import jax
@@ -243,6 +245,92 @@ def test_operators_on_pending_data_return_at_once_and_the_values_are_right():
     a, b = jnp.asarray(X), jnp.asarray(X[::-1].copy())
     for name, use in AT_ONCE.items():
         _same(got[name], use(a, b), name)
+
+
+def test_the_repr_of_an_op_on_pending_data_names_the_op_once_quoted():
+    """``repr(x + 1)`` names the op as a jitted call's repr names its program:
+    in one pair of backticks (it was two)."""
+    held = Held(X)
+    try:
+        text = repr(held.array + 1)
+    finally:
+        held.release.set()
+    if ASYNC:  # (`operator_add`; `deferring_binary_op` on JAX 0.6)
+        assert re.search(r"pending, from `\w+`\)$", text), text
+    assert "``" not in text, text
+
+
+def test_ops_in_an_x64_context_give_what_they_give_on_a_jax_array():
+    """A ``jax.enable_x64`` context holds for the op's caller thread only: the
+    deferred op runs as in it (its planned float64 outputs failed every use
+    with an AssertionError, run in a thread where x64 was off)."""
+    value = np.arange(3, dtype=np.int32)
+    held = Held(value)
+    try:
+        enable = getattr(jax, "enable_x64", None)
+        if enable is None:  # JAX 0.6
+            enable = importlib.import_module("jax.experimental").enable_x64
+        with enable(True):
+            got = [held.array.astype(jnp.float64), held.array + np.float64(0.5)]
+            want = [jnp.asarray(value).astype(jnp.float64), jnp.asarray(value) + 0.5]
+    finally:
+        held.release.set()
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == np.float64
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert np.asarray(g).dtype == np.float64
+
+
+def test_a_strict_promotion_raises_on_pending_data_as_on_a_jax_array():
+    """``int32 + float32`` raises in a ``jax.numpy_dtype_promotion("strict")``
+    context, pending or not (the plan made outside it was used, and it did not)."""
+    held = Held(np.arange(3, dtype=np.int32))
+    try:
+        outside = held.array + jnp.float32(1.5)  # a plan of the standard promotion
+        with jax.numpy_dtype_promotion("strict"):
+            with pytest.raises(ValueError, match="promot") as on_jax:
+                jnp.arange(3, dtype=jnp.int32) + jnp.float32(1.5)
+            with pytest.raises(type(on_jax.value)):
+                held.array + jnp.float32(1.5)
+    finally:
+        held.release.set()
+    np.testing.assert_array_equal(np.asarray(outside), np.arange(3) + 1.5)
+
+
+_DEFAULT_DEVICE = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import threading
+import jax, jax.numpy as jnp, numpy as np
+import jax_threadmap as jtm
+from jax_threadmap._arrays import dispatch
+ASYNC = dispatch.mechanism.status() is None  # (blocking: ops wait)
+go = threading.Event()
+if not ASYNC:
+    go.set()
+x = jtm.async_call(lambda: go.wait(60) and np.ones(3, np.float32),
+                   jax.ShapeDtypeStruct((3,), np.float32))
+other = jax.devices()[1]
+with jax.default_device(other):
+    got = {"x + 1": x + 1, "x.sum()": x.sum(), "jnp.sin(x)": jnp.sin(x)}
+    want = {"x + 1": jnp.ones(3) + 1, "x.sum()": jnp.ones(3).sum(),
+            "jnp.sin(x)": jnp.sin(jnp.ones(3))}
+assert not ASYNC or not any(y.done() for y in got.values())  # returned at once
+go.set()
+for k, y in got.items():
+    on = y.result().devices()
+    assert on == want[k].devices() == {other}, (k, on)
+    assert np.array_equal(np.asarray(y), np.asarray(want[k])), k
+print("ok")
+"""
+
+
+def test_ops_in_a_default_device_context_land_where_a_jax_array_s_do():
+    """A ``jax.default_device`` context holds for the op's caller thread only:
+    the outputs of an op on pending uncommitted data go where it says (they went
+    to the first device, that of the thread that ran the deferred op)."""
+    ran = run_script(_DEFAULT_DEVICE, timeout=180)
+    assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.report
 
 
 # --- arguments that must be concrete: wait, then as on a jax.Array --------------------

@@ -10,6 +10,7 @@ while the gate is still closed. Values are compared with NumPy on the host.
 
 from __future__ import annotations
 
+import gc
 import logging
 import pathlib
 import threading
@@ -122,6 +123,62 @@ def test_chains_eager_ops_and_mixed_arguments():
     np.testing.assert_array_equal(np.asarray(y), value + 110.0)
     np.testing.assert_array_equal(np.asarray(z), (value + 110.0) * 2)
     np.testing.assert_allclose(np.asarray(s), np.sin(value), rtol=F32_RTOL, atol=1e-6)
+
+
+def test_finished_programs_keep_neither_what_they_read_nor_what_they_made():
+    """An input that lives on (weights) keeps neither the programs run on it
+    while pending, nor their outputs and arguments (it kept all of them); the
+    end of a chain keeps none of the middle: as many arrays live on after a
+    few programs as after many."""
+    shape = (7, 13)  # no other test's arrays: counted among the live ones
+    add = jax.jit(lambda a, b: a + b)
+
+    def live() -> int:
+        gc.collect()
+        return sum(a.shape == shape for a in jax.live_arrays())
+
+    def run(n: int) -> AsyncArray:
+        gate, x = gated(np.ones(shape, np.float32), shape=SDS(shape, jnp.float32))
+        for i in range(n):
+            y = while_gated(add, x, jnp.full(shape, float(i)))
+            z = while_gated(lambda a, i=i: a * float(i), x)
+        chain = x + 1
+        for _ in range(2 * n):
+            chain = chain * 2
+        gate.release.set()
+        np.testing.assert_array_equal(np.asarray(y), np.full(shape, n))
+        np.testing.assert_array_equal(np.asarray(z), np.full(shape, n - 1.0))
+        want = np.full(shape, 2.0 ** (2 * n + 1))
+        np.testing.assert_array_equal(np.asarray(chain), want)
+        return x
+
+    x = run(2)
+    few = live()
+    del x
+    x = run(6)
+    # (a pool thread may hold its last program's outputs a moment longer)
+    wait_until(lambda: live() <= few, f"as few live arrays as {few}", timeout=WAIT)
+    np.testing.assert_array_equal(np.asarray(x), np.ones(shape))  # it lived on
+
+
+def test_an_op_whose_landed_argument_is_handed_on_first_still_runs():
+    """``x + y`` waits for ``y``; ``x`` landed and is handed to a program first:
+    the op reads a copy of ``x`` then, and gives ``x + y`` (it raised
+    AttributeError: the copy is a ``jax.Array``, with no ``result``)."""
+    gate_x, x = gated(np.full(3, 1.0, np.float32))
+    gate_y, y = gated(np.full(3, 10.0, np.float32))
+    ops = {
+        "x + y": lambda a, b: a + b,
+        "x.at[0].set(y[1])": lambda a, b: a.at[0].set(b[1]),
+    }
+    got = {k: while_gated(f, x, y) for k, f in ops.items()}
+    gate_x.release.set()
+    twice = jax.jit(lambda a: a * 2)(x)  # hands x's buffer on, y still pending
+    gate_y.release.set()
+    np.testing.assert_array_equal(np.asarray(twice), np.full(3, 2.0))
+    a, b = jnp.full(3, 1.0), jnp.full(3, 10.0)
+    for k, f in ops.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(f(a, b)), k)
 
 
 def test_a_kernel_inside_the_deferred_program():

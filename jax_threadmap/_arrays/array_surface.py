@@ -24,7 +24,9 @@ Where this JAX lacks a table (a release that moved it), no ``AsyncArray`` is mad
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -163,7 +165,9 @@ def _plan(fn: Any, treedef: Any, flat: list, asyncs: list) -> tuple[Any, Any, li
         marks = [_marked(a, y, static_ints) for a, y in zip(flat, asyncs, strict=True)]
         marked = [m for m, _ in marks]
         x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
-        key = (fn, treedef, x64, static_ints, tuple(k for _, k in marks))
+        # (a strict promotion raises where a plan of the standard one would not)
+        promotion = jax.config.jax_numpy_dtype_promotion  # type: ignore[attr-defined]
+        key = (fn, treedef, x64, promotion, static_ints, tuple(k for _, k in marks))
         try:
             plan = _plans.get(key)
         except TypeError:  # an unhashable static argument
@@ -228,7 +232,7 @@ def apply(
     if placement is _ELSEWHERE:  # jit finds where the outputs go
         dynamic = [a for a, m in zip(flat, marked, strict=True) if m is _DYNAMIC]
         return array_method(fn, treedef, _Static(key, marked), dynamic)
-    name = f"`{getattr(fn, '__name__', 'op').strip('_')}`"
+    name = getattr(fn, "__name__", "op").strip("_")
     outs = types.SimpleNamespace(
         out_avals=plan[1], out_shardings=[placement] * len(plan[1])
     )
@@ -293,6 +297,10 @@ def _placement(flat: list, marked: list, asyncs: list) -> Any:
             if found is not None or len(sharding.device_set) > 1:
                 return _ELSEWHERE
             found = sharding
+    if found is None and jax.config.jax_default_device is not None:  # type: ignore[attr-defined]
+        # A jax.default_device context holds for this thread only, not the one
+        # that runs a deferred op: jit places the outputs as it says.
+        return _ELSEWHERE
     return found
 
 
@@ -303,10 +311,17 @@ def _defer(
     JAX's own ``fn`` on the values when they land (its arguments kept as at the
     call, :meth:`.dispatch.Readers.freeze`)."""
     out_tree, avals = plan
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
 
     def dispatch(frozen: tuple[Any, ...]) -> list[jax.Array]:
-        values = [a.result() if y else a for a, y in zip(frozen, asyncs, strict=True)]
-        outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
+        # An async argument may be a jax.Array copy of it by now (it was handed
+        # on first: Readers.settle, ProgramRun.let_go).
+        values = [
+            a.result() if y and hasattr(a, "result") else a
+            for a, y in zip(frozen, asyncs, strict=True)
+        ]
+        with x64_as(x64):
+            outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
         got = [(o.shape, o.dtype, o.weak_type) for o in outs]
         # A bug, if ever: the trace and the run disagree.
         assert got == [(a.shape, a.dtype, a.weak_type) for a in avals], (fn, got)
@@ -317,6 +332,17 @@ def _defer(
         dispatch, program, tuple(flat), reads, _dispatch.mechanism.readers
     )
     return jax.tree_util.tree_unflatten(out_tree, _arrays_of(flat, asyncs, run))
+
+
+def x64_as(on: bool) -> Any:
+    """``jax_enable_x64`` as ``on`` (the caller's, which a ``jax.enable_x64``
+    context sets for its thread only) in the thread that runs a deferred op."""
+    if jax.config.jax_enable_x64 == on:  # type: ignore[attr-defined]
+        return contextlib.nullcontext()
+    enable = getattr(jax, "enable_x64", None)  # public from JAX 0.7
+    if enable is None:  # JAX 0.6
+        enable = importlib.import_module("jax.experimental").enable_x64
+    return enable(on)
 
 
 def _arrays_of(flat: list, asyncs: list, task: Any) -> list[Any]:

@@ -49,6 +49,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -290,6 +291,21 @@ def _fail_along(run: ProgramRun, task: Task) -> None:
         _this_thread.failing = None
 
 
+def _input_done(ref: weakref.ref[ProgramRun], task: Task, future: Any) -> None:
+    run = ref()
+    if run is not None:
+        run._input_done(task, future)
+
+
+def _let_go_of_inputs(ref: weakref.ref[ProgramRun]) -> None:
+    """A finished program reads nothing more: a chain does not keep what it read
+    (the earlier programs' outputs, the copies of ready arrays)."""
+    run = ref()
+    if run is not None:
+        with run._inputs_lock:
+            run._inputs, run._reads, run._program_args = (), [], []
+
+
 class ProgramRun(Task):
     """The deferred run of one compiled program (see the module docstring).
 
@@ -400,8 +416,12 @@ class ProgramRun(Task):
     def _start(self) -> None:
         """Waits for the inputs (each submitted when made): the first to fail
         fails the program, the last one to land queues the dispatch."""
+        # Through a weak reference: an input that lives on (weights) must not
+        # keep the program and its outputs (a pending one is in the live set).
+        me = weakref.ref(self)
+        self.future.add_done_callback(lambda _: _let_go_of_inputs(me))
         for task in self._inputs:
-            task.future.add_done_callback(functools.partial(self._input_done, task))
+            task.future.add_done_callback(functools.partial(_input_done, me, task))
 
     def _input_done(self, task: Task, future: Any) -> None:
         failed = future.exception() is not None

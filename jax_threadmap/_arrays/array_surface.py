@@ -221,6 +221,10 @@ def apply(
     where it needs concrete values, or dispatch is blocking, it waits."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     flat = [x, *leaves]
+    if any(isinstance(a, jax.core.Tracer) for a in flat):
+        # Under a trace: JAX's own, with the async arrays as constants (the
+        # program embeds their values: its lowering waits for them).
+        return _call(fn, treedef, flat)
     asyncs = [is_async(a) for a in flat]
     if all(a.done() for a, y in zip(flat, asyncs, strict=True) if y):
         return _on_values(fn, treedef, flat, asyncs, wait=False)
@@ -274,7 +278,11 @@ def _on_values(fn: Any, treedef: Any, flat: list, asyncs: list, wait: bool) -> A
     values = [get(a) if y else a for a, y in zip(flat, asyncs, strict=True)]
     out = _call(fn, treedef, values)
     leaves, tree = jax.tree_util.tree_flatten(out)
-    at = [k for k, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    at = [
+        k
+        for k, leaf in enumerate(leaves)  # (a trace closing over x: its tracers)
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+    ]
     if at:
         made = _arrays_of(flat, asyncs, _dispatch.Results([leaves[k] for k in at]))
         for k, array in zip(at, made, strict=True):
@@ -409,7 +417,8 @@ class _AtIndex:
 
 
 def _update(x: Any, index: Any, op: str, *args: Any, **kwargs: Any) -> Any:
-    return getattr(x.at[index], op)(*args, **kwargs)
+    at = _tables()[2]["at"](x)  # JAX's own (x: an AsyncArray under a trace)
+    return getattr(at[index], op)(*args, **kwargs)
 
 
 #: The most rows that ``iter`` hands out deferred, from one program (its compile

@@ -144,6 +144,8 @@ def pytest_configure(config):
     )
     cpus = config.getoption("cpus")
     if cpus is not None:  # for the whole session, workers included (-n)
+        if cpus < 1:
+            raise pytest.UsageError(f"--cpus takes a count of at least 1, got {cpus}")
         stack = contextlib.ExitStack()
         stack.enter_context(cpus_seen(cpus))
         config.add_cleanup(stack.close)

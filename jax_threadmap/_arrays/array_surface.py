@@ -36,6 +36,7 @@ import numpy as np
 
 from .._jax import hooks as _compat
 from . import dispatch as _dispatch
+from .results import Results
 
 #: Table entries run as they are, not under jit: they return no array, or
 #: return a helper whose own calls are deferred (``at``).
@@ -284,7 +285,7 @@ def _on_values(fn: Any, treedef: Any, flat: list, asyncs: list, wait: bool) -> A
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
     ]
     if at:
-        made = _arrays_of(flat, asyncs, _dispatch.Results([leaves[k] for k in at]))
+        made = _arrays_of(flat, asyncs, Results([leaves[k] for k in at]))
         for k, array in zip(at, made, strict=True):
             leaves[k] = array
     return jax.tree_util.tree_unflatten(tree, leaves)

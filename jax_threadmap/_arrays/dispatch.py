@@ -62,7 +62,8 @@ from .._support import fork as _fork
 from .._support.environment import ENV_ASYNC_DISPATCH, async_dispatch_mode
 from . import outcomes as _outcomes
 from .async_pool import landing, worker_state
-from .leaves import LeafSpec, is_extended, output_specs, specs_of
+from .leaves import LeafSpec, is_extended, output_specs
+from .results import Results, treedef_of
 from .task import Task
 
 logger = logging.getLogger("jax_threadmap._async")
@@ -264,12 +265,6 @@ def _value(read: Any, source: Any) -> Any:
 
 
 @functools.cache
-def treedef_of(n: int) -> Any:
-    """The tree of a program's ``n`` outputs (a list), as the calls of its
-    results declare it."""
-    return jax.tree_util.tree_structure(list(range(n)))
-
-
 def _fail_along(run: ProgramRun, task: Task) -> None:
     """``run._fail_for(task)``; a failure along a chain fails the next program
     from the done-callback of the last, so those are queued here rather than
@@ -527,29 +522,6 @@ class ProgramRun(Task):
         """The program's outputs are placed already: published at once."""
         self._publish_placed(list(out))
         return None
-
-
-class Results(Task):
-    """The call behind the ``AsyncArray`` results of a program run with
-    ``AsyncArray`` arguments that was not deferred: it has landed when made,
-    with the run's outputs (``jax.Array`` s, still being computed)."""
-
-    __slots__ = ()
-    stands_for_an_array = True  # print(y) shows y's values, as for a jax.Array
-
-    def __init__(self, leaves: list[jax.Array]):
-        specs = specs_of([a.aval for a in leaves], [a.sharding for a in leaves])
-        super().__init__(
-            None,  # nothing to run: a wrapped outcome
-            (),
-            {},
-            name="a jitted call on AsyncArrays",
-            api="jit",
-            treedef=treedef_of(len(leaves)),
-            specs=specs,
-        )
-        self._claim(None)
-        self._publish_placed(leaves)
 
 
 class Dispatch:

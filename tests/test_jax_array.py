@@ -218,8 +218,14 @@ def test_a_key_result_works_with_every_jax_random_function(held, impl):
 
 def test_the_buffer_protocol_where_python_allows_it(held):
     x = held()
-    held.release()
     if sys.version_info >= (3, 12):  # PEP 688: __buffer__ from Python
+        # Pending: no buffer (np.asarray then waits in __array__, where a
+        # Ctrl-C reaches it; NumPy swallows what __buffer__ raises).
+        with pytest.raises(BufferError, match="has not landed"):
+            memoryview(x)
+    held.release()
+    x.block_until_ready()
+    if sys.version_info >= (3, 12):
         assert memoryview(x).tobytes() == A.tobytes()
     else:  # a Python class cannot export a buffer before 3.12
         with pytest.raises(TypeError, match="bytes-like"):

@@ -14,10 +14,8 @@
 
 from __future__ import annotations
 
-import _thread
 import atexit
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, overload
 
@@ -275,15 +273,15 @@ class AsyncArray(jax.Array):
     if sys.version_info >= (3, 12):  # the buffer protocol from Python (PEP 688)
 
         def __buffer__(self, flags: int) -> memoryview:
-            try:
-                value = _surface.landed(self)
-            except KeyboardInterrupt:
-                # np.asarray tries this first and swallows its errors, a Ctrl-C
-                # too: raise it again at the next line that Python runs.
-                if threading.current_thread() is threading.main_thread():
-                    _thread.interrupt_main()
-                raise
-            return value.__buffer__(flags)
+            # Pending, no buffer: np.asarray tries this first and swallows its
+            # errors, a Ctrl-C's too, then calls __array__, whose wait Ctrl-C
+            # reaches (a wait here would outlive the signal). Landed, the value's.
+            if not self.done():
+                raise BufferError(
+                    f"{self._describe()} has not landed: wait for it first "
+                    "(x.block_until_ready()); np.asarray(x) waits for it"
+                )
+            return _surface.landed(self).__buffer__(flags)
 
     def is_deleted(self) -> bool:
         """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits

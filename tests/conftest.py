@@ -3,6 +3,7 @@ import contextlib
 import multiprocessing
 import os
 import pathlib
+import threading
 
 # Worker processes (spawned pools, Dask workers) import tests/worker_kernels.py.
 _here = str(pathlib.Path(__file__).parent)
@@ -32,8 +33,9 @@ os.environ["PYTHONWARNINGS"] = ",".join(
     if w
 )
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from helpers import EXAMPLES, LOOPBACK, NO_LOOPBACK, cpus_seen  # noqa: E402
+from helpers import EXAMPLES, LOOPBACK, NO_LOOPBACK, PATIENCE, cpus_seen  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Hypothesis runs are reproducible: the seed is fixed (pyproject.toml's addopts pass
@@ -186,3 +188,27 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = keep
+
+
+@pytest.fixture
+def held():
+    """Makes pending arrays (``held(value)``) whose loads end when the test calls
+    ``held.release()``, or when it ends."""
+    import jax_threadmap
+
+    release = threading.Event()
+
+    def make(value):
+        value = np.asarray(value)
+
+        def load():
+            assert release.wait(PATIENCE), "never released"
+            return value
+
+        return jax_threadmap.async_call(
+            load, jax.ShapeDtypeStruct(value.shape, value.dtype)
+        )
+
+    make.release = release.set
+    yield make
+    release.set()

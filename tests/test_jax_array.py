@@ -29,25 +29,6 @@ SDS = jax.ShapeDtypeStruct
 A = np.arange(6, dtype=np.float32).reshape(2, 3)
 
 
-@pytest.fixture
-def held():
-    """Makes pending arrays whose loads end when the test calls ``release``."""
-    release = threading.Event()
-
-    def make(value=A):
-        value = np.asarray(value)
-
-        def load():
-            assert release.wait(PATIENCE), "never released"
-            return value
-
-        return async_call(load, SDS(value.shape, value.dtype))
-
-    make.release = release.set
-    yield make
-    release.set()
-
-
 def _same(got, want):
     assert (got.shape, got.dtype) == (np.shape(want), np.asarray(want).dtype)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -59,7 +40,7 @@ def _never(*_):
 
 def test_every_state_is_a_jax_array(held):
     assert issubclass(AsyncArray, jax.Array)
-    pending = held()
+    pending = held(A)
     deferred = jax.jit(lambda a: a + 1)(pending)
     assert not pending.done() and isinstance(deferred, AsyncArray)
     failed = async_call(lambda: 1 / 0, SDS((2,), np.float32))
@@ -76,7 +57,7 @@ def test_every_state_is_a_jax_array(held):
 
 
 def test_jnp_asarray_returns_it_unchanged_and_array_copies_without_waiting(held):
-    x = held()
+    x = held(A)
     assert jnp.asarray(x) is x  # as for a jax.Array: no copy, no wait
     y = jnp.array(x)  # a copy: a deferred program
     z = jnp.asarray(x, dtype=jnp.int32)
@@ -87,7 +68,7 @@ def test_jnp_asarray_returns_it_unchanged_and_array_copies_without_waiting(held)
 
 
 def test_eager_ops_grad_vmap_and_lax_return_without_waiting(held):
-    x = held()
+    x = held(A)
     ops = {
         "sin": jnp.sin,
         "grad": jax.grad(lambda a: (a**2).sum()),
@@ -120,7 +101,7 @@ def test_a_jitted_function_that_closes_over_it_embeds_its_value():
 
 @pytest.mark.parametrize("landed", [False, True])
 def test_its_operators_with_a_traced_argument_trace(held, landed):
-    x = held()
+    x = held(A)
     if landed:
         held.release()
         x.result()
@@ -135,7 +116,7 @@ def test_its_operators_with_a_traced_argument_trace(held, landed):
 
 
 def test_what_reads_the_buffer_waits_then_gives_the_landed_arrays_answer(held):
-    x = held()
+    x = held(A)
     held.release()
     _same(np.asarray(x), A)
     try:  # (a TPU's buffers are no DLPack device: the same error as JAX's)
@@ -163,7 +144,7 @@ def test_a_loader_that_returns_an_async_array_gives_its_value():
 
 def test_equinox_takes_it_for_an_array(held):
     eqx = pytest.importorskip("equinox")
-    x = held()
+    x = held(A)
     assert eqx.is_array(x)
     f = eqx.filter_jit(lambda t: t["a"] * 2)
     # filter_jit waits for a marker output of each call (its runtime errors):
@@ -175,7 +156,7 @@ def test_equinox_takes_it_for_an_array(held):
 
 
 def test_threadmap_takes_it_eagerly(held):
-    x = held()
+    x = held(A)
     held.release()  # an eager threadmap runs its kernel now, on the value
     y = jtm.threadmap(np.sin, SDS((3,), np.float32), x[0])
     np.testing.assert_allclose(np.asarray(y), np.sin(A[0]), rtol=1e-6)
@@ -217,7 +198,7 @@ def test_a_key_result_works_with_every_jax_random_function(held, impl):
 
 
 def test_the_buffer_protocol_where_python_allows_it(held):
-    x = held()
+    x = held(A)
     if sys.version_info >= (3, 12):  # PEP 688: __buffer__ from Python
         # Pending: no buffer (np.asarray then waits in __array__, where a
         # Ctrl-C reaches it; NumPy swallows what __buffer__ raises).

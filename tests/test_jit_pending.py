@@ -24,25 +24,6 @@ pytestmark = pytest.mark.timeout(120)
 SDS = jax.ShapeDtypeStruct
 
 
-@pytest.fixture
-def held():
-    """Makes pending arrays whose loads end when the test ends its hold."""
-    release = threading.Event()
-
-    def make(value):
-        value = np.asarray(value)
-
-        def load():
-            assert release.wait(PATIENCE), "never released"
-            return value
-
-        return async_call(load, SDS(value.shape, value.dtype))
-
-    make.release = release.set
-    yield make
-    release.set()
-
-
 def _check(got, want):
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(got) == len(want)

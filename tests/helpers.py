@@ -587,3 +587,20 @@ def sigint_as_usual():
         yield
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+class Held:
+    """A pending array whose load returns ``value`` only when released."""
+
+    def __init__(self, value: np.ndarray):
+        import jax_threadmap
+
+        self.release = threading.Event()
+
+        def load():
+            assert self.release.wait(PATIENCE), "the test never released the load"
+            return value
+
+        self.array = jax_threadmap.async_call(
+            load, jax.ShapeDtypeStruct(value.shape, value.dtype)
+        )

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import PATIENCE, examples, returns_within, run_script
+from helpers import PATIENCE, Held, examples, returns_within, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_array_surface import HOUSEKEEPING, NAMES, _array_for, _use
@@ -50,19 +50,6 @@ def _on_duration(event: str, duration: float, *args, **kwargs) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
-
-
-class Held:
-    """A pending array whose load returns ``value`` only when released."""
-
-    def __init__(self, value: np.ndarray):
-        self.release = threading.Event()
-
-        def load():
-            assert self.release.wait(PATIENCE), "the test never released the load"
-            return value
-
-        self.array = async_call(load, SDS(value.shape, value.dtype))
 
 
 def _array(value: np.ndarray, state: str) -> tuple[AsyncArray, threading.Event]:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import PATIENCE, examples, returns_within, run_script
+from helpers import PATIENCE, Held, examples, returns_within, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -206,19 +206,6 @@ def _compare(name: str, got, want, where: str) -> None:
         assert type(gvalue) is type(wvalue), f"{where}: {gvalue!r} vs {wvalue!r}"
     else:
         _same(gvalue, wvalue, where)
-
-
-class Held:
-    """A pending array whose load returns ``value`` only when released."""
-
-    def __init__(self, value: np.ndarray):
-        self.release = threading.Event()
-
-        def load():
-            assert self.release.wait(PATIENCE), "the test never released the load"
-            return value
-
-        self.array = async_call(load, SDS(value.shape, value.dtype))
 
 
 def test_every_name_of_jax_array_is_on_async_array():

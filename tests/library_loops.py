@@ -44,6 +44,16 @@ def ready(steps: int) -> list:
     return [load(i) for i in range(steps)]
 
 
+def _train(step, params, opt_state, batches):
+    """The steps of an Optax-style loop: the parameters (or model) trained on
+    ``batches``, and each step's loss."""
+    losses = []
+    for x, y in batches:
+        params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(loss)
+    return params, losses
+
+
 @functools.cache
 def _equinox():
     import equinox as eqx
@@ -68,10 +78,7 @@ def equinox_loop(batches):
     eqx, opt, step = _equinox()
     model = eqx.nn.MLP(FEATURES, OUTPUTS, 16, 2, key=jax.random.key(0))
     opt_state = opt.init(eqx.filter(model, eqx.is_array))
-    losses = []
-    for x, y in batches:
-        model, opt_state, loss = step(model, opt_state, x, y)
-        losses.append(loss)
+    model, losses = _train(step, model, opt_state, batches)
     return eqx.filter(model, eqx.is_array), losses
 
 
@@ -101,11 +108,7 @@ def optax_loop(batches):
         "b": jax.random.normal(k2, (OUTPUTS,)) * 0.1,
     }
     opt_state = opt.init(params)
-    losses = []
-    for x, y in batches:
-        params, opt_state, loss = step(params, opt_state, x, y)
-        losses.append(loss)
-    return params, losses
+    return _train(step, params, opt_state, batches)
 
 
 @functools.cache
@@ -170,11 +173,7 @@ def linen_loop(batches):
     model, opt, step = _linen()
     params = model.init(jax.random.key(0), jnp.zeros((BATCH, FEATURES)))
     opt_state = opt.init(params)
-    losses = []
-    for x, y in batches:
-        params, opt_state, loss = step(params, opt_state, x, y)
-        losses.append(loss)
-    return params, losses
+    return _train(step, params, opt_state, batches)
 
 
 LOOPS = {

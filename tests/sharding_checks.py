@@ -1,6 +1,6 @@
 """Checks of threadmap in sharded programs, on 8 CPU devices.
 
-Run by tests/test_sharding.py in a subprocess (the number of CPU devices is
+Run by tests/_core/test_sharding.py in a subprocess (the number of CPU devices is
 fixed when JAX starts, and the main test session keeps one), once per
 partitioner (``JAX_USE_SHARDY_PARTITIONER``) and part:
 

@@ -39,7 +39,7 @@ SDS = jax.ShapeDtypeStruct
 X = np.array([[1.5, -2.0, 3.25], [0.5, 4.0, -1.0]], np.float32)
 ASYNC = _dispatch.mechanism.status() is None  # (blocking: ops wait)
 
-# JAX reports each XLA compilation under this name (tests/test_async_array.py).
+# JAX reports each XLA compilation under this name (tests/_arrays/test_async_array.py).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles: list[str] = []
 

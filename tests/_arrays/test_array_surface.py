@@ -68,7 +68,7 @@ HOUSEKEEPING = {
 #: jit argument that has them, so they could not wait for a value).
 BY_DESIGN = {"__repr__", "__str__", "sharding", *_array_surface.NO_LAYOUT}
 #: The buffer protocol (Python 3.12+): ``__buffer__`` waits and exports the value's
-#: buffer (tests/test_jax_array.py); the memoryview it returns releases it, so
+#: buffer (tests/_arrays/test_jax_array.py); the memoryview it returns releases it, so
 #: there is no ``__release_buffer__``.
 NO_BUFFER_PROTOCOL = {"__release_buffer__"}
 BY_DESIGN |= NO_BUFFER_PROTOCOL | {"__buffer__"}

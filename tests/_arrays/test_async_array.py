@@ -486,7 +486,7 @@ def test_fn_error_is_raised_at_every_use(use):
     params = async_call(_failing_load, _shapes())
     # Once the failure is known, every use raises it. (A jitted program
     # dispatched while the call still runs raises it in a JaxRuntimeError when
-    # its results are used: tests/test_async_dispatch.py.)
+    # its results are used: tests/_arrays/test_async_dispatch.py.)
     concurrent.futures.wait([params["w"]._task.future], timeout=WAIT)
     for _ in range(2):  # and again: the arrays keep failing the same way
         with pytest.raises(LoadError, match="could not fetch weights.bin") as info:

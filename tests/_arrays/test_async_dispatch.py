@@ -4,7 +4,7 @@ Each test holds the background call on a gate (an Event it releases itself), so
 "returned before the data" is checked without timing: the dispatch runs in a
 helper thread, which must finish while the gate is still closed. Values are
 compared with the same program run on the data. (Deferred dispatch's own
-contract, chains and failures: tests/test_deferred_dispatch.py.)
+contract, chains and failures: tests/_arrays/test_deferred_dispatch.py.)
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from jax_threadmap._arrays import async_pool as _async_pool
 from jax_threadmap._arrays import shards as _shards
 from jax_threadmap._jax import avals as _avals
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]
 WAIT = 30.0
 
 

@@ -2,7 +2,7 @@
 
 Every move of a call goes through one method of its owner that refuses a move
 not in its table, as ``concurrent.futures.Future`` refuses one; the table in
-the owner's docstring is the moves the code allows (tests/test_arrays_model.py
+the owner's docstring is the moves the code allows (tests/_arrays/test_arrays_model.py
 drives calls through random events against a model); and a subclass changes
 what a call does through override points (here: the few lines of a call whose
 ``fn`` returns arrays placed already, published at once).

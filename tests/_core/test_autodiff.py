@@ -563,7 +563,7 @@ def test_kernel_without_rules_says_to_attach_them_not_to_wrap_it():
 def test_second_order_of_plain_rules_names_the_rule_and_the_fix(transform):
     # Was "higher-order derivatives ... are not supported". A plain function as
     # a rule has no rules of its own: the message names it and how to give some
-    # (tests/test_second_order.py has the rest).
+    # (tests/_core/test_second_order.py has the rest).
     f = make_scaled_sin(np.float32)
     with pytest.raises(TypeError) as info:
         transform(f)(jnp.ones(3))

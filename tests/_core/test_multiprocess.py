@@ -20,7 +20,7 @@ from helpers import LOOPBACK, NO_LOOPBACK, start_script
 
 pytestmark = pytest.mark.skipif(not LOOPBACK, reason=f"jax.distributed {NO_LOOPBACK}")
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]
 #: Seconds both processes may take, from start to exit (about 20 s on 2 busy CPUs).
 LIMIT = 150
 

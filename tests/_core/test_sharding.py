@@ -14,7 +14,7 @@ from helpers import run_script
 
 from jax_threadmap._jax import hooks as _hooks
 
-CHECKS = pathlib.Path(__file__).parent / "sharding_checks.py"
+CHECKS = pathlib.Path(__file__).parents[1] / "sharding_checks.py"
 #: The lines each part prints (the script stops at the first failure).
 CHECK_LINES = {"shard_map": 59, "jit": 62}
 

@@ -495,9 +495,9 @@ def test_fast_elements_ship_in_a_few_tasks(counting_pool, monkeypatch):
     # the workers report), also at the end of a map: 4096 elements of
     # microseconds go out in a few tasks, not in a tail of ever smaller tasks
     # that each cost a round trip (29 tasks before the floor). The estimate is
-    # fixed here (the workers' own timings swing with the machine's load, and
-    # the policy's arithmetic on them is tests/test_scheduling.py's): what this
-    # checks is that the shipper sizes its tasks from it, with the floor.
+    # fixed here (the workers' own timings swing with the machine's load, and the
+    # policy's arithmetic on them is tests/_executors/test_scheduling.py's): what
+    # this checks is that the shipper sizes its tasks from it, with the floor.
     per_element = policy.MIN_TASK_SECONDS_REMOTE / 500
     reported = []
     chunk_size = policy.remote_chunk_size

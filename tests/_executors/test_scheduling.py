@@ -13,7 +13,7 @@ import pytest
 from jax_threadmap._executors import scheduling as policy
 from jax_threadmap._executors.scheduling import Measure
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 def test_guided_chunks_take_a_share_of_what_is_left():

@@ -67,7 +67,7 @@ def test_a_kernel_running_a_program_on_the_held_device_raises_at_once(cpu_held, 
         jax.jit(lambda a: a + 1)(np.ones(2, np.float32)).block_until_ready()
     x = np.ones((3, 2), np.float32)
     # Under jit the kernel's error reaches the caller as JAX's runtime error,
-    # whose text carries it (tests/test_api.py); eager, as itself.
+    # whose text carries it (tests/_core/test_api.py); eager, as itself.
     with pytest.raises(Exception, match="HeldDeviceError") as info:
         returns_within(
             lambda: jax.block_until_ready(mapped(add_one_in_jax)(x)), limit=HANG

@@ -148,7 +148,7 @@ def test_a_kernel_sees_an_unbatched_operand_as_the_same_view_each_element():
 
 # --- the whole generated source, per signature family ---------------------------
 
-GOLDEN = pathlib.Path(__file__).parent / "loop_sources"
+GOLDEN = pathlib.Path(__file__).parents[1] / "loop_sources"
 #: Set to rewrite the checked-in sources after a deliberate change of the loops.
 REGENERATE = os.environ.get("JAX_THREADMAP_TEST_REGENERATE_LOOPS") == "1"
 

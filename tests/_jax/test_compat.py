@@ -151,7 +151,7 @@ def modules_outside(found, home: pathlib.Path) -> list[str]:
 
 
 def test_jax_internals_are_imported_only_in_the_hook_table():
-    # tests/test_architecture.py checks the same on the syntax tree, with
+    # tests/project/test_architecture.py checks the same on the syntax tree, with
     # importlib.import_module of a literal too.
     pattern = re.compile(r"^\s*(from|import)\s+jax\._src", re.MULTILINE)
     assert modules_outside(pattern.search, pathlib.Path(_compat.__file__)) == []

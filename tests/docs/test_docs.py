@@ -44,7 +44,7 @@ changes how it runs:
   nesting of sub-jaxprs are compared in full (``jax_params_dropped``).
 
 Shell blocks (``bash``) are not run here: README's two commands are what
-``.ci/run`` runs, and ``tests/test_demo.py`` runs the demo. Each shell block
+``.ci/run`` runs, and ``tests/docs/test_demo.py`` runs the demo. Each shell block
 is checked instead (``test_shell_block_runs_after_the_readme_set_up``): it
 runs as written after the README's set-up (``python3 -m venv .venv && .venv/bin/pip
 install -q .``, from the repository's root), so its ``python``, ``pip``,
@@ -72,7 +72,7 @@ import pytest
 
 import jax_threadmap
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from helpers import (  # noqa: E402
     LOOPBACK,
     NO_LOOPBACK,
@@ -80,7 +80,7 @@ from helpers import (  # noqa: E402
     run_script,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).

@@ -23,7 +23,7 @@ pytest.importorskip(
     reason="the gridding example needs ducc0: pip install '.[examples]'",
 )
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # examples/ lives beside the package, not in it
     sys.path.insert(0, str(ROOT))
 

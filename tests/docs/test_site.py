@@ -27,7 +27,7 @@ import pytest
 
 import jax_threadmap
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 import browser_check  # noqa: E402
 

@@ -188,7 +188,7 @@ def test_jax_internals_are_reached_only_through_the_hook_table():
 
 
 def test_the_hook_table_holds_no_feature_code_and_imports_no_package_module():
-    # tests/test_compat.py loads the table alone, to hide every hook before the
+    # tests/_jax/test_compat.py loads the table alone, to hide every hook before the
     # package is imported; the feature code lives in the other _jax modules.
     # (Its forms, versions and adapters live in _jax/hook_forms.py, which
     # imports no package module either.)
@@ -386,12 +386,27 @@ def test_the_owner_checker_sees_fields_touched_from_outside(tmp_path):
 
 
 def test_test_files_are_named_by_the_room_they_exercise():
-    # As the package is grouped (issue 50): tests/test_async_pool.py, not
+    # As the package is grouped (issue 50): tests/_arrays/test_async_pool.py, not
     # tests/test_arrays_defects.py. A test file named by an attitude hides
     # what it tests; put a new case in the file of the room it exercises.
     attitudes = ("hostile", "defects", "robust", "deadlock", "faults", "regressions")
-    tests = pathlib.Path(__file__).parent
+    tests = pathlib.Path(__file__).parents[1]
     named = [
-        p.name for p in tests.glob("test_*.py") if any(a in p.stem for a in attitudes)
+        p.name for p in tests.rglob("test_*.py") if any(a in p.stem for a in attitudes)
     ]
     assert named == [], named
+
+
+def test_test_folders_mirror_the_wings():
+    # tests/_core/ holds the tests of jax_threadmap/_core/, and so on for each
+    # wing; tests/docs/ and tests/project/ the suites that cross them. A test
+    # file directly in tests/ (beside conftest.py and the helpers) or in a
+    # folder named for no wing fails here; basenames are unique, as pytest's
+    # default import mode needs.
+    tests = pathlib.Path(__file__).parents[1]
+    files = sorted(tests.rglob("test_*.py"))
+    folders = {p.parent.relative_to(tests).as_posix() for p in files}
+    assert folders <= {*ALLOWED, "docs", "project"}, folders
+    assert set(ALLOWED) <= folders, set(ALLOWED) - folders
+    names = [p.name for p in files]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

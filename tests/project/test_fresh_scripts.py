@@ -9,7 +9,7 @@ import sys
 import fresh_scripts
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).
 pytestmark = pytest.mark.children

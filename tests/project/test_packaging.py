@@ -13,7 +13,7 @@ import zipfile
 import pytest
 from helpers import run_script
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).
 pytestmark = pytest.mark.children

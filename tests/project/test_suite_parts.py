@@ -52,7 +52,7 @@ def test_the_parts_of_a_run_are_the_whole_run(tmp_path):
     # itself (with tests/conftest.py's option): the parts hold each test once.
     # One child process runs the four collections (each child imports JAX).
     (tmp_path / "conftest.py").write_text(
-        (pathlib.Path(__file__).parent / "conftest.py").read_text()
+        (pathlib.Path(__file__).parents[1] / "conftest.py").read_text()
     )
     for name, n in (("test_a.py", 7), ("test_b.py", 4)):
         (tmp_path / name).write_text(

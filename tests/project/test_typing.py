@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]
 
 # Runs in child processes on the CPU (conftest.py, tests/tpu_suite.sh).
 pytestmark = pytest.mark.children

@@ -32,8 +32,8 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
     """The number of workers of ``executor``, where it tells. No public API
     does: this reads ``_max_workers`` (``ThreadPoolExecutor``,
     ``ProcessPoolExecutor``, loky) and a Dask ``ClientExecutor``'s
-    ``_client.nthreads()``; an executor that fails or answers nonsense does
-    not say (``tests/test_runners.py`` checks both on the installed versions)."""
+    ``_client.nthreads()``; an executor that fails or answers nonsense does not
+    say (``tests/_executors/test_runners.py`` checks both on installed versions)."""
     try:
         n = getattr(executor, "_max_workers", None)
         if isinstance(n, int) and n > 0:
@@ -248,8 +248,8 @@ def _map_error(e: BaseException, name: str) -> BaseException:
     )
 
 
-#: The class Python gives threads it did not start (XLA's): CPython's private
-#: name, else none and their default name (``tests/test_runners.py`` runs both).
+#: The class Python gives threads it did not start (XLA's): CPython's private name,
+#: else none and their default name (``tests/_executors/test_runners.py`` runs both).
 _DUMMY = getattr(threading, "_DummyThread", None)
 
 
@@ -290,7 +290,7 @@ def register_early_exit_hook() -> None:
     """Registers :func:`_before_executors_exit` once with threading's exit hooks,
     after ``concurrent.futures``' own, so that it runs before Python joins the
     pools' threads (whose pullers would run the map to its end); else with
-    ``atexit``, after that join (``tests/test_runners.py`` runs both)."""
+    ``atexit``, after that join (``tests/_executors/test_runners.py`` runs both)."""
     register = getattr(threading, "_register_atexit", atexit.register)
     if _early_hook.acquire(blocking=False):
         try:

@@ -13,7 +13,7 @@ each fallback; both described in :mod:`.hook_forms`, with the adapters that
 need no hook of their own). The imports are driven by the table and guarded: a
 hook that this JAX does not have never fails ``import jax_threadmap``; the first
 use of a feature that needs it raises :class:`UnsupportedJaxError`, naming the
-hook, the JAX version and what to do (:func:`require`). ``tests/test_compat.py``
+hook, the JAX version and what to do (:func:`require`). ``tests/_jax/test_compat.py``
 reads the same table.
 
 The feature code built on the table lives beside it, one module per concern:
@@ -210,7 +210,7 @@ HOOKS: tuple[Hook, ...] = (
         _public("jax.interpreters.mlir:emit_python_callback")
         + " (a re-export JAX calls temporary). Tried instead: lowering through "
         "jax.pure_callback's own rule (mlir.lower_fun over jax.pure_callback of "
-        "the host function). tests/test_sharding.py, test_compat.py and "
+        "the host function). tests/_core/test_sharding.py, test_compat.py and "
         "test_autodiff.py pass with it (jax 0.10.2), but pure_callback's "
         "callback puts every operand on the CPU as a jax.Array "
         "(jax.device_put) and converts each result back: a jitted threadmap "

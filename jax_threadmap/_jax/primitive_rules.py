@@ -87,7 +87,7 @@ def lowering_place(ctx: Any) -> tuple[Any, Any] | None:
     """The module and the block that the lowering ``ctx`` emits into: an
     operation there dominates the later ones of the block. ``None`` where the
     context has no module (then each equation is lowered on its own, and
-    tests/test_derivative_counts.py says so)."""
+    tests/_core/test_derivative_counts.py says so)."""
     module = getattr(ctx.module_context, "module", None)
     if module is None:
         return None

@@ -10,8 +10,8 @@ the same two rules give the next order: the JVP of a VJP equation runs the VJP
 kernel's JVP kernel, and so on. All of them fold under ``vmap`` through the one
 batching rule. ``docs/architecture-design.md`` explains the design.
 
-The rules receive ``bind`` (``threadmap_p.bind``) from the rule table in
-:mod:`.primitive`, so this module does not import the primitive.
+The rules receive ``bind`` (``threadmap_p.bind``) where :mod:`.primitive`
+registers them, so this module does not import the primitive.
 """
 
 from __future__ import annotations

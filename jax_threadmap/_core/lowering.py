@@ -1,8 +1,6 @@
-"""The lowering of ``threadmap_p``, in one room: the host function its callback
-runs, the reuse of an equal equation's results, and per-shard maps under ``jit``
-on several devices. What it emits into JAX's MLIR, and reads from the lowering
-context, is :mod:`.._jax.mlir`; the primitive and its other rules are
-:mod:`.primitive`, which registers :func:`threadmap_lowering`.
+"""The lowering of ``threadmap_p``, in one room (what it emits into JAX's MLIR,
+and reads from the lowering context: :mod:`.._jax.mlir`; :mod:`.primitive`
+registers :func:`threadmap_lowering` beside the primitive's other rules).
 
 One host callback per equation runs :func:`host_function`, the flat map of
 :mod:`.._host.maps` on the executor named in the params
@@ -27,7 +25,7 @@ every device; where a level does not divide evenly, XLA pads the last blocks,
 and the host maps only a block's real elements (it is told the block's
 position) and fills the rest with zeros, which XLA drops. Levels that an output
 sums away (reverse-mode cotangents) are summed over their mesh axes with
-``psum``. Where this JAX or platform cannot (:func:`.._jax.mlir.unavailable`),
+``psum``. Where this JAX or platform cannot (:func:`.._jax.mlir.per_shard_mesh`),
 the equation is lowered as one host callback: one device maps every element.
 """
 
@@ -176,13 +174,12 @@ def _lower(
         return _mlir.lower_zeros(ctx, args, avals_out)
     data_in = [k for k, a in enumerate(avals_in) if _holds_data(a)]
     devices = _mlir.lowering_devices(ctx)
-    # (per shard only where every operand and result holds data)
-    whole = len(data_in) == len(avals_in) and len(data_out) == len(avals_out)
-    per_shard = _lower_per_shard(bind, ctx, args, params, devices) if whole else None
+    per_shard = _lower_per_shard(bind, ctx, args, params, devices)
     if per_shard is not None:
         return per_shard
-    host = host_function(**params, devices=devices)
-    host = _without_empty(host, avals_in, data_in, data_out, len(avals_out))
+    host = _without_empty(
+        host_function(**params, devices=devices), ctx, data_in, data_out
+    )
     callback_out = [avals_out[k] for k in data_out]
     sharding = _mlir.callback_op_sharding(
         ctx.module_context.axis_context, None, callback_out
@@ -226,16 +223,13 @@ def _holds_data(aval: Any) -> bool:
 
 
 def _without_empty(
-    host: HostFn,
-    avals_in: Sequence[Any],
-    data_in: list[int],
-    data_out: list[int],
-    n_out: int,
+    host: HostFn, ctx: Any, data_in: list[int], data_out: list[int]
 ) -> HostFn:
     """``host`` for a callback that passes only the operands ``data_in`` and
-    returns only the results ``data_out`` (of ``n_out``): the others hold no
-    data. ``host`` itself when nothing is left out."""
-    if len(data_in) == len(avals_in) and len(data_out) == n_out:
+    returns only the results ``data_out``: the others hold no data. ``host``
+    itself when nothing is left out."""
+    avals_in = ctx.avals_in
+    if len(data_in) == len(avals_in) and len(data_out) == len(ctx.avals_out):
         return host
     empty = {
         k: np.empty(a.shape, a.dtype)
@@ -263,12 +257,10 @@ def _lower_per_shard(
     block (docs/sharding.md); ``None`` elsewhere (one host callback maps every
     element). ``bind``: the call's body off the partitioner's path."""
     spec: BatchSpec = params["spec"]
-    mesh = _mlir.automatic_mesh(ctx)
-    if not spec.shape or mesh is None:
-        return None
-    reason = _mlir.unavailable(ctx)
-    if reason is not None:
-        _mlir.log_fallback(reason)
+    if not spec.shape or not all(map(_holds_data, [*ctx.avals_in, *ctx.avals_out])):
+        return None  # (per shard only where every operand and result holds data)
+    mesh = _mlir.per_shard_mesh(ctx)
+    if mesh is None:
         return None
     plan = _Plan(spec, ctx.avals_in, params["result_avals"])
     plan.explicit = _explicit_axes(mesh)  # (the partitioner's mesh has none)

@@ -49,7 +49,7 @@ FAST_PLACEMENT = "fast placement"
 #: GSPMD or Shardy), a map whose batch axes are sharded is lowered through
 #: ``custom_partitioning`` and mapped per shard (:mod:`.._core.lowering`).
 #: Where a hook is missing, it is mapped on one device, with one INFO log line
-#: (:func:`.mlir.unavailable`).
+#: (:func:`.mlir.per_shard_mesh`).
 AUTO_PER_SHARD = "per-shard jit"
 #: Needed by async arrays with the others (:func:`.._arrays.leaves.leaf_specs`
 #: requires both): the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own

@@ -159,33 +159,32 @@ def _defining(v: Any) -> tuple[Any, Any]:
     return op, None if len(op.regions) else key
 
 
-def automatic_mesh(ctx: Any) -> Any:
+def per_shard_mesh(ctx: Any) -> Any:
     """The mesh of a lowering under ``jit`` on several devices (explicit or
-    automatic axes; not inside ``shard_map``), or ``None``. Where a hook is missing,
-    ``True`` for such a lowering (:func:`unavailable` says which hook)."""
+    automatic axes; not inside ``shard_map``) that can map per shard; else
+    ``None``. Where such a lowering cannot (a missing hook, or a platform whose
+    host callbacks are not FFI calls), one INFO line per reason says so: one
+    device maps every element."""
     axis_context = ctx.module_context.axis_context
-    if missing_for(AUTO_PER_SHARD) is not None:
-        # Only jit's axis context has a device assignment (read to log why).
+    why = missing_for(AUTO_PER_SHARD)
+    if why is None:
+        mesh = RESOLVED["ShardingContext"](axis_context)
+    else:  # only jit's axis context has a device assignment (read to log why)
         several = len(getattr(axis_context, "device_assignment", None) or ()) > 1
-        return True if several else None
-    return RESOLVED["ShardingContext"](axis_context)
-
-
-def unavailable(ctx: Any) -> str | None:
-    """Why this lowering cannot map per shard (a missing hook,
-    or a platform whose host callbacks are not FFI calls), or ``None``."""
-    missing = missing_for(AUTO_PER_SHARD)
-    if missing is not None:
-        return missing
+        mesh = True if several else None
+    if mesh is None:
+        return None
     platforms = tuple(ctx.module_context.platforms)
     if len(platforms) != 1 or platforms[0] not in PYTHON_CALLBACK_TARGETS:
-        return f"host callbacks on {'/'.join(platforms)} are not FFI calls"
-    return None
+        why = why or f"host callbacks on {'/'.join(platforms)} are not FFI calls"
+    if why is not None:
+        _log_fallback(why)
+        return None
+    return mesh
 
 
 @functools.cache  # once per reason
-def log_fallback(reason: str) -> None:
-    """One INFO line per reason: this map runs on one device."""
+def _log_fallback(reason: str) -> None:
     logger.info(
         "threadmap under jit on a mesh maps every element on one device here: %s",
         reason,

@@ -10,8 +10,8 @@ the same two rules give the next order: the JVP of a VJP equation runs the VJP
 kernel's JVP kernel, and so on. All of them fold under ``vmap`` through the one
 batching rule. ``docs/architecture-design.md`` explains the design.
 
-The rules receive ``bind`` (``threadmap_p.bind``) from the rule table in
-:mod:`.primitive`, so this module does not import the primitive.
+The rules receive ``bind`` (``threadmap_p.bind``) where :mod:`.primitive`
+registers them, so this module does not import the primitive.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .._host import summing as _summing
 from .._host.batch_spec import Axes, BatchSpec
 from .._jax import avals as _avals
 from .._jax import hooks as _hooks
-from .._jax import primitive_rules as _rules
+from .._jax import rule_tables as _tables
 from .._support import validate as _validate
 from . import directions as _directions
 from .params import (
@@ -38,7 +38,7 @@ from .params import (
 )
 from .rule_messages import no_derivative_rule_message, no_rules_message
 
-Zero = _rules.Zero
+Zero = _tables.Zero
 Bind = Callable[..., Sequence[Any]]
 T = TypeVar("T")
 
@@ -348,11 +348,11 @@ def transpose_rule(
     node, present = kernel.node, kernel.present
     num_base = sum(present[: node.num_base])
     base_ops, linear_ops = args[:num_base], args[num_base:]
-    if any(map(_rules.is_undefined_primal, base_ops)):
+    if any(map(_tables.is_undefined_primal, base_ops)):
         raise TypeError(_not_linear_message(node))
     if kernel.directions:
         kernel, spec, _ = _directions.unfold(kernel, spec, result_avals, args)
-    undefined = [_rules.is_undefined_primal(t) for t in linear_ops]
+    undefined = [_tables.is_undefined_primal(t) for t in linear_ops]
     out: list[Any] = [
         Zero(t.aval) if u else None for t, u in zip(linear_ops, undefined, strict=True)
     ]

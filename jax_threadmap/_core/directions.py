@@ -16,13 +16,13 @@ import jax.numpy as jnp
 
 from .._host.batch_spec import Axes, BatchSpec
 from .._jax import avals as _avals
-from .._jax import primitive_rules as _rules
+from .._jax import rule_tables as _tables
 from .params import DerivativeParam
 
 
 def _shape(x: Any) -> tuple[int, ...]:
     """The shape of an operand, or of an undefined one (a transpose's)."""
-    return (x.aval if _rules.is_undefined_primal(x) else _avals.typeof(x)).shape
+    return (x.aval if _tables.is_undefined_primal(x) else _avals.typeof(x)).shape
 
 
 def _first_core(ndim: int, axes: Axes) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from .._support.errors import KernelError, describe, kernel_traceback
 from . import packing as _packing
-from . import shared_operands as _shared_operands
+from . import shipped_once as _shipped_once
 from . import summing as _summing
 from .batch_spec import Axes, BatchSpec
 from .kernel_scope import KernelScope
@@ -292,7 +292,7 @@ class HostMap:
         """The large operands that every element reads whole, which an executor
         that pickles work receives once per map (see ``_executors/shipping.py``);
         the tasks that :meth:`pack` makes from now on refer to them."""
-        self._shared, arrays = _shared_operands.shared_operands(self.in_v, self.shape)
+        self._shared, arrays = _shipped_once.shared_operands(self.in_v, self.shape)
         return arrays
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:

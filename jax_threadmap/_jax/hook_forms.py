@@ -47,9 +47,9 @@ ASYNC_DISPATCH = "async dispatch"
 FAST_PLACEMENT = "fast placement"
 #: Optional: under ``jit`` on several devices (explicit or automatic mesh axes,
 #: GSPMD or Shardy), a map whose batch axes are sharded is lowered through
-#: ``custom_partitioning`` and mapped per shard (:mod:`.._core.auto_shard`).
+#: ``custom_partitioning`` and mapped per shard (:mod:`.._core.lowering`).
 #: Where a hook is missing, it is mapped on one device, with one INFO log line
-#: (:func:`.auto_sharding.unavailable`).
+#: (:func:`.mlir.per_shard_mesh`).
 AUTO_PER_SHARD = "per-shard jit"
 #: Needed by async arrays with the others (:func:`.._arrays.leaves.leaf_specs`
 #: requires both): the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own

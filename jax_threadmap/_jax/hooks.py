@@ -16,14 +16,10 @@ use of a feature that needs it raises :class:`UnsupportedJaxError`, naming the
 hook, the JAX version and what to do (:func:`require`). ``tests/_jax/test_compat.py``
 reads the same table.
 
-The feature code built on the table lives beside it, one module per concern:
-:mod:`.primitive_rules` (the primitive class and its rule registrations),
-:mod:`.avals` (abstract values and the varying-axes logic), :mod:`.traces`
-(reading the current trace), :mod:`.auto_sharding` (per-shard maps under
-``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
-:mod:`.placement` (fast device placement) and :mod:`.program_runs` (the wrapper
-of program runs). They reach JAX's internals only through :func:`get`,
-:func:`or_missing` and :data:`RESOLVED`.
+The feature code built on the table lives beside it, one module per concern
+(docs/architecture.md lists them: the primitive class and its rule tables,
+what the lowering emits, abstract values, ...). They reach JAX's internals only
+through :func:`get`, :func:`or_missing` and :data:`RESOLVED`.
 
 Rules for this module: every internal is an entry of :data:`HOOKS`, at one
 location per range of JAX versions (public where JAX has one); the entry says

@@ -107,7 +107,7 @@ def test_params_hashable_and_no_recompilation():
 
 
 def test_eager_calls_compile_nothing(monkeypatch):
-    from jax_threadmap._jax import primitive_rules as _rules
+    from jax_threadmap._jax import mlir as _mlir
 
     lowerings = []
 
@@ -115,8 +115,8 @@ def test_eager_calls_compile_nothing(monkeypatch):
         lowerings.append(1)
         return emit(*args, **kwargs)
 
-    emit = _rules.emit_python_callback
-    monkeypatch.setattr(_rules, "emit_python_callback", counting_emit)
+    emit = _mlir.emit_python_callback
+    monkeypatch.setattr(_mlir, "emit_python_callback", counting_emit)
     calls = []
 
     def k(x):

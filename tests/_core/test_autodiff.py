@@ -465,12 +465,12 @@ def test_random_nestings_match_jax_numpy(case):
 
 
 def test_derivative_params_are_equal_across_traces(monkeypatch):
-    from jax_threadmap._core import primitive as _primitive
-    from jax_threadmap._jax import primitive_rules as _rules
+    from jax_threadmap._core import lowering as _lowering
+    from jax_threadmap._jax import mlir as _mlir
 
     ran, lowerings = [], []
 
-    host_map = _primitive.HostMap
+    host_map = _lowering.HostMap
 
     def RecordingHostMap(caller, *args):  # noqa: N802 - stands for the class
         ran.append(caller.name.rsplit(".", 1)[-1])
@@ -480,9 +480,9 @@ def test_derivative_params_are_equal_across_traces(monkeypatch):
         lowerings.append(1)
         return emit(*args, **kwargs)
 
-    emit = _rules.emit_python_callback
-    monkeypatch.setattr(_primitive, "HostMap", RecordingHostMap)
-    monkeypatch.setattr(_rules, "emit_python_callback", counting_emit)
+    emit = _mlir.emit_python_callback
+    monkeypatch.setattr(_lowering, "HostMap", RecordingHostMap)
+    monkeypatch.setattr(_mlir, "emit_python_callback", counting_emit)
     f = jax.vmap(make_scaled_sin(np.float32), (0, None))
     x, a = values((4, 3), np.float32), jnp.float32(2.0)
     grad = jax.grad(lambda x: f(x, a).sum())

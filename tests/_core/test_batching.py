@@ -184,10 +184,10 @@ def test_zero_size_batch_never_calls_kernel():
 def callbacks(monkeypatch):
     """The operand and result shapes of each host callback lowered meanwhile (as
     the lowering hands them to JAX, on every platform)."""
-    from jax_threadmap._jax import primitive_rules as _rules
+    from jax_threadmap._jax import mlir as _mlir
 
     seen = []
-    emit = _rules.emit_python_callback
+    emit = _mlir.emit_python_callback
 
     def recording(ctx, callback, token, operands, operand_avals, result_avals, **kw):
         seen.append(
@@ -196,7 +196,7 @@ def callbacks(monkeypatch):
         )
         return emit(ctx, callback, token, operands, operand_avals, result_avals, **kw)
 
-    monkeypatch.setattr(_rules, "emit_python_callback", recording)
+    monkeypatch.setattr(_mlir, "emit_python_callback", recording)
     return seen
 
 

@@ -25,8 +25,8 @@ import pytest
 from helpers import kname, threadmap_eqns
 
 import jax_threadmap
-from jax_threadmap._core import primitive as _primitive
-from jax_threadmap._jax import primitive_rules as _rules
+from jax_threadmap._core import lowering as _lowering
+from jax_threadmap._jax import mlir as _mlir
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("x64")]
 
@@ -263,7 +263,7 @@ def test_identical_equations_in_one_block_run_once():
     or another block (a cond branch), run their own."""
     calls = Counter()
     # The modules lowered before: other tests' programs may still be alive.
-    before = {id(m) for m in list(_primitive._LOWERED.keys())}
+    before = {id(m) for m in list(_lowering._LOWERED.keys())}
 
     @jax_threadmap.kernel(S((3,), F64))
     def f(x):
@@ -285,7 +285,7 @@ def test_identical_equations_in_one_block_run_once():
     assert_close(got, (3 * jnp.exp(x), jnp.exp(y), jnp.exp(x)))
     # What the lowering kept to find them goes with the program's module.
     ours = [
-        weakref.ref(m) for m in list(_primitive._LOWERED.keys()) if id(m) not in before
+        weakref.ref(m) for m in list(_lowering._LOWERED.keys()) if id(m) not in before
     ]
     assert ours
     del run
@@ -384,7 +384,7 @@ def test_operands_computed_otherwise_run_their_own():
 def test_comparing_operands_is_bounded(monkeypatch):
     """The walk that compares two operands stops after ``_MOST_PAIRS`` pairs
     of values: beyond it, the operands are told apart (their own maps)."""
-    monkeypatch.setattr(_rules, "_MOST_PAIRS", 6)
+    monkeypatch.setattr(_mlir, "_MOST_PAIRS", 6)
     calls = Counter()
 
     @jax_threadmap.kernel(S((3,), F64))
@@ -461,15 +461,15 @@ def test_programs_lowered_at_once_in_two_threads_share_nothing(monkeypatch):
     its own program's results (one map for its two identical equations)."""
     both_inside = threading.Barrier(2, timeout=120)
     waited = set()
-    lower = _primitive._lower
+    lower = _lowering._lower
 
-    def paused(ctx, *args, **params):
+    def paused(*args, **params):
         if threading.current_thread() not in waited:
             waited.add(threading.current_thread())
             both_inside.wait()
-        return lower(ctx, *args, **params)
+        return lower(*args, **params)
 
-    monkeypatch.setattr(_primitive, "_lower", paused)
+    monkeypatch.setattr(_lowering, "_lower", paused)
     counters, got, errors = [Counter(), Counter()], {}, []
 
     def run(k, x):

@@ -29,7 +29,7 @@ from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import progress as _progress
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import scheduling as _scheduling
-from jax_threadmap._executors import shared_threads as _shared_threads
+from jax_threadmap._executors import thread_pools as _thread_pools
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 pytestmark = pytest.mark.timeout(120)
@@ -120,7 +120,7 @@ def test_int_executor_is_a_hard_bound_and_threads_are_reused(kept_threads, n):
     wait_until(lambda: all_idle(kept_threads), "the threads went idle")
     np.testing.assert_array_equal(run(sleepy, X, executor=n), X * 2)
     assert 1 <= sleepy.max_running <= n
-    assert _shared_threads.get_pool(n).peak <= n
+    assert _thread_pools.get_pool(n).peak <= n
     # The next maps of a pool take over its threads: no thread starts.
     assert kept_threads.started == started
 
@@ -136,22 +136,22 @@ def test_bound_is_per_pool_not_per_map():
 
 
 def test_pools_of_every_size_share_threads_and_idle_threads_exit(monkeypatch):
-    monkeypatch.setattr(_shared_threads, "IDLE_TIMEOUT", 0.2)
-    threads = _shared_threads._Threads()  # a set of its own: its peak is this test's
-    monkeypatch.setattr(_shared_threads, "_threads", threads)
+    monkeypatch.setattr(_thread_pools, "IDLE_TIMEOUT", 0.2)
+    threads = _thread_pools._Threads()  # a set of its own: its peak is this test's
+    monkeypatch.setattr(_thread_pools, "_threads", threads)
     x = np.zeros(40, np.float32)
     for n in range(1, 21):
         np.testing.assert_array_equal(
             run(Recorder(0.002), x[None], executor=n), x[None]
         )
-        assert _shared_threads.get_pool(n).peak <= n
+        assert _thread_pools.get_pool(n).peak <= n
     # Sequential maps of sizes 1..20 need at most 20 threads at once, and their
     # threads are handed from pool to pool: far fewer than 1 + 2 + ... + 20 = 210
     # threads ever start, and at most a few more than 20 are alive at once (when a
     # map's threads are still finishing as the next map starts). The set records
     # its exact peak: a count sampled between maps would miss an overshoot.
     assert 1 <= threads.peak <= 40, threads.peak
-    wait_until(lambda: _shared_threads.num_threads() == 0, "idle threads exited")
+    wait_until(lambda: _thread_pools.num_threads() == 0, "idle threads exited")
     rec = Recorder(gate=4)
     np.testing.assert_array_equal(run(rec, X, executor=InOrder(4)), X * 2)  # restarted
     assert rec.max_running == 4
@@ -215,7 +215,7 @@ def test_many_python_threads_calling_at_once():
     x = np.arange(8, dtype=np.float32)
     f(x)
     errors = []
-    pool = _shared_threads.get_pool(4)
+    pool = _thread_pools.get_pool(4)
     pool.peak = 0  # (no map of this pool runs now)
 
     def caller(seed):
@@ -280,7 +280,7 @@ def test_shut_down_executor_is_a_clear_error():
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_pool_is_fresh_after_fork():
-    pool = _shared_threads.get_pool(2)
+    pool = _thread_pools.get_pool(2)
     out = np.zeros(10)
 
     def fill(start, stop, job):
@@ -291,8 +291,8 @@ def test_pool_is_fresh_after_fork():
     if pid == 0:  # child: the parent's workers do not exist here
         code = 1
         try:
-            child_pool = _shared_threads.get_pool(2)
-            ok = child_pool is not pool and _shared_threads.num_threads() == 0
+            child_pool = _thread_pools.get_pool(2)
+            ok = child_pool is not pool and _thread_pools.num_threads() == 0
             res = np.zeros(10)
 
             def fill_child(start, stop, job):
@@ -321,7 +321,7 @@ def test_interpreter_exit_is_clean():
 
 
 def test_job_of_pool_directly_reports_first_error():
-    pool = _shared_threads.ThreadPool(3)
+    pool = _thread_pools.ThreadPool(3)
 
     def fn(start, stop, job):
         for i in range(start, stop):
@@ -380,7 +380,7 @@ def test_interrupt_while_waiting_stops_work_not_started():
             # waiting thread late to its first update let 50 start).
             wait_until(lambda: job.failed, "the interrupt", poll=1e-3)
 
-    pool = _shared_threads.ThreadPool(2)
+    pool = _thread_pools.ThreadPool(2)
     job = _jobs.Job(1000, fn)
     with pytest.raises(KeyboardInterrupt):
         pool.run(job, progress=Interrupting(1000, "k"))
@@ -401,7 +401,7 @@ def test_a_map_expected_short_runs_on_the_thread_that_started_it():
     def fn(start, stop, job):
         ran.extend((i, threading.current_thread()) for i in range(start, stop))
 
-    pool = _shared_threads.ThreadPool(2)
+    pool = _thread_pools.ThreadPool(2)
     job = _inline_job(16, fn, 1e-6)  # one chunk: 16 elements of 1 us
     pool.run(job)
     assert job.error is None and sorted(i for i, _ in ran) == list(range(16))
@@ -418,7 +418,7 @@ def test_a_map_run_inline_that_turns_out_slow_gets_the_pools_threads():
                 time.sleep(2 * _scheduling.INLINE_SECONDS)
             ran.append(i)
 
-    pool = _shared_threads.ThreadPool(2)
+    pool = _thread_pools.ThreadPool(2)
     n = 40
     job = _inline_job(n, fn, _scheduling.INLINE_SECONDS / n / 2)
     assert job.inline
@@ -429,11 +429,11 @@ def test_a_map_run_inline_that_turns_out_slow_gets_the_pools_threads():
 
 
 def test_a_map_queued_behind_an_inline_map_gets_its_place_back():
-    pool = _shared_threads.ThreadPool(1)
+    pool = _thread_pools.ThreadPool(1)
     second = _jobs.Job(3, lambda start, stop, job: None, workers=1)
 
     def queued():
-        return any(j is second for _, j in _shared_threads._threads.queue)
+        return any(j is second for _, j in _thread_pools._threads.queue)
 
     def fn(start, stop, job):  # the inline map holds the pool's one place
         wait_until(queued, "the second map queued")
@@ -800,10 +800,10 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
         import jax, jax.numpy as jnp, numpy as np
         from helpers import wait_until
         from jax_threadmap import threadmap
-        from jax_threadmap._executors import shared_threads as _shared_threads
+        from jax_threadmap._executors import thread_pools as _thread_pools
         from jax_threadmap._support.cpus import available_cpus
 
-        _shared_threads.IDLE_TIMEOUT = 0.2
+        _thread_pools.IDLE_TIMEOUT = 0.2
 
         def k(v):
             time.sleep(0.001)
@@ -813,9 +813,9 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
             f = jax.jit(jax.vmap(lambda v: threadmap(
                 k, jax.ShapeDtypeStruct((), jnp.float32), v, executor=n)))
             f(np.zeros(64, np.float32))
-        wait_until(lambda: _shared_threads.num_threads() == 0, "idle threads exited")
+        wait_until(lambda: _thread_pools.num_threads() == 0, "idle threads exited")
         # The most threads alive at once, exactly (recorded as each starts).
-        print(_shared_threads._threads.peak, available_cpus())
+        print(_thread_pools._threads.peak, available_cpus())
     """
     proc = run_script(code, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -889,7 +889,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(
     monkeypatch, error, after_start
 ):
     monkeypatch.setattr(
-        _shared_threads, "_threads", _shared_threads._Threads()
+        _thread_pools, "_threads", _thread_pools._Threads()
     )  # none idle
     real_start = threading.Thread.start
     cut_short = []
@@ -909,7 +909,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(
         for i in range(start, stop):
             ran.append(rec(i) // 2)
 
-    pool = _shared_threads.ThreadPool(3)
+    pool = _thread_pools.ThreadPool(3)
     monkeypatch.setattr(threading.Thread, "start", failing_start)
     job = _jobs.Job(12, fn)
     if isinstance(error, KeyboardInterrupt):
@@ -928,7 +928,7 @@ def test_thread_that_fails_to_start_gives_its_place_back(
     for thread in cut_short:  # it found no job, and left
         thread.join(60)
         assert not thread.is_alive()
-    assert pool.active == 0 and _shared_threads.num_threads() == 0
+    assert pool.active == 0 and _thread_pools.num_threads() == 0
     rec = Recorder(gate=3)
     job = _jobs.Job(12, fn)
     pool.run(job)

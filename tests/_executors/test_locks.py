@@ -20,7 +20,7 @@ from jax_threadmap import threadmap
 from jax_threadmap._executors import jobs as _jobs
 from jax_threadmap._executors import runners as _maps
 from jax_threadmap._executors import runners as _runners
-from jax_threadmap._executors import shared_threads as _shared_threads
+from jax_threadmap._executors import thread_pools as _thread_pools
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -101,9 +101,9 @@ def test_many_maps_on_every_runner_at_once(monkeypatch, switch_often):
         assert job.hands <= min(job.n, job.workers)  # Job.add_hand's bound
 
     def all_given_back() -> bool:  # places come back as threads finish
-        with _shared_threads._threads.lock:
-            active = [p.active for p in _shared_threads._pools.values()]
-            return not any(active) and not _shared_threads._threads.queue
+        with _thread_pools._threads.lock:
+            active = [p.active for p in _thread_pools._pools.values()]
+            return not any(active) and not _thread_pools._threads.queue
 
     wait_until(all_given_back, "every pool's places given back, no map queued")
 
@@ -151,7 +151,7 @@ def test_fork_while_the_layer_is_busy():
             code = 3
             try:
                 x = np.arange(40, dtype=np.float32)
-                ok = _shared_threads.num_threads() == 0
+                ok = _thread_pools.num_threads() == 0
                 with concurrent.futures.ThreadPoolExecutor(3) as ex:
                     for executor in (2, ex):
                         f = jax.vmap(
@@ -188,7 +188,7 @@ import asyncio, concurrent.futures, contextlib, functools, os, threading, traceb
 import jax, jax.numpy as jnp, numpy as np
 import jax_threadmap as jtm
 from jax_threadmap._coroutines import event_loop
-from jax_threadmap._executors import jobs, runners, shared_threads
+from jax_threadmap._executors import jobs, runners, thread_pools
 from jax_threadmap._host.inner_threads import BLAS_LIMIT
 from jax_threadmap._support import fork
 
@@ -236,7 +236,7 @@ async def pending():
     return np.zeros(2, np.float32)
 calls = [jtm.async_call(blocked, S), jtm.async_call(pending, S)]
 assert started.wait(30)
-parent = (shared_threads._threads, runners._queueing, event_loop.event_loop())
+parent = (thread_pools._threads, runners._queueing, event_loop.event_loop())
 jobs.this_thread.job = object()  # as in a kernel that forks
 counted = BLAS_LIMIT.during_map(2, "k")  # a map of two threads runs
 counted.__enter__()
@@ -247,8 +247,8 @@ if pid == 0:
         assert len(ran) == len(fork.resets) and ran == sorted(ran), ran
         assert jobs.this_thread.job is None, jobs.this_thread.job
         assert (BLAS_LIMIT._maps, BLAS_LIMIT.held) == (0, False), BLAS_LIMIT._maps
-        assert shared_threads._threads is not parent[0], "threads"
-        assert shared_threads.num_threads() == 0, shared_threads.num_threads()
+        assert thread_pools._threads is not parent[0], "threads"
+        assert thread_pools.num_threads() == 0, thread_pools.num_threads()
         assert runners._queueing is not parent[1] and not runners._queueing.locked()
         assert event_loop.event_loop() is not parent[2], "loop"
         assert repr(resource).endswith("closed>"), resource

@@ -166,7 +166,7 @@ def test_a_shared_operand_beside_batch_levels_that_do_not_merge():
     # indices are not supported for 0d arrays".
     from jax_threadmap._host.batch_spec import BatchSpec
     from jax_threadmap._host.maps import ElementCaller, HostMap
-    from jax_threadmap._host.shared_operands import SHARE_BYTES
+    from jax_threadmap._host.shipped_once import SHARE_BYTES
 
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     table = np.arange(SHARE_BYTES // 2, dtype=np.float32)  # shared: 2x the bound

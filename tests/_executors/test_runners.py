@@ -14,13 +14,13 @@ import pytest
 
 from jax_threadmap import ExecutorError, threadmap
 from jax_threadmap._executors import runners as _maps
-from jax_threadmap._executors import shared_threads as _shared_threads
+from jax_threadmap._executors import thread_pools as _thread_pools
 
 F32 = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 def test_each_kind_of_executor_gets_its_runner():
-    assert isinstance(_maps.runner_for(None), _shared_threads.ThreadPool)
+    assert isinstance(_maps.runner_for(None), _thread_pools.ThreadPool)
     assert _maps.runner_for(3).workers == 3
     with concurrent.futures.ThreadPoolExecutor(5) as ex:
         runner = _maps.runner_for(ex)

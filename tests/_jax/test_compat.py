@@ -358,7 +358,8 @@ from jax_threadmap._jax import hooks as _compat
 from jax_threadmap._arrays import dispatch as _dispatch
 from jax_threadmap._jax import avals as _avals
 from jax_threadmap._jax import placement as _placement
-from jax_threadmap._jax import primitive_rules as _rules
+from jax_threadmap._jax import mlir as _mlir
+from jax_threadmap._jax import rule_tables as _tables
 from jax_threadmap._jax import traces as _traces
 
 missing = [n for n, v in _compat.RESOLVED.items() if isinstance(v, _compat.Missing)]

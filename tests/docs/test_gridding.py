@@ -247,10 +247,10 @@ def test_newton_products_run_two_maps(monkeypatch):
     # none for its backward pass: a product is dirty2vis of v and the adjoint
     # of that, the model's own dirty2vis(x) is not run (it was, before).
     from examples.gridding import newton
-    from jax_threadmap._core import primitive as _primitive
+    from jax_threadmap._core import lowering as _lowering
 
     ran = []
-    host_map = _primitive.HostMap
+    host_map = _lowering.HostMap
 
     def RecordingHostMap(caller, *args):  # noqa: N802 - stands for the class
         ran.append(caller.name.rpartition(".")[2])
@@ -260,7 +260,7 @@ def test_newton_products_run_two_maps(monkeypatch):
     hvp = newton.hessian_vector_product(obs)
     x = jnp.asarray(obs.sky)
     v = jnp.asarray(np.random.default_rng(9).standard_normal(x.shape), x.dtype)
-    monkeypatch.setattr(_primitive, "HostMap", RecordingHostMap)
+    monkeypatch.setattr(_lowering, "HostMap", RecordingHostMap)
     got = np.asarray(hvp(x, v))
     monkeypatch.undo()
     assert sorted(ran) == ["dirty2vis_bwd", "dirty2vis_fwd_jvp"]

@@ -136,6 +136,15 @@ def test_no_import_cycle_between_modules():
             visit(name, [])
 
 
+def test_no_two_modules_share_a_name_or_differ_by_a_suffix():
+    # A reader picks the room by its name (issue 59): primitive.py beside
+    # primitive_rules.py, or auto_shard.py beside auto_sharding.py, hid which
+    # held what.
+    stems = [m.rsplit(".", 1)[-1] for m in modules() if not m.endswith("__init__")]
+    alike = sorted((a, b) for a in stems for b in stems if a != b and b.startswith(a))
+    assert alike == [] and len(set(stems)) == len(stems), alike
+
+
 def test_the_checker_sees_imports_across_subpackages(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(

@@ -1,28 +1,40 @@
-"""Per-shard maps under ``jit`` on a mesh of several devices (GSPMD or Shardy).
+"""The lowering of ``threadmap_p``, in one room (what it emits into JAX's MLIR,
+and reads from the lowering context: :mod:`.._jax.mlir`; :mod:`.primitive`
+registers :func:`threadmap_lowering` beside the primitive's other rules).
 
-With explicit mesh axes (``AxisType.Explicit``) the operands' types carry their
-sharding, and the results are typed with the batch sharding of the operands
+One host callback per equation runs :func:`host_function`, the flat map of
+:mod:`.._host.maps` on the executor named in the params
+(:func:`.._executors.runners.run_map`), or, for an ``async def`` kernel, as
+coroutines on the event loop (:func:`.._coroutines.async_kernels.run_async_map`);
+the eager impl calls the same function directly. An equation equal to one
+lowered before it in the same block reuses its results (``_LOWERED``).
+
+Per shard, on a mesh of several devices (GSPMD or Shardy): with explicit mesh
+axes (``AxisType.Explicit``) the operands' types carry their sharding, and the
+results are typed with the batch sharding of the operands
 (:func:`explicit_result_shardings`); with automatic ones (``jax.sharding.Mesh``)
 XLA's partitioner decides it after the equation is lowered. Either way,
-:func:`lower` lowers a batched equation as a ``custom_partitioning`` call: when
-XLA partitions it, :meth:`_Plan.partition` reads the shardings that XLA chose
-(:meth:`_Plan.levels`) and asks for each batched operand with its batch axes on
-those mesh axes and its other axes whole (an operand sharded along an element's
-own axes is gathered along those only), and for unbatched operands whole. Each
-device then calls the host once, on its own block (one flat map), and the
-results keep the batch sharding. Blocks are the same size on every device;
-where a level does not divide evenly, XLA pads the last blocks, and the host
-maps only a block's real elements (it is told the block's position) and fills
-the rest with zeros, which XLA drops. Levels that an output sums away
-(reverse-mode cotangents) are summed over their mesh axes with ``psum``.
-
-Where this JAX or platform cannot (:func:`.._jax.auto_sharding.unavailable`),
-the equation is lowered as before: one device maps every element.
+:func:`_lower_per_shard` lowers a batched equation as a ``custom_partitioning``
+call: when XLA partitions it, :meth:`_Plan.partition` reads the shardings that
+XLA chose (:meth:`_Plan.levels`) and asks for each batched operand with its
+batch axes on those mesh axes and its other axes whole (an operand sharded
+along an element's own axes is gathered along those only), and for unbatched
+operands whole. Each device then calls the host once, on its own block (one
+flat map), and the results keep the batch sharding. Blocks are the same size on
+every device; where a level does not divide evenly, XLA pads the last blocks,
+and the host maps only a block's real elements (it is told the block's
+position) and fills the rest with zeros, which XLA drops. Levels that an output
+sums away (reverse-mode cotangents) are summed over their mesh axes with
+``psum``. Where this JAX or platform cannot (:func:`.._jax.mlir.per_shard_mesh`),
+the equation is lowered as one host callback: one device maps every element.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,41 +43,230 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._coroutines.async_kernels import run_async_map
+from .._executors.runners import Executor, run_map
+from .._executors.scheduling import Measure
 from .._host.batch_spec import BatchSpec
-from .._jax import auto_sharding as _auto
+from .._host.kernel_scope import kernel_scope
+from .._host.maps import ElementCaller, HostMap
+from .._host.vectorized import ChunkCaller
 from .._jax import avals as _avals
-from .._jax import primitive_rules as _rules
+from .._jax import mlir as _mlir
+from .._jax.rule_tables import Primitive
+from .._support.environment import env_num_threads
+from .params import AnyParam, InOrder, kernel_ids
 
 HostFn = Callable[..., tuple[np.ndarray, ...]]
 MeshAxes = tuple[str, ...]
 
 
-def lower(
+def host_function(
+    *,
+    kernel: AnyParam,
+    result_avals: tuple[Any, ...],
+    spec: BatchSpec,
+    executor: Executor | InOrder,
+    progress: bool | None,
+    devices: frozenset[Any] = frozenset(),
+) -> HostFn:
+    """The host side of one equation: NumPy operands in, NumPy results out.
+
+    ``devices``: those of the program whose host callback runs it (none when
+    eager); its kernels never run a JAX program there (:mod:`.._host.kernel_scope`).
+    """
+    fn, in_tree, out_tree = kernel.host_call()
+    # What the param says, read here once (it is frozen), not at every call.
+    name, max_chunk, max_in_flight = kernel.name, kernel.max_chunk, kernel.max_in_flight
+    asynchronous = kernel.asynchronous
+    in_order = isinstance(executor, InOrder)
+    runs_on = _runs_on(executor)
+    last = Measure()  # the times of this equation's last map (scheduling.py)
+    out_core = [(a.shape, a.dtype) for a in result_avals]
+    caller: ElementCaller | ChunkCaller
+    if kernel.vectorized:
+        caller = ChunkCaller(fn, name, in_tree, out_tree, out_core, spec.shape)
+    else:
+        caller = ElementCaller(
+            fn,
+            name,
+            in_tree,
+            out_tree,
+            out_core,
+            spec.shape,
+            accumulate=[k for k in range(len(result_avals)) if spec.summed(k)],
+        )
+
+    def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
+        flat_map = HostMap(caller, spec, operands, kernel_scope(devices, name))
+        if asynchronous:  # coroutines on the event loop (_async_kernels)
+            run_async_map(flat_map, max_in_flight=max_in_flight, progress=progress)
+        else:
+            run_map(
+                runs_on,
+                flat_map,
+                progress=progress,
+                max_chunk=max_chunk,
+                in_order=in_order,
+                last=last,
+            )
+        return flat_map.finish()
+
+    return run
+
+
+def _runs_on(executor: Executor | InOrder) -> Executor:
+    """Where a map runs: ``executor=``, out of its ``InOrder``."""
+    return executor.executor if isinstance(executor, InOrder) else executor
+
+
+#: Per module being lowered, by (block, kernels, params): the operands and
+#: results of its equations.
+_LOWERED: weakref.WeakKeyDictionary[Any, dict[Any, list[tuple[Any, Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOWERED_LOCK = threading.Lock()
+
+
+def threadmap_lowering(
+    bind: Callable[..., Sequence[Any]], ctx: Any, *args: Any, **params: Any
+) -> Sequence[Any]:
+    """The lowering rule of ``threadmap_p``, whose ``bind`` lowers the body of
+    a per-shard call (off the partitioner's path)."""
+    # An equation equal to one lowered before it in the same block (the same
+    # kernels, by identity, and params, on operands computed alike: jax.jacfwd's
+    # fwd and jax.grad's, each on its own m built from p) reuses its results:
+    # it is pure, as pure_callback is, and XLA never merges two host callbacks.
+    place = _mlir.lowering_place(ctx)
+    if place is None:
+        return _lower(bind, ctx, *args, **params)
+    module, block = place
+    key = (block, kernel_ids(params["kernel"]), tuple(sorted(params.items())))
+    try:
+        hash(key)  # (never the module)
+    except TypeError:  # a param that does not hash: lowered on its own
+        return _lower(bind, ctx, *args, **params)
+    with _LOWERED_LOCK:  # (one module is lowered by one thread)
+        earlier = _LOWERED.setdefault(module, {}).setdefault(key, [])
+    for operands, results in earlier:
+        if all(map(_mlir.computed_alike, operands, args)):
+            return list(results)
+    results = _lower(bind, ctx, *args, **params)
+    earlier.append((args, results))
+    return list(results)
+
+
+def _lower(
+    bind: Callable[..., Sequence[Any]], ctx: Any, *args: Any, **params: Any
+) -> Sequence[Any]:
+    avals_in, avals_out = ctx.avals_in, ctx.avals_out
+    if _runs_on(params["executor"]) is None:
+        # The shared pool's size is read once per map, where it runs (a changed
+        # value is followed); a bad value also fails here, as the jitted call
+        # is made, rather than inside its program's host callback.
+        env_num_threads()
+    # A host callback never sees an operand or result that holds no data: an
+    # accelerator's runtime aborts the process on one (libtpu checks its byte
+    # offset), and no element of an empty batch needs a kernel call. Such
+    # results are lowered as zeros (a sum over an empty batch is 0), such
+    # operands are rebuilt empty on the host.
+    data_out = [k for k, a in enumerate(avals_out) if _holds_data(a)]
+    if params["spec"].size == 0 or not data_out:
+        return _mlir.lower_zeros(ctx, args, avals_out)
+    data_in = [k for k, a in enumerate(avals_in) if _holds_data(a)]
+    devices = _mlir.lowering_devices(ctx)
+    per_shard = _lower_per_shard(bind, ctx, args, params, devices)
+    if per_shard is not None:
+        return per_shard
+    host = _without_empty(
+        host_function(**params, devices=devices), ctx, data_in, data_out
+    )
+    callback_out = [avals_out[k] for k in data_out]
+    sharding = _mlir.callback_op_sharding(
+        ctx.module_context.axis_context, None, callback_out
+    )
+    # The callback's own context: emit_python_callback types the custom call
+    # from the context's avals.
+    callback_ctx = dataclasses.replace(
+        ctx, avals_in=[avals_in[k] for k in data_in], avals_out=callback_out
+    )
+    results, _, _ = _mlir.emit_python_callback(
+        callback_ctx,
+        host,
+        None,
+        [args[k] for k in data_in],
+        callback_ctx.avals_in,
+        callback_out,
+        has_side_effect=False,
+        returns_token=False,
+        sharding=sharding,
+    )
+    return _with_zeros(ctx, args, data_out, results)
+
+
+def _with_zeros(
+    ctx: Any, args: Sequence[Any], data_out: list[int], results: Sequence[Any]
+) -> Sequence[Any]:
+    """The callback's ``results`` (those ``data_out``), with zeros for the
+    results that hold no data."""
+    avals_out = ctx.avals_out
+    if len(data_out) == len(avals_out):
+        return results
+    empty = [a for a in avals_out if not _holds_data(a)]
+    zeros, filled = iter(_mlir.lower_zeros(ctx, args, empty)), iter(results)
+    return [
+        next(filled) if k in data_out else next(zeros) for k in range(len(avals_out))
+    ]
+
+
+def _holds_data(aval: Any) -> bool:
+    return math.prod(aval.shape) > 0  # (aval.size is missing on some avals)
+
+
+def _without_empty(
+    host: HostFn, ctx: Any, data_in: list[int], data_out: list[int]
+) -> HostFn:
+    """``host`` for a callback that passes only the operands ``data_in`` and
+    returns only the results ``data_out``: the others hold no data. ``host``
+    itself when nothing is left out."""
+    avals_in = ctx.avals_in
+    if len(data_in) == len(avals_in) and len(data_out) == len(ctx.avals_out):
+        return host
+    empty = {
+        k: np.empty(a.shape, a.dtype)
+        for k, a in enumerate(avals_in)
+        if k not in data_in
+    }
+
+    def run(*operands: np.ndarray) -> tuple[np.ndarray, ...]:
+        given = iter(operands)
+        full = [empty[k] if k in empty else next(given) for k in range(len(avals_in))]
+        outs = host(*full)
+        return tuple(outs[k] for k in data_out)
+
+    return run
+
+
+def _lower_per_shard(
+    bind: Callable[..., Sequence[Any]],
     ctx: Any,
     args: Sequence[Any],
     params: dict[str, Any],
-    bind: Callable[..., Sequence[Any]],
-    make_host: Callable[[BatchSpec], HostFn],
+    devices: frozenset[Any],
 ) -> list[Any] | None:
-    """The equation lowered per shard, or ``None`` to lower it as before.
-
-    ``bind``: the primitive's bind (the call's body off the partitioner's
-    path); ``make_host(spec)``: the host function for a block of batch shape
-    ``spec.shape``.
-    """
+    """Under jit on several devices: one host call per device, each on its own
+    block (docs/sharding.md); ``None`` elsewhere (one host callback maps every
+    element). ``bind``: the call's body off the partitioner's path."""
     spec: BatchSpec = params["spec"]
-    mesh = _auto.automatic_mesh(ctx)
-    if not spec.shape or mesh is None:
-        return None
-    reason = _auto.unavailable(ctx)
-    if reason is not None:
-        _auto.log_fallback(reason)
+    if not spec.shape or not all(map(_holds_data, [*ctx.avals_in, *ctx.avals_out])):
+        return None  # (per shard only where every operand and result holds data)
+    mesh = _mlir.per_shard_mesh(ctx)
+    if mesh is None:
         return None
     plan = _Plan(spec, ctx.avals_in, params["result_avals"])
     plan.explicit = _explicit_axes(mesh)  # (the partitioner's mesh has none)
-    host = _ShardHost(spec, params["result_avals"], make_host)
-    plan.index = _auto.register_host_callback(ctx, host)
-    return _auto.lower_partitioned(
+    host = _ShardHost(params, devices)
+    plan.index = _mlir.register_host_callback(ctx, host)
+    return _mlir.lower_partitioned(
         ctx,
         args,
         lambda *xs: list(bind(*xs, **params)),
@@ -226,7 +427,7 @@ class _Plan:
         def per_device(*blocks: Any) -> list[Any]:
             # Traced on the partitioner's mesh, not on a jax.set_mesh (use_mesh)
             # context's explicit one (whose typed values XLA cannot lower here).
-            with _auto.on_mesh(mesh):
+            with _mlir.on_mesh(mesh):
                 where = jax.numpy.stack(
                     [jax.lax.axis_index(lv) if lv else 0 for lv in levels]
                 ).astype(np.int32)
@@ -252,22 +453,20 @@ class _ShardHost:
     block (``where``: the block's position along each level) and pads the
     results with zeros to the block's shape (XLA drops the padding)."""
 
-    def __init__(
-        self,
-        spec: BatchSpec,
-        results: Sequence[Any],
-        make_host: Callable[[BatchSpec], HostFn],
-    ):
-        self.spec = spec
-        self.results = [(tuple(a.shape), np.dtype(a.dtype)) for a in results]
-        self.make_host = make_host
+    def __init__(self, params: dict[str, Any], devices: frozenset[Any]):
+        self.params, self.devices = params, devices
+        self.spec: BatchSpec = params["spec"]
+        self.results = [
+            (tuple(a.shape), np.dtype(a.dtype)) for a in params["result_avals"]
+        ]
         self.hosts: dict[tuple[int, ...], HostFn] = {}
 
     def host(self, shape: tuple[int, ...]) -> HostFn:
         host = self.hosts.get(shape)
         if host is None:
             spec = BatchSpec(shape, self.spec.in_axes, self.spec.out_sum)
-            host = self.hosts.setdefault(shape, self.make_host(spec))
+            host = host_function(**{**self.params, "spec": spec}, devices=self.devices)
+            host = self.hosts.setdefault(shape, host)
         return host
 
     def __call__(
@@ -351,7 +550,7 @@ def _entry(axes: MeshAxes) -> Any:
 
 #: One device's host call inside the partition function: its operands are the
 #: block's position along each level and its blocks of the operands.
-shard_callback_p = _rules.Primitive("threadmap_shard_callback")
+shard_callback_p = Primitive("threadmap_shard_callback")
 shard_callback_p.multiple_results = True
 
 
@@ -362,12 +561,5 @@ def _shard_callback_abstract_eval(*avals: Any, index: int, result_avals: Any) ->
     ]
 
 
-def _shard_callback_lowering(
-    ctx: Any, *args: Any, index: int, result_avals: Any
-) -> Any:
-    del result_avals
-    return _auto.shard_callback_lowering(ctx, *args, index=index)
-
-
 shard_callback_p.def_abstract_eval(_shard_callback_abstract_eval)
-_rules.register_rules(shard_callback_p, _shard_callback_lowering)
+_mlir.register_lowering(shard_callback_p, _mlir.shard_callback_lowering)

@@ -96,7 +96,7 @@ class LiveCall(Protocol):
     def run(self) -> None:
         """Runs the call here, unless it has started (or ended)."""
 
-    def abandon(self) -> None:
+    def abandon(self) -> object:
         """At exit: ends the call (what its function returns later is dropped)."""
 
 

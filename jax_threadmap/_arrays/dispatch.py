@@ -347,6 +347,7 @@ class ProgramRun(Task):
             api=API,
             treedef=treedef_of(len(specs)),
             specs=specs,
+            coroutine=False,
         )
         self._dispatch = dispatch
         self._readers = readers
@@ -511,7 +512,7 @@ class ProgramRun(Task):
                 _outcomes.wait_polling(task.future, None)
         with self._inputs_lock:  # the count and the cause move together
             landed = self._waiting == 0 and self._cause is None
-        if landed:
+        if landed and not self.started:  # (a pool thread woken for it, late)
             self._dispatch_landed(worker)
 
     @landing  # exit waits for a dispatch in flight, and starts none

@@ -21,12 +21,7 @@ whatever the timing. A jitted call whose arguments include pending ones:
 - a program on the results of a ``ProgramRun`` is deferred in turn (a chain);
 - the program reads its arguments as they were at the call, whatever later
   calls do to them (a donation, ``delete()``, a write to a NumPy array), as JAX's
-  runtime promises for the programs it has enqueued: NumPy arrays are copied
-  and ``jax.Array`` s kept at the call (:meth:`Readers.freeze`,
-  :func:`alias_or_copy`: an alias on the CPU, a copy elsewhere; jit's C++ fast
-  path donates without passing any hook, so no later point could copy), and an
-  ``AsyncArray`` is let go of (:class:`Readers`) before a later program is handed
-  it.
+  runtime promises for the programs it has enqueued (how: :class:`Readers`).
 
 Not deferred (run at once: they wait for their data at dispatch, in Python, and
 their outputs are the arrays of a landed call, :class:`Results`): programs with

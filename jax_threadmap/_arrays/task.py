@@ -297,12 +297,13 @@ class Task(Outcome):
             if self._submitted or self._state != PENDING:
                 return
             self._submitted = True
-        with _async_pool.live_lock:
-            _async_pool.live.add(self)
-        self._start_clock()
+        self._track()
         self._start()
 
-    def _start_clock(self) -> None:
+    def _track(self) -> None:
+        """Counts the call as live (for exit) and starts its timeout's clock (once)."""
+        with _async_pool.live_lock:
+            _async_pool.live.add(self)
         with self._lock:
             if self._clock or self.timeout is None:
                 return
@@ -409,9 +410,7 @@ class Task(Outcome):
             self._worker, self._source = worker, source
             self._pid = pid
         if not known:
-            with _async_pool.live_lock:
-                _async_pool.live.add(self)
-            self._start_clock()
+            self._track()
         return True
 
     def _left_runner(self) -> None:  # fn returned or raised: its runner is not ours

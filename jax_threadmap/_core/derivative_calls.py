@@ -71,6 +71,11 @@ class DerivativeCall:
             self.flat_result = _with_directions(
                 self.flat_result, node, param.directions
             )
+        # Whether :meth:`direct` calls this kernel: the operands as they come
+        # (one leaf each, in order), no zeros, keywords, chunks or coroutines.
+        simple = not (self.vectorized or self.keywords or self.asynchronous)
+        direct = [(i, None) for i in range(sum(param.present))]
+        self.is_direct = simple and self.flat_args and self.plans[0] == direct
 
     def __reduce__(self) -> tuple[Any, ...]:
         return DerivativeCall, (self.param,)
@@ -112,15 +117,9 @@ class DerivativeCall:
             return _then(result, lambda r: self._kept(self.flat_result(r, chunk)))
         return self._kept(self.flat_result(result, chunk))
 
-    def is_direct(self) -> bool:
-        """Whether :meth:`direct` calls this kernel."""
-        plan = [(i, None) for i in range(sum(self.param.present))]
-        simple = not (self.vectorized or self.keywords or self.asynchronous)
-        return simple and self.flat_args and self.plans[0] == plan
-
     def direct(self, *operands: np.ndarray) -> Any:
-        """``__call__`` where the kernel takes the operands as they come (one
-        leaf each, in order: no zeros, keywords, chunks or coroutines)."""
+        """``__call__`` where the kernel takes the operands as they come
+        (:attr:`is_direct`)."""
         return self._kept(self.flat_result(self.fn(*operands), ()))
 
     def _kept(self, out: list[Any]) -> tuple[Any, ...]:

@@ -162,6 +162,7 @@ def _flat_tree(n: int, *, kwargs: bool) -> Any:
     return jax.tree_util.tree_structure((leaves, {}) if kwargs else leaves)
 
 
+@functools.lru_cache(maxsize=64)  # per abstract value of the rules: a hit calls nothing
 def is_differentiable(dtype: Any) -> bool:
     return bool(jax.numpy.issubdtype(dtype, np.inexact))
 
@@ -542,7 +543,7 @@ class DerivativeParam:
             raise TypeError(node.missing_rule())
         n_in, n_out = sum(self.present), sum(self.keep)
         call = DerivativeCall(self)
-        fn = call.direct if call.is_direct() else call
+        fn = call.direct if call.is_direct else call
         return fn, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
 
 

@@ -90,8 +90,7 @@ def leaf_specs(
     last :data:`MAX_CACHED_AVALS`): a thousand loads of one shape check it once.
     The specs are shared by the calls, and never written.
     """
-    _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")
-    _hooks.require(_hooks.ARRAY_SURFACE, f"jax_threadmap.{api}")
+    _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")  # (and the surface's)
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
     if type(result_shape_dtypes) is jax.ShapeDtypeStruct:
         try:
@@ -368,6 +367,7 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
     return placed
 
 
+@functools.lru_cache(MAX_CACHED_AVALS)  # per output of every dispatch
 def is_extended(dtype: Any) -> bool:
     """Whether ``dtype`` is one of JAX's extended dtypes (PRNG keys)."""
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)

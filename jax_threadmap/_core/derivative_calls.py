@@ -71,6 +71,8 @@ class DerivativeCall:
             self.flat_result = _with_directions(
                 self.flat_result, node, param.directions
             )
+        #: Whether :meth:`direct` calls this kernel (worked out once).
+        self.is_direct = self._as_they_come(sum(param.present))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return DerivativeCall, (self.param,)
@@ -112,15 +114,16 @@ class DerivativeCall:
             return _then(result, lambda r: self._kept(self.flat_result(r, chunk)))
         return self._kept(self.flat_result(result, chunk))
 
-    def is_direct(self) -> bool:
-        """Whether :meth:`direct` calls this kernel."""
-        plan = [(i, None) for i in range(sum(self.param.present))]
+    def _as_they_come(self, n: int) -> bool:
+        """Whether the kernel takes its ``n`` operands as they come (one leaf
+        each, in order: no zeros, keywords, chunks or coroutines)."""
         simple = not (self.vectorized or self.keywords or self.asynchronous)
+        plan = [(i, None) for i in range(n)]
         return simple and self.flat_args and self.plans[0] == plan
 
     def direct(self, *operands: np.ndarray) -> Any:
-        """``__call__`` where the kernel takes the operands as they come (one
-        leaf each, in order: no zeros, keywords, chunks or coroutines)."""
+        """``__call__`` where the kernel takes the operands as they come
+        (:attr:`is_direct`)."""
         return self._kept(self.flat_result(self.fn(*operands), ()))
 
     def _kept(self, out: list[Any]) -> tuple[Any, ...]:

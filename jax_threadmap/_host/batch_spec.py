@@ -77,6 +77,10 @@ class BatchSpec:
         summed = self.summed(k)
         return tuple(s for level, s in enumerate(self.shape) if level not in summed)
 
+    def out_levels(self, n: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per output of ``n``: :meth:`summed` and :meth:`out_batch_shape`."""
+        return [(self.summed(k), self.out_batch_shape(k)) for k in range(n)]
+
     def __str__(self) -> str:
         # Short, readable form for `jax.make_jaxpr`: one entry per operand, ``-``
         # where the operand is unbatched at that level.

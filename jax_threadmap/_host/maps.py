@@ -249,11 +249,7 @@ class HostMap:
             operand_view(x, axes, spec.shape)
             for x, axes in zip(operands, spec.in_axes, strict=True)
         ]
-        self.outs = [
-            _summing.new_output(spec, k, s, d)
-            for k, (s, d) in enumerate(caller.out_core)
-        ]
-        out_views = [_summing.summed_view(o, spec, k) for k, o in enumerate(self.outs)]
+        self.outs, out_views, sums = _summing.new_outputs(spec, caller.out_core)
         if not spec.shape:
             in_views = [v[None] for v in in_views]
             out_views = [o[None] for o in out_views]
@@ -261,11 +257,9 @@ class HostMap:
         self.in_v = [merge_view(v, self._groups) for v in in_views]
         self.out_v = [merge_view(o, self._groups) for o in out_views]
         self.shape = tuple(math.prod([batch[d] for d in g]) for g in self._groups)
-        self._summed_dims = [
-            _summing.summed_dims(spec, self._groups, k) for k in range(len(self.outs))
-        ]
+        self._summed_dims = _summing.summed_dims(self._groups, sums)
         self.partials = _summing.PartialSums(
-            spec, self.outs, lambda v: merge_view(v, self._groups)
+            spec, self.outs, sums, lambda v: merge_view(v, self._groups)
         )
         self._shared: dict[int, int] | None = None  # see shared()
 

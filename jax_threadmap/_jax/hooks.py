@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -98,7 +99,11 @@ def _one_sharding_per_result(op_sharding_of: Callable[..., Any]) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _VaryingAxes:
-    """Reads and makes avals that vary over manual mesh axes (inside shard_map)."""
+    """Reads and makes avals that vary over manual mesh axes (inside shard_map).
+
+    ``of`` is an ``operator.attrgetter``: a read of an aval's field, with no call
+    into the package (it runs for every abstract value of an equation).
+    """
 
     of: Callable[[Any], frozenset[Any]]
     make: Callable[[tuple[int, ...], Any, frozenset[Any], Any], Any]
@@ -115,7 +120,7 @@ def _varying_by_manual_axis_type(manual_axis_type: Any) -> _VaryingAxes:
             manual_axis_type=manual_axis_type(varying=varying),
         )
 
-    return _VaryingAxes(lambda aval: frozenset(aval.manual_axis_type.varying), make)
+    return _VaryingAxes(operator.attrgetter("manual_axis_type.varying"), make)
 
 
 def _varying_by_vma(shaped_array: Any) -> _VaryingAxes:
@@ -127,7 +132,7 @@ def _varying_by_vma(shaped_array: Any) -> _VaryingAxes:
     ) -> Any:
         return shaped_array(shape, dtype, sharding=sharding, vma=varying)
 
-    return _VaryingAxes(lambda aval: frozenset(aval.vma), make)
+    return _VaryingAxes(operator.attrgetter("vma"), make)
 
 
 # --- the table -----------------------------------------------------------------------
@@ -613,6 +618,8 @@ _NEEDED_BY: dict[str, list[str]] = {}
 for _hook in HOOKS:
     for _feature in _hook.features:
         _NEEDED_BY.setdefault(_feature, []).append(_hook.name)
+# An AsyncArray is a jax.Array: async arrays need the surface's hooks too.
+_NEEDED_BY[ASYNC_ARRAYS] += _NEEDED_BY.get(ARRAY_SURFACE, [])
 
 
 def or_missing(name: str, fallback: Any) -> Any:

@@ -325,7 +325,8 @@ def _owned_fields() -> dict[str, tuple[str, set[str], set[str]]]:
     from jax_threadmap._arrays.task import Task
 
     def owned(module: str, cls: type) -> tuple[str, set[str], set[str]]:
-        private = {n for n in cls.__slots__ if n.startswith("_") and n[:2] != "__"}
+        slots = [n for c in cls.__mro__ for n in c.__dict__.get("__slots__", ())]
+        private = {n for n in slots if n.startswith("_") and n[:2] != "__"}
         derived, todo = {cls.__name__}, [cls]
         while todo:
             for sub in todo.pop().__subclasses__():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, overload
 
@@ -273,15 +274,14 @@ class AsyncArray(jax.Array):
     if sys.version_info >= (3, 12):  # the buffer protocol from Python (PEP 688)
 
         def __buffer__(self, flags: int) -> memoryview:
-            # Pending, no buffer: np.asarray tries this first and swallows its
-            # errors, a Ctrl-C's too, then calls __array__, whose wait Ctrl-C
-            # reaches (a wait here would outlive the signal). Landed, the value's.
-            if not self.done():
-                raise BufferError(
-                    f"{self._describe()} has not landed: wait for it first "
-                    "(x.block_until_ready()); np.asarray(x) waits for it"
-                )
-            return _surface.landed(self).__buffer__(flags)
+            _interrupted.error = None
+            try:
+                return _surface.landed(self).__buffer__(flags)
+            except KeyboardInterrupt as e:
+                # np.asarray tries this first and swallows its errors, a Ctrl-C's
+                # too, then calls __array__: there it is raised again.
+                _interrupted.error = e
+                raise
 
     def is_deleted(self) -> bool:
         """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
@@ -317,6 +317,18 @@ def _is_async(x: Any) -> bool:
 
 
 _surface.install(AsyncArray, _is_async)
+_interrupted = threading.local()  # a Ctrl-C in __buffer__, for __array__
+_waiting_array = AsyncArray.__array__
+
+
+def _array(self: AsyncArray, *args: Any, **kwargs: Any) -> Any:
+    error, _interrupted.error = getattr(_interrupted, "error", None), None
+    if error is not None:
+        raise error
+    return _waiting_array(self, *args, **kwargs)
+
+
+AsyncArray.__array__ = _array  # type: ignore[method-assign,assignment]
 
 
 def _delete(self: AsyncArray) -> None:

@@ -67,6 +67,21 @@ def test_jnp_asarray_returns_it_unchanged_and_array_copies_without_waiting(held)
     _same(z, A.astype(np.int32))
 
 
+def test_device_put_with_nowhere_to_go_returns_it_without_waiting(held):
+    # As for a jax.Array (JAX keeps only its own ArrayImpl: issue 56 item 5).
+    x, ready = held(A), np.ones(2, np.float32)
+    on = async_call(lambda: A, SDS(A.shape, A.dtype), device=jax.devices()[0])
+    got = jax.device_put((x, ready, on))
+    assert got[0] is x and got[2] is on and not x.done()
+    assert jax.device_put(x, may_alias=True) is x
+    _same(got[1], ready)
+    copied = jax.device_put(on, may_alias=False)  # a copy: JAX's array
+    assert copied is not on and copied.sharding == on.sharding
+    held.release()
+    _same(copied, A)
+    _same(jax.device_put(x, may_alias=False), A)
+
+
 def test_eager_ops_grad_vmap_and_lax_return_without_waiting(held):
     x = held(A)
     ops = {
@@ -140,6 +155,18 @@ def test_a_loader_that_returns_an_async_array_gives_its_value():
     b = async_call(lambda: a * 2, SDS(A.shape, A.dtype))
     assert type(b.result()) is not AsyncArray
     _same(b.result(), 2 * A)
+
+
+def test_a_loader_that_returns_a_weakly_typed_array_gives_the_declared_type():
+    # jax.device_put(1.) is weakly typed; the array is declared float32, not weak:
+    # its value was weak, and an op deferred on it failed (its trace and its run
+    # disagreed), as JAX's test_devicearray_weakref_friendly found.
+    go = threading.Event()
+    x = async_call(lambda: go.wait(PATIENCE) and jax.device_put(1.0), SDS((), "f4"))
+    y, z = x == 1.0, jax.jit(lambda a: a * 2)(x)
+    go.set()
+    assert not x.weak_type and not x.result().weak_type
+    assert bool(y) and float(z) == 2.0 and not z.result().weak_type
 
 
 def test_equinox_takes_it_for_an_array(held):

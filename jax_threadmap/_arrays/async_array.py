@@ -242,8 +242,8 @@ class AsyncArray(jax.Array):
 
     def __repr__(self) -> str:
         status = self._task.status()
-        if status == "done" and _surface.landed(self).is_deleted():
-            status = "deleted"  # where jax.Array's repr raises: a repr never does
+        if status == "done":  # deleted or donated: raises, as jax.Array's repr
+            self.result()._check_if_deleted()  # type: ignore[attr-defined]
         return (
             f"AsyncArray(shape={self.shape}, dtype={self.dtype}, "
             f"{status}, from {self._task.name})"
@@ -316,9 +316,13 @@ def _is_async(x: Any) -> bool:
     return isinstance(x, AsyncArray)
 
 
+def _unfailed(x: Any) -> bool:  # jax.device_put(x) returns it (a failed one raises)
+    return _is_async(x) and not x._task.status().startswith("failed")
+
+
 _surface.install(AsyncArray, _is_async)
 _interrupted = threading.local()  # a Ctrl-C in __buffer__, for __array__
-_waiting_array = AsyncArray.__array__
+_waiting_array = _surface._waiting("__array__")
 
 
 def _array(self: AsyncArray, *args: Any, **kwargs: Any) -> Any:
@@ -346,6 +350,7 @@ def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
     if not _dispatch.mechanism.prepared:  # before any dispatch with them
         _dispatch.mechanism.prepare(_around)
+        _hooks.or_missing("batched_device_put_impl", lambda _: None)(_unfailed)
     return jax.tree_util.tree_unflatten(task.treedef, AsyncArray._of_call(task))
 
 

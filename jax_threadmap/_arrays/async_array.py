@@ -241,20 +241,27 @@ class AsyncArray(jax.Array):
         return f"AsyncArray(shape={self.shape}, dtype={self.dtype})"
 
     def __repr__(self) -> str:
-        status = self._task.status()
-        if status == "done":  # deleted or donated: raises, as jax.Array's repr
-            self.result()._check_if_deleted()  # type: ignore[attr-defined]
+        # Landed: the jax.Array's repr (which raises once it is deleted or
+        # donated); before, its state.
+        if self._landed():
+            return repr(self.result())
         return (
             f"AsyncArray(shape={self.shape}, dtype={self.dtype}, "
-            f"{status}, from {self._task.name})"
+            f"{self._task.status()}, from {self._task.name})"
         )
 
     def __str__(self) -> str:
-        # The result of a jitted call on pending data (deferred dispatch) prints
-        # as the jax.Array it stands for does: its values, once they are there.
-        if self._task.stands_for_an_array:
+        # Landed, or the result of a jitted call on pending data (deferred
+        # dispatch): its values, as the jax.Array it stands for prints.
+        if self._task.stands_for_an_array or self._landed():
             return str(self.result())
         return repr(self)
+
+    def _landed(self) -> bool:  # its value on the device, or deleted (no wait)
+        if self._task.status() != "done":
+            return False
+        value = self.result()
+        return bool(value.is_deleted() or value.is_ready())  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         if not self.shape:

@@ -169,6 +169,28 @@ def test_a_loader_that_returns_a_weakly_typed_array_gives_the_declared_type():
     assert bool(y) and float(z) == 2.0 and not z.result().weak_type
 
 
+@pytest.mark.parametrize("setting", ["debug_nans", "debug_infs"])
+def test_a_debug_nans_context_holds_for_ops_and_programs_deferred_in_it(held, setting):
+    # The context holds for its thread only; the deferred op and program run in
+    # another, later: they run under the caller's settings (and x64's).
+    bad = np.array([1.0, 0.0 if setting == "debug_infs" else -1.0], np.float32)
+    x = held(bad)
+    with getattr(jax, setting)(True):
+        deferred = [jnp.log(x), jax.jit(jnp.log)(x)]
+        dependent = x.sum() + deferred[0]
+    outside = jnp.log(x)
+    assert not x.done()
+    held.release()
+    for y in deferred:  # as on a jax.Array: FloatingPointError
+        with pytest.raises(FloatingPointError, match="invalid value"):
+            np.asarray(y)
+    # (a program on its result: JaxRuntimeError, as for any failed argument)
+    with pytest.raises(Exception, match="FloatingPointError: invalid value"):
+        np.asarray(dependent)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        _same(outside, np.log(bad))
+
+
 def test_equinox_takes_it_for_an_array(held):
     eqx = pytest.importorskip("equinox")
     x = held(A)

@@ -375,7 +375,22 @@ def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
     if not any(type(a) is AsyncArray for a in args):
         return run(program, *args)
     reads = [a._pending() if type(a) is AsyncArray else None for a in args]
-    task, outs = _dispatch.mechanism.run(run, program, args, reads, effects)
+    saved, caller, now = _surface.settings(), threading.get_ident(), [True]
+
+    def as_called(program: Any, *frozen: Any) -> Any:  # deferred: in any thread
+        with _surface.settings_as(saved):
+            try:
+                return run(program, *frozen)
+            except Exception as e:  # jax_debug_nans: jit's own handling is over
+                if type(e).__name__ != "InternalFloatingPointError" or (
+                    now[0] and threading.get_ident() == caller
+                ):
+                    raise
+                text = f"invalid value ({e.ty}) encountered in {e.name}"  # type: ignore[attr-defined]
+                raise FloatingPointError(text) from None
+
+    task, outs = _dispatch.mechanism.run(as_called, program, args, reads, effects)
+    now[0] = False
     arrays = iter(make_arrays(task) if task is not None else ())
     return [next(arrays) if o is None else o for o in outs]
 

@@ -70,6 +70,8 @@ WAITING_METHODS = (
     "delete",
     "clone",
     "devices",
+    "is_deleted",
+    "_check_if_deleted",  # JAX's, which its own code and tests call
 )
 #: Properties of the same kind.
 WAITING_PROPERTIES = (
@@ -84,7 +86,7 @@ WAITING_PROPERTIES = (
     "__cuda_array_interface__",
     "device_buffer",  # removed in JAX: raises as it does there
     "device_buffers",
-    "_npy_value",  # JAX's fields, which its tests read (None once deleted)
+    "_npy_value",  # JAX's, which its tests read (None once deleted)
     "_arrays",
 )
 #: Left out: JAX's own dispatch reads them from every ``jit`` argument that has

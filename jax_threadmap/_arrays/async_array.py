@@ -258,10 +258,8 @@ class AsyncArray(jax.Array):
         return repr(self)
 
     def _landed(self) -> bool:  # its value on the device, or deleted (no wait)
-        if self._task.status() != "done":
-            return False
-        value = self.result()
-        return bool(value.is_deleted() or value.is_ready())  # type: ignore[attr-defined]
+        done = self._task.status() == "done"
+        return done and (self.result().is_deleted() or self.is_ready())
 
     def __len__(self) -> int:
         if not self.shape:
@@ -274,10 +272,6 @@ class AsyncArray(jax.Array):
     def __reversed__(self) -> Iterator[Any]:
         return iter(self[::-1])
 
-    def _check_if_deleted(self) -> None:
-        # What JAX's own code calls on its arrays (device_put, tests): waits.
-        _surface.landed(self)._check_if_deleted()
-
     if sys.version_info >= (3, 12):  # the buffer protocol from Python (PEP 688)
 
         def __buffer__(self, flags: int) -> memoryview:
@@ -289,11 +283,6 @@ class AsyncArray(jax.Array):
                 # too, then calls __array__: there it is raised again.
                 _interrupted.error = e
                 raise
-
-    def is_deleted(self) -> bool:
-        """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
-        for the value, in Python)."""
-        return bool(_surface.landed(self).is_deleted())
 
     @property
     def aval(self) -> Any:
@@ -323,18 +312,13 @@ def _is_async(x: Any) -> bool:
     return isinstance(x, AsyncArray)
 
 
-def _unfailed(x: Any) -> bool:  # jax.device_put(x) returns it (a failed one raises)
-    return _is_async(x) and not x._task.status().startswith("failed")
-
-
 _surface.install(AsyncArray, _is_async)
 _interrupted = threading.local()  # a Ctrl-C in __buffer__, for __array__
 _waiting_array = _surface._waiting("__array__")
 
 
 def _array(self: AsyncArray, *args: Any, **kwargs: Any) -> Any:
-    error, _interrupted.error = getattr(_interrupted, "error", None), None
-    if error is not None:
+    if error := vars(_interrupted).pop("error", None):
         raise error
     return _waiting_array(self, *args, **kwargs)
 
@@ -357,7 +341,10 @@ def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
     if not _dispatch.mechanism.prepared:  # before any dispatch with them
         _dispatch.mechanism.prepare(_around)
-        _hooks.or_missing("batched_device_put_impl", lambda _: None)(_unfailed)
+        # jax.device_put(x) with nowhere to go: x itself (a failed x raises)
+        _hooks.or_missing("batched_device_put_impl", lambda _: None)(
+            lambda x: _is_async(x) and not x._task.status().startswith("failed")
+        )
     return jax.tree_util.tree_unflatten(task.treedef, AsyncArray._of_call(task))
 
 

@@ -221,25 +221,24 @@ def _eager_device_put(impl: Callable[..., Any]) -> Any:
     module = importlib.import_module(impl.__module__)
     copies = getattr(module, "ArrayCopySemantics", None) or module.CopySemantics
     reuse = getattr(copies, "REUSE_INPUT", None) or copies.ALIAS  # (ALIAS on 0.6)
-    primitive = module.device_put_p
 
     def install(keeps: Callable[[Any], bool]) -> None:
         # Every eager jax.device_put(x) with no target, no copy asked for, and
         # keeps(x): x itself, as JAX does for its own arrays.
         def put(*xs: Any, devices: Any, copy_semantics: Any, **kw: Any) -> Any:
+            kw.update(devices=devices, copy_semantics=copy_semantics)
             keep = [
                 d is None and c == reuse and keeps(x)
                 for x, d, c in zip(xs, devices, copy_semantics, strict=True)
             ]
-            kw.update(devices=devices, copy_semantics=copy_semantics)
             rest = [i for i, k in enumerate(keep) if not k]
             picked = {k: [v[i] for i in rest] for k, v in kw.items()}
             outs = iter(impl(*(xs[i] for i in rest), **picked) if rest else ())
             return [x if k else next(outs) for x, k in zip(xs, keep, strict=True)]
 
         setattr(module, impl.__name__, put)  # what jax.device_put calls (0.8 on)
-        if primitive.impl is impl:  # the primitive's own impl (0.6, 0.7)
-            primitive.impl = put
+        if module.device_put_p.impl is impl:  # the primitive's own impl (0.6, 0.7)
+            module.device_put_p.impl = put
 
     return install
 

@@ -565,9 +565,8 @@ HOOKS: tuple[Hook, ...] = (
         "the implementation that the rules call (impl.split...); no public API "
         "makes an array that jax.random's eager rules take as a key array",
     ),
-    # jax.device_put(x) returns x itself where x is one of JAX's arrays with
-    # nowhere else to go; any other object, an AsyncArray too, it waits for and
-    # copies to the default device (uncommitted, even if x was committed).
+    # jax.device_put(x) returns x where x is JAX's array (with nowhere else to
+    # go); it copies anything else, an AsyncArray too, to the default device.
     Hook(
         "batched_device_put_impl",
         "every eager jax.device_put: wrapped, so that jax.device_put(x) of an "

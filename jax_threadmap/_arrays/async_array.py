@@ -354,17 +354,12 @@ def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
     return _dispatch.mechanism.arrays_for([x._pending() for x in xs])
 
 
-def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
-    """Every run of a compiled program from Python, once the first
-    ``AsyncArray`` is made: a run with ``AsyncArray`` arguments returns
-    ``AsyncArray`` s (deferred until its data lands, or run now, blocking, and
-    its array outputs wrapped); any other run is JAX's."""
-    if not any(type(a) is AsyncArray for a in args):
-        return run(program, *args)
-    reads = [a._pending() if type(a) is AsyncArray else None for a in args]
+def _carrying(run: Any) -> tuple[Callable[..., Any], list[bool]]:
+    """``run`` under this thread's settings (a deferred run is later, in any
+    thread), and a flag to clear once the dispatch returned."""
     saved, caller, now = _surface.settings(), threading.get_ident(), [True]
 
-    def as_called(program: Any, *frozen: Any) -> Any:  # deferred: in any thread
+    def as_called(program: Any, *frozen: Any) -> Any:
         with _surface.settings_as(saved):
             try:
                 return run(program, *frozen)
@@ -376,6 +371,19 @@ def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
                 text = f"invalid value ({e.ty}) encountered in {e.name}"  # type: ignore[attr-defined]
                 raise FloatingPointError(text) from None
 
+    return as_called, now
+
+
+def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
+    """Every run of a compiled program from Python, once the first
+    ``AsyncArray`` is made: a run with ``AsyncArray`` arguments returns
+    ``AsyncArray`` s (deferred until its data lands, or run now, blocking, and
+    its array outputs wrapped); any other run is JAX's."""
+    if not any(type(a) is AsyncArray for a in args):
+        return run(program, *args)
+    reads = [a._pending() if type(a) is AsyncArray else None for a in args]
+    pending = any(r is not None and not r.task.future.done() for r in reads)
+    as_called, now = _carrying(run) if pending else (run, [True])
     task, outs = _dispatch.mechanism.run(as_called, program, args, reads, effects)
     now[0] = False
     arrays = iter(make_arrays(task) if task is not None else ())

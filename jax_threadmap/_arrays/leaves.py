@@ -238,7 +238,10 @@ class LeafProblem(Exception):
 def _frozen_leaf(spec: LeafSpec, leaf: Any) -> Any:
     value = checked_leaf(spec.shape, spec.dtype, spec.aval.dtype, leaf)
     if not isinstance(value, np.ndarray) and isinstance(value, jax.Array):
-        return value  # (np.ndarray first: jax.Array's check is an ABC's, slow)
+        # (np.ndarray first: jax.Array's check is an ABC's, slow.) Of the declared
+        # type, never weak (jnp.array(1.) is): a cast that clears it.
+        weak = value.weak_type
+        return jax.lax.convert_element_type(value, value.dtype) if weak else value
     copy = np.array(value, dtype=spec.aval.dtype, order="C")
     copy.flags.writeable = False
     return copy

@@ -51,6 +51,7 @@ from .hook_forms import (
     UnsupportedJaxError,
     _adapted_before,
     _automatic_mesh_of,
+    _eager_device_put,
     _emit_python_callback_without_returns_token,
     _everywhere,
     _host_callback_registrar,
@@ -564,6 +565,21 @@ HOOKS: tuple[Hook, ...] = (
         "tried: jax.random.key_impl(k), public, which returns a PRNGSpec, not "
         "the implementation that the rules call (impl.split...); no public API "
         "makes an array that jax.random's eager rules take as a key array",
+    ),
+    # jax.device_put(x) returns x where x is JAX's array (with nowhere else to
+    # go); it copies anything else, an AsyncArray too, to the default device.
+    Hook(
+        "batched_device_put_impl",
+        "every eager jax.device_put: wrapped, so that jax.device_put(x) of an "
+        "AsyncArray with no target returns x itself, without waiting",
+        (ARRAY_SURFACE,),
+        _everywhere(
+            "jax._src.dispatch:_batched_device_put_impl",
+            "device_put_p's impl on 0.6 and 0.7, its callee from 0.8",
+            _eager_device_put,
+        ),
+        "none: jax.device_put keeps x only where x is an ArrayImpl (a C++ "
+        "class), and no public registry says where a type's value already is",
     ),
     # Async dispatch (issues 13, 48). A jitted call with pending `AsyncArray`
     # arguments returns at once: JAX's call that runs the compiled program

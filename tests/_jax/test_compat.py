@@ -120,6 +120,7 @@ def test_the_private_locations_are_few():
             "shard_args",
             "trace_state_clean",
             "batched_device_put",
+            "batched_device_put_impl",
             "PRNGKeyArray",
             "ExecuteReplicated",
             "array_methods",

@@ -77,10 +77,6 @@ def describe_error(error: BaseException) -> str:
 # --- checks ---------------------------------------------------------------------------
 
 
-def _path_str(path: Any) -> str:
-    return jax.tree_util.keystr(path) or "<root>"
-
-
 def leaf_specs(
     result_shape_dtypes: Any, device: Any, api: str
 ) -> tuple[Any, list[LeafSpec]]:
@@ -121,7 +117,7 @@ def _leaf_specs(
         )
     specs = []
     for path, leaf in flat:
-        where = _path_str(path)
+        where = jax.tree_util.keystr(path) or "<root>"
         shape, dtype = shape_dtype_of(
             leaf, f"result_shape_dtypes{where}", f"jax_threadmap.{api}"
         )

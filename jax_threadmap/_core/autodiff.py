@@ -395,15 +395,16 @@ def _bind_dual(
     base_ops, base_axes = base
     num_base = len(spec.in_axes) - len(linear_ops)
     axes = [spec.in_axes[num_base + s] for s in slots]
+    linear = [linear_ops[s].aval for s in slots]
     _, ct_ops = partition_list(has_ct, cts)
     ct_axes = [_result_axes(spec, k) for k, h in enumerate(has_ct) if h]
-    results = bind(
+    return bind(
         *base_ops,
         *ct_ops,
         kernel=dual,
         result_avals=tuple(
-            _core_aval_of(linear_ops[s].aval, ax)
-            for s, ax in zip(slots, axes, strict=True)
+            _avals.ShapedArray(_core_shape(a.shape, ax), a.dtype)
+            for a, ax in zip(linear, axes, strict=True)
         ),
         spec=BatchSpec(
             spec.shape,
@@ -412,7 +413,6 @@ def _bind_dual(
         ),
         **params,
     )
-    return results
 
 
 def _dual(
@@ -513,19 +513,11 @@ def _residual_dual(
     )
 
 
-def _core_aval_of(aval: Any, axes: Axes) -> Any:
-    """One element's aval of an operand with batch ``axes``."""
-    return _avals.ShapedArray(_core_shape(aval.shape, axes), aval.dtype)
-
-
 def _result_axes(spec: BatchSpec, k: int) -> Axes:
     """Per batch level, the axis of result ``k`` that carries it (kept levels come
     first, in order), or ``None`` where the host summed it away."""
-    summed = spec.summed(k)
-    rank = iter(range(len(spec.shape)))
-    return tuple(
-        None if level in summed else next(rank) for level in range(len(spec.shape))
-    )
+    rank = {level: r for r, level in enumerate(spec.kept(k))}
+    return tuple(rank.get(level) for level in range(len(spec.shape)))
 
 
 def _core_shape(shape: Sequence[int], axes: Axes) -> tuple[int, ...]:

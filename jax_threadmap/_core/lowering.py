@@ -298,16 +298,12 @@ class _Plan:
             return " ".join(names)
 
         def result(k: int, ndim: int) -> str:
-            kept = [f"b{lv}" for lv in self._kept(k)]
+            kept = [f"b{lv}" for lv in self.spec.kept(k)]
             return " ".join(kept + [f"r{k}x{d}" for d in range(ndim)])
 
         ins = ", ".join(operand(k, n) for k, n in enumerate(self.ndims))
         outs = ", ".join(result(k, len(a.shape)) for k, a in enumerate(self.results))
         return f"{ins} -> {outs}"
-
-    def _kept(self, k: int) -> list[int]:
-        summed = self.spec.summed(k)
-        return [lv for lv in range(len(self.spec.shape)) if lv not in summed]
 
     def levels(
         self, mesh: Any, arg_shapes: Sequence[Any], chosen: Sequence[Any] | None = None
@@ -367,7 +363,7 @@ class _Plan:
             entries = _spec_entries(result)
             found.extend(
                 (lv, _names(entries[i]))
-                for i, lv in enumerate(self._kept(k))
+                for i, lv in enumerate(self.spec.kept(k))
                 if i < len(entries)
             )
         for shape, axes in zip(arg_shapes, self.spec.in_axes, strict=True):
@@ -390,7 +386,7 @@ class _Plan:
             NamedSharding(
                 mesh,
                 P(
-                    *(_entry(levels[lv]) for lv in self._kept(k)),
+                    *(_entry(levels[lv]) for lv in self.spec.kept(k)),
                     *[None] * len(a.shape),
                 ),
             )
@@ -417,7 +413,7 @@ class _Plan:
         block = self._blocks(sizes, levels)
         block_avals = tuple(
             (
-                tuple(block[lv] for lv in self._kept(k)) + tuple(a.shape),
+                tuple(block[lv] for lv in self.spec.kept(k)) + tuple(a.shape),
                 np.dtype(a.dtype).str,
             )
             for k, a in enumerate(self.results)
@@ -493,7 +489,7 @@ class _ShardHost:
             outs = self.host(real)(*trimmed)
         padded = []
         for k, (core, dtype) in enumerate(self.results):
-            kept = [lv for lv in range(len(block)) if lv not in spec.summed(k)]
+            kept = spec.kept(k)
             full = np.zeros(tuple(block[lv] for lv in kept) + core, dtype)
             if outs:
                 full[tuple(slice(0, real[lv]) for lv in kept)] = outs[k]

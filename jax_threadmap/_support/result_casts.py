@@ -48,12 +48,13 @@ def _kind(dtype: np.dtype) -> int | None:
     return None
 
 
+#: Per (returned dtype, declared dtype): None (every value fits), _BAD_KIND, or
+#: the check of the values.
 _BAD_KIND = "kind"
+_plans: dict[tuple[np.dtype, np.dtype], Any] = {}
 
 
-@functools.cache  # per (returned dtype, declared dtype)
 def _plan(src: np.dtype, dst: np.dtype) -> Any:
-    """None (every value fits), _BAD_KIND, or the check of the values."""
     if src.kind == "O":  # np.asarray of a Python int too large for 64 bits
         return _check_python_int
     src_kind, dst_kind = _kind(src), _kind(dst)
@@ -96,7 +97,10 @@ def check_result_cast(value: np.ndarray, dtype: np.dtype) -> None:
     src = value.dtype
     if src == dtype:
         return
-    plan = _plan(src, dtype)
+    try:
+        plan = _plans[(src, dtype)]
+    except KeyError:
+        plan = _plans[(src, dtype)] = _plan(src, dtype)
     if plan is None:
         return
     if plan is _BAD_KIND:

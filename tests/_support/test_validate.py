@@ -76,13 +76,15 @@ def test_kind_changes_are_refused_whatever_the_value(value, dtype):
 
 def test_the_declared_dtype_itself_is_never_checked(monkeypatch):
     # The fast path: nothing is planned or computed for a value of the declared
-    # dtype (the cached plan would be consulted without it).
+    # dtype (a plan, or the plan cache, would be consulted without it).
     def no_plan(*args):
         raise AssertionError(f"planned a check of the declared dtype: {args}")
 
     monkeypatch.setattr(_result_casts, "_plan", no_plan)
+    monkeypatch.setattr(_result_casts, "_plans", {})
     check_result_cast(np.array([np.inf, np.nan], np.float32), np.dtype(np.float32))
     check_result_cast(np.int32(-(2**31)) + np.zeros(3, np.int32), np.dtype(np.int32))
+    assert _result_casts._plans == {}
     # ... whereas any other dtype is planned.
     with pytest.raises(AssertionError, match="planned a check"):
         check_result_cast(np.zeros(3, np.int16), np.dtype(np.int32))

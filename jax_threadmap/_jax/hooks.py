@@ -506,8 +506,7 @@ HOOKS: tuple[Hook, ...] = (
     # The jax.Array surface of AsyncArray (issue 48 item 2). JAX defines the
     # methods, operators and properties of its arrays (and of tracers, through
     # the abstract value) from three tables of plain functions of the array, the
-    # same module and names in 0.6.2, 0.8.3, 0.10.2 and 0.12.0.1 (44, 43 and 8
-    # entries on 0.6.2 and 0.8.3; 45, 44 and 8 from 0.10: `byteswap` and
+    # same module and names in 0.6.2 ... 0.12.0.1 (0.10 added `byteswap` and
     # `__contains__`). `_arrays/array_surface.py` runs each under jit with the
     # AsyncArray as argument, so that `y.sum()` dispatches without its data.
     Hook(
@@ -566,8 +565,6 @@ HOOKS: tuple[Hook, ...] = (
         "the implementation that the rules call (impl.split...); no public API "
         "makes an array that jax.random's eager rules take as a key array",
     ),
-    # jax.device_put(x) returns x where x is JAX's array (with nowhere else to
-    # go); it copies anything else, an AsyncArray too, to the default device.
     Hook(
         "batched_device_put_impl",
         "every eager jax.device_put: wrapped, so that jax.device_put(x) of an "

@@ -857,7 +857,7 @@ NESTED_ACROSS_POOLS = """
 
 def test_nested_maps_across_pools_complete():
     # Was a deadlock.
-    proc = run_script(NESTED_ACROSS_POOLS, "3", "0", "jit")
+    proc = run_script(NESTED_ACROSS_POOLS, "3", "0", "jit", forked=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[12.0, 12.0, 12.0, 12.0]"
 

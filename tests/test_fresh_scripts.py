@@ -28,12 +28,13 @@ print(np.arange(3).sum())
     # A name the script never imported (the zygote imported numpy): its globals
     # start empty, and the traceback starts at the script, as python prints it.
     "missing_import": "x = 1\nprint(np.arange(3))\n",
-    # The exit status; XLA_FLAGS set by the script before JAX's backend starts.
+    # The exit status and arguments; XLA_FLAGS set by the script before JAX's
+    # backend starts.
     "exit_status": """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
 import jax
-print(len(jax.devices()), __name__, sys.argv[0] == __file__)
+print(len(jax.devices()), __name__, sys.argv[0] == __file__, sys.argv[1:])
 sys.exit(3)
 """,
 }
@@ -49,7 +50,7 @@ def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypa
     file = tmp_path / f"{name}.py"
     file.write_text(SCRIPTS[name])
     fresh = subprocess.run(
-        [sys.executable, str(file)],
+        [sys.executable, str(file), "jit", "2"],
         capture_output=True,
         text=True,
         env=env,
@@ -57,7 +58,9 @@ def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypa
         timeout=300,
     )
     monkeypatch.setenv("JAX_THREADMAP_TEST_FRESH_SCRIPTS", "fork")
-    forked = fresh_scripts.run(str(file), cwd=str(tmp_path), env=env, timeout=300)
+    forked = fresh_scripts.run(
+        str(file), cwd=str(tmp_path), env=env, timeout=300, args=("jit", 2)
+    )
     assert (forked.returncode, forked.stdout, forked.stderr) == (
         fresh.returncode,
         fresh.stdout,
@@ -67,7 +70,7 @@ def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypa
         3 if name == "exit_status" else name == "missing_import"
     )
     if name == "exit_status":
-        assert fresh.stdout == "3 __main__ True\n"
+        assert fresh.stdout == "3 __main__ True ['jit', '2']\n"
 
 
 def test_a_script_past_its_timeout_is_killed(tmp_path, monkeypatch):

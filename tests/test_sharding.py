@@ -30,9 +30,13 @@ def test_sharded_programs_on_8_devices(part, partitioner):
     # that imported JAX once (tests/fresh_scripts.py; the script sets its 8
     # devices and the partitioner before JAX's backend starts): 2 s of CPU less
     # per run than a fresh interpreter.
-    argv = f"import sys\nsys.argv[1:] = [{part!r}, {partitioner!r}]\n"
     ran = run_script(
-        argv + CHECKS.read_text(), forked=True, name=CHECKS.name, timeout=220
+        CHECKS.read_text(),
+        part,
+        partitioner,
+        forked=True,
+        name=CHECKS.name,
+        timeout=220,
     )
     assert ran.returncode == 0, ran.report
     assert f"all sharding checks passed ({part})" in ran.stdout, ran.report

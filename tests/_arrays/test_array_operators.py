@@ -170,7 +170,7 @@ print("ok")
 
 
 def test_the_sign_of_zero_is_kept_in_float64():
-    ran = run_script(_FLOAT64_SIGNS, timeout=180)
+    ran = run_script(_FLOAT64_SIGNS, timeout=180, forked=True)
     assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.report
 
 
@@ -322,7 +322,7 @@ def test_ops_in_a_default_device_context_land_where_a_jax_array_s_do():
     """A ``jax.default_device`` context holds for the op's caller thread only:
     the outputs of an op on pending uncommitted data go where it says (they went
     to the first device, that of the thread that ran the deferred op)."""
-    ran = run_script(_DEFAULT_DEVICE, timeout=180)
+    ran = run_script(_DEFAULT_DEVICE, timeout=180, forked=True)
     assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.report
 
 

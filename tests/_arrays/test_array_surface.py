@@ -381,7 +381,7 @@ for subject, name in [(s, n) for s in ("array", "result") for n in uses]:
 def test_buffer_reads_wait_without_holding_the_gil():
     # Each use starts while the load is held and the load ends while it waits:
     # a wait in C++ holding the GIL would hang the child (the bound fails it).
-    ran = run_script(_BUFFER_USES, timeout=240)
+    ran = run_script(_BUFFER_USES, timeout=240, forked=True)
     assert ran.returncode == 0, ran.report
     assert ran.stdout.count("ok array ") == 16, ran.report
     assert ran.stdout.count("ok result ") == 16, ran.report

@@ -272,7 +272,7 @@ def test_four_devices_in_a_subprocess():
         print("all device checks passed")
         """
     )
-    proc = run_script(script, timeout=100)
+    proc = run_script(script, timeout=100, forked=True)
     assert "all device checks passed" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
@@ -458,7 +458,8 @@ _EXTRAS = {
 @pytest.mark.parametrize("extra", sorted(_EXTRAS))
 def test_a_call_that_never_returns_does_not_hold_the_exit(extra):
     script = _EXIT_SCRIPT.format(extra=_EXTRAS[extra])
-    proc = run_script(script)  # the call sleeps 10,000 s: a hang fails here
+    # The call sleeps 10,000 s: a hang fails here.
+    proc = run_script(script, forked=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "script ends" in proc.stdout
     assert "`never_returns` (async_call)" in proc.stderr, proc.stderr[-3000:]
@@ -487,7 +488,7 @@ def test_a_failed_call_with_dispatched_dependents_exits_cleanly():
         print("script ends", flush=True)
         """
     )
-    proc = run_script(script)
+    proc = run_script(script, forked=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "caught" in proc.stdout and "True" in proc.stdout, proc.stdout
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
@@ -524,7 +525,7 @@ def test_a_call_that_returned_is_not_reported_at_exit_while_it_places_its_values
         print(y.done(), x.done(), flush=True)
         """
     )
-    proc = run_script(script)
+    proc = run_script(script, forked=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "False False\n"  # exit came while the copy ran
     assert proc.stderr == "", proc.stderr[-3000:]

@@ -89,7 +89,7 @@ print("next", outcome(lambda: f(x2)), flush=True)
 
 def scenario(body: str) -> dict[str, str]:
     """Runs a scenario in a child; what it printed, by line's first word."""
-    ran = run_script(PRELUDE + body, timeout=150)
+    ran = run_script(PRELUDE + body, timeout=150, forked=True)
     assert ran.returncode == 0, ran.report
     lines = dict(line.split(" ", 1) for line in ran.stdout.splitlines() if " " in line)
     lines["stderr"] = ran.stderr

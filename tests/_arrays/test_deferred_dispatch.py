@@ -523,7 +523,7 @@ def test_exit_while_deferred_programs_are_dispatched_is_clean():
     # finalized ("FATAL: exception not rethrown", SIGABRT). Exit waits for the
     # programs whose data landed, as for a call placing its values.
     for _ in range(2):
-        proc = run_script(EXIT_SCRIPT)
+        proc = run_script(EXIT_SCRIPT, forked=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout == "last [31.0, 31.0, 31.0, 31.0]\n", proc.stdout
         assert "FATAL" not in proc.stderr, proc.stderr

@@ -114,7 +114,7 @@ print("exiting", flush=True)
 
 
 def test_a_thread_waiting_for_a_deferred_result_does_not_hold_exit():
-    proc = run_script(WAITER, timeout=60)
+    proc = run_script(WAITER, timeout=60, forked=True)
     assert_clean(proc)
     assert "exiting" in proc.stdout, proc.stdout
     assert "background call(s) have not returned" in proc.stderr, proc.stderr

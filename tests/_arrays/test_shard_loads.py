@@ -157,7 +157,7 @@ def test_exit_right_after_a_large_load_is_clean():
     # arrays after the result was set, inside JAX's C++, while the interpreter
     # exited: "FATAL: exception not rethrown", in about half of the runs.
     for _ in range(4):
-        ran = run_script(EXIT_SCRIPT)
+        ran = run_script(EXIT_SCRIPT, forked=True)
         assert ran.returncode == 0 and "loaded" in ran.stdout, ran.report
 
 
@@ -212,7 +212,7 @@ def test_a_shard_landing_as_another_fails_ends_the_load_with_its_error():
     # before the failed shard's callback gave up on the load; taking the failed
     # shard raised in a done-callback, and the load never ended (every use
     # waited for good).
-    ran = run_script(RACE_SCRIPT, timeout=100)
+    ran = run_script(RACE_SCRIPT, timeout=100, forked=True)
     assert ran.returncode == 0, ran.report
     assert "raised OSError disk error" in ran.stdout, ran.report
     assert "live 0" in ran.stdout, ran.report
@@ -301,7 +301,7 @@ def test_a_failed_load_lets_go_of_the_shards_that_landed():
     # Was: the shards placed before the load failed (a shard's error, cancel(),
     # the timeout) kept their device copies for as long as the failed array
     # was referenced.
-    ran = run_script(LANDED_SCRIPT, timeout=100)
+    ran = run_script(LANDED_SCRIPT, timeout=100, forked=True)
     assert ran.returncode == 0, ran.report
     for how in ("error", "cancel", "timeout"):
         assert f"\n{how} 0\n" in "\n" + ran.stdout, ran.report

@@ -21,13 +21,23 @@ CHECK_LINES = {"shard_map": 59, "jit": 62}
 
 # Both partitioners: Shardy is the default from jax 0.7, GSPMD before, and their
 # callback shardings differ (one per result for Shardy).
-@pytest.mark.parametrize("shardy", ["1", "0"], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
 @pytest.mark.parametrize("part", sorted(CHECK_LINES))
 @pytest.mark.long
 @pytest.mark.timeout(240)
-def test_sharded_programs_on_8_devices(part, shardy):
-    env = {"JAX_USE_SHARDY_PARTITIONER": shardy}
-    ran = run_script(CHECKS, part, env=env, timeout=220)
+def test_sharded_programs_on_8_devices(part, partitioner):
+    # As `python sharding_checks.py PART PARTITIONER`, forked from the process
+    # that imported JAX once (tests/fresh_scripts.py; the script sets its 8
+    # devices and the partitioner before JAX's backend starts): 2 s of CPU less
+    # per run than a fresh interpreter.
+    ran = run_script(
+        CHECKS.read_text(),
+        part,
+        partitioner,
+        forked=True,
+        name=CHECKS.name,
+        timeout=220,
+    )
     assert ran.returncode == 0, ran.report
     assert f"all sharding checks passed ({part})" in ran.stdout, ran.report
     lines = ran.stdout.splitlines()

@@ -353,7 +353,7 @@ print("exiting", flush=True)
 
 @pytest.mark.parametrize("stubborn", [False, True], ids=["plain", "stubborn"])
 def test_exit_with_pending_coroutines_is_clean(stubborn):
-    proc = run_script(f"STUBBORN = {stubborn}\n" + EXIT_SCRIPT)
+    proc = run_script(f"STUBBORN = {stubborn}\n" + EXIT_SCRIPT, forked=True)
     err = proc.stderr
     assert proc.returncode == 0, err[-3000:]
     assert "exiting" in proc.stdout and "handler ran" in proc.stdout, proc.stdout

@@ -314,7 +314,7 @@ def test_interpreter_exit_is_clean():
         "jax.ShapeDtypeStruct((), v.dtype), v)))\n"
         "print(float(f(np.arange(16.0, dtype=np.float32)).sum()))\n"
     )
-    proc = run_script(code, timeout=60)
+    proc = run_script(code, timeout=60, forked=True)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert abs(float(proc.stdout) - np.sqrt(np.arange(16.0)).sum()) < 1e-3
@@ -817,7 +817,7 @@ def test_threads_of_many_pool_sizes_do_not_pile_up():
         # The most threads alive at once, exactly (recorded as each starts).
         print(_thread_pools._threads.peak, available_cpus())
     """
-    proc = run_script(code, timeout=300)
+    proc = run_script(code, timeout=300, forked=True)
     assert proc.returncode == 0, proc.stderr
     peak, cpus = map(int, proc.stdout.split())
     assert 1 <= peak <= 50 + cpus, (peak, cpus)
@@ -857,7 +857,7 @@ NESTED_ACROSS_POOLS = """
 
 def test_nested_maps_across_pools_complete():
     # Was a deadlock.
-    proc = run_script(NESTED_ACROSS_POOLS, "3", "0", "jit")
+    proc = run_script(NESTED_ACROSS_POOLS, "3", "0", "jit", forked=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[12.0, 12.0, 12.0, 12.0]"
 

@@ -28,12 +28,13 @@ print(np.arange(3).sum())
     # A name the script never imported (the zygote imported numpy): its globals
     # start empty, and the traceback starts at the script, as python prints it.
     "missing_import": "x = 1\nprint(np.arange(3))\n",
-    # The exit status; XLA_FLAGS set by the script before JAX's backend starts.
+    # The exit status and arguments; XLA_FLAGS set by the script before JAX's
+    # backend starts.
     "exit_status": """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
 import jax
-print(len(jax.devices()), __name__, sys.argv[0] == __file__)
+print(len(jax.devices()), __name__, sys.argv[0] == __file__, sys.argv[1:])
 sys.exit(3)
 """,
 }
@@ -49,7 +50,7 @@ def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypa
     file = tmp_path / f"{name}.py"
     file.write_text(SCRIPTS[name])
     fresh = subprocess.run(
-        [sys.executable, str(file)],
+        [sys.executable, str(file), "jit", "2"],
         capture_output=True,
         text=True,
         env=env,
@@ -57,7 +58,9 @@ def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypa
         timeout=300,
     )
     monkeypatch.setenv("JAX_THREADMAP_TEST_FRESH_SCRIPTS", "fork")
-    forked = fresh_scripts.run(str(file), cwd=str(tmp_path), env=env, timeout=300)
+    forked = fresh_scripts.run(
+        str(file), cwd=str(tmp_path), env=env, timeout=300, args=("jit", 2)
+    )
     assert (forked.returncode, forked.stdout, forked.stderr) == (
         fresh.returncode,
         fresh.stdout,
@@ -67,12 +70,18 @@ def test_a_forked_script_ends_as_in_a_fresh_interpreter(name, tmp_path, monkeypa
         3 if name == "exit_status" else name == "missing_import"
     )
     if name == "exit_status":
-        assert fresh.stdout == "3 __main__ True\n"
+        assert fresh.stdout == "3 __main__ True ['jit', '2']\n"
 
 
-def test_a_script_past_its_timeout_is_killed(tmp_path):
+def test_a_script_past_its_timeout_is_killed(tmp_path, monkeypatch):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path)
+    # Zygotes of this test's own that import nothing but the standard library:
+    # what ends a stuck script and replaces its zygote does not depend on the
+    # imports, and each zygote that imports JAX costs 2 s of CPU to start.
+    monkeypatch.setattr(fresh_scripts, "ZYGOTE_IMPORTS", ("json",))
+    monkeypatch.setattr(fresh_scripts, "_zygotes", {})
+    monkeypatch.setenv("JAX_THREADMAP_TEST_FRESH_SCRIPTS", "fork")
     file = tmp_path / "stuck.py"
     file.write_text("import threading\nthreading.Event().wait()\n")
 
@@ -86,12 +95,17 @@ def test_a_script_past_its_timeout_is_killed(tmp_path):
     file.write_text("print('next')\n")  # the next script gets a new zygote
     assert fresh_scripts.run(str(file), cwd=str(tmp_path), env=env).stdout == "next\n"
     assert zygote() is not killed and zygote().proc.poll() is None
+    zygote().proc.stdin.close()  # (its loop ends at the end of its input)
+    zygote().proc.wait(60)
 
 
 def test_the_scripts_of_every_test_share_a_zygote(tmp_path, monkeypatch):
     # pytest names the running test in PYTEST_CURRENT_TEST: a zygote keyed by it
     # started afresh (a JAX import) for every test's script, 1-2 s each. The
-    # child still gets its environment whole.
+    # child still gets its environment whole. (The key does not depend on the
+    # imports: zygotes of the test's own import the standard library alone.)
+    monkeypatch.setattr(fresh_scripts, "ZYGOTE_IMPORTS", ("json",))
+    monkeypatch.setattr(fresh_scripts, "_zygotes", {})
     monkeypatch.setenv("JAX_THREADMAP_TEST_FRESH_SCRIPTS", "fork")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     file = tmp_path / "parent.py"
@@ -106,3 +120,7 @@ def test_the_scripts_of_every_test_share_a_zygote(tmp_path, monkeypatch):
         assert name == test
         seen.append(int(parent))
     assert seen[0] == seen[1] != os.getpid()  # forked, both from one zygote
+    assert len(fresh_scripts._zygotes) == 1
+    for zygote in fresh_scripts._zygotes.values():
+        zygote.proc.stdin.close()  # (its loop ends at the end of its input)
+        zygote.proc.wait(60)

@@ -104,14 +104,23 @@ def starts_limited(
     return on_threads and not nested and large and cpus < workers
 
 
-def chunk_size(remaining: int, workers: int, measure: Measure, limited: bool) -> int:
+def chunk_size(
+    remaining: int,
+    workers: int,
+    measure: Measure,
+    limited: bool,
+    inline_spent: float | None = None,
+) -> int:
     """Elements in the next guided chunk of a map on ``workers`` threads: one
     until one has been timed, then ``remaining // (GUIDED_SHARE * workers)``, at
     most :data:`MAX_CHUNK_SECONDS` of work, and on a limited map at least
-    :data:`MIN_CHUNK_SECONDS`."""
+    :data:`MIN_CHUNK_SECONDS`; on a map run inline that has timed a chunk and
+    spent ``inline_spent`` seconds, what fits in the rest of :data:`INLINE_SECONDS`."""
     per = measure.per_element
     if per <= 0.0:
         return 1
+    if inline_spent is not None and limited:
+        return max(1, int((INLINE_SECONDS - inline_spent) / per))
     size = remaining // (GUIDED_SHARE * workers)
     if limited:
         size = max(size, int(MIN_CHUNK_SECONDS / per))

@@ -175,12 +175,10 @@ class Job:
             return None
         start = self._next
         size = self.fixed or policy.chunk_size(
-            self.n - start,
-            self.workers,
-            self._measure,
-            self.limited,
-            self._spent if self.inline and self._timed else None,
+            self.n - start, self.workers, self._measure, self.limited
         )
+        if self.inline and self._timed and self.limited and not self.fixed:
+            size = policy.inline_chunk(self._spent, self._measure)
         self._next = stop = min(self.n, start + size)
         self._outstanding += 1
         return start, stop

@@ -104,27 +104,24 @@ def starts_limited(
     return on_threads and not nested and large and cpus < workers
 
 
-def chunk_size(
-    remaining: int,
-    workers: int,
-    measure: Measure,
-    limited: bool,
-    inline_spent: float | None = None,
-) -> int:
+def chunk_size(remaining: int, workers: int, measure: Measure, limited: bool) -> int:
     """Elements in the next guided chunk of a map on ``workers`` threads: one
     until one has been timed, then ``remaining // (GUIDED_SHARE * workers)``, at
     most :data:`MAX_CHUNK_SECONDS` of work, and on a limited map at least
-    :data:`MIN_CHUNK_SECONDS`; on a map run inline that has timed a chunk and
-    spent ``inline_spent`` seconds, what fits in the rest of :data:`INLINE_SECONDS`."""
+    :data:`MIN_CHUNK_SECONDS`."""
     per = measure.per_element
     if per <= 0.0:
         return 1
-    if inline_spent is not None and limited:
-        return max(1, int((INLINE_SECONDS - inline_spent) / per))
     size = remaining // (GUIDED_SHARE * workers)
     if limited:
         size = max(size, int(MIN_CHUNK_SECONDS / per))
     return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
+
+
+def inline_chunk(spent: float, measure: Measure) -> int:
+    """Elements in the next chunk of a map run inline, once one is timed: what
+    fits in the rest of its :data:`INLINE_SECONDS` (``spent``: seconds so far)."""
+    return max(1, int((INLINE_SECONDS - spent) / measure.per_element))
 
 
 def record_chunk(

@@ -105,14 +105,12 @@ class DerivativeCall:
     def is_direct(self) -> bool:
         """Whether :meth:`direct` calls this kernel."""
         plan = [(i, None) for i in range(sum(self.param.present))]
-        simple = not (self.vectorized or self.keywords or self.asynchronous)
-        leaves = (t.num_leaves == t.num_nodes == 1 for t in self.args_tree.children())
-        return simple and all(leaves) and self.plan == plan
+        return not (self.vectorized or self.asynchronous) and self.plan == plan
 
     def direct(self, *operands: np.ndarray) -> Any:
-        """``__call__`` where the kernel takes the operands as they come (one
-        leaf each, in order: no zeros, keywords, chunks or coroutines)."""
-        return self._kept(self.flat_result(self.fn(*operands), ()))
+        """``__call__`` where the kernel's argument leaves are the operands as
+        they come (no zeros, chunks or coroutines)."""
+        return self._kept(self.flat_result(self.call(self.fn, operands), ()))
 
     def _kept(self, out: list[Any]) -> tuple[Any, ...]:
         if self.keep is None:

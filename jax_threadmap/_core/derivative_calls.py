@@ -64,12 +64,8 @@ class DerivativeCall:
         self.plan = [self._plan(src) for src in leaves]
         # The call on those leaves, generated as the element loops' are (loops.py).
         tree = jax.tree_util.treedef_tuple([self.args_tree, self.kwargs_tree])
-        self.call = _caller(call_source(tree, [f"A{k}_" for k in range(len(leaves))]))
-        if self.call is None:  # containers that are not literals: unflattened
-            n = len(leaves) - len(self.keywords)
-            self.call = lambda fn, a: fn(
-                *self.args_tree.unflatten(a[:n]), **self.kwargs_tree.unflatten(a[n:])
-            )
+        source = call_source(tree, [f"A{k}_" for k in range(len(leaves))])
+        self.call = _caller(source, self.args_tree, self.kwargs_tree)
         self.flat_result = _result_flattener(node)
         if param.directions:
             self.flat_result = _with_directions(
@@ -119,11 +115,13 @@ class DerivativeCall:
 
 
 @functools.lru_cache(maxsize=256)
-def _caller(source: str | None) -> Callable[[Any, list[Any]], Any] | None:
+def _caller(source: str | None, args: Any, kwargs: Any) -> Callable[..., Any]:
     """``lambda fn, a: fn(...)`` from :func:`.._host.loops.call_source`'s
-    ``source`` (the leaves ``A<k>_`` read from ``a[k]``)."""
+    ``source`` (the leaves ``A<k>_`` read from ``a[k]``), else unflattening
+    the trees ``args`` and ``kwargs`` (containers that are not literals)."""
     if source is None:
-        return None
+        n = args.num_leaves
+        return lambda fn, a: fn(*args.unflatten(a[:n]), **kwargs.unflatten(a[n:]))
     return eval("lambda fn, a: " + re.sub(r"A(\d+)_", r"a[\1]", source))
 
 

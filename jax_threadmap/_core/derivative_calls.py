@@ -83,16 +83,12 @@ class DerivativeCall:
         return -1, zeros(*src)
 
     def __call__(self, *operands: np.ndarray) -> Any:
-        chunk = operands[0].shape[:1] if self.vectorized and operands else ()
-        if not self.vectorized:  # the common case, inline
-            args = [operands[i] if i >= 0 else v for i, v in self.plan]
-        else:
-            args = [
-                operands[i]
-                if i >= 0
-                else (None if v is None else zeros(chunk + v[0], v[1]))
-                for i, v in self.plan
-            ]
+        vec = self.vectorized  # (then a zeros leaf is made per chunk)
+        chunk = operands[0].shape[:1] if vec and operands else ()
+        args = [
+            operands[i] if i >= 0 else zeros(chunk + v[0], v[1]) if vec and v else v
+            for i, v in self.plan
+        ]
         result = self.call(self.fn, args)
         if self.asynchronous and inspect.iscoroutine(result):
             return _then(result, lambda r: self._kept(self.flat_result(r, chunk)))
@@ -109,9 +105,7 @@ class DerivativeCall:
         return self._kept(self.flat_result(self.call(self.fn, operands), ()))
 
     def _kept(self, out: list[Any]) -> tuple[Any, ...]:
-        if self.keep is None:
-            return tuple(out)
-        return tuple([out[k] for k in self.keep])
+        return tuple(out if self.keep is None else [out[k] for k in self.keep])
 
 
 @functools.lru_cache(maxsize=256)

@@ -262,7 +262,7 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
             ) from None
         try:
             if res_tuple and type(res) is tuple and len(res) == n_res:
-                values = list(res)
+                values = res
             else:
                 values = res_tree.flatten_up_to(res)
         except (ValueError, TypeError) as e:
@@ -272,14 +272,11 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
                 f"declares {res_tree} ({e}). Return them as declared, or declare "
                 "what fwd returns."
             ) from None
-        for (name, (shape, dtype)), value in zip(checks, values, strict=True):
-            if not (
-                type(value) is np.ndarray
-                and value.dtype == dtype
-                and value.shape == chunk + shape
-            ):
-                _check_residual(value, name, chunk + shape, dtype, fix)
-        return outs + values
+        for (name, (shape, dtype)), v in zip(checks, values, strict=True):
+            shape = chunk + shape if chunk else shape
+            if type(v) is not np.ndarray or v.dtype != dtype or v.shape != shape:
+                _check_residual(v, name, shape, dtype, fix)
+        return [*outs, *values]
 
     return flat
 

@@ -95,8 +95,8 @@ def _kernel(x: np.ndarray) -> np.ndarray:
 
 
 def _hook_callback_threads(path: Path) -> None:
-    primitive: Any = sys.modules["jax_threadmap._core.primitive"]
-    host_function = primitive.host_function
+    lowering: Any = sys.modules["jax_threadmap._core.lowering"]
+    host_function = lowering.host_function
 
     def hooked(**params: Any) -> Any:
         run = host_function(**params)
@@ -107,7 +107,7 @@ def _hook_callback_threads(path: Path) -> None:
 
         return hooked_run
 
-    primitive.host_function = hooked
+    lowering.host_function = hooked
 
 
 _landing = threading.Event()

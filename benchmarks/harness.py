@@ -455,10 +455,10 @@ def _vector_memory_child(shape: Sequence[int]) -> dict[str, Any]:
     assert np.allclose(result, x[:, None, None] + y[None, :, None] + z[None, None, :])
     out_bytes = result.nbytes
     from jax_threadmap._executors import scheduling as _scheduling
-    from jax_threadmap._executors import shared_threads as _shared_threads
+    from jax_threadmap._executors import thread_pools as _thread_pools
 
     # One chunk per worker in flight: three gathered operands and the result.
-    workers = _shared_threads.default_num_threads()
+    workers = _thread_pools.default_num_threads()
     chunk = _scheduling.VECTOR_CHUNK_BYTES
     return {
         "elements": int(result.size),

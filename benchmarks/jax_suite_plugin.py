@@ -46,6 +46,8 @@ def pending(x: Any) -> Any:
             return x
         if not isinstance(x.dtype, np.dtype) or x.dtype == jax.dtypes.float0:
             return x
+        if jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype:  # a typed literal's
+            return x  # 64 bits without x64: an AsyncArray holds the canonical dtype
         device = x.sharding if getattr(x, "committed", False) else None
     elif type(x) is np.ndarray and x.dtype.kind in "biufc":  # not a MaskedArray
         device = None

@@ -33,7 +33,7 @@ Program runs: ``_program_runs.RUNS`` wraps JAX's ``ExecuteReplicated.__call__``
 (to defer the runs on pending data).
 A jitted program with a host callback (always run from Python) and an ordinary
 jitted call (JAX's C++ fast path, which never reaches the wrapper:
-tests/test_compat_arrays.py) are timed with the wrapper and without.
+tests/_jax/test_compat_arrays.py) are timed with the wrapper and without.
 
 Every comparison alternates its sides round by round and keeps the best of
 ROUNDS (the shared machine's speed swings about 2x minute to minute).

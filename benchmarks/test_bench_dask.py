@@ -9,7 +9,7 @@ alternately in one process, best of ROUNDS each:
 - ``hand``: what a Dask user writes by hand: ``client.scatter(w, broadcast=True)``
   then ``client.map`` of a function over blocks of the elements (two per worker).
 - ``per_task``: threadmap as it was before the parameter was shared: the
-  parameter pickled into every task (``_shared_operands.SHARE_BYTES`` set beyond
+  parameter pickled into every task (``_shipped_once.SHARE_BYTES`` set beyond
   its size).
   It takes about a minute per map on 2 CPUs, so it runs in the first round only.
 
@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from jax_threadmap import threadmap
-from jax_threadmap._host import shared_operands as _shared_operands
+from jax_threadmap._host import shipped_once as _shipped_once
 
 PARAM_MB = 100
 ELEMENTS = 4096
@@ -119,13 +119,13 @@ def sides(client: Any, x: np.ndarray, w: np.ndarray) -> dict[str, Callable[[], A
 
         def run() -> Any:
             shipped.bytes = 0
-            before = _shared_operands.SHARE_BYTES
-            _shared_operands.SHARE_BYTES = share_bytes
+            before = _shipped_once.SHARE_BYTES
+            _shipped_once.SHARE_BYTES = share_bytes
             try:
                 with shipped:
                     return np.asarray(f(x, w_device)), shipped.bytes
             finally:
-                _shared_operands.SHARE_BYTES = before
+                _shipped_once.SHARE_BYTES = before
 
         return run
 
@@ -141,7 +141,7 @@ def sides(client: Any, x: np.ndarray, w: np.ndarray) -> dict[str, Callable[[], A
             return result, shipped.bytes
 
     return {
-        "threadmap": threadmap_side(_shared_operands.SHARE_BYTES),
+        "threadmap": threadmap_side(_shipped_once.SHARE_BYTES),
         "hand": hand,
         "per_task": threadmap_side(2**62),
     }

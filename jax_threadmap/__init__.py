@@ -15,8 +15,8 @@ from ._core.api import kernel as kernel
 from ._core.binding import threadmap as threadmap
 from ._core.params import InOrder as InOrder
 from ._core.primitive import threadmap_p as threadmap_p
-from ._coroutines.shared_resources import Shared as Shared
-from ._coroutines.shared_resources import shared as shared
+from ._coroutines.loop_resources import Shared as Shared
+from ._coroutines.loop_resources import shared as shared
 from ._host.inner_threads import limit_inner_threads as limit_inner_threads
 from ._jax.hooks import UnsupportedJaxError as UnsupportedJaxError
 from ._support import removed as _removed

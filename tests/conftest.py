@@ -68,16 +68,16 @@ def x64():
 
 @pytest.fixture
 def kept_threads(monkeypatch):
-    """A set of shared threads of the test's own (``shared_threads._threads``)
+    """A set of shared threads of the test's own (``thread_pools._threads``)
     whose idle threads stay (``IDLE_TIMEOUT`` an hour), for a test that counts
     the threads started: a pause longer than the idle timeout (a loaded machine
     makes them) would end idle threads, and the next map start new ones. Its
     threads leave after the test."""
-    from jax_threadmap._executors import shared_threads
+    from jax_threadmap._executors import thread_pools
 
-    threads = shared_threads._Threads()
-    monkeypatch.setattr(shared_threads, "_threads", threads)
-    monkeypatch.setattr(shared_threads, "IDLE_TIMEOUT", 3600.0)
+    threads = thread_pools._Threads()
+    monkeypatch.setattr(thread_pools, "_threads", threads)
+    monkeypatch.setattr(thread_pools, "IDLE_TIMEOUT", 3600.0)
     yield threads
     threads.exit(lambda job: False)
 

@@ -61,7 +61,7 @@ def child(req):
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    sys.argv = [req["file"]]
+    sys.argv = [req["file"], *req["args"]]
     sys.path[0] = os.path.dirname(req["file"])
     try:
         runpy.run_path(req["file"], run_name="__main__")
@@ -110,11 +110,12 @@ class _Zygote:
         self.usable = bool(ready) and not self.err.read()
 
     def run(
-        self, file: str, cwd: str, env: dict[str, str], timeout: float
+        self, file: str, cwd: str, env: dict[str, str], timeout: float, args=()
     ) -> subprocess.CompletedProcess:
         with self.lock:
             req = {
                 "file": file,
+                "args": [str(a) for a in args],
                 "cwd": cwd,
                 "env": env,
                 "stdout": os.path.join(cwd, ".stdout"),
@@ -139,7 +140,10 @@ class _Zygote:
             with open(req["stdout"]) as out, open(req["stderr"]) as err:
                 stdout, stderr = out.read(), err.read()
             return subprocess.CompletedProcess(
-                [sys.executable, file], answer["returncode"], stdout, stderr
+                [sys.executable, file, *map(str, args)],
+                answer["returncode"],
+                stdout,
+                stderr,
             )
 
 
@@ -170,8 +174,8 @@ def zygote_key(env: dict[str, str]) -> str:
     return json.dumps({k: env[k] for k in sorted(env) if k not in NOT_READ_AT_IMPORT})
 
 
-def run(file: str, cwd: str, env: dict[str, str], timeout: float = 600):
-    """Runs ``python FILE`` in ``cwd`` with ``env`` (forked from the zygote
+def run(file: str, cwd: str, env: dict[str, str], timeout: float = 600, args=()):
+    """Runs ``python FILE ARGS`` in ``cwd`` with ``env`` (forked from the zygote
     started with ``env``). Returns a ``CompletedProcess``."""
     mode = os.environ.get("JAX_THREADMAP_TEST_FRESH_SCRIPTS", "fork")
     if mode not in ("fork", "processes"):
@@ -185,9 +189,9 @@ def run(file: str, cwd: str, env: dict[str, str], timeout: float = 600):
         if zygote is None or zygote.proc.poll() is not None:  # new, or killed
             zygote = _zygotes[key] = _Zygote(env)
         if zygote.usable:
-            return zygote.run(file, cwd, env, timeout)
+            return zygote.run(file, cwd, env, timeout, args)
     return subprocess.run(
-        [sys.executable, file],
+        [sys.executable, file, *map(str, args)],
         capture_output=True,
         text=True,
         env=env,

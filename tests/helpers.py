@@ -388,20 +388,22 @@ def run_script(
     ``script`` is source (dedented; run as ``python [flags] -c SOURCE ARGS``,
     after :data:`SIGINT_AS_USUAL`) or the path of a file (``python [flags] FILE
     ARGS``). The child's environment is :func:`child_env` (``env``, ``unset``).
-    With ``forked``, source runs as ``python FILE`` would, from a file ``name``
+    With ``forked``, source runs as ``python FILE ARGS`` would, from a file ``name``
     in a fresh folder, forked from a process that imported JAX once
     (``tests/fresh_scripts.py``, which checks that such a script ends as in a
     fresh interpreter): a fraction of a fresh interpreter's start.
     """
     full = child_env(env, unset)
     if forked:
-        assert isinstance(script, str) and not (args or flags or input), script
+        assert isinstance(script, str) and not (flags or input), script
         import fresh_scripts
 
         with tempfile.TemporaryDirectory() as tmp:
             file = pathlib.Path(tmp) / name
             file.write_text(textwrap.dedent(script))
-            done = fresh_scripts.run(str(file), cwd=tmp, env=full, timeout=timeout)
+            done = fresh_scripts.run(
+                str(file), cwd=tmp, env=full, timeout=timeout, args=args
+            )
     else:
         done = subprocess.run(
             _argv(script, args, flags),

@@ -1,7 +1,7 @@
 """Training loops as users of Equinox, Optax and Flax write them, unchanged for
 batches that are still loading (``async_call``) or ready (NumPy arrays).
 
-Used by ``tests/test_libraries.py`` (bit for bit, loading against ready) and
+Used by ``tests/_arrays/test_libraries.py`` (bit for bit, loading against ready) and
 ``benchmarks/library_loops.py`` (the overlap of loading and steps); the same loops
 are on docs/async-libraries.md. Each ``*_loop(batches)`` trains a small model on
 ``batches`` (pairs ``(x, y)``) and returns its final parameters and the losses;

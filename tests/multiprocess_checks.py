@@ -1,6 +1,6 @@
 """One of 2 JAX processes (jax.distributed on 127.0.0.1, 2 CPU devices each).
 
-Run by tests/test_multiprocess.py as ``python multiprocess_checks.py PORT INDEX``.
+Run by tests/_core/test_multiprocess.py as ``python multiprocess_checks.py PORT INDEX``.
 Prints ``ok <check>`` per check and ends with ``all multiprocess checks passed``;
 then process 1 calls a kernel that raises, uncaught, so that the test sees both
 processes exit promptly when one fails (process 1 with the error, process 0

@@ -1,6 +1,6 @@
 """Checks of async_array_from_callback on 8 CPU devices.
 
-Run by tests/test_shard_loads.py in a subprocess, because the number of CPU
+Run by tests/_arrays/test_shard_loads.py in a subprocess, because the number of CPU
 devices is fixed when JAX starts and the main test session keeps one. Prints one
 ``ok <check>`` line per check and exits non-zero at the first failure. Every wait
 is on an event (asyncio or threading); bounds only turn a hang into a failure.

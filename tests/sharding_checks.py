@@ -1,8 +1,9 @@
 """Checks of threadmap in sharded programs, on 8 CPU devices.
 
-Run by tests/test_sharding.py in a subprocess (the number of CPU devices is
+Run by tests/_core/test_sharding.py in a subprocess (the number of CPU devices is
 fixed when JAX starts, and the main test session keeps one), once per
-partitioner (``JAX_USE_SHARDY_PARTITIONER``) and part:
+partitioner and part (``python tests/sharding_checks.py PART [shardy|gspmd]``;
+without the partitioner, JAX's default or ``JAX_USE_SHARDY_PARTITIONER``):
 
 - ``shard_map``: ``shard_map``, ``pmap``, derivatives inside them, and ``jit``
   on meshes of 4 devices, explicit and automatic (``per_shard_jit``: the rules
@@ -38,6 +39,10 @@ from jax_threadmap import threadmap  # noqa: E402
 from jax_threadmap._host import maps as _host  # noqa: E402
 from jax_threadmap._jax import hooks as _hooks  # noqa: E402
 
+# The partitioner, set before anything is lowered (as JAX_USE_SHARDY_PARTITIONER
+# sets it at JAX's import).
+if len(sys.argv) > 2:
+    jax.config.update("jax_use_shardy_partitioner", sys.argv[2] == "shardy")
 assert jax.device_count() == 8, jax.devices()
 
 # Every host call of a flat map records its kernel name and batch shape.

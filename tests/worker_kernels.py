@@ -144,7 +144,7 @@ def slow_identity(x):
     return x
 
 
-# --- the property test of tests/test_properties.py -----------------------------------
+# --- the property test of tests/_core/test_properties.py ------------------------
 # One element: x (2,), w (), and ``extra``, a pytree that holds either nothing (empty
 # tuples, lists, dicts) or one leaf y (3,). Outputs: a = x * w + sum(y) and
 # b = sum(x * x) * w. The vectorized forms take and return a leading chunk axis.

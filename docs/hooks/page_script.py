@@ -6,11 +6,11 @@ naming the block it continues: ``# Continues the first example (rows).``).
 A page with such blocks ends, on the site, with its examples in page order as one
 script ("The whole page as one script"), made here when the site is built
 (``on_page_markdown``, an mkdocs hook named in mkdocs.yml), so it cannot drift
-from the blocks. ``tests/test_docs.py`` runs every block and reads the pages
+from the blocks. ``tests/docs/test_docs.py`` runs every block and reads the pages
 with ``blocks`` below.
 
 The HTML comments (``<!-- test: ... -->``, invisible on the rendered page) that
-tell the docs test how to run a block are described in tests/test_docs.py.
+tell the docs test how to run a block are described in tests/docs/test_docs.py.
 """
 
 from __future__ import annotations

@@ -70,6 +70,8 @@ WAITING_METHODS = (
     "delete",
     "clone",
     "devices",
+    "is_deleted",
+    "_check_if_deleted",  # JAX's, which its own code and tests call
 )
 #: Properties of the same kind.
 WAITING_PROPERTIES = (
@@ -84,6 +86,8 @@ WAITING_PROPERTIES = (
     "__cuda_array_interface__",
     "device_buffer",  # removed in JAX: raises as it does there
     "device_buffers",
+    "_npy_value",  # JAX's, which its tests read (None once deleted)
+    "_arrays",
 )
 #: Left out: JAX's own dispatch reads them from every ``jit`` argument that has
 #: them (``arg.format``, ``arg.layout.device_local_layout`` on 0.6), so they must
@@ -320,7 +324,7 @@ def _defer(
     JAX's own ``fn`` on the values when they land (its arguments kept as at the
     call, :meth:`.dispatch.Readers.freeze`)."""
     out_tree, avals = plan
-    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+    saved = settings()
 
     def dispatch(frozen: tuple[Any, ...]) -> list[jax.Array]:
         # An async argument may be a jax.Array copy of it by now (it was handed
@@ -329,7 +333,7 @@ def _defer(
             a.result() if y and hasattr(a, "result") else a
             for a, y in zip(frozen, asyncs, strict=True)
         ]
-        with x64_as(x64):
+        with settings_as(saved):
             outs = jax.tree_util.tree_leaves(_call(fn, treedef, values))
         got = [(o.shape, o.dtype, o.weak_type) for o in outs]
         # A bug, if ever: the trace and the run disagree.
@@ -343,15 +347,26 @@ def _defer(
     return jax.tree_util.tree_unflatten(out_tree, _arrays_of(flat, asyncs, run))
 
 
-def x64_as(on: bool) -> Any:
-    """``jax_enable_x64`` as ``on`` (the caller's, which a ``jax.enable_x64``
-    context sets for its thread only) in the thread that runs a deferred op."""
-    if jax.config.jax_enable_x64 == on:  # type: ignore[attr-defined]
-        return contextlib.nullcontext()
-    enable = getattr(jax, "enable_x64", None)  # public from JAX 0.7
-    if enable is None:  # JAX 0.6
-        enable = importlib.import_module("jax.experimental").enable_x64
-    return enable(on)
+#: The settings a deferred op or program runs under, as its caller's thread had
+#: them (a context, ``jax.enable_x64`` or ``jax.debug_nans``, holds for its thread).
+SETTINGS = ("jax_enable_x64", "jax_debug_nans", "jax_debug_infs")
+
+
+def settings() -> tuple[bool, ...]:
+    """This thread's :data:`SETTINGS`, for :func:`settings_as`."""
+    return tuple(bool(getattr(jax.config, name)) for name in SETTINGS)
+
+
+def settings_as(saved: tuple[bool, ...]) -> contextlib.ExitStack:
+    """The caller's :func:`settings` in the thread that runs a deferred op."""
+    stack = contextlib.ExitStack()
+    for name, on in zip(SETTINGS, saved, strict=True):
+        if getattr(jax.config, name) != on:
+            enable = getattr(jax, name[4:], None)  # jax.enable_x64: public from 0.7
+            if enable is None:  # JAX 0.6
+                enable = importlib.import_module("jax.experimental").enable_x64
+            stack.enter_context(enable(on))
+    return stack
 
 
 def _arrays_of(flat: list, asyncs: list, task: Any) -> list[Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, overload
 
@@ -240,20 +241,25 @@ class AsyncArray(jax.Array):
         return f"AsyncArray(shape={self.shape}, dtype={self.dtype})"
 
     def __repr__(self) -> str:
-        status = self._task.status()
-        if status == "done" and _surface.landed(self).is_deleted():
-            status = "deleted"  # where jax.Array's repr raises: a repr never does
+        # Landed: the jax.Array's repr (which raises once it is deleted or
+        # donated); before, its state.
+        if self._landed():
+            return repr(self.result())
         return (
             f"AsyncArray(shape={self.shape}, dtype={self.dtype}, "
-            f"{status}, from {self._task.name})"
+            f"{self._task.status()}, from {self._task.name})"
         )
 
     def __str__(self) -> str:
-        # The result of a jitted call on pending data (deferred dispatch) prints
-        # as the jax.Array it stands for does: its values, once they are there.
-        if self._task.stands_for_an_array:
+        # Landed, or the result of a jitted call on pending data (deferred
+        # dispatch): its values, as the jax.Array it stands for prints.
+        if self._task.stands_for_an_array or self._landed():
             return str(self.result())
         return repr(self)
+
+    def _landed(self) -> bool:  # its value on the device, or deleted (no wait)
+        done = self._task.status() == "done"
+        return done and (self.result().is_deleted() or self.is_ready())
 
     def __len__(self) -> int:
         if not self.shape:
@@ -266,27 +272,17 @@ class AsyncArray(jax.Array):
     def __reversed__(self) -> Iterator[Any]:
         return iter(self[::-1])
 
-    def _check_if_deleted(self) -> None:
-        # What JAX's own code calls on its arrays (device_put, tests): waits.
-        _surface.landed(self)._check_if_deleted()
-
     if sys.version_info >= (3, 12):  # the buffer protocol from Python (PEP 688)
 
         def __buffer__(self, flags: int) -> memoryview:
-            # Pending, no buffer: np.asarray tries this first and swallows its
-            # errors, a Ctrl-C's too, then calls __array__, whose wait Ctrl-C
-            # reaches (a wait here would outlive the signal). Landed, the value's.
-            if not self.done():
-                raise BufferError(
-                    f"{self._describe()} has not landed: wait for it first "
-                    "(x.block_until_ready()); np.asarray(x) waits for it"
-                )
-            return _surface.landed(self).__buffer__(flags)
-
-    def is_deleted(self) -> bool:
-        """As ``jax.Array.is_deleted``: ``True`` once donated or deleted (waits
-        for the value, in Python)."""
-        return bool(_surface.landed(self).is_deleted())
+            _interrupted.error = None
+            try:
+                return _surface.landed(self).__buffer__(flags)
+            except KeyboardInterrupt as e:
+                # np.asarray tries this first and swallows its errors, a Ctrl-C's
+                # too, then calls __array__: there it is raised again.
+                _interrupted.error = e
+                raise
 
     @property
     def aval(self) -> Any:
@@ -317,6 +313,17 @@ def _is_async(x: Any) -> bool:
 
 
 _surface.install(AsyncArray, _is_async)
+_interrupted = threading.local()  # a Ctrl-C in __buffer__, for __array__
+_waiting_array = _surface._waiting("__array__")
+
+
+def _array(self: AsyncArray, *args: Any, **kwargs: Any) -> Any:
+    if error := vars(_interrupted).pop("error", None):
+        raise error
+    return _waiting_array(self, *args, **kwargs)
+
+
+AsyncArray.__array__ = _array  # type: ignore[method-assign,assignment]
 
 
 def _delete(self: AsyncArray) -> None:
@@ -334,6 +341,10 @@ def make_arrays(task: Task) -> Any:
     """The pytree of arrays of ``task``'s call, one per result leaf."""
     if not _dispatch.mechanism.prepared:  # before any dispatch with them
         _dispatch.mechanism.prepare(_around)
+        # jax.device_put(x) with nowhere to go: x itself (a failed x raises)
+        _hooks.or_missing("batched_device_put_impl", lambda _: None)(
+            lambda x: _is_async(x) and not x._task.status().startswith("failed")
+        )
     return jax.tree_util.tree_unflatten(task.treedef, AsyncArray._of_call(task))
 
 
@@ -341,6 +352,26 @@ def _arrays_of(xs: list[AsyncArray]) -> list[jax.Array]:
     # Called by jit only when a compiled program runs, after compilation (a run
     # that was not deferred, or a deferred one whose data has landed).
     return _dispatch.mechanism.arrays_for([x._pending() for x in xs])
+
+
+def _carrying(run: Any) -> tuple[Callable[..., Any], list[bool]]:
+    """``run`` under this thread's settings (a deferred run is later, in any
+    thread), and a flag to clear once the dispatch returned."""
+    saved, caller, now = _surface.settings(), threading.get_ident(), [True]
+
+    def as_called(program: Any, *frozen: Any) -> Any:
+        with _surface.settings_as(saved):
+            try:
+                return run(program, *frozen)
+            except Exception as e:  # jax_debug_nans: jit's own handling is over
+                if type(e).__name__ != "InternalFloatingPointError" or (
+                    now[0] and threading.get_ident() == caller
+                ):
+                    raise
+                text = f"invalid value ({e.ty}) encountered in {e.name}"  # type: ignore[attr-defined]
+                raise FloatingPointError(text) from None
+
+    return as_called, now
 
 
 def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
@@ -351,7 +382,10 @@ def _around(run: Any, program: Any, args: tuple, effects: Any) -> Any:
     if not any(type(a) is AsyncArray for a in args):
         return run(program, *args)
     reads = [a._pending() if type(a) is AsyncArray else None for a in args]
-    task, outs = _dispatch.mechanism.run(run, program, args, reads, effects)
+    pending = any(r is not None and not r.task.future.done() for r in reads)
+    as_called, now = _carrying(run) if pending else (run, [True])
+    task, outs = _dispatch.mechanism.run(as_called, program, args, reads, effects)
+    now[0] = False
     arrays = iter(make_arrays(task) if task is not None else ())
     return [next(arrays) if o is None else o for o in outs]
 

@@ -3,10 +3,8 @@
 - The async pool (:class:`_Pool`): daemon threads of its own, started on demand,
   at most ``JAX_THREADMAP_ASYNC_THREADS`` of them counted at once, idle ones
   exiting after :data:`IDLE_S`. A call given up on while it runs (timeout,
-  ``cancel()``) takes its thread out of the bound at once, since Python cannot
-  stop the thread: a replacement may start for the calls queued, and the thread
-  is counted as *abandoned* until its function returns, then takes its place
-  again if there is room (:meth:`_Pool.status`; the warning at exit names them).
+  ``cancel()``) takes its thread out of the bound at once (Python cannot stop
+  it): the thread is *abandoned* until its function returns (:class:`_Pool`).
 - The calls in flight (:data:`live`) and the report at exit
   (:func:`abandon_at_exit`): calls still running, and threads still in calls
   given up on, are named in one warning; the calls are abandoned.
@@ -79,9 +77,6 @@ class Call(Protocol):
     def run(self, worker: Worker | None = None) -> None:
         """Runs the call here, unless it has already started (or ended)."""
 
-    def time_out(self) -> None:
-        """Gives up on the call because its timeout has passed."""
-
 
 class LiveCall(Protocol):
     """What the report at exit needs of a call in flight."""
@@ -96,7 +91,7 @@ class LiveCall(Protocol):
     def run(self) -> None:
         """Runs the call here, unless it has started (or ended)."""
 
-    def abandon(self) -> None:
+    def abandon(self) -> object:
         """At exit: ends the call (what its function returns later is dropped)."""
 
 

@@ -21,12 +21,7 @@ whatever the timing. A jitted call whose arguments include pending ones:
 - a program on the results of a ``ProgramRun`` is deferred in turn (a chain);
 - the program reads its arguments as they were at the call, whatever later
   calls do to them (a donation, ``delete()``, a write to a NumPy array), as JAX's
-  runtime promises for the programs it has enqueued: NumPy arrays are copied
-  and ``jax.Array`` s kept at the call (:meth:`Readers.freeze`,
-  :func:`alias_or_copy`: an alias on the CPU, a copy elsewhere; jit's C++ fast
-  path donates without passing any hook, so no later point could copy), and an
-  ``AsyncArray`` is let go of (:class:`Readers`) before a later program is handed
-  it.
+  runtime promises for the programs it has enqueued (how: :class:`Readers`).
 
 Not deferred (run at once: they wait for their data at dispatch, in Python, and
 their outputs are the arrays of a landed call, :class:`Results`): programs with
@@ -347,6 +342,7 @@ class ProgramRun(Task):
             api=API,
             treedef=treedef_of(len(specs)),
             specs=specs,
+            coroutine=False,
         )
         self._dispatch = dispatch
         self._readers = readers
@@ -511,7 +507,7 @@ class ProgramRun(Task):
                 _outcomes.wait_polling(task.future, None)
         with self._inputs_lock:  # the count and the cause move together
             landed = self._waiting == 0 and self._cause is None
-        if landed:
+        if landed and not self.started:  # (a pool thread woken for it, late)
             self._dispatch_landed(worker)
 
     @landing  # exit waits for a dispatch in flight, and starts none

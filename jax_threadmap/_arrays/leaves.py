@@ -77,10 +77,6 @@ def describe_error(error: BaseException) -> str:
 # --- checks ---------------------------------------------------------------------------
 
 
-def _path_str(path: Any) -> str:
-    return jax.tree_util.keystr(path) or "<root>"
-
-
 def leaf_specs(
     result_shape_dtypes: Any, device: Any, api: str
 ) -> tuple[Any, list[LeafSpec]]:
@@ -90,8 +86,7 @@ def leaf_specs(
     last :data:`MAX_CACHED_AVALS`): a thousand loads of one shape check it once.
     The specs are shared by the calls, and never written.
     """
-    _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")
-    _hooks.require(_hooks.ARRAY_SURFACE, f"jax_threadmap.{api}")
+    _hooks.require(_hooks.ASYNC_ARRAYS, f"jax_threadmap.{api}")  # (and the surface's)
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
     if type(result_shape_dtypes) is jax.ShapeDtypeStruct:
         try:
@@ -122,7 +117,7 @@ def _leaf_specs(
         )
     specs = []
     for path, leaf in flat:
-        where = _path_str(path)
+        where = jax.tree_util.keystr(path) or "<root>"
         shape, dtype = shape_dtype_of(
             leaf, f"result_shape_dtypes{where}", f"jax_threadmap.{api}"
         )
@@ -239,7 +234,10 @@ class LeafProblem(Exception):
 def _frozen_leaf(spec: LeafSpec, leaf: Any) -> Any:
     value = checked_leaf(spec.shape, spec.dtype, spec.aval.dtype, leaf)
     if not isinstance(value, np.ndarray) and isinstance(value, jax.Array):
-        return value  # (np.ndarray first: jax.Array's check is an ABC's, slow)
+        # (np.ndarray first: jax.Array's check is an ABC's, slow.) Of the declared
+        # type, never weak (jnp.array(1.) is): a cast that clears it.
+        weak = value.weak_type
+        return jax.lax.convert_element_type(value, value.dtype) if weak else value
     copy = np.array(value, dtype=spec.aval.dtype, order="C")
     copy.flags.writeable = False
     return copy
@@ -368,6 +366,7 @@ def place(task: CallInfo, frozen: list[Any]) -> list[jax.Array]:
     return placed
 
 
+@functools.lru_cache(MAX_CACHED_AVALS)  # per output of every dispatch
 def is_extended(dtype: Any) -> bool:
     """Whether ``dtype`` is one of JAX's extended dtypes (PRNG keys)."""
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)

@@ -4,6 +4,7 @@ program's outputs (:func:`treedef_of`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -12,6 +13,7 @@ from .leaves import specs_of
 from .task import Task
 
 
+@functools.cache  # per dispatch: a cache hit calls nothing
 def treedef_of(n: int) -> Any:
     """The tree of a program's ``n`` outputs (a list), as the calls of its
     results declare it."""
@@ -36,6 +38,7 @@ class Results(Task):
             api="jit",
             treedef=treedef_of(len(leaves)),
             specs=specs,
+            coroutine=False,
         )
         self._claim(None)
         self._publish_placed(leaves)

@@ -8,8 +8,8 @@ its value. No other module reads or writes a call's fields, and a subclass (a
 sharded load and its shards, :mod:`.shard_loads`; a deferred program run,
 :mod:`.dispatch`) changes what the call does through override points only. A
 plain ``fn`` runs on the async pool (:mod:`.async_pool`), an ``async def`` one
-on the event loop (:mod:`.._coroutines.event_loop`): :func:`_run_here`,
-:func:`_run_on_loop`; a thread that needs a value whose call has not
+on the event loop (:mod:`.._coroutines.event_loop`): :meth:`Task.run`,
+:meth:`Task._run_on_loop`; a thread that needs a value whose call has not
 started runs it itself (:meth:`Task.wait`), so a full pool cannot deadlock.
 """
 
@@ -73,8 +73,83 @@ CALL_MOVES = frozenset(
 )
 
 
-class Task:
-    """One call of ``fn``: its state, what it holds in each, its shared outcome.
+class Outcome:
+    """The outcome of a call, shared by every array of its result, and its uses.
+
+    As a ``concurrent.futures.Future`` beside the work that sets it: set once,
+    by the call's end (:meth:`Task._publish`, :meth:`Task._conclude`); read by
+    every use, which may run the call here (:meth:`run`, the call's).
+    """
+
+    __slots__ = ("name", "api", "timeout", "future", "_value", "_kept", "_error_text")
+
+    def __init__(self, name: str, api: str, timeout: float | None):
+        self.name, self.api = name, api
+        self.timeout = timeout  # seconds from the call before it is given up on
+        # Holds the list of placed leaves, or the exception of the call.
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        # The same list, once the future holds it: read without a lock.
+        self._value: list[jax.Array] | None = None
+        self._kept: KeptError | None = None  # the error, raised by every use
+        # What the programs deferred on its arrays raise, once it failed.
+        self._error_text: str | None = None
+
+    def run(self, worker: Any = None) -> None:
+        """Runs the call here, unless it has already started (or ended)."""
+        raise NotImplementedError
+
+    def ran_elsewhere(self) -> bool:
+        """Whether the call started in the parent of this forked child."""
+        raise NotImplementedError
+
+    def status(self) -> str:
+        """``done``, ``failed: <error>`` or ``pending``; never blocks."""
+        if self.future.done():
+            error = self.future.exception()
+            return "done" if error is None else f"failed: {describe_error(error)}"
+        return "pending"
+
+    def failure_text(self) -> str:
+        """The error the programs deferred on the call's arrays raise (once the
+        call failed)."""
+        return self._error_text or f"{self.name} ({self.api}) failed"
+
+    def value(
+        self, leaf: int, timeout: float | None, describe: Callable[[], str]
+    ) -> jax.Array:
+        """The placed ``leaf``; raises the call's error or TimeoutError.
+        ``describe()`` names the array, for the errors."""
+        value = self._value  # the common case, cheaply: no lock
+        if value is not None:
+            return value[leaf]
+        return self.wait(timeout, describe())[leaf]
+
+    def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
+        """Returns the placed leaves; raises the call's error or TimeoutError."""
+        if not self.future.done():
+            if _event_loop.event_loop().in_loop_thread():
+                raise _outcomes.in_loop_error(what)
+            if timeout is None and (
+                self.timeout is None or getattr(worker_state, "in_pool", False)
+            ):
+                # Run it here rather than wait on work queued behind busy (or
+                # not yet started) threads. No-op once started.
+                # Not a call with a timeout (but in a pool thread, where it may
+                # be what frees the pool): its timeout must hold for the caller.
+                self.run()
+            if self.ran_elsewhere():
+                raise _outcomes.forked_error(what)
+            if not _outcomes.wait_polling(self.future, timeout):
+                assert timeout is not None
+                raise _outcomes.not_ready_error(what, timeout)
+        if self._kept is not None:
+            self._kept.reraise()
+        return self.future.result()
+
+
+class Task(Outcome):
+    """One call of ``fn``: its state, what it holds in each (its shared outcome:
+    :class:`Outcome`).
 
     Timed out, cancelled and abandoned calls are failed calls whose error says
     so; a call given up on drops what ``fn`` returns later. In a forked child,
@@ -106,17 +181,9 @@ class Task:
     finishing,finished  fn returns or raises late   same       nothing (dropped)
     ==================  ==========================  =========  =========================
 
-    Claimed, the call runs in a thread (:func:`_run_here`) or on the event
-    loop (:func:`_run_on_loop`); an ``async def`` call lands with the others
-    whose ``fn`` returned in the same turn of the loop (:func:`_land_burst`).
-    Subclasses change what a call does, never its fields, through these
-    override points: :meth:`_start` (what ``submit`` queues), :meth:`_accept`
-    (what ``fn`` returned, landed: by default checked, then placed by
-    :meth:`_place` and published once its copies are done; a call whose ``fn``
-    returns placed arrays publishes them at once with :meth:`_publish_placed`),
-    :meth:`time_out` and :meth:`_stop_parts` (a call made of other calls: a
-    sharded load's shards). They end a call with :meth:`_fail`,
-    :meth:`_conclude` or :meth:`_publish`.
+    Override points (subclasses never write its fields): :meth:`_start`,
+    :meth:`_accept`, :meth:`time_out`, :meth:`_stop_parts`; they end a call with
+    :meth:`_fail`, :meth:`_conclude`, :meth:`_publish` or :meth:`_publish_placed`.
     """
 
     #: Whether its arrays stand for the ``jax.Array`` s of a jitted call (so
@@ -126,15 +193,14 @@ class Task:
     #: sharded load's shard: "the shard at index [0:2] ..."); "": none.
     what = ""
     #: Whether an ``async def`` call lands with the others of its turn of the
-    #: event loop (:func:`_land_burst`), or at once (a shard: its buffer is
+    #: event loop (:meth:`_land_burst`), or at once (a shard: its buffer is
     #: dropped as soon as it is placed, not held until the burst is placed).
     bursts = True
 
     # Named in one string: a thousand calls in flight, each without a __dict__.
     __slots__ = tuple(
-        "_lock _state _submitted _clock _pid _worker _source _error_text name api "
-        "timeout _fn _args _kwargs treedef specs future _kept coroutine _value "
-        "__weakref__".split()
+        "_lock _state _submitted _clock _pid _worker _source _fn _args _kwargs "
+        "treedef specs coroutine __weakref__".split()
     )
 
     def __init__(
@@ -148,31 +214,24 @@ class Task:
         treedef: Any,
         specs: list[LeafSpec],
         timeout: float | None = None,
+        coroutine: bool | None = None,
     ):
         self._lock = threading.Lock()
         self._state = PENDING
         self._submitted = False
         self._clock = False  # whether the timeout's clock runs
         self._pid = os.getpid()
-        self.name, self.api = name, api
-        self.timeout = timeout  # seconds from the call before it is given up on
+        super().__init__(name, api, timeout)
         # The pool thread running fn, while it runs (it leaves the bound if the
         # call is given up on); its asyncio task while it runs on the event
         # loop (cancelled if the call is given up on).
         self._worker: _async_pool.Worker | None = None
         self._source: asyncio.Task | None = None
-        # What the programs deferred on its arrays raise, once it failed.
-        self._error_text: str | None = None
         self._fn, self._args, self._kwargs = fn, args, kwargs
         self.treedef = treedef
         self.specs: list[LeafSpec] = specs
-        # Holds the list of placed leaves, or the exception of the call.
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-        # The same list, once the future holds it: read without a lock.
-        self._value: list[jax.Array] | None = None
-        self._kept: KeptError | None = None  # the error, raised by every use
-        # Whether fn runs on the event loop.
-        self.coroutine = is_coroutine_function(fn)
+        # Whether fn runs on the event loop (None: asks fn).
+        self.coroutine = is_coroutine_function(fn) if coroutine is None else coroutine
 
     @classmethod
     def for_call(
@@ -201,13 +260,6 @@ class Task:
             timeout=seconds,
         )
 
-    def status(self) -> str:
-        """``done``, ``failed: <error>`` or ``pending``; never blocks."""
-        if self.future.done():
-            error = self.future.exception()
-            return "done" if error is None else f"failed: {describe_error(error)}"
-        return "pending"
-
     # -- its state: each move under its lock --
 
     def _move(self, to: CallState) -> None:  # lock held
@@ -220,14 +272,14 @@ class Task:
         self._state = to
 
     @property
+    def started(self) -> bool:
+        """Whether the call was claimed, or ended (read without the lock: a hint)."""
+        return self._state is not PENDING
+
+    @property
     def returned(self) -> bool:
         """Whether ``fn`` returned and its values are being placed."""
         return self._state == FINISHING
-
-    def failure_text(self) -> str:
-        """The error the programs deferred on the call's arrays raise (once the
-        call failed)."""
-        return self._error_text or f"{self.name} ({self.api}) failed"
 
     def ran_elsewhere(self) -> bool:
         """Whether the call started in the parent of this forked child (then
@@ -245,12 +297,13 @@ class Task:
             if self._submitted or self._state != PENDING:
                 return
             self._submitted = True
-        with _async_pool.live_lock:
-            _async_pool.live.add(self)
-        self._start_clock()
+        self._track()
         self._start()
 
-    def _start_clock(self) -> None:
+    def _track(self) -> None:
+        """Counts the call as live (for exit) and starts its timeout's clock (once)."""
+        with _async_pool.live_lock:
+            _async_pool.live.add(self)
         with self._lock:
             if self._clock or self.timeout is None:
                 return
@@ -261,19 +314,86 @@ class Task:
         """Queues the call's work, at :meth:`submit` (once): a coroutine call on
         the event loop, any other on the pool. Override point."""
         if self.coroutine:
-            run = functools.partial(_run_on_loop, self)
-            _event_loop.event_loop().submit(run, self.name)
+            _event_loop.event_loop().submit(self._run_on_loop, self.name)
         else:
             _async_pool.POOL.submit(self)
 
     def run(self, worker: _async_pool.Worker | None = None) -> None:
-        """Runs the call here, unless it has already started (or ended).
+        """Runs the call here, in this thread, unless it has already started (or
+        ended). Not a coroutine call: it runs on the event loop (submitted with
+        the call), with no bounded pool to get around."""
+        if self.coroutine or not self._claim(worker):
+            return
+        try:
+            out = self._work()
+        except BaseException as e:  # routed to every use, like a Future does
+            self._left_runner()
+            self._fail(e, raised_by_fn=True)
+            return
+        self._left_runner()
+        if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
+            awaited = functools.partial(self._run_on_loop, out)
+            _event_loop.event_loop().submit(awaited, self.name)
+            return
+        self._finish(out)
 
-        Not a coroutine call: it runs on the event loop (submitted with the
-        call), with no bounded pool to get around.
+    async def _run_on_loop(self, awaitable: Any = None) -> None:
+        """Runs the call on the event loop: its coroutine, or ``awaitable``
+        (what its thread returned).
+
+        Claimed here, on the loop, before ``fn`` is called: asyncio would run a
+        task cancelled before its first step up to its first ``await``.
         """
-        if not self.coroutine:
-            _run_here(self, worker)
+        source = asyncio.current_task()
+        if awaitable is not None and not self._adopt(source):
+            _event_loop.close_awaitable(awaitable)  # given up on on its way here
+            return
+        if awaitable is None and not self._claim(None, source):
+            return
+        try:
+            out = self._work() if awaitable is None else awaitable
+            while inspect.isawaitable(out):
+                out = await out
+        except BaseException as e:  # our cancel included: then dropped by _fail
+            self._left_runner()
+            self._fail(e, raised_by_fn=True)
+            return
+        self._left_runner()
+        if not self.bursts:
+            self._finish(out)
+            return
+        # Landed with the other calls whose fn returns in this turn of the
+        # loop, one turn later (:meth:`_land_burst`); running until then.
+        if not _burst:
+            asyncio.get_running_loop().call_soon(Task._land_burst)
+        _burst.append((self, out))
+
+    @staticmethod
+    @_async_pool.landing
+    def _land_burst() -> None:
+        """Lands the ``async def`` calls whose fn returned in the last turn of
+        the event loop (on its thread): all are checked and placed before any
+        is published, so that a thread waiting for them wakes once per burst,
+        not once per load (each wake-up would cost the loop's thread the GIL
+        at every placement), and the per-load steps run back to back."""
+        batch = _burst.copy()
+        _burst.clear()
+        # Every check first, then every placement: each runs back to back
+        # (measured: placements so run at several times the speed).
+        checked = [(task, task._accept(out)) for task, out in batch]
+        del batch
+        landed = [(task, task._place(c)) for task, c in checked if c is not None]
+        placed = [(task, leaves) for task, leaves in landed if leaves is not None]
+        del checked, landed
+        try:  # one wait for every copy (they run meanwhile)
+            jax.block_until_ready([leaves for _, leaves in placed])
+        except BaseException:  # each call's own copies then say which failed
+            placed = [(task, lv) for task, lv in placed if task._ready(lv)]
+        for task, leaves in placed:
+            try:  # one call's end never keeps the rest of the burst running
+                task._publish(leaves)
+            except BaseException:  # noqa: BLE001 - logged; the value is set
+                logger.exception("landing %s of %s", task.api, task)
 
     def _claim(
         self, worker: _async_pool.Worker | None, source: asyncio.Task | None = None
@@ -290,13 +410,10 @@ class Task:
             self._worker, self._source = worker, source
             self._pid = pid
         if not known:
-            with _async_pool.live_lock:
-                _async_pool.live.add(self)
-            self._start_clock()
+            self._track()
         return True
 
-    def _left_runner(self) -> None:
-        """``fn`` returned or raised: its thread or coroutine is no longer ours."""
+    def _left_runner(self) -> None:  # fn returned or raised: its runner is not ours
         with self._lock:
             self._worker = self._source = None
 
@@ -309,8 +426,7 @@ class Task:
             self._source = source
             return True
 
-    def _work(self) -> Any:
-        """Calls what computes the call; returns what it returned."""
+    def _work(self) -> Any:  # calls what computes the call
         fn, args, kwargs = self._fn, self._args, self._kwargs
         # The arguments may be large (raw bytes, file handles): do not keep them.
         self._fn = self._args = self._kwargs = None
@@ -327,9 +443,10 @@ class Task:
             self._move(FINISHING)
             return True
 
-    def _take_runners(self) -> tuple[Any, Any] | None:
-        """Ends a pending or running call (-> finishing): its thread and
-        coroutine, to give up on; ``None``: it had ended."""
+    def abandon(self) -> tuple[Any, Any] | None:
+        """Ends a pending or running call (-> finishing; at exit, what it returns
+        later is dropped): its thread and coroutine, for :meth:`give_up`;
+        ``None``: it had ended."""
         with self._lock:
             if self._state not in (PENDING, RUNNING):
                 return None
@@ -337,11 +454,6 @@ class Task:
             worker, source = self._worker, self._source
             self._worker = self._source = None
         return worker, source
-
-    def abandon(self) -> None:
-        """At exit: ends a call that is still running (what it returns later
-        is dropped)."""
-        self._take_runners()
 
     def _end(self, error_text: str | None = None) -> None:
         """The finishing call's outcome is set (-> finished); ``error_text``:
@@ -365,14 +477,11 @@ class Task:
 
     def give_up(self, error: BaseException, text: str | None = None) -> bool:
         """Fails the call with ``error`` (which names it) now, unless it has ended;
-        ``text``: what the programs deferred on its arrays raise (by default,
-        ``error`` itself).
-
-        The call's thread, if any, keeps running (Python cannot stop it) but
-        leaves the pool's bound at once; what it returns or raises later is
-        dropped. Returns whether the call was given up on.
-        """
-        taken = self._take_runners()
+        ``text``: what the programs deferred on its arrays raise (default: ``error``).
+        Its thread, if any, keeps running (Python cannot stop it) but leaves the
+        pool's bound at once; what it returns or raises later is dropped. Returns
+        whether the call was given up on."""
+        taken = self.abandon()
         if taken is None:
             return False
         worker, source = taken
@@ -398,13 +507,11 @@ class Task:
     def _accept(self, out: Any) -> list[Any] | None:
         """Lands what ``fn`` returned, or starts to. Override point.
 
-        By default: checks it and settles the call (running -> finishing);
-        returns its frozen leaves, for :meth:`_place`,
-        then :meth:`_ready` and :meth:`_publish` (for a burst of ``async def``
-        calls, each step for every call of the burst in turn). ``None``:
-        nothing more to do: the call failed or was given up on, or was landed
-        here (a call whose ``fn`` returns placed arrays publishes them at once
-        with :meth:`_publish_placed`).
+        By default: checks it, settles the call (running -> finishing) and
+        returns its frozen leaves, for :meth:`_place`, :meth:`_ready` and
+        :meth:`_publish` (a burst runs each step for all its calls in turn).
+        ``None``: the call failed, was given up on, or was landed here (as by
+        :meth:`_publish_placed`, for a ``fn`` that returns placed arrays).
         """
         try:
             # Checked and copied now: a loader that refills the buffer it
@@ -489,132 +596,6 @@ class Task:
         """The call ended: the calls it is made of that have not ended are
         given up on (override point: a sharded load's shards)."""
 
-    # -- uses --
-
-    def value(
-        self, leaf: int, timeout: float | None, describe: Callable[[], str]
-    ) -> jax.Array:
-        """The placed ``leaf``; raises the call's error or TimeoutError.
-        ``describe()`` names the array, for the errors."""
-        value = self._value  # the common case, cheaply: no lock
-        if value is not None:
-            return value[leaf]
-        return self.wait(timeout, describe())[leaf]
-
-    def wait(self, timeout: float | None, what: str) -> list[jax.Array]:
-        """Returns the placed leaves; raises the call's error or TimeoutError."""
-        if not self.future.done():
-            if _event_loop.event_loop().in_loop_thread():
-                raise _outcomes.in_loop_error(what)
-            if timeout is None and (
-                self.timeout is None or getattr(worker_state, "in_pool", False)
-            ):
-                # Run it here rather than wait on work queued behind busy (or
-                # not yet started) threads. No-op once started.
-                # Not a call with a timeout (but in a pool thread, where it may
-                # be what frees the pool): its timeout must hold for the caller.
-                self.run()
-            if self.ran_elsewhere():
-                raise _outcomes.forked_error(what)
-            if not _outcomes.wait_polling(self.future, timeout):
-                assert timeout is not None
-                raise _outcomes.not_ready_error(what, timeout)
-        if self._kept is not None:
-            self._kept.reraise()
-        return self.future.result()
-
-
-# --- how a claimed call runs ---------------------------------------------------------
-#
-# _run_here runs it in the thread that calls it (a thread of the async pool,
-# or one that waits for its value); _run_on_loop on the package's event
-# loop: an ``async def`` fn, or the awaitable a plain fn returned. Each first
-# claims it (_claim: False when it started elsewhere or ended), then calls
-# what computes it (_work) and lands what came back (_finish, _fail).
-#
-# An ``async def`` call whose fn returned is landed (checked and placed) one
-# turn of the event loop later, together with every other call whose fn
-# returned in that turn (_land_burst), and published once all of them are
-# placed and their copies done: a thread waiting for them wakes once per
-# burst, not once each. Until then it is running.
-
-
-def _run_here(task: Task, worker: _async_pool.Worker | None) -> None:
-    """Runs the call here, in a thread, once claimed."""
-    if not task._claim(worker):
-        return
-    try:
-        out = task._work()
-    except BaseException as e:  # routed to every use, like a Future does
-        task._left_runner()
-        task._fail(e, raised_by_fn=True)
-        return
-    task._left_runner()
-    if inspect.isawaitable(out):  # e.g. a lambda that calls an async def
-        awaited = functools.partial(_run_on_loop, task, out)
-        _event_loop.event_loop().submit(awaited, task.name)
-        return
-    task._finish(out)
-
-
-async def _run_on_loop(task: Task, awaitable: Any = None) -> None:
-    """Runs the call on the event loop: its coroutine, or ``awaitable``
-    (what its thread returned).
-
-    Claimed here, on the loop, before ``fn`` is called: asyncio would run a
-    task cancelled before its first step up to its first ``await``.
-    """
-    source = asyncio.current_task()
-    if awaitable is not None and not task._adopt(source):
-        _event_loop.close_awaitable(awaitable)  # given up on on its way here
-        return
-    if awaitable is None and not task._claim(None, source):
-        return
-    try:
-        out = task._work() if awaitable is None else awaitable
-        while inspect.isawaitable(out):
-            out = await out
-    except BaseException as e:  # our cancel included: then dropped by _fail
-        task._left_runner()
-        task._fail(e, raised_by_fn=True)
-        return
-    task._left_runner()
-    if not task.bursts:
-        task._finish(out)
-        return
-    # Landed with the other calls whose fn returns in this turn of the
-    # loop, one turn later (:func:`_land_burst`).
-    if not _burst:
-        asyncio.get_running_loop().call_soon(_land_burst)
-    _burst.append((task, out))
-
-
-@_async_pool.landing
-def _land_burst() -> None:
-    """Lands the ``async def`` calls whose fn returned in the last turn of
-    the event loop (on its thread): all are checked and placed before any
-    is published, so that a thread waiting for them wakes once per burst,
-    not once per load (each wake-up would cost the loop's thread the GIL
-    at every placement), and the per-load steps run back to back."""
-    batch = _burst.copy()
-    _burst.clear()
-    # Every check first, then every placement: each runs back to back
-    # (measured: placements so run at several times the speed).
-    checked = [(task, task._accept(out)) for task, out in batch]
-    del batch
-    landed = [(task, task._place(c)) for task, c in checked if c is not None]
-    placed = [(task, leaves) for task, leaves in landed if leaves is not None]
-    del checked, landed
-    try:  # one wait for every copy (they run meanwhile)
-        jax.block_until_ready([leaves for _, leaves in placed])
-    except BaseException:  # each call's own copies then say which failed
-        placed = [(task, lv) for task, lv in placed if task._ready(lv)]
-    for task, leaves in placed:
-        try:  # one call's end never keeps the rest of the burst running
-            task._publish(leaves)
-        except BaseException:  # noqa: BLE001 - logged; the value is set
-            logger.exception("landing %s of %s", task.api, task)
-
 
 def _time_out(ref: weakref.ref[Task]) -> None:
     """At a call's deadline, on the event loop's thread: gives up on the call,
@@ -629,7 +610,7 @@ def _time_out(ref: weakref.ref[Task]) -> None:
 
 
 #: The ``async def`` calls whose fn returned in this turn of the event loop,
-#: with what it returned, until :func:`_land_burst` lands them; touched on
+#: with what it returned, until :meth:`Task._land_burst` lands them; touched on
 #: the loop's thread only.
 _burst: list[tuple[Task, Any]] = []
 

@@ -10,8 +10,8 @@ the same two rules give the next order: the JVP of a VJP equation runs the VJP
 kernel's JVP kernel, and so on. All of them fold under ``vmap`` through the one
 batching rule. ``docs/architecture-design.md`` explains the design.
 
-The rules receive ``bind`` (``threadmap_p.bind``) from the rule table in
-:mod:`.primitive`, so this module does not import the primitive.
+The rules receive ``bind`` (``threadmap_p.bind``) where :mod:`.primitive`
+registers them, so this module does not import the primitive.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .._host import summing as _summing
 from .._host.batch_spec import Axes, BatchSpec
 from .._jax import avals as _avals
 from .._jax import hooks as _hooks
-from .._jax import primitive_rules as _rules
+from .._jax import rule_tables as _tables
 from .._support import validate as _validate
 from . import directions as _directions
 from .params import (
@@ -38,7 +38,7 @@ from .params import (
 )
 from .rule_messages import no_derivative_rule_message, no_rules_message
 
-Zero = _rules.Zero
+Zero = _tables.Zero
 Bind = Callable[..., Sequence[Any]]
 T = TypeVar("T")
 
@@ -348,11 +348,11 @@ def transpose_rule(
     node, present = kernel.node, kernel.present
     num_base = sum(present[: node.num_base])
     base_ops, linear_ops = args[:num_base], args[num_base:]
-    if any(map(_rules.is_undefined_primal, base_ops)):
+    if any(map(_tables.is_undefined_primal, base_ops)):
         raise TypeError(_not_linear_message(node))
     if kernel.directions:
         kernel, spec, _ = _directions.unfold(kernel, spec, result_avals, args)
-    undefined = [_rules.is_undefined_primal(t) for t in linear_ops]
+    undefined = [_tables.is_undefined_primal(t) for t in linear_ops]
     out: list[Any] = [
         Zero(t.aval) if u else None for t, u in zip(linear_ops, undefined, strict=True)
     ]
@@ -395,15 +395,16 @@ def _bind_dual(
     base_ops, base_axes = base
     num_base = len(spec.in_axes) - len(linear_ops)
     axes = [spec.in_axes[num_base + s] for s in slots]
+    linear = [linear_ops[s].aval for s in slots]
     _, ct_ops = partition_list(has_ct, cts)
     ct_axes = [_result_axes(spec, k) for k, h in enumerate(has_ct) if h]
-    results = bind(
+    return bind(
         *base_ops,
         *ct_ops,
         kernel=dual,
         result_avals=tuple(
-            _core_aval_of(linear_ops[s].aval, ax)
-            for s, ax in zip(slots, axes, strict=True)
+            _avals.ShapedArray(_core_shape(a.shape, ax), a.dtype)
+            for a, ax in zip(linear, axes, strict=True)
         ),
         spec=BatchSpec(
             spec.shape,
@@ -412,7 +413,6 @@ def _bind_dual(
         ),
         **params,
     )
-    return results
 
 
 def _dual(
@@ -513,19 +513,11 @@ def _residual_dual(
     )
 
 
-def _core_aval_of(aval: Any, axes: Axes) -> Any:
-    """One element's aval of an operand with batch ``axes``."""
-    return _avals.ShapedArray(_core_shape(aval.shape, axes), aval.dtype)
-
-
 def _result_axes(spec: BatchSpec, k: int) -> Axes:
     """Per batch level, the axis of result ``k`` that carries it (kept levels come
     first, in order), or ``None`` where the host summed it away."""
-    summed = spec.summed(k)
-    rank = iter(range(len(spec.shape)))
-    return tuple(
-        None if level in summed else next(rank) for level in range(len(spec.shape))
-    )
+    rank = {level: r for r, level in enumerate(spec.kept(k))}
+    return tuple(rank.get(level) for level in range(len(spec.shape)))
 
 
 def _core_shape(shape: Sequence[int], axes: Axes) -> tuple[int, ...]:

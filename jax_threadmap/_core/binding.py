@@ -22,7 +22,7 @@ from .primitive import threadmap_p
 def check_executor(executor: Any, api: str = "threadmap") -> Executor | InOrder:
     """``executor`` as ``threadmap`` uses it. (``JAX_THREADMAP_NUM_THREADS``, the
     size of ``None``'s pool, is read where the map runs, and checked where a
-    jitted call's program is built: ``primitive.py``.)"""
+    jitted call's program is built: ``lowering.py``.)"""
     if isinstance(executor, InOrder):
         if isinstance(executor.executor, InOrder):
             raise TypeError(

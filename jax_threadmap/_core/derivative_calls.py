@@ -71,6 +71,8 @@ class DerivativeCall:
             self.flat_result = _with_directions(
                 self.flat_result, node, param.directions
             )
+        #: Whether :meth:`direct` calls this kernel (worked out once).
+        self.is_direct = self._as_they_come()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return DerivativeCall, (self.param,)
@@ -94,14 +96,15 @@ class DerivativeCall:
             return _then(result, lambda r: self._kept(self.flat_result(r, chunk)))
         return self._kept(self.flat_result(result, chunk))
 
-    def is_direct(self) -> bool:
-        """Whether :meth:`direct` calls this kernel."""
+    def _as_they_come(self) -> bool:
+        """Whether the kernel's argument leaves are the operands as they come
+        (no zeros, chunks or coroutines): then :meth:`direct` calls it."""
         plan = [(i, None) for i in range(sum(self.param.present))]
         return not (self.vectorized or self.asynchronous) and self.plan == plan
 
     def direct(self, *operands: np.ndarray) -> Any:
         """``__call__`` where the kernel's argument leaves are the operands as
-        they come (no zeros, chunks or coroutines)."""
+        they come (:attr:`is_direct`)."""
         return self._kept(self.flat_result(self.call(self.fn, operands), ()))
 
     def _kept(self, out: list[Any]) -> tuple[Any, ...]:

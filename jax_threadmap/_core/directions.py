@@ -16,13 +16,8 @@ import jax.numpy as jnp
 
 from .._host.batch_spec import Axes, BatchSpec
 from .._jax import avals as _avals
-from .._jax import primitive_rules as _rules
+from .._jax import rule_tables as _tables
 from .params import DerivativeParam
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    """The shape of an operand, or of an undefined one (a transpose's)."""
-    return (x.aval if _rules.is_undefined_primal(x) else _avals.typeof(x)).shape
 
 
 def _first_core(ndim: int, axes: Axes) -> int:
@@ -82,7 +77,8 @@ def unfold(
     num_base, k = sum(kernel.present[: kernel.node.num_base]), len(kernel.directions)
     in_axes = [axes + (None,) * k for axes in spec.in_axes[:num_base]]
     for x, axes in zip(operands[num_base:], spec.in_axes[num_base:], strict=True):
-        c = _first_core(len(_shape(x)), axes)
+        aval = x.aval if _tables.is_undefined_primal(x) else _avals.typeof(x)
+        c = _first_core(len(aval.shape), axes)  # (undefined: a transpose's operand)
         in_axes.append(axes + tuple(range(c, c + k)))
     return (
         dataclasses.replace(kernel, directions=()),

@@ -162,6 +162,7 @@ def _flat_tree(n: int, *, kwargs: bool) -> Any:
     return jax.tree_util.tree_structure((leaves, {}) if kwargs else leaves)
 
 
+@functools.lru_cache(maxsize=64)  # per abstract value of the rules: a hit calls nothing
 def is_differentiable(dtype: Any) -> bool:
     return bool(jax.numpy.issubdtype(dtype, np.inexact))
 
@@ -284,6 +285,13 @@ class Node:
     base: Node | None = None
     kind: str = ""
 
+    def __post_init__(self) -> None:
+        # What the rules and the host read of a node, worked out once as it is
+        # made (each a cached property): the readers, in other modules, then
+        # read fields rather than call into this one (docs/architecture.md).
+        for name in _WORKED_OUT:
+            getattr(self, name)
+
     def derive(self, kind: str) -> Node:
         """The node that runs this node's ``kind`` kernel (one of :data:`KINDS`)."""
         ins, outs = self.in_avals, self.out_avals
@@ -302,14 +310,14 @@ class Node:
         keywords = tuple(ins[i] for i in self.keywords)
         return Node(self.kernel, res + keywords + cotangents, tangents, self, kind)
 
-    @property
+    @functools.cached_property
     def residual_rule(self) -> ResidualRule:
         """This node's VJP given with residuals (``defvjp(fwd, bwd, ...)``)."""
         rule = self.rule("vjp")
         assert isinstance(rule, ResidualRule), rule
         return rule
 
-    @property
+    @functools.cached_property
     def rule_object(self) -> Any:
         """What this node runs: a ``KernelParam``, a ``RuleKernel``, a plain
         function, or ``None`` when its base has no such rule."""
@@ -322,7 +330,7 @@ class Node:
             return base.residual_rule.jvp
         return base.rule("jvp" if self.kind == "lin" else self.kind)
 
-    @property
+    @functools.cached_property
     def residual_jvp(self) -> bool:
         """Whether this is a ``lin`` node run by ``defjvp(fwd, jvp, ...)``'s
         ``jvp``, which takes the residuals instead of the primals."""
@@ -447,11 +455,18 @@ class Node:
             return jax.tree_util.treedef_tuple([base.out_tree, res_tree])
         return base.args_tree if self.kind in ("vjp", "bwd") else base.out_tree
 
-    @property
+    @functools.cached_property
     def function(self) -> Fn:
         """The function this node runs per element."""
         obj = self.rule_object
         return _unwrap(obj.fn if isinstance(obj, (KernelParam, RuleKernel)) else obj)
+
+
+#: The cached properties of a :class:`Node` worked out as it is made.
+_WORKED_OUT = (
+    *("rule_object", "function", "residual_jvp", "num_base", "positional"),
+    *("keywords", "unused", "args_tree", "kwargs_tree", "out_tree"),
+)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -494,7 +509,7 @@ class DerivativeParam:
     def name(self) -> str:
         return self.node.name
 
-    @property
+    @functools.cached_property  # read by the host and the lowering
     def vectorized(self) -> bool:
         return self._chunking[0] or self.node.kernel.vectorized
 
@@ -508,7 +523,7 @@ class DerivativeParam:
         rule = self.node.rule_object
         return rule.chunking if isinstance(rule, RuleKernel) else (False, None)
 
-    @property
+    @functools.cached_property  # read by the host and the lowering
     def asynchronous(self) -> bool:
         return self.node.rule_object is not None and is_coroutine_function(
             self.node.function
@@ -528,7 +543,7 @@ class DerivativeParam:
             raise TypeError(node.missing_rule())
         n_in, n_out = sum(self.present), sum(self.keep)
         call = DerivativeCall(self)
-        fn = call.direct if call.is_direct() else call
+        fn = call.direct if call.is_direct else call
         return fn, _flat_tree(n_in, kwargs=True), _flat_tree(n_out, kwargs=False)
 
 

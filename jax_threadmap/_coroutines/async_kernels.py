@@ -359,17 +359,14 @@ class AsyncMap:
     def _store(self, i: int, index: tuple[int, ...], result: Any) -> None:
         caller = self.caller
         values = caller.result_leaves(result, i)
-        out_v = self.work.out_v
-        if not self._sums:
-            for k, (o, v) in enumerate(zip(out_v, values, strict=True)):
-                caller.store(o, index, v, k, i)
-            self._completed += 1
-            return
-        for k, (o, v) in enumerate(zip(out_v, values, strict=True)):
+        for k, (o, v) in enumerate(zip(self.work.out_v, values, strict=True)):
             if not self._summed[k]:
                 caller.store(o, index, v, k, i)
-        self._held[i] = (index, values)
-        self._add_in_order()
+        if self._sums:  # the summed outputs: added in index order
+            self._held[i] = (index, values)
+            self._add_in_order()
+        else:
+            self._completed += 1
 
     # -- summed outputs: added in index order --------------------------------------
 

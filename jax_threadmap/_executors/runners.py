@@ -18,7 +18,7 @@ from .._support import fork as _fork
 from .._support.cpus import available_cpus
 from .._support.errors import ExecutorError, KernelError
 from . import scheduling as policy
-from . import shared_threads as _shared_threads
+from . import thread_pools as _thread_pools
 from .jobs import Job, interpreter_exiting, this_thread
 from .progress import Progress, progress_enabled, wait
 from .shipping import Shipper, refused, said
@@ -32,8 +32,8 @@ def known_workers(executor: concurrent.futures.Executor) -> int | None:
     """The number of workers of ``executor``, where it tells. No public API
     does: this reads ``_max_workers`` (``ThreadPoolExecutor``,
     ``ProcessPoolExecutor``, loky) and a Dask ``ClientExecutor``'s
-    ``_client.nthreads()``; an executor that fails or answers nonsense does
-    not say (``tests/test_runners.py`` checks both on the installed versions)."""
+    ``_client.nthreads()``; an executor that fails or answers nonsense does not
+    say (``tests/_executors/test_runners.py`` checks both on installed versions)."""
     try:
         n = getattr(executor, "_max_workers", None)
         if isinstance(n, int) and n > 0:
@@ -149,7 +149,7 @@ def runner_for(executor: Any) -> Runner:
     """The runner of ``executor=``: the shared threads, a user's thread pool, or
     an executor that pickles work (any other)."""
     if _is_shared(executor):
-        return _shared_threads.get_pool(executor)
+        return _thread_pools.get_pool(executor)
     if isinstance(executor, concurrent.futures.ThreadPoolExecutor):
         return ThreadExecutor(executor)
     return PicklingExecutor(executor)
@@ -183,7 +183,7 @@ def new_job(
         units, workers, cpus, parent is not None, on_threads
     )
     # (A pool with more threads than CPUs is there for kernels that wait.)
-    pool = isinstance(runner, _shared_threads.ThreadPool) and workers <= cpus
+    pool = isinstance(runner, _thread_pools.ThreadPool) and workers <= cpus
     shared = pool and parent is None
     return Job(
         units,
@@ -248,8 +248,8 @@ def _map_error(e: BaseException, name: str) -> BaseException:
     )
 
 
-#: The class Python gives threads it did not start (XLA's): CPython's private
-#: name, else none and their default name (``tests/test_runners.py`` runs both).
+#: The class Python gives threads it did not start (XLA's): CPython's private name,
+#: else none and their default name (``tests/_executors/test_runners.py`` runs both).
 _DUMMY = getattr(threading, "_DummyThread", None)
 
 
@@ -290,7 +290,7 @@ def register_early_exit_hook() -> None:
     """Registers :func:`_before_executors_exit` once with threading's exit hooks,
     after ``concurrent.futures``' own, so that it runs before Python joins the
     pools' threads (whose pullers would run the map to its end); else with
-    ``atexit``, after that join (``tests/test_runners.py`` runs both)."""
+    ``atexit``, after that join (``tests/_executors/test_runners.py`` runs both)."""
     register = getattr(threading, "_register_atexit", atexit.register)
     if _early_hook.acquire(blocking=False):
         try:
@@ -312,7 +312,7 @@ def _at_exit() -> None:
     inside XLA while the interpreter finalizes aborts the process)."""
     deadline = time.monotonic() + policy.EXIT_GRACE
     interpreter_exiting.set()
-    ours = _shared_threads.exit_threads(keep=_run_for_jax)
+    ours = _thread_pools.exit_threads(keep=_run_for_jax)
     _stop_maps_of_daemon_threads(deadline)
     me = threading.current_thread()
     for t in ours:

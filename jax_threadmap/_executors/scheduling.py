@@ -1,8 +1,8 @@
 """Scheduling policy: the size of the next chunk, how many threads a map gets,
 and which maps run in index order (docs/executors.md). Pure functions of a
 map's size and of what it measured (:class:`Measure`), tested with made-up
-times; every threshold is a named constant, which the docs quote
-(``tests/test_scheduling.py`` checks that). Timings decide only how fast a map
+times; every threshold is a named constant, which the docs quote (checked by
+``tests/_executors/test_scheduling.py``). Timings decide only how fast a map
 runs, never which elements run or whether it finishes.
 """
 

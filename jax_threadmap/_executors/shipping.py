@@ -2,7 +2,7 @@
 tasks in flight and their results (:class:`Shipper`), and what a broken or
 refusing executor means (:func:`broken_hint`, :func:`refused`). What each task
 carries and runs in the worker is ``_host/packing.py``; the operands sent once
-per map, ``_host/shared_operands.py``.
+per map, ``_host/shipped_once.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from .._host.maps import HostMap
 from .._host.packing import KernelNotLoaded
-from .._host.shared_operands import Sharing, share
+from .._host.shipped_once import Sharing, share
 from .._support.errors import ExecutorError, KernelError, restore_shipped_cause
 from . import scheduling as policy
 from .jobs import Job, at_shutdown

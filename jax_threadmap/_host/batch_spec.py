@@ -72,10 +72,18 @@ class BatchSpec:
         """The levels summed away in output ``k``."""
         return self.out_sum[k] if self.out_sum else ()
 
+    def kept(self, k: int) -> list[int]:
+        """The levels that output ``k`` keeps as batch axes (not summed away)."""
+        summed = self.summed(k)
+        return [level for level in range(len(self.shape)) if level not in summed]
+
     def out_batch_shape(self, k: int) -> tuple[int, ...]:
         """The batch axes of output ``k``: ``shape`` without its summed levels."""
-        summed = self.summed(k)
-        return tuple(s for level, s in enumerate(self.shape) if level not in summed)
+        return tuple(self.shape[level] for level in self.kept(k))
+
+    def out_levels(self, n: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per output of ``n``: :meth:`summed` and :meth:`out_batch_shape`."""
+        return [(self.summed(k), self.out_batch_shape(k)) for k in range(n)]
 
     def __str__(self) -> str:
         # Short, readable form for `jax.make_jaxpr`: one entry per operand, ``-``

@@ -263,7 +263,7 @@ def _source(
         ],
         "    def chunk(start, stop, c):",
         "        row, j = divmod(start, last)",
-        "        prefix = _unravel(row, outer)",
+        "        prefix = _unravel(row, outer) if outer else ()",
         "        while start < stop:",
         "            base = row * last",
         "            end = min(stop - base, last)",
@@ -275,7 +275,8 @@ def _source(
         *[f"                {line}" for line in body],
         "            start = base + end",
         "            row, j = row + 1, 0",
-        "            prefix = _next(prefix, outer)",
+        "            if outer:  # (a call per row only where rows have an index)",
+        "                prefix = _next(prefix, outer)",
         "    return chunk",
     ]
     return "\n".join(lines) + "\n"

@@ -27,7 +27,7 @@ import numpy as np
 
 from .._support.errors import KernelError, describe, kernel_traceback
 from . import packing as _packing
-from . import shared_operands as _shared_operands
+from . import shipped_once as _shipped_once
 from . import summing as _summing
 from .batch_spec import Axes, BatchSpec
 from .kernel_scope import KernelScope
@@ -248,11 +248,7 @@ class HostMap:
             operand_view(x, axes, spec.shape)
             for x, axes in zip(operands, spec.in_axes, strict=True)
         ]
-        self.outs = [
-            _summing.new_output(spec, k, s, d)
-            for k, (s, d) in enumerate(caller.out_core)
-        ]
-        out_views = [_summing.summed_view(o, spec, k) for k, o in enumerate(self.outs)]
+        self.outs, out_views, sums = _summing.new_outputs(spec, caller.out_core)
         if not spec.shape:
             in_views = [v[None] for v in in_views]
             out_views = [o[None] for o in out_views]
@@ -260,11 +256,9 @@ class HostMap:
         self.in_v = [merge_view(v, self._groups) for v in in_views]
         self.out_v = [merge_view(o, self._groups) for o in out_views]
         self.shape = tuple(math.prod([batch[d] for d in g]) for g in self._groups)
-        self._summed_dims = [
-            _summing.summed_dims(spec, self._groups, k) for k in range(len(self.outs))
-        ]
+        self._summed_dims = _summing.summed_dims(self._groups, sums)
         self.partials = _summing.PartialSums(
-            spec, self.outs, lambda v: merge_view(v, self._groups)
+            spec, self.outs, sums, lambda v: merge_view(v, self._groups)
         )
         self._shared: dict[int, int] | None = None  # see shared()
 
@@ -291,7 +285,7 @@ class HostMap:
         """The large operands that every element reads whole, which an executor
         that pickles work receives once per map (see ``_executors/shipping.py``);
         the tasks that :meth:`pack` makes from now on refer to them."""
-        self._shared, arrays = _shared_operands.shared_operands(self.in_v, self.shape)
+        self._shared, arrays = _shipped_once.shared_operands(self.in_v, self.shape)
         return arrays
 
     def pack(self, start: int, stop: int) -> Callable[..., Any]:

@@ -14,7 +14,7 @@ a worker that cannot load it (its module does not import there) returns why as
 the task's error (:class:`KernelNotLoaded`), and the pool lives on.
 
 An operand that every element reads whole (unbatched) and that is large
-(``shared_operands.py``) is not packed in each task: the shipper sends it once
+(``shipped_once.py``) is not packed in each task: the shipper sends it once
 per map, and the tasks hold a ``Shared`` marker in its place, resolved in the
 worker from what the task is called with.
 """
@@ -32,7 +32,7 @@ import numpy as np
 
 from . import summing as _summing
 from .loops import ChunkFn
-from .shared_operands import Shared, resolve
+from .shipped_once import Shared, resolve
 
 
 class KernelNotLoaded(RuntimeError):
@@ -208,7 +208,7 @@ def pack(
 
     ``sum_rows``: per output, ``None`` or (for a summed output) the row of the
     output that each element adds into. ``shared``: operand -> index of the
-    map's shared operand that stands for it (see ``shared_operands.py``).
+    map's shared operand that stands for it (see ``shipped_once.py``).
     """
     shared = shared or {}
     flat = np.arange(start, stop)
@@ -261,7 +261,7 @@ class RemotePieces(_Task):
             length and its operand chunks. A chunk that repeats one element
             (stride 0: an unbatched operand) ships as that element only.
         shared: Operand -> index of the map's shared operand that stands for
-            it (see ``shared_operands.py``); the task is then called with the
+            it (see ``shipped_once.py``); the task is then called with the
             map's shared operands.
     """
 

@@ -8,7 +8,7 @@ Everything after that decision lives here too:
 
 - the output buffer holds only the kept levels, zero-filled, and is seen with
   the full batch shape through a view with stride 0 at the summed levels
-  (:func:`summed_view`), so every element of those levels adds into one place;
+  (:func:`new_outputs`), so every element of those levels adds into one place;
 - every chunk adds into a partial sum of its own (:class:`PartialSums`), and
   the partials are added into the outputs in chunk order, so that the result
   does not depend on which thread ran which chunk (the executor layer gives
@@ -39,37 +39,47 @@ def summed_levels(axes: Sequence[int | None]) -> tuple[int, ...]:
     return tuple(level for level, axis in enumerate(axes) if axis is None)
 
 
-def new_output(
-    spec: BatchSpec, k: int, core: tuple[int, ...], dtype: np.dtype
-) -> np.ndarray:
-    """Output ``k``'s buffer: its kept batch levels and core shape; zeros
-    when it is summed (elements add into it)."""
-    make = np.zeros if spec.summed(k) else np.empty
-    return make(spec.out_batch_shape(k) + core, dtype)
+def new_outputs(
+    spec: BatchSpec, out_core: Sequence[tuple[tuple[int, ...], np.dtype]]
+) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[int, ...]]]:
+    """Per output: its buffer, its view with the full batch shape, and the
+    levels summed away in it.
 
-
-def summed_view(buf: np.ndarray, spec: BatchSpec, k: int) -> np.ndarray:
-    """Output ``k``'s buffer seen with the full batch shape.
-
-    The levels summed away in output ``k`` get stride 0, so every element of
-    those levels adds into the same place.
+    A buffer holds its output's kept batch levels and core shape, zeros when it
+    is summed (elements add into it). In its view the levels summed away get
+    stride 0, so every element of those levels adds into the same place.
     """
-    summed = spec.summed(k)
+    outs, views, sums = [], [], []
+    levels = spec.out_levels(len(out_core))
+    for (core, dtype), (summed, batch) in zip(out_core, levels, strict=True):
+        buf = (np.zeros if summed else np.empty)(batch + core, dtype)
+        outs.append(buf)
+        views.append(summed_view(buf, spec.shape, summed))
+        sums.append(summed)
+    return outs, views, sums
+
+
+def summed_view(
+    buf: np.ndarray, shape: tuple[int, ...], summed: tuple[int, ...]
+) -> np.ndarray:
+    """``buf`` seen with the full batch ``shape``, stride 0 at the ``summed`` levels."""
     if not summed:
         return buf
-    nb = len(spec.shape)
+    nb = len(shape)
     kept_ndim = nb - len(summed)
     kept = iter(buf.strides[:kept_ndim])
     strides = tuple(0 if level in summed else next(kept) for level in range(nb))
     return np.lib.stride_tricks.as_strided(
-        buf, spec.shape + buf.shape[kept_ndim:], strides + buf.strides[kept_ndim:]
+        buf, shape + buf.shape[kept_ndim:], strides + buf.strides[kept_ndim:]
     )
 
 
-def summed_dims(spec: BatchSpec, groups: list[list[int]], k: int) -> set[int]:
-    """The merged dims output ``k`` is summed over (a merged dim groups only
+def summed_dims(
+    groups: list[list[int]], sums: Sequence[tuple[int, ...]]
+) -> list[set[int]]:
+    """Per output, the merged dims it is summed over (a merged dim groups only
     levels that are all summed, or none, since their strides differ)."""
-    return {g for g, levels in enumerate(groups) if levels[0] in spec.summed(k)}
+    return [{g for g, levels in enumerate(groups) if levels[0] in s} for s in sums]
 
 
 class PartialSums:
@@ -77,7 +87,8 @@ class PartialSums:
 
     Args:
         spec: The equation's batch spec.
-        outs: The map's output buffers (see :func:`new_output`).
+        outs: The map's output buffers (see :func:`new_outputs`).
+        sums: Per output, the levels summed away in it.
         merge: Merges a view with the full batch shape as the map's views are
             merged (``maps.merge_view`` with the map's groups).
 
@@ -89,10 +100,12 @@ class PartialSums:
         self,
         spec: BatchSpec,
         outs: Sequence[np.ndarray],
+        sums: Sequence[tuple[int, ...]],
         merge: Callable[[np.ndarray], np.ndarray],
     ):
         self.spec = spec
         self.outs = outs
+        self.sums = sums
         self._merge = merge
         self._lock = threading.Lock()
         self._waiting: dict[int, tuple[int, list[np.ndarray | None]]] = {}
@@ -101,8 +114,8 @@ class PartialSums:
     def new(self) -> list[np.ndarray | None]:
         """A chunk's partials: zeros per summed output, ``None`` for the rest."""
         return [
-            np.zeros_like(o) if self.spec.summed(k) else None
-            for k, o in enumerate(self.outs)
+            np.zeros_like(o) if summed else None
+            for o, summed in zip(self.outs, self.sums, strict=True)
         ]
 
     def views(
@@ -115,7 +128,7 @@ class PartialSums:
         ]
 
     def _full(self, partial: np.ndarray, k: int) -> np.ndarray:
-        view = summed_view(partial, self.spec, k)
+        view = summed_view(partial, self.spec.shape, self.sums[k])
         return view if self.spec.shape else view[None]
 
     def rows(self, start: int, stop: int) -> list[np.ndarray | None]:
@@ -124,7 +137,7 @@ class PartialSums:
         flat = np.arange(start, stop)
         rows: list[np.ndarray | None] = []
         for k in range(len(self.outs)):
-            summed = self.spec.summed(k)
+            summed = self.sums[k]
             if not summed:
                 rows.append(None)
                 continue

@@ -4,6 +4,7 @@ abstract value varies over inside ``shard_map`` (on the hooks of :mod:`.hooks`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,9 +14,10 @@ from .hooks import HOOKS, RESOLVED, Missing, UnsupportedJaxError, get
 ShapedArray: Any = RESOLVED["ShapedArray"]
 
 
-def typeof(x: Any) -> Any:
-    """``jax.typeof(x)``, with the sharding check of JAX >= 0.8.2 on older ones."""
-    return RESOLVED["typeof"](x)  # (a Missing raises by name when called)
+#: ``jax.typeof(x)``, with the sharding check of JAX >= 0.8.2 on older ones: the
+#: hook itself, bound once (it runs for every abstract value; a Missing raises by
+#: name when called, and each feature's ``require`` names it first).
+typeof: Callable[[Any], Any] = RESOLVED["typeof"]
 
 
 def varying_axes(aval: Any) -> frozenset:
@@ -24,11 +26,13 @@ def varying_axes(aval: Any) -> frozenset:
     Without the hook, only programs outside ``shard_map`` run: no mesh axis is
     manual there (public API), so nothing varies.
     """
-    if isinstance(RESOLVED["varying_axes"], Missing) and not _inside_shard_map():
-        return frozenset()
-    varying = get("varying_axes", "jax_threadmap inside jax.shard_map")
+    varying = RESOLVED["varying_axes"]  # read here, not through get(): per aval
+    if isinstance(varying, Missing):
+        if not _inside_shard_map():
+            return frozenset()
+        get("varying_axes", "jax_threadmap inside jax.shard_map")  # raises
     try:
-        return varying.of(aval)
+        return frozenset(varying.of(aval))
     except AttributeError as e:
         # Never an empty set by default: a wrong type here becomes a wrong
         # cotangent type later.

@@ -47,9 +47,9 @@ ASYNC_DISPATCH = "async dispatch"
 FAST_PLACEMENT = "fast placement"
 #: Optional: under ``jit`` on several devices (explicit or automatic mesh axes,
 #: GSPMD or Shardy), a map whose batch axes are sharded is lowered through
-#: ``custom_partitioning`` and mapped per shard (:mod:`.._core.auto_shard`).
+#: ``custom_partitioning`` and mapped per shard (:mod:`.._core.lowering`).
 #: Where a hook is missing, it is mapped on one device, with one INFO log line
-#: (:func:`.auto_sharding.unavailable`).
+#: (:func:`.mlir.per_shard_mesh`).
 AUTO_PER_SHARD = "per-shard jit"
 #: Needed by async arrays with the others (:func:`.._arrays.leaves.leaf_specs`
 #: requires both): the ``jax.Array`` methods of an ``AsyncArray`` run JAX's own
@@ -215,6 +215,32 @@ def _key_impl_reader(key_array: type) -> Any:
         return dtype._impl
 
     return impl_of
+
+
+def _eager_device_put(impl: Callable[..., Any]) -> Any:
+    module = importlib.import_module(impl.__module__)
+    copies = getattr(module, "ArrayCopySemantics", None) or module.CopySemantics
+    reuse = getattr(copies, "REUSE_INPUT", None) or copies.ALIAS  # (ALIAS on 0.6)
+
+    def install(keeps: Callable[[Any], bool]) -> None:
+        # Every eager jax.device_put(x) with no target, no copy asked for, and
+        # keeps(x): x itself, as JAX does for its own arrays.
+        def put(*xs: Any, devices: Any, copy_semantics: Any, **kw: Any) -> Any:
+            kw.update(devices=devices, copy_semantics=copy_semantics)
+            keep = [
+                d is None and c == reuse and keeps(x)
+                for x, d, c in zip(xs, devices, copy_semantics, strict=True)
+            ]
+            rest = [i for i, k in enumerate(keep) if not k]
+            picked = {k: [v[i] for i in rest] for k, v in kw.items()}
+            outs = iter(impl(*(xs[i] for i in rest), **picked) if rest else ())
+            return [x if k else next(outs) for x, k in zip(xs, keep, strict=True)]
+
+        setattr(module, impl.__name__, put)  # what jax.device_put calls (0.8 on)
+        if module.device_put_p.impl is impl:  # the primitive's own impl (0.6, 0.7)
+            module.device_put_p.impl = put
+
+    return install
 
 
 def _everywhere(where: str, note: str = "", adapt: Any = None) -> tuple[Form, ...]:

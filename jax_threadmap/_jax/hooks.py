@@ -13,17 +13,13 @@ each fallback; both described in :mod:`.hook_forms`, with the adapters that
 need no hook of their own). The imports are driven by the table and guarded: a
 hook that this JAX does not have never fails ``import jax_threadmap``; the first
 use of a feature that needs it raises :class:`UnsupportedJaxError`, naming the
-hook, the JAX version and what to do (:func:`require`). ``tests/test_compat.py``
+hook, the JAX version and what to do (:func:`require`). ``tests/_jax/test_compat.py``
 reads the same table.
 
-The feature code built on the table lives beside it, one module per concern:
-:mod:`.primitive_rules` (the primitive class and its rule registrations),
-:mod:`.avals` (abstract values and the varying-axes logic), :mod:`.traces`
-(reading the current trace), :mod:`.auto_sharding` (per-shard maps under
-``jit``), :mod:`.array_types` (types ``jit`` takes before their data exists),
-:mod:`.placement` (fast device placement) and :mod:`.program_runs` (the wrapper
-of program runs). They reach JAX's internals only through :func:`get`,
-:func:`or_missing` and :data:`RESOLVED`.
+The feature code built on the table lives beside it, one module per concern
+(docs/architecture.md lists them: the primitive class and its rule tables,
+what the lowering emits, abstract values, ...). They reach JAX's internals only
+through :func:`get`, :func:`or_missing` and :data:`RESOLVED`.
 
 Rules for this module: every internal is an entry of :data:`HOOKS`, at one
 location per range of JAX versions (public where JAX has one); the entry says
@@ -35,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +51,7 @@ from .hook_forms import (
     UnsupportedJaxError,
     _adapted_before,
     _automatic_mesh_of,
+    _eager_device_put,
     _emit_python_callback_without_returns_token,
     _everywhere,
     _host_callback_registrar,
@@ -102,7 +100,11 @@ def _one_sharding_per_result(op_sharding_of: Callable[..., Any]) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _VaryingAxes:
-    """Reads and makes avals that vary over manual mesh axes (inside shard_map)."""
+    """Reads and makes avals that vary over manual mesh axes (inside shard_map).
+
+    ``of`` is an ``operator.attrgetter``: a read of an aval's field, with no call
+    into the package (it runs for every abstract value of an equation).
+    """
 
     of: Callable[[Any], frozenset[Any]]
     make: Callable[[tuple[int, ...], Any, frozenset[Any], Any], Any]
@@ -119,7 +121,7 @@ def _varying_by_manual_axis_type(manual_axis_type: Any) -> _VaryingAxes:
             manual_axis_type=manual_axis_type(varying=varying),
         )
 
-    return _VaryingAxes(lambda aval: frozenset(aval.manual_axis_type.varying), make)
+    return _VaryingAxes(operator.attrgetter("manual_axis_type.varying"), make)
 
 
 def _varying_by_vma(shaped_array: Any) -> _VaryingAxes:
@@ -131,7 +133,7 @@ def _varying_by_vma(shaped_array: Any) -> _VaryingAxes:
     ) -> Any:
         return shaped_array(shape, dtype, sharding=sharding, vma=varying)
 
-    return _VaryingAxes(lambda aval: frozenset(aval.vma), make)
+    return _VaryingAxes(operator.attrgetter("vma"), make)
 
 
 # --- the table -----------------------------------------------------------------------
@@ -210,7 +212,7 @@ HOOKS: tuple[Hook, ...] = (
         _public("jax.interpreters.mlir:emit_python_callback")
         + " (a re-export JAX calls temporary). Tried instead: lowering through "
         "jax.pure_callback's own rule (mlir.lower_fun over jax.pure_callback of "
-        "the host function). tests/test_sharding.py, test_compat.py and "
+        "the host function). tests/_core/test_sharding.py, test_compat.py and "
         "test_autodiff.py pass with it (jax 0.10.2), but pure_callback's "
         "callback puts every operand on the CPU as a jax.Array "
         "(jax.device_put) and converts each result back: a jitted threadmap "
@@ -504,8 +506,7 @@ HOOKS: tuple[Hook, ...] = (
     # The jax.Array surface of AsyncArray (issue 48 item 2). JAX defines the
     # methods, operators and properties of its arrays (and of tracers, through
     # the abstract value) from three tables of plain functions of the array, the
-    # same module and names in 0.6.2, 0.8.3, 0.10.2 and 0.12.0.1 (44, 43 and 8
-    # entries on 0.6.2 and 0.8.3; 45, 44 and 8 from 0.10: `byteswap` and
+    # same module and names in 0.6.2 ... 0.12.0.1 (0.10 added `byteswap` and
     # `__contains__`). `_arrays/array_surface.py` runs each under jit with the
     # AsyncArray as argument, so that `y.sum()` dispatches without its data.
     Hook(
@@ -564,6 +565,19 @@ HOOKS: tuple[Hook, ...] = (
         "the implementation that the rules call (impl.split...); no public API "
         "makes an array that jax.random's eager rules take as a key array",
     ),
+    Hook(
+        "batched_device_put_impl",
+        "every eager jax.device_put: wrapped, so that jax.device_put(x) of an "
+        "AsyncArray with no target returns x itself, without waiting",
+        (ARRAY_SURFACE,),
+        _everywhere(
+            "jax._src.dispatch:_batched_device_put_impl",
+            "device_put_p's impl on 0.6 and 0.7, its callee from 0.8",
+            _eager_device_put,
+        ),
+        "none: jax.device_put keeps x only where x is an ArrayImpl (a C++ "
+        "class), and no public registry says where a type's value already is",
+    ),
     # Async dispatch (issues 13, 48). A jitted call with pending `AsyncArray`
     # arguments returns at once: JAX's call that runs the compiled program
     # (ExecuteReplicated.__call__, which `ProgramRuns.install` wraps) is where the
@@ -617,6 +631,8 @@ _NEEDED_BY: dict[str, list[str]] = {}
 for _hook in HOOKS:
     for _feature in _hook.features:
         _NEEDED_BY.setdefault(_feature, []).append(_hook.name)
+# An AsyncArray is a jax.Array: async arrays need the surface's hooks too.
+_NEEDED_BY[ASYNC_ARRAYS] += _NEEDED_BY.get(ARRAY_SURFACE, [])
 
 
 def or_missing(name: str, fallback: Any) -> Any:

@@ -151,7 +151,7 @@ READERS: dict[str, Callable[[], object]] = {
     ENV_LIMIT_BLAS: env_limit_blas,
 }
 #: Variables no longer read, and what replaced each (as long as CHANGELOG.md
-#: lists them under "Removed": tests/test_environment.py checks).
+#: lists them under "Removed": tests/_support/test_environment.py checks).
 REMOVED = {
     "JAX_THREADMAP_MAX_IN_FLIGHT": "pass max_in_flight=N to threadmap or kernel "
     "(the default stays 2048)",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-#: The subpackages, each after those it imports (tests/test_architecture.py): a
+#: The subpackages, each after those it imports (tests/project/test_architecture.py): a
 #: reset never finds a layer below its own still the parent's.
 LAYERS = ("_jax", "_support", "_host", "_executors", "_coroutines", "_core", "_arrays")
 

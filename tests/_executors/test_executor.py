@@ -415,7 +415,7 @@ def test_an_inline_map_runs_what_fits_in_the_rest_of_its_time_in_one_chunk(
     chunks = []  # (start, stop, thread)
     clock = iter(range(10**6))  # a chunk takes 1 ms: 10 us an element, at first
     monkeypatch.setattr(_jobs.time, "perf_counter", lambda: next(clock) * 1e-3)
-    pool = _shared_threads.ThreadPool(2)
+    pool = _thread_pools.ThreadPool(2)
     job = _inline_job(
         400, lambda a, b, j: chunks.append((a, b, threading.current_thread())), 1e-5
     )
@@ -428,7 +428,7 @@ def test_an_inline_map_runs_what_fits_in_the_rest_of_its_time_in_one_chunk(
 
 def test_a_summed_map_expected_short_runs_here_in_its_fixed_chunks():
     chunks = []
-    pool = _shared_threads.ThreadPool(2)
+    pool = _thread_pools.ThreadPool(2)
     last = _scheduling.Measure(per_element=1e-6)
     job = _jobs.Job(
         16,

@@ -14,13 +14,16 @@ call.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from .._host.loops import call_source
 from .._support.result_casts import ResultCastError, check_result_cast
 
 #: Where one leaf of a node comes from: an operand (its index), a zeros array
@@ -49,30 +52,27 @@ class DerivativeCall:
                 zip(param.present, node.in_avals, lead, strict=False)
             )
         ]
-        positional = [sources[i] for i in node.positional]
         self.keywords = [sources[i] for i in node.keywords]
         self.args_tree, self.kwargs_tree = node.args_tree, node.kwargs_tree
-        # Arguments that are single leaves are passed as they come.
-        self.flat_args = all(
-            t.num_leaves == 1 and t.num_nodes == 1 for t in self.args_tree.children()
-        )
         self.keep = (
             None if all(param.keep) else [k for k, w in enumerate(param.keep) if w]
         )
         self.asynchronous = param.asynchronous
-        # Per argument leaf: (operand index, or -1 and the value: one element's
-        # zeros, built once, read-only and shared, or None).
-        self.plans = [
-            [self._plan(src) for src in sources]
-            for sources in (positional, self.keywords)
-        ]
+        # Per argument leaf, positional then keyword: (operand index, or -1 and
+        # the value: one element's zeros, built once, read-only and shared, or None).
+        leaves = [*(sources[i] for i in node.positional), *self.keywords]
+        self.plan = [self._plan(src) for src in leaves]
+        # The call on those leaves, generated as the element loops' are (loops.py).
+        tree = jax.tree_util.treedef_tuple([self.args_tree, self.kwargs_tree])
+        source = call_source(tree, [f"A{k}_" for k in range(len(leaves))])
+        self.call = _caller(source, self.args_tree, self.kwargs_tree)
         self.flat_result = _result_flattener(node)
         if param.directions:
             self.flat_result = _with_directions(
                 self.flat_result, node, param.directions
             )
         #: Whether :meth:`direct` calls this kernel (worked out once).
-        self.is_direct = self._as_they_come(sum(param.present))
+        self.is_direct = self._as_they_come()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return DerivativeCall, (self.param,)
@@ -84,52 +84,42 @@ class DerivativeCall:
             return -1, src
         return -1, zeros(*src)
 
-    def _leaves(
-        self, plan: list[tuple[int, Any]], operands: Sequence[Any]
-    ) -> list[Any]:
-        if not self.vectorized:
-            return [operands[i] if i >= 0 else v for i, v in plan]
-        chunk = operands[0].shape[:1] if operands else ()
-        return [
-            operands[i]
-            if i >= 0
-            else (None if v is None else zeros(chunk + v[0], v[1]))
-            for i, v in plan
-        ]
-
     def __call__(self, *operands: np.ndarray) -> Any:
-        if self.vectorized:
-            args = self._leaves(self.plans[0], operands)
-        else:  # the common case, inline
-            args = [operands[i] if i >= 0 else v for i, v in self.plans[0]]
-        if not self.flat_args:
-            args = self.args_tree.unflatten(args)
-        if self.keywords:
-            kwargs = self.kwargs_tree.unflatten(self._leaves(self.plans[1], operands))
-            result = self.fn(*args, **kwargs)
-        else:
-            result = self.fn(*args)
-        chunk = operands[0].shape[:1] if self.vectorized and operands else ()
+        vec = self.vectorized  # (then a zeros leaf is made per chunk)
+        chunk = operands[0].shape[:1] if vec and operands else ()
+        args = [
+            operands[i] if i >= 0 else zeros(chunk + v[0], v[1]) if vec and v else v
+            for i, v in self.plan
+        ]
+        result = self.call(self.fn, args)
         if self.asynchronous and inspect.iscoroutine(result):
             return _then(result, lambda r: self._kept(self.flat_result(r, chunk)))
         return self._kept(self.flat_result(result, chunk))
 
-    def _as_they_come(self, n: int) -> bool:
-        """Whether the kernel takes its ``n`` operands as they come (one leaf
-        each, in order: no zeros, keywords, chunks or coroutines)."""
-        simple = not (self.vectorized or self.keywords or self.asynchronous)
-        plan = [(i, None) for i in range(n)]
-        return simple and self.flat_args and self.plans[0] == plan
+    def _as_they_come(self) -> bool:
+        """Whether the kernel's argument leaves are the operands as they come
+        (no zeros, chunks or coroutines): then :meth:`direct` calls it."""
+        plan = [(i, None) for i in range(sum(self.param.present))]
+        return not (self.vectorized or self.asynchronous) and self.plan == plan
 
     def direct(self, *operands: np.ndarray) -> Any:
-        """``__call__`` where the kernel takes the operands as they come
-        (:attr:`is_direct`)."""
-        return self._kept(self.flat_result(self.fn(*operands), ()))
+        """``__call__`` where the kernel's argument leaves are the operands as
+        they come (:attr:`is_direct`)."""
+        return self._kept(self.flat_result(self.call(self.fn, operands), ()))
 
     def _kept(self, out: list[Any]) -> tuple[Any, ...]:
-        if self.keep is None:
-            return tuple(out)
-        return tuple([out[k] for k in self.keep])
+        return tuple(out if self.keep is None else [out[k] for k in self.keep])
+
+
+@functools.lru_cache(maxsize=256)
+def _caller(source: str | None, args: Any, kwargs: Any) -> Callable[..., Any]:
+    """``lambda fn, a: fn(...)`` from :func:`.._host.loops.call_source`'s
+    ``source`` (the leaves ``A<k>_`` read from ``a[k]``), else unflattening
+    the trees ``args`` and ``kwargs`` (containers that are not literals)."""
+    if source is None:
+        n = args.num_leaves
+        return lambda fn, a: fn(*args.unflatten(a[:n]), **kwargs.unflatten(a[n:]))
+    return eval("lambda fn, a: " + re.sub(r"A(\d+)_", r"a[\1]", source))
 
 
 async def _then(result: Any, finish: Callable[[Any], Any]) -> Any:
@@ -174,16 +164,17 @@ def _with_directions(
     flat: Callable[[Any, tuple[int, ...]], list[Any]], node: Any, lead: tuple[int, ...]
 ) -> Callable[[Any, tuple[int, ...]], list[Any]]:
     """``flat``, each tangent checked to have the directions' leading axes."""
-    shapes = [shape for shape, _ in node.out_avals]
+    shapes = [lead + shape for shape, _ in node.out_avals]
 
     def checked(result: Any, chunk: tuple[int, ...]) -> list[Any]:
         out = flat(result, chunk)
         for k, (value, shape) in enumerate(zip(out, shapes, strict=True)):
-            if value is not None and np.shape(value) != chunk + lead + shape:
+            got = value.shape if type(value) is np.ndarray else np.shape(value)
+            if value is not None and got != chunk + shape:
                 raise TypeError(
                     "the JVP kernel of defjvp(fwd, jvp, residuals=..., "
                     f"directions=True) returned the tangent of output {k} with shape "
-                    f"{np.shape(value)}, expected {chunk + lead + shape}: its tangents "
+                    f"{got}, expected {chunk + shape}: its tangents "
                     f"came with {len(lead)} leading axes of directions {lead}, which "
                     "the tangent it returns must have too. Compute it for every "
                     "direction (res @ t[..., None] broadcasts over them), or drop "
@@ -274,7 +265,7 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
             ) from None
         try:
             if res_tuple and type(res) is tuple and len(res) == n_res:
-                values = list(res)
+                values = res
             else:
                 values = res_tree.flatten_up_to(res)
         except (ValueError, TypeError) as e:
@@ -284,14 +275,11 @@ def _forward_flattener(node: Any) -> Callable[[Any, tuple[int, ...]], list[Any]]
                 f"declares {res_tree} ({e}). Return them as declared, or declare "
                 "what fwd returns."
             ) from None
-        for (name, (shape, dtype)), value in zip(checks, values, strict=True):
-            if not (
-                type(value) is np.ndarray
-                and value.dtype == dtype
-                and value.shape == chunk + shape
-            ):
-                _check_residual(value, name, chunk + shape, dtype, fix)
-        return outs + values
+        for (name, (shape, dtype)), v in zip(checks, values, strict=True):
+            shape = chunk + shape if chunk else shape
+            if type(v) is not np.ndarray or v.dtype != dtype or v.shape != shape:
+                _check_residual(v, name, shape, dtype, fix)
+        return [*outs, *values]
 
     return flat
 

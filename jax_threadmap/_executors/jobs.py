@@ -100,11 +100,11 @@ class Job:
         #: Threads the map may hold now (raised to ``workers`` once it rises).
         self.limit = self.workers
         self._measure = policy.Measure()
-        self.inline = inline is not None and self.fixed is None
+        self.inline = inline is not None and not in_order
         self._spent, self._timed = 0.0, 0  # seconds and units of timed chunks
         if inline is not None and self.inline:  # one thread; chunks sized at once
             cpus, self._measure.per_element = 1, inline.per_element
-        if cpus is not None and self.fixed is None:
+        if cpus is not None and (self.fixed is None or self.inline):
             self.limit = max(1, min(cpus, self.workers))
         #: Threads handed to the map (:meth:`add_hand`).
         self.hands = 0
@@ -177,6 +177,8 @@ class Job:
         size = self.fixed or policy.chunk_size(
             self.n - start, self.workers, self._measure, self.limited
         )
+        if self.inline and self._timed and self.limited and not self.fixed:
+            size = policy.inline_chunk(self._spent, self._measure)
         self._next = stop = min(self.n, start + size)
         self._outstanding += 1
         return start, stop
@@ -187,7 +189,7 @@ class Job:
         ``busy.running`` is true while the kernels run, false before the chunk
         counts done."""
         outer, this_thread.job = this_thread.job, self
-        timed, limited = self.fixed is None, self.limited  # (see the lock rule)
+        timed, limited = self.fixed != 1, self.limited  # (see the lock rule)
         if busy is not None:
             busy.running = True
         began = time.perf_counter() if timed else 0.0
@@ -216,7 +218,7 @@ class Job:
         return self.claim()
 
     def _record(self, units: int, wall: float, cpu: float, limited: bool) -> bool:
-        """Records a guided chunk's time (lock held); whether the map rises now."""
+        """Records a chunk's time (lock held); whether the map rises now."""
         self._spent, self._timed = self._spent + wall, self._timed + units
         if not (limited and self.limited):
             policy.record_time(self._measure, units, wall)

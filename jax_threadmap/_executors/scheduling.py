@@ -118,6 +118,12 @@ def chunk_size(remaining: int, workers: int, measure: Measure, limited: bool) ->
     return max(1, min(size, int(MAX_CHUNK_SECONDS / per)))
 
 
+def inline_chunk(spent: float, measure: Measure) -> int:
+    """Elements in the next chunk of a map run inline, once one is timed: what
+    fits in the rest of its :data:`INLINE_SECONDS` (``spent``: seconds so far)."""
+    return max(1, int((INLINE_SECONDS - spent) / measure.per_element))
+
+
 def record_chunk(
     measure: Measure, elements: int, wall: float, cpu: float, threads: int
 ) -> bool:

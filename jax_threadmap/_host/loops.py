@@ -321,13 +321,12 @@ def _unravel(row: int, outer: tuple[int, ...]) -> tuple[int, ...]:
 
 def _next(prefix: tuple[int, ...], outer: tuple[int, ...]) -> tuple[int, ...]:
     """The next row's index (an odometer over ``outer``)."""
-    index = list(prefix)
-    for d in reversed(range(len(outer))):
-        index[d] += 1
-        if index[d] < outer[d]:
-            break
-        index[d] = 0
-    return tuple(index)
+    d = len(outer) - 1
+    while d >= 0 and prefix[d] + 1 == outer[d]:  # the dims that carry
+        d -= 1
+    if d < 0:
+        return (0,) * len(outer)
+    return prefix[:d] + (prefix[d] + 1,) + (0,) * (len(outer) - 1 - d)
 
 
 def element_loop(

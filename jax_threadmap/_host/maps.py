@@ -43,16 +43,15 @@ _LEAF_TYPES = (np.ndarray, np.generic, float, int, bool, complex)
 def operand_view(x: Any, axes: Axes, batch_shape: tuple[int, ...]) -> np.ndarray:
     """A read-only view of ``x`` with shape ``batch_shape + core_shape``."""
     x = np.asarray(x)
-    present = {a for a in axes if a is not None}
-    core_axes = [d for d in range(x.ndim) if d not in present]
+    core_axes = [d for d in range(x.ndim) if d not in axes]
+    if None not in axes:  # batched at every level: a transpose (faster)
+        view = x.transpose([*axes, *core_axes])
+        view.flags.writeable = False
+        return view
     strides = tuple(0 if a is None else x.strides[a] for a in axes) + tuple(
         x.strides[d] for d in core_axes
     )
     shape = tuple(batch_shape) + tuple(x.shape[d] for d in core_axes)
-    if len(present) == len(axes):  # batched at every level: a transpose (faster)
-        view = x.transpose([*axes, *core_axes])
-        view.flags.writeable = False
-        return view
     return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=False)
 
 

@@ -409,6 +409,41 @@ def test_a_map_expected_short_runs_on_the_thread_that_started_it():
     assert pool.active == 0
 
 
+def test_an_inline_map_runs_what_fits_in_the_rest_of_its_time_in_one_chunk(
+    monkeypatch,
+):
+    chunks = []  # (start, stop, thread)
+    clock = iter(range(10**6))  # a chunk takes 1 ms: 10 us an element, at first
+    monkeypatch.setattr(_jobs.time, "perf_counter", lambda: next(clock) * 1e-3)
+    pool = _thread_pools.ThreadPool(2)
+    job = _inline_job(
+        400, lambda a, b, j: chunks.append((a, b, threading.current_thread())), 1e-5
+    )
+    pool.run(job)
+    # A first chunk sized from the last map's time, then the rest at once (what
+    # fits in 9 ms), where guided chunks would take a quarter of what is left.
+    assert [c[:2] for c in chunks] == [(0, 100), (100, 400)]
+    assert {c[2] for c in chunks} == {threading.current_thread()}
+
+
+def test_a_summed_map_expected_short_runs_here_in_its_fixed_chunks():
+    chunks = []
+    pool = _thread_pools.ThreadPool(2)
+    last = _scheduling.Measure(per_element=1e-6)
+    job = _jobs.Job(
+        16,
+        lambda a, b, j: chunks.append((a, b, threading.current_thread())),
+        fixed=4,
+        workers=2,
+        inline=last,
+    )
+    assert job.inline
+    pool.run(job)
+    assert sorted(c[:2] for c in chunks) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert {c[2] for c in chunks} == {threading.current_thread()}
+    assert job.per_unit > 0  # its chunks were timed: the next map's estimate
+
+
 def test_a_map_run_inline_that_turns_out_slow_gets_the_pools_threads():
     ran = []
 

@@ -116,6 +116,13 @@ def test_short_maps_of_fast_elements_run_inline():
     assert not policy.runs_inline(1, slow, shared=True)  # threads pay off
 
 
+def test_a_map_run_inline_takes_what_fits_in_the_rest_of_its_time():
+    m = Measure(per_element=policy.INLINE_SECONDS / 100)
+    assert policy.inline_chunk(0.0, m) == 100
+    assert policy.inline_chunk(policy.INLINE_SECONDS / 2, m) == 50
+    assert policy.inline_chunk(2 * policy.INLINE_SECONDS, m) == 1  # at least one
+
+
 def test_fixed_chunks_and_vector_lengths():
     per = policy.FIXED_CHUNKS_PER_WORKER
     assert policy.fixed_chunk(100, 5) == -(-100 // (per * 5))

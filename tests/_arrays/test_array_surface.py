@@ -363,7 +363,9 @@ uses = {
     "is_deleted": lambda y: y.is_deleted(),
     "on_device_size_in_bytes": lambda y: y.on_device_size_in_bytes(),
 }
-for subject, name in [(s, n) for s in ("array", "result") for n in uses]:
+printing = threading.Lock()
+
+def run(subject, name):
     use = uses[name]
     release = threading.Event()
     def load():
@@ -374,7 +376,18 @@ for subject, name in [(s, n) for s in ("array", "result") for n in uses]:
     assert isinstance(y, jtm.AsyncArray), type(y)
     threading.Timer(0.2, release.set).start()  # the load ends while the use waits
     use(y)
-    print("ok", subject, name, flush=True)
+    with printing:
+        print("ok", subject, name, flush=True)
+
+# Every use at once, each in a thread of its own: one that waits holding the GIL
+# stops every timer, its own included, and the child hangs as it would alone.
+threads = [
+    threading.Thread(target=run, args=(s, n)) for s in ("array", "result") for n in uses
+]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
 """
 
 

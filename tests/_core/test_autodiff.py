@@ -101,18 +101,24 @@ def test_check_grads_fwd_and_rev(name, jit, dtype):
     if jit:
         f = jax.jit(f)
     tol = TOL[dtype]
-    np.testing.assert_allclose(f(x, a), ref(x, a), rtol=tol, atol=tol)
+    t = (values(xs, dtype, 3), values(as_, dtype, 4))
+    ct = values(jax.eval_shape(ref, x, a).shape, dtype, 5)
+    # The jax.numpy version's value, JVP and VJP in one jitted program: one
+    # compile, not one per eager operation.
+    ref_out, ref_t, ref_vjp = jax.jit(
+        lambda x, a, t, ct: (
+            ref(x, a),
+            jax.jvp(ref, (x, a), t)[1],
+            jax.vjp(ref, x, a)[1](ct),
+        )
+    )(x, a, t, ct)
+    np.testing.assert_allclose(f(x, a), ref_out, rtol=tol, atol=tol)
     eps = 1e-3 if dtype == np.float32 else 1e-6
     check_grads(f, (x, a), order=1, modes=("fwd", "rev"), atol=tol, rtol=tol, eps=eps)
     # And exactly the derivatives of the jax.numpy version.
-    t = (values(xs, dtype, 3), values(as_, dtype, 4))
     _, out_t = jax.jvp(f, (x, a), t)
-    _, ref_t = jax.jvp(ref, (x, a), t)
     np.testing.assert_allclose(out_t, ref_t, rtol=tol, atol=tol)
-    ct = values(ref(x, a).shape, dtype, 5)
-    for got, want in zip(
-        jax.vjp(f, x, a)[1](ct), jax.vjp(ref, x, a)[1](ct), strict=True
-    ):
+    for got, want in zip(jax.vjp(f, x, a)[1](ct), ref_vjp, strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
@@ -156,7 +162,9 @@ def test_reverse_mode_through_scan_checkpoint_and_cond_with_vjp_only():
         return lambda x: jax.lax.scan(body, x, None, length=2)[0].sum()
 
     np.testing.assert_allclose(
-        jax.jit(jax.grad(loss(f)))(x), jax.grad(loss(scaled_sin_ref))(x), rtol=1e-5
+        jax.jit(jax.grad(loss(f)))(x),
+        jax.jit(jax.grad(loss(scaled_sin_ref)))(x),
+        rtol=1e-5,
     )
 
 
@@ -367,7 +375,7 @@ def test_pytree_arguments_int_inputs_and_outputs():
         return lambda p, n: jax.vmap(lambda p, n: f(p, n, w=w))(p, n)["y"].sum()
 
     g = jax.grad(loss(f))(p, n)
-    r = jax.grad(loss(tree_ref))(p, n)
+    r = jax.jit(jax.grad(loss(tree_ref)))(p, n)  # one compile, not one per operation
     for k in "uv":
         np.testing.assert_allclose(g[k], r[k], rtol=1e-5)
     # The integer output's cotangent reaches the VJP kernel as float0 zeros.
@@ -378,9 +386,11 @@ def test_pytree_arguments_int_inputs_and_outputs():
     seen.clear()
     tp = jax.tree.map(jnp.ones_like, p)
     out, t = jax.jvp(lambda p: jax.vmap(lambda p, n: f(p, n, w=w))(p, n), (p,), (tp,))
-    _, rt = jax.jvp(
-        lambda p: jax.vmap(lambda p, n: tree_ref(p, n, w=w))(p, n), (p,), (tp,)
-    )
+    _, rt = jax.jit(
+        lambda p, tp: jax.jvp(
+            lambda p: jax.vmap(lambda p, n: tree_ref(p, n, w=w))(p, n), (p,), (tp,)
+        )
+    )(p, tp)
     np.testing.assert_allclose(t["y"], rt["y"], rtol=1e-5)
     # Integer outputs get float0 tangents; integer inputs float0 zeros in the kernel.
     assert t["count"].dtype == jax.dtypes.float0
@@ -451,13 +461,13 @@ def test_random_nestings_match_jax_numpy(case):
     xs, as_ = operand_shapes(levels, sizes)
     x, a = values(xs, np.float32, 1), values(as_, np.float32, 2)
     t = (values(xs, np.float32, 3), values(as_, np.float32, 4))
-    np.testing.assert_allclose(
-        jax.jvp(f, (x, a), t)[1], jax.jvp(ref, (x, a), t)[1], rtol=1e-5, atol=1e-6
-    )
-    ct = values(ref(x, a).shape, np.float32, 5)
-    for got, want in zip(
-        jax.vjp(f, x, a)[1](ct), jax.vjp(ref, x, a)[1](ct), strict=True
-    ):
+    ct = values(jax.eval_shape(ref, x, a).shape, np.float32, 5)
+    # The references in one jitted program: one compile, not one per eager operation.
+    want_jvp, want_vjp = jax.jit(
+        lambda x, a, t, ct: (jax.jvp(ref, (x, a), t)[1], jax.vjp(ref, x, a)[1](ct))
+    )(x, a, t, ct)
+    np.testing.assert_allclose(jax.jvp(f, (x, a), t)[1], want_jvp, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.vjp(f, x, a)[1](ct), want_vjp, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

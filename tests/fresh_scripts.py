@@ -129,12 +129,13 @@ class _Zygote:
                 target=lambda: reply.append(self.proc.stdout.readline()), daemon=True
             )
             reader.start()
-            reader.join(timeout)
+            try:
+                reader.join(timeout)
+            except BaseException:  # pytest-timeout, Ctrl-C: no later script waits
+                self._kill(pid)  # behind this one in a zygote that is still busy
+                raise
             if not reply or not reply[0]:
-                for stuck in (pid, self.proc.pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(stuck, signal.SIGKILL)
-                self.proc.wait()
+                self._kill(pid)
                 raise subprocess.TimeoutExpired([file], timeout)
             answer = json.loads(reply[0])
             with open(req["stdout"]) as out, open(req["stderr"]) as err:
@@ -145,6 +146,13 @@ class _Zygote:
                 stdout,
                 stderr,
             )
+
+    def _kill(self, pid: int) -> None:
+        """Kills the script ``pid`` and this zygote (the next script gets a new one)."""
+        for stuck in (pid, self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGKILL)
+        self.proc.wait()
 
 
 _zygotes: dict[str, _Zygote] = {}

@@ -163,11 +163,12 @@ class _Threads:
         """Whether threads about to look for work (neither idle nor running a
         kernel) will take the map from the queue (:meth:`_hand_next`), so that
         no new thread starts for it: when at least one per CPU of them are
-        returning."""
+        returning. A thread with no job is not one: outside this lock it is
+        idle, or leaving (told to at exit), and takes nothing from the queue."""
         returning = sum(
             1
             for w in self.workers
-            if not w.running and (w.job is None or w.job.exhausted())
+            if not w.running and w.job is not None and w.job.exhausted()
         )
         return returning >= available_cpus()
 

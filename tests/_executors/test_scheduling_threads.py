@@ -200,3 +200,24 @@ def test_threads_follow_the_kernels_running_at_once(kept_threads):
         np.testing.assert_array_equal(f(x), np.arange(50))
     started = kept_threads.started
     assert started <= 50 + _maps.available_cpus(), started
+
+
+def test_threads_told_to_leave_at_exit_are_not_counted_to_take_a_queued_map(
+    monkeypatch,
+):
+    # At exit, _Threads.exit wakes the idle threads and empties the idle list;
+    # until each takes the lock again it is still in `workers`, with no job and
+    # not running. A map that JAX waits for, started then (a host callback of a
+    # program dispatched before exit), was handed no thread because those
+    # leaving threads were counted as returning ones that would take it from
+    # the queue: it waited forever (CI's 3.10 leg hung at exit in a docs block).
+    from jax_threadmap._executors import thread_pools
+
+    monkeypatch.setattr(thread_pools, "available_cpus", lambda: 2)
+    threads = thread_pools._Threads()
+    pool = thread_pools.ThreadPool(2)
+    for i in range(2):
+        worker = thread_pools._Worker(pool, None, lambda w: None, f"leaving {i}")
+        threads.workers.add(worker)  # woken by exit(), not yet gone
+    with threads.lock:
+        assert not threads._returning_take()

@@ -10,7 +10,6 @@ contract, chains and failures: tests/_arrays/test_deferred_dispatch.py.)
 from __future__ import annotations
 
 import logging
-import pathlib
 import textwrap
 import threading
 
@@ -36,7 +35,6 @@ pytestmark = [
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-HERE = pathlib.Path(__file__).parent
 
 
 class Gate:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import pathlib
 import threading
 
 import jax
@@ -37,7 +36,6 @@ from jax_threadmap._arrays import dispatch as _dispatch
 
 SDS = jax.ShapeDtypeStruct
 WAIT = 30.0
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 F32 = SDS((3,), np.float32)
 
 

@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures
 import functools
 import os
-import pathlib
 import sys
 import threading
 
@@ -27,7 +26,6 @@ pytestmark = pytest.mark.timeout(120)
 SDS = jax.ShapeDtypeStruct
 F32 = SDS((3,), np.float32)
 WAIT = 30.0
-HERE = pathlib.Path(__file__).parent
 
 
 async def load(value: float) -> np.ndarray:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pathlib
 import threading
 
 import jax
@@ -30,7 +29,6 @@ from jax_threadmap._coroutines import event_loop as _event_loop
 
 pytestmark = pytest.mark.timeout(120)
 
-HERE = pathlib.Path(__file__).parent
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 WAIT = 30.0
 
